@@ -1,0 +1,70 @@
+// CPUID + XCR0 + Linux arch_prctl checks. Nothing here needs ISA flags beyond x86-64.
+#include "dispatch.h"
+
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+namespace hetmoe {
+namespace {
+
+constexpr int kArchGetXcompPerm = 0x1022;
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+
+uint64_t read_xcr0() {
+  uint32_t eax = 0, edx = 0;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (uint64_t(edx) << 32) | eax;
+}
+
+bool request_amx_permission() {
+#if defined(__linux__)
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return false;
+  uint64_t mask = 0;
+  if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &mask) != 0) return false;
+  return (mask >> kXfeatureXtiledata) & 1;
+#else
+  return false;
+#endif
+}
+
+CpuFeatures detect() {
+  CpuFeatures f;
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool osxsave = (c >> 27) & 1;
+  f.fma = (c >> 12) & 1;
+  f.f16c = (c >> 29) & 1;
+  uint64_t xcr0 = osxsave ? read_xcr0() : 0;
+  const bool os_avx = (xcr0 & 0x6) == 0x6;
+  f.os_avx512 = os_avx && (xcr0 & 0xe0) == 0xe0;
+  const bool os_amx = (xcr0 & 0x60000) == 0x60000;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+  f.avx2 = os_avx && ((b >> 5) & 1);
+  f.fma = f.fma && os_avx;
+  f.f16c = f.f16c && os_avx;
+  f.avx512f = f.os_avx512 && ((b >> 16) & 1);
+  f.avx512dq = f.os_avx512 && ((b >> 17) & 1);
+  f.avx512bw = f.os_avx512 && ((b >> 30) & 1);
+  f.avx512vl = f.os_avx512 && ((b >> 31) & 1);
+  f.avx512_vnni = f.os_avx512 && ((c >> 11) & 1);
+  f.amx_bf16 = os_amx && ((d >> 22) & 1);
+  f.amx_tile = os_amx && ((d >> 24) & 1);
+  f.amx_int8 = os_amx && ((d >> 25) & 1);
+  unsigned a1, b1, c1, d1;
+  if (__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) f.avx512_bf16 = f.os_avx512 && ((a1 >> 5) & 1);
+  if (f.amx_tile) f.amx_permitted = request_amx_permission();
+  return f;
+}
+
+}  // namespace
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures features = detect();
+  return features;
+}
+
+}  // namespace hetmoe

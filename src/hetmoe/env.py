@@ -1,0 +1,44 @@
+"""Every environment variable hetmoe reads, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _get(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+def cache_dir() -> Path:
+    """Where built-in models are built on first use (HETMOE_CACHE_DIR, else ~/.cache/hetmoe)."""
+    base = _get("HETMOE_CACHE_DIR") or os.path.join(
+        _get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hetmoe"
+    )
+    return Path(base)
+
+
+def forced_isa() -> str | None:
+    """HETMOE_ISA=amx|avx512|avx2|scalar caps the CPU kernels used (tests, debugging)."""
+    return _get("HETMOE_ISA")
+
+
+def numa_groups() -> int | None:
+    """HETMOE_NUMA_GROUPS=N forces N virtual NUMA groups (testing NUMA TP on one node)."""
+    value = _get("HETMOE_NUMA_GROUPS")
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"HETMOE_NUMA_GROUPS must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def cpu_threads() -> int | None:
+    """HETMOE_THREADS=N sets the CPU expert pool size (default: all cores but one)."""
+    value = _get("HETMOE_THREADS")
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"HETMOE_THREADS must be a positive integer, got {value!r}")
+    return int(value)

@@ -1,0 +1,63 @@
+"""What this machine has: the facts `hetmoe info` prints and benchmarks record."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def numa_nodes() -> list[str]:
+    """NUMA nodes with their CPU lists, from sysfs (one entry when sysfs has none)."""
+    root = Path("/sys/devices/system/node")
+    nodes = sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:]))
+    if not nodes:
+        return [f"node0: cpus 0-{(os.cpu_count() or 1) - 1}"]
+    return [f"{n.name}: cpus {(n / 'cpulist').read_text().strip()}" for n in nodes]
+
+
+def machine_report() -> dict[str, str]:
+    """Facts about CPU, ISA, NUMA, GPU and library versions, as printable strings."""
+    from hetmoe import __version__
+    from hetmoe._cpu import cpu_features
+
+    feats = cpu_features()
+    isa = [name for name in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni") if feats[name]]
+    if feats["amx_tile"]:
+        isa.append("amx(" + ("OS permission granted" if feats["amx_permitted"] else "NO OS permission") + ")")
+    report = {
+        "hetmoe": __version__,
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cores": str(os.cpu_count()),
+        "isa": " ".join(isa) or "x86-64 baseline only",
+        "numa": "; ".join(numa_nodes()),
+    }
+    try:
+        import torch
+
+        report["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            report["gpu"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
+        else:
+            report["gpu"] = "none (everything runs on the CPU device)"
+    except ImportError:
+        report["torch"] = "not installed"
+    try:
+        import transformers
+
+        report["transformers"] = transformers.__version__
+    except ImportError:
+        report["transformers"] = "not installed"
+    return report

@@ -1,0 +1,86 @@
+"""Built-in model names: built deterministically into the cache dir on first use, then reused.
+
+A preset is a function that writes a HF-style checkpoint directory (config.json, safetensors,
+tokenizer files). `resolve_model(name_or_path)` turns a CLI/engine MODEL argument into a directory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetmoe import env
+
+# Modules that register presets when imported; kept lazy so that a path argument imports nothing.
+_PRESET_MODULES = ("hetmoe.presets.tiny", "hetmoe.presets.demo")
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    """The built-in model name users type (e.g. `tiny-qwen3-moe`)."""
+    description: str
+    """One line for `--help` and error messages."""
+    build: Callable[[Path], None]
+    """Writes the checkpoint into an empty directory."""
+    version: int = 1
+    """Bumped when the builder's output changes, so stale caches are rebuilt."""
+
+
+_PRESETS: dict[str, Preset] = {}
+
+
+def register_preset(preset: Preset) -> Preset:
+    """Adds a preset to the registry (names are unique)."""
+    if preset.name in _PRESETS:
+        raise ValueError(f"preset {preset.name!r} is registered twice")
+    _PRESETS[preset.name] = preset
+    return preset
+
+
+def presets() -> dict[str, Preset]:
+    """All registered presets by name."""
+    for module in _PRESET_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:  # a preset module that exists but lacks its own dependency
+                raise
+    return dict(_PRESETS)
+
+
+def resolve_model(model: str | os.PathLike[str]) -> Path:
+    """A checkpoint directory for `model`: an existing path, or a preset built on first use."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    table = presets()
+    preset = table.get(str(model))
+    if preset is None:
+        names = ", ".join(sorted(table)) or "none"
+        raise FileNotFoundError(
+            f"model {str(model)!r} is neither an existing directory nor a built-in preset "
+            f"(presets: {names})"
+        )
+    target = env.cache_dir() / "models" / f"{preset.name}-v{preset.version}"
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build in a temp dir beside the target and rename: a crash never leaves half a model.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{preset.name}-", dir=target.parent))
+    try:
+        preset.build(tmp)
+        (tmp / ".complete").write_text(preset.name + "\n")
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / ".complete").exists():  # not a concurrent builder that won the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
