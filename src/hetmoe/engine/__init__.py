@@ -1,0 +1,1 @@
+"""Our own generation loop: LLM, model runner, static KV cache, sampler, scheduler."""

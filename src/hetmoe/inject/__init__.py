@@ -1,0 +1,1 @@
+"""YAML injection rules: parse, match, apply through the operator registry."""

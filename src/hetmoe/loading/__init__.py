@@ -1,0 +1,1 @@
+"""Checkpoint readers, per-family name maps, meta skeletons and streaming materialization."""

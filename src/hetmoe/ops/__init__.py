@@ -1,0 +1,1 @@
+"""Modules that injection puts in place of HF ones: hybrid MoE, static-KV attention."""

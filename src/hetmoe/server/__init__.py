@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server, SSE streaming and the static chat page."""
