@@ -1,0 +1,106 @@
+"""ASGI middleware in front of every route: API key, bounded body, per-status request counts."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from hetmoe.server.errors import error_response
+from hetmoe.server.metrics import Metrics
+
+# Routes open without a key: liveness for orchestrators, and the static chat page (it holds no
+# data; the page itself sends the key on every API call).
+PUBLIC_PATHS = frozenset({"/health", "/", "/static/app.js", "/static/style.css"})
+# Routes counted under their own label; anything else is "other" (clients choose paths).
+KNOWN_ROUTES = frozenset(
+    {"/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics", "/"}
+)
+
+
+class Guard:
+    """Checks the key, reads the body up to a limit, then hands a replay of it to the app."""
+
+    def __init__(
+        self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: Metrics
+    ) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = path if path in KNOWN_ROUTES else "other"
+        status_seen: list[int] = []
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_seen.append(message["status"])
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, counting_send)
+        finally:
+            # 499: the client went away before any response started.
+            self.metrics.request_done(route, status_seen[0] if status_seen else 499)
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.api_key is not None and scope["path"] not in PUBLIC_PATHS:
+            if not _authorized(scope, self.api_key):
+                reply = error_response(
+                    401, "missing or invalid API key: send 'Authorization: Bearer <key>'"
+                )
+                reply.headers["www-authenticate"] = "Bearer"
+                await reply(scope, receive, send)
+                return
+        declared = _header(scope, b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            await error_response(413, self._too_large(declared))(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                reply = error_response(413, self._too_large(f"more than {size}"))
+                await reply(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later calls wait for the client's disconnect
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self, found: str) -> str:
+        return f"request body too large: {found} bytes, the limit is {self.max_body_bytes} bytes"
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _authorized(scope: Scope, api_key: str) -> bool:
+    scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
+    # Constant-time comparison: the key must not leak through response timing.
+    given = token.strip().encode()
+    return scheme.lower() == "bearer" and hmac.compare_digest(given, api_key.encode())

@@ -1,0 +1,208 @@
+"""OpenAI-compatible request and response bodies (pydantic), validated strictly.
+
+Strict mode: a JSON string where a number is expected is a 400, not a silent coercion. Unknown
+fields are ignored (clients send many extensions), known-but-unsupported ones are refused by name.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Hard ceilings that catch absurd values before they reach the engine's own context check.
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+SEED_LIMIT = (1 << 63) - 1
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Request):
+    """One part of a multi-part message content; only text is supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    """A chat turn as OpenAI clients send it."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        """The message text, with content parts joined."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOKENS_LIMIT)] | None = None
+    seed: Annotated[int, Field(ge=-SEED_LIMIT, le=SEED_LIMIT)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    logprobs: Literal[False] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        for stop in stops:
+            if not stop or len(stop) > MAX_STOP_CHARS:
+                raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
+        return stops
+
+    @property
+    def stops(self) -> list[str]:
+        """Stop strings as a list (the validator normalized a single string)."""
+        return list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+
+    @property
+    def token_budget(self) -> int | None:
+        """The newer `max_completion_tokens` wins over the deprecated `max_tokens`."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions: one prompt, as text or token ids."""
+
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    echo: Literal[False] = False
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    """The usage block of a response."""
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style object id (`chatcmpl-…`, `cmpl-…`)."""
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def chat_response(
+    rid: str, model: str, text: str, finish_reason: str, use: Usage
+) -> dict[str, Any]:
+    """A complete (non-streamed) chat.completion object."""
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "usage": use.model_dump(),
+    }
+
+
+def chat_chunk(
+    rid: str,
+    model: str,
+    delta: dict[str, str],
+    finish_reason: str | None = None,
+    use: Usage | None = None,
+    with_choice: bool = True,
+) -> dict[str, Any]:
+    """One chat.completion.chunk of a stream; the usage chunk has no choices."""
+    choices = (
+        [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+        if with_choice
+        else []
+    )
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if use is not None or not with_choice:
+        chunk["usage"] = use.model_dump() if use is not None else None
+    return chunk
+
+
+def completion_object(
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    use: Usage | None = None,
+    with_choice: bool = True,
+) -> dict[str, Any]:
+    """A text_completion object: the whole answer, or one chunk of a stream."""
+    choices = (
+        [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]
+        if with_choice
+        else []
+    )
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if use is not None:
+        body["usage"] = use.model_dump()
+    return body
+
+
+def model_card(name: str, created: int) -> dict[str, Any]:
+    """One entry of GET /v1/models."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "hetmoe"}
