@@ -7,6 +7,8 @@
 #include <string>
 
 #include "dispatch.h"
+#include "runtime/cuda_host.h"
+#include "runtime/pool_probe.h"
 
 namespace nb = nanobind;
 
@@ -30,4 +32,118 @@ NB_MODULE(_cpu, m) {
         {"amx_permitted", f.amx_permitted},
     };
   }, "CPU features this build can use here (CPUID + OS state + AMX permission).");
+
+  // ---- runtime bindings begin ----
+  // Introspection and self-checks of the CPU thread pool (pool=None: the process-wide pool).
+  using hetmoe::ThreadPool;
+  auto pick = [](ThreadPool* pool) -> ThreadPool& { return pool ? *pool : hetmoe::global_pool(); };
+  nb::class_<ThreadPool>(m, "ThreadPool",
+                         "A pinned spinning worker pool (num_threads/num_groups <= 0: from the "
+                         "environment, like the process-wide pool).")
+      .def(nb::init<int, int>(), nb::arg("num_threads") = 0, nb::arg("num_groups") = 0);
+  m.def("pool_info", [pick](ThreadPool* pool) {
+    ThreadPool& p = pick(pool);
+    nb::list sizes, nodes, cpus;
+    for (int g = 0; g < p.num_groups(); ++g) {
+      sizes.append(p.group_size(g));
+      nodes.append(p.group_node(g));
+    }
+    for (int w = 0; w < p.num_threads(); ++w) cpus.append(p.worker_cpu(w));
+    nb::dict info;
+    info["threads"] = p.num_threads();
+    info["groups"] = p.num_groups();
+    info["group_sizes"] = sizes;
+    info["group_nodes"] = nodes;
+    info["worker_cpus"] = cpus;
+    info["pinned_threads"] = p.pinned_threads();
+    info["virtual_groups"] = p.virtual_groups();
+    info["allowed_cpus"] = p.allowed_cpus();
+    info["queue_capacity"] = hetmoe::kPoolQueueCapacity;
+    info["idle_before_park_us"] = hetmoe::kPoolIdleBeforeParkUs;
+    info["wait_spin_us"] = hetmoe::kPoolWaitSpinUs;
+#ifdef HETMOE_HAVE_LIBNUMA
+    info["numa_memory"] = "libnuma";
+#else
+    info["numa_memory"] = "mbind";
+#endif
+    return info;
+  }, nb::arg("pool").none() = nb::none(), "Threads, groups, pinning and spin/park settings.");
+  m.def("pool_run_test", [pick](int num_phases, int tasks_per_phase, int fail_phase,
+                                int fail_task, ThreadPool* pool) {
+    ThreadPool& p = pick(pool);
+    hetmoe::CountReport r;
+    {
+      nb::gil_scoped_release release;
+      r = hetmoe::run_count_job(p, num_phases, tasks_per_phase, fail_phase, fail_task);
+    }
+    nb::dict out;
+    out["shape"] = nb::make_tuple(r.num_phases, r.num_groups, r.tasks_per_phase);
+    nb::list counts;
+    for (int c : r.counts) counts.append(c);
+    out["counts"] = counts;
+    out["phases_ordered"] = r.phases_ordered;
+    out["only_workers"] = r.only_workers;
+    out["ids_valid"] = r.ids_valid;
+    return out;
+  }, nb::arg("num_phases"), nb::arg("tasks_per_phase"), nb::arg("fail_phase") = -1,
+     nb::arg("fail_task") = 0, nb::arg("pool").none() = nb::none(),
+     "Run one job; counts[(phase, group, task)] flat, phase order and caller checks.");
+  m.def("pool_stress", [pick](int num_jobs, int num_phases, int tasks_per_phase,
+                              ThreadPool* pool) {
+    ThreadPool& p = pick(pool);
+    hetmoe::StressReport r;
+    {
+      nb::gil_scoped_release release;
+      r = hetmoe::run_stress(p, num_jobs, num_phases, tasks_per_phase);
+    }
+    nb::dict out;
+    out["jobs"] = r.num_jobs;
+    out["correct"] = r.correct;
+    out["in_order"] = r.in_order;
+    return out;
+  }, nb::arg("num_jobs"), nb::arg("num_phases"), nb::arg("tasks_per_phase"),
+     nb::arg("pool").none() = nb::none(), "Queue many jobs at once; check sums and order.");
+  m.def("pool_overhead_us", [pick](int iters, int tasks_per_group, ThreadPool* pool) {
+    ThreadPool& p = pick(pool);
+    hetmoe::OverheadReport r;
+    {
+      nb::gil_scoped_release release;
+      r = hetmoe::measure_overhead(p, iters, tasks_per_group);
+    }
+    nb::dict out;
+    out["iters"] = r.iters;
+    out["median_us"] = r.median_us;
+    out["p90_us"] = r.p90_us;
+    out["min_us"] = r.min_us;
+    return out;
+  }, nb::arg("iters"), nb::arg("tasks_per_group") = 0, nb::arg("pool").none() = nb::none(),
+     "submit->wait microseconds of a prebuilt job (0 tasks: empty job).");
+  m.def("cuda_host_available", &hetmoe::cuda_host_available,
+        "True when a loaded CUDA runtime provides cudaLaunchHostFunc.");
+  m.def("cuda_runtime_path", &hetmoe::cuda_runtime_path,
+        "The loaded CUDA runtime library used for host functions ('' when none).");
+  using hetmoe::CountingHostJob;
+  nb::class_<CountingHostJob>(m, "CountingHostJob",
+                              "A pool job driven through the C host-function entry points.")
+      .def("__init__", [pick](CountingHostJob* self, int tasks_per_group, ThreadPool* pool) {
+        new (self) CountingHostJob(pick(pool), tasks_per_group);
+      }, nb::arg("tasks_per_group"), nb::arg("pool").none() = nb::none())
+      .def_prop_ro("count", [](CountingHostJob& j) { return j.count.load(); })
+      .def_prop_rw("fail", [](CountingHostJob& j) { return j.fail.load(); },
+                   [](CountingHostJob& j, bool v) { j.fail.store(v); })
+      .def_prop_ro("submit_fn", [](CountingHostJob&) {
+        return reinterpret_cast<uintptr_t>(&hetmoe::HostJob::submit_host_fn);
+      })
+      .def_prop_ro("wait_fn", [](CountingHostJob&) {
+        return reinterpret_cast<uintptr_t>(&hetmoe::HostJob::wait_host_fn);
+      })
+      .def_prop_ro("user_data", [](CountingHostJob& j) {
+        return reinterpret_cast<uintptr_t>(&j.host);
+      })
+      .def("launch", [](CountingHostJob& j, uintptr_t stream) {
+        j.host.launch_submit(reinterpret_cast<void*>(stream));
+        j.host.launch_wait(reinterpret_cast<void*>(stream));
+      }, nb::arg("stream"), "Enqueue submit + wait host functions on a cudaStream_t.")
+      .def("take_error", [](CountingHostJob& j) { return j.host.take_error(); });
+  // ---- runtime bindings end ----
 }

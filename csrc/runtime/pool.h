@@ -6,7 +6,9 @@
 // - A Job is a list of Phases run in order with a barrier between phases. In each phase every group
 //   pulls task indices [0, num_tasks) from its own atomic counter, so skewed work balances.
 // - submit() returns at once (the caller never runs tasks); wait() spins, then yields, until done.
-//   Jobs submitted from any thread run one after another in submission order.
+//   Jobs submitted from any thread run one after another in submission order. Tasks must not
+//   submit or wait on their own pool (std::logic_error). A task's exception skips the rest of its
+//   job and is rethrown by wait() with the job, phase, group and task in the message.
 // - Hot-path waits spin with `pause`; workers park only after an idle period.
 #pragma once
 
@@ -42,10 +44,25 @@ class ThreadPool {
   int group_size(int group) const;
   int group_node(int group) const;  // NUMA node backing the group (-1 when not bound)
 
+  // Introspection (extensions of the contract above).
+  int worker_cpu(int worker) const;  // logical CPU worker `worker` is pinned to
+  int pinned_threads() const;        // workers whose sched_setaffinity succeeded
+  bool virtual_groups() const;       // groups forced by argument / HETMOE_NUMA_GROUPS
+  int allowed_cpus() const;          // size of the CPU set the pool was planned from
+
  private:
   struct Impl;
   Impl* impl_;
 };
+
+// Queue and spin settings, fixed at build time (reported by the introspection API).
+inline constexpr int kPoolQueueCapacity = 64;         // queued jobs; submit() blocks beyond it
+inline constexpr int kPoolIdleBeforeParkUs = 50000;   // workers spin this long before parking
+inline constexpr int kPoolWaitSpinUs = 100;           // wait() spins this long, then yields
+
+// The process-wide pool, built on first use from HETMOE_THREADS / HETMOE_NUMA_GROUPS (throws
+// std::invalid_argument on bad values). Never destroyed; a forked child builds its own.
+ThreadPool& global_pool();
 
 // Memory on a NUMA node (libnuma when built with it, else plain aligned allocation).
 void* numa_alloc(size_t bytes, int node, size_t alignment = 64);

@@ -1,0 +1,87 @@
+// Finds the CUDA runtime among the loaded objects (dl_iterate_phdr) and binds to it with
+// RTLD_NOLOAD, so nothing is ever loaded and the same runtime instance as torch's is used.
+#include "runtime/cuda_host.h"
+
+#include <dlfcn.h>
+#include <link.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <vector>
+
+namespace hetmoe {
+namespace {
+
+using LaunchFn = int (*)(void* stream, HostFn fn, void* user_data);
+using ErrorStringFn = const char* (*)(int code);
+
+struct Runtime {
+  std::atomic<LaunchFn> launch{nullptr};
+  std::atomic<ErrorStringFn> error_string{nullptr};
+  std::string path;  // written once, before `launch` is published
+  std::mutex mu;
+};
+
+Runtime& runtime() {
+  static Runtime rt;
+  return rt;
+}
+
+int collect_cudart(dl_phdr_info* info, size_t, void* out) {
+  const char* name = info->dlpi_name;
+  if (name != nullptr && std::strstr(name, "libcudart") != nullptr) {
+    static_cast<std::vector<std::string>*>(out)->push_back(name);
+  }
+  return 0;
+}
+
+LaunchFn resolve() {
+  Runtime& rt = runtime();
+  if (LaunchFn fn = rt.launch.load(std::memory_order_acquire)) return fn;
+  std::lock_guard<std::mutex> lock(rt.mu);
+  if (LaunchFn fn = rt.launch.load(std::memory_order_acquire)) return fn;
+  std::vector<std::string> names;
+  dl_iterate_phdr(collect_cudart, &names);
+  for (const std::string& name : names) {
+    // RTLD_NOLOAD: only a library that is already mapped; the reference we take keeps it mapped.
+    void* handle = dlopen(name.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    if (handle == nullptr) continue;
+    void* launch = dlsym(handle, "cudaLaunchHostFunc");
+    if (launch == nullptr) {
+      dlclose(handle);
+      continue;
+    }
+    rt.path = name;
+    rt.error_string.store(reinterpret_cast<ErrorStringFn>(dlsym(handle, "cudaGetErrorString")));
+    rt.launch.store(reinterpret_cast<LaunchFn>(launch), std::memory_order_release);
+    return reinterpret_cast<LaunchFn>(launch);
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+bool cuda_host_available() { return resolve() != nullptr; }
+
+std::string cuda_runtime_path() { return resolve() != nullptr ? runtime().path : std::string(); }
+
+int launch_host_func(void* stream, HostFn fn, void* user_data) {
+  LaunchFn launch = resolve();
+  if (launch == nullptr) {
+    throw std::runtime_error(
+        "launch_host_func: no CUDA runtime (libcudart) is loaded in this process; initialize "
+        "CUDA first (e.g. torch.cuda.init()) or use the synchronous CPU path");
+  }
+  if (fn == nullptr) throw std::invalid_argument("launch_host_func: fn is a null pointer");
+  return launch(stream, fn, user_data);
+}
+
+std::string cuda_error_string(int code) {
+  resolve();
+  if (ErrorStringFn fn = runtime().error_string.load()) return fn(code);
+  return "CUDA error " + std::to_string(code);
+}
+
+}  // namespace hetmoe

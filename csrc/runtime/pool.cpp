@@ -1,0 +1,290 @@
+// ThreadPool: a ring of job slots; every worker runs every job, phase by phase, pulling task
+// indices from its group's counter; the last worker to reach a phase's barrier opens the next one.
+#include "runtime/pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "runtime/spin.h"
+#include "runtime/topology.h"
+
+namespace hetmoe {
+namespace {
+
+// Atomics written by different parties live on their own cache lines.
+struct alignas(kCacheLine) PaddedCounter {
+  std::atomic<size_t> value{0};
+};
+
+struct alignas(kCacheLine) Slot {
+  Job job;
+  std::unique_ptr<PaddedCounter[]> counters;  // [num_groups], the current phase's next task
+  alignas(kCacheLine) std::atomic<int> arrived{0};
+  alignas(kCacheLine) std::atomic<uint32_t> phase_gen{0};  // phases whose barrier has opened
+  std::atomic<bool> failed{false};  // set on a task's exception: the rest of the job is skipped
+};
+
+struct Failure {
+  std::exception_ptr error;
+  size_t phase = 0, task = 0;
+  int group = 0;
+};
+
+thread_local const void* tl_worker_of = nullptr;  // the pool whose worker this thread is
+
+}  // namespace
+
+struct ThreadPool::Impl {
+  WorkerPlan plan;
+  std::vector<int> group_of;  // [num_threads]
+  std::vector<std::thread> threads;
+  std::unique_ptr<Slot[]> slots;
+  std::atomic<int> pinned{0};
+  std::atomic<int> started{0};
+
+  alignas(kCacheLine) std::atomic<uint64_t> published{0};  // jobs submitted (= next handle)
+  alignas(kCacheLine) std::atomic<uint64_t> completed{0};  // jobs finished, in order
+  alignas(kCacheLine) std::atomic<int> parked{0};
+  std::atomic<uint32_t> park_epoch{0};
+  std::atomic<bool> stop{false};
+  alignas(kCacheLine) std::mutex submit_mu;
+  std::mutex failures_mu;
+  std::atomic<int> num_failures{0};
+  std::map<uint64_t, Failure> failures;  // by job handle, until wait() reports it
+
+  int num_threads() const { return static_cast<int>(plan.cpus.size()); }
+
+  void worker_main(int worker, const void* owner) {
+    tl_worker_of = owner;
+    pthread_setname_np(pthread_self(), ("hetmoe-w" + std::to_string(worker)).c_str());
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(plan.cpus[worker], &set);
+    if (pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0) pinned.fetch_add(1);
+    started.fetch_add(1, std::memory_order_release);
+    const int group = group_of[worker];
+    const int in_group = worker - plan.groups[group].first;
+    for (uint64_t next = 0;; ++next) {
+      if (!wait_for_job(next)) return;
+      run_job(next, group, in_group);
+    }
+  }
+
+  // Spin (with pause) until job `next` is published; park after an idle period. False on stop.
+  bool wait_for_job(uint64_t next) {
+    if (published.load(std::memory_order_acquire) > next) return true;
+    auto idle_since = std::chrono::steady_clock::now();
+    for (uint32_t spins = 1;; ++spins) {
+      if (published.load(std::memory_order_acquire) > next) return true;
+      if (stop.load(std::memory_order_relaxed)) return false;
+      cpu_pause();
+      if (spins % kSpinsPerCheck != 0) continue;
+      // Let other runnable threads on this CPU go first (cheap when there are none).
+      sched_yield();
+      auto now = std::chrono::steady_clock::now();
+      if (now - idle_since > std::chrono::microseconds(kPoolIdleBeforeParkUs)) {
+        park(next);
+        idle_since = std::chrono::steady_clock::now();
+      }
+    }
+  }
+
+  void park(uint64_t next) {
+    uint32_t epoch = park_epoch.load(std::memory_order_acquire);
+    parked.fetch_add(1, std::memory_order_seq_cst);
+    // Pairs with submit(): either it sees `parked` and bumps the epoch, or we see its job here.
+    if (published.load(std::memory_order_seq_cst) <= next && !stop.load()) {
+      park_epoch.wait(epoch, std::memory_order_acquire);
+    }
+    parked.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  void wake_parked() {
+    park_epoch.fetch_add(1, std::memory_order_release);
+    park_epoch.notify_all();
+  }
+
+  void run_job(uint64_t seq, int group, int in_group) {
+    Slot& slot = slots[seq % kPoolQueueCapacity];
+    const size_t num_phases = slot.job.size();
+    const uint32_t barriers = num_phases == 0 ? 1 : static_cast<uint32_t>(num_phases);
+    for (uint32_t p = 0; p < barriers; ++p) {
+      if (p < num_phases) {
+        const Phase& phase = slot.job[p];
+        std::atomic<size_t>& counter = slot.counters[group].value;
+        while (!slot.failed.load(std::memory_order_relaxed)) {
+          size_t task = counter.fetch_add(1, std::memory_order_relaxed);
+          if (task >= phase.num_tasks) break;
+          try {
+            phase.fn(task, group, in_group);
+          } catch (...) {
+            record_failure(slot, seq, {std::current_exception(), p, task, group});
+          }
+        }
+      }
+      barrier(slot, seq, p, p + 1 == barriers);
+    }
+  }
+
+  void record_failure(Slot& slot, uint64_t seq, Failure failure) {
+    if (slot.failed.exchange(true)) return;  // only the first failure of a job is kept
+    std::lock_guard<std::mutex> lock(failures_mu);
+    failures[seq] = std::move(failure);
+    num_failures.fetch_add(1, std::memory_order_release);
+  }
+
+  void barrier(Slot& slot, uint64_t seq, uint32_t p, bool last_phase) {
+    if (slot.arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == num_threads()) {
+      // Last to arrive: everyone else is done with phase p, so resetting is race-free.
+      slot.arrived.store(0, std::memory_order_relaxed);
+      for (size_t g = 0; g < plan.groups.size(); ++g) {
+        slot.counters[g].value.store(0, std::memory_order_relaxed);
+      }
+      if (last_phase) slot.job.clear();  // captured state dies before wait() returns
+      slot.phase_gen.store(p + 1, std::memory_order_release);
+      if (last_phase) completed.store(seq + 1, std::memory_order_release);
+      return;
+    }
+    for (uint32_t spins = 1; slot.phase_gen.load(std::memory_order_acquire) <= p; ++spins) {
+      cpu_pause();
+      if (spins % kSpinsPerCheck == 0) sched_yield();
+    }
+  }
+
+  void wait_completed(uint64_t count) const {
+    spin_then_yield([&] { return completed.load(std::memory_order_acquire) >= count; },
+                    kPoolWaitSpinUs);
+  }
+};
+
+ThreadPool::ThreadPool(int num_threads, int num_groups) : impl_(new Impl) {
+  std::unique_ptr<Impl> impl(impl_);
+  impl->plan = plan_workers(hetmoe::allowed_cpus(), num_threads, num_groups);
+  for (size_t g = 0; g < impl->plan.groups.size(); ++g) {
+    impl->group_of.insert(impl->group_of.end(), impl->plan.groups[g].size, static_cast<int>(g));
+  }
+  impl->slots.reset(new Slot[kPoolQueueCapacity]);
+  for (int s = 0; s < kPoolQueueCapacity; ++s) {
+    impl->slots[s].counters.reset(new PaddedCounter[impl->plan.groups.size()]);
+  }
+  for (int w = 0; w < impl->num_threads(); ++w) {
+    impl->threads.emplace_back([raw = impl.get(), w, this] { raw->worker_main(w, this); });
+  }
+  // Pinning is done once every worker has started: introspection right after is exact.
+  const int workers = impl->num_threads();
+  spin_then_yield([&] { return impl->started.load(std::memory_order_acquire) == workers; },
+                  kPoolWaitSpinUs);
+  impl.release();
+}
+
+ThreadPool::~ThreadPool() {
+  impl_->wait_completed(impl_->published.load());
+  impl_->stop.store(true);
+  impl_->wake_parked();
+  for (std::thread& t : impl_->threads) t.join();
+  delete impl_;
+}
+
+JobHandle ThreadPool::submit(Job job) {
+  if (tl_worker_of == this) {
+    throw std::logic_error("ThreadPool::submit called from inside one of its own tasks");
+  }
+  for (size_t p = 0; p < job.size(); ++p) {
+    if (job[p].num_tasks > 0 && !job[p].fn) {
+      throw std::invalid_argument("ThreadPool::submit: phase " + std::to_string(p) + " has " +
+                                  std::to_string(job[p].num_tasks) + " tasks but no function");
+    }
+  }
+  std::lock_guard<std::mutex> lock(impl_->submit_mu);
+  const uint64_t seq = impl_->published.load(std::memory_order_relaxed);
+  if (seq >= static_cast<uint64_t>(kPoolQueueCapacity)) {  // ring full: wait for its oldest job
+    impl_->wait_completed(seq - kPoolQueueCapacity + 1);
+  }
+  Slot& slot = impl_->slots[seq % kPoolQueueCapacity];
+  slot.job = std::move(job);
+  slot.failed.store(false, std::memory_order_relaxed);
+  slot.phase_gen.store(0, std::memory_order_relaxed);
+  impl_->published.store(seq + 1, std::memory_order_seq_cst);
+  if (impl_->parked.load(std::memory_order_seq_cst) > 0) impl_->wake_parked();
+  return seq;
+}
+
+void ThreadPool::wait(JobHandle handle) {
+  if (handle >= impl_->published.load(std::memory_order_acquire)) {
+    throw std::invalid_argument("ThreadPool::wait: handle " + std::to_string(handle) +
+                                " was never returned by submit()");
+  }
+  if (tl_worker_of == this) {
+    throw std::logic_error("ThreadPool::wait called from inside one of its own tasks (deadlock)");
+  }
+  impl_->wait_completed(handle + 1);
+  if (impl_->num_failures.load(std::memory_order_acquire) == 0) return;
+  Failure failure;
+  {
+    std::lock_guard<std::mutex> lock(impl_->failures_mu);
+    auto it = impl_->failures.find(handle);
+    if (it == impl_->failures.end()) return;
+    failure = std::move(it->second);
+    impl_->failures.erase(it);
+    impl_->num_failures.fetch_sub(1, std::memory_order_relaxed);
+  }
+  const std::string where = "CPU pool job " + std::to_string(handle) + " failed in phase " +
+                            std::to_string(failure.phase) + ", group " +
+                            std::to_string(failure.group) + ", task " +
+                            std::to_string(failure.task) + ": ";
+  try {
+    std::rethrow_exception(failure.error);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(where + e.what());
+  } catch (const std::exception& e) {
+    throw std::runtime_error(where + e.what());
+  } catch (...) {
+    throw std::runtime_error(where + "a non-standard exception was thrown");
+  }
+}
+
+int ThreadPool::num_threads() const { return impl_->num_threads(); }
+int ThreadPool::num_groups() const { return static_cast<int>(impl_->plan.groups.size()); }
+int ThreadPool::group_size(int group) const { return impl_->plan.groups.at(group).size; }
+int ThreadPool::group_node(int group) const { return impl_->plan.groups.at(group).node; }
+int ThreadPool::worker_cpu(int worker) const { return impl_->plan.cpus.at(worker); }
+int ThreadPool::pinned_threads() const { return impl_->pinned.load(); }
+bool ThreadPool::virtual_groups() const { return impl_->plan.virtual_groups; }
+int ThreadPool::allowed_cpus() const { return impl_->plan.allowed_cpus; }
+
+namespace {
+std::atomic<ThreadPool*> g_pool{nullptr};
+std::mutex g_pool_mu;
+}  // namespace
+
+ThreadPool& global_pool() {
+  if (ThreadPool* pool = g_pool.load(std::memory_order_acquire)) return *pool;
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  if (ThreadPool* pool = g_pool.load(std::memory_order_relaxed)) return *pool;
+  static bool atfork_registered = [] {
+    // The child has none of the workers: forget the parent's pool (leaked, never touched again).
+    pthread_atfork(nullptr, nullptr, [] {
+      g_pool.store(nullptr);
+      new (&g_pool_mu) std::mutex();  // it may have been held by a thread that is gone
+    });
+    return true;
+  }();
+  (void)atfork_registered;
+  // Intentionally leaked: workers must outlive every static that a task might still touch.
+  ThreadPool* pool = new ThreadPool();
+  g_pool.store(pool, std::memory_order_release);
+  return *pool;
+}
+
+}  // namespace hetmoe
