@@ -64,7 +64,8 @@ def from_validation(exc: ValidationError) -> APIError:
     """A 400 naming the first offending field (invalid JSON is its own message)."""
     first = exc.errors(include_url=False)[0]
     if first["type"] == "json_invalid":
-        return APIError(400, f"request body is not valid JSON: {first['msg']}")
+        detail = str(first["msg"]).removeprefix("Invalid JSON: ")
+        return APIError(400, f"request body is not valid JSON: {detail}")
     field = _field_path(tuple(first["loc"]))
     if not field:
         return APIError(400, f"request body: {first['msg']}")

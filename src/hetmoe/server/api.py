@@ -1,0 +1,257 @@
+"""Routes: /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+
+from hetmoe.engine.scheduler import QueueFull, RequestParams
+from hetmoe.server import protocol
+from hetmoe.server.errors import APIError, from_validation
+from hetmoe.server.metrics import Metrics
+from hetmoe.server.service import EventStream, ModelService
+
+router = APIRouter()
+# How often a non-streaming request checks whether its client is still there, seconds.
+DISCONNECT_POLL_S = 0.25
+
+
+def _service(request: Request) -> ModelService:
+    return request.app.state.service  # type: ignore[no-any-return]
+
+
+def _metrics(request: Request) -> Metrics:
+    return request.app.state.metrics  # type: ignore[no-any-return]
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """Liveness: 200 while the scheduler runs, 503 once it has stopped."""
+    alive = _service(request).scheduler.alive
+    return JSONResponse({"status": "ok" if alive else "stopped"}, status_code=200 if alive else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> PlainTextResponse:
+    """Prometheus text: queue depth, running requests, tokens/s, TTFT, requests by status."""
+    service = _service(request)
+    scheduler = service.scheduler
+    text = _metrics(request).render(scheduler.num_waiting, scheduler.num_running, service.slots)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    """The one model this server serves."""
+    service = _service(request)
+    return {"object": "list", "data": [protocol.model_card(service.name, service.created)]}
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+    """OpenAI chat completions, streamed as SSE when `stream` is true."""
+    started = time.perf_counter()
+    body = _parse(protocol.ChatCompletionRequest, await request.body())
+    service = _check_model(request, body.model)
+    messages = [(m.role, m.text()) for m in body.messages]
+    try:
+        prompt_ids = service.chat_ids(messages)
+    except Exception as exc:  # a template may reject a role order; that is the client's input
+        message = f"field 'messages': the chat template cannot render them: {exc}"
+        raise APIError(400, message, "messages") from None
+    budget = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    stream = _submit(request, body, prompt_ids, "messages", budget)
+    rid = protocol.new_id("chatcmpl")
+    observe = _observer(_metrics(request), started)
+    if body.stream:
+        return _sse(_chat_chunks(rid, body, stream, observe), stream)
+    text, last = await _collect(request, stream, observe)
+    use = protocol.usage(last.prompt_tokens, last.completion_tokens)
+    return JSONResponse(
+        protocol.chat_response(rid, service.name, text, str(last.finish_reason), use)
+    )
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(request: Request) -> JSONResponse | StreamingResponse:
+    """OpenAI text completions of one prompt (text or token ids)."""
+    started = time.perf_counter()
+    body = _parse(protocol.CompletionRequest, await request.body())
+    service = _check_model(request, body.model)
+    if isinstance(body.prompt, str):
+        prompt_ids = service.text_ids(body.prompt)
+    else:
+        vocab = len(service.tokenizer)
+        if any(not 0 <= t < vocab for t in body.prompt):
+            raise APIError(400, f"field 'prompt': token ids must be in [0, {vocab})", "prompt")
+        prompt_ids = list(body.prompt)
+    stream = _submit(request, body, prompt_ids, "prompt", "max_tokens")
+    rid = protocol.new_id("cmpl")
+    observe = _observer(_metrics(request), started)
+    if body.stream:
+        return _sse(_completion_chunks(rid, body, stream, observe), stream)
+    text, last = await _collect(request, stream, observe)
+    use = protocol.usage(last.prompt_tokens, last.completion_tokens)
+    return JSONResponse(
+        protocol.completion_object(rid, service.name, text, last.finish_reason, use)
+    )
+
+
+def _parse(model: type[protocol._Sampling], raw: bytes) -> Any:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+def _check_model(request: Request, name: str) -> ModelService:
+    service = _service(request)
+    if name != service.name:
+        raise APIError(
+            404, f"model {name!r} does not exist; this server serves {service.name!r}", "model"
+        )
+    return service
+
+
+def _submit(
+    request: Request, body: Any, prompt_ids: list[int], prompt_field: str, budget_field: str
+) -> EventStream:
+    """Checks the context window, then queues the request (429 when the queue is full)."""
+    service = _service(request)
+    context = service.context_len
+    if len(prompt_ids) >= context:
+        raise APIError(
+            400,
+            f"field '{prompt_field}': the prompt has {len(prompt_ids)} tokens, the context window "
+            f"is {context} tokens (at least one must be left to generate)",
+            prompt_field,
+        )
+    max_tokens = body.token_budget or context - len(prompt_ids)
+    if len(prompt_ids) + max_tokens > context:
+        raise APIError(
+            400,
+            f"field '{budget_field}': prompt ({len(prompt_ids)} tokens) + {budget_field} "
+            f"({max_tokens}) = {len(prompt_ids) + max_tokens} exceeds the context window of "
+            f"{context} tokens",
+            budget_field,
+        )
+    params = RequestParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(body.top_k or 0, 0),
+        seed=body.seed,
+        stop=tuple(body.stops),
+    )
+    try:
+        stream = service.submit(prompt_ids, params)
+    except QueueFull as exc:
+        raise APIError(429, f"server busy: {exc}; retry later") from None
+    except RuntimeError as exc:
+        raise APIError(503, f"server unavailable: {exc}") from None
+    _metrics(request).prompt(len(prompt_ids))
+    return stream
+
+
+def _observer(metrics: Metrics, started: float) -> Callable[[Any], None]:
+    """Feeds each event's tokens to the metrics; the first one gives the time to first token."""
+    first = [True]
+
+    def observe(event: Any) -> None:
+        if event.token_ids and first[0]:
+            first[0] = False
+            metrics.first_token(time.perf_counter() - started)
+        metrics.generated(len(event.token_ids))
+
+    return observe
+
+
+async def _collect(
+    request: Request, stream: EventStream, observe: Callable[[Any], None]
+) -> tuple[str, Any]:
+    """The whole answer; cancels the request if the client goes away while waiting."""
+    parts: list[str] = []
+    try:
+        while True:
+            try:
+                event = await stream.next(DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise APIError(499, "the client closed the request") from None
+                continue
+            observe(event)
+            parts.append(event.text)
+            if event.finish_reason is not None:
+                break
+    finally:
+        stream.cancel()
+    _raise_for_failure(event)
+    return "".join(parts), event
+
+
+def _raise_for_failure(event: Any) -> None:
+    if event.finish_reason == "error":
+        raise APIError(500, f"generation failed: {event.error}")
+    if event.finish_reason == "cancelled":
+        raise APIError(503, "the server is shutting down")
+
+
+def _sse(chunks: AsyncIterator[dict[str, Any]], stream: EventStream) -> StreamingResponse:
+    async def lines() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.cancel()  # the client disconnected (or the stream ended): free the slot
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(lines(), media_type="text/event-stream", headers=headers)
+
+
+def _stream_error(event: Any) -> dict[str, Any]:
+    status = 500 if event.finish_reason == "error" else 503
+    message = f"generation failed: {event.error}" if status == 500 else "server shutting down"
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": status}}
+
+
+async def _chat_chunks(
+    rid: str, body: Any, stream: EventStream, observe: Callable[[Any], None]
+) -> AsyncIterator[dict[str, Any]]:
+    yield protocol.chat_chunk(rid, body.model, {"role": "assistant", "content": ""})
+    async for event in stream:
+        observe(event)
+        if event.finish_reason in ("error", "cancelled"):
+            yield _stream_error(event)
+            return
+        if event.text:
+            yield protocol.chat_chunk(rid, body.model, {"content": event.text})
+        if event.finish_reason is not None:
+            yield protocol.chat_chunk(rid, body.model, {}, event.finish_reason)
+            if body.include_usage:
+                use = protocol.usage(event.prompt_tokens, event.completion_tokens)
+                yield protocol.chat_chunk(rid, body.model, {}, use=use, with_choice=False)
+
+
+async def _completion_chunks(
+    rid: str, body: Any, stream: EventStream, observe: Callable[[Any], None]
+) -> AsyncIterator[dict[str, Any]]:
+    async for event in stream:
+        observe(event)
+        if event.finish_reason in ("error", "cancelled"):
+            yield _stream_error(event)
+            return
+        if event.text:
+            yield protocol.completion_object(rid, body.model, event.text, None)
+        if event.finish_reason is not None:
+            yield protocol.completion_object(rid, body.model, "", event.finish_reason)
+            if body.include_usage:
+                use = protocol.usage(event.prompt_tokens, event.completion_tokens)
+                yield protocol.completion_object(rid, body.model, "", None, use, with_choice=False)
