@@ -1,0 +1,101 @@
+"""Jobs on the CPU thread pool: every task once per group per phase, phase order, queued submits
+from several threads, exceptions. Uses a 2-worker pool with 2 virtual groups built here (so the
+multi-group path runs on any machine with 2 CPUs) and the process-wide pool."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from hetmoe import _cpu
+
+ALLOWED = len(os.sched_getaffinity(0))
+
+
+@pytest.fixture(scope="module")
+def two_groups() -> _cpu.ThreadPool:
+    if ALLOWED < 2:
+        pytest.skip(f"needs 2 CPUs for 2 pinned workers, this process may use {ALLOWED}")
+    return _cpu.ThreadPool(num_threads=2, num_groups=2)
+
+
+@pytest.fixture(params=["global", "two_groups"])
+def pool(request: pytest.FixtureRequest) -> _cpu.ThreadPool | None:
+    """None selects the process-wide pool."""
+    return None if request.param == "global" else request.getfixturevalue("two_groups")
+
+
+@pytest.mark.parametrize("num_phases,tasks", [(1, 1), (3, 7), (4, 0), (2, 33), (0, 5)])
+def test_every_task_runs_once_per_group_per_phase(pool, num_phases: int, tasks: int) -> None:
+    groups = _cpu.pool_info(pool)["groups"]
+    report = _cpu.pool_run_test(num_phases, tasks, pool=pool)
+    assert report["shape"] == (num_phases, groups, tasks)
+    assert report["counts"] == [1] * (num_phases * groups * tasks)
+    assert report["phases_ordered"] is True
+    assert report["only_workers"] is True
+    assert report["ids_valid"] is True
+
+
+def test_two_group_pool_layout(two_groups: _cpu.ThreadPool) -> None:
+    info = _cpu.pool_info(two_groups)
+    assert info["threads"] == 2
+    assert info["group_sizes"] == [1, 1]
+    assert info["virtual_groups"] is True
+    assert info["pinned_threads"] == 2
+    assert len(set(info["worker_cpus"])) == 2
+    assert set(info["worker_cpus"]) <= os.sched_getaffinity(0)
+
+
+def test_global_pool_leaves_a_core_and_pins_inside_allowed_set() -> None:
+    info = _cpu.pool_info()
+    allowed = sorted(os.sched_getaffinity(0))
+    assert info["allowed_cpus"] == len(allowed)
+    assert info["pinned_threads"] == info["threads"] >= 1
+    assert set(info["worker_cpus"]) <= set(allowed)
+    assert len(set(info["worker_cpus"])) == info["threads"]
+    if "HETMOE_THREADS" not in os.environ and len(allowed) > 1:
+        assert allowed[0] not in info["worker_cpus"]  # the caller's core
+    assert sum(info["group_sizes"]) == info["threads"]
+
+
+def test_queued_submits_from_several_threads(pool) -> None:
+    # 4 callers x 100 jobs each: more than the 64-slot queue, so submit() also waits for room.
+    results: list[dict] = []
+    errors: list[BaseException] = []
+
+    def caller() -> None:
+        try:
+            results.append(_cpu.pool_stress(100, 2, 3, pool=pool))
+        except BaseException as exc:  # surfaced below, a thread cannot raise into the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    assert results == [{"jobs": 100, "correct": 100, "in_order": True}] * 4
+
+
+def test_task_exception_propagates_with_context_and_pool_survives(pool) -> None:
+    pattern = r"CPU pool job \d+ failed in phase 1, group 0, task 2: injected test failure"
+    with pytest.raises(RuntimeError, match=pattern):
+        _cpu.pool_run_test(3, 4, fail_phase=1, fail_task=2, pool=pool)
+    report = _cpu.pool_run_test(2, 4, pool=pool)
+    assert report["counts"] == [1] * (2 * report["shape"][1] * 4)
+
+
+def test_bad_arguments_are_reported() -> None:
+    with pytest.raises(ValueError, match="phases and tasks must be >= 0, got -1 and 2"):
+        _cpu.pool_run_test(-1, 2)
+    with pytest.raises(ValueError, match="need iters >= 1 and tasks_per_group >= 0, got 0 and 0"):
+        _cpu.pool_overhead_us(0)
+
+
+def test_overhead_report_is_consistent(pool) -> None:
+    report = _cpu.pool_overhead_us(50, 2, pool=pool)
+    assert report["iters"] == 50
+    assert 0 < report["min_us"] <= report["median_us"] <= report["p90_us"]
