@@ -1,0 +1,45 @@
+"""Engine options: one frozen dataclass, the single source of defaults for `LLM` and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of `hetmoe.LLM(model, device, rules, **options)`; checked when built."""
+
+    dtype: str = "auto"
+    """Weights and activations dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
+    max_seq_len: int | None = None
+    """Context window per sequence (prompt + generated); None: the model's, capped at 4096."""
+    max_batch: int = 8
+    """KV-cache slots, i.e. sequences decoded together at most."""
+    experts: str | None = None
+    """Routed-expert backend for every MoE layer (`torch`, `cpu`); None: as the rules say."""
+    verbose: bool = False
+    """Print the injection report (what was replaced, on which device) after loading."""
+    progress: bool = True
+    """Show the loader's progress bar."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"option dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ValueError(f"option max_seq_len must be positive, got {self.max_seq_len}")
+        if self.max_batch < 1:
+            raise ValueError(f"option max_batch must be a positive integer, got {self.max_batch}")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """Builds the config from keyword options, naming any unknown one."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown LLM option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**options)

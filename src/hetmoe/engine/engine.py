@@ -1,0 +1,235 @@
+"""`hetmoe.LLM`: load + inject a checkpoint, then generate with our own prefill/decode loop."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetmoe.config import EngineConfig
+from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.sampler import GenerationOutput, Sampler, SamplingParams
+from hetmoe.engine.text_stream import TextStream
+from hetmoe.inject.apply import InjectionReport, apply_rules
+from hetmoe.inject.registry import OpContext
+from hetmoe.inject.rules import Rule, load_rules, shipped_rules_path
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_MAX_SEQ_LEN = 4096
+
+
+def default_device() -> torch.device:
+    """cuda when a GPU is visible, else cpu."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class LLM:
+    """A MoE model ready to generate: `generate`, `stream`, `chat`, `logits`.
+
+    `model_path` is a checkpoint directory or a preset name (`tiny-qwen3-moe`, ...); `rules` a
+    YAML rule file (default: the family's shipped rules); `options` are `EngineConfig` fields.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        device: str | torch.device | None = None,
+        rules: str | os.PathLike[str] | None = None,
+        **options: Any,
+    ) -> None:
+        from hetmoe.loading import load_model
+        from hetmoe.presets import resolve_model
+
+        self.options = EngineConfig.from_options(**options)
+        self.device = torch.device(device) if device is not None else default_device()
+        self.path = resolve_model(model_path)
+        raw = _read_config(self.path)
+        self.rules: list[Rule] = load_rules(
+            rules if rules is not None else shipped_rules_path(str(raw.get("model_type")))
+        )
+        self.dtype = _resolve_dtype(self.options.dtype, raw)
+        self.injection = InjectionReport()
+
+        def inject(model: torch.nn.Module) -> InjectionReport:
+            ctx = OpContext(self.device, self.dtype, model.config, self.options.experts)
+            self.injection = apply_rules(model, self.rules, ctx)
+            return self.injection
+
+        loaded = load_model(
+            self.path, device=self.device, dtype=self.dtype, inject=inject,
+            progress=self.options.progress,
+        )
+        self.model = loaded.model.eval()
+        self.tokenizer = loaded.tokenizer
+        self.family = loaded.family
+        if self.options.verbose:
+            print(self.injection.details())
+        config = self.model.config
+        window = self.options.max_seq_len or min(
+            int(getattr(config, "max_position_embeddings", _DEFAULT_MAX_SEQ_LEN)),
+            _DEFAULT_MAX_SEQ_LEN,
+        )
+        self.runner = ModelRunner(
+            self.model, self.device, self.dtype, self.options.max_batch, window
+        )
+        self.eos_token_ids = _eos_ids(self.path, config, self.tokenizer)
+
+    @property
+    def max_seq_len(self) -> int:
+        """Context window per sequence, in tokens."""
+        return self.runner.max_seq_len
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt (a string is tokenized; ids pass through)."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of token ids, special tokens dropped."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> GenerationOutput:
+        """Generates a continuation of `prompt` (text or token ids)."""
+        params = _params(max_new_tokens, temperature, top_p, top_k, seed, stop)
+        result: list[GenerationOutput] = []
+        for _ in self._run(self.encode(prompt), params, result):
+            pass
+        return result[0]
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> Iterator[str]:
+        """Like `generate`, yielding text pieces as they become final (UTF-8 and stop safe)."""
+        params = _params(max_new_tokens, temperature, top_p, top_k, seed, stop)
+        yield from self._run(self.encode(prompt), params, [])
+
+    def chat(self, messages: Sequence[dict[str, str]], **sampling: Any) -> GenerationOutput:
+        """Generates the assistant's reply to `messages` with the tokenizer's chat template."""
+        return self.generate(self.chat_prompt(messages), **sampling)
+
+    def stream_chat(self, messages: Sequence[dict[str, str]], **sampling: Any) -> Iterator[str]:
+        """Like `chat`, yielding text pieces."""
+        return self.stream(self.chat_prompt(messages), **sampling)
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` rendered by the chat template, ready for the reply."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.path} has no chat template")
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Prefill logits [len, vocab] float32 of `token_ids` (on the CPU)."""
+        ids = self._checked_prompt(self.encode(token_ids))
+        slot = self.runner.cache.allocate()
+        try:
+            return self.runner.prefill_logits(slot, ids).cpu()
+        finally:
+            self.runner.cache.free(slot)
+
+    def _checked_prompt(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        if len(ids) > self.max_seq_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the context window is {self.max_seq_len} "
+                "tokens (max_seq_len)"
+            )
+        return ids
+
+    def _run(
+        self, prompt_ids: list[int], params: SamplingParams, result: list[GenerationOutput]
+    ) -> Iterator[str]:
+        """The generation loop: prefill, then sample/decode until EOS, stop, or length."""
+        prompt_ids = self._checked_prompt(prompt_ids)
+        sampler = Sampler(params)
+        text = TextStream(self.decode, params.stop)
+        runner = self.runner
+        slot = runner.cache.allocate()
+        out: list[int] = []
+        reason = "length"
+        try:
+            logits = runner.prefill(slot, prompt_ids)  # [V]
+            while True:
+                token = sampler(logits)
+                out.append(token)
+                if token in self.eos_token_ids:
+                    reason = "stop"
+                    break
+                piece = text.push(token)
+                if piece:
+                    yield piece
+                if text.stopped:
+                    reason = "stop"
+                    break
+                if len(out) >= params.max_new_tokens or runner.lengths[slot] >= self.max_seq_len:
+                    break
+                logits = runner.decode([slot], [token])[0]
+        finally:
+            runner.cache.free(slot)
+        tail = text.finish()
+        if tail:
+            yield tail
+        result.append(GenerationOutput(text.text, out, reason, len(prompt_ids)))
+
+
+def _params(
+    max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
+    stop: str | Sequence[str] | None,
+) -> SamplingParams:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    return SamplingParams(max_new_tokens, float(temperature), float(top_p), int(top_k), seed, stops)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    config_path = path / "config.json"
+    try:
+        return json.loads(config_path.read_text())
+    except OSError as exc:
+        raise FileNotFoundError(f"{config_path}: cannot read it ({exc.strerror})") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_path}: not valid JSON: {exc}") from exc
+
+
+def _resolve_dtype(option: str, raw: dict[str, Any]) -> torch.dtype:
+    if option != "auto":
+        return _DTYPES[option]
+    stored = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    return _DTYPES.get(str(stored), torch.float32)
+
+
+def _eos_ids(path: Path, config: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    sources = [config.eos_token_id, getattr(tokenizer, "eos_token_id", None)]
+    generation = path / "generation_config.json"
+    if generation.exists():
+        sources.append(json.loads(generation.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)

@@ -1,0 +1,48 @@
+"""The static KV cache: per-layer buffers owned by the attention ops, slots and lengths here.
+
+Every attention op that `allocate_kv(max_batch, max_len, dtype)` gets one row (slot) per
+sequence; this object allocates them once, hands out free slots and tracks each slot's length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class StaticKVCache:
+    """Slots of a multi-sequence static KV cache over the model's attention ops."""
+
+    def __init__(self, model: nn.Module, max_batch: int, max_len: int, dtype: torch.dtype) -> None:
+        self.layers = [m for m in model.modules() if callable(getattr(m, "allocate_kv", None))]
+        if not self.layers:
+            raise ValueError(
+                "no attention layer uses the static KV cache: the rules must replace every "
+                "attention module with static_kv_attention or mla_attention"
+            )
+        self.max_batch = max_batch
+        self.max_len = max_len
+        self.bytes = sum(layer.allocate_kv(max_batch, max_len, dtype) for layer in self.layers)
+        self.lengths = [0] * max_batch
+        """Tokens cached per slot."""
+        self._free = list(range(max_batch - 1, -1, -1))
+
+    def allocate(self) -> int:
+        """A free slot (its length reset to 0); RuntimeError when all are in use."""
+        if not self._free:
+            raise RuntimeError(f"all {self.max_batch} KV-cache slots are in use (max_batch)")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Returns a slot to the pool."""
+        self.check_slot(slot)
+        if slot in self._free:
+            raise RuntimeError(f"KV-cache slot {slot} is freed twice")
+        self._free.append(slot)
+
+    def check_slot(self, slot: int) -> None:
+        """ValueError unless 0 <= slot < max_batch."""
+        if not 0 <= slot < self.max_batch:
+            raise ValueError(f"KV-cache slot {slot} out of range [0, {self.max_batch})")

@@ -1,0 +1,53 @@
+"""Plain-torch routed experts: the reference backend, on any torch device."""
+
+from __future__ import annotations
+
+import torch
+from transformers.activations import ACT2FN
+
+from hetmoe.experts.backend import ExpertBackend, ExpertSpec, register_backend
+
+
+@register_backend("torch")
+class TorchExperts(ExpertBackend):
+    """Stacked expert weights on `device`; tokens grouped by expert, one matmul pair per expert."""
+
+    def __init__(self, spec: ExpertSpec, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(spec, device, dtype)
+        e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        # Non-persistent: the loader feeds them through load_tensor, never by state-dict name.
+        self.register_buffer("gate", torch.empty(e, i, h, device=device, dtype=dtype), False)
+        self.register_buffer("up", torch.empty(e, i, h, device=device, dtype=dtype), False)
+        self.register_buffer("down", torch.empty(e, h, i, device=device, dtype=dtype), False)
+        self.act = ACT2FN[spec.activation]
+
+    def load_expert(
+        self, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> None:
+        """Copies one expert's matrices into the stacked buffers (converting dtype/device)."""
+        self.gate[expert].copy_(gate)
+        self.up[expert].copy_(up)
+        self.down[expert].copy_(down)
+
+    def forward(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """See `ExpertBackend.forward`."""
+        t, k = expert_ids.shape
+        out = torch.zeros(t, self.spec.hidden_size, device=x.device, dtype=torch.float32)
+        flat = expert_ids.reshape(-1)  # [T*K]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat.clamp(min=-1) + 1, minlength=self.spec.num_experts + 1)
+        weights = expert_weights.reshape(-1)  # [T*K]
+        start = int(counts[0])  # skipped (-1) slots sort first
+        for expert, n in enumerate(counts[1:].tolist()):
+            if n == 0:
+                continue
+            idx = order[start : start + n]  # positions in [T*K]
+            start += n
+            rows = idx // k
+            h = x[rows]  # [n, H]
+            act = self.act(h @ self.gate[expert].T) * (h @ self.up[expert].T)  # [n, I]
+            y = act @ self.down[expert].T  # [n, H]
+            out.index_add_(0, rows, y.float() * weights[idx, None])
+        return out.to(x.dtype)

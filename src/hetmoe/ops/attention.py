@@ -1,0 +1,114 @@
+"""`static_kv_attention`: GQA/MHA over our static KV cache (Qwen2/3-MoE, Mixtral).
+
+Keeps the HF projections as children (`q_proj`, `k_proj`, `v_proj`, `o_proj`, Qwen3's `q_norm` /
+`k_norm`; Qwen2's biases live inside the projections). Called by the unchanged HF decoder layer:
+with `kv=KVBatch` it reads and writes the cache; without it (plain HF forward, no cache) it attends
+causally over its input, so the model stays usable as a HF module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetmoe.inject.registry import OpContext, register_op
+from hetmoe.ops.kv_batch import KVBatch
+from hetmoe.ops.rope import apply_rope
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Rule kwargs of the attention ops (none yet)."""
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """q [B, h, S, D], k/v [B, h_kv, L, D*] -> [B, S, h, Dv]; h_kv divides h (GQA)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    causal = mask is None and q.shape[2] > 1
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    return out.transpose(1, 2)
+
+
+def hf_mask(attention_mask: object) -> torch.Tensor | None:
+    """The 4-D mask HF's model forward built (used only without a KVBatch)."""
+    return attention_mask if isinstance(attention_mask, torch.Tensor) else None
+
+
+class StaticKVAttention(nn.Module):
+    """Multi-head / grouped-query attention with rope, on a multi-slot static KV cache."""
+
+    def __init__(self, hf: nn.Module, device: torch.device, window: int | None) -> None:
+        super().__init__()
+        self.device = device
+        self.layer_idx = hf.layer_idx
+        self.head_dim = hf.head_dim
+        self.scaling = hf.scaling
+        self.sliding_window = window
+        self.q_proj, self.k_proj = hf.q_proj, hf.k_proj
+        self.v_proj, self.o_proj = hf.v_proj, hf.o_proj
+        self.q_norm = getattr(hf, "q_norm", None)
+        self.k_norm = getattr(hf, "k_norm", None)
+        self.num_kv_heads = hf.k_proj.out_features // hf.head_dim
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def allocate_kv(self, max_batch: int, max_len: int, dtype: torch.dtype) -> int:
+        """Creates this layer's cache [max_batch, max_len, h_kv, D] x 2; returns its bytes."""
+        shape = (max_batch, max_len, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: object = None,
+        attention_mask: object = None,
+        kv: KVBatch | None = None,
+        **_: object,
+    ) -> tuple[torch.Tensor, None]:
+        """hidden_states [B, S, H] -> ([B, S, H], None), the HF attention return shape."""
+        b, s, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, s, -1, self.head_dim)  # [B, S, h, D]
+        k = self.k_proj(hidden_states).view(b, s, -1, self.head_dim)  # [B, S, h_kv, D]
+        v = self.v_proj(hidden_states).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), position_embeddings)  # [B, h, S, D]
+        k = apply_rope(k.transpose(1, 2), position_embeddings)  # [B, h_kv, S, D]
+        if kv is None:
+            out = attend(q, k, v.transpose(1, 2), self.scaling, hf_mask(attention_mask))
+        else:
+            if self.k_cache is None or self.v_cache is None:
+                raise RuntimeError(f"attention layer {self.layer_idx}: KV cache not allocated")
+            keys = kv.write(self.k_cache, k.transpose(1, 2)).transpose(1, 2)  # [B, h_kv, L, D]
+            values = kv.write(self.v_cache, v).transpose(1, 2)
+            out = attend(q, keys, values, self.scaling, kv.mask(self.sliding_window))
+        return self.o_proj(out.reshape(b, s, -1)), None
+
+
+@register_op("static_kv_attention", AttentionOptions)
+def build_static_kv_attention(
+    module: nn.Module, device: torch.device, options: AttentionOptions, ctx: OpContext
+) -> StaticKVAttention:
+    """Replaces a HF GQA/MHA attention module (Qwen2-MoE, Qwen3-MoE, Mixtral)."""
+    for child in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not isinstance(getattr(module, child, None), nn.Linear):
+            raise ValueError(f"static_kv_attention needs a `{child}` linear (MLA: mla_attention)")
+    # Mixtral reads the window from the config; Qwen sets it per layer on the module.
+    window = getattr(module, "sliding_window", None)
+    if ctx.config.model_type == "mixtral":
+        window = getattr(ctx.config, "sliding_window", None)
+    return StaticKVAttention(module, device, window or None)

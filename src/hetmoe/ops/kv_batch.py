@@ -1,0 +1,39 @@
+"""`KVBatch`: what attention ops receive each step to use the engine's static KV cache.
+
+The cache of each attention layer is `[max_batch, max_len, ...]`: one row (slot) per sequence.
+A call carries B sequences of S new tokens each (prefill: B=1, S=prompt; decode: B slots, S=1),
+every sequence at its own position. Ops write the new keys at `positions` of their `slots` rows and
+attend over the first `kv_len` entries, masked causally per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVBatch:
+    """Per-call view of the static KV cache (built by the model runner)."""
+
+    slots: torch.Tensor
+    """[B] int64: cache row of each sequence."""
+    positions: torch.Tensor
+    """[B, S] int64: absolute position of each new token."""
+    kv_len: int
+    """Cache entries to attend over: max position + 1 (host int, so slicing needs no sync)."""
+
+    def write(self, cache: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Stores new [B, S, ...] entries and returns the rows' first kv_len entries [B, L, ...]."""
+        cache[self.slots[:, None], self.positions] = new.to(cache.dtype)
+        return cache[:, : self.kv_len].index_select(0, self.slots)
+
+    def mask(self, window: int | None = None) -> torch.Tensor:
+        """[B, 1, S, L] bool, True where a query may attend: causal, optionally sliding-window."""
+        keys = torch.arange(self.kv_len, device=self.positions.device)  # [L]
+        queries = self.positions[:, :, None]  # [B, S, 1]
+        allowed = keys <= queries
+        if window is not None:
+            allowed &= queries - keys < window
+        return allowed[:, None]

@@ -1,0 +1,103 @@
+"""`mla_attention`: DeepSeek-V2/V3 multi-head latent attention over our static KV cache.
+
+The cache holds what MLA makes small: the normalized latent `c_kv` [kv_lora_rank] and the shared
+rotated key `k_rot` [qk_rope_head_dim] per token. Each step expands the cached latents with
+`kv_b_proj` into per-head keys and values. HF child names are kept (`q_proj` or
+`q_a_proj`/`q_a_layernorm`/`q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`,
+`o_proj`); the softmax scale comes from HF (yarn mscale included), rope from HF's rotary output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hetmoe.inject.registry import OpContext, register_op
+from hetmoe.ops.attention import AttentionOptions, attend, hf_mask
+from hetmoe.ops.kv_batch import KVBatch
+from hetmoe.ops.rope import apply_rope
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention with a latent static KV cache."""
+
+    def __init__(self, hf: nn.Module, device: torch.device, interleave: bool) -> None:
+        super().__init__()
+        self.device = device
+        self.layer_idx = hf.layer_idx
+        self.num_heads = hf.num_heads
+        self.nope_dim = hf.qk_nope_head_dim
+        self.rope_dim = hf.qk_rope_head_dim
+        self.v_dim = hf.v_head_dim
+        self.kv_lora_rank = hf.kv_lora_rank
+        self.scaling = hf.scaling
+        self.interleave = interleave
+        self.q_proj = hf.q_proj
+        self.q_a_proj, self.q_b_proj = hf.q_a_proj, hf.q_b_proj
+        self.q_a_layernorm = hf.q_a_layernorm
+        self.kv_a_proj_with_mqa = hf.kv_a_proj_with_mqa
+        self.kv_a_layernorm = hf.kv_a_layernorm
+        self.kv_b_proj = hf.kv_b_proj
+        self.o_proj = hf.o_proj
+        self.latent_cache: torch.Tensor | None = None
+        self.rope_cache: torch.Tensor | None = None
+
+    def allocate_kv(self, max_batch: int, max_len: int, dtype: torch.dtype) -> int:
+        """Creates the latent and rope-key caches; returns their bytes."""
+        self.latent_cache = torch.zeros(
+            max_batch, max_len, self.kv_lora_rank, device=self.device, dtype=dtype
+        )
+        self.rope_cache = torch.zeros(
+            max_batch, max_len, self.rope_dim, device=self.device, dtype=dtype
+        )
+        per_entry = self.latent_cache.element_size()
+        return (self.latent_cache.numel() + self.rope_cache.numel()) * per_entry
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: object = None,
+        attention_mask: object = None,
+        kv: KVBatch | None = None,
+        **_: object,
+    ) -> tuple[torch.Tensor, None]:
+        """hidden_states [B, S, H] -> ([B, S, H], None)."""
+        b, s, _ = hidden_states.shape
+        if self.q_proj is not None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q = q.view(b, s, self.num_heads, -1).transpose(1, 2)  # [B, h, S, nope+rope]
+        q_pass, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split(
+            [self.kv_lora_rank, self.rope_dim], dim=-1
+        )
+        latent = self.kv_a_layernorm(latent)  # [B, S, r]
+        q_rot = apply_rope(q_rot, position_embeddings, self.interleave)
+        k_rot = apply_rope(k_rot[:, None], position_embeddings, self.interleave)[:, 0]  # [B, S, d]
+        mask = hf_mask(attention_mask)
+        if kv is not None:
+            if self.latent_cache is None or self.rope_cache is None:
+                raise RuntimeError(f"MLA layer {self.layer_idx}: KV cache not allocated")
+            latent = kv.write(self.latent_cache, latent)  # [B, L, r]
+            k_rot = kv.write(self.rope_cache, k_rot)  # [B, L, d]
+            mask = kv.mask()
+        length = latent.shape[1]
+        expanded = self.kv_b_proj(latent).view(b, length, self.num_heads, -1).transpose(1, 2)
+        k_nope, values = expanded.split([self.nope_dim, self.v_dim], dim=-1)  # [B, h, L, *]
+        k_rot = k_rot[:, None].expand(-1, self.num_heads, -1, -1)  # [B, h, L, d]
+        keys = torch.cat((k_nope, k_rot), dim=-1)
+        query = torch.cat((q_pass, q_rot), dim=-1)
+        out = attend(query, keys, values, self.scaling, mask)  # [B, S, h, v]
+        return self.o_proj(out.reshape(b, s, -1)), None
+
+
+@register_op("mla_attention", AttentionOptions)
+def build_mla_attention(
+    module: nn.Module, device: torch.device, options: AttentionOptions, ctx: OpContext
+) -> MLAttention:
+    """Replaces a HF DeepSeek-V2/V3 attention module."""
+    if not hasattr(module, "kv_a_proj_with_mqa"):
+        raise ValueError("mla_attention replaces DeepSeek MLA attention (needs kv_a_proj_with_mqa)")
+    interleave = bool(getattr(ctx.config, "rope_interleave", False))
+    return MLAttention(module, device, interleave)

@@ -1,0 +1,111 @@
+"""`hybrid_moe`: router and shared experts on the op's device, routed experts in a backend.
+
+Built from the HF sparse-MoE block it replaces, keeping its child names so checkpoint tensors land
+directly: `gate` (router weight, DeepSeek-V3's `e_score_correction_bias`), `experts` (the expert
+backend: per-expert tensors arrive through its `load_tensor`), `shared_experts` (DeepSeek) or
+`shared_expert` + `shared_expert_gate` (Qwen2-MoE), which stay the HF modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetmoe.experts.backend import ExpertBackend, ExpertSpec, backends, get_backend
+from hetmoe.inject.registry import OpContext, register_op
+from hetmoe.ops.router import Router, RouterConfig
+
+
+@dataclass(frozen=True)
+class HybridMoEOptions:
+    """Rule kwargs of `hybrid_moe`."""
+
+    experts: str = "auto"
+    """Routed-expert backend: a registered name (`torch`, `cpu`) or `auto` (cpu when built)."""
+
+    def __post_init__(self) -> None:
+        known = backends()
+        if self.experts != "auto" and self.experts not in known:
+            raise ValueError(
+                f"experts={self.experts!r} is not a registered expert backend "
+                f"(known: auto, {', '.join(sorted(known))})"
+            )
+
+
+class HybridMoE(nn.Module):
+    """`forward(hidden_states [..., H]) -> [..., H]`: routed (backend) + shared experts."""
+
+    def __init__(
+        self,
+        gate: Router,
+        experts: ExpertBackend,
+        device: torch.device,
+        shared_experts: nn.Module | None = None,
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.device = device
+        self.gate = gate
+        self.experts = experts
+        self.shared_experts = shared_experts
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Routes, starts the routed experts, runs shared experts meanwhile, then combines."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])  # [T, H]
+        expert_ids, expert_weights = self.gate(x)  # [T, K] int64, [T, K] fp32
+        where = self.experts.device
+        self.experts.submit(x.to(where), expert_ids.to(where), expert_weights.to(where))
+        shared = self._shared(x)  # overlaps with a backend that runs asynchronously
+        out = self.experts.sync().to(x.device)
+        if shared is not None:
+            out = out + shared
+        return out.reshape(shape)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_experts is not None:
+            return self.shared_experts(x)
+        if self.shared_expert is not None:
+            gate = F.sigmoid(self.shared_expert_gate(x))  # [T, 1]
+            return gate * self.shared_expert(x)
+        return None
+
+
+def _backend_name(options: HybridMoEOptions, ctx: OpContext) -> str:
+    name = ctx.experts or options.experts
+    if name == "auto":
+        return "cpu" if "cpu" in backends() else "torch"
+    return name
+
+
+@register_op("hybrid_moe", HybridMoEOptions)
+def build_hybrid_moe(
+    module: nn.Module, device: torch.device, options: HybridMoEOptions, ctx: OpContext
+) -> HybridMoE:
+    """Replaces a HF sparse-MoE block (any supported family)."""
+    hf_experts = getattr(module, "experts", None)
+    if getattr(module, "gate", None) is None or hf_experts is None:
+        raise ValueError("hybrid_moe replaces sparse-MoE blocks (children `gate` and `experts`)")
+    config = ctx.config
+    spec = ExpertSpec(
+        num_experts=hf_experts.num_experts,
+        hidden_size=hf_experts.hidden_dim,
+        intermediate_size=hf_experts.intermediate_dim,
+        activation=config.hidden_act,
+    )
+    router = Router(RouterConfig.from_hf(config), spec.hidden_size)
+    experts = get_backend(_backend_name(options, ctx))(spec, device, ctx.dtype)
+    return HybridMoE(
+        router,
+        experts,
+        device,
+        shared_experts=getattr(module, "shared_experts", None),
+        shared_expert=getattr(module, "shared_expert", None),
+        shared_expert_gate=getattr(module, "shared_expert_gate", None),
+    )
