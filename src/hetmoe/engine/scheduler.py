@@ -1,39 +1,27 @@
 """Continuous batching: concurrent requests share the runner's KV slots and decode steps.
 
 One thread owns the runner. Each step it admits waiting requests into free slots (one prefill
-each), then decodes every active sequence in ONE batched `decode` call, so each expert's weights
-are read once per step for the whole batch. Outputs leave through each request's `sink` callback
-(called on the scheduler thread); `cancel()` frees the slot at the next step.
+each), then decodes every other active sequence in ONE batched `decode` call, so each expert's
+weights are read once per step for the whole batch. Each request keeps its own sampler (seed) and
+stop strings, exactly as `LLM.generate` would run it alone. Outputs leave through each request's
+`sink` callback (called on the scheduler thread); `cancel()` frees the slot at the next step.
 """
 
 from __future__ import annotations
 
 import collections
-import secrets
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-import torch
+from hetmoe.engine.sampler import Sampler, SamplingParams
+from hetmoe.engine.text_stream import TextStream
 
+if TYPE_CHECKING:
+    import torch
 
-@dataclass(frozen=True)
-class RequestParams:
-    """Per-request generation settings (already validated by the caller)."""
-
-    max_tokens: int
-    """Tokens to generate at most (the context window may stop it sooner)."""
-    temperature: float = 1.0
-    """0 means greedy."""
-    top_p: float = 1.0
-    """Nucleus mass kept; 1 keeps all."""
-    top_k: int = 0
-    """Most likely tokens kept; 0 or -1 keeps all."""
-    seed: int | None = None
-    """Seed of this request's own generator; None draws one."""
-    stop: tuple[str, ...] = ()
-    """Strings that end the answer (not included in it)."""
+    from hetmoe.engine.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -45,6 +33,7 @@ class Event:
     token_ids: tuple[int, ...]
     """Tokens sampled since the previous event."""
     prompt_tokens: int
+    """Tokens in the prompt."""
     completion_tokens: int
     """Tokens sampled so far, end-of-sequence included."""
     finish_reason: str | None = None
@@ -53,28 +42,18 @@ class Event:
     """What went wrong when `finish_reason == "error"`."""
 
 
-class Runner(Protocol):
-    """What the scheduler needs from the model runner."""
-
-    max_batch: int
-    max_seq_len: int
-
-    def prefill(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor: ...  # [V]
-
-    def decode(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor: ...  # [B, V]
-
-
 class QueueFull(Exception):
     """Raised by `submit` when the waiting queue is at its limit."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     prompt_ids: list[int]
-    params: RequestParams
+    params: SamplingParams
     sink: Callable[[Event], None]
+    sampler: Sampler
     text: TextStream
-    generator: torch.Generator
+    ignore_eos: bool = False
     slot: int = -1
     output_ids: list[int] = field(default_factory=list)
     cancelled: bool = False
@@ -93,13 +72,16 @@ class RequestHandle:
 
 
 class Scheduler:
-    """Admission, batched decode loop and per-request stopping over a multi-slot runner."""
+    """Admission, the batched decode loop and per-request stopping over a `ModelRunner`.
+
+    While a scheduler runs, it is the only user of the runner and its KV-cache slots.
+    """
 
     def __init__(
         self,
-        runner: Runner,
+        runner: ModelRunner,
         decode_text: Callable[[list[int]], str],
-        eos_token_ids: Sequence[int],
+        eos_token_ids: Sequence[int] | frozenset[int],
         max_queue: int = 64,
     ) -> None:
         self.runner = runner
@@ -108,7 +90,6 @@ class Scheduler:
         self._eos = frozenset(eos_token_ids)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
-        self._free_slots = list(range(runner.max_batch - 1, -1, -1))
         self._wake = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="hetmoe-scheduler", daemon=True)
@@ -116,34 +97,38 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
+        """Requests queued for a slot."""
         return len(self._waiting)
 
     @property
     def num_running(self) -> int:
+        """Requests holding a slot."""
         return len(self._running)
 
     @property
     def alive(self) -> bool:
+        """True while the loop accepts and serves requests."""
         return self._thread.is_alive() and not self._stopped
 
     def submit(
-        self, prompt_ids: Sequence[int], params: RequestParams, sink: Callable[[Event], None]
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        sink: Callable[[Event], None],
+        ignore_eos: bool = False,
     ) -> RequestHandle:
-        """Queues a request; raises QueueFull at the limit, ValueError beyond the context."""
-        total = len(prompt_ids) + params.max_tokens
+        """Queues a request; QueueFull at the queue limit, ValueError beyond the context window.
+
+        `ignore_eos` generates exactly `max_new_tokens` (benchmarks of random-weight models).
+        """
+        total = len(prompt_ids) + params.max_new_tokens
         if not prompt_ids or total > self.runner.max_seq_len:
             raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the context window of {self.runner.max_seq_len} tokens"
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                f"{total} exceeds the context window of {self.runner.max_seq_len} tokens"
             )
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        request = _Request(
-            prompt_ids=list(prompt_ids),
-            params=params,
-            sink=sink,
-            text=TextStream(self._decode_text, params.stop),
-            generator=torch.Generator().manual_seed(seed % (1 << 63)),
-        )
+        text = TextStream(self._decode_text, params.stop)
+        request = _Request(list(prompt_ids), params, sink, Sampler(params), text, ignore_eos)
         with self._wake:
             if self._stopped:
                 raise RuntimeError("the scheduler is stopped")
@@ -174,170 +159,65 @@ class Scheduler:
                     self._wake.wait()
                 if self._stopped:
                     break
-                self._drop_cancelled()
-                admitted = []
-                while self._waiting and self._free_slots:
-                    request = self._waiting.popleft()
-                    request.slot = self._free_slots.pop()
-                    admitted.append(request)
+                for request in [r for r in self._waiting if r.cancelled]:
+                    self._waiting.remove(request)
+                    self._finish(request, "cancelled")
+                admitted: list[_Request] = []
+                while self._waiting and len(self._running) + len(admitted) < self.runner.max_batch:
+                    admitted.append(self._waiting.popleft())
             try:
                 self._step(admitted)
             except Exception as exc:  # a failing step fails its requests, never the server
-                self._fail_all(f"{type(exc).__name__}: {exc}")
+                unplaced = [r for r in admitted if r.slot < 0]
+                for request in [*self._running, *unplaced]:
+                    if request.slot >= 0:
+                        self._release(request)
+                    self._finish(request, "error", f"{type(exc).__name__}: {exc}")
         for request in [*self._running, *self._waiting]:
             self._finish(request, "cancelled")
 
     def _step(self, admitted: list[_Request]) -> None:
+        for request in [r for r in self._running if r.cancelled]:
+            self._release(request)
+            self._finish(request, "cancelled")
+        batch = list(self._running)
         for request in admitted:
+            request.slot = self.runner.cache.allocate()
             self._running.append(request)
             logits = self.runner.prefill(request.slot, request.prompt_ids)  # [V]
             self._advance(request, logits)
-        batch = [r for r in self._running if r not in admitted]
-        if not batch:
-            return
-        slots = [r.slot for r in batch]
-        last = [r.output_ids[-1] for r in batch]
-        logits = self.runner.decode(slots, last)  # [B, V]
-        for row, request in enumerate(batch):
-            self._advance(request, logits[row])
+        if batch:
+            last = [r.output_ids[-1] for r in batch]
+            logits = self.runner.decode([r.slot for r in batch], last)  # [B, V]
+            for row, request in enumerate(batch):
+                self._advance(request, logits[row])
 
     def _advance(self, request: _Request, logits: torch.Tensor) -> None:
         """Samples one token for `request`, emits its text, finishes it when it stops."""
-        token = sample_token(logits, request.params, request.generator)
+        token = request.sampler(logits)
         request.output_ids.append(token)
-        params = request.params
         reason = None
-        if token in self._eos:
+        if token in self._eos and not request.ignore_eos:
             reason = "stop"
-            delta = request.text.flush()
+            piece = request.text.finish()
         else:
-            delta, hit_stop = request.text.push(token)
-            if hit_stop:
+            piece = request.text.push(token)
+            if request.text.stopped:
                 reason = "stop"
-            elif len(request.output_ids) >= params.max_tokens:
+            elif len(request.output_ids) >= request.params.max_new_tokens:
                 reason = "length"
-                delta += request.text.flush()
-        if reason is None:
-            request.sink(self._event(request, delta, token))
-            return
-        request.sink(self._event(request, delta, token, reason))
-        self._release(request)
-
-    def _event(
-        self, request: _Request, text: str, token: int, reason: str | None = None
-    ) -> Event:
-        return Event(
-            text=text,
-            token_ids=(token,),
-            prompt_tokens=len(request.prompt_ids),
-            completion_tokens=len(request.output_ids),
-            finish_reason=reason,
+                piece += request.text.finish()
+        request.sink(
+            Event(piece, (token,), len(request.prompt_ids), len(request.output_ids), reason)
         )
+        if reason is not None:
+            self._release(request)
 
     def _release(self, request: _Request) -> None:
-        if request in self._running:
-            self._running.remove(request)
-        with self._wake:
-            self._free_slots.append(request.slot)
-
-    def _drop_cancelled(self) -> None:
-        """Called under the lock: cancelled requests leave the queue and give back their slot."""
-        for request in [r for r in self._waiting if r.cancelled]:
-            self._waiting.remove(request)
-            self._finish(request, "cancelled")
-        for request in [r for r in self._running if r.cancelled]:
-            self._running.remove(request)
-            self._free_slots.append(request.slot)
-            self._finish(request, "cancelled")
-
-    def _fail_all(self, message: str) -> None:
-        for request in list(self._running):
-            self._release(request)
-            self._finish(request, "error", message)
+        self._running.remove(request)
+        self.runner.cache.free(request.slot)
 
     def _finish(self, request: _Request, reason: str, error: str | None = None) -> None:
         request.sink(
-            Event(
-                text="",
-                token_ids=(),
-                prompt_tokens=len(request.prompt_ids),
-                completion_tokens=len(request.output_ids),
-                finish_reason=reason,
-                error=error,
-            )
+            Event("", (), len(request.prompt_ids), len(request.output_ids), reason, error)
         )
-
-
-def sample_token(logits: torch.Tensor, params: RequestParams, generator: torch.Generator) -> int:
-    """One token from `logits` [V]: greedy at temperature 0, else top-k / top-p sampling."""
-    logits = logits.float().cpu()  # [V]; the generator lives on the CPU for reproducibility
-    if params.temperature == 0.0 or params.top_k == 1:
-        return int(torch.argmax(logits))
-    logits = logits / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)  # [V]
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
-        sorted_probs[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-class TextStream:
-    """Incremental detokenization with stop strings.
-
-    Text is released only when its UTF-8 bytes are complete and it cannot be the start of a stop
-    string; a found stop string ends the text before it.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str]) -> None:
-        self._decode = decode
-        self._stops = tuple(stops)
-        self._longest = max((len(s) for s in self._stops), default=0)
-        self._ids: list[int] = []
-        self._prefix = 0  # tokens before this index are fully in `text`
-        self._read = 0  # tokens before this index have been decoded
-        self.text = ""
-        self._sent = 0  # characters of `text` already returned
-
-    def push(self, token: int) -> tuple[str, bool]:
-        """Adds a token; returns (text now safe to send, whether a stop string was found)."""
-        self._ids.append(token)
-        before = self._decode(self._ids[self._prefix : self._read])
-        after = self._decode(self._ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before) :]
-            self._prefix, self._read = self._read, len(self._ids)
-        return self._release()
-
-    def flush(self) -> str:
-        """The rest of the text at the end of generation (held-back characters included)."""
-        tail = self._decode(self._ids[self._prefix :])
-        self.text += tail[len(self._decode(self._ids[self._prefix : self._read])) :]
-        self._prefix = self._read = len(self._ids)
-        delta, _ = self._release(final=True)
-        return delta
-
-    def _release(self, final: bool = False) -> tuple[str, bool]:
-        start = max(0, self._sent - self._longest + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            delta, self._sent = self.text[self._sent :], len(self.text)
-            return delta, True
-        safe = len(self.text) if final else len(self.text) - self._held_back()
-        delta = self.text[self._sent : max(safe, self._sent)]
-        self._sent = max(safe, self._sent)
-        return delta, False
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of `text` that starts some stop string."""
-        for size in range(min(self._longest - 1, len(self.text)), 0, -1):
-            tail = self.text[-size:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return size
-        return 0

@@ -12,7 +12,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
-from hetmoe.engine.scheduler import QueueFull, RequestParams
+from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.scheduler import QueueFull
 from hetmoe.server import protocol
 from hetmoe.server.errors import APIError, from_validation
 from hetmoe.server.metrics import Metrics
@@ -142,8 +143,8 @@ def _submit(
             f"{context} tokens",
             budget_field,
         )
-    params = RequestParams(
-        max_tokens=max_tokens,
+    params = SamplingParams(
+        max_new_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(body.top_k or 0, 0),
@@ -151,7 +152,7 @@ def _submit(
         stop=tuple(body.stops),
     )
     try:
-        stream = service.submit(prompt_ids, params)
+        stream = service.submit(prompt_ids, params, body.ignore_eos)
     except QueueFull as exc:
         raise APIError(429, f"server busy: {exc}; retry later") from None
     except RuntimeError as exc:

@@ -63,6 +63,8 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
     logprobs: Literal[False] | None = None
+    ignore_eos: bool = False
+    """Extension (as in vLLM): generate exactly the token budget; for benchmarks."""
 
     @field_validator("stop")
     @classmethod

@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
-from hetmoe.engine.scheduler import Event, RequestHandle, RequestParams, Scheduler
+from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.scheduler import Event, RequestHandle, Scheduler
+
+if TYPE_CHECKING:
+    from hetmoe.engine.engine import LLM
 
 
 class EventStream:
@@ -42,15 +46,13 @@ class EventStream:
 class ModelService:
     """Holds the model and its scheduler; turns prompts into token ids and requests into streams."""
 
-    def __init__(self, llm: Any, name: str, max_queue: int) -> None:
+    def __init__(self, llm: LLM, name: str, max_queue: int) -> None:
         self.llm = llm
         self.name = name
         self.created = int(time.time())
         self.tokenizer = llm.tokenizer
         self.runner = llm.runner
-        self.scheduler = Scheduler(
-            self.runner, self._decode, llm.eos_token_ids, max_queue=max_queue
-        )
+        self.scheduler = Scheduler(self.runner, llm.decode, llm.eos_token_ids, max_queue)
 
     @property
     def context_len(self) -> int:
@@ -59,25 +61,25 @@ class ModelService:
 
     @property
     def slots(self) -> int:
+        """KV-cache slots: sequences decoded together at most."""
         return int(self.runner.max_batch)
 
     def chat_ids(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """Token ids of `messages` [(role, text)] through the model's chat template."""
-        return list(self.llm.chat_prompt_ids([{"role": r, "content": t} for r, t in messages]))
+        return list(self.llm.chat_prompt([{"role": r, "content": t} for r, t in messages]))
 
     def text_ids(self, prompt: str) -> list[int]:
         """Token ids of a raw completion prompt (with the tokenizer's usual special tokens)."""
-        return list(self.tokenizer.encode(prompt))
+        return list(self.llm.encode(prompt))
 
-    def submit(self, prompt_ids: Sequence[int], params: RequestParams) -> EventStream:
+    def submit(
+        self, prompt_ids: Sequence[int], params: SamplingParams, ignore_eos: bool = False
+    ) -> EventStream:
         """Queues a request (QueueFull, ValueError and RuntimeError pass through)."""
         stream = EventStream()
-        stream.handle = self.scheduler.submit(prompt_ids, params, stream.sink)
+        stream.handle = self.scheduler.submit(prompt_ids, params, stream.sink, ignore_eos)
         return stream
 
     def close(self) -> None:
         """Stops the scheduler thread (requests in flight end as cancelled)."""
         self.scheduler.stop()
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))

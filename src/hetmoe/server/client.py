@@ -1,0 +1,106 @@
+"""A small streaming client of a running hetmoe (or any OpenAI-compatible) server: `chat --url`.
+
+Standard library only, so the CLI needs nothing beyond the package's own dependencies.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+class ServerError(Exception):
+    """The server answered an error (its message is shown as is) or could not be reached."""
+
+
+class ChatClient:
+    """Chat completions against `url` (`http://host:port`, with or without `/v1`)."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+        base = url.rstrip("/")
+        self.base = base if base.endswith("/v1") else base + "/v1"
+        self.api_key = api_key
+        self.timeout = timeout
+
+    def model(self) -> str:
+        """The id of the first model the server lists."""
+        with self._open("/models", None) as response:
+            data = json.load(response)["data"]
+        if not data:
+            raise ServerError(f"{self.base}/models lists no model")
+        return str(data[0]["id"])
+
+    def stream(self, messages: list[dict[str, str]], model: str, **sampling: Any) -> Iterator[str]:
+        """Yields the answer's text pieces as the server streams them."""
+        body = {"model": model, "messages": messages, "stream": True, **sampling}
+        with self._open("/chat/completions", body) as response:
+            for raw in response:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    return
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise ServerError(chunk["error"]["message"])
+                for choice in chunk.get("choices", []):
+                    piece = choice.get("delta", {}).get("content")
+                    if piece:
+                        yield piece
+
+    def _open(self, path: str, body: dict[str, Any] | None) -> Any:
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.base + path, data=data, headers=headers)
+        try:
+            return urllib.request.urlopen(request, timeout=self.timeout)
+        except urllib.error.HTTPError as exc:
+            raise ServerError(f"{exc.code} from {self.base + path}: {_message(exc)}") from None
+        except urllib.error.URLError as exc:
+            raise ServerError(f"cannot reach {self.base + path}: {exc.reason}") from None
+
+
+def _message(exc: urllib.error.HTTPError) -> str:
+    try:
+        return str(json.load(exc)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return str(exc.reason)
+
+
+def remote_chat(
+    client: ChatClient,
+    read: Callable[[], str],
+    write: Callable[[str], None],
+    system: str | None = None,
+    **sampling: Any,
+) -> None:
+    """The `chat --url` loop: read a line, stream the answer, keep the turns; EOF or /exit ends."""
+    model = client.model()
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            line = read()
+        except EOFError:
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        answer = []
+        try:
+            for piece in client.stream(history, model, **sampling):
+                answer.append(piece)
+                write(piece)
+        except ServerError as exc:
+            history.pop()
+            write(f"[error: {exc}]\n")
+            continue
+        write("\n")
+        history.append({"role": "assistant", "content": "".join(answer)})
