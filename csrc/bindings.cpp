@@ -7,6 +7,7 @@
 #include <string>
 
 #include "dispatch.h"
+#include "moe/moe_layer.h"
 #include "runtime/cuda_host.h"
 #include "runtime/pool_probe.h"
 
@@ -103,12 +104,13 @@ NB_MODULE(_cpu, m) {
     return out;
   }, nb::arg("num_jobs"), nb::arg("num_phases"), nb::arg("tasks_per_phase"),
      nb::arg("pool").none() = nb::none(), "Queue many jobs at once; check sums and order.");
-  m.def("pool_overhead_us", [pick](int iters, int tasks_per_group, ThreadPool* pool) {
+  m.def("pool_overhead_us", [pick](int iters, int tasks_per_group, int warmup,
+                                   ThreadPool* pool) {
     ThreadPool& p = pick(pool);
     hetmoe::OverheadReport r;
     {
       nb::gil_scoped_release release;
-      r = hetmoe::measure_overhead(p, iters, tasks_per_group);
+      r = hetmoe::measure_overhead(p, iters, tasks_per_group, warmup);
     }
     nb::dict out;
     out["iters"] = r.iters;
@@ -116,8 +118,9 @@ NB_MODULE(_cpu, m) {
     out["p90_us"] = r.p90_us;
     out["min_us"] = r.min_us;
     return out;
-  }, nb::arg("iters"), nb::arg("tasks_per_group") = 0, nb::arg("pool").none() = nb::none(),
-     "submit->wait microseconds of a prebuilt job (0 tasks: empty job).");
+  }, nb::arg("iters"), nb::arg("tasks_per_group") = 0, nb::arg("warmup") = 200,
+     nb::arg("pool").none() = nb::none(),
+     "submit->wait microseconds of a prebuilt job (0 tasks: empty job) after `warmup` runs.");
   m.def("cuda_host_available", &hetmoe::cuda_host_available,
         "True when a loaded CUDA runtime provides cudaLaunchHostFunc.");
   m.def("cuda_runtime_path", &hetmoe::cuda_runtime_path,
@@ -146,4 +149,91 @@ NB_MODULE(_cpu, m) {
       }, nb::arg("stream"), "Enqueue submit + wait host functions on a cudaStream_t.")
       .def("take_error", [](CountingHostJob& j) { return j.host.take_error(); });
   // ---- runtime bindings end ----
+
+  // ---- moe bindings begin ----
+  // Raw pointers (tensor.data_ptr()) only: shapes, dtypes and contiguity are checked in Python.
+  using hetmoe::MoELayer;
+  m.def("best_isa", [] { return std::string(hetmoe::isa_name(hetmoe::best_isa())); },
+        "The best kernel family this CPU/OS can run: amx, avx512, avx2 or scalar.");
+  auto make_call = [](uintptr_t x, int x_dtype, uintptr_t ids, uintptr_t weights, int q, int k,
+                      uintptr_t out, int out_dtype) {
+    hetmoe::MoECall c;
+    c.x = reinterpret_cast<const void*>(x);
+    c.x_type = hetmoe::DType(x_dtype);
+    c.ids = reinterpret_cast<const int64_t*>(ids);
+    c.weights = reinterpret_cast<const float*>(weights);
+    c.q = q;
+    c.k = k;
+    c.out = reinterpret_cast<void*>(out);
+    c.out_type = hetmoe::DType(out_dtype);
+    return c;
+  };
+  nb::class_<MoELayer>(m, "MoELayer", "Packed routed experts of one layer and their fused op.")
+      .def("__init__", [](MoELayer* self, int num_experts, int hidden, int intermediate,
+                          int weight_format, int group_size, const std::string& isa,
+                          int amx_min_tokens, int threads) {
+        hetmoe::MoEConfig cfg;
+        cfg.num_experts = num_experts;
+        cfg.hidden = hidden;
+        cfg.intermediate = intermediate;
+        cfg.format = hetmoe::WeightFormat(weight_format);
+        cfg.group_size = group_size;
+        cfg.max_isa = hetmoe::parse_isa(isa);
+        cfg.amx_min_tokens = amx_min_tokens;
+        new (self) MoELayer(cfg, hetmoe::pool_for_threads(threads));
+      }, nb::arg("num_experts"), nb::arg("hidden"), nb::arg("intermediate"),
+         nb::arg("weight_format"), nb::arg("group_size"), nb::arg("isa"),
+         nb::arg("amx_min_tokens"), nb::arg("threads"))
+      .def("load_expert", [](MoELayer& l, int e, uintptr_t gate, uintptr_t up, uintptr_t down,
+                             int src_type) {
+        nb::gil_scoped_release release;
+        l.load_expert(e, reinterpret_cast<const void*>(gate), reinterpret_cast<const void*>(up),
+                      reinterpret_cast<const void*>(down), hetmoe::SourceType(src_type));
+      }, nb::arg("expert"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("src_type"))
+      .def("set_gpu_mask", [](MoELayer& l, uintptr_t mask) {
+        l.set_gpu_mask(reinterpret_cast<const uint8_t*>(mask));
+      }, nb::arg("mask"), "num_experts uint8 flags (0 clears the mask).")
+      .def("forward", [make_call](MoELayer& l, uintptr_t x, int x_dtype, uintptr_t ids,
+                                  uintptr_t weights, int q, int k, uintptr_t out, int out_dtype) {
+        const hetmoe::MoECall c = make_call(x, x_dtype, ids, weights, q, k, out, out_dtype);
+        nb::gil_scoped_release release;
+        l.wait(l.submit(c));
+      })
+      .def("submit", [make_call](MoELayer& l, uintptr_t x, int x_dtype, uintptr_t ids,
+                                 uintptr_t weights, int q, int k, uintptr_t out, int out_dtype) {
+        const hetmoe::MoECall c = make_call(x, x_dtype, ids, weights, q, k, out, out_dtype);
+        nb::gil_scoped_release release;
+        return l.submit(c);
+      })
+      .def("wait", [](MoELayer& l, uint64_t handle) {
+        nb::gil_scoped_release release;
+        l.wait(handle);
+      }, nb::arg("handle"))
+      .def("set_host_call", [make_call](MoELayer& l, uintptr_t x, int x_dtype, uintptr_t ids,
+                                        uintptr_t weights, int q, int k, uintptr_t out,
+                                        int out_dtype) {
+        l.set_host_call(make_call(x, x_dtype, ids, weights, q, k, out, out_dtype));
+      })
+      .def_prop_ro("host_submit_fn", [](MoELayer&) {
+        return reinterpret_cast<uintptr_t>(&hetmoe::HostJob::submit_host_fn);
+      })
+      .def_prop_ro("host_wait_fn", [](MoELayer&) {
+        return reinterpret_cast<uintptr_t>(&hetmoe::HostJob::wait_host_fn);
+      })
+      .def_prop_ro("host_user_data", [](MoELayer& l) {
+        return reinterpret_cast<uintptr_t>(&l.host_job());
+      })
+      .def("launch_submit", [](MoELayer& l, uintptr_t stream) {
+        l.host_job().launch_submit(reinterpret_cast<void*>(stream));
+      }, nb::arg("stream"))
+      .def("launch_wait", [](MoELayer& l, uintptr_t stream) {
+        l.host_job().launch_wait(reinterpret_cast<void*>(stream));
+      }, nb::arg("stream"))
+      .def("take_host_error", [](MoELayer& l) { return l.host_job().take_error(); })
+      .def_prop_ro("num_groups", &MoELayer::num_groups)
+      .def_prop_ro("isa", [](MoELayer& l) {
+        return std::string(hetmoe::isa_name(l.config().max_isa));
+      })
+      .def_prop_ro("packed_bytes", &MoELayer::packed_bytes);
+  // ---- moe bindings end ----
 }

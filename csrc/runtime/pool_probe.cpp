@@ -90,10 +90,12 @@ StressReport run_stress(ThreadPool& pool, int num_jobs, int num_phases, int task
   return report;
 }
 
-OverheadReport measure_overhead(ThreadPool& pool, int iters, int tasks_per_group) {
-  if (iters < 1 || tasks_per_group < 0) {
-    throw std::invalid_argument("measure_overhead: need iters >= 1 and tasks_per_group >= 0, got " +
-                                std::to_string(iters) + " and " + std::to_string(tasks_per_group));
+OverheadReport measure_overhead(ThreadPool& pool, int iters, int tasks_per_group, int warmup) {
+  if (iters < 1 || tasks_per_group < 0 || warmup < 0) {
+    throw std::invalid_argument(
+        "measure_overhead: need iters >= 1, tasks_per_group >= 0 and warmup >= 0, got " +
+        std::to_string(iters) + ", " + std::to_string(tasks_per_group) + " and " +
+        std::to_string(warmup));
   }
   std::atomic<size_t> sink{0};
   auto make_job = [&] {
@@ -105,7 +107,7 @@ OverheadReport measure_overhead(ThreadPool& pool, int iters, int tasks_per_group
     }
     return Job{std::move(phase)};
   };
-  for (int i = 0; i < 200; ++i) pool.run(make_job());
+  for (int i = 0; i < warmup; ++i) pool.run(make_job());
 
   std::vector<double> samples;
   for (int i = 0; i < iters; ++i) {

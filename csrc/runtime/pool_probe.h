@@ -39,8 +39,9 @@ struct OverheadReport {
 };
 
 // submit() -> wait() time of a prebuilt one-phase job with `tasks_per_group` trivial tasks per
-// group (0: an empty job), after a warm-up that also wakes parked workers.
-OverheadReport measure_overhead(ThreadPool& pool, int iters, int tasks_per_group);
+// group (0: an empty job), after `warmup` untimed jobs (which also wake parked workers; 0 times
+// the wake-up itself).
+OverheadReport measure_overhead(ThreadPool& pool, int iters, int tasks_per_group, int warmup = 200);
 
 // A HostJob whose every run adds one per task and group to `count`, and whose task 0 of group 0
 // throws while `fail` is set: checks the host-function path through its C entry points.

@@ -91,7 +91,8 @@ def test_task_exception_propagates_with_context_and_pool_survives(pool) -> None:
 def test_bad_arguments_are_reported() -> None:
     with pytest.raises(ValueError, match="phases and tasks must be >= 0, got -1 and 2"):
         _cpu.pool_run_test(-1, 2)
-    with pytest.raises(ValueError, match="need iters >= 1 and tasks_per_group >= 0, got 0 and 0"):
+    expected = "need iters >= 1, tasks_per_group >= 0 and warmup >= 0, got 0, 0 and 200"
+    with pytest.raises(ValueError, match=expected):
         _cpu.pool_overhead_us(0)
 
 
