@@ -2,14 +2,129 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
 import typer
 
+from hetmoe.config import EngineConfig
+
+if TYPE_CHECKING:
+    from hetmoe.engine.engine import LLM
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+_DEFAULTS = EngineConfig()
+
+# Options shared by every command that loads a model (annotated types, reusable by new commands).
+ModelArg = Annotated[str, typer.Argument(help="Checkpoint directory or preset (tiny-qwen3-moe)")]
+RulesOpt = Annotated[Path | None, typer.Option(help="YAML rule file (default: the family's)")]
+DeviceOpt = Annotated[str | None, typer.Option(help="cpu, cuda, cuda:N (default: cuda if any)")]
+DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16")]
+MaxSeqLenOpt = Annotated[int | None, typer.Option(help="Context window (default: model's, <=4096)")]
+ExpertsOpt = Annotated[str | None, typer.Option(help="Routed-expert backend: torch or cpu")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Print the injection report")]
+MaxNewOpt = Annotated[int, typer.Option(help="Tokens to generate at most")]
+TemperatureOpt = Annotated[float, typer.Option(help="0 = greedy")]
+TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off)")]
+TopKOpt = Annotated[int, typer.Option(help="Sample among the k most likely (0 = off)")]
+SeedOpt = Annotated[int | None, typer.Option(help="Sampling seed")]
+StopOpt = Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")]
 
 
 @app.callback()
 def main() -> None:
     """hetmoe: MoE LLMs on one workstation, GPU and CPU as one machine."""
+
+
+def load_llm(model: str, device: str | None, rules: Path | None, **options: Any) -> LLM:
+    """Loads a model for a command; user errors end the command with a one-line message."""
+    from hetmoe.engine.engine import LLM
+
+    try:
+        return LLM(model, device=device, rules=rules, **options)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        fail(exc)
+
+
+def fail(exc: BaseException) -> NoReturn:
+    """Prints `error: ...` on stderr and exits with status 1."""
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(code=1)
+
+
+@app.command()
+def generate(
+    model: ModelArg,
+    prompt: Annotated[str, typer.Argument(help="Prompt text")],
+    max_new_tokens: MaxNewOpt = 128,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = None,
+    stop: StopOpt = None,
+    rules: RulesOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = _DEFAULTS.dtype,
+    max_seq_len: MaxSeqLenOpt = None,
+    experts: ExpertsOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Generate a continuation of PROMPT, streamed to stdout."""
+    llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
+                   verbose=verbose)
+    try:
+        for piece in llm.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=top_p, top_k=top_k, seed=seed, stop=stop):
+            typer.echo(piece, nl=False)
+    except ValueError as exc:
+        fail(exc)
+    typer.echo()
+
+
+@app.command()
+def chat(
+    model: ModelArg,
+    system: Annotated[str | None, typer.Option(help="System message")] = None,
+    max_new_tokens: MaxNewOpt = 512,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = None,
+    rules: RulesOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = _DEFAULTS.dtype,
+    max_seq_len: MaxSeqLenOpt = None,
+    experts: ExpertsOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Chat with MODEL in the terminal (answers stream; /exit or Ctrl-D quits)."""
+    llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
+                   verbose=verbose)
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    typer.echo("chat: type a message; /exit quits")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        pieces: list[str] = []
+        try:
+            for piece in llm.stream_chat(history, max_new_tokens=max_new_tokens,
+                                         temperature=temperature, top_p=top_p, top_k=top_k,
+                                         seed=seed):
+                typer.echo(piece, nl=False)
+                pieces.append(piece)
+        except ValueError as exc:  # e.g. the history outgrew the context window
+            history.pop()
+            typer.echo(f"error: {exc}", err=True)
+            continue
+        typer.echo()
+        history.append({"role": "assistant", "content": "".join(pieces)})
 
 
 @app.command()
