@@ -1,0 +1,56 @@
+"""FP8 block-scaled weights (DeepSeek-V3 style), dequantized at load.
+
+A weight [O, I] is stored as float8 with a `weight_scale_inv` [ceil(O/B), ceil(I/B)] in float32:
+every B×B block of the weight is multiplied by its one scale (edge blocks are partial).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hetmoe.loading.errors import CheckpointError
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""Stored dtypes that need a scale before they mean anything."""
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """Block scaling read from config.json's `quantization_config`."""
+
+    block_rows: int
+    """Rows of one scaled block (B of [B, B])."""
+    block_cols: int
+    """Columns of one scaled block."""
+
+    @classmethod
+    def from_config(cls, quantization_config: Any, where: str) -> Fp8Scheme:
+        """The scheme of a `quantization_config` with `quant_method: fp8` and a block size."""
+        qc = quantization_config if isinstance(quantization_config, dict) else vars(
+            quantization_config
+        )
+        method = qc.get("quant_method")
+        block = qc.get("weight_block_size")
+        if method != "fp8" or not (isinstance(block, list | tuple) and len(block) == 2):
+            raise CheckpointError(
+                f"{where}: quantization_config must have quant_method 'fp8' and "
+                f"weight_block_size [rows, cols]; found quant_method={method!r}, "
+                f"weight_block_size={block!r}"
+            )
+        return cls(int(block[0]), int(block[1]))
+
+    def scale_shape(self, weight_shape: tuple[int, ...]) -> tuple[int, int]:
+        """Shape of the `weight_scale_inv` that goes with a weight of `weight_shape`."""
+        rows, cols = weight_shape
+        return math.ceil(rows / self.block_rows), math.ceil(cols / self.block_cols)
+
+    def dequantize(self, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+        """float32 [O, I] = weight [O, I] × scale_inv broadcast over its B×B blocks."""
+        rows, cols = weight.shape
+        scale = scale_inv.float().repeat_interleave(self.block_rows, 0)[:rows]
+        scale = scale.repeat_interleave(self.block_cols, 1)[:, :cols]  # [O, I]
+        return weight.float() * scale

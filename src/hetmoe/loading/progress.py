@@ -1,0 +1,34 @@
+"""The loading progress bar: bytes read out of bytes to read, quiet when not on a terminal."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def byte_progress(
+    total: int, description: str, enabled: bool = True
+) -> Iterator[Callable[[int], None]]:
+    """Yields `advance(nbytes)`; draws a rich bar on stderr only if `enabled` and it is a TTY."""
+    if not (enabled and sys.stderr.isatty()):
+        yield lambda nbytes: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda nbytes: bar.advance(task, nbytes)
