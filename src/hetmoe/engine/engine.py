@@ -14,6 +14,7 @@ from hetmoe.config import EngineConfig
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.engine.sampler import GenerationOutput, Sampler, SamplingParams
 from hetmoe.engine.text_stream import TextStream
+from hetmoe.experts.backend import ExpertBackend
 from hetmoe.inject.apply import InjectionReport, apply_rules
 from hetmoe.inject.registry import OpContext
 from hetmoe.inject.rules import Rule, load_rules, shipped_rules_path
@@ -64,6 +65,7 @@ class LLM:
             progress=self.options.progress,
         )
         self.model = loaded.model.eval()
+        _check_experts_loaded(self.model, self.path)
         self.tokenizer = loaded.tokenizer
         self.family = loaded.family
         if self.options.verbose:
@@ -86,11 +88,15 @@ class LLM:
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt (a string is tokenized; ids pass through)."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.path} has no tokenizer: pass token ids, not text")
             return list(self.tokenizer.encode(prompt))
         return [int(t) for t in prompt]
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of token ids, special tokens dropped."""
+        """Text of token ids, special tokens dropped (ids as text without a tokenizer)."""
+        if self.tokenizer is None:
+            return "".join(f"<{t}>" for t in token_ids)
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def generate(
@@ -134,7 +140,7 @@ class LLM:
 
     def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of `messages` rendered by the chat template, ready for the reply."""
-        if not getattr(self.tokenizer, "chat_template", None):
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer of {self.path} has no chat template")
         text = self.tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=True
@@ -202,6 +208,22 @@ def _params(
 ) -> SamplingParams:
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     return SamplingParams(max_new_tokens, float(temperature), float(top_p), int(top_k), seed, stops)
+
+
+def _check_experts_loaded(model: torch.nn.Module, path: Path) -> None:
+    """Every routed expert must have received its three matrices from the checkpoint."""
+    missing = [
+        f"{name}.{tensor}"
+        for name, module in model.named_modules()
+        if isinstance(module, ExpertBackend)
+        for tensor in module.missing()
+    ]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(
+            f"{path}: the checkpoint lacks {len(missing)} routed-expert tensors: "
+            f"{', '.join(missing[:5])}{more}"
+        )
 
 
 def _read_config(path: Path) -> dict[str, Any]:
