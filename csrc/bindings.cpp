@@ -121,6 +121,16 @@ NB_MODULE(_cpu, m) {
   }, nb::arg("iters"), nb::arg("tasks_per_group") = 0, nb::arg("warmup") = 200,
      nb::arg("pool").none() = nb::none(),
      "submit->wait microseconds of a prebuilt job (0 tasks: empty job) after `warmup` runs.");
+  m.def("numa_alloc_check", [](size_t bytes, int node, size_t alignment) {
+    hetmoe::NumaAllocReport r = hetmoe::check_numa_alloc(bytes, node, alignment);
+    nb::dict out;
+    out["aligned"] = r.aligned;
+    nb::list nodes;
+    for (int n : r.page_nodes) nodes.append(n);
+    out["page_nodes"] = nodes;
+    return out;
+  }, nb::arg("bytes"), nb::arg("node") = 0, nb::arg("alignment") = 64,
+     "Allocate on a node, write, report where the first/middle/last pages landed, free.");
   m.def("cuda_host_available", &hetmoe::cuda_host_available,
         "True when a loaded CUDA runtime provides cudaLaunchHostFunc.");
   m.def("cuda_runtime_path", &hetmoe::cuda_runtime_path,

@@ -4,6 +4,7 @@
 // first touch on any Linux with NUMA support. Either way the memory is an mmap region, which is why
 // one numa_free (munmap) fits both. Node < 0 means "no placement".
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -23,6 +24,17 @@ namespace {
 
 constexpr size_t kHugePage = size_t(2) << 20;
 constexpr int kMpolPreferred = 1;  // MPOL_PREFERRED from <linux/mempolicy.h>
+
+// Node 0 always exists (a kernel without NUMA has just that one); others must be in sysfs.
+void check_node(int node) {
+  if (node <= 0) return;
+  struct stat st;
+  std::string path = "/sys/devices/system/node/node" + std::to_string(node);
+  if (stat(path.c_str(), &st) != 0) {
+    throw std::invalid_argument("numa_alloc: NUMA node " + std::to_string(node) +
+                                " does not exist on this machine (no " + path + ")");
+  }
+}
 
 void* map_on_node(size_t bytes, int node) {
 #ifdef HETMOE_HAVE_LIBNUMA
@@ -47,6 +59,7 @@ void* numa_alloc(size_t bytes, int node, size_t alignment) {
         "numa_alloc: alignment must be a power of two up to the page size (" +
         std::to_string(page) + "), got " + std::to_string(alignment));
   }
+  check_node(node);
   if (bytes == 0) return nullptr;
   void* ptr = map_on_node(bytes, node);
   if (ptr == nullptr) {

@@ -2,11 +2,15 @@
 // indices from its group's counter; the last worker to reach a phase's barrier opens the next one.
 #include "runtime/pool.h"
 
+#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <exception>
 #include <map>
 #include <memory>
@@ -42,6 +46,20 @@ struct Failure {
 };
 
 thread_local const void* tl_worker_of = nullptr;  // the pool whose worker this thread is
+
+// Parking is a plain futex on a 32-bit epoch: no spinning or timed sleeps hidden in a library.
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t) &&
+              std::atomic<uint32_t>::is_always_lock_free);
+
+void futex_wait(std::atomic<uint32_t>& word, uint32_t expected) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, nullptr,
+          nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>& word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+          nullptr, 0);
+}
 
 }  // namespace
 
@@ -105,14 +123,14 @@ struct ThreadPool::Impl {
     parked.fetch_add(1, std::memory_order_seq_cst);
     // Pairs with submit(): either it sees `parked` and bumps the epoch, or we see its job here.
     if (published.load(std::memory_order_seq_cst) <= next && !stop.load()) {
-      park_epoch.wait(epoch, std::memory_order_acquire);
+      futex_wait(park_epoch, epoch);  // returns at once if the epoch already moved
     }
     parked.fetch_sub(1, std::memory_order_relaxed);
   }
 
   void wake_parked() {
     park_epoch.fetch_add(1, std::memory_order_release);
-    park_epoch.notify_all();
+    futex_wake_all(park_epoch);
   }
 
   void run_job(uint64_t seq, int group, int in_group) {
@@ -120,7 +138,7 @@ struct ThreadPool::Impl {
     const size_t num_phases = slot.job.size();
     const uint32_t barriers = num_phases == 0 ? 1 : static_cast<uint32_t>(num_phases);
     for (uint32_t p = 0; p < barriers; ++p) {
-      if (p < num_phases) {
+      if (p < num_phases && slot.job[p].num_tasks > 0) {
         const Phase& phase = slot.job[p];
         std::atomic<size_t>& counter = slot.counters[group].value;
         while (!slot.failed.load(std::memory_order_relaxed)) {
@@ -178,8 +196,17 @@ ThreadPool::ThreadPool(int num_threads, int num_groups) : impl_(new Impl) {
   for (int s = 0; s < kPoolQueueCapacity; ++s) {
     impl->slots[s].counters.reset(new PaddedCounter[impl->plan.groups.size()]);
   }
-  for (int w = 0; w < impl->num_threads(); ++w) {
-    impl->threads.emplace_back([raw = impl.get(), w, this] { raw->worker_main(w, this); });
+  try {
+    for (int w = 0; w < impl->num_threads(); ++w) {
+      impl->threads.emplace_back([raw = impl.get(), w, this] { raw->worker_main(w, this); });
+    }
+  } catch (const std::exception& e) {
+    const std::string started = std::to_string(impl->threads.size());
+    impl->stop.store(true);
+    impl->wake_parked();
+    for (std::thread& t : impl->threads) t.join();
+    throw std::runtime_error("ThreadPool: could not start worker thread " + started + " of " +
+                             std::to_string(impl->num_threads()) + ": " + e.what());
   }
   // Pinning is done once every worker has started: introspection right after is exact.
   const int workers = impl->num_threads();

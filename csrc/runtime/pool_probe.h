@@ -43,6 +43,16 @@ struct OverheadReport {
 // the wake-up itself).
 OverheadReport measure_overhead(ThreadPool& pool, int iters, int tasks_per_group, int warmup = 200);
 
+struct NumaAllocReport {
+  bool aligned = false;         // the pointer honours the requested alignment
+  std::vector<int> page_nodes;  // node of the first, middle and last page after writing them
+                                // (negative: the kernel's -errno, e.g. no NUMA support)
+};
+
+// numa_alloc(bytes, node, alignment), write every byte, ask the kernel where the pages landed,
+// numa_free. bytes == 0 gives a null pointer and no pages.
+NumaAllocReport check_numa_alloc(size_t bytes, int node, size_t alignment);
+
 // A HostJob whose every run adds one per task and group to `count`, and whose task 0 of group 0
 // throws while `fail` is set: checks the host-function path through its C entry points.
 struct CountingHostJob {
