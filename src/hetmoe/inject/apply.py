@@ -76,16 +76,22 @@ def resolve_device(spec: str, main: torch.device, rule: Rule) -> torch.device:
 def apply_rules(model: nn.Module, rules: Sequence[Rule], ctx: OpContext) -> InjectionReport:
     """Replaces every module matching a rule (first match wins), then visits its children."""
     report = InjectionReport()
-    _visit(model, "", rules, ctx, report)
+    _visit(model, "", rules, ctx, report, set())
     return report
 
 
 def _visit(
-    parent: nn.Module, prefix: str, rules: Sequence[Rule], ctx: OpContext, report: InjectionReport
+    parent: nn.Module,
+    prefix: str,
+    rules: Sequence[Rule],
+    ctx: OpContext,
+    report: InjectionReport,
+    replaced: set[int],
 ) -> None:
     for child_name, child in list(parent.named_children()):
         name = f"{prefix}{child_name}"
-        rule = first_match(rules, name, child)
+        # A replacement may keep the module it replaced as a child: never replace it twice.
+        rule = None if id(child) in replaced else first_match(rules, name, child)
         if rule is not None:
             spec = get_op(rule.replace.op)
             assert spec is not None  # validated when parsed
@@ -97,9 +103,10 @@ def _visit(
                     f"{rule.source}: rule {rule.index} (op {rule.replace.op}) cannot replace "
                     f"{name} ({type(child).__name__}): {exc}"
                 ) from exc
+            replaced.add(id(child))
             parent.add_module(child_name, new)
             report.replacements.append(
                 Replacement(name, type(child).__name__, rule.replace.op, str(device), rule.index)
             )
             child = new
-        _visit(child, f"{name}.", rules, ctx, report)
+        _visit(child, f"{name}.", rules, ctx, report, replaced)
