@@ -92,12 +92,16 @@ class Scheduler:
         self._running: list[_Request] = []
         self._wake = threading.Condition()
         self._stopped = False
+        self.decode_steps = 0
+        """Batched decode calls so far."""
+        self.decode_rows = 0
+        """Sequences decoded so far, summed over steps (rows / steps = mean batch size)."""
         self._thread = threading.Thread(target=self._loop, name="hetmoe-scheduler", daemon=True)
         self._thread.start()
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued for a slot."""
+        """Requests submitted but not yet admitted to a slot."""
         return len(self._waiting)
 
     @property
@@ -132,9 +136,12 @@ class Scheduler:
         with self._wake:
             if self._stopped:
                 raise RuntimeError("the scheduler is stopped")
-            if len(self._waiting) >= self.max_queue:
+            # Requests that will have to wait for a slot: the queue proper.
+            queued = len(self._waiting) + len(self._running) - self.runner.max_batch
+            if queued >= self.max_queue:
                 raise QueueFull(
-                    f"{len(self._waiting)} requests wait already (max_queue={self.max_queue})"
+                    f"all {self.runner.max_batch} slots are busy and {queued} requests wait "
+                    f"already (max_queue={self.max_queue})"
                 )
             self._waiting.append(request)
             self._wake.notify()
@@ -163,15 +170,14 @@ class Scheduler:
                     self._waiting.remove(request)
                     self._finish(request, "cancelled")
                 admitted: list[_Request] = []
-                while self._waiting and len(self._running) + len(admitted) < self.runner.max_batch:
+                while self._waiting and len(self._running) < self.runner.max_batch:
                     admitted.append(self._waiting.popleft())
+                    self._running.append(admitted[-1])
             try:
                 self._step(admitted)
             except Exception as exc:  # a failing step fails its requests, never the server
-                unplaced = [r for r in admitted if r.slot < 0]
-                for request in [*self._running, *unplaced]:
-                    if request.slot >= 0:
-                        self._release(request)
+                for request in list(self._running):
+                    self._release(request)
                     self._finish(request, "error", f"{type(exc).__name__}: {exc}")
         for request in [*self._running, *self._waiting]:
             self._finish(request, "cancelled")
@@ -180,15 +186,17 @@ class Scheduler:
         for request in [r for r in self._running if r.cancelled]:
             self._release(request)
             self._finish(request, "cancelled")
-        batch = list(self._running)
+        batch = [r for r in self._running if r.output_ids]  # sequences past their prefill
         for request in admitted:
-            request.slot = self.runner.cache.allocate()
-            self._running.append(request)
-            logits = self.runner.prefill(request.slot, request.prompt_ids)  # [V]
-            self._advance(request, logits)
+            if request in self._running:  # not cancelled meanwhile
+                request.slot = self.runner.cache.allocate()
+                logits = self.runner.prefill(request.slot, request.prompt_ids)  # [V]
+                self._advance(request, logits)
         if batch:
             last = [r.output_ids[-1] for r in batch]
             logits = self.runner.decode([r.slot for r in batch], last)  # [B, V]
+            self.decode_steps += 1
+            self.decode_rows += len(batch)
             for row, request in enumerate(batch):
                 self._advance(request, logits[row])
 
@@ -214,8 +222,11 @@ class Scheduler:
             self._release(request)
 
     def _release(self, request: _Request) -> None:
-        self._running.remove(request)
-        self.runner.cache.free(request.slot)
+        with self._wake:
+            self._running.remove(request)
+        if request.slot >= 0:
+            self.runner.cache.free(request.slot)
+            request.slot = -1
 
     def _finish(self, request: _Request, reason: str, error: str | None = None) -> None:
         request.sink(

@@ -44,7 +44,13 @@ async def metrics(request: Request) -> PlainTextResponse:
     """Prometheus text: queue depth, running requests, tokens/s, TTFT, requests by status."""
     service = _service(request)
     scheduler = service.scheduler
-    text = _metrics(request).render(scheduler.num_waiting, scheduler.num_running, service.slots)
+    text = _metrics(request).render(
+        scheduler.num_waiting,
+        scheduler.num_running,
+        service.slots,
+        scheduler.decode_steps,
+        scheduler.decode_rows,
+    )
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
@@ -89,7 +95,7 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
     if isinstance(body.prompt, str):
         prompt_ids = service.text_ids(body.prompt)
     else:
-        vocab = len(service.tokenizer)
+        vocab = service.runner.vocab_size
         if any(not 0 <= t < vocab for t in body.prompt):
             raise APIError(400, f"field 'prompt': token ids must be in [0, {vocab})", "prompt")
         prompt_ids = list(body.prompt)
@@ -179,13 +185,18 @@ async def _collect(
 ) -> tuple[str, Any]:
     """The whole answer; cancels the request if the client goes away while waiting."""
     parts: list[str] = []
+    check_at = time.monotonic() + DISCONNECT_POLL_S
     try:
         while True:
             try:
                 event = await stream.next(DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                event = None
+            if time.monotonic() >= check_at:  # checked on a timer: events may never pause
+                check_at = time.monotonic() + DISCONNECT_POLL_S
                 if await request.is_disconnected():
                     raise APIError(499, "the client closed the request") from None
+            if event is None:
                 continue
             observe(event)
             parts.append(event.text)

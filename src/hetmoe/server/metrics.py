@@ -63,8 +63,10 @@ class Metrics:
         while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
             self._recent.popleft()
 
-    def render(self, waiting: int, running: int, slots: int) -> str:
-        """The /metrics body; `waiting`/`running`/`slots` are read from the scheduler."""
+    def render(
+        self, waiting: int, running: int, slots: int, decode_steps: int, decode_rows: int
+    ) -> str:
+        """The /metrics body; the arguments are read from the scheduler."""
         rate = self.tokens_per_second()
         with self._lock:
             lines = [
@@ -77,6 +79,12 @@ class Metrics:
                 "# HELP hetmoe_kv_slots KV-cache slots (sequences decoded together at most).",
                 "# TYPE hetmoe_kv_slots gauge",
                 f"hetmoe_kv_slots {slots}",
+                "# HELP hetmoe_decode_steps_total Batched decode steps.",
+                "# TYPE hetmoe_decode_steps_total counter",
+                f"hetmoe_decode_steps_total {decode_steps}",
+                "# HELP hetmoe_decode_rows_total Sequences decoded, summed over steps.",
+                "# TYPE hetmoe_decode_rows_total counter",
+                f"hetmoe_decode_rows_total {decode_rows}",
                 f"# HELP hetmoe_tokens_per_second Generated tokens/s, last {RATE_WINDOW_S:g} s.",
                 "# TYPE hetmoe_tokens_per_second gauge",
                 f"hetmoe_tokens_per_second {rate:.3f}",

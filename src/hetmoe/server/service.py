@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
@@ -52,7 +53,9 @@ class ModelService:
         self.created = int(time.time())
         self.tokenizer = llm.tokenizer
         self.runner = llm.runner
-        self.scheduler = Scheduler(self.runner, llm.decode, llm.eos_token_ids, max_queue)
+        # The tokenizer is used from the event loop (encode) and the scheduler thread (decode).
+        self._tokenizer_lock = threading.Lock()
+        self.scheduler = Scheduler(self.runner, self._decode, llm.eos_token_ids, max_queue)
 
     @property
     def context_len(self) -> int:
@@ -66,11 +69,14 @@ class ModelService:
 
     def chat_ids(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """Token ids of `messages` [(role, text)] through the model's chat template."""
-        return list(self.llm.chat_prompt([{"role": r, "content": t} for r, t in messages]))
+        turns = [{"role": r, "content": t} for r, t in messages]
+        with self._tokenizer_lock:
+            return list(self.llm.chat_prompt(turns))
 
     def text_ids(self, prompt: str) -> list[int]:
         """Token ids of a raw completion prompt (with the tokenizer's usual special tokens)."""
-        return list(self.llm.encode(prompt))
+        with self._tokenizer_lock:
+            return list(self.llm.encode(prompt))
 
     def submit(
         self, prompt_ids: Sequence[int], params: SamplingParams, ignore_eos: bool = False
@@ -83,3 +89,7 @@ class ModelService:
     def close(self) -> None:
         """Stops the scheduler thread (requests in flight end as cancelled)."""
         self.scheduler.stop()
+
+    def _decode(self, token_ids: list[int]) -> str:
+        with self._tokenizer_lock:
+            return self.llm.decode(token_ids)

@@ -1,0 +1,79 @@
+"""`LiveServer`: a real uvicorn server on 127.0.0.1 (free port) in a background thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+from openai import OpenAI
+
+from hetmoe import LLM
+from hetmoe.server.app import build_app
+from hetmoe.server.config import ServerConfig
+from hetmoe.server.service import ModelService
+
+MODEL = "tiny-moe"
+API_KEY = "test-key"
+
+
+class LiveServer:
+    """`build_app` under uvicorn on a free loopback port; `close()` stops it and its scheduler."""
+
+    def __init__(self, llm: LLM, config: ServerConfig) -> None:
+        self.service = ModelService(llm, MODEL, config.max_queue)
+        self.config = config
+        server_config = uvicorn.Config(
+            build_app(self.service, config), host="127.0.0.1", port=0, log_level="warning",
+            lifespan="off", timeout_graceful_shutdown=1,
+        )
+        self._server = uvicorn.Server(server_config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def http(self, key: str | None = API_KEY) -> httpx.Client:
+        """A plain HTTP client (for raw bodies and headers)."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+    def openai(self, **options: object) -> OpenAI:
+        """The official client pointed at this server."""
+        return OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, **options)
+
+    def metric(self, name: str) -> float:
+        """One unlabelled sample from /metrics."""
+        with self.http() as client:
+            text = client.get("/metrics").text
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(f"{name} not in /metrics:\n{text}")
+
+    def wait_for(self, name: str, value: float, timeout: float = 10.0) -> None:
+        """Waits until the metric `name` equals `value`."""
+        deadline = time.monotonic() + timeout
+        while self.metric(name) != value:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} stayed {self.metric(name)}, expected {value}")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self.service.close()
+
+
+def tiny_llm(path: Path, **options: object) -> LLM:
+    """The baby model on the CPU device, fp32."""
+    return LLM(path, device="cpu", progress=False, **options)
+
+
