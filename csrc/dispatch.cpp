@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <stdexcept>
 
 namespace hetmoe {
 namespace {
@@ -65,6 +66,42 @@ CpuFeatures detect() {
 const CpuFeatures& cpu_features() {
   static const CpuFeatures features = detect();
   return features;
+}
+
+Isa best_isa() {
+  const CpuFeatures& f = cpu_features();
+  const bool avx512 = f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512_bf16 &&
+                      f.avx512_vnni;
+  if (avx512 && f.amx_tile && f.amx_bf16 && f.amx_int8 && f.amx_permitted) return Isa::kAmx;
+  if (avx512) return Isa::kAvx512;
+  if (f.avx2 && f.fma) return Isa::kAvx2;
+  return Isa::kScalar;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAmx: return "amx";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+Isa parse_isa(const std::string& name) {
+  if (name == "auto") return best_isa();
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAmx}) {
+    if (name != isa_name(isa)) continue;
+    if (int(isa) > int(best_isa())) {
+      static const char* needs[] = {"", "AVX2 + FMA", "AVX-512 F/BW/VL/DQ + BF16 + VNNI",
+                                    "AMX tile/bf16/int8 with the OS permission (arch_prctl)"};
+      throw std::invalid_argument("ISA '" + name + "' was requested but this CPU/OS lacks " +
+                                  needs[int(isa)] + "; the best available is '" +
+                                  isa_name(best_isa()) + "'");
+    }
+    return isa;
+  }
+  throw std::invalid_argument("unknown ISA '" + name +
+                              "': expected one of auto, amx, avx512, avx2, scalar");
 }
 
 }  // namespace hetmoe

@@ -1,5 +1,7 @@
-// CPU feature detection, decided once per process.
+// CPU feature detection and kernel ISA choice, decided once per process.
 #pragma once
+
+#include <string>
 
 namespace hetmoe {
 
@@ -22,5 +24,17 @@ struct CpuFeatures {
 
 // What this CPU and OS can run; the AMX permission request is made on the first call.
 const CpuFeatures& cpu_features();
+
+// Kernel families, ordered: a cap of kAvx512 allows scalar, avx2 and avx512.
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+
+// The best family this CPU and OS can run (AMX only with the OS permission granted).
+Isa best_isa();
+
+// "auto" -> best_isa(); "amx" | "avx512" | "avx2" | "scalar" -> that family, or
+// std::invalid_argument naming what the CPU lacks / the accepted names.
+Isa parse_isa(const std::string& name);
+
+const char* isa_name(Isa isa);
 
 }  // namespace hetmoe

@@ -1,0 +1,138 @@
+// AVX-512 kernels for few tokens per expert (decode): BF16 dot products (vdpbf16ps) and VNNI
+// u8 x s8 (vpdpbusd). A 64-byte block row is one register holding all 16 outputs, so each
+// token needs only a broadcast of its matching activations and no horizontal sums.
+#include <immintrin.h>
+
+#include "kernels/gemm.h"
+
+namespace hetmoe {
+namespace {
+
+constexpr int kMaxTokens = 4;
+
+inline __m512i broadcast32(const void* p) {
+  return _mm512_set1_epi32(*static_cast<const int32_t*>(p));
+}
+
+template <int MT>
+void bf16_tokens(const uint8_t* blocks, int kblocks, const uint16_t* x, size_t ld, float* c,
+                 size_t ldc) {
+  __m512 even[MT], odd[MT];
+  for (int t = 0; t < MT; ++t) even[t] = odd[t] = _mm512_setzero_ps();
+  for (int kb = 0; kb < kblocks; ++kb) {
+    const uint8_t* blk = blocks + size_t(kb) * 1024;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 4096), _MM_HINT_T0);
+    for (int r = 0; r < 16; r += 2) {
+      const __m512bh w0 = (__m512bh)_mm512_load_si512(blk + r * 64);
+      const __m512bh w1 = (__m512bh)_mm512_load_si512(blk + (r + 1) * 64);
+      for (int t = 0; t < MT; ++t) {
+        const uint16_t* xt = x + size_t(t) * ld + kb * 32 + r * 2;
+        even[t] = _mm512_dpbf16_ps(even[t], (__m512bh)broadcast32(xt), w0);
+        odd[t] = _mm512_dpbf16_ps(odd[t], (__m512bh)broadcast32(xt + 2), w1);
+      }
+    }
+  }
+  for (int t = 0; t < MT; ++t) _mm512_storeu_ps(c + size_t(t) * ldc, _mm512_add_ps(even[t], odd[t]));
+}
+
+void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
+               size_t ldc) {
+  const int kblocks = w.num_k_blocks();
+  for (int nb = nb_begin; nb < nb_end; ++nb) {
+    float* cn = c + (nb - nb_begin) * 16;
+    for (int t = 0; t < a.m; t += kMaxTokens) {
+      const uint16_t* x = a.bf16 + size_t(t) * a.ld;
+      float* ct = cn + size_t(t) * ldc;
+      switch (a.m - t >= kMaxTokens ? kMaxTokens : a.m - t) {
+        case 1: bf16_tokens<1>(w.n_block(nb), kblocks, x, a.ld, ct, ldc); break;
+        case 2: bf16_tokens<2>(w.n_block(nb), kblocks, x, a.ld, ct, ldc); break;
+        case 3: bf16_tokens<3>(w.n_block(nb), kblocks, x, a.ld, ct, ldc); break;
+        default: bf16_tokens<4>(w.n_block(nb), kblocks, x, a.ld, ct, ldc); break;
+      }
+    }
+  }
+}
+
+// Adds one group's exact integer dot products to the float accumulators (gemm.h's formula).
+template <bool kInt4, int MT>
+inline void fix_up(const PackedMatrix& w, int nb, int g, const ActView& a, int t0, __m512i* dot,
+                   __m512* acc) {
+  const size_t at = (size_t(nb) * w.num_groups() + g) * kBlockN;
+  const __m512 sw = _mm512_loadu_ps(w.scale + at), swq = _mm512_loadu_ps(w.scale_qsum + at);
+  for (int t = 0; t < MT; ++t) {
+    const size_t ga = size_t(t0 + t) * a.ldg + g;
+    const __m512 f = _mm512_cvtepi32_ps(dot[t]);
+    acc[t] = _mm512_fmadd_ps(f, _mm512_mul_ps(sw, _mm512_set1_ps(a.scale[ga])), acc[t]);
+    acc[t] = _mm512_fmadd_ps(swq, _mm512_set1_ps(a.bias[ga]), acc[t]);
+    if (kInt4) acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(w.bias + at), _mm512_set1_ps(a.sum[ga]), acc[t]);
+    dot[t] = _mm512_setzero_si512();
+  }
+}
+
+template <bool kInt4, int MT>
+void int_tokens(const PackedMatrix& w, int nb, const ActView& a, int t0, float* c, size_t ldc) {
+  const int kblocks = w.num_k_blocks(), gs = w.group_size;
+  const size_t bb = w.block_bytes();
+  const uint8_t* blocks = w.n_block(nb);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  __m512i lo[MT], hi[MT];
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) {
+    lo[t] = hi[t] = _mm512_setzero_si512();
+    acc[t] = _mm512_setzero_ps();
+  }
+  for (int kb = 0; kb < kblocks; ++kb) {
+    const uint8_t* blk = blocks + kb * bb;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * bb), _MM_HINT_T0);
+    for (int r = 0; r < 8; ++r) {
+      __m512i w0, w1;
+      if (kInt4) {
+        const __m512i v = _mm512_load_si512(blk + r * 64);
+        w0 = _mm512_sub_epi8(_mm512_and_si512(v, low4), eight);
+        w1 = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight);
+      } else {
+        w0 = _mm512_load_si512(blk + r * 64);
+        w1 = _mm512_load_si512(blk + (r + 8) * 64);
+      }
+      for (int t = 0; t < MT; ++t) {
+        const uint8_t* xt = a.u8 + size_t(t0 + t) * a.ld + kb * 64;
+        lo[t] = _mm512_dpbusd_epi32(lo[t], broadcast32(xt + r * 4), w0);
+        hi[t] = _mm512_dpbusd_epi32(hi[t], broadcast32(xt + (r + 8) * 4), w1);
+      }
+    }
+    if (gs == 32) {
+      fix_up<kInt4, MT>(w, nb, 2 * kb, a, t0, lo, acc);
+      fix_up<kInt4, MT>(w, nb, 2 * kb + 1, a, t0, hi, acc);
+    } else if ((kb + 1) % (gs / 64) == 0) {
+      for (int t = 0; t < MT; ++t) lo[t] = _mm512_add_epi32(lo[t], hi[t]), hi[t] = _mm512_setzero_si512();
+      fix_up<kInt4, MT>(w, nb, (kb + 1) * 64 / gs - 1, a, t0, lo, acc);
+    }
+  }
+  for (int t = 0; t < MT; ++t) _mm512_storeu_ps(c + size_t(t) * ldc, acc[t]);
+}
+
+template <bool kInt4>
+void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
+              size_t ldc) {
+  for (int nb = nb_begin; nb < nb_end; ++nb) {
+    float* cn = c + (nb - nb_begin) * 16;
+    for (int t = 0; t < a.m; t += kMaxTokens) {
+      float* ct = cn + size_t(t) * ldc;
+      switch (a.m - t >= kMaxTokens ? kMaxTokens : a.m - t) {
+        case 1: int_tokens<kInt4, 1>(w, nb, a, t, ct, ldc); break;
+        case 2: int_tokens<kInt4, 2>(w, nb, a, t, ct, ldc); break;
+        case 3: int_tokens<kInt4, 3>(w, nb, a, t, ct, ldc); break;
+        default: int_tokens<kInt4, 4>(w, nb, a, t, ct, ldc); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+const IsaKernels& avx512_kernels() {
+  static const IsaKernels k{"avx512", gemm_bf16, gemm_int<false>, gemm_int<true>};
+  return k;
+}
+
+}  // namespace hetmoe

@@ -1,0 +1,46 @@
+// Per-ISA kernels: C[m, 16 * (nb_end - nb_begin)] = A[m, K] x W[n-blocks]^T on packed weights.
+//
+// Activations come prepared once per call (layout/activation.h): bf16 rows for the bf16 format;
+// for int formats u8 rows quantized per (row, group) as x = scale * u + bias, so that
+//   dot_group(x, w) = sw * sx * sum(u * q) + sw_qsum * bx + bias_w * xsum
+// with sum(u * q) an exact int32 product (VNNI / AMX), and the rest a per-group fix-up.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "layout/packed_matrix.h"
+
+namespace hetmoe {
+
+struct ActView {
+  int m = 0;                   // rows; rows up to round_up(m, 16) are readable and zero
+  size_t ld = 0;               // elements (bf16) or bytes (u8) between rows
+  const uint16_t* bf16 = nullptr;
+  const uint8_t* u8 = nullptr;
+  const float* scale = nullptr;  // [m][groups]
+  const float* bias = nullptr;   // [m][groups]
+  const float* sum = nullptr;    // [m][groups] sum of the dequantized group
+  size_t ldg = 0;                // floats between rows of scale/bias/sum
+};
+
+// Writes c[t * ldc + (nb - nb_begin) * 16 + j] for t < round_up(m, 16) (rows >= m are garbage).
+using GemmFn = void (*)(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
+                        float* c, size_t ldc);
+
+struct IsaKernels {
+  const char* name;
+  GemmFn bf16;
+  GemmFn int8;
+  GemmFn int4;
+  GemmFn get(WeightFormat f) const {
+    return f == WeightFormat::kBF16 ? bf16 : f == WeightFormat::kINT8 ? int8 : int4;
+  }
+};
+
+const IsaKernels& reference_kernels();
+const IsaKernels& avx2_kernels();
+const IsaKernels& avx512_kernels();
+const IsaKernels& amx_kernels();
+
+}  // namespace hetmoe

@@ -1,0 +1,74 @@
+// Scalar reference kernels: plain loops over the packed layout, the oracle for the ISA kernels
+// and the path for CPUs with no AVX2.
+#include <vector>
+
+#include "kernels/gemm.h"
+#include "layout/bf16.h"
+
+namespace hetmoe {
+namespace {
+
+void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
+               size_t ldc) {
+  const int kblocks = w.num_k_blocks();
+  for (int nb = nb_begin; nb < nb_end; ++nb) {
+    const uint16_t* blk = reinterpret_cast<const uint16_t*>(w.n_block(nb));
+    for (int t = 0; t < a.m; ++t) {
+      float acc[kBlockN] = {};
+      const uint16_t* x = a.bf16 + size_t(t) * a.ld;
+      for (int kb = 0; kb < kblocks; ++kb)
+        for (int r = 0; r < 16; ++r)
+          for (int n = 0; n < kBlockN; ++n)
+            for (int j = 0; j < 2; ++j)
+              acc[n] += bf16_to_float(blk[kb * 512 + r * 32 + n * 2 + j]) *
+                        bf16_to_float(x[kb * 32 + r * 2 + j]);
+      for (int n = 0; n < kBlockN; ++n) c[size_t(t) * ldc + (nb - nb_begin) * 16 + n] = acc[n];
+    }
+  }
+}
+
+// Signed weight of row r (0..15 of a 64-k block), byte `pos` (n * 4 + k % 4).
+inline int weight_at(const uint8_t* blk, bool int4, int r, int pos) {
+  if (!int4) return int8_t(blk[r * 64 + pos]);
+  const uint8_t byte = blk[(r % 8) * 64 + pos];
+  return int((r < 8 ? byte : byte >> 4) & 0xF) - 8;
+}
+
+template <bool kInt4>
+void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
+              size_t ldc) {
+  const int groups = w.num_groups(), gs = w.group_size;
+  const size_t bb = w.block_bytes();
+  for (int nb = nb_begin; nb < nb_end; ++nb) {
+    const uint8_t* blocks = w.n_block(nb);
+    for (int t = 0; t < a.m; ++t) {
+      const uint8_t* x = a.u8 + size_t(t) * a.ld;
+      float acc[kBlockN] = {};
+      for (int g = 0; g < groups; ++g) {
+        int32_t dot[kBlockN] = {};
+        for (int kk = g * gs; kk < (g + 1) * gs; ++kk) {
+          const uint8_t* blk = blocks + (kk / 64) * bb;
+          const int r = (kk % 64) / 4;
+          for (int n = 0; n < kBlockN; ++n)
+            dot[n] += int(x[kk]) * weight_at(blk, kInt4, r, n * 4 + kk % 4);
+        }
+        const size_t at = (size_t(nb) * groups + g) * kBlockN;
+        const float sx = a.scale[size_t(t) * a.ldg + g], bx = a.bias[size_t(t) * a.ldg + g];
+        for (int n = 0; n < kBlockN; ++n) {
+          acc[n] += w.scale[at + n] * sx * float(dot[n]) + w.scale_qsum[at + n] * bx;
+          if (kInt4) acc[n] += w.bias[at + n] * a.sum[size_t(t) * a.ldg + g];
+        }
+      }
+      for (int n = 0; n < kBlockN; ++n) c[size_t(t) * ldc + (nb - nb_begin) * 16 + n] = acc[n];
+    }
+  }
+}
+
+}  // namespace
+
+const IsaKernels& reference_kernels() {
+  static const IsaKernels k{"scalar", gemm_bf16, gemm_int<false>, gemm_int<true>};
+  return k;
+}
+
+}  // namespace hetmoe

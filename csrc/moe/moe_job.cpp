@@ -1,0 +1,241 @@
+// The forward job of MoELayer: phases of one MoE call on the pool.
+//   1 tokens -> kernel input form      2 gather rows per expert (16-row aligned)
+//   3 gate/up + SiLU (expert, block)   4 down + weighted sum (output column blocks, all experts)
+//   5 sum of the NUMA groups' partial outputs -> out
+// Phases 3 and 4 run in every NUMA group over its own intermediate slice; the others split their
+// tasks across groups.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "kernels/gemm.h"
+#include "layout/activation.h"
+#include "layout/bf16.h"
+#include "moe/moe_layer.h"
+#include "moe/routing.h"
+#include "moe/workspace.h"
+
+namespace hetmoe {
+namespace {
+
+constexpr int kTokensPerTask = 4;
+constexpr int kRowsPerTask = 16;
+
+const IsaKernels& kernels_of(Isa isa) {
+  switch (isa) {
+    case Isa::kAmx: return amx_kernels();
+    case Isa::kAvx512: return avx512_kernels();
+    case Isa::kAvx2: return avx2_kernels();
+    default: return reference_kernels();
+  }
+}
+
+float* scratch(size_t floats) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < floats) buf.resize(floats);
+  return buf.data();
+}
+
+// Activations of `rows` rows x `k` columns stored at `act` with group arrays [3][total][k / gs].
+struct ActStore {
+  uint8_t* act = nullptr;
+  float* groups = nullptr;
+  size_t k = 0, total = 0, ngroups = 0, elem = 0;
+
+  ActView view(long row0, int m) const {
+    ActView v;
+    v.m = m;
+    v.ld = k;
+    if (elem == 2) v.bf16 = reinterpret_cast<const uint16_t*>(act) + row0 * k;
+    else v.u8 = act + row0 * k;
+    if (ngroups) {
+      v.scale = groups + row0 * ngroups;
+      v.bias = groups + (total + row0) * ngroups;
+      v.sum = groups + (2 * total + row0) * ngroups;
+      v.ldg = ngroups;
+    }
+    return v;
+  }
+  // Converts fp32 values into row `row`, columns [col, col + n).
+  void put(long row, size_t col, const float* x, int n, int group_size) const {
+    if (elem == 2) {
+      activation_to_bf16(x, n, n, reinterpret_cast<uint16_t*>(act) + row * k + col);
+      return;
+    }
+    const size_t g = row * ngroups + col / group_size;
+    activation_to_u8(x, n, n, group_size, act + row * k + col, groups + g,
+                     groups + total * ngroups + g, groups + 2 * total * ngroups + g);
+  }
+  void zero(long row, size_t col, size_t n, int group_size) const {
+    std::memset(act + (row * k + col) * elem, 0, n * elem);
+    if (!ngroups) return;
+    for (int a = 0; a < 3; ++a)
+      std::memset(groups + (a * total + row) * ngroups + col / group_size, 0,
+                  sizeof(float) * (n / group_size));
+  }
+  void copy_row(const ActStore& src, long from, long to) const {
+    std::memcpy(act + to * k * elem, src.act + from * k * elem, k * elem);
+    for (int a = 0; a < 3 && ngroups; ++a)
+      std::memcpy(groups + (a * total + to) * ngroups, src.groups + (a * src.total + from) * ngroups,
+                  sizeof(float) * ngroups);
+  }
+};
+
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+inline float load_value(const void* base, DType t, size_t i) {
+  return t == DType::kBF16 ? bf16_to_float(static_cast<const uint16_t*>(base)[i])
+                           : static_cast<const float*>(base)[i];
+}
+
+struct CallState {
+  MoECall call;
+  Routing routing;
+  std::shared_ptr<Workspace> ws;
+  ActStore tokens, rows;
+  std::vector<ActStore> hidden;  // per NUMA group
+  std::vector<float*> accum;     // per NUMA group, [q][H]
+};
+
+}  // namespace
+
+Job MoELayer::make_job(const MoECall& call) const {
+  auto st = std::make_shared<CallState>();
+  st->call = call;
+  st->routing = route(call.ids, call.weights, call.q, call.k, cfg_.num_experts, gpu_mask_, loaded_);
+  const Routing& rt = st->routing;
+  const int G = num_groups(), H = cfg_.hidden, Hp = hidden_padded_, q = call.q;
+  const bool quantized = cfg_.format != WeightFormat::kBF16;
+  const int gs = cfg_.group_size;
+  const size_t elem = quantized ? 1 : 2, R = size_t(rt.total_rows);
+  const size_t ngx = quantized ? Hp / gs : 0, Ip = slice_begin_.back();
+  std::array<size_t, kNumRegions> need{};
+  need[kTokenAct] = size_t(q) * Hp * elem;
+  need[kTokenGroups] = 3 * size_t(q) * ngx * 4;
+  need[kRowAct] = R * Hp * elem;
+  need[kRowGroups] = 3 * R * ngx * 4;
+  need[kHidden] = R * Ip * elem;
+  need[kHiddenGroups] = quantized ? 3 * R * (Ip / gs) * 4 : 0;
+  need[kAccum] = size_t(G) * q * H * 4;
+  st->ws = acquire_workspace(need);
+  const Workspace& ws = *st->ws;
+  st->tokens = {ws.at<uint8_t>(kTokenAct), ws.at<float>(kTokenGroups), size_t(Hp), size_t(q), ngx, elem};
+  st->rows = {ws.at<uint8_t>(kRowAct), ws.at<float>(kRowGroups), size_t(Hp), R, ngx, elem};
+  size_t h_off = 0, hg_off = 0;
+  for (int g = 0; g < G; ++g) {
+    const size_t ig = size_t(slice(g)), ngh = quantized ? ig / gs : 0;
+    st->hidden.push_back({ws.at<uint8_t>(kHidden, h_off), ws.at<float>(kHiddenGroups, hg_off), ig,
+                          R, ngh, elem});
+    st->accum.push_back(ws.at<float>(kAccum, size_t(g) * q * H * 4));
+    h_off += R * ig * elem;
+    hg_off += 3 * R * ngh * 4;
+  }
+
+  auto split = [G](int total) { return size_t((total + G - 1) / G); };
+  const int token_tasks = (q + kTokensPerTask - 1) / kTokensPerTask;
+  const int row_tasks = int(R / kRowsPerTask);
+  const Isa small_isa = std::min(cfg_.max_isa, Isa::kAvx512);
+  auto kernels_for = [this, small_isa](int m) -> const IsaKernels& {
+    const bool amx = cfg_.max_isa == Isa::kAmx && m >= cfg_.amx_min_tokens;
+    return kernels_of(amx ? Isa::kAmx : small_isa);
+  };
+  Job job;
+
+  // 1: each token once into the kernels' input form.
+  job.push_back({split(token_tasks), [st, G, H, Hp, gs](size_t task, int g, int) {
+    const int chunk = int(task) * G + g;
+    const MoECall& c = st->call;
+    float* row = scratch(Hp);
+    for (int t = chunk * kTokensPerTask; t < std::min(c.q, (chunk + 1) * kTokensPerTask); ++t) {
+      for (int i = 0; i < H; ++i) row[i] = load_value(c.x, c.x_type, size_t(t) * H + i);
+      std::fill(row + H, row + Hp, 0.0f);
+      st->tokens.put(t, 0, row, Hp, gs);
+    }
+  }});
+  // 2: rows grouped by expert; padding rows are zero so AMX tiles read defined data.
+  job.push_back({split(row_tasks), [st, G, gs](size_t task, int g, int) {
+    const long chunk = long(task) * G + g;
+    for (long r = chunk * kRowsPerTask; r < std::min(st->routing.total_rows, (chunk + 1) * kRowsPerTask); ++r) {
+      const int tok = st->routing.row_token[r];
+      if (tok < 0) st->rows.zero(r, 0, st->rows.k, gs);
+      else st->rows.copy_row(st->tokens, tok, r);
+    }
+  }});
+  // 3: gate and up of one block of intermediate columns, SiLU(gate) * up -> hidden activations.
+  const int cols = std::max(4, gs / kBlockN) * kBlockN;  // whole groups per task
+  std::vector<size_t> gu_tasks(G);
+  for (int g = 0; g < G; ++g) gu_tasks[g] = rt.experts.size() * (slice(g) / cols);
+  const size_t gu_max = G ? *std::max_element(gu_tasks.begin(), gu_tasks.end()) : 0;
+  job.push_back({gu_max, [this, st, cols, gs, kernels_for](size_t task, int g, int) {
+    const int per_expert = slice(g) / cols;
+    if (per_expert == 0 || task >= st->routing.experts.size() * per_expert) return;
+    const Routing& r = st->routing;
+    const size_t a = task / per_expert;
+    const int col0 = int(task % per_expert) * cols, m = r.rows[a], mp = int(round_up(m, 16));
+    const long row0 = r.first_row[a];
+    const PackedMatrix& w = gate_up_[size_t(g) * cfg_.num_experts + r.experts[a]];
+    const size_t ldc = 2 * size_t(cols);
+    float* c = scratch(size_t(mp) * ldc + cols);
+    float* h = c + size_t(mp) * ldc;
+    kernels_for(m).get(cfg_.format)(w, st->rows.view(row0, m), 2 * col0 / kBlockN,
+                                    2 * (col0 + cols) / kBlockN, c, ldc);
+    for (int t = 0; t < m; ++t) {
+      const float* ct = c + t * ldc;
+      for (int j = 0; j < cols; ++j) {
+        const int blk = j / kBlockN, lane = j % kBlockN;
+        h[j] = silu(ct[2 * blk * kBlockN + lane]) * ct[(2 * blk + 1) * kBlockN + lane];
+      }
+      st->hidden[g].put(row0 + t, col0, h, cols, gs);
+    }
+    for (int t = m; t < mp; ++t) st->hidden[g].zero(row0 + t, col0, cols, gs);
+  }});
+  // 4: down for a block of output columns over every expert, weighted into the group's partial.
+  const int nb_per_task = rt.max_rows >= 32 ? 2 : 1;
+  job.push_back({size_t(H / kBlockN / nb_per_task), [this, st, nb_per_task, H, kernels_for](
+                     size_t task, int g, int) {
+    const Routing& r = st->routing;
+    const int nb0 = int(task) * nb_per_task, width = nb_per_task * kBlockN;
+    float* acc = st->accum[g];
+    for (int t = 0; t < st->call.q; ++t) std::fill_n(acc + size_t(t) * H + nb0 * kBlockN, width, 0.0f);
+    if (slice(g) == 0) return;
+    float* c = scratch(round_up(r.max_rows, 16) * width);
+    for (size_t a = 0; a < r.experts.size(); ++a) {
+      const int m = r.rows[a];
+      const long row0 = r.first_row[a];
+      const PackedMatrix& w = down_[size_t(g) * cfg_.num_experts + r.experts[a]];
+      kernels_for(m).get(cfg_.format)(w, st->hidden[g].view(row0, m), nb0, nb0 + nb_per_task, c,
+                                      width);
+      for (int t = 0; t < m; ++t) {
+        float* dst = acc + size_t(r.row_token[row0 + t]) * H + nb0 * kBlockN;
+        const float wt = r.row_weight[row0 + t];
+        for (int j = 0; j < width; ++j) dst[j] += wt * c[t * width + j];
+      }
+    }
+  }});
+  // 5: sum of the groups' partial outputs, written once in the output dtype.
+  job.push_back({split(token_tasks), [this, st, G, H](size_t task, int g, int) {
+    const int chunk = int(task) * G + g;
+    const MoECall& c = st->call;
+    for (int t = chunk * kTokensPerTask; t < std::min(c.q, (chunk + 1) * kTokensPerTask); ++t) {
+      float* row = st->accum[0] + size_t(t) * H;
+      for (int gg = 1; gg < G; ++gg) {
+        if (slice(gg) == 0) continue;
+        const float* part = st->accum[gg] + size_t(t) * H;
+        for (int i = 0; i < H; ++i) row[i] += part[i];
+      }
+      if (c.out_type == DType::kFP32) {
+        std::memcpy(static_cast<float*>(c.out) + size_t(t) * H, row, sizeof(float) * H);
+      } else {
+        uint16_t* o = static_cast<uint16_t*>(c.out) + size_t(t) * H;
+        for (int i = 0; i < H; ++i) o[i] = float_to_bf16(row[i]);
+      }
+    }
+  }});
+  return job;
+}
+
+JobHandle MoELayer::submit(const MoECall& call) { return pool_.submit(make_job(call)); }
+
+}  // namespace hetmoe

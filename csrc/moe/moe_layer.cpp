@@ -1,0 +1,124 @@
+// MoELayer construction, NUMA slicing and parallel packing (the forward job is in moe_job.cpp).
+#include "moe/moe_layer.h"
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+namespace hetmoe {
+namespace {
+
+constexpr int kPackBlocksPerTask = 4;
+
+}  // namespace
+
+ThreadPool& pool_for_threads(int threads) {
+  if (threads <= 0) return global_pool();
+  static std::mutex mu;
+  static std::map<int, std::unique_ptr<ThreadPool>> pools;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = pools[threads];
+  if (!slot) slot = std::make_unique<ThreadPool>(threads, 0);
+  return *slot;
+}
+
+MoELayer::MoELayer(const MoEConfig& cfg, ThreadPool& pool)
+    : cfg_(cfg), pool_(pool), host_job_(pool, [this] { return make_job(host_call_); }) {
+  const bool quantized = cfg.format != WeightFormat::kBF16;
+  if (cfg.num_experts < 1 || cfg.hidden < 32 || cfg.hidden % 32 || cfg.intermediate < 32 ||
+      cfg.intermediate % 32)
+    throw std::invalid_argument("MoELayer: need num_experts >= 1 and hidden, intermediate "
+                                "positive multiples of 32");
+  if (quantized && (cfg.group_size < 32 || cfg.group_size > 256 ||
+                    (cfg.group_size & (cfg.group_size - 1)) || cfg.hidden % cfg.group_size ||
+                    cfg.intermediate % cfg.group_size))
+    throw std::invalid_argument("MoELayer: group_size must be 32, 64, 128 or 256 and divide "
+                                "hidden and intermediate");
+  hidden_padded_ = int(round_up(cfg.hidden, kPadK));
+  // Slices are whole quantization groups and whole 64-k blocks; the tail is zero padding.
+  const int unit = quantized ? std::max(kPadK, cfg.group_size) : kPadK;
+  const int units = int(round_up(cfg.intermediate, unit) / unit), groups = pool.num_groups();
+  for (int g = 0; g <= groups; ++g) slice_begin_.push_back(int(long(g) * units / groups) * unit);
+  gate_up_.resize(size_t(groups) * cfg.num_experts);
+  down_.resize(size_t(groups) * cfg.num_experts);
+  loaded_.assign(cfg.num_experts, 0);
+}
+
+MoELayer::~MoELayer() {
+  for (auto& m : gate_up_) free_packed(m);
+  for (auto& m : down_) free_packed(m);
+}
+
+size_t MoELayer::packed_bytes() const {
+  size_t total = 0;
+  for (const auto* mats : {&gate_up_, &down_})
+    for (const auto& m : *mats) {
+      if (!m.blocks) continue;
+      const int arrays = m.format == WeightFormat::kINT4 ? 3 : m.format == WeightFormat::kINT8 ? 2 : 0;
+      total += m.blocks_bytes() + arrays * m.group_floats() * sizeof(float);
+    }
+  return total;
+}
+
+void MoELayer::set_gpu_mask(const uint8_t* mask) {
+  if (!mask) {
+    gpu_mask_.clear();
+    return;
+  }
+  gpu_mask_.assign(mask, mask + cfg_.num_experts);
+}
+
+void MoELayer::load_expert(int e, const void* gate, const void* up, const void* down,
+                           SourceType type) {
+  if (e < 0 || e >= cfg_.num_experts)
+    throw std::out_of_range("load_expert: expert " + std::to_string(e) + " is out of range [0, " +
+                            std::to_string(cfg_.num_experts) + ")");
+  const int H = cfg_.hidden, I = cfg_.intermediate, G = num_groups();
+  const size_t elem = type == SourceType::kBF16 ? 2 : 4;
+  for (int g = 0; g < G; ++g) {
+    PackedMatrix& gu = gate_up_[size_t(g) * cfg_.num_experts + e];
+    PackedMatrix& dn = down_[size_t(g) * cfg_.num_experts + e];
+    if (gu.blocks || slice(g) == 0) continue;
+    for (PackedMatrix* m : {&gu, &dn}) {
+      m->format = cfg_.format;
+      m->group_size = cfg_.group_size;
+    }
+    gu.n = 2 * slice(g);
+    gu.k = hidden_padded_;
+    dn.n = H;
+    dn.k = slice(g);
+    allocate_packed(gu, pool_.group_node(g));
+    allocate_packed(dn, pool_.group_node(g));
+  }
+  auto bytes = [elem](const void* p, long elements) {
+    return static_cast<const uint8_t*>(p) + elements * long(elem);
+  };
+  const int max_j = *std::max_element(slice_begin_.begin() + 1, slice_begin_.end()) / kBlockN;
+  const int j_tasks = (max_j + kPackBlocksPerTask - 1) / kPackBlocksPerTask;
+  const int d_tasks = (H / kBlockN + kPackBlocksPerTask - 1) / kPackBlocksPerTask;
+  Job job{Phase{size_t(j_tasks + d_tasks), [&, e](size_t task, int g, int) {
+    const size_t at = size_t(g) * cfg_.num_experts + e;
+    const int s0 = slice_begin_[g];
+    if (int(task) < j_tasks) {
+      // Gate rows of block j go to n-block 2j, up rows to 2j + 1.
+      const int j_end = std::min<int>((int(task) + 1) * kPackBlocksPerTask, slice(g) / kBlockN);
+      for (int j = int(task) * kPackBlocksPerTask; j < j_end; ++j) {
+        const long row = s0 + long(j) * kBlockN;
+        pack_rows(gate_up_[at], 2 * j, 1, bytes(gate, row * H), type, H, I - row, H);
+        pack_rows(gate_up_[at], 2 * j + 1, 1, bytes(up, row * H), type, H, I - row, H);
+      }
+      return;
+    }
+    const int nb0 = (int(task) - j_tasks) * kPackBlocksPerTask;
+    if (slice(g) == 0) return;
+    const int count = std::min(kPackBlocksPerTask, H / kBlockN - nb0);
+    pack_rows(down_[at], nb0, count, bytes(down, long(nb0) * kBlockN * I + s0), type, I,
+              kBlockN * count, long(I) - s0);
+  }}};
+  pool_.run(std::move(job));
+  loaded_[e] = 1;
+}
+
+}  // namespace hetmoe

@@ -1,0 +1,83 @@
+// One fused MoE layer on the CPU: packed experts (split over NUMA groups along the intermediate
+// dimension) and the job that computes out[q, H] = sum_j w_j * down_e(silu(gate_e x) * up_e x).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "dispatch.h"
+#include "layout/packed_matrix.h"
+#include "runtime/host_job.h"
+#include "runtime/pool.h"
+
+namespace hetmoe {
+
+enum class DType : int { kBF16 = 0, kFP32 = 1 };
+
+struct MoEConfig {
+  int num_experts = 0;
+  int hidden = 0;        // H, a multiple of 32
+  int intermediate = 0;  // I, a multiple of 32
+  WeightFormat format = WeightFormat::kBF16;
+  int group_size = 0;    // int formats: 32, 64, 128 or 256, dividing H and I
+  Isa max_isa = Isa::kScalar;
+  int amx_min_tokens = 0;  // tokens per expert from which AMX kernels are used
+};
+
+// Raw pointers of one call; they must stay valid until the call's job is done.
+struct MoECall {
+  const void* x = nullptr;  // [q, H]
+  DType x_type = DType::kFP32;
+  const int64_t* ids = nullptr;     // [q, k]
+  const float* weights = nullptr;   // [q, k]
+  int q = 0, k = 0;
+  void* out = nullptr;              // [q, H]
+  DType out_type = DType::kFP32;
+};
+
+class MoELayer {
+ public:
+  MoELayer(const MoEConfig& cfg, ThreadPool& pool);
+  ~MoELayer();
+  MoELayer(const MoELayer&) = delete;
+  MoELayer& operator=(const MoELayer&) = delete;
+
+  // gate/up: [I, H], down: [H, I], row-major. Packs (and quantizes) on the pool, each NUMA
+  // group its own slice on its own node. Reloading an expert overwrites it.
+  void load_expert(int e, const void* gate, const void* up, const void* down, SourceType type);
+  // num_experts bytes, nonzero = the expert lives on the GPU (skipped here); nullptr clears.
+  void set_gpu_mask(const uint8_t* mask);
+
+  JobHandle submit(const MoECall& call);
+  void wait(JobHandle handle) { pool_.wait(handle); }
+
+  // CUDA host functions run the call set here (buffers at fixed addresses, e.g. pinned).
+  void set_host_call(const MoECall& call) { host_call_ = call; }
+  HostJob& host_job() { return host_job_; }
+
+  const MoEConfig& config() const { return cfg_; }
+  int num_groups() const { return int(slice_begin_.size()) - 1; }
+  int slice_begin(int g) const { return slice_begin_[g]; }
+  size_t packed_bytes() const;  // weight + scale bytes of the loaded experts
+
+ private:
+  Job make_job(const MoECall& call) const;
+  int slice(int g) const { return slice_begin_[g + 1] - slice_begin_[g]; }
+
+  MoEConfig cfg_;
+  ThreadPool& pool_;
+  int hidden_padded_ = 0;
+  std::vector<int> slice_begin_;          // G + 1 boundaries over the padded intermediate dim
+  std::vector<PackedMatrix> gate_up_;     // [G * E]: gate/up n-blocks interleaved, K = Hp
+  std::vector<PackedMatrix> down_;        // [G * E]: N = H, K = the group's slice
+  std::vector<uint8_t> loaded_, gpu_mask_;
+  MoECall host_call_;
+  HostJob host_job_;
+};
+
+// The pool for `threads` workers: 0 = the process-wide pool (from the environment); other counts
+// get one shared pool each, built on first use.
+ThreadPool& pool_for_threads(int threads);
+
+}  // namespace hetmoe

@@ -1,0 +1,24 @@
+// Groups the (token, slot) pairs of one MoE call by expert: the plan every phase reads.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace hetmoe {
+
+struct Routing {
+  std::vector<int> experts;    // active experts, most rows first (balances the task queue)
+  std::vector<int> rows;       // rows per active expert
+  std::vector<long> first_row; // first row of each active expert; experts start 16-aligned
+  std::vector<int> row_token;  // token of each row, -1 for padding rows
+  std::vector<float> row_weight;
+  long total_rows = 0;         // including padding
+  int max_rows = 0;
+};
+
+// ids/weights: [q, k]. Ids < 0 and experts marked in `gpu_mask` (may be empty) are skipped.
+// Throws std::out_of_range for an id >= num_experts, std::runtime_error for an expert never loaded.
+Routing route(const int64_t* ids, const float* weights, int q, int k, int num_experts,
+              const std::vector<uint8_t>& gpu_mask, const std::vector<uint8_t>& loaded);
+
+}  // namespace hetmoe

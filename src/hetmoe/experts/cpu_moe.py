@@ -1,0 +1,285 @@
+"""`CpuMoE`: the routed experts of one MoE layer, computed on the CPU by `hetmoe._cpu`.
+
+Weights are packed (and quantized to INT8/INT4 if asked) into the C++ layout at load; `forward`
+computes out[q, H] = sum_j w_j * down_e(silu(gate_e x) * up_e x) over the (expert, weight) pairs
+of each token. Every argument is checked here; the C++ side receives raw pointers only. All
+layers share one process-wide thread pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from hetmoe import env
+from hetmoe.experts.expert_weights import WEIGHT_FORMATS, ExpertWeights, check_group_size
+
+AMX_MIN_TOKENS = 32
+"""Tokens per expert from which AMX tiles beat AVX-512 (measured: docs/benchmarks/cpu_moe.md)."""
+
+_DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
+
+
+@dataclass
+class PendingCall:
+    """A submitted call: keeps its tensors alive until `CpuMoE.sync` returns the output."""
+
+    handle: int
+    out: torch.Tensor
+    inputs: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class HostFunctions:
+    """C entry points for `cudaLaunchHostFunc(stream, fn, user_data)`: submit, then wait."""
+
+    submit_fn: int
+    wait_fn: int
+    user_data: int
+
+
+class CpuMoE:
+    """Routed experts of one layer on the CPU (see the module docstring).
+
+    Args:
+        num_experts: experts in the layer (E).
+        hidden: model width H, a multiple of 32.
+        intermediate: expert width I, a multiple of 32.
+        weight_format: "bf16", "int8" (symmetric groups) or "int4" (asymmetric groups).
+        group_size: quantization group along the input dim (32, 64, 128 or 256, dividing H and I);
+            default 64 for int8, 32 for int4; must be None for bf16.
+        activation: only "silu".
+        threads: pool workers; None = the process-wide pool (HETMOE_THREADS, else all cores
+            but one). Layers with the same count share one pool.
+        isa: cap on the kernel family ("amx", "avx512", "avx2", "scalar"); None = HETMOE_ISA,
+            else the best this CPU runs.
+        amx_min_tokens: tokens per expert from which AMX kernels are used.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        weight_format: str = "bf16",
+        group_size: int | None = None,
+        activation: str = "silu",
+        threads: int | None = None,
+        isa: str | None = None,
+        amx_min_tokens: int = AMX_MIN_TOKENS,
+    ) -> None:
+        from hetmoe import _cpu
+
+        for name, value in (("num_experts", num_experts), ("hidden", hidden),
+                            ("intermediate", intermediate)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"CpuMoE: {name} must be a positive integer, got {value!r}")
+        for name, value in (("hidden", hidden), ("intermediate", intermediate)):
+            if value % 32:
+                raise ValueError(
+                    f"CpuMoE: {name} must be a multiple of 32 (the kernels' block width), got "
+                    f"{value}; pad the weights with zero rows/columns to the next multiple of 32"
+                )
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"CpuMoE: weight_format must be one of {sorted(WEIGHT_FORMATS)}, "
+                f"got {weight_format!r}"
+            )
+        group_size = check_group_size(weight_format, group_size, hidden, intermediate)
+        if activation != "silu":
+            raise ValueError(f"CpuMoE: activation must be 'silu', got {activation!r}")
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"CpuMoE: threads must be None or a positive integer, got {threads!r}")
+        if not isinstance(amx_min_tokens, int) or amx_min_tokens < 1:
+            raise ValueError(f"CpuMoE: amx_min_tokens must be >= 1, got {amx_min_tokens!r}")
+        isa = isa if isa is not None else (env.forced_isa() or "auto")
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.weight_format, self.group_size = weight_format, group_size
+        self._weights = ExpertWeights(num_experts, hidden, intermediate)
+        self._layer = _cpu.MoELayer(
+            num_experts, hidden, intermediate, WEIGHT_FORMATS[weight_format], group_size or 0,
+            isa, amx_min_tokens, threads or 0,
+        )
+        self._loaded = torch.zeros(num_experts, dtype=torch.bool)
+        self._gpu_mask: torch.Tensor | None = None
+        self._pending: deque[PendingCall] = deque()
+        self._lock = threading.Lock()
+        self._host_inputs: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def isa(self) -> str:
+        """The kernel family cap in use ("amx", "avx512", "avx2" or "scalar")."""
+        return str(self._layer.isa)
+
+    @property
+    def num_groups(self) -> int:
+        """NUMA groups the intermediate dimension is split over."""
+        return int(self._layer.num_groups)
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of packed weights and scales of the loaded experts."""
+        return int(self._layer.packed_bytes)
+
+    def load(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+             gate_scale: torch.Tensor | None = None, up_scale: torch.Tensor | None = None,
+             down_scale: torch.Tensor | None = None,
+             fp8_block: tuple[int, int] = (128, 128)) -> None:
+        """Packs all experts: gate/up [E, I, H], down [E, H, I] (bf16/fp16/fp32, or FP8 e4m3
+        with block scales `*_scale` [E, ceil(rows/B0), ceil(cols/B1)])."""
+        self._weights.check_stacked(gate, up, down, gate_scale, up_scale, down_scale)
+        for e in range(self.num_experts):
+            self.load_expert(
+                e, gate[e], up[e], down[e],
+                *(s[e] if s is not None else None for s in (gate_scale, up_scale, down_scale)),
+                fp8_block=fp8_block,
+            )
+
+    def load_expert(self, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                    gate_scale: torch.Tensor | None = None, up_scale: torch.Tensor | None = None,
+                    down_scale: torch.Tensor | None = None,
+                    fp8_block: tuple[int, int] = (128, 128)) -> None:
+        """Packs one expert: gate/up [I, H], down [H, I]; FP8 weights need their block scales."""
+        if not isinstance(expert, int) or not 0 <= expert < self.num_experts:
+            raise ValueError(
+                f"CpuMoE.load_expert: expert must be in [0, {self.num_experts}), got {expert!r}"
+            )
+        src = self._weights.prepare(expert, (gate, up, down), (gate_scale, up_scale, down_scale),
+                                    fp8_block)
+        code = 0 if src[0].dtype == torch.bfloat16 else 1
+        self._layer.load_expert(expert, *(t.data_ptr() for t in src), code)
+        self._loaded[expert] = True
+
+    def set_gpu_experts(self, mask: torch.Tensor | None) -> None:
+        """Marks experts that live on the GPU (bool [E]); they are skipped here. None clears."""
+        if mask is None:
+            self._gpu_mask = None
+            self._layer.set_gpu_mask(0)
+            return
+        if not isinstance(mask, torch.Tensor) or mask.shape != (self.num_experts,):
+            found = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(
+                f"CpuMoE.set_gpu_experts: mask must be a bool tensor [{self.num_experts}], "
+                f"found {found}"
+            )
+        self._gpu_mask = mask.detach().to("cpu", torch.uint8).contiguous()
+        self._layer.set_gpu_mask(self._gpu_mask.data_ptr())
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """out[q, H] (dtype of x) = sum_j w_j * expert_{ids_j}(x); ids of -1 are skipped."""
+        out = self._check_call(x, expert_ids, expert_weights, out)
+        if x.shape[0]:
+            self._layer.forward(*self._call_args(x, expert_ids, expert_weights, out))
+        return out
+
+    __call__ = forward
+
+    def submit(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+               out: torch.Tensor | None = None) -> PendingCall:
+        """Starts `forward` on the pool and returns at once; `sync` returns the output."""
+        out = self._check_call(x, expert_ids, expert_weights, out)
+        args = self._call_args(x, expert_ids, expert_weights, out)
+        handle = self._layer.submit(*args) if x.shape[0] else 0
+        call = PendingCall(handle, out, (x, expert_ids, expert_weights))
+        with self._lock:
+            self._pending.append(call)
+        return call
+
+    def sync(self, call: PendingCall | None = None) -> torch.Tensor:
+        """Waits for `call` (default: the oldest pending submit) and returns its output."""
+        with self._lock:
+            if call is None:
+                if not self._pending:
+                    raise RuntimeError("CpuMoE.sync: no submitted call is pending")
+                call = self._pending.popleft()
+            elif call in self._pending:
+                self._pending.remove(call)
+            else:
+                raise RuntimeError("CpuMoE.sync: this call was already synced or is not ours")
+        if call.handle:
+            self._layer.wait(call.handle)
+        return call.out
+
+    def host_functions(self, x: torch.Tensor, expert_ids: torch.Tensor,
+                       expert_weights: torch.Tensor, out: torch.Tensor) -> HostFunctions:
+        """Binds fixed (pinned) CPU buffers and returns the C functions that run `forward` on
+        them from a CUDA stream: `cudaLaunchHostFunc(s, submit_fn, user_data)`, GPU work, then
+        `cudaLaunchHostFunc(s, wait_fn, user_data)` (also inside CUDA graph capture)."""
+        out = self._check_call(x, expert_ids, expert_weights, out)
+        if x.shape[0] == 0:
+            raise ValueError("CpuMoE.host_functions: x must have at least one token")
+        self._layer.set_host_call(*self._call_args(x, expert_ids, expert_weights, out))
+        self._host_inputs = (x, expert_ids, expert_weights, out)
+        layer = self._layer
+        return HostFunctions(layer.host_submit_fn, layer.host_wait_fn, layer.host_user_data)
+
+    def launch(self, stream: int) -> None:
+        """Enqueues submit + wait host functions of the bound buffers on a cudaStream_t."""
+        if not self._host_inputs:
+            raise RuntimeError("CpuMoE.launch: call host_functions(x, ids, weights, out) first")
+        self._layer.launch_submit(stream)
+        self._layer.launch_wait(stream)
+
+    def take_host_error(self) -> str:
+        """The first error a host function hit since the last call ("" when none)."""
+        return str(self._layer.take_host_error())
+
+    def _call_args(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   out: torch.Tensor) -> tuple[int, ...]:
+        return (x.data_ptr(), _DTYPE_CODES[x.dtype], ids.data_ptr(), weights.data_ptr(),
+                x.shape[0], ids.shape[1], out.data_ptr(), _DTYPE_CODES[out.dtype])
+
+    def _check_call(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    out: torch.Tensor | None) -> torch.Tensor:
+        where = "CpuMoE.forward"
+        for name, t in (("x", x), ("expert_ids", ids), ("expert_weights", weights)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 2:
+                raise ValueError(
+                    f"{where}: {name} must be a contiguous 2-D CPU tensor, found shape "
+                    f"{tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}"
+                )
+        if x.dtype not in _DTYPE_CODES or x.shape[1] != self.hidden:
+            raise ValueError(
+                f"{where}: x must be [q, {self.hidden}] bfloat16 or float32, found "
+                f"{list(x.shape)} {x.dtype}"
+            )
+        q = x.shape[0]
+        if ids.dtype != torch.int64 or ids.shape[0] != q or ids.shape[1] < 1:
+            raise ValueError(
+                f"{where}: expert_ids must be [{q}, k] int64 with k >= 1, found "
+                f"{list(ids.shape)} {ids.dtype}"
+            )
+        if weights.dtype != torch.float32 or weights.shape != ids.shape:
+            raise ValueError(
+                f"{where}: expert_weights must be float32 of the shape of expert_ids "
+                f"{list(ids.shape)}, found {list(weights.shape)} {weights.dtype}"
+            )
+        if q:
+            self._check_ids(ids, where)
+        if out is None:
+            return torch.empty_like(x)
+        if (not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype
+                or out.device.type != "cpu" or not out.is_contiguous()):
+            found = (f"{list(out.shape)} {out.dtype} on {out.device}"
+                     if isinstance(out, torch.Tensor) else type(out).__name__)
+            raise ValueError(
+                f"{where}: out must be a contiguous CPU tensor {list(x.shape)} {x.dtype}, "
+                f"found {found}"
+            )
+        return out
+
+    def _check_ids(self, ids: torch.Tensor, where: str) -> None:
+        # Ids of experts never loaded are refused by the C++ routing (one pass it makes anyway).
+        lo, hi = torch.aminmax(ids)
+        if int(lo) < -1 or int(hi) >= self.num_experts:
+            bad = ((ids < -1) | (ids >= self.num_experts)).nonzero()[0].tolist()
+            raise ValueError(
+                f"{where}: expert_ids{bad} = {int(ids[bad[0], bad[1]])} is outside "
+                f"[-1, {self.num_experts})"
+            )

@@ -1,0 +1,96 @@
+"""Checks and converts expert weight tensors for `CpuMoE` before they are packed in C++."""
+
+from __future__ import annotations
+
+import torch
+
+from hetmoe.loading.fp8 import FP8_DTYPES, Fp8Scheme
+
+WEIGHT_FORMATS = {"bf16": 0, "int8": 1, "int4": 2}
+"""Packed formats and their codes in `hetmoe._cpu`."""
+
+DEFAULT_GROUP_SIZE = {"int8": 64, "int4": 32}
+"""Groups that keep the layer error under the targets (int8 <= 2e-2, int4 <= 0.15); 32 is used
+where the default does not divide hidden and intermediate."""
+
+_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, *FP8_DTYPES)
+
+
+def check_group_size(weight_format: str, group_size: int | None, hidden: int,
+                     intermediate: int) -> int | None:
+    """The group size to use, or ValueError saying which value is wrong and why."""
+    if weight_format == "bf16":
+        if group_size is not None:
+            raise ValueError(f"CpuMoE: group_size applies to int8/int4 only, got {group_size} "
+                             "with weight_format='bf16'")
+        return None
+    size = DEFAULT_GROUP_SIZE[weight_format] if group_size is None else group_size
+    if group_size is None and (hidden % size or intermediate % size):
+        size = 32
+    if size not in (32, 64, 128, 256) or hidden % size or intermediate % size:
+        raise ValueError(
+            f"CpuMoE: group_size must be 32, 64, 128 or 256 and divide hidden ({hidden}) and "
+            f"intermediate ({intermediate}), got {size}"
+        )
+    return size
+
+
+class ExpertWeights:
+    """Shape/dtype rules of one layer's expert weights and their conversion for the packer."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+
+    def _shapes(self) -> dict[str, tuple[int, int]]:
+        h, i = self.hidden, self.intermediate
+        return {"gate": (i, h), "up": (i, h), "down": (h, i)}
+
+    def check_stacked(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                      *scales: torch.Tensor | None) -> None:
+        """gate/up [E, I, H], down [E, H, I]; FP8 needs one scale tensor per weight."""
+        for (name, shape), t in zip(self._shapes().items(), (gate, up, down), strict=True):
+            _check_tensor(f"CpuMoE.load: {name}", t, (self.num_experts, *shape))
+        for name, s in zip(self._shapes(), scales, strict=True):
+            if s is not None and (not isinstance(s, torch.Tensor) or s.dim() != 3
+                                  or s.shape[0] != self.num_experts):
+                raise ValueError(f"CpuMoE.load: {name}_scale must be [{self.num_experts}, rows, "
+                                 f"cols], found {_describe(s)}")
+
+    def prepare(self, expert: int, weights: tuple[torch.Tensor, ...],
+                scales: tuple[torch.Tensor | None, ...],
+                fp8_block: tuple[int, int]) -> list[torch.Tensor]:
+        """The three weights of `expert` as contiguous bf16 or float32 tensors (one dtype)."""
+        where = f"CpuMoE.load_expert(expert={expert})"
+        out = []
+        scheme = Fp8Scheme(*fp8_block)
+        for (name, shape), t, s in zip(self._shapes().items(), weights, scales, strict=True):
+            _check_tensor(f"{where}: {name}", t, shape)
+            if t.dtype in FP8_DTYPES:
+                want = scheme.scale_shape(shape)
+                if s is None or not isinstance(s, torch.Tensor) or tuple(s.shape) != want:
+                    raise ValueError(
+                        f"{where}: FP8 {name} needs {name}_scale of shape {list(want)} "
+                        f"(blocks {list(fp8_block)}), found {_describe(s)}"
+                    )
+                t = scheme.dequantize(t.cpu(), s.cpu())
+            elif s is not None:
+                raise ValueError(f"{where}: {name}_scale is only for FP8 weights, {name} is "
+                                 f"{t.dtype}")
+            out.append(t.cpu())
+        dtype = torch.bfloat16 if all(t.dtype == torch.bfloat16 for t in out) else torch.float32
+        return [t.to(dtype).contiguous() for t in out]
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{list(t.shape)} {t.dtype}"
+    return "None" if t is None else type(t).__name__
+
+
+def _check_tensor(where: str, t: object, shape: tuple[int, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape or t.dtype not in _SOURCE_DTYPES:
+        raise ValueError(
+            f"{where} must be {list(shape)} bf16/fp16/fp32/fp8, found {list(t.shape)} {t.dtype}"
+        )

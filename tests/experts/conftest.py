@@ -1,0 +1,66 @@
+"""Fixtures for the CPU expert backend: a float64 oracle and random layers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from hetmoe import _cpu
+
+ISA_ORDER = ("scalar", "avx2", "avx512", "amx")
+
+
+def available_isas() -> list[str]:
+    """Every kernel family this machine runs (the tests cover each one)."""
+    return list(ISA_ORDER[: ISA_ORDER.index(_cpu.best_isa()) + 1])
+
+
+@dataclass
+class Experts:
+    """Unquantized random expert weights of one layer (Gaussian, unit-variance outputs)."""
+
+    gate: torch.Tensor  # [E, I, H]
+    up: torch.Tensor  # [E, I, H]
+    down: torch.Tensor  # [E, H, I]
+
+    def reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  gpu_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """float64 sum_j w_j * down_e(silu(gate_e x) * up_e x), skipping -1 and GPU experts."""
+        x64 = x.double()  # [q, H]
+        out = torch.zeros_like(x64)
+        for e in range(self.gate.shape[0]):
+            if gpu_mask is not None and bool(gpu_mask[e]):
+                continue
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            xe = x64[tok]  # [n, H]
+            h = torch.nn.functional.silu(xe @ self.gate[e].double().T) * (
+                xe @ self.up[e].double().T
+            )
+            y = h @ self.down[e].double().T  # [n, H]
+            out.index_add_(0, tok, y * weights[tok, slot].double()[:, None])
+        return out
+
+
+def make_experts(num_experts: int, hidden: int, intermediate: int, seed: int) -> Experts:
+    """Fresh Gaussian weights for (E, H, I), scaled so every projection keeps unit variance."""
+    g = torch.Generator().manual_seed(seed)
+    gate = torch.randn(num_experts, intermediate, hidden, generator=g) / hidden**0.5
+    up = torch.randn(num_experts, intermediate, hidden, generator=g) / hidden**0.5
+    down = torch.randn(num_experts, hidden, intermediate, generator=g) / intermediate**0.5
+    return Experts(gate, up, down)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error ||out - ref|| / ||ref||."""
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+@pytest.fixture
+def experts() -> Callable[[int, int, int, int], Experts]:
+    """`experts(E, H, I, seed)` -> random unquantized weights."""
+    return make_experts

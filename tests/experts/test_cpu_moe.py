@@ -1,0 +1,122 @@
+"""CpuMoE against a float64 oracle on the unquantized weights, for every ISA this machine has."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import available_isas, make_experts, rel_error
+
+from hetmoe.experts import CpuMoE
+
+BOUND = {"bf16": 1e-2, "int8": 2e-2, "int4": 0.15}
+
+# (experts, hidden, intermediate, q, k, x dtype, GPU-masked experts): odd expert counts, every q
+# and k of the spec, duplicate ids (k > E), -1 ids everywhere.
+CASES = [
+    (3, 256, 96, 1, 1, torch.float32, ()),
+    (5, 192, 64, 2, 2, torch.bfloat16, (1,)),
+    (7, 128, 160, 3, 6, torch.float32, (0, 6)),
+    (9, 64, 64, 7, 8, torch.bfloat16, ()),
+    (5, 160, 96, 64, 6, torch.float32, (2,)),
+    (3, 64, 128, 513, 8, torch.float32, ()),
+]
+
+# "amx-all" also runs AMX for a single token per expert, so both AMX edge paths are covered.
+ISA_VARIANTS = available_isas() + (["amx-all"] if "amx" in available_isas() else [])
+
+
+def _routing(q: int, k: int, num_experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, num_experts, (q, k), generator=g)
+    ids[torch.rand(q, k, generator=g) < 0.2] = -1
+    weights = torch.rand(q, k, generator=g)
+    return ids, weights
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("weight_format", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("isa", ISA_VARIANTS)
+def test_matches_float64_reference(isa: str, weight_format: str, case: int) -> None:
+    num_experts, hidden, inter, q, k, dtype, gpu = CASES[case]
+    seed = 1000 * case + 10 * ISA_VARIANTS.index(isa) + len(weight_format)
+    ref_layer = make_experts(num_experts, hidden, inter, seed)
+    moe = CpuMoE(num_experts, hidden, inter, weight_format, isa=isa.removesuffix("-all"),
+                 amx_min_tokens=1 if isa == "amx-all" else 32)
+    assert moe.isa == isa.removesuffix("-all")
+    # Experts on the GPU are never loaded here: routing to them must still work.
+    for e in range(num_experts):
+        if e not in gpu:
+            moe.load_expert(e, ref_layer.gate[e], ref_layer.up[e], ref_layer.down[e])
+    mask = None
+    if gpu:
+        mask = torch.zeros(num_experts, dtype=torch.bool)
+        mask[list(gpu)] = True
+        moe.set_gpu_experts(mask)
+    # The metric is statistical: small calls are repeated with fresh inputs and the error is
+    # taken over all their outputs together (at least 24 tokens).
+    outs, refs = [], []
+    for rep in range(max(1, 24 // q)):
+        g = torch.Generator().manual_seed(seed + 100 * rep)
+        x = torch.randn(q, hidden, generator=g).to(dtype)
+        ids, weights = _routing(q, k, num_experts, seed + 100 * rep + 1)
+        out = torch.full((q, hidden), float("nan"), dtype=dtype)
+        assert moe.forward(x, ids, weights, out=out) is out
+        assert not out.isnan().any(), "some outputs were never written"
+        # Tokens whose every id is skipped must come out exactly zero.
+        skipped = ((ids < 0) | (mask[ids.clamp(min=0)] if mask is not None else False)).all(1)
+        assert (out[skipped] == 0).all()
+        outs.append(out)
+        refs.append(ref_layer.reference(x, ids, weights, mask))
+    err = rel_error(torch.cat(outs), torch.cat(refs))
+    assert err <= BOUND[weight_format], err
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "int8", "int4"])
+def test_realistic_shape(weight_format: str) -> None:
+    """Qwen3-30B-A3B's expert shape (H=2048, I=768), top-4 of 5 experts, at the best ISA."""
+    layer = make_experts(5, 2048, 768, seed=7)
+    moe = CpuMoE(5, 2048, 768, weight_format)
+    moe.load(layer.gate, layer.up, layer.down)
+    x = torch.randn(24, 2048, generator=torch.Generator().manual_seed(8))
+    ids, weights = _routing(24, 4, 5, seed=9)
+    err = rel_error(moe.forward(x, ids, weights), layer.reference(x, ids, weights))
+    assert err <= BOUND[weight_format], err
+
+
+def test_isas_agree_closely() -> None:
+    """Every ISA computes the same packed function: int8 results agree far below the bound."""
+    layer = make_experts(5, 128, 96, seed=3)
+    x = torch.randn(37, 128, generator=torch.Generator().manual_seed(4))
+    ids, weights = _routing(37, 4, 5, seed=5)
+    outs = []
+    for isa in available_isas():
+        moe = CpuMoE(5, 128, 96, "int8", isa=isa, amx_min_tokens=1)
+        moe.load(layer.gate, layer.up, layer.down)
+        outs.append(moe.forward(x, ids, weights))
+    for out in outs[1:]:
+        assert rel_error(out, outs[0].double()) < 1e-5
+
+
+def test_fp16_and_fp8_sources() -> None:
+    """fp16 weights and FP8 e4m3 weights with 128x128 block scales load like their float value."""
+    layer = make_experts(3, 256, 128, seed=11)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(12))
+    ids, weights = _routing(5, 2, 3, seed=13)
+    half = CpuMoE(3, 256, 128, "bf16")
+    half.load(layer.gate.half(), layer.up.half(), layer.down.half())
+    assert rel_error(half.forward(x, ids, weights), layer.reference(x, ids, weights)) < 1e-2
+
+    def fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = w.unflatten(1, (-1, 128)).unflatten(3, (-1, 128))  # [E, r, 128, c, 128]
+        scale = blocks.abs().amax((2, 4)) / 448.0  # [E, r, c]
+        full = scale.repeat_interleave(128, 1).repeat_interleave(128, 2)
+        return (w / full).to(torch.float8_e4m3fn), scale
+
+    (g8, gs), (u8, us), (d8, ds) = fp8(layer.gate), fp8(layer.up), fp8(layer.down)
+    moe = CpuMoE(3, 256, 128, "bf16")
+    moe.load(g8, u8, d8, gs, us, ds)
+    # e4m3 keeps 3 mantissa bits: the oracle here is the dequantized FP8 weights.
+    deq = [t.float() * s.repeat_interleave(128, 1).repeat_interleave(128, 2)
+           for t, s in ((g8, gs), (u8, us), (d8, ds))]
+    oracle = type(layer)(*deq)
+    assert rel_error(moe.forward(x, ids, weights), oracle.reference(x, ids, weights)) < 1e-2
