@@ -39,20 +39,23 @@ class LiveServer:
             time.sleep(0.01)
         port = self._server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
+        # Clients are made once: each one builds an SSL context, a fifth of a second.
+        self.api = self.http()
+        """Plain HTTP client with the key (raw bodies, headers, streams)."""
+        self._openai = OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0)
 
     def http(self, key: str | None = API_KEY) -> httpx.Client:
-        """A plain HTTP client (for raw bodies and headers)."""
+        """A new plain HTTP client sending `key` (None: no Authorization header)."""
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=30)
 
-    def openai(self, **options: object) -> OpenAI:
-        """The official client pointed at this server."""
-        return OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, **options)
+    def openai(self) -> OpenAI:
+        """The official client pointed at this server (thread-safe, shared)."""
+        return self._openai
 
     def metric(self, name: str) -> float:
         """One unlabelled sample from /metrics."""
-        with self.http() as client:
-            text = client.get("/metrics").text
+        text = self.api.get("/metrics").text
         for line in text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
@@ -67,6 +70,8 @@ class LiveServer:
             time.sleep(0.02)
 
     def close(self) -> None:
+        self.api.close()
+        self._openai.close()
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self.service.close()

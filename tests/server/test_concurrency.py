@@ -72,7 +72,7 @@ def _long_body(max_tokens: int = 240) -> dict[str, object]:
 def test_stream_disconnect_cancels_and_frees_the_slot(server: LiveServer) -> None:
     server.wait_for("hetmoe_running_requests", 0)
     before = server.metric("hetmoe_generated_tokens_total")
-    with server.http() as http, http.stream("POST", "/v1/chat/completions", json=_long_body()) as r:
+    with server.api.stream("POST", "/v1/chat/completions", json=_long_body()) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         data = [line for line in (next(lines) for _ in range(8)) if line.startswith("data: ")]
@@ -87,8 +87,8 @@ def test_unstreamed_disconnect_cancels(server: LiveServer) -> None:
     server.wait_for("hetmoe_running_requests", 0)
     before = server.metric("hetmoe_generated_tokens_total")
     body = {**_long_body(), "stream": False}
-    with server.http() as http, pytest.raises(httpx.ReadTimeout):
-        http.post("/v1/chat/completions", json=body, timeout=0.3)
+    with pytest.raises(httpx.ReadTimeout):
+        server.api.post("/v1/chat/completions", json=body, timeout=0.3)
     server.wait_for("hetmoe_running_requests", 0)
     assert server.metric("hetmoe_generated_tokens_total") - before < 240
 
@@ -97,10 +97,9 @@ def test_full_queue_answers_429_then_recovers(server: LiveServer) -> None:
     server.wait_for("hetmoe_running_requests", 0)
     slots, queue = 8, server.config.max_queue
     with contextlib.ExitStack() as stack:
-        http = stack.enter_context(server.http())
         for _ in range(slots + queue):
             response = stack.enter_context(
-                http.stream("POST", "/v1/chat/completions", json=_long_body())
+                server.api.stream("POST", "/v1/chat/completions", json=_long_body())
             )
             assert response.status_code == 200
         server.wait_for("hetmoe_running_requests", slots)

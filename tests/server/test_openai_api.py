@@ -126,8 +126,7 @@ def test_unknown_fields_are_ignored(server: LiveServer) -> None:
 
 def test_metrics_are_prometheus_text(server: LiveServer) -> None:
     server.openai().chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
-    with server.http() as http:
-        response = http.get("/metrics")
+    response = server.api.get("/metrics")
     assert response.headers["content-type"].startswith("text/plain")
     text = response.text
     assert 'hetmoe_requests_total{route="/v1/chat/completions",status="200"}' in text
