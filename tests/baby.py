@@ -49,10 +49,11 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, atol: float = 1e-
 
 
 def assert_same_state(ours: nn.Module, ref: nn.Module, atol: float = 0.0) -> None:
-    """Every parameter and persistent buffer of `ref` exists in `ours` with equal shape, dtype
-    and values (|Δ| ≤ atol)."""
-    mine = ours.state_dict()
-    for name, expected in ref.state_dict().items():
+    """Every parameter and buffer of `ref` (computed ones like rotary `inv_freq` included) exists
+    in `ours` with equal shape, dtype and values (|Δ| ≤ atol)."""
+    mine = {**dict(ours.named_buffers()), **ours.state_dict()}
+    expected_state = {**dict(ref.named_buffers()), **ref.state_dict()}
+    for name, expected in expected_state.items():
         assert name in mine, f"{name} missing from our model"
         got = mine[name]
         assert got.device.type != "meta", f"{name} left on the meta device"

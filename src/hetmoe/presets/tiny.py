@@ -124,7 +124,10 @@ def build_tiny_model(
 
     path = Path(path)
     config = tiny_config(family, num_layers=num_layers, **config_overrides)
-    model = AutoModelForCausalLM.from_config(config)
+    # Built on meta and filled once by `_randomize`: transformers' own init would be wasted work.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to_empty(device="cpu")
     _randomize(model, seed)
     _keep_router_bias_fp32(model, dtype)
     # Three shards' worth per file, so even small configs give at least two files.
@@ -163,9 +166,13 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             else:  # [out, in] or fused experts [E, out, in]
                 value = noise / math.sqrt(param.shape[-1])
             param.copy_(value)
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # non-zero, so ignoring it shows
-                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
+        params = dict(model.named_parameters())
+        for name, buf in model.state_dict().items():  # persistent buffers: saved, so must be set
+            if name in params:
+                continue
+            if not name.endswith("e_score_correction_bias"):
+                raise RuntimeError(f"tiny model buffer {name!r} has no random initialisation")
+            buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))  # non-zero: ignoring it shows
 
 
 def _keep_router_bias_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
