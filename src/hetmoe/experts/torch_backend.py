@@ -34,20 +34,21 @@ class TorchExperts(ExpertBackend):
     ) -> torch.Tensor:
         """See `ExpertBackend.forward`."""
         t, k = expert_ids.shape
-        out = torch.zeros(t, self.spec.hidden_size, device=x.device, dtype=torch.float32)
+        # One row per (token, k) pick, summed over k at the end: index_copy_ with unique rows
+        # stays single-threaded, where index_add_ pays for a parallel region per call.
+        picks = torch.zeros(t * k, self.spec.hidden_size, device=x.device, dtype=torch.float32)
         flat = expert_ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat.clamp(min=-1) + 1, minlength=self.spec.num_experts + 1)
         weights = expert_weights.reshape(-1)  # [T*K]
-        start = int(counts[0])  # skipped (-1) slots sort first
+        start = int(counts[0])  # skipped (-1) picks sort first
         for expert, n in enumerate(counts[1:].tolist()):
             if n == 0:
                 continue
-            idx = order[start : start + n]  # positions in [T*K]
+            idx = order[start : start + n]  # pick positions in [T*K]
             start += n
-            rows = idx // k
-            h = x[rows]  # [n, H]
+            h = x[idx // k]  # [n, H]
             act = self.act(h @ self.gate[expert].T) * (h @ self.up[expert].T)  # [n, I]
             y = act @ self.down[expert].T  # [n, H]
-            out.index_add_(0, rows, y.float() * weights[idx, None])
-        return out.to(x.dtype)
+            picks.index_copy_(0, idx, y.float() * weights[idx, None])
+        return picks.view(t, k, -1).sum(dim=1).to(x.dtype)  # [T, H]

@@ -1,0 +1,115 @@
+"""LLM: generation loop, stopping, sampling seeds, streaming, chat, and user errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hetmoe import LLM, GenerationOutput
+from hetmoe.inject.rules import RULES_DIR, RuleError
+
+PROMPT = "Hello! The harbour town woke slowly that morning."
+
+
+def test_stream_pieces_make_the_generated_text(llm_of) -> None:
+    llm = llm_of("qwen3_moe")
+    out = llm.generate(PROMPT, max_new_tokens=24)
+    assert isinstance(out, GenerationOutput)
+    assert out.prompt_tokens == len(llm.encode(PROMPT))
+    assert "".join(llm.stream(PROMPT, max_new_tokens=24)) == out.text
+    assert llm.generate(llm.encode(PROMPT), max_new_tokens=24) == out  # ids or text alike
+
+
+def test_stop_string_cuts_the_text(llm_of) -> None:
+    llm = llm_of("qwen3_moe")
+    full = llm.generate(PROMPT, max_new_tokens=24)
+    assert full.finish_reason == "length" and len(full.text) > 12
+    stop = full.text[8:11]
+    cut = llm.generate(PROMPT, max_new_tokens=24, stop=[stop, "never-seen"])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+    assert "".join(llm.stream(PROMPT, max_new_tokens=24, stop=stop)) == cut.text
+
+
+def test_eos_ends_generation(llm_of) -> None:
+    llm = llm_of("qwen3_moe")
+    # Make EOS every step's argmax through the model's own head: its lm_head row dominant.
+    head = llm.model.lm_head.weight
+    saved = head.data.clone()
+    eos = min(llm.eos_token_ids)
+    head.data[eos] = head.data[eos] * 0 + head.data.abs().max() * 50
+    try:
+        out = llm.generate(PROMPT, max_new_tokens=10)
+    finally:
+        head.data.copy_(saved)
+    assert out.token_ids == [eos] and out.finish_reason == "stop" and out.text == ""
+    slots = [llm.runner.cache.allocate() for _ in range(llm.runner.max_batch)]  # all were freed
+    for slot in slots:
+        llm.runner.cache.free(slot)
+
+
+def test_seeded_sampling_is_reproducible(llm_of) -> None:
+    llm = llm_of("mixtral")
+    a = llm.generate(PROMPT, max_new_tokens=16, temperature=1.0, top_k=50, seed=7)
+    b = llm.generate(PROMPT, max_new_tokens=16, temperature=1.0, top_k=50, seed=7)
+    c = llm.generate(PROMPT, max_new_tokens=16, temperature=1.0, top_k=50, seed=8)
+    assert a == b
+    assert a.token_ids != c.token_ids
+
+
+def test_context_window_limits_generation(tiny_dir) -> None:
+    llm = LLM(tiny_dir("qwen2_moe"), device="cpu", dtype="float32", max_seq_len=24,
+              progress=False)
+    prompt = list(range(20, 40))  # 20 tokens
+    out = llm.generate(prompt, max_new_tokens=100)
+    # 4 more positions fit; the token sampled from the last one needs no cache entry.
+    assert (len(out.token_ids), out.finish_reason) == (5, "length")
+    with pytest.raises(ValueError, match="the prompt has 25 tokens but the context window is "
+                                         "24 tokens"):
+        llm.generate(list(range(20, 45)))
+    with pytest.raises(ValueError, match=r"the prompt is empty \(0 tokens\)"):
+        llm.logits([])
+    assert llm.runner.cache.allocate() == 0  # failed calls took no slot
+
+
+def test_logits_shape_and_chat_template(llm_of) -> None:
+    llm = llm_of("deepseek_v2")
+    ids = llm.encode(PROMPT)
+    logits = llm.logits(ids)
+    assert logits.shape == (len(ids), 512) and logits.dtype.is_floating_point
+    messages = [{"role": "user", "content": "What is your name?"}]
+    prompt = llm.chat_prompt(messages)
+    assert llm.tokenizer.decode(prompt) == "<s><|user|>\nWhat is your name?</s>\n<|assistant|>\n"
+    assert llm.chat(messages, max_new_tokens=8) == llm.generate(prompt, max_new_tokens=8)
+    assert "".join(llm.stream_chat(messages, max_new_tokens=8)) == llm.chat(
+        messages, max_new_tokens=8).text
+
+
+def test_bad_arguments_are_named(llm_of) -> None:
+    llm = llm_of("qwen3_moe")
+    with pytest.raises(ValueError, match="top_p must be in"):
+        llm.generate(PROMPT, top_p=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        llm.generate(PROMPT, max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"token ids \[9999\] out of the vocabulary"):
+        llm.generate([1, 9999])
+    with pytest.raises(TypeError, match="unknown LLM option.* max_tokens; known: "):
+        LLM("tiny-qwen3-moe", max_tokens=3)
+
+
+def test_unsupported_model_type(tiny_dir, tmp_path: Path) -> None:
+    path = tmp_path / "llama"
+    shutil.copytree(tiny_dir("qwen3_moe"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = "llama"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RuleError, match="no shipped rules for model_type 'llama' "
+                                        r"\(families with rules: deepseek_v2, deepseek_v3, "
+                                        r"mixtral, qwen2_moe, qwen3_moe\)"):
+        LLM(path, device="cpu", progress=False)
+    with pytest.raises(ValueError, match="model_type 'llama' is not supported"):  # the loader's
+        LLM(path, device="cpu", progress=False, rules=RULES_DIR / "qwen3_moe.yaml")

@@ -1,0 +1,48 @@
+"""Streaming text: whole UTF-8 characters only, stop strings held back and cut."""
+
+from __future__ import annotations
+
+from hetmoe.engine.text_stream import TextStream
+
+TEXT = "héllo → 世界 ✓ done"
+
+
+def byte_decode(ids: list[int]) -> str:
+    """One token per byte, like a byte-level tokenizer without merges."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_multibyte_characters_are_never_split() -> None:
+    stream = TextStream(byte_decode)
+    pieces = [stream.push(b) for b in TEXT.encode()]
+    pieces.append(stream.finish())
+    assert "".join(pieces) == TEXT
+    assert not any("\ufffd" in p for p in pieces)
+    assert "世" in pieces  # released as soon as its third byte arrived
+
+
+def test_real_tokenizer_pieces(llm_of) -> None:
+    llm = llm_of("qwen3_moe")
+    ids = llm.encode(TEXT)[1:]  # drop <s>
+    stream = TextStream(llm.decode)
+    pieces = [stream.push(t) for t in ids] + [stream.finish()]
+    assert "".join(pieces) == TEXT and not any("\ufffd" in p for p in pieces)
+
+
+def test_stop_string_is_held_back_then_cut() -> None:
+    stream = TextStream(byte_decode, stop=["wor", "xyz"])
+    out = [stream.push(b) for b in b"hello w"]
+    assert "".join(out) == "hello "  # "w" may start "wor": held back
+    assert stream.push(ord("o")) == "" and not stream.stopped
+    assert stream.push(ord("r")) == "" and stream.stopped
+    assert stream.text == "hello " and stream.finish() == ""
+    assert stream.push(ord("!")) == ""
+
+
+def test_held_back_text_is_released_when_it_cannot_stop() -> None:
+    stream = TextStream(byte_decode, stop=["wor"])
+    assert "".join(stream.push(b) for b in b"a w") == "a "
+    assert stream.push(ord("a")) == "wa"
+    assert stream.push(ord("w")) == ""
+    assert stream.finish() == "w"
+    assert stream.text == "a waw" and not stream.stopped
