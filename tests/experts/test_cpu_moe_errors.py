@@ -1,0 +1,102 @@
+"""Every bad argument of CpuMoE is refused in Python with a message naming what and where."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_experts
+
+from hetmoe import _cpu
+from hetmoe.experts import CpuMoE
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"hidden": 100}, r"hidden must be a multiple of 32 .* got 100; pad"),
+        ({"intermediate": 48}, r"intermediate must be a multiple of 32 .* got 48"),
+        ({"num_experts": 0}, r"num_experts must be a positive integer, got 0"),
+        ({"weight_format": "fp4"}, r"weight_format must be one of \['bf16', 'int4', 'int8'\]"),
+        ({"weight_format": "int4", "group_size": 48}, r"group_size must be 32, 64, 128 or 256"),
+        ({"weight_format": "int8", "group_size": 256}, r"divide hidden \(64\) and intermediate"),
+        ({"group_size": 32}, r"group_size applies to int8/int4 only"),
+        ({"activation": "gelu"}, r"activation must be 'silu', got 'gelu'"),
+        ({"threads": 0}, r"threads must be None or a positive integer, got 0"),
+        ({"isa": "sse9"}, r"unknown ISA 'sse9': expected one of auto, amx, avx512, avx2, scalar"),
+    ],
+)
+def test_constructor_errors(kwargs: dict, message: str) -> None:
+    args = {"num_experts": 3, "hidden": 64, "intermediate": 96} | kwargs
+    with pytest.raises(ValueError, match=message):
+        CpuMoE(**args)
+
+
+def test_unavailable_isa_names_the_missing_feature() -> None:
+    best = _cpu.best_isa()
+    if best == "amx":
+        pytest.skip("this CPU runs every ISA; the refusal is covered where AMX is missing")
+    with pytest.raises(ValueError, match=r"ISA 'amx' was requested but this CPU/OS lacks AMX"):
+        CpuMoE(3, 64, 96, isa="amx")
+
+
+@pytest.fixture(scope="module")
+def layer() -> CpuMoE:
+    w = make_experts(3, 64, 96, seed=1)
+    moe = CpuMoE(3, 64, 96, "int8")
+    moe.load_expert(0, w.gate[0], w.up[0], w.down[0])
+    moe.load_expert(1, w.gate[1], w.up[1], w.down[1])
+    return moe
+
+
+def test_load_errors(layer: CpuMoE) -> None:
+    w = make_experts(3, 64, 96, seed=2)
+    with pytest.raises(ValueError, match=r"gate must be \[3, 96, 64\] .* found \[3, 64, 96\]"):
+        layer.load(w.down, w.up, w.down)
+    with pytest.raises(ValueError, match=r"expert must be in \[0, 3\), got 3"):
+        layer.load_expert(3, w.gate[0], w.up[0], w.down[0])
+    with pytest.raises(ValueError, match=r"down must be \[64, 96\] bf16/fp16/fp32/fp8, found .*64"):
+        layer.load_expert(2, w.gate[2], w.up[2], w.down[2].long())
+    with pytest.raises(ValueError, match=r"FP8 gate needs gate_scale of shape \[1, 1\]"):
+        layer.load_expert(2, w.gate[2].to(torch.float8_e4m3fn), w.up[2], w.down[2])
+    with pytest.raises(ValueError, match=r"up_scale is only for FP8 weights"):
+        layer.load_expert(2, w.gate[2], w.up[2], w.down[2], up_scale=torch.ones(1, 1))
+    with pytest.raises(TypeError, match=r"gate must be a torch.Tensor, got list"):
+        layer.load_expert(2, [1.0], w.up[2], w.down[2])
+
+
+def test_forward_errors(layer: CpuMoE) -> None:
+    x = torch.randn(4, 64)
+    ids = torch.tensor([[0, 1], [1, -1], [0, 0], [-1, -1]])
+    wts = torch.rand(4, 2)
+    bad = [
+        ((x[:, :32].contiguous(), ids, wts), r"x must be \[q, 64\] bfloat16 or float32, found \["),
+        ((x.half(), ids, wts), r"x must be .* found \[4, 64\] torch.float16"),
+        ((x.t(), ids, wts), r"x must be a contiguous 2-D CPU tensor"),
+        ((x, ids.int(), wts), r"expert_ids must be \[4, k\] int64 with k >= 1, found .*int32"),
+        ((x, ids[:3], wts), r"expert_ids must be \[4, k\] int64"),
+        ((x, ids, wts.double()), r"expert_weights must be float32 of the shape of expert_ids"),
+        ((x, ids + 2, wts), r"expert_ids\[0, 1\] = 3 is outside \[-1, 3\)"),
+        ((x, ids - 1, wts), r"expert_ids\[1, 1\] = -2 is outside \[-1, 3\)"),
+    ]
+    for args, message in bad:
+        with pytest.raises(ValueError, match=message):
+            layer.forward(*args)
+    out_bad = r"out must be a contiguous CPU tensor \[4, 64\] torch.float32"
+    with pytest.raises(ValueError, match=out_bad):
+        layer.forward(x, ids, wts, out=torch.empty(4, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"expert 2 is routed to but its weights were never"):
+        layer.forward(x, torch.tensor([[0, 2]] * 4), wts)
+    with pytest.raises(ValueError, match=r"mask must be a bool tensor \[3\], found \(2,\)"):
+        layer.set_gpu_experts(torch.zeros(2, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match=r"no submitted call is pending"):
+        layer.sync()
+    with pytest.raises(RuntimeError, match=r"call host_functions\(x, ids, weights, out\) first"):
+        CpuMoE(3, 64, 96).launch(0)
+
+
+def test_empty_batch_and_all_skipped(layer: CpuMoE) -> None:
+    no_ids = torch.empty(0, 2, dtype=torch.int64)
+    empty = layer.forward(torch.empty(0, 64), no_ids, torch.empty(0, 2))
+    assert empty.shape == (0, 64)
+    out = layer.forward(torch.randn(2, 64), torch.full((2, 3), -1), torch.rand(2, 3))
+    assert torch.equal(out, torch.zeros(2, 64))
