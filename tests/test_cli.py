@@ -1,0 +1,72 @@
+"""The command line, in-process: generate and chat on a preset, info, and user errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hetmoe import LLM
+from hetmoe.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture()
+def cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A model cache shared by this module's tests (presets build once)."""
+    path = tmp_path_factory.getbasetemp() / "cli-cache"
+    monkeypatch.setenv("HETMOE_CACHE_DIR", str(path))
+    return path
+
+
+def test_generate_streams_the_engines_text(cache: Path) -> None:
+    result = runner.invoke(app, ["generate", "tiny-qwen3-moe", "Hello", "--max-new-tokens", "8",
+                                 "--verbose"])
+    assert result.exit_code == 0, result.output
+    expected = LLM("tiny-qwen3-moe", progress=False).generate("Hello", max_new_tokens=8).text
+    assert result.stdout.endswith(expected + "\n")
+    assert "injection: 4 module(s) replaced" in result.stdout
+    assert "model.layers.1.mlp: Qwen3MoeSparseMoeBlock -> hybrid_moe on cpu (rule 1)" in (
+        result.stdout
+    )
+    assert (cache / "models").is_dir()
+
+
+def test_chat_keeps_history_and_exits(cache: Path) -> None:
+    result = runner.invoke(app, ["chat", "tiny-mixtral", "--max-new-tokens", "6"],
+                           input="Hi there\n\nHow are you?\n/exit\nnever read\n")
+    assert result.exit_code == 0, result.output
+    llm = LLM("tiny-mixtral", progress=False)
+    first = [{"role": "user", "content": "Hi there"}]
+    reply = llm.chat(first, max_new_tokens=6).text
+    second = [*first, {"role": "assistant", "content": reply},
+              {"role": "user", "content": "How are you?"}]
+    assert reply + "\n" in result.stdout
+    assert llm.chat(second, max_new_tokens=6).text + "\n" in result.stdout
+    assert "never read" not in result.stdout
+
+
+def test_unknown_model_is_a_one_line_error(cache: Path) -> None:
+    result = runner.invoke(app, ["generate", "no-such-model", "Hi"])
+    assert result.exit_code == 1
+    assert "error: model 'no-such-model' is neither an existing directory nor a built-in" in (
+        result.output
+    )
+
+
+def test_rule_file_errors_reach_the_user(cache: Path, tmp_path: Path) -> None:
+    rules = tmp_path / "bad.yaml"
+    rules.write_text("- match: {class: X}\n  replace: {op: warp_drive}\n")
+    result = runner.invoke(app, ["generate", "tiny-qwen3-moe", "Hi", "--rules", str(rules)])
+    assert result.exit_code == 1
+    assert f"error: {rules}: rule 0, field replace.op: unknown op 'warp_drive'" in result.output
+
+
+def test_info_prints_the_machine_report() -> None:
+    result = runner.invoke(app, ["info"])
+    assert result.exit_code == 0, result.output
+    keys = [line.split()[0] for line in result.stdout.splitlines()]
+    assert keys[:6] == ["hetmoe", "python", "cpu", "cores", "isa", "numa"]
+    assert "torch" in keys
