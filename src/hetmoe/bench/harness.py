@@ -1,0 +1,221 @@
+"""`hetmoe bench`: one model build, its speed in every requested mode, as a JSON-ready dict.
+
+Modes by `BenchConfig.experts`:
+- `cpu` (ours): `HybridRunner` (overlap, CUDA-graph decode with host-function submit/sync);
+  decode for each `deferred` value, the same in eager mode, launches per token in both modes, a
+  trace of a few eager steps, prefill speed per length.
+- `torch-cpu` (baseline): the same injected model with plain-torch experts on the CPU, the plain
+  `ModelRunner` (no graphs, no overlap).
+- `accelerate` (baseline): unmodified transformers, experts offloaded by accelerate
+  (bench/baselines.py).
+The bound is host read bandwidth / routed-expert bytes per token (measured before the build).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import platform
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetmoe.bench import measure
+from hetmoe.bench.random_model import build_random_model
+from hetmoe.bench.shapes import shape_config
+from hetmoe.bench.trace import TraceRecorder
+from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
+from hetmoe.engine.runner import ModelRunner
+
+MODES = ("cpu", "torch-cpu", "accelerate")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What `hetmoe bench` builds and measures."""
+
+    shape: str | None = None
+    """Random-weight shape (bench/shapes.py); or `model`."""
+    model: str | None = None
+    """Checkpoint directory or preset (experts as its rules say; mode cpu only)."""
+    experts: str = "cpu"
+    """Mode: cpu (ours), torch-cpu or accelerate (baselines)."""
+    weight_format: str = "bf16"
+    """Routed-expert format in the CPU backend: bf16, int8, int4."""
+    prompt_len: int = 32
+    """Prompt tokens before decode."""
+    new_tokens: int = 256
+    """Tokens generated per decode run (the first step is not timed)."""
+    prefill_lengths: tuple[int, ...] = (128, 1024, 4096)
+    """Prompt lengths whose prefill speed is measured."""
+    deferred: tuple[int, ...] = (0,)
+    """Expert Deferral values timed in graph mode."""
+    eager: bool = True
+    """Also time decode in eager mode and count launches in both modes."""
+    trace: str | None = None
+    """Chrome trace file of a few eager decode steps."""
+    num_layers: int | None = None
+    """Fewer decoder layers than the shape's (None: all)."""
+    seed: int = 0
+    """Seed of the random weights and prompts."""
+
+    def __post_init__(self) -> None:
+        if (self.shape is None) == (self.model is None):
+            raise ValueError("bench takes a MODEL or --random-weights SHAPE (exactly one)")
+        if self.model is not None and self.experts != "cpu":
+            raise ValueError(f"--experts {self.experts} needs --random-weights SHAPE")
+        if self.experts not in MODES:
+            raise ValueError(f"experts must be one of {', '.join(MODES)}, got {self.experts!r}")
+        if self.new_tokens < 3 or self.prompt_len < 1:
+            raise ValueError("bench needs prompt_len >= 1 and new_tokens >= 3 (first step untimed)")
+
+
+def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
+    """Builds the model of `cfg`, measures it, returns the result dict (see the module doc)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result: dict[str, Any] = {"config": asdict(cfg), "date": _now(), "git": _git_sha(),
+                              "machine": _machine(device)}
+    result["read_gb_s"] = round(measure.read_bandwidth(), 1)
+    log(f"host read bandwidth {result['read_gb_s']} GB/s")
+    if cfg.model is not None:
+        from hetmoe.engine.engine import LLM
+
+        llm = LLM(cfg.model, device=device, progress=False)
+        model, config = llm.model, llm.model.config
+    else:
+        config = shape_config(cfg.shape, cfg.num_layers)
+    prompt = torch.randint(0, config.vocab_size, (cfg.prompt_len,),
+                           generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    window = max((*cfg.prefill_lengths, 0)) + cfg.prompt_len + cfg.new_tokens + 8
+    if cfg.experts == "accelerate":
+        from hetmoe.bench.baselines import build_offloaded_hf_model, hf_generate_speed
+
+        start = time.perf_counter()
+        model = build_offloaded_hf_model(config, seed=cfg.seed)
+        result["build_s"] = round(time.perf_counter() - start, 1)
+        result["decode"] = {"accelerate": hf_generate_speed(model, prompt, cfg.new_tokens)}
+        return result
+    start = time.perf_counter()
+    if cfg.model is None:
+        model = build_random_model(config, device, torch.bfloat16, cfg.experts,
+                                   cfg.weight_format, cfg.seed)
+    result["build_s"] = round(time.perf_counter() - start, 1)
+    log(f"built {cfg.shape or cfg.model} ({cfg.experts}, {cfg.weight_format}) in "
+        f"{result['build_s']} s")
+    result["routed_bytes_per_token"] = measure.routed_bytes_per_token(model)
+    result["bound_tok_s"] = round(result["read_gb_s"] * 1e9 / result["routed_bytes_per_token"], 2)
+    if cfg.experts == "torch-cpu":
+        runner = ModelRunner(model, device, torch.bfloat16, 1, window)
+        run = measure.greedy_decode(runner, prompt, cfg.new_tokens)
+        result["decode"] = {"torch-cpu": _decode_entry(run, result["bound_tok_s"])}
+        result["prefill_tok_s"] = {str(n): round(measure.prefill_speed(runner, n,
+                                   config.vocab_size, 1), 1) for n in cfg.prefill_lengths}
+        return result
+    dtype = next(model.parameters()).dtype
+    runner = HybridRunner(model, device, dtype, 1, window,
+                          HybridConfig(deferred=cfg.deferred[0]))
+    result["decode"] = decode = {}
+    tokens: dict[str, list[int]] = {}
+    for d in cfg.deferred:
+        runner.reset_graphs(d)
+        name = f"{'graph' if runner.use_graphs else 'eager'}_d{d}"
+        run = measure.greedy_decode(runner, prompt, cfg.new_tokens)
+        decode[name], tokens[name] = _decode_entry(run, result["bound_tok_s"]), run.tokens
+        log(f"decode {name}: {decode[name]['tok_s']} tok/s")
+    if cfg.eager and runner.use_graphs:
+        runner.reset_graphs(0)
+        result["launches"] = {"graph": measure.count_launches(runner, prompt, 8)}
+        runner.use_graphs = False
+        run = measure.greedy_decode(runner, prompt, cfg.new_tokens)
+        decode["eager_d0"], tokens["eager_d0"] = _decode_entry(run, result["bound_tok_s"]), \
+            run.tokens
+        result["launches"]["eager"] = measure.count_launches(runner, prompt, 8)
+        if "graph_d0" in tokens:
+            result["graph_eager_same_tokens"] = tokens["graph_d0"] == tokens["eager_d0"]
+        runner.use_graphs = True
+        log(f"decode eager_d0: {decode['eager_d0']['tok_s']} tok/s")
+    if cfg.trace:
+        result["trace"] = _trace(runner, prompt, cfg.trace)
+    result["prefill_tok_s"] = {}
+    for n in cfg.prefill_lengths:
+        result["prefill_tok_s"][str(n)] = round(measure.prefill_speed(runner, n,
+                                                config.vocab_size), 1)
+        log(f"prefill {n}: {result['prefill_tok_s'][str(n)]} tok/s")
+    del runner, model
+    gc.collect()
+    return result
+
+
+def _decode_entry(run: measure.DecodeRun, bound: float) -> dict[str, Any]:
+    return {"tok_s": round(run.tok_s, 2), "mean_tok_s": round(run.mean_tok_s, 2),
+            "ms_per_token": round(1e3 / run.tok_s, 3), "of_bound": round(run.tok_s / bound, 3),
+            "timed_steps": len(run.step_s), "prompt_prefill_s": round(run.prefill_s, 4)}
+
+
+def _trace(runner: HybridRunner, prompt: list[int], path: str, steps: int = 4) -> dict[str, Any]:
+    """Eager decode steps with trace marks; writes the Chrome trace, returns its summary."""
+    recorder = TraceRecorder(runner.device.type == "cuda")
+    graphs, runner.use_graphs = runner.use_graphs, False
+    slot = runner.cache.allocate()
+    try:
+        token = int(runner.prefill(slot, prompt).argmax())
+        token = int(runner.decode([slot], [token])[0].argmax())  # warm-up, untraced
+        runner.overlap.trace = recorder
+        for _ in range(steps):
+            recorder.begin_step()
+            token = int(runner.decode([slot], [token])[0].argmax())
+    finally:
+        runner.overlap.trace = None
+        runner.use_graphs = graphs
+        runner.cache.free(slot)
+    return {"file": path, "steps": steps, "deferred": runner.overlap.deferred,
+            **recorder.write(path)}
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """A readable table of bench results (one row per decode mode)."""
+    rows = [f"{'shape':<24}{'mode':<22}{'tok/s':>9}{'of bound':>10}{'bound':>9}"]
+    for r in results:
+        c = r["config"]
+        for name, entry in r.get("decode", {}).items():
+            mode = f"{c['experts']}/{c['weight_format']}/{name}"
+            shape = c["shape"] or c["model"]
+            bound = r.get("bound_tok_s", float("nan"))
+            share = entry.get("of_bound", float("nan"))
+            speed = entry.get("tok_s", entry.get("decode_tok_s", float("nan")))
+            rows.append(f"{shape:<24}{mode:<22}{speed:>9.2f}{share:>10.3f}{bound:>9.2f}")
+        for n, speed in r.get("prefill_tok_s", {}).items():
+            mode = f"{c['experts']}/{c['weight_format']}/prefill {n}"
+            rows.append(f"{c['shape'] or c['model']:<24}{mode:<22}{speed:>9.1f}")
+    return "\n".join(rows)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _machine(device: torch.device) -> dict[str, Any]:
+    facts: dict[str, Any] = {"cpu": platform.processor() or platform.machine(),
+                             "cores": os.cpu_count(), "torch": torch.__version__}
+    if device.type == "cuda":
+        facts["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            facts["cpu"] = next(line.split(":", 1)[1].strip() for line in f
+                                if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return facts

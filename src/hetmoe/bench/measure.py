@@ -1,0 +1,154 @@
+"""Measurements behind `hetmoe bench`: read bandwidth, routed bytes, decode/prefill speed, launches.
+
+Every timing synchronizes the device before reading the clock; decode speed is greedy generation
+through the runner's public `prefill` / `decode`, the token fed back each step as a host int
+(what a server does), so one device-to-host sync per token is part of the measured step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hetmoe.engine.runner import ModelRunner
+from hetmoe.ops.deferral import moe_layers
+
+# CUDA runtime calls counted per decoded token.
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync", "cudaLaunchHostFunc")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy")
+
+
+def sync(device: torch.device) -> None:
+    """Waits for the device's queued work (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def read_bandwidth(gib: float = 4.0, repeats: int = 5) -> float:
+    """Host memory read bandwidth in GB/s: best of `repeats` sums over a `gib` GiB float32 array
+    (all torch threads); measure it before the CPU backend's pool starts spinning."""
+    n = int(gib * 2**30) // 4
+    data = torch.empty(n, dtype=torch.float32).uniform_()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return n * 4 / best / 1e9
+
+
+def routed_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of routed-expert weights one token reads (K experts per MoE layer, scales included)."""
+    from hetmoe.engine.overlap import cpu_moe_of
+
+    total = 0
+    for moe in moe_layers(model):
+        spec, k = moe.experts.spec, moe.gate.config.top_k
+        try:
+            per_expert = cpu_moe_of(moe.experts).packed_bytes / spec.num_experts
+        except ValueError:  # plain-torch experts: three bf16 matrices
+            per_expert = 3 * spec.hidden_size * spec.intermediate_size * 2
+        total += int(per_expert * k)
+    return total
+
+
+@dataclass
+class DecodeRun:
+    """Greedy decode of one sequence: tokens and per-step wall times (first step excluded)."""
+
+    tokens: list[int]
+    step_s: list[float]
+    prefill_s: float
+
+    @property
+    def tok_s(self) -> float:
+        """Decode tokens per second over the timed steps (median step)."""
+        return 1.0 / statistics.median(self.step_s)
+
+    @property
+    def mean_tok_s(self) -> float:
+        """Decode tokens per second over all timed steps (total time)."""
+        return len(self.step_s) / sum(self.step_s)
+
+
+def greedy_decode(runner: ModelRunner, prompt: list[int], new_tokens: int) -> DecodeRun:
+    """Prefills `prompt` into a fresh slot, then decodes `new_tokens` greedily; frees the slot.
+
+    The first decode step (graph capture, warm-up) is not timed.
+    """
+    device = runner.device
+    slot = runner.cache.allocate()
+    try:
+        sync(device)
+        start = time.perf_counter()
+        token = int(runner.prefill(slot, prompt).argmax())
+        prefill_s = time.perf_counter() - start
+        tokens, steps = [token], []
+        for i in range(new_tokens - 1):
+            start = time.perf_counter()
+            token = int(runner.decode([slot], [token])[0].argmax())  # syncs the device
+            if i:
+                steps.append(time.perf_counter() - start)
+            tokens.append(token)
+        return DecodeRun(tokens, steps, prefill_s)
+    finally:
+        runner.cache.free(slot)
+
+
+def prefill_speed(runner: ModelRunner, length: int, vocab: int, repeats: int = 2) -> float:
+    """Prompt tokens per second of one prefill of `length` random tokens (best of `repeats`)."""
+    ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(length))
+    best = float("inf")
+    for _ in range(repeats):
+        slot = runner.cache.allocate()
+        try:
+            sync(runner.device)
+            start = time.perf_counter()
+            runner.prefill(slot, ids.tolist())
+            sync(runner.device)
+            best = min(best, time.perf_counter() - start)
+        finally:
+            runner.cache.free(slot)
+    return length / best
+
+
+def count_launches(runner: ModelRunner, prompt: list[int], steps: int) -> dict[str, float]:
+    """CUDA runtime launches, GPU kernels and host syncs per decoded token (torch.profiler over
+    `steps` decode steps after two warm-up steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    slot = runner.cache.allocate()
+    try:
+        token = int(runner.prefill(slot, prompt).argmax())
+        for _ in range(2):
+            token = int(runner.decode([slot], [token])[0].argmax())
+        sync(runner.device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                token = int(runner.decode([slot], [token])[0].argmax())
+            sync(runner.device)
+    finally:
+        runner.cache.free(slot)
+    names: Counter[str] = Counter()
+    kernels = 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels += not event.name.startswith(("Memcpy", "Memset"))
+        else:
+            names[event.name] += 1
+    launches = sum(names[n] for n in LAUNCH_CALLS)
+    return {
+        "launch_calls_per_token": launches / steps,
+        "kernel_launches_per_token": sum(names[n] for n in LAUNCH_CALLS[:4]) / steps,
+        "graph_launches_per_token": names["cudaGraphLaunch"] / steps,
+        "host_functions_per_token": names["cudaLaunchHostFunc"] / steps,
+        "gpu_kernels_per_token": kernels / steps,
+        "host_syncs_per_token": sum(names[n] for n in SYNC_CALLS) / steps,
+    }

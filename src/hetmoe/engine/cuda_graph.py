@@ -1,0 +1,126 @@
+"""`HybridRunner`: the model runner with CPU/GPU overlap and decode steps as CUDA graphs.
+
+Each decode batch size in `HybridConfig.graph_batch_sizes` gets one CUDA graph of the forward
+pass (embedding to final norm), captured at its first use; the CPU experts' submit and wait enter
+it as host nodes (engine/overlap.py), reading and writing fixed pinned buffers. A batch is padded
+to the next captured size by repeating its first row (same token, slot and position: the cache
+write is the same, the extra outputs are dropped). Graphs need a static shape, so decode attends
+over the whole window (`kv_len = max_seq_len`, masked causally) in both modes, which keeps the
+eager mode (`cuda_graphs=False`, for debugging) token-for-token equal to the graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hetmoe.engine.overlap import MoEOverlap
+from hetmoe.engine.runner import ModelRunner
+from hetmoe.ops.kv_batch import KVBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Options of the hybrid runtime (overlap, deferral, CUDA graphs)."""
+
+    deferred: int = 0
+    """Experts per token deferred to the next MoE layer in decode (0 = off)."""
+    cuda_graphs: bool = True
+    """Replay decode steps as CUDA graphs (False: the same steps launched eagerly)."""
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    """Decode batch sizes that get a graph; larger batches run eagerly."""
+
+    def __post_init__(self) -> None:
+        sizes = self.graph_batch_sizes
+        if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
+            raise ValueError(f"graph_batch_sizes must be positive integers, got {sizes!r}")
+
+
+@dataclass
+class _Graph:
+    """One captured decode step and its static tensors."""
+
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [B, 1]
+    positions: torch.Tensor  # [B, 1]
+    slots: torch.Tensor  # [B]
+    hidden: torch.Tensor  # [B, 1, H] output
+
+
+class HybridRunner(ModelRunner):
+    """`ModelRunner` (same interface) whose MoE layers overlap CPU experts with GPU work."""
+
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype,
+                 max_batch: int, max_seq_len: int, config: HybridConfig | None = None) -> None:
+        super().__init__(model, device, dtype, max_batch, max_seq_len)
+        self.config = config or HybridConfig()
+        self.overlap = MoEOverlap(model, device, max(max_batch, *self.config.graph_batch_sizes),
+                                  self.config.deferred)
+        self.use_graphs = self.config.cuda_graphs and device.type == "cuda"
+        if self.config.cuda_graphs and not self.use_graphs:
+            log.info("CUDA graphs need a CUDA device (running on %s): decode runs eagerly", device)
+        self.graphs: dict[int, _Graph] = {}
+
+    def decode(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
+        """See `ModelRunner.decode`; runs as a decode step (deferral, graphs)."""
+        with self.overlap.phase(decoding=True):
+            logits = super().decode(slots, token_ids)
+        self.overlap.check_host_errors()
+        return logits
+
+    def _forward(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
+        if not self.overlap.decoding:
+            return super()._forward(ids, kv)
+        b = ids.shape[0]
+        size = next((s for s in sorted(self.config.graph_batch_sizes) if s >= b), None)
+        if not self.use_graphs or size is None:
+            static = KVBatch(kv.slots, kv.positions, self.max_seq_len)
+            return super()._forward(ids, static)
+        pad = size - b
+        ids = torch.cat([ids, ids[:1].expand(pad, 1)]) if pad else ids  # [size, 1]
+        positions = torch.cat([kv.positions, kv.positions[:1].expand(pad, 1)]) if pad \
+            else kv.positions
+        slots = torch.cat([kv.slots, kv.slots[:1].expand(pad)]) if pad else kv.slots
+        graph = self.graphs.get(size)
+        if graph is None:
+            return self._capture(size, ids, positions, slots)[:b]
+        graph.ids.copy_(ids)
+        graph.positions.copy_(positions)
+        graph.slots.copy_(slots)
+        for link in self.overlap.host:
+            link.bind(size)  # another size may have been bound since this graph's capture
+        graph.graph.replay()
+        return graph.hidden[:b]
+
+    def _capture(self, size: int, ids: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor) -> torch.Tensor:
+        """Runs this step eagerly (its real output) and captures it for later steps."""
+        static = _Graph(torch.cuda.CUDAGraph(), ids.clone(), positions.clone(), slots.clone(),
+                        torch.empty(0))
+        kv = KVBatch(static.slots, static.positions, self.max_seq_len)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            out = super()._forward(static.ids, kv)  # warm-up = this step's result
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        out = out.clone()
+        # The capture records work without running it: the cache and buffers stay as they are.
+        with torch.cuda.graph(static.graph):
+            static.hidden = super()._forward(static.ids, kv)
+        self.graphs[size] = static
+        return out
+
+    def reset_graphs(self, deferred: int | None = None) -> None:
+        """Drops the captured graphs (e.g. to change `deferred`, which graphs bake in)."""
+        if deferred is not None:
+            from hetmoe.ops.deferral import check_deferred
+
+            check_deferred(deferred, self.overlap.top_k)
+            self.overlap.deferred = deferred
+        self.graphs.clear()

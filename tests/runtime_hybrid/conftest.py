@@ -1,0 +1,40 @@
+"""Hybrid-runtime fixtures: fp32 baby engines, routed experts in the C++ CPU backend or torch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from hetmoe import LLM
+from hetmoe.experts.backend import backends
+
+PROMPT = [5, 9, 33, 100, 7]
+"""Prompt token ids of every test (inside the baby vocabulary)."""
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_dir: Callable[..., object]) -> Callable[[str, str], LLM]:
+    """`engine(family, experts)`: a cached fp32 CPU `LLM` with experts `cpu` or `torch`."""
+    built: dict[tuple[str, str], LLM] = {}
+
+    def get(family: str, experts: str) -> LLM:
+        if experts == "cpu" and "cpu" not in backends():
+            pytest.fail("the `cpu` expert backend is not registered (hetmoe._cpu not built?)")
+        key = (family, experts)
+        if key not in built:
+            built[key] = LLM(tiny_dir(family), device="cpu", dtype="float32", experts=experts,
+                             progress=False, max_seq_len=64)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny tensors on a shared 2-core box: intra-op parallel regions only cost time."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
