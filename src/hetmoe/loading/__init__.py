@@ -5,6 +5,7 @@ Public API (stable; the engine and injection build on it):
 - `LoadedModel(model, config, tokenizer, family, inject_report)` (frozen)
 - `Checkpoint.open(path)`, `build_skeleton(config, dtype)`,
   `materialize(model, checkpoint, *, device, dtype, progress=True)`
+- `TensorOwner`: the `load_tensor(name, tensor)` protocol of modules that take their own tensors
 - `CheckpointError` for every problem of a checkpoint; `FAMILIES` the supported `model_type`s.
 """
 
@@ -14,7 +15,7 @@ from hetmoe.loading.checkpoint import Checkpoint, CheckpointTensor
 from hetmoe.loading.errors import CheckpointError
 from hetmoe.loading.families import FAMILIES, Family
 from hetmoe.loading.load import LoadedModel, load_model
-from hetmoe.loading.materialize import materialize
+from hetmoe.loading.materialize import TensorOwner, materialize
 from hetmoe.loading.skeleton import build_skeleton
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "CheckpointTensor",
     "Family",
     "LoadedModel",
+    "TensorOwner",
     "build_skeleton",
     "load_model",
     "materialize",

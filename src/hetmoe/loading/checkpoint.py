@@ -13,8 +13,9 @@ import json
 import logging
 import re
 from dataclasses import dataclass
+from io import FileIO
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -98,7 +99,7 @@ class Checkpoint:
         return cls(path, config, family, tensors, fp8)
 
     def tensor(
-        self, item: CheckpointTensor, dtype: torch.dtype | None = None, *, f: BinaryIO | None = None
+        self, item: CheckpointTensor, dtype: torch.dtype | None = None, *, f: FileIO | None = None
     ) -> torch.Tensor:
         """A CPU tensor of `item`, FP8 dequantized; floating data cast to `dtype` if given."""
         value = read_tensor(item.entry, f=f)

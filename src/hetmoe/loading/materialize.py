@@ -19,7 +19,8 @@ import logging
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from io import FileIO
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -33,6 +34,14 @@ log = logging.getLogger(__name__)
 
 _EXPERT = re.compile(r"^(?P<experts>.+)\.(?P<index>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 _SHOWN = 5  # names listed in an error before "and N more"
+
+
+class TensorOwner(Protocol):
+    """A module that takes the checkpoint tensors below it itself (e.g. an expert backend)."""
+
+    def load_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Receives `name` (relative to this module, e.g. `3.gate_proj.weight`) once: a CPU tensor,
+        FP8 dequantized, floating data in the load dtype; the module may keep it."""
 
 
 @dataclass(frozen=True)
@@ -96,9 +105,8 @@ def materialize(
                 _fill_fused(checkpoint, item, slot, f, fused_filled)
             elif hasattr(slot.module, "load_tensor"):
                 floating = item.entry.dtype.is_floating_point
-                slot.module.load_tensor(slot.name, checkpoint.tensor(
-                    item, dtype if floating else None, f=f
-                ))
+                value = checkpoint.tensor(item, dtype if floating else None, f=f)
+                cast(TensorOwner, slot.module).load_tensor(slot.name, value)
             else:
                 _fill_tensor(checkpoint, item, slot, f)
             advance(item.entry.nbytes)
@@ -139,7 +147,7 @@ def _slot(name: str, modules: dict[str, nn.Module], device: torch.device) -> _Sl
     experts = modules.get(match["experts"]) if match else None
     if match is None or experts is None or not _is_fused(experts):
         return None
-    half = experts.gate_up_proj.shape[1] // 2
+    half = _fused(experts, "gate_up_proj").shape[1] // 2
     rows = {"gate": slice(0, half), "up": slice(half, 2 * half), "down": slice(None)}[match["proj"]]
     fused = "down_proj" if match["proj"] == "down" else "gate_up_proj"
     return _Slot(experts, fused, placed, int(match["index"]), rows, match["experts"], match["proj"])
@@ -151,16 +159,22 @@ def _device_of(module: nn.Module, inherited: torch.device) -> torch.device:
     return torch.device(value) if isinstance(value, str | torch.device) else inherited
 
 
+def _fused(module: nn.Module, name: str) -> nn.Parameter:
+    param = module._parameters[name]
+    assert param is not None
+    return param
+
+
 def _is_fused(module: nn.Module) -> bool:
     gate_up, down = module._parameters.get("gate_up_proj"), module._parameters.get("down_proj")
     return gate_up is not None and down is not None and gate_up.dim() == 3 and down.dim() == 3
 
 
-def _fill_tensor(checkpoint: Checkpoint, item: CheckpointTensor, slot: _Slot, f: BinaryIO) -> None:
+def _fill_tensor(checkpoint: Checkpoint, item: CheckpointTensor, slot: _Slot, f: FileIO) -> None:
     """Reads `item` into the parameter/buffer `slot.name` of `slot.module`."""
-    current = slot.module._parameters.get(slot.name)
-    if current is None:
-        current = slot.module._buffers[slot.name]
+    found = slot.module._parameters.get(slot.name)
+    current = found if found is not None else slot.module._buffers[slot.name]
+    assert current is not None  # `_slot` only places names with a tensor behind them
     _check(item, current.shape, current.dtype, f"{type(slot.module).__name__}.{slot.name}")
     dest = current if current.device.type != "meta" else torch.empty(
         current.shape, dtype=current.dtype, device=slot.device
@@ -177,12 +191,11 @@ def _fill_fused(
     checkpoint: Checkpoint,
     item: CheckpointTensor,
     slot: _Slot,
-    f: BinaryIO,
+    f: FileIO,
     filled: dict[str, set[tuple[str, int]]],
 ) -> None:
     """Reads one expert's projection into its slice of the fused experts parameter."""
-    fused = slot.module._parameters[slot.name]
-    assert fused is not None
+    fused = _fused(slot.module, slot.name)
     if fused.device.type == "meta":  # first expert of this layer: allocate the whole stack once
         fused = nn.Parameter(
             torch.empty(fused.shape, dtype=fused.dtype, device=slot.device), requires_grad=False
@@ -206,7 +219,7 @@ def _missing_experts(
     """Per-expert names absent from fused experts that the checkpoint filled only in part."""
     missing = []
     for path, seen in filled.items():
-        num_experts = modules[path].gate_up_proj.shape[0]
+        num_experts = _fused(modules[path], "gate_up_proj").shape[0]
         for e in range(num_experts):
             missing += [f"{path}.{e}.{p}_proj.weight" for p in ("gate", "up", "down")
                         if (p, e) not in seen]
@@ -214,7 +227,7 @@ def _missing_experts(
 
 
 def _read_into(
-    checkpoint: Checkpoint, item: CheckpointTensor, dest: torch.Tensor, f: BinaryIO
+    checkpoint: Checkpoint, item: CheckpointTensor, dest: torch.Tensor, f: FileIO
 ) -> None:
     """Fills `dest`: by readinto when it is a contiguous CPU tensor of the stored dtype."""
     direct = (

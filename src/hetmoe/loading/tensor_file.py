@@ -11,8 +11,9 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from io import FileIO
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any
 
 import torch
 
@@ -86,7 +87,7 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
 
 
 def read_tensor(
-    entry: TensorEntry, out: torch.Tensor | None = None, *, f: BinaryIO | None = None
+    entry: TensorEntry, out: torch.Tensor | None = None, *, f: FileIO | None = None
 ) -> torch.Tensor:
     """Reads `entry` into `out` (a contiguous CPU tensor of its dtype and shape) or a new tensor.
 
@@ -96,7 +97,8 @@ def read_tensor(
         out = torch.empty(entry.shape, dtype=entry.dtype)
     if entry.nbytes == 0:
         return out
-    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    data: Any = out.view(-1).view(torch.uint8).numpy()  # the tensor's own bytes, writable
+    view = memoryview(data)
     handle = f if f is not None else open(entry.file, "rb", buffering=0)
     try:
         handle.seek(entry.start)

@@ -10,9 +10,9 @@ extra multi-token-prediction layer DeepSeek-V3 ships after its last decoder laye
 
 from __future__ import annotations
 
-import functools
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +128,7 @@ def build_tiny_model(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")
-    _randomize(model, seed)
+    _randomize(model, config.hidden_size, seed)
     _keep_router_bias_fp32(model, dtype)
     # Three shards' worth per file, so even small configs give at least two files.
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -146,10 +146,9 @@ def build_tiny_model(
     return path
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+def _randomize(model: torch.nn.Module, hidden: int, seed: int) -> None:
     """Deterministic weights scaled so activations stay O(1) and logits and routing are peaked."""
     gen = torch.Generator().manual_seed(seed)
-    hidden = model.config.hidden_size
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen)
@@ -244,13 +243,20 @@ def _edit_config(path: Path, **fields: Any) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def _builder(family: str) -> Callable[[Path], None]:
+    def build(path: Path) -> None:
+        build_tiny_model(family, path)
+
+    return build
+
+
 def _register() -> None:
     for family in FAMILIES:
         name = "tiny-" + family.replace("_", "-")
         register_preset(Preset(
             name=name,
             description=f"random baby {family} model (vocab 512, hidden 64, 8 experts)",
-            build=functools.partial(build_tiny_model, family),
+            build=_builder(family),
         ))
 
 
