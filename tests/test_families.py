@@ -38,7 +38,7 @@ def plain_greedy(model: torch.nn.Module, token_ids: list[int], steps: int) -> li
 
 def test_family_equals_transformers(tiny_family: tuple[str, Path]) -> None:
     family, path = tiny_family
-    llm = LLM(path, device="cpu", dtype="float32", progress=False)
+    llm = LLM(path, device="cpu", dtype="float32", experts="torch", progress=False)
     layers = llm.model.config.num_hidden_layers
     ops = [r.op for r in llm.injection.replacements]
     attention = "mla_attention" if family.startswith("deepseek") else "static_kv_attention"

@@ -13,12 +13,14 @@ from hetmoe import LLM
 
 @pytest.fixture(scope="session")
 def llm_of(tiny_dir: Callable[..., Any]) -> Callable[[str], LLM]:
-    """`llm_of(family)`: a cached fp32 CPU engine on the family's baby model (free its slots)."""
+    """`llm_of(family)`: a cached fp32 engine (torch experts) on the family's baby model."""
     built: dict[str, LLM] = {}
 
     def get(family: str) -> LLM:
         if family not in built:
-            built[family] = LLM(tiny_dir(family), device="cpu", dtype="float32", progress=False)
+            built[family] = LLM(
+                tiny_dir(family), device="cpu", dtype="float32", experts="torch", progress=False
+            )
         return built[family]
 
     return get

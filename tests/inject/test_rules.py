@@ -37,9 +37,9 @@ def test_parses_name_class_device_and_kwargs() -> None:
          "rule 0, field match.name: bad regex 'layers.(0': missing ), unterminated subpattern"),
         (f"- match: {MOE}\n  replace: {{op: hybrid_moe, kwargs: {{experts: gpu9}}}}\n",
          "rule 0, field replace.kwargs: experts='gpu9' is not a registered expert backend"),
-        (f"- match: {MOE}\n  replace: {{op: hybrid_moe, kwargs: {{deferred: 2}}}}\n",
-         "rule 0, field replace.kwargs: unknown kwarg 'deferred' for op 'hybrid_moe' "
-         "(known: experts)"),
+        (f"- match: {MOE}\n  replace: {{op: hybrid_moe, kwargs: {{warp_factor: 2}}}}\n",
+         "rule 0, field replace.kwargs: unknown kwarg 'warp_factor' for op 'hybrid_moe' "
+         "(known: experts, weight_format"),
         (f"- match: {MOE}\n  replace: {{op: hybrid_moe, kwargs: {{experts: 3}}}}\n",
          "rule 0, field replace.kwargs: kwarg 'experts' of op 'hybrid_moe' must be str, got 3"),
         (f"- match: {MOE}\n  replace: {{op: hybrid_moe, device: gpu}}\n",

@@ -48,7 +48,15 @@ class ExpertSpec:
 class ExpertBackend(nn.Module, metaclass=ABCMeta):
     """Routed experts of one MoE layer: `forward(x, expert_ids, expert_weights) -> [T, H]`."""
 
-    def __init__(self, spec: ExpertSpec, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        spec: ExpertSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        weight_format: str | None = None,
+    ) -> None:
+        """Experts of shape `spec` for activations of `dtype`; `weight_format` as the backend
+        supports (None: its native one)."""
         super().__init__()
         self.spec = spec
         self.device = device
@@ -56,6 +64,11 @@ class ExpertBackend(nn.Module, metaclass=ABCMeta):
         self._parts: dict[int, dict[str, torch.Tensor]] = {}
         self._loaded: set[int] = set()
         self._pending: torch.Tensor | None = None
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this backend cannot run on this machine, or None when it can."""
+        return None
 
     @abstractmethod
     def load_expert(
@@ -170,8 +183,11 @@ def backends() -> dict[str, type[ExpertBackend]]:
 
 
 def get_backend(name: str) -> type[ExpertBackend]:
-    """The backend class registered as `name`; ValueError listing the known ones otherwise."""
+    """The backend class registered as `name`; ValueError if unknown or unable to run here."""
     table = backends()
     if name not in table:
         raise ValueError(f"unknown expert backend {name!r} (known: {', '.join(sorted(table))})")
+    reason = table[name].unavailable()
+    if reason is not None:
+        raise ValueError(f"expert backend {name!r} cannot run here: {reason}")
     return table[name]

@@ -12,7 +12,18 @@ from hetmoe.experts.backend import ExpertBackend, ExpertSpec, register_backend
 class TorchExperts(ExpertBackend):
     """Stacked expert weights on `device`; tokens grouped by expert, one matmul pair per expert."""
 
-    def __init__(self, spec: ExpertSpec, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        spec: ExpertSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        weight_format: str | None = None,
+    ) -> None:
+        if weight_format is not None:
+            raise ValueError(
+                f"torch experts keep the model dtype; weight_format={weight_format!r} needs the "
+                "cpu backend"
+            )
         super().__init__(spec, device, dtype)
         e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
         # Non-persistent: the loader feeds them through load_tensor, never by state-dict name.

@@ -26,8 +26,14 @@ class HybridMoEOptions:
 
     experts: str = "auto"
     """Routed-expert backend: a registered name (`torch`, `cpu`) or `auto` (cpu when built)."""
+    weight_format: str | None = None
+    """Packed expert weights for the cpu backend: bf16, int8 or int4 (None: bf16)."""
 
     def __post_init__(self) -> None:
+        if self.weight_format not in (None, "bf16", "int8", "int4"):
+            raise ValueError(
+                f"weight_format must be bf16, int8 or int4, got {self.weight_format!r}"
+            )
         known = backends()
         if self.experts != "auto" and self.experts not in known:
             raise ValueError(
@@ -85,7 +91,8 @@ class HybridMoE(nn.Module):
 def _backend_name(options: HybridMoEOptions, ctx: OpContext) -> str:
     name = ctx.experts or options.experts
     if name == "auto":
-        return "cpu" if "cpu" in backends() else "torch"
+        cpu = backends().get("cpu")
+        return "cpu" if cpu is not None and cpu.unavailable() is None else "torch"
     return name
 
 
@@ -104,8 +111,9 @@ def build_hybrid_moe(
         intermediate_size=hf_experts.intermediate_dim,
         activation=config.hidden_act,
     )
-    router = Router(RouterConfig.from_hf(config), spec.hidden_size)
-    experts = get_backend(_backend_name(options, ctx))(spec, device, ctx.dtype)
+    router = Router(RouterConfig.from_hf(config), spec.hidden_size, ctx.dtype)
+    backend = get_backend(_backend_name(options, ctx))
+    experts = backend(spec, device, ctx.dtype, options.weight_format)
     return HybridMoE(
         router,
         experts,

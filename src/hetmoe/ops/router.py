@@ -98,12 +98,16 @@ class RouterConfig:
 class Router(nn.Module):
     """`forward(x [T, H]) -> (expert_ids [T, K] int64, expert_weights [T, K] float32)`."""
 
-    def __init__(self, config: RouterConfig, hidden_size: int) -> None:
+    def __init__(
+        self, config: RouterConfig, hidden_size: int, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.config = config
         # Created on meta like the rest of the skeleton; the loader materializes them.
-        self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size, device="meta"))
-        if config.has_bias:
+        self.weight = nn.Parameter(
+            torch.empty(config.num_experts, hidden_size, device="meta", dtype=dtype)
+        )
+        if config.has_bias:  # fp32, as real checkpoints store it
             self.register_buffer(
                 "e_score_correction_bias", torch.empty(config.num_experts, device="meta")
             )
