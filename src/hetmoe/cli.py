@@ -128,6 +128,54 @@ def chat(
 
 
 @app.command()
+def bench(
+    model: Annotated[str | None, typer.Argument(help="Checkpoint directory or preset")] = None,
+    random_weights: Annotated[str | None, typer.Option(
+        help="Real shape with random weights: qwen3-30b-a3b, deepseek-v2-lite, mixtral-8x7b, "
+             "deepseek-v3-few-layers")] = None,
+    experts: Annotated[str, typer.Option(
+        help="cpu (ours), torch-cpu or accelerate (baselines)")] = "cpu",
+    weight_format: Annotated[str, typer.Option(help="bf16, int8 or int4 experts")] = "bf16",
+    deferred: Annotated[str, typer.Option(help="Expert Deferral values, e.g. 0,2,3")] = "0",
+    prompt_len: Annotated[int, typer.Option(help="Prompt tokens before decode")] = 32,
+    new_tokens: Annotated[int, typer.Option(help="Tokens decoded per run")] = 256,
+    prefill: Annotated[str, typer.Option(help="Prefill lengths, e.g. 128,1024,4096")] = "128",
+    eager: Annotated[bool, typer.Option(help="Also time eager decode, count launches")] = True,
+    trace: Annotated[Path | None, typer.Option(help="Chrome/Perfetto trace file")] = None,
+    num_layers: Annotated[int | None, typer.Option(help="Fewer decoder layers")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results here")] = None,
+    bandwidth_gib: Annotated[float, typer.Option(help="Read-bandwidth probe size")] = 1.0,
+) -> None:
+    """Prefill and decode speed of MODEL (or a random-weight shape), JSON + table."""
+    import json
+
+    from hetmoe.bench.harness import BenchConfig, run_bench, table
+
+    try:
+        cfg = BenchConfig(
+            shape=random_weights, model=model, experts=experts, weight_format=weight_format,
+            deferred=_ints(deferred, "deferred"), prompt_len=prompt_len, new_tokens=new_tokens,
+            prefill_lengths=_ints(prefill, "prefill"), eager=eager,
+            trace=str(trace) if trace else None, num_layers=num_layers,
+            bandwidth_gib=bandwidth_gib,
+        )
+        result = run_bench(cfg, log=lambda line: typer.echo(line, err=True))
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        fail(exc)
+    if json_out is not None:
+        json_out.write_text(json.dumps(result, indent=1))
+    typer.echo(table([result]))
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise typer.BadParameter(
+            f"--{option} takes comma-separated integers, got {text!r}") from None
+
+
+@app.command()
 def info() -> None:
     """Print the machine report: CPU, ISA (AMX and its OS permission), NUMA, GPU, versions."""
     from hetmoe.machine import machine_report

@@ -31,7 +31,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def read_bandwidth(gib: float = 4.0, repeats: int = 5) -> float:
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Host memory read bandwidth in GB/s: best of `repeats` sums over a `gib` GiB float32 array
     (all torch threads); measure it before the CPU backend's pool starts spinning."""
     n = int(gib * 2**30) // 4

@@ -1,0 +1,134 @@
+"""Bench pieces on the CPU: random real-shape builder (shrunk), shapes, trace, `hetmoe bench`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PROMPT
+from typer.testing import CliRunner
+
+from hetmoe import LLM
+from hetmoe.bench.measure import greedy_decode, routed_bytes_per_token
+from hetmoe.bench.random_model import build_random_model
+from hetmoe.bench.shapes import SHAPES, shape_config
+from hetmoe.bench.trace import TraceRecorder
+from hetmoe.cli import app
+from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
+from hetmoe.engine.overlap import cpu_moe_of
+from hetmoe.experts.torch_backend import TorchExperts
+from hetmoe.ops.deferral import moe_layers
+from hetmoe.presets.tiny import tiny_config
+
+
+def test_shapes_have_the_published_sizes() -> None:
+    qwen = shape_config("qwen3-30b-a3b")
+    assert (qwen.num_hidden_layers, qwen.num_experts, qwen.num_experts_per_tok,
+            qwen.hidden_size, qwen.moe_intermediate_size) == (48, 128, 8, 2048, 768)
+    lite = shape_config("deepseek-v2-lite", num_layers=3)
+    assert (lite.num_hidden_layers, lite.n_routed_experts, lite.n_shared_experts,
+            lite.num_experts_per_tok, lite.moe_intermediate_size) == (3, 64, 2, 6, 1408)
+    assert set(SHAPES) == {"qwen3-30b-a3b", "deepseek-v2-lite", "mixtral-8x7b",
+                           "deepseek-v3-few-layers"}
+    with pytest.raises(ValueError, match="unknown shape 'qwen9'; expected one of qwen3-30b-a3b"):
+        shape_config("qwen9")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize(("experts", "weight_format"), [("cpu", "bf16"), ("cpu", "int8"),
+                                                        ("torch-cpu", "bf16")])
+def test_random_model_is_complete_and_runs(family: str, experts: str, weight_format: str) -> None:
+    config = tiny_config(family)
+    model = build_random_model(config, torch.device("cpu"), torch.bfloat16, experts,
+                               weight_format)
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    on_meta = [n for n, t in tensors.items() if t.device.type == "meta"]
+    assert on_meta == []
+    layers = moe_layers(model)
+    assert layers and all(m.experts.missing() == [] for m in layers)
+    k, h = config.num_experts_per_tok, config.hidden_size
+    i = config.moe_intermediate_size
+    per_layer = routed_bytes_per_token(model) / len(layers)
+    if experts == "torch-cpu":
+        assert all(isinstance(m.experts, TorchExperts) for m in layers)
+        assert all(m.experts.device.type == "cpu" for m in layers)
+        assert per_layer == k * 3 * h * i * 2
+    else:
+        moe = cpu_moe_of(layers[0].experts)
+        assert moe.weight_format == weight_format
+        assert per_layer == int(moe.packed_bytes / config.num_experts * k)  # K experts' packing
+    from hetmoe.engine.runner import ModelRunner
+
+    runner = ModelRunner(model, torch.device("cpu"), torch.bfloat16, 1, 16)
+    logits = runner.prefill(0, PROMPT)
+    assert torch.isfinite(logits).all() and logits.abs().max() > 0
+
+
+def test_random_model_refuses_quantized_torch_experts() -> None:
+    with pytest.raises(ValueError, match="plain-torch experts are bf16 only, got "
+                       "weight_format='int8'"):
+        build_random_model(tiny_config("mixtral"), torch.device("cpu"), torch.bfloat16,
+                           "torch-cpu", "int8")
+
+
+def test_trace_has_gpu_and_cpu_spans_per_layer(engine: Callable[[str, str], LLM],
+                                               tmp_path: Path) -> None:
+    llm = engine("qwen3_moe", "cpu")
+    runner = HybridRunner(llm.model, llm.device, llm.dtype, 1, llm.max_seq_len,
+                          HybridConfig(deferred=1))
+    recorder = TraceRecorder(cuda=False)
+    try:
+        runner.lengths[0] = 0
+        token = int(runner.prefill(0, PROMPT).argmax())
+        runner.overlap.trace = recorder
+        for _ in range(2):
+            recorder.begin_step()
+            token = int(runner.decode([0], [token])[0].argmax())
+    finally:
+        runner.overlap.detach()
+        runner.overlap.trace = None
+    summary = recorder.write(tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    names = {e["name"] for e in events if e["ph"] == "X"}
+    layers = len(runner.overlap.layers)
+    for layer in range(layers):
+        assert {f"attention L{layer}", f"shared L{layer}", f"experts L{layer}"} <= names
+    assert "deferred L0" in names and f"deferred L{layers - 1}" not in names
+    assert summary["count_per_step"]["experts"] == layers
+    assert summary["count_per_step"]["deferred"] == layers - 1
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+    assert summary["step_us"] > 0
+
+
+def test_greedy_decode_times_steps_after_the_first(engine: Callable[[str, str], LLM]) -> None:
+    runner = engine("mixtral", "cpu").runner
+    run = greedy_decode(runner, PROMPT, 5)
+    assert len(run.tokens) == 5 and len(run.step_s) == 3
+    assert run.tok_s > 0 and run.mean_tok_s > 0
+
+
+def test_bench_command_on_a_preset(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, [
+        "bench", "tiny-qwen3-moe", "--new-tokens", "4", "--prefill", "16", "--no-eager",
+        "--deferred", "0,1", "--json", str(out), "--bandwidth-gib", "0.0625",
+    ])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert set(data["decode"]) == {"eager_d0", "eager_d1"}  # no GPU: no graphs
+    assert data["read_gb_s"] > 0 and data["bound_tok_s"] > 0
+    assert data["decode"]["eager_d0"]["timed_steps"] == 2
+    assert "16" in data["prefill_tok_s"]
+    assert "tiny-qwen3-moe" in result.output
+
+
+def test_bench_command_errors() -> None:
+    result = CliRunner().invoke(app, ["bench"])
+    assert result.exit_code == 1
+    assert "bench takes a MODEL or --random-weights SHAPE (exactly one)" in result.output
+    result = CliRunner().invoke(app, ["bench", "--random-weights", "qwen3-30b-a3b",
+                                      "--deferred", "x"])
+    assert result.exit_code != 0 and "comma-separated integers" in result.output

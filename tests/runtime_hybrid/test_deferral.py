@@ -1,0 +1,116 @@
+"""Expert Deferral: the split, its limits, the pure-torch reference, and the overlap against it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from conftest import PROMPT
+
+from hetmoe import LLM
+from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
+from hetmoe.engine.runner import ModelRunner
+from hetmoe.ops.deferral import DeferralReference, check_deferred, moe_layers, split_ids
+
+# Same backend, different order of float additions: fp32 rounding only.
+SAME_BACKEND_ATOL = 1e-4
+# C++ CPU kernels (bf16 activations) against torch experts in fp32.
+CROSS_BACKEND_ATOL = 0.08
+
+
+def decode_logits(runner: ModelRunner, steps: int, reference: DeferralReference | None = None,
+                  ) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill PROMPT into slot 0, then `steps` greedy decode steps (reference installed only
+    during decode, as prefill never defers)."""
+    runner.lengths[0] = 0
+    logits = [runner.prefill(0, PROMPT)]
+    tokens = [int(logits[0].argmax())]
+    for _ in range(steps):
+        if reference is None:
+            out = runner.decode([0], [tokens[-1]])
+        else:
+            with reference.decoding():
+                out = runner.decode([0], [tokens[-1]])
+        logits.append(out[0])
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, logits
+
+
+def test_split_ids_masks_the_other_part() -> None:
+    ids = torch.tensor([[7, 3, 5, 1], [0, 2, 4, 6]])
+    immediate, late = split_ids(ids, 1)
+    assert immediate.tolist() == [[7, 3, 5, -1], [0, 2, 4, -1]]
+    assert late.tolist() == [[-1, -1, -1, 1], [-1, -1, -1, 6]]
+    assert ids.tolist() == [[7, 3, 5, 1], [0, 2, 4, 6]]  # input untouched
+
+
+def test_check_deferred_keeps_two_immediate() -> None:
+    check_deferred(6, 8)
+    with pytest.raises(ValueError, match=r"deferred=3 leaves 1 immediate experts of the router's "
+                       r"top-4; at least 2 must stay immediate \(deferred <= 2\)"):
+        check_deferred(3, 4)
+    with pytest.raises(ValueError, match="deferred must be a non-negative integer, got -1"):
+        check_deferred(-1, 8)
+
+
+def test_reference_at_zero_equals_no_deferral(engine: Callable[[str, str], LLM]) -> None:
+    runner = engine("qwen3_moe", "torch").runner
+    _, plain = decode_logits(runner, 3)
+    _, ref = decode_logits(runner, 3, DeferralReference(runner.model, 0))
+    for a, b in zip(plain, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("family", "deferred"), [("qwen3_moe", 1), ("qwen3_moe", 2),
+                                                  ("deepseek_v2", 1), ("qwen2_moe", 2)])
+def test_overlap_deferral_matches_the_reference(
+    engine: Callable[[str, str], LLM], family: str, deferred: int
+) -> None:
+    cpu = engine(family, "cpu")
+    # The formula on the same CPU backend (tight) and on torch experts (dtype tolerance).
+    ref_same = decode_logits(cpu.runner, 4, DeferralReference(cpu.model, deferred))
+    torch_runner = engine(family, "torch").runner
+    ref_torch = decode_logits(torch_runner, 4, DeferralReference(torch_runner.model, deferred))
+    _, no_deferral = decode_logits(cpu.runner, 4)
+    runner = HybridRunner(cpu.model, cpu.device, cpu.dtype, 2, cpu.max_seq_len,
+                          HybridConfig(deferred=deferred))
+    try:
+        tokens, logits = decode_logits(runner, 4)
+    finally:
+        runner.overlap.detach()
+    assert tokens == ref_same[0] == ref_torch[0]
+    for step, (ours, same, other) in enumerate(zip(logits, ref_same[1], ref_torch[1],
+                                                   strict=True)):
+        d_same = (ours - same).abs().max().item()
+        d_torch = (ours - other).abs().max().item()
+        assert d_same <= SAME_BACKEND_ATOL, f"step {step}: |Δ| vs reference {d_same:.3g}"
+        assert d_torch <= CROSS_BACKEND_ATOL, f"step {step}: |Δ| vs torch reference {d_torch:.3g}"
+    # Prefill never defers; decode does, so its logits move (the test is not vacuous).
+    assert torch.equal(logits[0], no_deferral[0])
+    pairs = zip(logits[1:], no_deferral[1:], strict=True)
+    moved = max((a - b).abs().max().item() for a, b in pairs)
+    assert moved > 1e-3
+
+
+def test_last_moe_layer_defers_nothing(tiny_dir: Callable[..., object]) -> None:
+    # One MoE layer = the last one: deferral must leave its output unchanged.
+    llm = LLM(tiny_dir("qwen3_moe", num_layers=1), device="cpu", dtype="float32",
+              experts="cpu", progress=False, max_seq_len=32)
+    assert len(moe_layers(llm.model)) == 1
+    runner = HybridRunner(llm.model, llm.device, llm.dtype, 1, llm.max_seq_len,
+                          HybridConfig(deferred=2))
+    runner.overlap.detach()
+    _, static_window = decode_logits(runner, 2)
+    for moe in runner.overlap.layers:
+        moe.runtime = runner.overlap
+    _, deferred = decode_logits(runner, 2)
+    for a, b in zip(static_window, deferred, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_hybrid_runner_refuses_too_much_deferral(engine: Callable[[str, str], LLM]) -> None:
+    llm = engine("deepseek_v2", "cpu")  # top-3
+    with pytest.raises(ValueError, match="deferred=2 leaves 1 immediate experts"):
+        HybridRunner(llm.model, llm.device, llm.dtype, 1, llm.max_seq_len,
+                     HybridConfig(deferred=2))
