@@ -85,7 +85,7 @@ async function send(text) {
   setBusy(true);
   aborter = new AbortController();
   const started = performance.now();
-  let firstAt = null, tokens = 0, answer = "", finish = null;
+  let firstAt = null, tokens = 0, answer = "", finish = null, failed = false;
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST",
@@ -125,11 +125,17 @@ async function send(text) {
     if (err.name === "AbortError") {
       $("status").textContent = "stopped";
     } else {
+      failed = true;
       addMessage("error", String(err.message || err));
       $("status").textContent = "";
     }
   } finally {
-    history.push({ role: "assistant", content: answer });
+    if (failed && !answer) {
+      history.pop();  // the turn never happened: the user may edit and resend it
+      bubble.remove();
+    } else {
+      history.push({ role: "assistant", content: answer });
+    }
     bubble.dataset.state = "done";
     aborter = null;
     setBusy(false);
