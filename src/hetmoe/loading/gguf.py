@@ -7,6 +7,7 @@ the field, never with a silently wrong model.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ class GGUFLlama:
     """The .gguf file."""
     metadata: dict[str, Any]
     """Every key/value field, decoded to Python values (token lists included)."""
+    reader: Any = dataclasses.field(repr=False, compare=False)
+    """The open `gguf.GGUFReader` (parsing the header again costs seconds: 49k token strings)."""
 
     def field(self, key: str) -> Any:
         """The metadata value at `key`; a clear error naming the file when it is absent."""
@@ -84,12 +87,11 @@ class GGUFLlama:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, fp32 tensor in HF layout) for every tensor; quantized blocks are dequantized
         and llama.cpp's rotary row order of q/k is undone."""
-        from gguf import GGUFReader
         from gguf.quants import dequantize
 
         config = self.llama_config()
         heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-        for tensor in GGUFReader(self.path).tensors:
+        for tensor in self.reader.tensors:
             name = _hf_name(self.path, tensor.name)
             # A copy: F32 tensors come back as read-only views of the memory map.
             array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -131,11 +133,11 @@ def open_gguf(path: str | Path) -> GGUFLlama:
 
     path = Path(path)
     reader = GGUFReader(path)
-    metadata = {key: field.contents() for key, field in reader.fields.items()}
+    metadata = {key: value.contents() for key, value in reader.fields.items()}
     arch = metadata.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: general.architecture is {arch!r}, expected 'llama'")
-    return GGUFLlama(path=path, metadata=metadata)
+    return GGUFLlama(path=path, metadata=metadata, reader=reader)
 
 
 def _hf_name(path: Path, gguf_name: str) -> str:
