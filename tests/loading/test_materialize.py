@@ -162,3 +162,10 @@ def test_skeleton_is_on_meta_and_progress_is_quiet_off_a_terminal(tiny_dir, capf
     assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
     inv_freq = model.model.rotary_emb.inv_freq
     assert inv_freq.device.type == "cpu" and torch.isfinite(inv_freq).all() and inv_freq[0] == 1.0
+
+
+def test_tied_embeddings_stay_tied(tiny_dir):
+    path = tiny_dir("qwen3_moe", tie_word_embeddings=True)
+    loaded = load_model(path, dtype=torch.float32, progress=False)
+    assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
+    assert_same_state(loaded.model, reference_model(path))

@@ -269,15 +269,20 @@ def _tied_parameters(model: nn.Module) -> list[list[str]]:
 
 
 def _retie(model: nn.Module, ties: list[list[str]]) -> None:
-    """Points every name of a tied group at the one member that was loaded."""
+    """Points the names of a tied group that the checkpoint did not carry at the one it did.
+
+    A checkpoint holding every name of the group (with their own values) stays untied, as in
+    transformers.
+    """
     for names in ties:
-        loaded = [model.get_parameter(n) for n in names]
-        source = next((p for p in loaded if p.device.type != "meta"), None)
+        params = {n: model.get_parameter(n) for n in names}
+        source = next((p for p in params.values() if p.device.type != "meta"), None)
         if source is None:
             continue
-        for name in names:
-            owner, _, attr = name.rpartition(".")
-            model.get_submodule(owner)._parameters[attr] = source
+        for name, param in params.items():
+            if param.device.type == "meta":
+                owner, _, attr = name.rpartition(".")
+                model.get_submodule(owner)._parameters[attr] = source
 
 
 def _rebuild_computed_buffers(model: nn.Module, device: torch.device) -> None:

@@ -128,6 +128,8 @@ def build_tiny_model(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")
+    if config.tie_word_embeddings:  # to_empty gives each name its own tensor
+        model.tie_weights()
     _randomize(model, config.hidden_size, seed)
     _keep_router_bias_fp32(model, dtype)
     # Three shards' worth per file, so even small configs give at least two files.
@@ -165,7 +167,7 @@ def _randomize(model: torch.nn.Module, hidden: int, seed: int) -> None:
             else:  # [out, in] or fused experts [E, out, in]
                 value = noise / math.sqrt(param.shape[-1])
             param.copy_(value)
-        params = dict(model.named_parameters())
+        params = dict(model.named_parameters(remove_duplicate=False))
         for name, buf in model.state_dict().items():  # persistent buffers: saved, so must be set
             if name in params:
                 continue
