@@ -6,6 +6,8 @@ sequence; this object allocates them once, hands out free slots and tracks each 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -14,7 +16,9 @@ class StaticKVCache:
     """Slots of a multi-sequence static KV cache over the model's attention ops."""
 
     def __init__(self, model: nn.Module, max_batch: int, max_len: int, dtype: torch.dtype) -> None:
-        self.layers = [m for m in model.modules() if callable(getattr(m, "allocate_kv", None))]
+        self.layers: list[Any] = [
+            m for m in model.modules() if callable(getattr(m, "allocate_kv", None))
+        ]
         if not self.layers:
             raise ValueError(
                 "no attention layer uses the static KV cache: the rules must replace every "

@@ -16,9 +16,9 @@ positions, the final norm and `lm_head`, and passes a `KVBatch` down to the atte
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
-from torch import nn
 
 from hetmoe.engine.kv_cache import StaticKVCache
 from hetmoe.ops.kv_batch import KVBatch
@@ -28,11 +28,11 @@ class ModelRunner:
     """Prefill and batched decode of an injected model over a multi-slot static KV cache."""
 
     def __init__(
-        self, model: nn.Module, device: torch.device, dtype: torch.dtype, max_batch: int,
+        self, model: Any, device: torch.device, dtype: torch.dtype, max_batch: int,
         max_seq_len: int,
     ) -> None:
-        self.model = model
-        self.base = getattr(model, model.base_model_prefix)
+        self.model = model  # the HF causal LM, injected
+        self.base: Any = getattr(model, model.base_model_prefix)
         self.device = device
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len

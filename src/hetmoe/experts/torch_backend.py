@@ -12,6 +12,10 @@ from hetmoe.experts.backend import ExpertBackend, ExpertSpec, register_backend
 class TorchExperts(ExpertBackend):
     """Stacked expert weights on `device`; tokens grouped by expert, one matmul pair per expert."""
 
+    gate: torch.Tensor  # [E, I, H]
+    up: torch.Tensor  # [E, I, H]
+    down: torch.Tensor  # [E, H, I]
+
     def __init__(
         self,
         spec: ExpertSpec,

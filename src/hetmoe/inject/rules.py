@@ -12,12 +12,13 @@ names the file, the rule's index (0-based) and the field.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+import yaml  # type: ignore[import-untyped]
 
 from hetmoe.inject.registry import get_op, make_options, op_names
 
@@ -79,7 +80,7 @@ def parse_rules(text: str, source: str = "<string>") -> list[Rule]:
     return [_parse_rule(entry, i, source) for i, entry in enumerate(data)]
 
 
-def load_rules(path: str | Path) -> list[Rule]:
+def load_rules(path: str | os.PathLike[str]) -> list[Rule]:
     """Reads and validates a rule file."""
     path = Path(path)
     try:

@@ -9,6 +9,7 @@ causally over its input, so the model stays usable as a HF module.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,18 +50,20 @@ def hf_mask(attention_mask: object) -> torch.Tensor | None:
 class StaticKVAttention(nn.Module):
     """Multi-head / grouped-query attention with rope, on a multi-slot static KV cache."""
 
-    def __init__(self, hf: nn.Module, device: torch.device, window: int | None) -> None:
+    def __init__(self, hf: Any, device: torch.device, window: int | None) -> None:
         super().__init__()
         self.device = device
         self.layer_idx = hf.layer_idx
-        self.head_dim = hf.head_dim
-        self.scaling = hf.scaling
+        self.head_dim: int = hf.head_dim
+        self.scaling: float = hf.scaling
         self.sliding_window = window
-        self.q_proj, self.k_proj = hf.q_proj, hf.k_proj
-        self.v_proj, self.o_proj = hf.v_proj, hf.o_proj
-        self.q_norm = getattr(hf, "q_norm", None)
-        self.k_norm = getattr(hf, "k_norm", None)
-        self.num_kv_heads = hf.k_proj.out_features // hf.head_dim
+        self.q_proj: nn.Module = hf.q_proj
+        self.k_proj: nn.Module = hf.k_proj
+        self.v_proj: nn.Module = hf.v_proj
+        self.o_proj: nn.Module = hf.o_proj
+        self.q_norm: nn.Module | None = getattr(hf, "q_norm", None)
+        self.k_norm: nn.Module | None = getattr(hf, "k_norm", None)
+        self.num_kv_heads: int = hf.k_proj.out_features // hf.head_dim
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -74,17 +77,17 @@ class StaticKVAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: object = None,
+        position_embeddings: Any = None,
         attention_mask: object = None,
         kv: KVBatch | None = None,
-        **_: object,
+        **kwargs: object,
     ) -> tuple[torch.Tensor, None]:
         """hidden_states [B, S, H] -> ([B, S, H], None), the HF attention return shape."""
         b, s, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(b, s, -1, self.head_dim)  # [B, S, h, D]
         k = self.k_proj(hidden_states).view(b, s, -1, self.head_dim)  # [B, S, h_kv, D]
         v = self.v_proj(hidden_states).view(b, s, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), position_embeddings)  # [B, h, S, D]
         k = apply_rope(k.transpose(1, 2), position_embeddings)  # [B, h_kv, S, D]

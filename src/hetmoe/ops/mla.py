@@ -9,6 +9,8 @@ rotated key `k_rot` [qk_rope_head_dim] per token. Each step expands the cached l
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -21,24 +23,25 @@ from hetmoe.ops.rope import apply_rope
 class MLAttention(nn.Module):
     """Multi-head latent attention with a latent static KV cache."""
 
-    def __init__(self, hf: nn.Module, device: torch.device, interleave: bool) -> None:
+    def __init__(self, hf: Any, device: torch.device, interleave: bool) -> None:
         super().__init__()
         self.device = device
         self.layer_idx = hf.layer_idx
-        self.num_heads = hf.num_heads
-        self.nope_dim = hf.qk_nope_head_dim
-        self.rope_dim = hf.qk_rope_head_dim
-        self.v_dim = hf.v_head_dim
-        self.kv_lora_rank = hf.kv_lora_rank
-        self.scaling = hf.scaling
+        self.num_heads: int = hf.num_heads
+        self.nope_dim: int = hf.qk_nope_head_dim
+        self.rope_dim: int = hf.qk_rope_head_dim
+        self.v_dim: int = hf.v_head_dim
+        self.kv_lora_rank: int = hf.kv_lora_rank
+        self.scaling: float = hf.scaling
         self.interleave = interleave
-        self.q_proj = hf.q_proj
-        self.q_a_proj, self.q_b_proj = hf.q_a_proj, hf.q_b_proj
-        self.q_a_layernorm = hf.q_a_layernorm
-        self.kv_a_proj_with_mqa = hf.kv_a_proj_with_mqa
-        self.kv_a_layernorm = hf.kv_a_layernorm
-        self.kv_b_proj = hf.kv_b_proj
-        self.o_proj = hf.o_proj
+        self.q_proj: nn.Module | None = hf.q_proj
+        self.q_a_proj: nn.Module | None = hf.q_a_proj
+        self.q_b_proj: nn.Module | None = hf.q_b_proj
+        self.q_a_layernorm: nn.Module | None = hf.q_a_layernorm
+        self.kv_a_proj_with_mqa: nn.Module = hf.kv_a_proj_with_mqa
+        self.kv_a_layernorm: nn.Module = hf.kv_a_layernorm
+        self.kv_b_proj: nn.Module = hf.kv_b_proj
+        self.o_proj: nn.Module = hf.o_proj
         self.latent_cache: torch.Tensor | None = None
         self.rope_cache: torch.Tensor | None = None
 
@@ -56,16 +59,17 @@ class MLAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: object = None,
+        position_embeddings: Any = None,
         attention_mask: object = None,
         kv: KVBatch | None = None,
-        **_: object,
+        **kwargs: object,
     ) -> tuple[torch.Tensor, None]:
         """hidden_states [B, S, H] -> ([B, S, H], None)."""
         b, s, _ = hidden_states.shape
         if self.q_proj is not None:
             q = self.q_proj(hidden_states)
-        else:
+        else:  # low-rank query (q_lora_rank set): all three exist
+            assert self.q_a_proj and self.q_a_layernorm and self.q_b_proj
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
         q = q.view(b, s, self.num_heads, -1).transpose(1, 2)  # [B, h, S, nope+rope]
         q_pass, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)

@@ -82,7 +82,7 @@ class HybridMoE(nn.Module):
     def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.shared_experts is not None:
             return self.shared_experts(x)
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = F.sigmoid(self.shared_expert_gate(x))  # [T, 1]
             return gate * self.shared_expert(x)
         return None

@@ -15,8 +15,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+RotaryEmbedding = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""What HF rotary modules return: complex `freqs_cis`, or `(cos, sin)`."""
+
+
 def apply_rope(
-    x: torch.Tensor, position_embeddings: object, interleave: bool = False
+    x: torch.Tensor, position_embeddings: RotaryEmbedding, interleave: bool = False
 ) -> torch.Tensor:
     """Rotates x [B, heads, S, D] by the positions `position_embeddings` was computed for."""
     if isinstance(position_embeddings, torch.Tensor):  # complex freqs_cis, interleaved pairs

@@ -98,6 +98,8 @@ class RouterConfig:
 class Router(nn.Module):
     """`forward(x [T, H]) -> (expert_ids [T, K] int64, expert_weights [T, K] float32)`."""
 
+    e_score_correction_bias: torch.Tensor
+
     def __init__(
         self, config: RouterConfig, hidden_size: int, dtype: torch.dtype = torch.float32
     ) -> None:
