@@ -1,4 +1,4 @@
-"""Command line: generate, chat, info (serve, bench and convert join as they land)."""
+"""Command line: generate, chat, serve, bench, info (convert joins as it lands)."""
 
 from __future__ import annotations
 
@@ -96,8 +96,23 @@ def chat(
     max_seq_len: MaxSeqLenOpt = None,
     experts: ExpertsOpt = None,
     verbose: VerboseOpt = False,
+    url: Annotated[str | None, typer.Option(
+        help="Chat with a running server (http://host:port) that serves MODEL")] = None,
+    api_key: Annotated[str | None, typer.Option(help="Bearer key of the server at --url")] = None,
 ) -> None:
     """Chat with MODEL in the terminal (answers stream; /exit or Ctrl-D quits)."""
+    if url is not None:
+        from hetmoe.server.client import ChatClient, ServerError, remote_chat
+
+        typer.echo(f"chat with {model} at {url}: type a message; /exit quits")
+        try:
+            remote_chat(ChatClient(url, api_key), model, lambda: input("> "),
+                        lambda text: typer.echo(text, nl=False), system,
+                        max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                        top_k=top_k, seed=seed)
+        except ServerError as exc:
+            fail(exc)
+        return
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
                    verbose=verbose)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
@@ -125,6 +140,40 @@ def chat(
             continue
         typer.echo()
         history.append({"role": "assistant", "content": "".join(pieces)})
+
+
+@app.command()
+def serve(
+    model: ModelArg,
+    host: Annotated[str | None, typer.Option(help="Interface (default: 127.0.0.1 only)")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (default: 8000; 0 = any)")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        help="Require 'Authorization: Bearer KEY' on every route but /health")] = None,
+    max_queue: Annotated[int | None, typer.Option(
+        help="Requests that may wait for a slot before 429 (default: 64)")] = None,
+    model_name: Annotated[str | None, typer.Option(
+        help="Name clients send as `model` (default: MODEL as given)")] = None,
+    max_batch: Annotated[int, typer.Option(
+        help="KV slots: requests decoded together")] = _DEFAULTS.max_batch,
+    rules: RulesOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = _DEFAULTS.dtype,
+    max_seq_len: MaxSeqLenOpt = None,
+    experts: ExpertsOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API, with a chat page at /."""
+    from hetmoe.server.app import serve as serve_app
+    from hetmoe.server.config import ServerConfig
+
+    given = dict(host=host, port=port, api_key=api_key, max_queue=max_queue, model_name=model_name)
+    try:
+        config = ServerConfig(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as exc:
+        fail(exc)
+    llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
+                   verbose=verbose, max_batch=max_batch)
+    serve_app(llm, config.model_name or model, config)
 
 
 @app.command()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
@@ -17,6 +17,9 @@ from hetmoe.server.errors import APIError, error_response
 from hetmoe.server.guard import Guard
 from hetmoe.server.metrics import Metrics
 from hetmoe.server.service import ModelService
+
+if TYPE_CHECKING:
+    from hetmoe.engine.engine import LLM
 
 log = logging.getLogger("hetmoe.server")
 
@@ -68,14 +71,13 @@ def _page_route(content: bytes, media_type: str) -> Any:
     return page
 
 
-def serve(model: str, config: ServerConfig, **engine_options: Any) -> None:
-    """Loads `model`, then serves it with uvicorn until interrupted."""
+def serve(llm: LLM, name: str, config: ServerConfig) -> None:
+    """Serves `llm` as model `name` with uvicorn until interrupted."""
     import uvicorn
 
-    from hetmoe.engine.engine import LLM
-
-    llm = LLM(model, **engine_options)
-    service = ModelService(llm, config.model_name or model, config.max_queue)
+    if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without an API key: whoever reaches it may use it", config.host)
+    service = ModelService(llm, name, config.max_queue)
     try:
         uvicorn.run(
             build_app(service, config),

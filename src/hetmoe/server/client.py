@@ -25,14 +25,6 @@ class ChatClient:
         self.api_key = api_key
         self.timeout = timeout
 
-    def model(self) -> str:
-        """The id of the first model the server lists."""
-        with self._open("/models", None) as response:
-            data = json.load(response)["data"]
-        if not data:
-            raise ServerError(f"{self.base}/models lists no model")
-        return str(data[0]["id"])
-
     def stream(self, messages: list[dict[str, str]], model: str, **sampling: Any) -> Iterator[str]:
         """Yields the answer's text pieces as the server streams them."""
         body = {"model": model, "messages": messages, "stream": True, **sampling}
@@ -61,7 +53,8 @@ class ChatClient:
         try:
             return urllib.request.urlopen(request, timeout=self.timeout)
         except urllib.error.HTTPError as exc:
-            raise ServerError(f"{exc.code} from {self.base + path}: {_message(exc)}") from None
+            with exc:
+                raise ServerError(f"{exc.code} from {self.base + path}: {_message(exc)}") from None
         except urllib.error.URLError as exc:
             raise ServerError(f"cannot reach {self.base + path}: {exc.reason}") from None
 
@@ -75,13 +68,16 @@ def _message(exc: urllib.error.HTTPError) -> str:
 
 def remote_chat(
     client: ChatClient,
+    model: str,
     read: Callable[[], str],
     write: Callable[[str], None],
     system: str | None = None,
     **sampling: Any,
 ) -> None:
-    """The `chat --url` loop: read a line, stream the answer, keep the turns; EOF or /exit ends."""
-    model = client.model()
+    """The `chat --url` loop: read a line, stream the answer, keep the turns; EOF or /exit ends.
+
+    A failed turn (e.g. the history outgrew the context window) is reported and dropped.
+    """
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     while True:
         try:

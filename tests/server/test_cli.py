@@ -1,0 +1,92 @@
+"""`hetmoe serve` as a real process, and `hetmoe chat --url` streaming from it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+from typer.testing import CliRunner
+
+from hetmoe.cli import app
+
+KEY = "cli-key"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_qwen3_moe: Path) -> Iterator[str]:
+    """The URL of `hetmoe serve` on a free port (the port is read from uvicorn's log line)."""
+    command = [
+        sys.executable, "-m", "hetmoe.cli", "serve", str(tiny_qwen3_moe), "--port", "0",
+        "--api-key", KEY, "--model-name", "tiny", "--device", "cpu", "--max-seq-len", "256",
+        "--max-batch", "2",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    assert process.stderr is not None
+    url = None
+    log: list[str] = []
+    deadline = time.monotonic() + 120
+    while url is None and time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line and process.poll() is not None:
+            break
+        log.append(line)
+        found = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
+        url = found.group(1) if found else None
+    if url is None:
+        process.kill()
+        pytest.fail("hetmoe serve did not start:\n" + "".join(log))
+    yield url
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=20) == 0
+
+
+def test_serve_binds_loopback_and_answers(served: str) -> None:
+    assert served.startswith("http://127.0.0.1:")
+    assert httpx.get(served + "/health").json() == {"status": "ok"}
+    assert httpx.get(served + "/v1/models").status_code == 401
+    with OpenAI(base_url=served + "/v1", api_key=KEY) as client:
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_chat_url_streams_the_servers_answer(served: str) -> None:
+    history = [{"role": "user", "content": "Hello!"}]
+    with OpenAI(base_url=served + "/v1", api_key=KEY) as client:
+        first = client.chat.completions.create(model="tiny", messages=history, max_tokens=10,
+                                               temperature=0).choices[0].message.content or ""
+        history += [{"role": "assistant", "content": first}, {"role": "user", "content": "Again?"}]
+        second = client.chat.completions.create(model="tiny", messages=history, max_tokens=10,
+                                                temperature=0).choices[0].message.content or ""
+    result = CliRunner().invoke(
+        app,
+        ["chat", "tiny", "--url", served, "--api-key", KEY, "--temperature", "0",
+         "--max-new-tokens", "10"],
+        input="Hello!\nAgain?\n/exit\n",
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output == (
+        f"chat with tiny at {served}: type a message; /exit quits\n> {first}\n> {second}\n> "
+    )
+
+
+def test_chat_url_reports_server_errors_and_goes_on(served: str) -> None:
+    result = CliRunner().invoke(
+        app, ["chat", "tiny", "--url", served, "--api-key", "wrong"], input="Hi\n"
+    )
+    assert result.exit_code == 0
+    assert (
+        f"[error: 401 from {served}/v1/chat/completions: missing or invalid API key: send "
+        "'Authorization: Bearer <key>']"
+    ) in result.output
+    unknown = CliRunner().invoke(app, ["chat", "other", "--url", served, "--api-key", KEY],
+                                 input="Hi\n")
+    assert "[error: 404 from" in unknown.output and "model 'other' does not exist" in unknown.output
