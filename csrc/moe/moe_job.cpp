@@ -164,7 +164,8 @@ Job MoELayer::make_job(const MoECall& call) const {
     }
   }});
   // 3: gate and up of one block of intermediate columns, SiLU(gate) * up -> hidden activations.
-  const int cols = std::max(4, gs / kBlockN) * kBlockN;  // whole groups per task
+  // Whole quantization groups per task; 32 columns otherwise (many tasks for decode balance).
+  const int cols = std::max(2 * kBlockN, gs);
   std::vector<size_t> gu_tasks(G);
   for (int g = 0; g < G; ++g) gu_tasks[g] = rt.experts.size() * (slice(g) / cols);
   const size_t gu_max = G ? *std::max_element(gu_tasks.begin(), gu_tasks.end()) : 0;

@@ -1,0 +1,181 @@
+"""CpuMoE speed at Qwen3-30B-A3B's layer shape (E=128, H=2048, I=768, top-8), BF16/INT8/INT4.
+
+Per format and q: the median time of one layer call (public `CpuMoE.forward`, layers cycled so
+weights come from DRAM), weight bytes read / time against the read bandwidth measured in this run
+(decode), TFLOPS (prefill), and a plain-torch per-expert loop on bf16 weights as the baseline.
+First it measures the AVX-512/AMX crossover (tokens per expert) per format and uses it.
+
+Usage: python benchmarks/bench_cpu_moe.py [--layers 6] [--json out.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from hetmoe import _cpu
+from hetmoe.experts import CpuMoE
+from hetmoe.machine import machine_report
+
+FORMATS = ("bf16", "int8", "int4")
+CROSSOVER_M = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96)
+
+
+def timed(fn, calls: int, warmup: int) -> float:
+    """Median seconds of `fn(i)` over `calls` runs after `warmup` runs."""
+    for i in range(warmup):
+        fn(i)
+    samples = []
+    for i in range(calls):
+        start = time.perf_counter()
+        fn(i)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def cycle(layers: list, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor):
+    """Call i runs layer i % len(layers), so consecutive calls read different weights."""
+    return lambda i: layers[i % len(layers)].forward(x, ids, wts)
+
+
+def routing(q: int, num_experts: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random distinct top-k ids [q, k] and softmax weights, like a router."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(q, num_experts, generator=g)
+    top = scores.topk(k, dim=1)
+    return top.indices.contiguous(), torch.softmax(top.values, 1).float().contiguous()
+
+
+def read_bandwidth(gib: float) -> float:
+    """Bytes/s of a plain multithreaded read: best of 5 torch sums over a `gib` GiB array."""
+    data = torch.empty(int(gib * 2**30) // 4, dtype=torch.float32).uniform_()
+    return data.numel() * 4 / timed(lambda i: data.sum(), 5, 1)
+
+
+def matmul_tflops() -> float:
+    """bf16 GEMM ceiling of this CPU through torch (oneDNN), 4096^3."""
+    a = torch.randn(4096, 4096).bfloat16()
+    b = torch.randn(4096, 4096).bfloat16()
+    sec = timed(lambda i: a @ b, 5, 2)
+    return 2 * 4096**3 / sec / 1e12
+
+
+class TorchLayer:
+    """The baseline: plain torch, a loop over experts with tokens, bf16 matmuls, index_add."""
+
+    def __init__(self, weights: tuple[torch.Tensor, ...]) -> None:
+        self.weights = weights
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+        """out[q, H] in fp32."""
+        gate, up, down = self.weights
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        for e in ids[ids >= 0].unique().tolist():
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            xe = x[tok]  # [n, H]
+            h = torch.nn.functional.silu(xe @ gate[e].T) * (xe @ up[e].T)
+            out.index_add_(0, tok, (h @ down[e].T).float() * wts[tok, slot, None])
+        return out
+
+
+def crossover(fmt: str, src: tuple[torch.Tensor, ...], layers: int) -> tuple[int, list[dict]]:
+    """Smallest tokens-per-expert m from which AMX beats AVX-512 (all q tokens on 8 experts)."""
+    gate, up, down = (t[:8] for t in src)
+    variants = {}
+    for isa in ("avx512", "amx"):
+        variants[isa] = []
+        for _ in range(layers):
+            moe = CpuMoE(8, 2048, 768, fmt, isa=isa, amx_min_tokens=1)
+            moe.load(gate, up, down)
+            variants[isa].append(moe)
+    rows, best = [], None
+    for m in CROSSOVER_M:
+        x = torch.randn(m, 2048).bfloat16()
+        ids = torch.arange(8).repeat(m, 1)
+        wts = torch.full((m, 8), 0.125)
+        t = {isa: timed(cycle(v, x, ids, wts), 30, layers) for isa, v in variants.items()}
+        rows.append({"m": m, "avx512_us": t["avx512"] * 1e6, "amx_us": t["amx"] * 1e6})
+        if best is None and t["amx"] < t["avx512"]:
+            best = m
+        elif best is not None and t["amx"] >= t["avx512"]:
+            best = None  # not yet a stable win
+    return (best or CROSSOVER_M[-1]), rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--q", default="1,2,4,8,32,128,512,2048")
+    parser.add_argument("--json", type=Path, default=Path("bench_cpu_moe.json"))
+    parser.add_argument("--quick", action="store_true", help="few calls (a smoke run)")
+    args = parser.parse_args()
+    E, H, I, K = args.experts, 2048, 768, 8
+    qs = [int(v) for v in args.q.split(",")]
+    threads = torch.get_num_threads()
+    bandwidth = read_bandwidth(1.0 if args.quick else 4.0)  # before the pool spins
+    tflops_torch = matmul_tflops()
+    g = torch.Generator().manual_seed(0)
+    src = tuple(torch.randn(E, *s, generator=g).div_(s[1] ** 0.5).bfloat16()
+                for s in ((I, H), (I, H), (H, I)))
+    report = {"machine": machine_report(), "threads_torch": threads,
+              "read_bandwidth_gbs": bandwidth / 1e9, "torch_bf16_matmul_tflops": tflops_torch,
+              "shape": {"E": E, "H": H, "I": I, "k": K, "layers": args.layers},
+              "git": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip(),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "crossover": {},
+              "rows": []}
+    amx = _cpu.best_isa() == "amx"
+    for fmt in FORMATS:
+        if amx:
+            m, rows = crossover(fmt, src, 2 if args.quick else args.layers)
+            report["crossover"][fmt] = {"amx_min_tokens": m, "rows": rows}
+            print(f"crossover {fmt}: AMX from {m} tokens/expert", flush=True)
+    baseline = [tuple(t.clone() for t in src) for _ in range(args.layers)]
+    for fmt in FORMATS:
+        amx_min = report["crossover"].get(fmt, {}).get("amx_min_tokens", 32)
+        layers = []
+        for _ in range(args.layers):
+            moe = CpuMoE(E, H, I, fmt, amx_min_tokens=amx_min)
+            moe.load(*src)
+            layers.append(moe)
+        expert_bytes = layers[0].packed_bytes / E
+        for q in qs:
+            x = torch.randn(q, H, generator=g).bfloat16()
+            ids, wts = routing(q, E, K, seed=q)
+            distinct = ids.unique().numel()
+            calls = 3 if args.quick else max(5, min(200, 4000 // q))
+            sec = timed(cycle(layers, x, ids, wts), calls, len(layers))
+            flops = 3 * 2 * H * I * q * K
+            row = {"format": fmt, "q": q, "ms": sec * 1e3, "experts_touched": distinct,
+                   "weight_gb_s": distinct * expert_bytes / sec / 1e9,
+                   "bw_fraction": distinct * expert_bytes / sec / bandwidth,
+                   "bw_floor_ms": distinct * expert_bytes / bandwidth * 1e3,
+                   "tflops": flops / sec / 1e12}
+            if fmt == "bf16":
+                plain = [TorchLayer(w) for w in baseline]
+                tsec = timed(cycle(plain, x, ids, wts), max(2, calls // 10), 1)
+                row["torch_ms"] = tsec * 1e3
+                row["speedup_vs_torch"] = tsec / sec
+            report["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        layers.clear()
+    args.json.write_text(json.dumps(report, indent=1))
+    print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s, torch bf16 matmul "
+          f"{tflops_torch:.1f} TFLOPS, {report['machine']['cpu']}")
+    print(f"{'fmt':5} {'q':>5} {'ms':>9} {'GB/s':>7} {'%BW':>5} {'floor ms':>9} {'TFLOPS':>7} "
+          f"{'torch ms':>9} {'x torch':>7}")
+    for r in report["rows"]:
+        print(f"{r['format']:5} {r['q']:>5} {r['ms']:>9.3f} {r['weight_gb_s']:>7.1f} "
+              f"{100 * r['bw_fraction']:>5.1f} {r['bw_floor_ms']:>9.3f} {r['tflops']:>7.2f} "
+              f"{r.get('torch_ms', float('nan')):>9.3f} {r.get('speedup_vs_torch', 0):>7.2f}")
+
+
+if __name__ == "__main__":
+    main()
