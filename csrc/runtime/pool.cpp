@@ -169,12 +169,20 @@ struct ThreadPool::Impl {
       for (size_t g = 0; g < plan.groups.size(); ++g) {
         slot.counters[g].value.store(0, std::memory_order_relaxed);
       }
-      if (last_phase) slot.job.clear();  // captured state dies before wait() returns
-      slot.phase_gen.store(p + 1, std::memory_order_release);
-      if (last_phase) completed.store(seq + 1, std::memory_order_release);
+      if (last_phase) {
+        slot.job.clear();  // captured state dies before wait() returns
+        completed.store(seq + 1, std::memory_order_release);
+      } else {
+        slot.phase_gen.store(p + 1, std::memory_order_release);
+      }
       return;
     }
-    for (uint32_t spins = 1; slot.phase_gen.load(std::memory_order_acquire) <= p; ++spins) {
+    // The final barrier waits on the global `completed`, never on the slot: once the job is
+    // complete, submit() may already be refilling this slot for a later job.
+    for (uint32_t spins = 1;; ++spins) {
+      bool open = last_phase ? completed.load(std::memory_order_acquire) > seq
+                             : slot.phase_gen.load(std::memory_order_acquire) > p;
+      if (open) return;
       cpu_pause();
       if (spins % kSpinsPerCheck == 0) sched_yield();
     }
