@@ -238,8 +238,8 @@ def _read_into(
     )
     if direct:
         read_tensor(item.entry, dest, f=f)
-    else:
-        dest.copy_(checkpoint.tensor(item, dest.dtype, f=f))
+    else:  # copy_ converts dtype and device in one pass over a stored-dtype staging tensor
+        dest.copy_(checkpoint.tensor(item, f=f))
 
 
 def _check(item: CheckpointTensor, shape: torch.Size, dtype: torch.dtype, target: str) -> None:
