@@ -1,7 +1,8 @@
 """Every family's baby model through our whole path equals unmodified transformers.
 
 Loading (`load_model`) → injection (shipped rules) → our runner: prefill logits within 1e-4 in
-fp32, and 32 greedy tokens identical to a plain greedy loop over the HF model.
+fp32, and 32 greedy tokens identical to a plain greedy loop over the HF model. The injected
+model also still works under transformers' own `generate`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from baby import assert_logits_close, reference_logits, reference_model
+from baby import assert_logits_close, reference_greedy, reference_logits, reference_model
 
 from hetmoe import LLM
 
@@ -61,3 +62,6 @@ def test_family_equals_transformers(tiny_family: tuple[str, Path]) -> None:
         assert out.finish_reason == "length"
     assert out.prompt_tokens == len(prompt)
     assert out.text == llm.decode(out.token_ids)
+
+    # Still a HF model: transformers' own generate (with its cache) gives the same tokens.
+    assert reference_greedy(llm.model, prompt, 8) == reference_greedy(ref, prompt, 8)

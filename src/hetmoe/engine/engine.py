@@ -239,6 +239,8 @@ def _read_config(path: Path) -> dict[str, Any]:
 def _resolve_dtype(option: str, raw: dict[str, Any]) -> torch.dtype:
     if option != "auto":
         return _DTYPES[option]
+    if (raw.get("quantization_config") or {}).get("quant_method") == "fp8":
+        return torch.bfloat16  # FP8 weights are dequantized at load, to bf16 by default
     stored = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     return _DTYPES.get(str(stored), torch.float32)
 

@@ -2,8 +2,8 @@
 
 Keeps the HF projections as children (`q_proj`, `k_proj`, `v_proj`, `o_proj`, Qwen3's `q_norm` /
 `k_norm`; Qwen2's biases live inside the projections). Called by the unchanged HF decoder layer:
-with `kv=KVBatch` it reads and writes the cache; without it (plain HF forward, no cache) it attends
-causally over its input, so the model stays usable as a HF module.
+with `kv=KVBatch` it reads and writes our cache; without it (HF's own forward or `generate`) it
+uses the HF `Cache` HF passes, if any, and HF's mask, so the model stays usable as a HF module.
 """
 
 from __future__ import annotations
@@ -92,7 +92,11 @@ class StaticKVAttention(nn.Module):
         q = apply_rope(q.transpose(1, 2), position_embeddings)  # [B, h, S, D]
         k = apply_rope(k.transpose(1, 2), position_embeddings)  # [B, h_kv, S, D]
         if kv is None:
-            out = attend(q, k, v.transpose(1, 2), self.scaling, hf_mask(attention_mask))
+            v = v.transpose(1, 2)  # [B, h_kv, S, D]
+            past = kwargs.get("past_key_values")
+            if past is not None:  # HF's cache, when HF code drives the model
+                k, v = past.update(k, v, self.layer_idx)  # type: ignore[attr-defined]
+            out = attend(q, k, v, self.scaling, hf_mask(attention_mask))
         else:
             if self.k_cache is None or self.v_cache is None:
                 raise RuntimeError(f"attention layer {self.layer_idx}: KV cache not allocated")

@@ -5,6 +5,7 @@ rotated key `k_rot` [qk_rope_head_dim] per token. Each step expands the cached l
 `kv_b_proj` into per-head keys and values. HF child names are kept (`q_proj` or
 `q_a_proj`/`q_a_layernorm`/`q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`,
 `o_proj`); the softmax scale comes from HF (yarn mscale included), rope from HF's rotary output.
+Without a `KVBatch` (HF's forward or `generate`) the latents go to the HF `Cache` HF passes.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ class MLAttention(nn.Module):
         q_rot = apply_rope(q_rot, position_embeddings, self.interleave)
         k_rot = apply_rope(k_rot[:, None], position_embeddings, self.interleave)[:, 0]  # [B, S, d]
         mask = hf_mask(attention_mask)
+        past = kwargs.get("past_key_values")
+        if kv is None and past is not None:  # HF's cache: [B, 1, L, *] as HF's MLA stores it
+            cached = past.update(latent[:, None], k_rot[:, None], self.layer_idx)  # type: ignore[attr-defined]
+            latent, k_rot = cached[0][:, 0], cached[1][:, 0]
         if kv is not None:
             if self.latent_cache is None or self.rope_cache is None:
                 raise RuntimeError(f"MLA layer {self.layer_idx}: KV cache not allocated")
