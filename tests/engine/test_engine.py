@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from hetmoe import LLM, GenerationOutput
 from hetmoe.inject.rules import RULES_DIR, RuleError
@@ -99,6 +100,16 @@ def test_bad_arguments_are_named(llm_of) -> None:
         llm.generate([1, 9999])
     with pytest.raises(TypeError, match="unknown LLM option.* max_tokens; known: "):
         LLM("tiny-qwen3-moe", max_tokens=3)
+    with pytest.raises(ValueError, match=r"unknown expert backend 'gpu9' \(known: .*torch\)"):
+        LLM("tiny-qwen3-moe", experts="gpu9")
+    with pytest.raises(ValueError, match="option dtype must be one of auto, float32, bfloat16"):
+        LLM("tiny-qwen3-moe", dtype="int3")
+
+
+def test_missing_gpu_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device 'cuda:0' requested but no CUDA GPU is available"):
+        LLM("tiny-qwen3-moe", device="cuda:0")
 
 
 def test_unsupported_model_type(tiny_dir, tmp_path: Path) -> None:

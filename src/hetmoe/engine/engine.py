@@ -14,7 +14,7 @@ from hetmoe.config import EngineConfig
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.engine.sampler import GenerationOutput, Sampler, SamplingParams
 from hetmoe.engine.text_stream import TextStream
-from hetmoe.experts.backend import ExpertBackend
+from hetmoe.experts.backend import ExpertBackend, get_backend
 from hetmoe.inject.apply import InjectionReport, apply_rules
 from hetmoe.inject.registry import OpContext
 from hetmoe.inject.rules import Rule, load_rules, shipped_rules_path
@@ -47,6 +47,10 @@ class LLM:
 
         self.options = EngineConfig.from_options(**options)
         self.device = torch.device(device) if device is not None else default_device()
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {str(self.device)!r} requested but no CUDA GPU is available")
+        if self.options.experts is not None:
+            get_backend(self.options.experts)  # unknown or unusable here: say so before loading
         self.path = resolve_model(model_path)
         raw = _read_config(self.path)
         self.rules: list[Rule] = load_rules(
