@@ -10,6 +10,7 @@ stop strings, exactly as `LLM.generate` would run it alone. Outputs leave throug
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     import torch
 
     from hetmoe.engine.runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -215,11 +218,10 @@ class Scheduler:
             elif len(request.output_ids) >= request.params.max_new_tokens:
                 reason = "length"
                 piece += request.text.finish()
-        request.sink(
-            Event(piece, (token,), len(request.prompt_ids), len(request.output_ids), reason)
-        )
+        event = Event(piece, (token,), len(request.prompt_ids), len(request.output_ids), reason)
         if reason is not None:
             self._release(request)
+        self._emit(request, event)
 
     def _release(self, request: _Request) -> None:
         with self._wake:
@@ -229,6 +231,12 @@ class Scheduler:
             request.slot = -1
 
     def _finish(self, request: _Request, reason: str, error: str | None = None) -> None:
-        request.sink(
-            Event("", (), len(request.prompt_ids), len(request.output_ids), reason, error)
-        )
+        event = Event("", (), len(request.prompt_ids), len(request.output_ids), reason, error)
+        self._emit(request, event)
+
+    def _emit(self, request: _Request, event: Event) -> None:
+        try:
+            request.sink(event)
+        except Exception:  # a broken consumer loses its request, not the loop
+            log.exception("a request's sink failed; the request is cancelled")
+            request.cancelled = True

@@ -1,0 +1,174 @@
+"""Serving throughput: aggregate decode tok/s of N concurrent streams through the scheduler.
+
+The server's path without HTTP: the `Scheduler` of `hetmoe serve` over the hybrid runner (CUDA
+graphs per batch size, CPU experts) of a random-weight model of a real shape. All N requests
+start together (distinct random prompts, greedy, `ignore_eos`, `--new-tokens` each); each decode
+step is ONE batched `decode` call, so each MoE layer reads an expert once for the whole batch.
+The baseline, measured in the same run, is the same requests served one after another.
+
+    python benchmarks/bench_serve.py --shape qwen3-30b-a3b --streams 1,4,16 --json out.json
+    python benchmarks/bench_serve.py --model tiny-qwen3-moe --streams 1,4   # CPU smoke run
+
+Prints a table; `--json` writes config, git SHA, machine facts and every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.scheduler import Event, Scheduler
+from hetmoe.machine import machine_report
+
+
+def build_runner(args: argparse.Namespace, max_batch: int, window: int) -> ModelRunner:
+    """The hybrid runner over a random-weight shape, or the engine's runner of a checkpoint."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.model is not None:
+        from hetmoe.engine.engine import LLM
+
+        llm = LLM(args.model, device=device, progress=False, max_batch=max_batch,
+                  max_seq_len=window)
+        return llm.runner
+    from hetmoe.bench.random_model import build_random_model
+    from hetmoe.bench.shapes import shape_config
+    from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
+
+    config = shape_config(args.shape, args.num_layers)
+    model = build_random_model(config, device, torch.bfloat16, args.experts, args.weight_format,
+                               args.seed)
+    sizes = tuple(sorted({1, 2, 4, 8, *range(16, max_batch + 1, 8), max_batch}))
+    return HybridRunner(model, device, torch.bfloat16, max_batch, window,
+                        HybridConfig(graph_batch_sizes=sizes))
+
+
+def serve_together(scheduler: Scheduler, prompts: list[list[int]], new_tokens: int
+                   ) -> dict[str, float]:
+    """Submits all prompts at once; times until every stream has its `new_tokens` tokens."""
+    done = threading.Event()
+    finished: list[float] = []
+    first: list[float] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def sink(event: Event) -> None:  # on the scheduler thread
+        now = time.perf_counter()
+        with lock:
+            if event.completion_tokens == 1 and event.token_ids:
+                first.append(now)
+            if event.finish_reason is not None:
+                if event.finish_reason != "length":
+                    failures.append(f"{event.finish_reason}: {event.error}")
+                finished.append(now)
+                if len(finished) == len(prompts):
+                    done.set()
+
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    steps0 = scheduler.decode_steps
+    start = time.perf_counter()
+    for prompt in prompts:
+        scheduler.submit(prompt, params, sink, ignore_eos=True)
+    if not done.wait(timeout=600):
+        raise RuntimeError("the streams did not finish within 600 s")
+    if failures:
+        raise RuntimeError(f"{len(failures)} streams failed, first: {failures[0]}")
+    end = max(finished)
+    # All streams were admitted in one step, so they decode in lockstep once the last prefill
+    # is done: new_tokens - 1 batched steps of len(prompts) rows each.
+    decode_from = max(first)
+    steps = scheduler.decode_steps - steps0
+    if steps != new_tokens - 1:
+        raise RuntimeError(f"expected {new_tokens - 1} lockstep decode steps, counted {steps}")
+    return {
+        "wall_s": end - start,
+        "tok_s": len(prompts) * new_tokens / (end - start),
+        "decode_tok_s": len(prompts) * (new_tokens - 1) / (end - decode_from),
+        "ms_per_step": 1e3 * (end - decode_from) / (new_tokens - 1),
+        "ttft_s": decode_from - start,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-30b-a3b", help="random-weight shape")
+    parser.add_argument("--model", default=None, help="a checkpoint or preset instead of --shape")
+    parser.add_argument("--num-layers", type=int, default=None, help="fewer decoder layers")
+    parser.add_argument("--experts", default="cpu", help="cpu (ours) or torch-cpu")
+    parser.add_argument("--weight-format", default="bf16", help="bf16, int8 or int4 experts")
+    parser.add_argument("--streams", default="1,4,16", help="concurrent streams to time")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = parser.parse_args()
+    streams = [int(s) for s in args.streams.split(",")]
+    window = args.prompt_len + args.new_tokens + 8
+
+    started = time.perf_counter()
+    runner = build_runner(args, max(streams), window)
+    build_s = time.perf_counter() - started
+    scheduler = Scheduler(runner, lambda ids: "", eos_token_ids=(), max_queue=max(streams))
+    generator = torch.Generator().manual_seed(args.seed)
+
+    def prompts(n: int) -> list[list[int]]:
+        ids = torch.randint(0, runner.vocab_size, (n, args.prompt_len), generator=generator)
+        return ids.tolist()
+
+    try:
+        for n in streams:  # warm-up: CUDA graphs of each batch size, allocator, CPU pool
+            serve_together(scheduler, prompts(n), 4)
+        together = {n: serve_together(scheduler, prompts(n), args.new_tokens) for n in streams}
+        base_n = 4 if 4 in streams else max(streams)
+        sequential = [serve_together(scheduler, prompts(1), args.new_tokens)
+                      for _ in range(base_n)]
+    finally:
+        scheduler.stop()
+    seq_tok_s = base_n * args.new_tokens / sum(r["wall_s"] for r in sequential)
+
+    rows = [f"{'streams':>8}{'tok/s':>10}{'decode tok/s':>14}{'ms/step':>10}{'TTFT s':>9}"]
+    for n, r in together.items():
+        rows.append(f"{n:>8}{r['tok_s']:>10.2f}{r['decode_tok_s']:>14.2f}"
+                    f"{r['ms_per_step']:>10.2f}{r['ttft_s']:>9.3f}")
+    speedup = together[base_n]["tok_s"] / seq_tok_s
+    rows.append(f"{base_n} requests one after another: {seq_tok_s:.2f} tok/s; "
+                f"{base_n} streams together: {speedup:.2f}x that")
+    print("\n".join(rows))
+    if args.json is not None:
+        result: dict[str, Any] = {
+            "config": vars(args) | {"json": str(args.json)},
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "git": _git_sha(),
+            "machine": machine_report() | {
+                "gpu_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None
+            },
+            "runner": type(runner).__name__,
+            "build_s": round(build_s, 1),
+            "together": {str(n): {k: round(v, 4) for k, v in r.items()}
+                         for n, r in together.items()},
+            "sequential": {"requests": base_n, "tok_s": round(seq_tok_s, 4),
+                           "runs": [{k: round(v, 4) for k, v in r.items()} for r in sequential]},
+            "speedup_vs_sequential": round(speedup, 3),
+        }
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+def _git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
