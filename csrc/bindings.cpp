@@ -61,7 +61,7 @@ NB_MODULE(_cpu, m) {
     info["allowed_cpus"] = p.allowed_cpus();
     info["queue_capacity"] = hetmoe::kPoolQueueCapacity;
     info["idle_before_park_us"] = hetmoe::kPoolIdleBeforeParkUs;
-    info["wait_spin_us"] = hetmoe::kPoolWaitSpinUs;
+    info["wait_spin_us"] = p.wait_spin_us();
 #ifdef HETMOE_HAVE_LIBNUMA
     info["numa_memory"] = "libnuma";
 #else

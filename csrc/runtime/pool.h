@@ -49,6 +49,8 @@ class ThreadPool {
   int pinned_threads() const;        // workers whose sched_setaffinity succeeded
   bool virtual_groups() const;       // groups forced by argument / HETMOE_NUMA_GROUPS
   int allowed_cpus() const;          // size of the CPU set the pool was planned from
+  int wait_spin_us() const;          // kPoolWaitSpinUs; 0 when workers take every allowed CPU
+                                     // (a waiter then shares a core with one, so it yields at once)
 
  private:
   struct Impl;
