@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <vector>
 
 namespace hetmoe {
@@ -29,13 +30,20 @@ using JobHandle = uint64_t;
 
 class ThreadPool {
  public:
-  // num_threads <= 0: all cores of the allowed set but one. groups <= 0: from NUMA / env.
+  // num_threads <= 0: HETMOE_THREADS, else all physical cores of the allowed set but one (SMT
+  // siblings are used only when more threads are asked for). num_groups <= 0: HETMOE_NUMA_GROUPS,
+  // else one group per NUMA node. Throws std::invalid_argument naming the argument or variable
+  // when the request cannot be met (more threads than allowed CPUs, more groups than threads).
   explicit ThreadPool(int num_threads = 0, int num_groups = 0);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
+  // Queues the job (blocks only while kPoolQueueCapacity jobs are already queued).
   JobHandle submit(Job job);
+  // Returns once the job is done and its Phase functions are destroyed; rethrows its first task
+  // exception (std::invalid_argument stays invalid_argument, others become std::runtime_error).
+  // Waiting again on a finished handle returns at once; an unknown handle throws invalid_argument.
   void wait(JobHandle handle);
   void run(Job job) { wait(submit(std::move(job))); }
 
