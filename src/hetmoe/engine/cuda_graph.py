@@ -79,7 +79,7 @@ class HybridRunner(ModelRunner):
             return super()._forward(ids, kv)
         b = ids.shape[0]
         size = next((s for s in sorted(self.config.graph_batch_sizes) if s >= b), None)
-        if not self.use_graphs or size is None:
+        if not (self.use_graphs and self.device.type == "cuda") or size is None:
             static = KVBatch(kv.slots, kv.positions, self.max_seq_len)
             return super()._forward(ids, static)
         pad = size - b
