@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -100,3 +101,26 @@ def test_overhead_report_is_consistent(pool) -> None:
     report = _cpu.pool_overhead_us(50, 2, pool=pool)
     assert report["iters"] == 50
     assert 0 < report["min_us"] <= report["median_us"] <= report["p90_us"]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork of a multi-threaded process
+def test_forked_child_gets_its_own_global_pool() -> None:
+    parent_info = _cpu.pool_info()  # the parent's pool exists and its workers run
+    pid = os.fork()
+    if pid == 0:  # child: the parent's workers are gone; a fresh pool must serve this job
+        try:
+            report = _cpu.pool_run_test(2, 3)
+            ok = report["counts"] == [1] * (2 * report["shape"][1] * 3)
+            os._exit(0 if ok and _cpu.pool_info()["threads"] == parent_info["threads"] else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung on the CPU pool")
