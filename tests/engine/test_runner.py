@@ -34,6 +34,21 @@ def test_batched_decode_equals_single_sequences(family: str, llm_of) -> None:
         assert torch.equal(together[b].argmax(-1), single[b].argmax(-1))
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v2", "deepseek_v3"])
+def test_decode_logits_equal_prefill_logits(family: str, llm_of) -> None:
+    """Decode steps (MLA: attention in latent space) give the logits a prefill gives."""
+    runner = llm_of(family).runner
+    ids = list(range(60, 90))
+    slot = runner.cache.allocate()
+    try:
+        whole = runner.prefill_logits(slot, ids)  # [30, V]
+        runner.prefill(slot, ids[:20])
+        steps = torch.stack([runner.decode([slot], [t])[0] for t in ids[20:]])  # [10, V]
+    finally:
+        runner.cache.free(slot)
+    torch.testing.assert_close(steps, whole[20:], rtol=0, atol=1e-4)
+
+
 def test_prefill_can_extend_a_slot(llm_of) -> None:
     runner = llm_of("mixtral").runner
     ids = list(range(20, 44))

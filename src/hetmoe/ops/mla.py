@@ -1,8 +1,9 @@
 """`mla_attention`: DeepSeek-V2/V3 multi-head latent attention over our static KV cache.
 
 The cache holds what MLA makes small: the normalized latent `c_kv` [kv_lora_rank] and the shared
-rotated key `k_rot` [qk_rope_head_dim] per token. Each step expands the cached latents with
-`kv_b_proj` into per-head keys and values. HF child names are kept (`q_proj` or
+rotated key `k_rot` [qk_rope_head_dim] per token. Prefill expands the latents with `kv_b_proj`
+into per-head keys and values (as HF does); decode folds `kv_b_proj` into the query and the output
+and attends in latent space, so a step costs O(L·h·(r+d)) instead of expanding all L latents. HF child names are kept (`q_proj` or
 `q_a_proj`/`q_a_layernorm`/`q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`,
 `o_proj`); the softmax scale comes from HF (yarn mscale included), rope from HF's rotary output.
 Without a `KVBatch` (HF's forward or `generate`) the latents go to the HF `Cache` HF passes.
@@ -91,6 +92,10 @@ class MLAttention(nn.Module):
             latent = kv.write(self.latent_cache, latent)  # [B, L, r]
             k_rot = kv.write(self.rope_cache, k_rot)  # [B, L, d]
             mask = kv.mask()
+            weight = self._plain_kv_b_weight()
+            if s == 1 and weight is not None:
+                out = self._absorbed(q_pass, q_rot, latent, k_rot, mask, weight)
+                return self.o_proj(out.reshape(b, s, -1)), None
         length = latent.shape[1]
         expanded = self.kv_b_proj(latent).view(b, length, self.num_heads, -1).transpose(1, 2)
         k_nope, values = expanded.split([self.nope_dim, self.v_dim], dim=-1)  # [B, h, L, *]
@@ -99,6 +104,38 @@ class MLAttention(nn.Module):
         query = torch.cat((q_pass, q_rot), dim=-1)
         out = attend(query, keys, values, self.scaling, mask)  # [B, S, h, v]
         return self.o_proj(out.reshape(b, s, -1)), None
+
+    def _plain_kv_b_weight(self) -> torch.Tensor | None:
+        """kv_b_proj's weight [h*(nope+v), r] when it is a plain bias-free linear, else None."""
+        proj = self.kv_b_proj
+        return proj.weight if isinstance(proj, nn.Linear) and proj.bias is None else None
+
+    def _absorbed(
+        self,
+        q_pass: torch.Tensor,
+        q_rot: torch.Tensor,
+        latent: torch.Tensor,
+        k_rot: torch.Tensor,
+        mask: torch.Tensor,
+        kv_b_weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """Decode attention in latent space: kv_b_proj is folded into the query and the output
+        instead of expanding every cached latent (cost O(L·h·(r+d)), not O(L·r·h·(nope+v))).
+
+        q_pass [B, h, S, nope], q_rot [B, h, S, d], latent [B, L, r], k_rot [B, L, d],
+        mask [B, 1, S, L], kv_b_weight [h*(nope+v), r] -> [B, S, h, v].
+        """
+        b, h, s, _ = q_pass.shape
+        weight = kv_b_weight.view(h, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_k, w_v = weight.split([self.nope_dim, self.v_dim], dim=1)  # [h, nope, r], [h, v, r]
+        q_latent = torch.einsum("bhsn,hnr->bhsr", q_pass, w_k)  # [B, h, S, r]
+        query = torch.cat((q_latent, q_rot), dim=-1).reshape(b, h * s, -1)  # heads as rows
+        keys = torch.cat((latent, k_rot), dim=-1)  # [B, L, r+d]: one key head shared by all
+        scores = (query @ keys.transpose(1, 2)).float() * self.scaling  # [B, h*S, L]
+        scores = scores.view(b, h, s, -1).masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(dim=-1).to(latent.dtype).view(b, h * s, -1)
+        out_latent = (probs @ latent).view(b, h, s, -1)  # [B, h, S, r]
+        return torch.einsum("bhsr,hvr->bshv", out_latent, w_v)  # [B, S, h, v]
 
 
 @register_op("mla_attention", AttentionOptions)
