@@ -3,10 +3,11 @@
 The cache holds what MLA makes small: the normalized latent `c_kv` [kv_lora_rank] and the shared
 rotated key `k_rot` [qk_rope_head_dim] per token. Prefill expands the latents with `kv_b_proj`
 into per-head keys and values (as HF does); decode folds `kv_b_proj` into the query and the output
-and attends in latent space, so a step costs O(L·h·(r+d)) instead of expanding all L latents. HF child names are kept (`q_proj` or
-`q_a_proj`/`q_a_layernorm`/`q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`,
-`o_proj`); the softmax scale comes from HF (yarn mscale included), rope from HF's rotary output.
-Without a `KVBatch` (HF's forward or `generate`) the latents go to the HF `Cache` HF passes.
+and attends in latent space, so a step costs O(L·h·(r+d)) instead of expanding all L latents.
+HF child names are kept (`q_proj` or `q_a_proj`/`q_a_layernorm`/`q_b_proj`, `kv_a_proj_with_mqa`,
+`kv_a_layernorm`, `kv_b_proj`, `o_proj`); the softmax scale comes from HF (yarn mscale included),
+rope from HF's rotary output. Without a `KVBatch` (HF's forward or `generate`) the latents go to
+the HF `Cache` HF passes.
 """
 
 from __future__ import annotations
