@@ -93,9 +93,9 @@ class StaticKVAttention(nn.Module):
         k = apply_rope(k.transpose(1, 2), position_embeddings)  # [B, h_kv, S, D]
         if kv is None:
             v = v.transpose(1, 2)  # [B, h_kv, S, D]
-            past = kwargs.get("past_key_values")
+            past: Any = kwargs.get("past_key_values")
             if past is not None:  # HF's cache, when HF code drives the model
-                k, v = past.update(k, v, self.layer_idx)  # type: ignore[attr-defined]
+                k, v = past.update(k, v, self.layer_idx)
             out = attend(q, k, v, self.scaling, hf_mask(attention_mask))
         else:
             if self.k_cache is None or self.v_cache is None:

@@ -83,9 +83,9 @@ class MLAttention(nn.Module):
         q_rot = apply_rope(q_rot, position_embeddings, self.interleave)
         k_rot = apply_rope(k_rot[:, None], position_embeddings, self.interleave)[:, 0]  # [B, S, d]
         mask = hf_mask(attention_mask)
-        past = kwargs.get("past_key_values")
+        past: Any = kwargs.get("past_key_values")
         if kv is None and past is not None:  # HF's cache: [B, 1, L, *] as HF's MLA stores it
-            cached = past.update(latent[:, None], k_rot[:, None], self.layer_idx)  # type: ignore[attr-defined]
+            cached = past.update(latent[:, None], k_rot[:, None], self.layer_idx)
             latent, k_rot = cached[0][:, 0], cached[1][:, 0]
         if kv is not None:
             if self.latent_cache is None or self.rope_cache is None:
