@@ -65,3 +65,27 @@ def test_family_equals_transformers(tiny_family: tuple[str, Path]) -> None:
 
     # Still a HF model: transformers' own generate (with its cache) gives the same tokens.
     assert reference_greedy(llm.model, prompt, 8) == reference_greedy(ref, prompt, 8)
+
+
+@pytest.mark.parametrize(
+    ("family", "options"),
+    [
+        ("mixtral", {"sliding_window": 8}),
+        ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
+    ],
+)
+def test_sliding_window_equals_transformers(family: str, options: dict, tiny_dir) -> None:
+    """A window shorter than the prompt, on every layer (Mixtral) or every other (Qwen2-MoE)."""
+    path = tiny_dir(family, **options)
+    llm = LLM(path, device="cpu", dtype="float32", experts="torch", progress=False)
+    windows = [layer.self_attn.sliding_window for layer in llm.model.model.layers]
+    assert windows == ([8, 8] if family == "mixtral" else [8, None])
+    ids = list(range(40, 70))
+    expected = reference_logits(reference_model(path), ids)  # [30, V]
+    assert_logits_close(llm.logits(ids), expected, atol=1e-4)
+    runner = llm.runner
+    slot = runner.cache.allocate()
+    runner.prefill(slot, ids[:20])
+    steps = torch.stack([runner.decode([slot], [t])[0] for t in ids[20:]])
+    runner.cache.free(slot)
+    assert_logits_close(steps, expected[20:], atol=1e-4)
