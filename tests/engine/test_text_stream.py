@@ -46,3 +46,16 @@ def test_held_back_text_is_released_when_it_cannot_stop() -> None:
     assert stream.push(ord("w")) == ""
     assert stream.finish() == "w"
     assert stream.text == "a waw" and not stream.stopped
+
+
+def test_context_keeps_the_first_words_space() -> None:
+    words = {1: "Hello", 2: " world", 3: " again"}
+
+    def sentencepiece_like(ids: list[int]) -> str:
+        return "".join(words[i] for i in ids).lstrip(" ")  # drops the text's leading space
+
+    alone = TextStream(sentencepiece_like)
+    assert [alone.push(2), alone.push(3)] == ["world", " again"]  # the space is lost
+    stream = TextStream(sentencepiece_like, context=[1])
+    assert [stream.push(2), stream.push(3), stream.finish()] == [" world", " again", ""]
+    assert stream.text == " world again"

@@ -21,6 +21,7 @@ from hetmoe.inject.rules import Rule, load_rules, shipped_rules_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_MAX_SEQ_LEN = 4096
+_CONTEXT_TOKENS = 4  # prompt tokens the detokenizer window starts with (see TextStream)
 
 
 def default_device() -> torch.device:
@@ -176,7 +177,7 @@ class LLM:
         """The generation loop: prefill, then sample/decode until EOS, stop, or length."""
         prompt_ids = self._checked_prompt(prompt_ids)
         sampler = Sampler(params)
-        text = TextStream(self.decode, params.stop)
+        text = TextStream(self.decode, params.stop, prompt_ids[-_CONTEXT_TOKENS:])
         runner = self.runner
         slot = runner.cache.allocate()
         out: list[int] = []

@@ -2,7 +2,9 @@
 
 Token-by-token decoding breaks multi-byte UTF-8 characters and BPE merges, so text is re-decoded
 over a short window of recent tokens and released only when it no longer ends in an incomplete
-character (U+FFFD). Text that could still become a stop string is held back until it cannot.
+character (U+FFFD). The window may start inside the prompt (`context`), so that tokenizers that
+drop a leading space when a text starts with a word (SentencePiece) still give the first word
+its space. Text that could still become a stop string is held back until it cannot.
 """
 
 from __future__ import annotations
@@ -13,12 +15,19 @@ from collections.abc import Callable, Sequence
 class TextStream:
     """Feed tokens with `push`, take safe text pieces; `finish` returns what was held back."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stop: Sequence[str] = (),
+        context: Sequence[int] = (),
+    ) -> None:
+        """`decode` turns ids into text; `stop` strings end the text; `context` are the last few
+        prompt tokens (their text is never released)."""
         self._decode = decode
         self._stop = tuple(stop)
-        self._ids: list[int] = []
+        self._ids: list[int] = list(context)
         self._prefix = 0  # window start: tokens before it are settled text
-        self._read = 0  # tokens before it are already in `text`
+        self._read = len(self._ids)  # tokens before it are already accounted for
         self.text = ""
         """All text decoded so far (cut at a stop string once one is found)."""
         self._sent = 0
