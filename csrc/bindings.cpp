@@ -121,6 +121,24 @@ NB_MODULE(_cpu, m) {
   }, nb::arg("iters"), nb::arg("tasks_per_group") = 0, nb::arg("warmup") = 200,
      nb::arg("pool").none() = nb::none(),
      "submit->wait microseconds of a prebuilt job (0 tasks: empty job) after `warmup` runs.");
+  m.def("pool_plan", [](nb::list cpus, int num_threads, int num_groups) {
+    std::vector<hetmoe::CpuInfo> infos;
+    for (nb::handle item : cpus) {
+      nb::tuple t = nb::cast<nb::tuple>(item);
+      infos.push_back({nb::cast<int>(t[0]), nb::cast<int>(t[1]), nb::cast<int>(t[2])});
+    }
+    hetmoe::WorkerPlan plan = hetmoe::plan_workers(infos, num_threads, num_groups);
+    nb::list worker_cpus, groups;
+    for (int cpu : plan.cpus) worker_cpus.append(cpu);
+    for (const auto& g : plan.groups) groups.append(nb::make_tuple(g.node, g.first, g.size));
+    nb::dict out;
+    out["worker_cpus"] = worker_cpus;
+    out["groups"] = groups;
+    out["virtual_groups"] = plan.virtual_groups;
+    return out;
+  }, nb::arg("cpus"), nb::arg("num_threads") = 0, nb::arg("num_groups") = 0,
+     "The worker plan for an allowed set of (cpu, node, core) tuples: groups as "
+     "(node, first worker, size). Reads HETMOE_THREADS / HETMOE_NUMA_GROUPS like the pool.");
   m.def("numa_alloc_check", [](size_t bytes, int node, size_t alignment) {
     hetmoe::NumaAllocReport r = hetmoe::check_numa_alloc(bytes, node, alignment);
     nb::dict out;

@@ -30,10 +30,11 @@ using JobHandle = uint64_t;
 
 class ThreadPool {
  public:
-  // num_threads <= 0: HETMOE_THREADS, else all physical cores of the allowed set but one (SMT
-  // siblings are used only when more threads are asked for). num_groups <= 0: HETMOE_NUMA_GROUPS,
-  // else one group per NUMA node. Throws std::invalid_argument naming the argument or variable
-  // when the request cannot be met (more threads than allowed CPUs, more groups than threads).
+  // num_threads <= 0: HETMOE_THREADS, else all allowed CPUs but one (the lowest, left to the
+  // caller). Workers take one CPU per physical core before any SMT sibling. num_groups <= 0:
+  // HETMOE_NUMA_GROUPS, else one group per NUMA node. Throws std::invalid_argument naming the
+  // argument or variable when the request cannot be met (more threads than allowed CPUs, more
+  // groups than threads).
   explicit ThreadPool(int num_threads = 0, int num_groups = 0);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;

@@ -7,6 +7,7 @@
 
 #include "runtime/host_job.h"
 #include "runtime/pool.h"
+#include "runtime/topology.h"
 
 namespace hetmoe {
 

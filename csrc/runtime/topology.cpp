@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 #include <stdexcept>
+#include <utility>
 
 namespace hetmoe {
 namespace {
@@ -120,9 +121,8 @@ WorkerPlan plan_workers(const std::vector<CpuInfo>& cpus, int num_threads, int n
     (core_seen[c.core] ? secondary : primary)[c.node].push_back(c.cpu);
     core_seen[c.core] = true;
   }
-  const int cores = static_cast<int>(core_seen.size());
   if (num_threads <= 0) {
-    num_threads = std::max(cores - 1, 1);
+    num_threads = std::max(allowed - 1, 1);
     if (num_groups > num_threads) num_threads = std::min(num_groups, allowed);
   }
   if (num_threads > allowed) {
@@ -171,16 +171,36 @@ WorkerPlan plan_workers(const std::vector<CpuInfo>& cpus, int num_threads, int n
       node_of_worker.push_back(node);
     }
   }
-  if (num_groups > 0) {  // virtual groups: contiguous chunks whose sizes differ by at most one
+  if (num_groups > 0) {
     plan.virtual_groups = true;
-    for (int g = 0, first = 0; g < num_groups; ++g) {
-      int size = num_threads / num_groups + (g < num_threads % num_groups ? 1 : 0);
-      int node = node_of_worker[first];
-      for (int w = first; w < first + size; ++w) {
-        if (node_of_worker[w] != node) node = -1;
+    // Split each node's workers when the groups divide evenly over the nodes (and each node has
+    // enough workers), so no group straddles two nodes; else split all workers as one range.
+    std::vector<std::pair<int, int>> ranges;  // (first worker, count)
+    const int nodes = static_cast<int>(taken.size());
+    bool per_node = num_groups % nodes == 0;
+    for (auto& [node, list] : taken) {
+      per_node = per_node && static_cast<int>(list.size()) >= num_groups / nodes;
+    }
+    if (per_node) {
+      int first = 0;
+      for (auto& [node, list] : taken) {
+        ranges.push_back({first, static_cast<int>(list.size())});
+        first += static_cast<int>(list.size());
       }
-      plan.groups.push_back({node, first, size});
-      first += size;
+    } else {
+      ranges.push_back({0, num_threads});
+    }
+    const int per_range = num_groups / static_cast<int>(ranges.size());
+    for (auto [first, count] : ranges) {
+      for (int g = 0; g < per_range; ++g) {  // chunks whose sizes differ by at most one
+        int size = count / per_range + (g < count % per_range ? 1 : 0);
+        int node = node_of_worker[first];
+        for (int w = first; w < first + size; ++w) {
+          if (node_of_worker[w] != node) node = -1;
+        }
+        plan.groups.push_back({node, first, size});
+        first += size;
+      }
     }
   }
   return plan;
