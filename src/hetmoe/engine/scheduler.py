@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from hetmoe.engine.engine import _CONTEXT_TOKENS
 from hetmoe.engine.sampler import Sampler, SamplingParams
 from hetmoe.engine.text_stream import TextStream
 
@@ -134,7 +135,8 @@ class Scheduler:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
                 f"{total} exceeds the context window of {self.runner.max_seq_len} tokens"
             )
-        text = TextStream(self._decode_text, params.stop)
+        # The detokenizer window starts in the prompt exactly as in `LLM.generate`.
+        text = TextStream(self._decode_text, params.stop, list(prompt_ids)[-_CONTEXT_TOKENS:])
         request = _Request(list(prompt_ids), params, sink, Sampler(params), text, ignore_eos)
         with self._wake:
             if self._stopped:
@@ -182,7 +184,10 @@ class Scheduler:
                 for request in list(self._running):
                     self._release(request)
                     self._finish(request, "error", f"{type(exc).__name__}: {exc}")
-        for request in [*self._running, *self._waiting]:
+        for request in list(self._running):
+            self._release(request)
+            self._finish(request, "cancelled")
+        for request in self._waiting:
             self._finish(request, "cancelled")
 
     def _step(self, admitted: list[_Request]) -> None:

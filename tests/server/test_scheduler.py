@@ -1,0 +1,152 @@
+"""The scheduler alone: the engine's own results, batched; cancel, queue limit, failures."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from live_server import tiny_llm
+
+from hetmoe import LLM
+from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.scheduler import Event, QueueFull, Scheduler
+
+
+class Collector:
+    """A sink that keeps a request's events and signals its end."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.done = threading.Event()
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+        if event.finish_reason is not None:
+            self.done.set()
+
+    def wait(self) -> Event:
+        assert self.done.wait(30), "the request did not finish"
+        return self.events[-1]
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for e in self.events for t in e.token_ids]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3_moe: Path, one_torch_thread: None) -> LLM:
+    return tiny_llm(tiny_qwen3_moe, max_batch=2, max_seq_len=64)
+
+
+@pytest.fixture
+def scheduler(llm: LLM) -> Iterator[Scheduler]:
+    running = Scheduler(llm.runner, llm.decode, llm.eos_token_ids, max_queue=1)
+    yield running
+    running.stop()
+
+
+REQUESTS = [
+    ("Hello! How are you?", dict(max_new_tokens=20)),
+    ("The harbour town", dict(max_new_tokens=24, temperature=0.8, top_p=0.9, top_k=20, seed=3)),
+    ("What is your name?", dict(max_new_tokens=16, temperature=1.2, seed=11)),
+]
+
+
+def test_concurrent_requests_equal_llm_generate(llm: LLM) -> None:
+    expected = [llm.generate(prompt, **options) for prompt, options in REQUESTS]  # one at a time
+    scheduler = Scheduler(llm.runner, llm.decode, llm.eos_token_ids, max_queue=4)
+    try:
+        sinks = []
+        for prompt, options in REQUESTS:  # 3 requests, 2 slots: one waits for a free slot
+            sinks.append(Collector())
+            scheduler.submit(llm.encode(prompt), SamplingParams(**options), sinks[-1])
+        for sink, want in zip(sinks, expected, strict=True):
+            last = sink.wait()
+            assert (sink.text, sink.token_ids) == (want.text, want.token_ids)
+            assert (last.finish_reason, last.prompt_tokens) == (want.finish_reason,
+                                                                want.prompt_tokens)
+            assert last.completion_tokens == len(want.token_ids)
+    finally:
+        scheduler.stop()
+
+
+def test_stop_string_ends_with_stop(llm: LLM, scheduler: Scheduler) -> None:
+    want = llm.generate("The harbour town", max_new_tokens=20).text
+    stop = want[5:8]
+    sink = Collector()
+    scheduler.submit(llm.encode("The harbour town"), SamplingParams(20, stop=(stop,)), sink)
+    assert sink.wait().finish_reason == "stop"
+    assert sink.text == want[: want.index(stop)]
+
+
+def test_cancel_frees_the_slot(llm: LLM, scheduler: Scheduler) -> None:
+    sink = Collector()
+    handle = scheduler.submit(llm.encode("Hi"), SamplingParams(60), sink, ignore_eos=True)
+    while not sink.events:
+        threading.Event().wait(0.001)
+    handle.cancel()
+    last = sink.wait()
+    assert last.finish_reason == "cancelled" and last.completion_tokens < 60
+    assert scheduler.num_running == 0 and scheduler.num_waiting == 0
+    other = Collector()  # both slots are free again: two more requests run
+    scheduler.submit(llm.encode("Hi"), SamplingParams(4), other, ignore_eos=True)
+    assert other.wait().finish_reason == "length"
+
+
+def test_queue_limit_counts_requests_beyond_free_slots(llm: LLM, scheduler: Scheduler) -> None:
+    sinks = [Collector() for _ in range(3)]
+    handles = [scheduler.submit(llm.encode("Hi"), SamplingParams(60), s, ignore_eos=True)
+               for s in sinks]  # 2 slots + 1 waiting (max_queue=1)
+    with pytest.raises(QueueFull) as full:
+        scheduler.submit(llm.encode("Hi"), SamplingParams(4), Collector())
+    assert str(full.value) == "all 2 slots are busy and 1 requests wait already (max_queue=1)"
+    for handle in handles:
+        handle.cancel()
+    assert [s.wait().finish_reason for s in sinks] == ["cancelled"] * 3
+
+
+def test_context_window_is_checked(llm: LLM, scheduler: Scheduler) -> None:
+    with pytest.raises(ValueError) as caught:
+        scheduler.submit(list(range(10)), SamplingParams(55), Collector())
+    assert str(caught.value) == (
+        "prompt (10 tokens) + max_new_tokens (55) = 65 exceeds the context window of 64 tokens"
+    )
+
+
+def test_a_failing_step_fails_its_request_and_the_loop_goes_on(
+    llm: LLM, scheduler: Scheduler
+) -> None:
+    bad = Collector()
+    scheduler.submit([1, 9999], SamplingParams(4), bad)  # an id beyond the vocabulary
+    last = bad.wait()
+    assert last.finish_reason == "error"
+    assert last.error == "ValueError: token ids [9999] out of the vocabulary [0, 512)"
+
+    def broken_sink(event: Event) -> None:
+        raise RuntimeError("consumer gone")
+
+    scheduler.submit(llm.encode("Hi"), SamplingParams(8), broken_sink, ignore_eos=True)
+    good = Collector()
+    scheduler.submit(llm.encode("Hi"), SamplingParams(3), good, ignore_eos=True)
+    assert good.wait().finish_reason == "length" and scheduler.alive
+
+
+def test_stop_cancels_what_is_left(llm: LLM) -> None:
+    scheduler = Scheduler(llm.runner, llm.decode, llm.eos_token_ids, max_queue=2)
+    sinks = [Collector() for _ in range(3)]
+    for sink in sinks:
+        scheduler.submit(llm.encode("Hi"), SamplingParams(60), sink, ignore_eos=True)
+    scheduler.stop()
+    assert [s.wait().finish_reason for s in sinks] == ["cancelled"] * 3
+    assert not scheduler.alive
+    assert sorted(llm.runner.cache.allocate() for _ in range(2)) == [0, 1]  # slots were freed
+    for slot in (0, 1):
+        llm.runner.cache.free(slot)
+    with pytest.raises(RuntimeError, match="the scheduler is stopped"):
+        scheduler.submit(llm.encode("Hi"), SamplingParams(4), Collector())
