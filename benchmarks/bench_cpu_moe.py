@@ -39,9 +39,21 @@ def timed(fn, calls: int, warmup: int) -> float:
     return statistics.median(samples)
 
 
-def cycle(layers: list, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor):
-    """Call i runs layer i % len(layers), so consecutive calls read different weights."""
-    return lambda i: layers[i % len(layers)].forward(x, ids, wts)
+ROUTINGS = 16  # routings cycled per q, so decode touches different experts every call
+
+
+def cycle(layers: list, x: torch.Tensor, routes: list[tuple[torch.Tensor, torch.Tensor]]):
+    """Call i runs layer i % len(layers) with routing i % len(routes): weights come from DRAM."""
+    return lambda i: layers[i % len(layers)].forward(x, *routes[i % len(routes)])
+
+
+def raw_cycle(layers: list[CpuMoE], x: torch.Tensor,
+              routes: list[tuple[torch.Tensor, torch.Tensor]]):
+    """Like `cycle`, through the C++ layer directly: the pool and kernels without Python checks."""
+    out = torch.empty_like(x)
+    args = [layers[0]._call_args(x, *r, out) for r in routes]
+    raw = [moe._layer for moe in layers]
+    return lambda i, keep=(out, routes): raw[i % len(raw)].forward(*args[i % len(args)])
 
 
 def routing(q: int, num_experts: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +64,15 @@ def routing(q: int, num_experts: int, k: int, seed: int) -> tuple[torch.Tensor, 
     return top.indices.contiguous(), torch.softmax(top.values, 1).float().contiguous()
 
 
-def read_bandwidth(gib: float) -> float:
-    """Bytes/s of a plain multithreaded read: best of 5 torch sums over a `gib` GiB array."""
+def same_experts(m: int, num_experts: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """m tokens that all go to the same k random experts: m tokens per expert."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(num_experts, generator=g)[:k].repeat(m, 1)
+    return ids.contiguous(), torch.full((m, k), 1.0 / k)
+
+
+def torch_read_bandwidth(gib: float) -> float:
+    """Bytes/s of torch summing a `gib` GiB float32 array (all torch threads), for comparison."""
     data = torch.empty(int(gib * 2**30) // 4, dtype=torch.float32).uniform_()
     return data.numel() * 4 / timed(lambda i: data.sum(), 5, 1)
 
@@ -84,28 +103,32 @@ class TorchLayer:
         return out
 
 
-def crossover(fmt: str, src: tuple[torch.Tensor, ...], layers: int) -> tuple[int, list[dict]]:
-    """Smallest tokens-per-expert m from which AMX beats AVX-512 (all q tokens on 8 experts)."""
-    gate, up, down = (t[:8] for t in src)
-    variants = {}
-    for isa in ("avx512", "amx"):
-        variants[isa] = []
-        for _ in range(layers):
-            moe = CpuMoE(8, 2048, 768, fmt, isa=isa, amx_min_tokens=1)
-            moe.load(gate, up, down)
-            variants[isa].append(moe)
+def crossover(layers: list[CpuMoE], quick: bool) -> tuple[int, list[dict]]:
+    """Smallest tokens-per-expert m from which AMX beats AVX-512 on these layers (m tokens all
+    on 8 random experts, new experts every call), switching the threshold between runs."""
     rows, best = [], None
     for m in CROSSOVER_M:
-        x = torch.randn(m, 2048).bfloat16()
-        ids = torch.arange(8).repeat(m, 1)
-        wts = torch.full((m, 8), 0.125)
-        t = {isa: timed(cycle(v, x, ids, wts), 30, layers) for isa, v in variants.items()}
+        x = torch.randn(m, layers[0].hidden).bfloat16()
+        routes = [same_experts(m, layers[0].num_experts, 8, seed) for seed in range(ROUTINGS)]
+        t = {}
+        for isa, threshold in (("avx512", 1 << 30), ("amx", 1)):
+            for moe in layers:
+                moe.amx_min_tokens = threshold
+            t[isa] = timed(cycle(layers, x, routes), 5 if quick else 40, len(layers))
         rows.append({"m": m, "avx512_us": t["avx512"] * 1e6, "amx_us": t["amx"] * 1e6})
         if best is None and t["amx"] < t["avx512"]:
             best = m
         elif best is not None and t["amx"] >= t["avx512"]:
             best = None  # not yet a stable win
     return (best or CROSSOVER_M[-1]), rows
+
+
+def phases(moe: CpuMoE, x: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor]) -> list[float]:
+    """Microseconds per phase of one call (convert, gather, gate/up, down, combine)."""
+    moe._layer.set_profile(True)
+    moe.forward(x, *route)
+    moe._layer.set_profile(False)
+    return [round(v, 1) for v in moe._layer.phase_us()]
 
 
 def main() -> None:
@@ -119,48 +142,53 @@ def main() -> None:
     E, H, I, K = args.experts, 2048, 768, 8
     qs = [int(v) for v in args.q.split(",")]
     threads = torch.get_num_threads()
-    bandwidth = read_bandwidth(1.0 if args.quick else 4.0)  # before the pool spins
+    torch_bandwidth = torch_read_bandwidth(1.0 if args.quick else 4.0)  # before the pool spins
+    bandwidth = _cpu.read_bandwidth((1 if args.quick else 4) << 30, 5)
     tflops_torch = matmul_tflops()
     g = torch.Generator().manual_seed(0)
     src = tuple(torch.randn(E, *s, generator=g).div_(s[1] ** 0.5).bfloat16()
                 for s in ((I, H), (I, H), (H, I)))
     report = {"machine": machine_report(), "threads_torch": threads,
-              "read_bandwidth_gbs": bandwidth / 1e9, "torch_bf16_matmul_tflops": tflops_torch,
+              "read_bandwidth_gbs": bandwidth / 1e9, "torch_sum_gbs": torch_bandwidth / 1e9,
+              "torch_bf16_matmul_tflops": tflops_torch,
               "shape": {"E": E, "H": H, "I": I, "k": K, "layers": args.layers},
               "git": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                     text=True).stdout.strip(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "crossover": {},
               "rows": []}
     amx = _cpu.best_isa() == "amx"
-    for fmt in FORMATS:
-        if amx:
-            m, rows = crossover(fmt, src, 2 if args.quick else args.layers)
-            report["crossover"][fmt] = {"amx_min_tokens": m, "rows": rows}
-            print(f"crossover {fmt}: AMX from {m} tokens/expert", flush=True)
     baseline = [tuple(t.clone() for t in src) for _ in range(args.layers)]
     for fmt in FORMATS:
-        amx_min = report["crossover"].get(fmt, {}).get("amx_min_tokens", 32)
         layers = []
         for _ in range(args.layers):
-            moe = CpuMoE(E, H, I, fmt, amx_min_tokens=amx_min)
+            moe = CpuMoE(E, H, I, fmt)
             moe.load(*src)
             layers.append(moe)
+        if amx:
+            m, rows = crossover(layers, args.quick)
+            report["crossover"][fmt] = {"amx_min_tokens": m, "rows": rows}
+            print(f"crossover {fmt}: AMX from {m} tokens/expert", flush=True)
+            for moe in layers:
+                moe.amx_min_tokens = m
         expert_bytes = layers[0].packed_bytes / E
         for q in qs:
             x = torch.randn(q, H, generator=g).bfloat16()
-            ids, wts = routing(q, E, K, seed=q)
-            distinct = ids.unique().numel()
+            routes = [routing(q, E, K, seed=1000 * q + r) for r in range(ROUTINGS)]
+            distinct = statistics.mean(ids.unique().numel() for ids, _ in routes)
             calls = 3 if args.quick else max(5, min(200, 4000 // q))
-            sec = timed(cycle(layers, x, ids, wts), calls, len(layers))
+            sec = timed(cycle(layers, x, routes), calls, len(layers))
             flops = 3 * 2 * H * I * q * K
             row = {"format": fmt, "q": q, "ms": sec * 1e3, "experts_touched": distinct,
                    "weight_gb_s": distinct * expert_bytes / sec / 1e9,
                    "bw_fraction": distinct * expert_bytes / sec / bandwidth,
                    "bw_floor_ms": distinct * expert_bytes / bandwidth * 1e3,
-                   "tflops": flops / sec / 1e12}
+                   "tflops": flops / sec / 1e12,
+                   "phase_us": phases(layers[0], x, routes[0])}
+            if q <= 8:  # the pool + kernels alone, without the Python argument checks
+                row["raw_ms"] = 1e3 * timed(raw_cycle(layers, x, routes), calls, len(layers))
             if fmt == "bf16":
                 plain = [TorchLayer(w) for w in baseline]
-                tsec = timed(cycle(plain, x, ids, wts), max(2, calls // 10), 1)
+                tsec = timed(cycle(plain, x, routes), max(2, calls // 10), 1)
                 row["torch_ms"] = tsec * 1e3
                 row["speedup_vs_torch"] = tsec / sec
             report["rows"].append(row)
@@ -170,11 +198,12 @@ def main() -> None:
     print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s, torch bf16 matmul "
           f"{tflops_torch:.1f} TFLOPS, {report['machine']['cpu']}")
     print(f"{'fmt':5} {'q':>5} {'ms':>9} {'GB/s':>7} {'%BW':>5} {'floor ms':>9} {'TFLOPS':>7} "
-          f"{'torch ms':>9} {'x torch':>7}")
+          f"{'torch ms':>9} {'x torch':>7}  phases us (convert gather gate/up down combine)")
     for r in report["rows"]:
         print(f"{r['format']:5} {r['q']:>5} {r['ms']:>9.3f} {r['weight_gb_s']:>7.1f} "
               f"{100 * r['bw_fraction']:>5.1f} {r['bw_floor_ms']:>9.3f} {r['tflops']:>7.2f} "
-              f"{r.get('torch_ms', float('nan')):>9.3f} {r.get('speedup_vs_torch', 0):>7.2f}")
+              f"{r.get('torch_ms', float('nan')):>9.3f} {r.get('speedup_vs_torch', 0):>7.2f}  "
+              f"{' '.join(f'{v:.0f}' for v in r['phase_us'])}")
 
 
 if __name__ == "__main__":

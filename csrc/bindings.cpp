@@ -2,12 +2,14 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/vector.h>
 
 #include <map>
 #include <string>
 
 #include "dispatch.h"
 #include "moe/moe_layer.h"
+#include "moe/stream_read.h"
 #include "runtime/cuda_host.h"
 #include "runtime/pool_probe.h"
 
@@ -262,6 +264,15 @@ NB_MODULE(_cpu, m) {
       .def_prop_ro("isa", [](MoELayer& l) {
         return std::string(hetmoe::isa_name(l.config().max_isa));
       })
-      .def_prop_ro("packed_bytes", &MoELayer::packed_bytes);
+      .def_prop_ro("packed_bytes", &MoELayer::packed_bytes)
+      .def("set_amx_min_tokens", &MoELayer::set_amx_min_tokens, nb::arg("tokens"))
+      .def("set_profile", &MoELayer::set_profile, nb::arg("on"))
+      .def("phase_us", &MoELayer::phase_us,
+           "Per-phase microseconds of the latest profiled call (see moe_job.cpp).");
+  m.def("read_bandwidth", [](size_t bytes, int repeats, int threads) {
+    nb::gil_scoped_release release;
+    return hetmoe::read_bandwidth(hetmoe::pool_for_threads(threads), bytes, repeats);
+  }, nb::arg("bytes"), nb::arg("repeats") = 5, nb::arg("threads") = 0,
+     "Bytes/s of a plain read of a `bytes` buffer by the CpuMoE pool's workers (best pass).");
   // ---- moe bindings end ----
 }

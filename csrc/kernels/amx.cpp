@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/epilogue.h"
 #include "kernels/gemm.h"
 
 namespace hetmoe {
@@ -194,7 +195,8 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
 }  // namespace
 
 const IsaKernels& amx_kernels() {
-  static const IsaKernels k{"amx", gemm_bf16, gemm_int<false>, gemm_int<true>};
+  static const IsaKernels k{"amx", gemm_bf16, gemm_int<false>, gemm_int<true>,
+                            {silu_mul_row, to_bf16_row, to_u8_row, axpy_row}};
   return k;
 }
 

@@ -2,6 +2,7 @@
 // by shifts; int weights and u8 activations are widened to 16 bits for exact vpmaddwd products.
 #include <immintrin.h>
 
+#include "kernels/epilogue.h"
 #include "kernels/gemm.h"
 
 namespace hetmoe {
@@ -133,7 +134,8 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
 }  // namespace
 
 const IsaKernels& avx2_kernels() {
-  static const IsaKernels k{"avx2", gemm_bf16, gemm_int<false>, gemm_int<true>};
+  static const IsaKernels k{"avx2", gemm_bf16, gemm_int<false>, gemm_int<true>,
+                            {silu_mul_row, to_bf16_row, to_u8_row, axpy_row}};
   return k;
 }
 

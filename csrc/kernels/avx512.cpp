@@ -3,6 +3,7 @@
 // token needs only a broadcast of its matching activations and no horizontal sums.
 #include <immintrin.h>
 
+#include "kernels/epilogue.h"
 #include "kernels/gemm.h"
 
 namespace hetmoe {
@@ -131,7 +132,8 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
 }  // namespace
 
 const IsaKernels& avx512_kernels() {
-  static const IsaKernels k{"avx512", gemm_bf16, gemm_int<false>, gemm_int<true>};
+  static const IsaKernels k{"avx512", gemm_bf16, gemm_int<false>, gemm_int<true>,
+                            {silu_mul_row, to_bf16_row, to_u8_row, axpy_row}};
   return k;
 }
 

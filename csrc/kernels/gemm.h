@@ -28,11 +28,21 @@ struct ActView {
 using GemmFn = void (*)(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
                         float* c, size_t ldc);
 
+// Element-wise steps (kernels/epilogue.h), vectorized for the same ISA.
+struct Epilogue {
+  void (*silu_mul)(const float* c, int cols, float* h);
+  void (*to_bf16)(const float* x, int n, uint16_t* out);
+  void (*to_u8)(const float* x, int n, int group_size, uint8_t* out, float* scale, float* bias,
+                float* sum);
+  void (*axpy)(float w, const float* src, int n, float* dst);
+};
+
 struct IsaKernels {
   const char* name;
   GemmFn bf16;
   GemmFn int8;
   GemmFn int4;
+  Epilogue epilogue;
   GemmFn get(WeightFormat f) const {
     return f == WeightFormat::kBF16 ? bf16 : f == WeightFormat::kINT8 ? int8 : int4;
   }

@@ -2,6 +2,7 @@
 // and the path for CPUs with no AVX2.
 #include <vector>
 
+#include "kernels/epilogue.h"
 #include "kernels/gemm.h"
 #include "layout/bf16.h"
 
@@ -67,7 +68,8 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
 }  // namespace
 
 const IsaKernels& reference_kernels() {
-  static const IsaKernels k{"scalar", gemm_bf16, gemm_int<false>, gemm_int<true>};
+  static const IsaKernels k{"scalar", gemm_bf16, gemm_int<false>, gemm_int<true>,
+                            {silu_mul_row, to_bf16_row, to_u8_row, axpy_row}};
   return k;
 }
 

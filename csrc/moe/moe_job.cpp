@@ -5,13 +5,13 @@
 // Phases 3 and 4 run in every NUMA group over its own intermediate slice; the others split their
 // tasks across groups.
 #include <algorithm>
-#include <cmath>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <vector>
 
 #include "kernels/gemm.h"
-#include "layout/activation.h"
 #include "layout/bf16.h"
 #include "moe/moe_layer.h"
 #include "moe/routing.h"
@@ -58,15 +58,15 @@ struct ActStore {
     }
     return v;
   }
-  // Converts fp32 values into row `row`, columns [col, col + n).
-  void put(long row, size_t col, const float* x, int n, int group_size) const {
+  // Converts fp32 values into row `row`, columns [col, col + n) (n: whole groups).
+  void put(const Epilogue& ep, long row, size_t col, const float* x, int n, int group_size) const {
     if (elem == 2) {
-      activation_to_bf16(x, n, n, reinterpret_cast<uint16_t*>(act) + row * k + col);
+      ep.to_bf16(x, n, reinterpret_cast<uint16_t*>(act) + row * k + col);
       return;
     }
     const size_t g = row * ngroups + col / group_size;
-    activation_to_u8(x, n, n, group_size, act + row * k + col, groups + g,
-                     groups + total * ngroups + g, groups + 2 * total * ngroups + g);
+    ep.to_u8(x, n, group_size, act + row * k + col, groups + g, groups + total * ngroups + g,
+             groups + 2 * total * ngroups + g);
   }
   void zero(long row, size_t col, size_t n, int group_size) const {
     std::memset(act + (row * k + col) * elem, 0, n * elem);
@@ -83,8 +83,6 @@ struct ActStore {
   }
 };
 
-inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
-
 inline float load_value(const void* base, DType t, size_t i) {
   return t == DType::kBF16 ? bf16_to_float(static_cast<const uint16_t*>(base)[i])
                            : static_cast<const float*>(base)[i];
@@ -99,7 +97,28 @@ struct CallState {
   std::vector<float*> accum;     // per NUMA group, [q][H]
 };
 
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 }  // namespace
+
+struct PhaseClock {
+  explicit PhaseClock(size_t n) : first(new std::atomic<int64_t>[n]), last(new std::atomic<int64_t>[n]), size(n) {
+    for (size_t i = 0; i < n; ++i) first[i] = INT64_MAX, last[i] = 0;
+  }
+  std::unique_ptr<std::atomic<int64_t>[]> first, last;
+  size_t size;
+};
+
+std::vector<double> MoELayer::phase_us() const {
+  std::vector<double> us;
+  for (size_t i = 0; last_clock_ && i < last_clock_->size; ++i)
+    us.push_back(last_clock_->last[i] > 0 ? (last_clock_->last[i] - last_clock_->first[i]) / 1e3 : 0.0);
+  return us;
+}
 
 Job MoELayer::make_job(const MoECall& call) const {
   auto st = std::make_shared<CallState>();
@@ -137,21 +156,23 @@ Job MoELayer::make_job(const MoECall& call) const {
   const int token_tasks = (q + kTokensPerTask - 1) / kTokensPerTask;
   const int row_tasks = int(R / kRowsPerTask);
   const Isa small_isa = std::min(cfg_.max_isa, Isa::kAvx512);
-  auto kernels_for = [this, small_isa](int m) -> const IsaKernels& {
-    const bool amx = cfg_.max_isa == Isa::kAmx && m >= cfg_.amx_min_tokens;
+  auto kernels_for = [max_isa = cfg_.max_isa, amx_min = cfg_.amx_min_tokens,
+                      small_isa](int m) -> const IsaKernels& {
+    const bool amx = max_isa == Isa::kAmx && m >= amx_min;
     return kernels_of(amx ? Isa::kAmx : small_isa);
   };
   Job job;
 
   // 1: each token once into the kernels' input form.
-  job.push_back({split(token_tasks), [st, G, H, Hp, gs](size_t task, int g, int) {
+  const Epilogue* ep = &kernels_of(small_isa).epilogue;
+  job.push_back({split(token_tasks), [st, G, H, Hp, gs, ep](size_t task, int g, int) {
     const int chunk = int(task) * G + g;
     const MoECall& c = st->call;
     float* row = scratch(Hp);
     for (int t = chunk * kTokensPerTask; t < std::min(c.q, (chunk + 1) * kTokensPerTask); ++t) {
       for (int i = 0; i < H; ++i) row[i] = load_value(c.x, c.x_type, size_t(t) * H + i);
       std::fill(row + H, row + Hp, 0.0f);
-      st->tokens.put(t, 0, row, Hp, gs);
+      st->tokens.put(*ep, t, 0, row, Hp, gs);
     }
   }});
   // 2: rows grouped by expert; padding rows are zero so AMX tiles read defined data.
@@ -164,12 +185,19 @@ Job MoELayer::make_job(const MoECall& call) const {
     }
   }});
   // 3: gate and up of one block of intermediate columns, SiLU(gate) * up -> hidden activations.
-  // Whole quantization groups per task; 32 columns otherwise (many tasks for decode balance).
-  const int cols = std::max(2 * kBlockN, gs);
+  // Whole quantization groups per task; 32 columns for decode (many tasks balance the cores),
+  // up to 128 for prefill (each task re-reads its expert's rows: fewer, wider tasks).
+  int cols = std::max(2 * kBlockN, gs);
+  auto divides_slices = [this, G](int c) {
+    for (int g = 0; g < G; ++g)
+      if (slice(g) % c) return false;
+    return true;
+  };
+  while (rt.max_rows >= 16 && cols < 128 && divides_slices(2 * cols)) cols *= 2;
   std::vector<size_t> gu_tasks(G);
   for (int g = 0; g < G; ++g) gu_tasks[g] = rt.experts.size() * (slice(g) / cols);
   const size_t gu_max = G ? *std::max_element(gu_tasks.begin(), gu_tasks.end()) : 0;
-  job.push_back({gu_max, [this, st, cols, gs, kernels_for](size_t task, int g, int) {
+  job.push_back({gu_max, [this, st, cols, gs, kernels_for, ep](size_t task, int g, int) {
     const int per_expert = slice(g) / cols;
     if (per_expert == 0 || task >= st->routing.experts.size() * per_expert) return;
     const Routing& r = st->routing;
@@ -183,19 +211,15 @@ Job MoELayer::make_job(const MoECall& call) const {
     kernels_for(m).get(cfg_.format)(w, st->rows.view(row0, m), 2 * col0 / kBlockN,
                                     2 * (col0 + cols) / kBlockN, c, ldc);
     for (int t = 0; t < m; ++t) {
-      const float* ct = c + t * ldc;
-      for (int j = 0; j < cols; ++j) {
-        const int blk = j / kBlockN, lane = j % kBlockN;
-        h[j] = silu(ct[2 * blk * kBlockN + lane]) * ct[(2 * blk + 1) * kBlockN + lane];
-      }
-      st->hidden[g].put(row0 + t, col0, h, cols, gs);
+      ep->silu_mul(c + t * ldc, cols, h);
+      st->hidden[g].put(*ep, row0 + t, col0, h, cols, gs);
     }
     for (int t = m; t < mp; ++t) st->hidden[g].zero(row0 + t, col0, cols, gs);
   }});
   // 4: down for a block of output columns over every expert, weighted into the group's partial.
   const int nb_per_task = rt.max_rows >= 32 ? 2 : 1;
-  job.push_back({size_t(H / kBlockN / nb_per_task), [this, st, nb_per_task, H, kernels_for](
-                     size_t task, int g, int) {
+  job.push_back({size_t(H / kBlockN / nb_per_task), [this, st, nb_per_task, H, kernels_for,
+                                                     ep](size_t task, int g, int) {
     const Routing& r = st->routing;
     const int nb0 = int(task) * nb_per_task, width = nb_per_task * kBlockN;
     float* acc = st->accum[g];
@@ -208,11 +232,9 @@ Job MoELayer::make_job(const MoECall& call) const {
       const PackedMatrix& w = down_[size_t(g) * cfg_.num_experts + r.experts[a]];
       kernels_for(m).get(cfg_.format)(w, st->hidden[g].view(row0, m), nb0, nb0 + nb_per_task, c,
                                       width);
-      for (int t = 0; t < m; ++t) {
-        float* dst = acc + size_t(r.row_token[row0 + t]) * H + nb0 * kBlockN;
-        const float wt = r.row_weight[row0 + t];
-        for (int j = 0; j < width; ++j) dst[j] += wt * c[t * width + j];
-      }
+      for (int t = 0; t < m; ++t)
+        ep->axpy(r.row_weight[row0 + t], c + t * width, width,
+                acc + size_t(r.row_token[row0 + t]) * H + nb0 * kBlockN);
     }
   }});
   // 5: sum of the groups' partial outputs, written once in the output dtype.
@@ -234,6 +256,20 @@ Job MoELayer::make_job(const MoECall& call) const {
       }
     }
   }});
+  if (profile_) {
+    auto clock = std::make_shared<PhaseClock>(job.size());
+    for (size_t p = 0; p < job.size(); ++p)
+      job[p].fn = [clock, p, fn = std::move(job[p].fn)](size_t task, int g, int w) {
+        const int64_t start = now_ns();
+        int64_t seen = clock->first[p].load();
+        while (start < seen && !clock->first[p].compare_exchange_weak(seen, start)) {}
+        fn(task, g, w);
+        const int64_t end = now_ns();
+        seen = clock->last[p].load();
+        while (end > seen && !clock->last[p].compare_exchange_weak(seen, end)) {}
+      };
+    last_clock_ = clock;
+  }
   return job;
 }
 

@@ -57,6 +57,12 @@ class MoELayer {
   HostJob& host_job() { return host_job_; }
 
   const MoEConfig& config() const { return cfg_; }
+  // Applies to calls submitted afterwards.
+  void set_amx_min_tokens(int tokens) { cfg_.amx_min_tokens = tokens; }
+  // With profiling on, each call records every phase's first-task start and last-task end;
+  // phase_us() gives the durations of the latest profiled call (after it is waited for).
+  void set_profile(bool on) { profile_ = on; }
+  std::vector<double> phase_us() const;
   int num_groups() const { return int(slice_begin_.size()) - 1; }
   int slice_begin(int g) const { return slice_begin_[g]; }
   size_t packed_bytes() const;  // weight + scale bytes of the loaded experts
@@ -72,6 +78,8 @@ class MoELayer {
   std::vector<PackedMatrix> gate_up_;     // [G * E]: gate/up n-blocks interleaved, K = Hp
   std::vector<PackedMatrix> down_;        // [G * E]: N = H, K = the group's slice
   std::vector<uint8_t> loaded_, gpu_mask_;
+  bool profile_ = false;
+  mutable std::shared_ptr<struct PhaseClock> last_clock_;
   MoECall host_call_;
   HostJob host_job_;
 };

@@ -17,8 +17,9 @@ import torch
 from hetmoe import env
 from hetmoe.experts.expert_weights import WEIGHT_FORMATS, ExpertWeights, check_group_size
 
-AMX_MIN_TOKENS = 32
-"""Tokens per expert from which AMX tiles beat AVX-512 (measured: docs/benchmarks/cpu_moe.md)."""
+AMX_MIN_TOKENS = {"bf16": 4, "int8": 16, "int4": 96}
+"""Tokens per expert from which AMX tiles beat AVX-512, per format (measured by
+benchmarks/bench_cpu_moe.py on a 16-core Xeon with AMX: docs/benchmarks/cpu_moe.md)."""
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
 
@@ -56,7 +57,8 @@ class CpuMoE:
             but one). Layers with the same count share one pool.
         isa: cap on the kernel family ("amx", "avx512", "avx2", "scalar"); None = HETMOE_ISA,
             else the best this CPU runs.
-        amx_min_tokens: tokens per expert from which AMX kernels are used.
+        amx_min_tokens: tokens per expert from which AMX kernels are used; None = the measured
+            crossover of the format (`AMX_MIN_TOKENS`).
     """
 
     def __init__(
@@ -69,7 +71,7 @@ class CpuMoE:
         activation: str = "silu",
         threads: int | None = None,
         isa: str | None = None,
-        amx_min_tokens: int = AMX_MIN_TOKENS,
+        amx_min_tokens: int | None = None,
     ) -> None:
         from hetmoe import _cpu
 
@@ -93,8 +95,9 @@ class CpuMoE:
             raise ValueError(f"CpuMoE: activation must be 'silu', got {activation!r}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"CpuMoE: threads must be None or a positive integer, got {threads!r}")
-        if not isinstance(amx_min_tokens, int) or amx_min_tokens < 1:
-            raise ValueError(f"CpuMoE: amx_min_tokens must be >= 1, got {amx_min_tokens!r}")
+        if amx_min_tokens is None:
+            amx_min_tokens = AMX_MIN_TOKENS[weight_format]
+        _check_amx_min_tokens(amx_min_tokens)
         isa = isa if isa is not None else (env.forced_isa() or "auto")
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.weight_format, self.group_size = weight_format, group_size
@@ -103,6 +106,7 @@ class CpuMoE:
             num_experts, hidden, intermediate, WEIGHT_FORMATS[weight_format], group_size or 0,
             isa, amx_min_tokens, threads or 0,
         )
+        self._amx_min_tokens = amx_min_tokens
         self._loaded = torch.zeros(num_experts, dtype=torch.bool)
         self._gpu_mask: torch.Tensor | None = None
         self._pending: deque[PendingCall] = deque()
@@ -113,6 +117,17 @@ class CpuMoE:
     def isa(self) -> str:
         """The kernel family cap in use ("amx", "avx512", "avx2" or "scalar")."""
         return str(self._layer.isa)
+
+    @property
+    def amx_min_tokens(self) -> int:
+        """Tokens per expert from which AMX kernels are used (settable; later calls use it)."""
+        return self._amx_min_tokens
+
+    @amx_min_tokens.setter
+    def amx_min_tokens(self, tokens: int) -> None:
+        _check_amx_min_tokens(tokens)
+        self._amx_min_tokens = tokens
+        self._layer.set_amx_min_tokens(tokens)
 
     @property
     def num_groups(self) -> int:
@@ -283,3 +298,8 @@ class CpuMoE:
                 f"{where}: expert_ids{bad} = {int(ids[bad[0], bad[1]])} is outside "
                 f"[-1, {self.num_experts})"
             )
+
+
+def _check_amx_min_tokens(tokens: object) -> None:
+    if not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"CpuMoE: amx_min_tokens must be a positive integer, got {tokens!r}")
