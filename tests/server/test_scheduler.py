@@ -6,12 +6,14 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
-from live_server import tiny_llm
+from live_server import MODEL, LiveServer, tiny_llm
 
 from hetmoe import LLM
 from hetmoe.engine.sampler import SamplingParams
 from hetmoe.engine.scheduler import Event, QueueFull, Scheduler
+from hetmoe.server.config import ServerConfig
 
 
 class Collector:
@@ -150,3 +152,19 @@ def test_stop_cancels_what_is_left(llm: LLM) -> None:
         llm.runner.cache.free(slot)
     with pytest.raises(RuntimeError, match="the scheduler is stopped"):
         scheduler.submit(llm.encode("Hi"), SamplingParams(4), Collector())
+
+
+def test_server_answers_503_once_its_scheduler_stopped(llm: LLM) -> None:
+    live = LiveServer(llm, ServerConfig())
+    try:
+        live.service.close()
+        health = live.api.get("/health")
+        assert health.status_code == 503 and health.json() == {"status": "stopped"}
+        with pytest.raises(openai.InternalServerError) as caught:
+            live.openai().chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+            )
+        assert caught.value.status_code == 503
+        assert "server unavailable: the scheduler is stopped" in caught.value.message
+    finally:
+        live.close()
