@@ -116,7 +116,8 @@ def main() -> int:
         flags = {k: v for k, v in row.items() if k.startswith("graph_") and isinstance(v, bool)}
         deltas = {k: round(v, 6) for k, v in row.items() if "max_dlogit" in k}
         ok &= all(flags.values())
-        ok &= all(v <= 1e-4 for k, v in deltas.items() if "torch_reference" not in k)
+        # Same model, fp32: rounding only (a padded batch runs GEMMs of 4 rows instead of 3).
+        ok &= all(v <= 1e-3 for k, v in deltas.items() if "torch_reference" not in k)
         print(f"{row['family']:<12} {'OK ' if all(flags.values()) else 'BAD'} {flags}")
         print(f"{'':<12} max |Δlogit| {deltas}")
         launches = row["launches"]
