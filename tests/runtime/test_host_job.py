@@ -25,7 +25,7 @@ def run_on_foreign_thread(job: _cpu.CountingHostJob, rounds: int) -> None:
             submit(job.user_data)
             wait(job.user_data)
 
-    thread = threading.Thread(target=body)
+    thread = threading.Thread(target=body, daemon=True)
     thread.start()
     thread.join(timeout=60)
     assert not thread.is_alive()

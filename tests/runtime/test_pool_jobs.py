@@ -72,7 +72,7 @@ def test_queued_submits_from_several_threads(pool) -> None:
         except BaseException as exc:  # surfaced below, a thread cannot raise into the test
             errors.append(exc)
 
-    threads = [threading.Thread(target=caller) for _ in range(4)]
+    threads = [threading.Thread(target=caller, daemon=True) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
