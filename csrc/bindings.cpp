@@ -59,6 +59,7 @@ NB_MODULE(_cpu, m) {
     info["group_nodes"] = nodes;
     info["worker_cpus"] = cpus;
     info["pinned_threads"] = p.pinned_threads();
+    info["parked_threads"] = p.parked_threads();
     info["virtual_groups"] = p.virtual_groups();
     info["allowed_cpus"] = p.allowed_cpus();
     info["queue_capacity"] = hetmoe::kPoolQueueCapacity;

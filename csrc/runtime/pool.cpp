@@ -300,6 +300,7 @@ int ThreadPool::group_size(int group) const { return impl_->plan.groups.at(group
 int ThreadPool::group_node(int group) const { return impl_->plan.groups.at(group).node; }
 int ThreadPool::worker_cpu(int worker) const { return impl_->plan.cpus.at(worker); }
 int ThreadPool::pinned_threads() const { return impl_->pinned.load(); }
+int ThreadPool::parked_threads() const { return impl_->parked.load(); }
 bool ThreadPool::virtual_groups() const { return impl_->plan.virtual_groups; }
 int ThreadPool::allowed_cpus() const { return impl_->plan.allowed_cpus; }
 int ThreadPool::wait_spin_us() const { return impl_->wait_spin_us(); }

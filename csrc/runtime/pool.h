@@ -56,6 +56,7 @@ class ThreadPool {
   // Introspection (extensions of the contract above).
   int worker_cpu(int worker) const;  // logical CPU worker `worker` is pinned to
   int pinned_threads() const;        // workers whose sched_setaffinity succeeded
+  int parked_threads() const;        // workers asleep on the futex right now (idle > 50 ms)
   bool virtual_groups() const;       // groups forced by argument / HETMOE_NUMA_GROUPS
   int allowed_cpus() const;          // size of the CPU set the pool was planned from
   int wait_spin_us() const;          // kPoolWaitSpinUs; 0 when workers take every allowed CPU

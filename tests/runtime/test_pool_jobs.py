@@ -124,3 +124,15 @@ def test_forked_child_gets_its_own_global_pool() -> None:
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child hung on the CPU pool")
+
+
+def test_idle_workers_park_and_wake_for_the_next_job(two_groups: _cpu.ThreadPool) -> None:
+    _cpu.pool_run_test(1, 1, pool=two_groups)
+    idle_s = _cpu.pool_info(two_groups)["idle_before_park_us"] * 1e-6
+    deadline = time.monotonic() + 20 * idle_s
+    while _cpu.pool_info(two_groups)["parked_threads"] < 2 and time.monotonic() < deadline:
+        time.sleep(idle_s)
+    assert _cpu.pool_info(two_groups)["parked_threads"] == 2
+    report = _cpu.pool_run_test(2, 3, pool=two_groups)  # the futex wake path
+    assert report["counts"] == [1] * 12
+    assert _cpu.pool_info(two_groups)["parked_threads"] == 0
