@@ -135,3 +135,15 @@ def test_metrics_are_prometheus_text(server: LiveServer) -> None:
     assert server.metric("hetmoe_generated_tokens_total") >= 2
     for name in ("hetmoe_queue_depth", "hetmoe_running_requests", "hetmoe_tokens_per_second"):
         assert f"# TYPE {name} gauge" in text
+
+
+def test_generation_may_fill_the_context_window_exactly(server: LiveServer) -> None:
+    prompt = "The sea is wide, the sea is deep. " * 18
+    room = server.service.context_len - len(server.service.text_ids(prompt))
+    assert 0 < room < 64, f"the test prompt leaves {room} tokens"
+    full = server.openai().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=room, temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.prompt_tokens + full.usage.completion_tokens == server.service.context_len
