@@ -161,7 +161,8 @@ NB_MODULE(_cpu, m) {
                               "A pool job driven through the C host-function entry points.")
       .def("__init__", [pick](CountingHostJob* self, int tasks_per_group, ThreadPool* pool) {
         new (self) CountingHostJob(pick(pool), tasks_per_group);
-      }, nb::arg("tasks_per_group"), nb::arg("pool").none() = nb::none())
+      }, nb::arg("tasks_per_group"), nb::arg("pool").none() = nb::none(),
+         nb::keep_alive<1, 3>())  // the pool outlives the job
       .def_prop_ro("count", [](CountingHostJob& j) { return j.count.load(); })
       .def_prop_rw("fail", [](CountingHostJob& j) { return j.fail.load(); },
                    [](CountingHostJob& j, bool v) { j.fail.store(v); })

@@ -6,6 +6,7 @@ thread would call them; with one, they run from a real stream and from a replaye
 from __future__ import annotations
 
 import ctypes
+import gc
 import threading
 
 import pytest
@@ -50,6 +51,15 @@ def test_host_entry_points_keep_the_first_error() -> None:
     job.fail = False
     run_on_foreign_thread(job, rounds=1)
     assert job.take_error() == ""
+
+
+def test_job_keeps_its_pool_alive() -> None:
+    pool = _cpu.ThreadPool(num_threads=1, num_groups=1)
+    job = _cpu.CountingHostJob(3, pool=pool)
+    del pool
+    gc.collect()
+    run_on_foreign_thread(job, rounds=2)
+    assert job.count == 6
 
 
 def test_negative_task_count_is_refused() -> None:
