@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
 from hetmoe.engine.sampler import SamplingParams
-from hetmoe.engine.scheduler import QueueFull
+from hetmoe.engine.scheduler import Event, QueueFull
 from hetmoe.server import protocol
 from hetmoe.server.errors import APIError, from_validation
 from hetmoe.server.metrics import Metrics
@@ -22,6 +22,7 @@ from hetmoe.server.service import EventStream, ModelService
 router = APIRouter()
 # How often a non-streaming request checks whether its client is still there, seconds.
 DISCONNECT_POLL_S = 0.25
+Body = protocol.ChatCompletionRequest | protocol.CompletionRequest
 
 
 def _service(request: Request) -> ModelService:
@@ -128,7 +129,7 @@ def _check_model(request: Request, name: str) -> ModelService:
 
 
 def _submit(
-    request: Request, body: Any, prompt_ids: list[int], prompt_field: str, budget_field: str
+    request: Request, body: Body, prompt_ids: list[int], prompt_field: str, budget_field: str
 ) -> EventStream:
     """Checks the context window, then queues the request (429 when the queue is full)."""
     service = _service(request)
@@ -167,11 +168,11 @@ def _submit(
     return stream
 
 
-def _observer(metrics: Metrics, started: float) -> Callable[[Any], None]:
+def _observer(metrics: Metrics, started: float) -> Callable[[Event], None]:
     """Feeds each event's tokens to the metrics; the first one gives the time to first token."""
     first = [True]
 
-    def observe(event: Any) -> None:
+    def observe(event: Event) -> None:
         if event.token_ids and first[0]:
             first[0] = False
             metrics.first_token(time.perf_counter() - started)
@@ -181,8 +182,8 @@ def _observer(metrics: Metrics, started: float) -> Callable[[Any], None]:
 
 
 async def _collect(
-    request: Request, stream: EventStream, observe: Callable[[Any], None]
-) -> tuple[str, Any]:
+    request: Request, stream: EventStream, observe: Callable[[Event], None]
+) -> tuple[str, Event]:
     """The whole answer; cancels the request if the client goes away while waiting."""
     parts: list[str] = []
     check_at = time.monotonic() + DISCONNECT_POLL_S
@@ -208,7 +209,7 @@ async def _collect(
     return "".join(parts), event
 
 
-def _raise_for_failure(event: Any) -> None:
+def _raise_for_failure(event: Event) -> None:
     if event.finish_reason == "error":
         raise APIError(500, f"generation failed: {event.error}")
     if event.finish_reason == "cancelled":
@@ -228,14 +229,14 @@ def _sse(chunks: AsyncIterator[dict[str, Any]], stream: EventStream) -> Streamin
     return StreamingResponse(lines(), media_type="text/event-stream", headers=headers)
 
 
-def _stream_error(event: Any) -> dict[str, Any]:
+def _stream_error(event: Event) -> dict[str, Any]:
     status = 500 if event.finish_reason == "error" else 503
     message = f"generation failed: {event.error}" if status == 500 else "server shutting down"
     return {"error": {"message": message, "type": "server_error", "param": None, "code": status}}
 
 
 async def _chat_chunks(
-    rid: str, body: Any, stream: EventStream, observe: Callable[[Any], None]
+    rid: str, body: Body, stream: EventStream, observe: Callable[[Event], None]
 ) -> AsyncIterator[dict[str, Any]]:
     yield protocol.chat_chunk(rid, body.model, {"role": "assistant", "content": ""})
     async for event in stream:
@@ -253,7 +254,7 @@ async def _chat_chunks(
 
 
 async def _completion_chunks(
-    rid: str, body: Any, stream: EventStream, observe: Callable[[Any], None]
+    rid: str, body: Body, stream: EventStream, observe: Callable[[Event], None]
 ) -> AsyncIterator[dict[str, Any]]:
     async for event in stream:
         observe(event)
