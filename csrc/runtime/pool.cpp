@@ -10,7 +10,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <algorithm>
 #include <climits>
+#include <cmath>
 #include <exception>
 #include <map>
 #include <memory>
@@ -33,8 +35,9 @@ struct alignas(kCacheLine) PaddedCounter {
 
 struct alignas(kCacheLine) Slot {
   Job job;
-  std::unique_ptr<PaddedCounter[]> counters;  // [num_groups], the current phase's next task
-  alignas(kCacheLine) std::atomic<int> arrived{0};
+  std::unique_ptr<PaddedCounter[]> counters;      // [num_groups], the current phase's next task
+  std::unique_ptr<PaddedCounter[]> team_arrived;  // [num_teams], members at the current barrier
+  alignas(kCacheLine) std::atomic<int> arrived{0};  // teams whose members have all arrived
   alignas(kCacheLine) std::atomic<uint32_t> phase_gen{0};  // phases whose barrier has opened
   std::atomic<bool> failed{false};  // set on a task's exception: the rest of the job is skipped
 };
@@ -66,6 +69,10 @@ void futex_wake_all(std::atomic<uint32_t>& word) {
 struct ThreadPool::Impl {
   WorkerPlan plan;
   std::vector<int> group_of;  // [num_threads]
+  // Barrier arrival is two-level: about sqrt(n) teams of adjacent workers, each with its own
+  // counter, so no cache line takes more than ~sqrt(n) contended increments per barrier.
+  std::vector<int> team_of;       // [num_threads]
+  std::vector<int> team_members;  // [num_teams]
   std::vector<std::thread> threads;
   std::unique_ptr<Slot[]> slots;
   std::atomic<int> pinned{0};
@@ -97,7 +104,7 @@ struct ThreadPool::Impl {
     const int in_group = worker - plan.groups[group].first;
     for (uint64_t next = 0;; ++next) {
       if (!wait_for_job(next)) return;
-      run_job(next, group, in_group);
+      run_job(next, worker, group, in_group);
     }
   }
 
@@ -135,7 +142,7 @@ struct ThreadPool::Impl {
     futex_wake_all(park_epoch);
   }
 
-  void run_job(uint64_t seq, int group, int in_group) {
+  void run_job(uint64_t seq, int worker, int group, int in_group) {
     Slot& slot = slots[seq % kPoolQueueCapacity];
     const size_t num_phases = slot.job.size();
     const uint32_t barriers = num_phases == 0 ? 1 : static_cast<uint32_t>(num_phases);
@@ -153,7 +160,7 @@ struct ThreadPool::Impl {
           }
         }
       }
-      barrier(slot, seq, p, p + 1 == barriers);
+      barrier(slot, seq, p, p + 1 == barriers, team_of[worker]);
     }
   }
 
@@ -164,8 +171,17 @@ struct ThreadPool::Impl {
     num_failures.fetch_add(1, std::memory_order_release);
   }
 
-  void barrier(Slot& slot, uint64_t seq, uint32_t p, bool last_phase) {
-    if (slot.arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == num_threads()) {
+  void barrier(Slot& slot, uint64_t seq, uint32_t p, bool last_phase, int team) {
+    std::atomic<size_t>& in_team = slot.team_arrived[team].value;
+    bool last = in_team.fetch_add(1, std::memory_order_acq_rel) + 1 ==
+                static_cast<size_t>(team_members[team]);
+    if (last) {
+      // The team is complete and cannot touch its counter again before this barrier opens.
+      in_team.store(0, std::memory_order_relaxed);
+      last = slot.arrived.fetch_add(1, std::memory_order_acq_rel) + 1 ==
+             static_cast<int>(team_members.size());
+    }
+    if (last) {
       // Last to arrive: everyone else is done with phase p, so resetting is race-free.
       slot.arrived.store(0, std::memory_order_relaxed);
       for (size_t g = 0; g < plan.groups.size(); ++g) {
@@ -205,9 +221,16 @@ ThreadPool::ThreadPool(int num_threads, int num_groups) : impl_(new Impl) {
     impl->group_of.insert(impl->group_of.end(), impl->plan.groups[g].size, static_cast<int>(g));
   }
   if (impl->num_threads() >= impl->plan.allowed_cpus) impl->spins_per_yield = 64;
+  const int team_size = std::max(1, static_cast<int>(std::sqrt(impl->num_threads())));
+  for (int w = 0; w < impl->num_threads(); ++w) {
+    if (w % team_size == 0) impl->team_members.push_back(0);
+    impl->team_of.push_back(static_cast<int>(impl->team_members.size()) - 1);
+    ++impl->team_members.back();
+  }
   impl->slots.reset(new Slot[kPoolQueueCapacity]);
   for (int s = 0; s < kPoolQueueCapacity; ++s) {
     impl->slots[s].counters.reset(new PaddedCounter[impl->plan.groups.size()]);
+    impl->slots[s].team_arrived.reset(new PaddedCounter[impl->team_members.size()]);
   }
   try {
     for (int w = 0; w < impl->num_threads(); ++w) {
