@@ -8,11 +8,13 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 from live_server import MODEL, LiveServer, tiny_llm
 
 from hetmoe import LLM
 from hetmoe.engine.sampler import SamplingParams
 from hetmoe.engine.scheduler import Event, QueueFull, Scheduler
+from hetmoe.ops.moe import HybridMoE
 from hetmoe.server.config import ServerConfig
 
 
@@ -168,3 +170,36 @@ def test_server_answers_503_once_its_scheduler_stopped(llm: LLM) -> None:
         assert "server unavailable: the scheduler is stopped" in caught.value.message
     finally:
         live.close()
+
+
+def test_each_decode_step_is_one_moe_call_per_layer_for_the_whole_batch(llm: LLM) -> None:
+    moe_layers = [m for m in llm.model.modules() if isinstance(m, HybridMoE)]
+    calls: list[int] = []  # tokens per MoE call
+
+    def count(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: object) -> None:
+        calls.append(args[0].numel() // args[0].shape[-1])
+
+    hooks = [m.register_forward_hook(count) for m in moe_layers]
+    scheduler = Scheduler(llm.runner, llm.decode, llm.eos_token_ids, max_queue=2)
+    try:
+        sinks = [Collector(), Collector()]
+        for sink, prompt in zip(sinks, ["Hello there", "What is your name?"], strict=True):
+            scheduler.submit(llm.encode(prompt), SamplingParams(12), sink, ignore_eos=True)
+        for sink in sinks:
+            assert sink.wait().finish_reason == "length"
+    finally:
+        scheduler.stop()
+        for hook in hooks:
+            hook.remove()
+    prompts = [len(llm.encode(p)) for p in ("Hello there", "What is your name?")]
+    assert min(prompts) > 2  # prefill calls are told apart from decode calls by their size
+    decode_calls = [n for n in calls if n not in prompts]
+    steps, rows = scheduler.decode_steps, scheduler.decode_rows
+    # Each sequence decodes 11 times (its first token comes from its prefill); the two share
+    # steps, and every step is ONE call per MoE layer carrying all of its rows, never one call
+    # per request.
+    assert rows == 22 and steps <= 12
+    assert len(calls) == len(moe_layers) * (2 + steps)
+    assert len(decode_calls) == len(moe_layers) * steps
+    assert sum(decode_calls) == len(moe_layers) * rows
+    assert decode_calls.count(2) >= len(moe_layers) * 10
