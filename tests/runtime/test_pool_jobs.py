@@ -56,7 +56,9 @@ def test_global_pool_leaves_a_core_and_pins_inside_allowed_set() -> None:
     assert info["pinned_threads"] == info["threads"] >= 1
     assert set(info["worker_cpus"]) <= set(allowed)
     assert len(set(info["worker_cpus"])) == info["threads"]
-    if "HETMOE_THREADS" not in os.environ and len(allowed) > 1:
+    sized_by_env = "HETMOE_THREADS" in os.environ or "HETMOE_NUMA_GROUPS" in os.environ
+    if not sized_by_env and len(allowed) > 1:
+        assert info["threads"] == len(allowed) - 1
         assert allowed[0] not in info["worker_cpus"]  # the caller's core
     assert sum(info["group_sizes"]) == info["threads"]
 
