@@ -84,7 +84,10 @@ def serve(llm: LLM, name: str, config: ServerConfig) -> None:
             host=config.host,
             port=config.port,
             log_level="info",
+            lifespan="off",  # no startup work; the model is loaded before the socket opens
             timeout_graceful_shutdown=5,
         )
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
     finally:
         service.close()
