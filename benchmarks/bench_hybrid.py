@@ -45,12 +45,23 @@ def mode_args(mode: str, args: argparse.Namespace, out: Path) -> list[str]:
 def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Headline ratios: of bound, deferral and graph speed-ups, over the baselines."""
     out: dict[str, Any] = {}
+    # One bandwidth for every mode: the highest any process measured (the strictest bound).
+    bandwidth = max((r["read_gb_s"] for r in results.values() if "read_gb_s" in r), default=0)
+    out["read_gb_s_max"] = bandwidth
     ours = results.get("cpu-bf16", {}).get("decode", {})
     base = ours.get("graph_d0", {}).get("tok_s")
     for mode in ("cpu-bf16", "cpu-int8"):
-        decode = results.get(mode, {}).get("decode", {})
-        if "graph_d0" in decode:
-            out[f"{mode}_of_bound"] = decode["graph_d0"]["of_bound"]
+        r = results.get(mode, {})
+        decode = r.get("decode", {})
+        if "graph_d0" in decode and bandwidth:
+            bound = bandwidth * 1e9 / r["routed_bytes_per_token"]
+            out[f"{mode}_bound_tok_s"] = round(bound, 2)
+            for d in (0, 2, 3):
+                if f"graph_d{d}" in decode:
+                    out[f"{mode}_d{d}_of_bound"] = round(decode[f"graph_d{d}"]["tok_s"] / bound, 3)
+            if "cpu_experts_ms_per_token" in r:
+                out[f"{mode}_cpu_experts_alone_of_bound"] = round(
+                    1e3 / r["cpu_experts_ms_per_token"] / bound, 3)
         for d in (2, 3):
             if f"graph_d{d}" in decode and "graph_d0" in decode:
                 out[f"{mode}_deferred{d}_speedup"] = round(

@@ -193,7 +193,7 @@ def bench(
     trace: Annotated[Path | None, typer.Option(help="Chrome/Perfetto trace file")] = None,
     num_layers: Annotated[int | None, typer.Option(help="Fewer decoder layers")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results here")] = None,
-    bandwidth_gib: Annotated[float, typer.Option(help="Read-bandwidth probe size")] = 1.0,
+    bandwidth_gib: Annotated[float, typer.Option(help="Read-bandwidth probe size")] = 2.0,
 ) -> None:
     """Prefill and decode speed of MODEL (or a random-weight shape), JSON + table."""
     import json

@@ -63,7 +63,7 @@ class BenchConfig:
     """Fewer decoder layers than the shape's (None: all)."""
     seed: int = 0
     """Seed of the random weights and prompts."""
-    bandwidth_gib: float = 1.0
+    bandwidth_gib: float = 2.0
     """Size of the host read-bandwidth probe (well beyond the last-level cache)."""
 
     def __post_init__(self) -> None:
@@ -121,6 +121,10 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     dtype = next(model.parameters()).dtype
     runner = HybridRunner(model, device, dtype, 1, window,
                           HybridConfig(deferred=cfg.deferred[0]))
+    cpu_ms = measure.cpu_experts_ms(model)
+    result["cpu_experts_ms_per_token"] = round(cpu_ms, 3)
+    result["cpu_experts_of_bound"] = round(1e3 / cpu_ms / result["bound_tok_s"], 3)
+    log(f"routed experts alone on the CPU: {cpu_ms:.2f} ms/token")
     result["decode"] = decode = {}
     tokens: dict[str, list[int]] = {}
     for d in cfg.deferred:

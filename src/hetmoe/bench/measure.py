@@ -31,7 +31,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+def read_bandwidth(gib: float = 2.0, repeats: int = 8) -> float:
     """Host memory read bandwidth in GB/s: best of `repeats` sums over a `gib` GiB float32 array
     (all torch threads); measure it before the CPU backend's pool starts spinning."""
     n = int(gib * 2**30) // 4
@@ -152,3 +152,28 @@ def count_launches(runner: ModelRunner, prompt: list[int], steps: int) -> dict[s
         "gpu_kernels_per_token": kernels / steps,
         "host_syncs_per_token": sum(names[n] for n in SYNC_CALLS) / steps,
     }
+
+
+def cpu_experts_ms(model: nn.Module, repeats: int = 10) -> float:
+    """Milliseconds per token of the routed experts alone: each MoE layer's `CpuMoE.forward` on
+    one token with K distinct random experts, layer after layer as decode reads them (fresh
+    experts each repeat, median over repeats). Step time minus this is the runtime's share."""
+    from hetmoe.engine.overlap import cpu_moe_of
+
+    layers = [(cpu_moe_of(m.experts), m.gate.config.top_k) for m in moe_layers(model)]
+    generator = torch.Generator().manual_seed(1)
+    dtype = moe_layers(model)[0].gate.weight.dtype
+    times = []
+    for r in range(repeats + 2):
+        calls = []
+        for moe, k in layers:
+            x = torch.randn(1, moe.hidden, generator=generator).to(dtype)  # [1, H]
+            ids = torch.randperm(moe.num_experts, generator=generator)[:k][None]  # [1, K]
+            weights = torch.rand(1, k, generator=generator)  # [1, K]
+            calls.append((moe, x, ids, weights / weights.sum()))
+        start = time.perf_counter()
+        for moe, x, ids, weights in calls:
+            moe.forward(x, ids, weights)
+        if r >= 2:  # two warm-up passes
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
