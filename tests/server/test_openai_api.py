@@ -114,6 +114,11 @@ def test_seeded_sampling_repeats_and_top_k_extension(server: LiveServer) -> None
         extra_body={"ignore_eos": True},
     ).choices[0].message.content
     assert sample(5, top_k=1) == greedy  # top_k=1 is greedy whatever the temperature
+    tiny = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=16, temperature=1e-40,
+        extra_body={"ignore_eos": True},
+    )
+    assert tiny.choices[0].message.content == greedy  # the T -> 0 limit, no overflow
 
 
 def test_unknown_fields_are_ignored(server: LiveServer) -> None:

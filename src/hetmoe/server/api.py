@@ -22,6 +22,7 @@ from hetmoe.server.service import EventStream, ModelService
 router = APIRouter()
 # How often a non-streaming request checks whether its client is still there, seconds.
 DISCONNECT_POLL_S = 0.25
+GREEDY_BELOW = 1e-4
 Body = protocol.ChatCompletionRequest | protocol.CompletionRequest
 
 
@@ -152,7 +153,7 @@ def _submit(
         )
     params = SamplingParams(
         max_new_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=_temperature(body.temperature),
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(body.top_k or 0, 0),
         seed=body.seed,
@@ -166,6 +167,14 @@ def _submit(
         raise APIError(503, f"server unavailable: {exc}") from None
     _metrics(request).prompt(len(prompt_ids))
     return stream
+
+
+def _temperature(value: float | None) -> float:
+    """OpenAI's default is 1; below GREEDY_BELOW it is greedy, the limit of sampling as T -> 0
+    (dividing logits by a denormal temperature would overflow)."""
+    if value is None:
+        return 1.0
+    return 0.0 if value < GREEDY_BELOW else value
 
 
 def _observer(metrics: Metrics, started: float) -> Callable[[Event], None]:
