@@ -146,6 +146,20 @@ def test_api_key_is_required_on_every_route_but_health(
     _good_request_succeeds(server)
 
 
+@pytest.mark.parametrize("kind", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_only_json_bodies_are_read(server: LiveServer, kind: str | None) -> None:
+    headers = {"Content-Type": kind} if kind else {}
+    response = server.api.post(CHAT, content=chat(), headers=headers)
+    assert response.status_code == 415
+    shown = repr(kind) if kind else "'none'"
+    assert response.json()["error"]["message"] == (
+        f"Content-Type must be application/json, got {shown}"
+    )
+    charset = server.api.post(CHAT, content=chat(),
+                              headers={"Content-Type": "application/json; charset=utf-8"})
+    assert charset.status_code == 200
+
+
 def test_unknown_route_and_wrong_method(server: LiveServer) -> None:
     missing = server.api.get("/v1/../../etc/passwd")
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"

@@ -67,7 +67,7 @@ async def models(request: Request) -> dict[str, Any]:
 async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
     """OpenAI chat completions, streamed as SSE when `stream` is true."""
     started = time.perf_counter()
-    body = _parse(protocol.ChatCompletionRequest, await request.body())
+    body = await _parse(request, protocol.ChatCompletionRequest)
     service = _check_model(request, body.model)
     messages = [(m.role, m.text()) for m in body.messages]
     try:
@@ -92,7 +92,7 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
 async def completions(request: Request) -> JSONResponse | StreamingResponse:
     """OpenAI text completions of one prompt (text or token ids)."""
     started = time.perf_counter()
-    body = _parse(protocol.CompletionRequest, await request.body())
+    body = await _parse(request, protocol.CompletionRequest)
     service = _check_model(request, body.model)
     if isinstance(body.prompt, str):
         prompt_ids = service.text_ids(body.prompt)
@@ -113,9 +113,14 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
     )
 
 
-def _parse(model: type[protocol._Sampling], raw: bytes) -> Any:
+async def _parse(request: Request, model: type[protocol._Sampling]) -> Any:
+    # JSON only: a browser page of another site cannot send it without a CORS preflight, which
+    # this server never grants, so no web page can make a local server generate.
+    kind = request.headers.get("content-type", "")
+    if kind.split(";")[0].strip().lower() != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {kind or 'none'!r}")
     try:
-        return model.model_validate_json(raw)
+        return model.model_validate_json(await request.body())
     except ValidationError as exc:
         raise from_validation(exc) from None
 
