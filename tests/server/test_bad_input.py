@@ -160,6 +160,20 @@ def test_only_json_bodies_are_read(server: LiveServer, kind: str | None) -> None
     assert charset.status_code == 200
 
 
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "10.0.0.7"])
+def test_a_loopback_server_answers_loopback_host_names_only(server: LiveServer, host: str) -> None:
+    refused = server.api.get("/health", headers={"Host": host})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == (
+        f"Host {host.split(':')[0]!r} is not served here: this server answers to "
+        "127.0.0.1, ::1, [::1], localhost"
+    )
+    port = server.url.rsplit(":", 1)[1]
+    for good in (f"localhost:{port}", f"127.0.0.1:{port}", "LOCALHOST"):
+        assert server.api.get("/health", headers={"Host": good}).status_code == 200
+    _good_request_succeeds(server)
+
+
 def test_unknown_route_and_wrong_method(server: LiveServer) -> None:
     missing = server.api.get("/v1/../../etc/passwd")
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"

@@ -14,7 +14,7 @@ from starlette.types import ASGIApp
 from hetmoe.server.api import router
 from hetmoe.server.config import ServerConfig
 from hetmoe.server.errors import APIError, error_response
-from hetmoe.server.guard import Guard
+from hetmoe.server.guard import LOOPBACK_HOSTS, Guard
 from hetmoe.server.metrics import Metrics
 from hetmoe.server.service import ModelService
 
@@ -52,8 +52,13 @@ def build_app(service: ModelService, config: ServerConfig) -> ASGIApp:
         log.exception("request failed")  # the server keeps serving; the client gets a 500
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
+    loopback = config.host in LOOPBACK_HOSTS
     return Guard(
-        app, api_key=config.api_key, max_body_bytes=config.max_body_bytes, metrics=metrics
+        app,
+        api_key=config.api_key,
+        max_body_bytes=config.max_body_bytes,
+        metrics=metrics,
+        allowed_hosts=LOOPBACK_HOSTS if loopback else None,
     )
 
 
@@ -75,7 +80,7 @@ def serve(llm: LLM, name: str, config: ServerConfig) -> None:
     """Serves `llm` as model `name` with uvicorn until interrupted."""
     import uvicorn
 
-    if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+    if config.api_key is None and config.host not in LOOPBACK_HOSTS:
         log.warning("serving on %s without an API key: whoever reaches it may use it", config.host)
     service = ModelService(llm, name, config.max_queue)
     try:

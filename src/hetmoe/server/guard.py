@@ -1,4 +1,4 @@
-"""ASGI middleware in front of every route: API key, bounded body, per-status request counts."""
+"""ASGI middleware in front of every route: Host check, API key, bounded body, request counts."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from hetmoe.server.metrics import Metrics
 # Routes open without a key: liveness for orchestrators, and the static chat page (it holds no
 # data; the page itself sends the key on every API call).
 PUBLIC_PATHS = frozenset({"/health", "/", "/static/app.js", "/static/style.css"})
+# Host names a loopback-bound server answers to: a web page whose DNS name was rebound to
+# 127.0.0.1 sends its own name and is refused.
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
 # Routes counted under their own label; anything else is "other" (clients choose paths).
 KNOWN_ROUTES = frozenset(
     {"/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics", "/"}
@@ -19,12 +22,20 @@ KNOWN_ROUTES = frozenset(
 
 
 class Guard:
-    """Checks the key, reads the body up to a limit, then hands a replay of it to the app."""
+    """Checks the Host and the key, reads the body up to a limit, then hands a replay of it to
+    the app. `allowed_hosts` None accepts any Host (a server bound beyond loopback)."""
 
     def __init__(
-        self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: Metrics
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        metrics: Metrics,
+        allowed_hosts: frozenset[str] | None,
     ) -> None:
         self.app = app
+        self.allowed_hosts = allowed_hosts
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
@@ -49,6 +60,15 @@ class Guard:
             self.metrics.request_done(route, status_seen[0] if status_seen else 499)
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.allowed_hosts is not None:
+            host = _host_name(_header(scope, b"host") or "")
+            if host not in self.allowed_hosts:
+                reply = error_response(
+                    400, f"Host {host!r} is not served here: this server answers to "
+                    f"{', '.join(sorted(self.allowed_hosts))}"
+                )
+                await reply(scope, receive, send)
+                return
         if self.api_key is not None and scope["path"] not in PUBLIC_PATHS:
             if not _authorized(scope, self.api_key):
                 reply = error_response(
@@ -97,6 +117,14 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key.lower() == name:
             return value.decode("latin-1")
     return None
+
+
+def _host_name(value: str) -> str:
+    """`name:port` or `[v6]:port` -> the name, lower-cased."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[: value.find("]") + 1] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
 def _authorized(scope: Scope, api_key: str) -> bool:
