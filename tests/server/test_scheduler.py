@@ -123,14 +123,21 @@ def test_context_window_is_checked(llm: LLM, scheduler: Scheduler) -> None:
     )
 
 
-def test_a_failing_step_fails_its_request_and_the_loop_goes_on(
+def test_a_failing_prefill_fails_its_request_only_and_the_loop_goes_on(
     llm: LLM, scheduler: Scheduler
 ) -> None:
+    running = Collector()
+    handle = scheduler.submit(llm.encode("Hi"), SamplingParams(40), running, ignore_eos=True)
+    while not running.events:
+        threading.Event().wait(0.001)
     bad = Collector()
     scheduler.submit([1, 9999], SamplingParams(4), bad)  # an id beyond the vocabulary
     last = bad.wait()
     assert last.finish_reason == "error"
     assert last.error == "ValueError: token ids [9999] out of the vocabulary [0, 512)"
+    assert not running.done.is_set()  # a failed prefill fails its own request only
+    handle.cancel()
+    assert running.wait().finish_reason == "cancelled"
 
     def broken_sink(event: Event) -> None:
         raise RuntimeError("consumer gone")
@@ -203,3 +210,22 @@ def test_each_decode_step_is_one_moe_call_per_layer_for_the_whole_batch(llm: LLM
     assert len(decode_calls) == len(moe_layers) * steps
     assert sum(decode_calls) == len(moe_layers) * rows
     assert decode_calls.count(2) >= len(moe_layers) * 10
+
+
+def test_a_failing_decode_fails_its_rows_and_frees_their_slots(
+    llm: LLM, scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def lost(slots: list[int], token_ids: list[int]) -> torch.Tensor:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(llm.runner, "decode", lost)  # the fault to survive, on this instance
+    sinks = [Collector(), Collector()]
+    for sink in sinks:
+        scheduler.submit(llm.encode("Hi"), SamplingParams(8), sink, ignore_eos=True)
+    for sink in sinks:
+        last = sink.wait()
+        assert (last.finish_reason, last.error) == ("error", "RuntimeError: device lost")
+    monkeypatch.undo()
+    good = Collector()
+    scheduler.submit(llm.encode("Hi"), SamplingParams(3), good, ignore_eos=True)
+    assert good.wait().finish_reason == "length" and scheduler.num_running == 0

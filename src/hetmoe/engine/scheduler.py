@@ -180,7 +180,7 @@ class Scheduler:
                     self._running.append(admitted[-1])
             try:
                 self._step(admitted)
-            except Exception as exc:  # a failing step fails its requests, never the server
+            except Exception as exc:  # a failed batched decode fails its rows, never the loop
                 for request in list(self._running):
                     self._release(request)
                     self._finish(request, "error", f"{type(exc).__name__}: {exc}")
@@ -197,8 +197,13 @@ class Scheduler:
         batch = [r for r in self._running if r.output_ids]  # sequences past their prefill
         for request in admitted:
             if request in self._running:  # not cancelled meanwhile
-                request.slot = self.runner.cache.allocate()
-                logits = self.runner.prefill(request.slot, request.prompt_ids)  # [V]
+                try:
+                    request.slot = self.runner.cache.allocate()
+                    logits = self.runner.prefill(request.slot, request.prompt_ids)  # [V]
+                except Exception as exc:  # this prompt's failure is its own, not the batch's
+                    self._release(request)
+                    self._finish(request, "error", f"{type(exc).__name__}: {exc}")
+                    continue
                 self._advance(request, logits)
         if batch:
             last = [r.output_ids[-1] for r in batch]
