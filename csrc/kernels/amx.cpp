@@ -87,7 +87,8 @@ void widen_int4(const PackedMatrix& w, int nb, uint8_t* out) {
   for (int kb = 0; kb < w.num_k_blocks(); ++kb)
     for (int r = 0; r < 8; ++r) {
       const __m512i v = _mm512_load_si512(src + kb * 512 + r * 64);
-      _mm512_store_si512(out + kb * 1024 + r * 64, _mm512_sub_epi8(_mm512_and_si512(v, low4), eight));
+      _mm512_store_si512(out + kb * 1024 + r * 64,
+                         _mm512_sub_epi8(_mm512_and_si512(v, low4), eight));
       _mm512_store_si512(out + kb * 1024 + (r + 8) * 64,
                          _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight));
     }
@@ -168,7 +169,8 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
   const int k_bytes = w.group_size < 64 ? w.group_size : 64;
   const size_t nbytes = size_t(w.num_k_blocks()) * 1024;
   if (kInt4 && widened.size() < 2 * nbytes + 64) widened.resize(2 * nbytes + 64);
-  uint8_t* wide = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(widened.data()) + 63) & ~uintptr_t(63));
+  const uintptr_t base = reinterpret_cast<uintptr_t>(widened.data());
+  uint8_t* wide = reinterpret_cast<uint8_t*>((base + 63) & ~uintptr_t(63));
   configure(k_bytes);
   for (int nb = nb_begin; nb < nb_end; nb += 2) {
     const bool two_n = nb + 1 < nb_end;

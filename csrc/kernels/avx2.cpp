@@ -14,7 +14,9 @@ inline __m256 bf16_even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi3
 inline __m256 bf16_odd(__m256i v) {
   return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
 }
-inline float bf16_value(uint16_t v) { return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(int(v) << 16))); }
+inline float bf16_value(uint16_t v) {
+  return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(int(v) << 16)));
+}
 
 template <int MT>
 void bf16_tokens(const uint8_t* blocks, int kblocks, const uint16_t* x, size_t ld, float* c,
@@ -115,7 +117,10 @@ void int_token(const PackedMatrix& w, int nb, const ActView& a, int t, float* c)
       fix_up<kInt4>(w, nb, 2 * kb, a, t, lo, acc);
       fix_up<kInt4>(w, nb, 2 * kb + 1, a, t, hi, acc);
     } else if ((kb + 1) % (gs / 64) == 0) {
-      for (int i = 0; i < 4; ++i) lo[i] = _mm256_add_epi32(lo[i], hi[i]), hi[i] = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        lo[i] = _mm256_add_epi32(lo[i], hi[i]);
+        hi[i] = _mm256_setzero_si256();
+      }
       fix_up<kInt4>(w, nb, (kb + 1) * 64 / gs - 1, a, t, lo, acc);
     }
   }

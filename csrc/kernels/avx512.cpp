@@ -33,7 +33,8 @@ void bf16_tokens(const uint8_t* blocks, int kblocks, const uint16_t* x, size_t l
       }
     }
   }
-  for (int t = 0; t < MT; ++t) _mm512_storeu_ps(c + size_t(t) * ldc, _mm512_add_ps(even[t], odd[t]));
+  for (int t = 0; t < MT; ++t)
+    _mm512_storeu_ps(c + size_t(t) * ldc, _mm512_add_ps(even[t], odd[t]));
 }
 
 void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
@@ -65,7 +66,8 @@ inline void fix_up(const PackedMatrix& w, int nb, int g, const ActView& a, int t
     const __m512 f = _mm512_cvtepi32_ps(dot[t]);
     acc[t] = _mm512_fmadd_ps(f, _mm512_mul_ps(sw, _mm512_set1_ps(a.scale[ga])), acc[t]);
     acc[t] = _mm512_fmadd_ps(swq, _mm512_set1_ps(a.bias[ga]), acc[t]);
-    if (kInt4) acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(w.bias + at), _mm512_set1_ps(a.sum[ga]), acc[t]);
+    if (kInt4)
+      acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(w.bias + at), _mm512_set1_ps(a.sum[ga]), acc[t]);
     dot[t] = _mm512_setzero_si512();
   }
 }
@@ -105,7 +107,10 @@ void int_tokens(const PackedMatrix& w, int nb, const ActView& a, int t0, float* 
       fix_up<kInt4, MT>(w, nb, 2 * kb, a, t0, lo, acc);
       fix_up<kInt4, MT>(w, nb, 2 * kb + 1, a, t0, hi, acc);
     } else if ((kb + 1) % (gs / 64) == 0) {
-      for (int t = 0; t < MT; ++t) lo[t] = _mm512_add_epi32(lo[t], hi[t]), hi[t] = _mm512_setzero_si512();
+      for (int t = 0; t < MT; ++t) {
+        lo[t] = _mm512_add_epi32(lo[t], hi[t]);
+        hi[t] = _mm512_setzero_si512();
+      }
       fix_up<kInt4, MT>(w, nb, (kb + 1) * 64 / gs - 1, a, t0, lo, acc);
     }
   }

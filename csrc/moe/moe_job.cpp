@@ -78,7 +78,8 @@ struct ActStore {
   void copy_row(const ActStore& src, long from, long to) const {
     std::memcpy(act + to * k * elem, src.act + from * k * elem, k * elem);
     for (int a = 0; a < 3 && ngroups; ++a)
-      std::memcpy(groups + (a * total + to) * ngroups, src.groups + (a * src.total + from) * ngroups,
+      std::memcpy(groups + (a * total + to) * ngroups,
+                  src.groups + (a * src.total + from) * ngroups,
                   sizeof(float) * ngroups);
   }
 };
@@ -106,7 +107,8 @@ int64_t now_ns() {
 }  // namespace
 
 struct PhaseClock {
-  explicit PhaseClock(size_t n) : first(new std::atomic<int64_t>[n]), last(new std::atomic<int64_t>[n]), size(n) {
+  explicit PhaseClock(size_t n)
+      : first(new std::atomic<int64_t>[n]), last(new std::atomic<int64_t>[n]), size(n) {
     for (size_t i = 0; i < n; ++i) first[i] = INT64_MAX, last[i] = 0;
   }
   std::unique_ptr<std::atomic<int64_t>[]> first, last;
@@ -116,7 +118,9 @@ struct PhaseClock {
 std::vector<double> MoELayer::phase_us() const {
   std::vector<double> us;
   for (size_t i = 0; last_clock_ && i < last_clock_->size; ++i)
-    us.push_back(last_clock_->last[i] > 0 ? (last_clock_->last[i] - last_clock_->first[i]) / 1e3 : 0.0);
+    us.push_back(last_clock_->last[i] > 0
+                     ? double(last_clock_->last[i] - last_clock_->first[i]) / 1e3
+                     : 0.0);
   return us;
 }
 
@@ -140,7 +144,8 @@ Job MoELayer::make_job(const MoECall& call) const {
   need[kAccum] = size_t(G) * q * H * 4;
   st->ws = acquire_workspace(need);
   const Workspace& ws = *st->ws;
-  st->tokens = {ws.at<uint8_t>(kTokenAct), ws.at<float>(kTokenGroups), size_t(Hp), size_t(q), ngx, elem};
+  st->tokens = {ws.at<uint8_t>(kTokenAct), ws.at<float>(kTokenGroups), size_t(Hp), size_t(q),
+                ngx, elem};
   st->rows = {ws.at<uint8_t>(kRowAct), ws.at<float>(kRowGroups), size_t(Hp), R, ngx, elem};
   size_t h_off = 0, hg_off = 0;
   for (int g = 0; g < G; ++g) {
@@ -178,7 +183,8 @@ Job MoELayer::make_job(const MoECall& call) const {
   // 2: rows grouped by expert; padding rows are zero so AMX tiles read defined data.
   job.push_back({split(row_tasks), [st, G, gs](size_t task, int g, int) {
     const long chunk = long(task) * G + g;
-    for (long r = chunk * kRowsPerTask; r < std::min(st->routing.total_rows, (chunk + 1) * kRowsPerTask); ++r) {
+    const long end = std::min(st->routing.total_rows, (chunk + 1) * kRowsPerTask);
+    for (long r = chunk * kRowsPerTask; r < end; ++r) {
       const int tok = st->routing.row_token[r];
       if (tok < 0) st->rows.zero(r, 0, st->rows.k, gs);
       else st->rows.copy_row(st->tokens, tok, r);
@@ -223,7 +229,8 @@ Job MoELayer::make_job(const MoECall& call) const {
     const Routing& r = st->routing;
     const int nb0 = int(task) * nb_per_task, width = nb_per_task * kBlockN;
     float* acc = st->accum[g];
-    for (int t = 0; t < st->call.q; ++t) std::fill_n(acc + size_t(t) * H + nb0 * kBlockN, width, 0.0f);
+    for (int t = 0; t < st->call.q; ++t)
+      std::fill_n(acc + size_t(t) * H + nb0 * kBlockN, width, 0.0f);
     if (slice(g) == 0) return;
     float* c = scratch(round_up(r.max_rows, 16) * width);
     for (size_t a = 0; a < r.experts.size(); ++a) {

@@ -28,11 +28,16 @@ double read_bandwidth(ThreadPool& pool, size_t bytes, int repeats) {
       if (c >= chunks) return;
       const uint64_t* p = reinterpret_cast<const uint64_t*>(data + c * kChunk);
       uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-      for (size_t i = 0; i < kChunk / 8; i += 4) s0 += p[i], s1 += p[i + 1], s2 += p[i + 2], s3 += p[i + 3];
+      for (size_t i = 0; i < kChunk / 8; i += 4) {
+        s0 += p[i];
+        s1 += p[i + 1];
+        s2 += p[i + 2];
+        s3 += p[i + 3];
+      }
       sink.fetch_add(s0 + s1 + s2 + s3, std::memory_order_relaxed);
     }}});
-    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    best = std::max(best, double(chunks * kChunk) / sec);
+    const std::chrono::duration<double> sec = std::chrono::steady_clock::now() - start;
+    best = std::max(best, double(chunks * kChunk) / sec.count());
   }
   numa_free(data, chunks * kChunk);
   return sink.load() == 1 ? 0 : best;  // keeps the sums alive; never 1 in practice
