@@ -159,7 +159,8 @@ class CpuMoE:
                     gate_scale: torch.Tensor | None = None, up_scale: torch.Tensor | None = None,
                     down_scale: torch.Tensor | None = None,
                     fp8_block: tuple[int, int] = (128, 128)) -> None:
-        """Packs one expert: gate/up [I, H], down [H, I]; FP8 weights need their block scales."""
+        """Packs one expert: gate/up [I, H], down [H, I]; FP8 weights need their block scales.
+        Not while a submitted call of this layer is in flight."""
         if not isinstance(expert, int) or not 0 <= expert < self.num_experts:
             raise ValueError(
                 f"CpuMoE.load_expert: expert must be in [0, {self.num_experts}), got {expert!r}"
@@ -171,7 +172,9 @@ class CpuMoE:
         self._loaded[expert] = True
 
     def set_gpu_experts(self, mask: torch.Tensor | None) -> None:
-        """Marks experts that live on the GPU (bool [E]); they are skipped here. None clears."""
+        """Marks experts that live on the GPU (bool [E]); they are skipped here. None clears.
+        Calls submitted earlier keep the mask they were routed with; not thread-safe against a
+        concurrent submit."""
         if mask is None:
             self._gpu_mask = None
             self._layer.set_gpu_mask(0)
