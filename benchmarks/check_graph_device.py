@@ -68,8 +68,16 @@ def check_family(family: str, root: Path) -> dict[str, object]:
               max_seq_len=64, max_batch=4)
     top_k = int(cpu.model.config.num_experts_per_tok)
     row: dict[str, object] = {"family": family, "top_k": top_k}
+    # LLM on a GPU with CPU experts runs the hybrid runner (overlap + graphs) end to end.
+    row["llm_runner"] = type(cpu.runner).__name__
+    row["llm_generate_tokens"] = cpu.generate(PROMPTS[0], max_new_tokens=STEPS + 1).token_ids
+    if isinstance(cpu.runner, HybridRunner):
+        cpu.runner.overlap.detach()
+    plain = ModelRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len)
     ref_tokens, ref_logits = decode(ref.runner, 1)
-    plain_tokens, plain_logits = decode(cpu.runner, 1)
+    plain_tokens, plain_logits = decode(plain, 1)
+    generated = row["llm_generate_tokens"]
+    row["graph_llm_generate_eq_plain_tokens"] = generated == plain_tokens[0][: len(generated)]
     for d in sorted({0, min(2, top_k - 2)}):
         runner = HybridRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len,
                               HybridConfig(deferred=d))
@@ -93,7 +101,7 @@ def check_family(family: str, root: Path) -> dict[str, object]:
             row["launches"]["eager"] = count_launches(runner, PROMPTS[0], 4)
         else:
             runner.overlap.detach()
-            want_tokens, want = decode(cpu.runner, 1, DeferralReference(cpu.model, d))
+            want_tokens, want = decode(plain, 1, DeferralReference(cpu.model, d))
             row[f"graph_d{d}_eq_reference_tokens"] = tokens == want_tokens
             row[f"graph_d{d}_vs_reference_max_dlogit"] = max_delta(logits, want)
         runner.overlap.check_host_errors()

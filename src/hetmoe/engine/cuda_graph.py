@@ -71,6 +71,12 @@ class HybridRunner(ModelRunner):
         """See `ModelRunner.decode`; runs as a decode step (deferral, graphs)."""
         with self.overlap.phase(decoding=True):
             logits = super().decode(slots, token_ids)
+        if self.device.type == "cuda":
+            # Sleep, not spin, until the step is done: a CUDA sync spins by default, and the CPU
+            # experts' workers need every core but the one the CUDA host functions run on.
+            done = torch.cuda.Event(blocking=True)
+            done.record()
+            done.synchronize()
         self.overlap.check_host_errors()
         return logits
 
@@ -124,3 +130,24 @@ class HybridRunner(ModelRunner):
             check_deferred(deferred, self.overlap.top_k)
             self.overlap.deferred = deferred
         self.graphs.clear()
+
+
+def make_runner(model: nn.Module, device: torch.device, dtype: torch.dtype, max_batch: int,
+                max_seq_len: int, config: HybridConfig | None = None) -> ModelRunner:
+    """The engine's runner: `HybridRunner` on a GPU when every MoE layer's routed experts are in
+    the CPU backend (the case overlap and graphs are for), else the plain `ModelRunner`."""
+    from hetmoe.engine.overlap import cpu_moe_of
+    from hetmoe.ops.deferral import moe_layers
+
+    def on_cpu_backend(moe: nn.Module) -> bool:
+        try:
+            cpu_moe_of(moe.experts)
+        except ValueError:
+            return False
+        return True
+
+    layers = moe_layers(model)
+    hybrid = device.type == "cuda" and bool(layers) and all(map(on_cpu_backend, layers))
+    if not hybrid:
+        return ModelRunner(model, device, dtype, max_batch, max_seq_len)
+    return HybridRunner(model, device, dtype, max_batch, max_seq_len, config)

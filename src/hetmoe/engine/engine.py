@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hetmoe.config import EngineConfig
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.cuda_graph import make_runner
 from hetmoe.engine.sampler import GenerationOutput, Sampler, SamplingParams
 from hetmoe.engine.text_stream import TextStream
 from hetmoe.experts.backend import ExpertBackend, get_backend
@@ -80,7 +80,8 @@ class LLM:
             int(getattr(config, "max_position_embeddings", _DEFAULT_MAX_SEQ_LEN)),
             _DEFAULT_MAX_SEQ_LEN,
         )
-        self.runner = ModelRunner(
+        # On a GPU with CPU experts: overlap + CUDA-graph decode (engine/cuda_graph.py).
+        self.runner = make_runner(
             self.model, self.device, self.dtype, self.options.max_batch, window
         )
         self.eos_token_ids = _eos_ids(self.path, config, self.tokenizer)
