@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import available_isas, make_experts, rel_error
+from moe_oracle import available_isas, make_experts, rel_error
 
 from hetmoe.experts import CpuMoE
 

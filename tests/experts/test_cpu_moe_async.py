@@ -6,7 +6,7 @@ import ctypes
 import threading
 
 import torch
-from conftest import make_experts
+from moe_oracle import make_experts
 
 from hetmoe.experts import CpuMoE
 

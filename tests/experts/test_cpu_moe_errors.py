@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_experts
+from moe_oracle import make_experts
 
 from hetmoe import _cpu
 from hetmoe.experts import CpuMoE

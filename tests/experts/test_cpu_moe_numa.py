@@ -12,7 +12,7 @@ import torch
 SCRIPT = """
 import sys, torch
 sys.path.insert(0, {here!r})
-from conftest import make_experts
+from moe_oracle import make_experts
 from hetmoe.experts import CpuMoE
 out = {{}}
 for fmt in ("bf16", "int8", "int4"):

@@ -1,11 +1,9 @@
-"""Fixtures for the CPU expert backend: a float64 oracle and random layers."""
+"""The CPU expert backend's oracle: float64 reference layers, random weights, ISAs to test."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import pytest
 import torch
 
 from hetmoe import _cpu
@@ -58,9 +56,3 @@ def make_experts(num_experts: int, hidden: int, intermediate: int, seed: int) ->
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error ||out - ref|| / ||ref||."""
     return float((out.double() - ref).norm() / ref.norm())
-
-
-@pytest.fixture
-def experts() -> Callable[[int, int, int, int], Experts]:
-    """`experts(E, H, I, seed)` -> random unquantized weights."""
-    return make_experts
