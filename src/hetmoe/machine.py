@@ -34,7 +34,8 @@ def machine_report() -> dict[str, str]:
     feats = cpu_features()
     isa = [name for name in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni") if feats[name]]
     if feats["amx_tile"]:
-        isa.append("amx(" + ("OS permission granted" if feats["amx_permitted"] else "NO OS permission") + ")")
+        permission = "OS permission granted" if feats["amx_permitted"] else "NO OS permission"
+        isa.append(f"amx({permission})")
     report = {
         "hetmoe": __version__,
         "python": platform.python_version(),
