@@ -10,9 +10,6 @@ import torch
 from hetmoe import LLM
 from hetmoe.experts.backend import backends
 
-PROMPT = [5, 9, 33, 100, 7]
-"""Prompt token ids of every test (inside the baby vocabulary)."""
-
 
 @pytest.fixture(scope="session")
 def engine(tiny_dir: Callable[..., object]) -> Callable[[str, str], LLM]:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROMPT
 from typer.testing import CliRunner
 
 from hetmoe import LLM
@@ -22,6 +21,9 @@ from hetmoe.engine.overlap import cpu_moe_of
 from hetmoe.experts.torch_backend import TorchExperts
 from hetmoe.ops.deferral import moe_layers
 from hetmoe.presets.tiny import tiny_config
+
+PROMPT = [5, 9, 33, 100, 7]
+"""Prompt token ids (inside the baby vocabulary)."""
 
 
 def test_shapes_have_the_published_sizes() -> None:

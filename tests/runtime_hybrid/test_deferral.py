@@ -6,7 +6,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import PROMPT
 
 from hetmoe import LLM
 from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
@@ -17,6 +16,9 @@ from hetmoe.ops.deferral import DeferralReference, check_deferred, moe_layers, s
 SAME_BACKEND_ATOL = 1e-4
 # C++ CPU kernels (bf16 activations) against torch experts in fp32.
 CROSS_BACKEND_ATOL = 0.08
+
+PROMPT = [5, 9, 33, 100, 7]
+"""Prompt token ids (inside the baby vocabulary)."""
 
 
 def decode_logits(runner: ModelRunner, steps: int, reference: DeferralReference | None = None,

@@ -6,7 +6,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import PROMPT
 
 from hetmoe import LLM
 from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
@@ -19,6 +18,9 @@ from hetmoe.ops.deferral import moe_layers
 # or without overlap); so decode steps are compared with the plain runner on the same backend.
 LOGIT_ATOL = 0.08
 SAME_BACKEND_ATOL = 1e-4
+
+PROMPT = [5, 9, 33, 100, 7]
+"""Prompt token ids (inside the baby vocabulary)."""
 
 
 def greedy(runner: ModelRunner, steps: int) -> tuple[list[int], list[torch.Tensor]]:
