@@ -172,6 +172,7 @@ class MoEOverlap:
     def phase(self, decoding: bool) -> Iterator[None]:
         """Marks the forward passes inside as decode steps (deferral allowed) or prefill."""
         before, self.decoding = self.decoding, decoding
+        self._carry = None  # a step that raised must not hand its deferred experts to the next
         try:
             yield
         finally:
