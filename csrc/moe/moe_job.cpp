@@ -2,6 +2,9 @@
 //   1 tokens -> kernel input form      2 gather rows per expert (16-row aligned)
 //   3 gate/up + SiLU (expert, block)   4 down + weighted sum (output column blocks, all experts)
 //   5 sum of the NUMA groups' partial outputs -> out
+// Prefill (experts with >= kRowsForRowOut rows) instead runs 4 as (expert, column block) tasks
+// writing each row's down output, and 5 sums every token's weighted rows: each task then reads
+// its expert's activations once instead of every task reading all experts' (from L3).
 // Phases 3 and 4 run in every NUMA group over its own intermediate slice; the others split their
 // tasks across groups.
 #include <algorithm>
@@ -13,6 +16,7 @@
 
 #include "kernels/gemm.h"
 #include "layout/bf16.h"
+#include "moe/act_store.h"
 #include "moe/moe_layer.h"
 #include "moe/routing.h"
 #include "moe/workspace.h"
@@ -22,6 +26,8 @@ namespace {
 
 constexpr int kTokensPerTask = 4;
 constexpr int kRowsPerTask = 16;
+constexpr int kRowsForRowOut = 32;   // max rows per expert from which phase 4 goes by expert
+constexpr int kRowOutBlocks = 16;    // n-blocks (256 outputs) per (expert, column block) task
 
 const IsaKernels& kernels_of(Isa isa) {
   switch (isa) {
@@ -38,52 +44,6 @@ float* scratch(size_t floats) {
   return buf.data();
 }
 
-// Activations of `rows` rows x `k` columns stored at `act` with group arrays [3][total][k / gs].
-struct ActStore {
-  uint8_t* act = nullptr;
-  float* groups = nullptr;
-  size_t k = 0, total = 0, ngroups = 0, elem = 0;
-
-  ActView view(long row0, int m) const {
-    ActView v;
-    v.m = m;
-    v.ld = k;
-    if (elem == 2) v.bf16 = reinterpret_cast<const uint16_t*>(act) + row0 * k;
-    else v.u8 = act + row0 * k;
-    if (ngroups) {
-      v.scale = groups + row0 * ngroups;
-      v.bias = groups + (total + row0) * ngroups;
-      v.sum = groups + (2 * total + row0) * ngroups;
-      v.ldg = ngroups;
-    }
-    return v;
-  }
-  // Converts fp32 values into row `row`, columns [col, col + n) (n: whole groups).
-  void put(const Epilogue& ep, long row, size_t col, const float* x, int n, int group_size) const {
-    if (elem == 2) {
-      ep.to_bf16(x, n, reinterpret_cast<uint16_t*>(act) + row * k + col);
-      return;
-    }
-    const size_t g = row * ngroups + col / group_size;
-    ep.to_u8(x, n, group_size, act + row * k + col, groups + g, groups + total * ngroups + g,
-             groups + 2 * total * ngroups + g);
-  }
-  void zero(long row, size_t col, size_t n, int group_size) const {
-    std::memset(act + (row * k + col) * elem, 0, n * elem);
-    if (!ngroups) return;
-    for (int a = 0; a < 3; ++a)
-      std::memset(groups + (a * total + row) * ngroups + col / group_size, 0,
-                  sizeof(float) * (n / group_size));
-  }
-  void copy_row(const ActStore& src, long from, long to) const {
-    std::memcpy(act + to * k * elem, src.act + from * k * elem, k * elem);
-    for (int a = 0; a < 3 && ngroups; ++a)
-      std::memcpy(groups + (a * total + to) * ngroups,
-                  src.groups + (a * src.total + from) * ngroups,
-                  sizeof(float) * ngroups);
-  }
-};
-
 inline float load_value(const void* base, DType t, size_t i) {
   return t == DType::kBF16 ? bf16_to_float(static_cast<const uint16_t*>(base)[i])
                            : static_cast<const float*>(base)[i];
@@ -96,7 +56,23 @@ struct CallState {
   ActStore tokens, rows;
   std::vector<ActStore> hidden;  // per NUMA group
   std::vector<float*> accum;     // per NUMA group, [q][H]
+  std::vector<float*> row_out;   // per NUMA group, [rows][H] (prefill)
 };
+
+// out[t] = row (H floats) in the call's output dtype.
+void store_row(const MoECall& c, int H, int t, const float* row) {
+  if (c.out_type == DType::kFP32) {
+    std::memcpy(static_cast<float*>(c.out) + size_t(t) * H, row, sizeof(float) * H);
+  } else {
+    uint16_t* o = static_cast<uint16_t*>(c.out) + size_t(t) * H;
+    for (int i = 0; i < H; ++i) o[i] = float_to_bf16(row[i]);
+  }
+}
+
+// dst[j] += w * src[j] (the compiler vectorizes it for the baseline ISA of this file).
+void add_scaled(float w, const float* __restrict src, int n, float* __restrict dst) {
+  for (int j = 0; j < n; ++j) dst[j] += w * src[j];
+}
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -141,7 +117,9 @@ Job MoELayer::make_job(const MoECall& call) const {
   need[kRowGroups] = 3 * R * ngx * 4;
   need[kHidden] = R * Ip * elem;
   need[kHiddenGroups] = quantized ? 3 * R * (Ip / gs) * 4 : 0;
-  need[kAccum] = size_t(G) * q * H * 4;
+  const bool row_out = rt.max_rows >= kRowsForRowOut;
+  need[kAccum] = row_out ? 0 : size_t(G) * q * H * 4;
+  need[kRowOut] = row_out ? size_t(G) * R * H * 4 : 0;
   st->ws = acquire_workspace(need);
   const Workspace& ws = *st->ws;
   st->tokens = {ws.at<uint8_t>(kTokenAct), ws.at<float>(kTokenGroups), size_t(Hp), size_t(q),
@@ -152,7 +130,8 @@ Job MoELayer::make_job(const MoECall& call) const {
     const size_t ig = size_t(slice(g)), ngh = quantized ? ig / gs : 0;
     st->hidden.push_back({ws.at<uint8_t>(kHidden, h_off), ws.at<float>(kHiddenGroups, hg_off), ig,
                           R, ngh, elem});
-    st->accum.push_back(ws.at<float>(kAccum, size_t(g) * q * H * 4));
+    st->accum.push_back(row_out ? nullptr : ws.at<float>(kAccum, size_t(g) * q * H * 4));
+    st->row_out.push_back(row_out ? ws.at<float>(kRowOut, size_t(g) * R * H * 4) : nullptr);
     h_off += R * ig * elem;
     hg_off += 3 * R * ngh * 4;
   }
@@ -192,14 +171,16 @@ Job MoELayer::make_job(const MoECall& call) const {
   }});
   // 3: gate and up of one block of intermediate columns, SiLU(gate) * up -> hidden activations.
   // Whole quantization groups per task; 32 columns for decode (many tasks balance the cores),
-  // up to 128 for prefill (each task re-reads its expert's rows: fewer, wider tasks).
+  // up to 128 (256 from 32 rows) for prefill (each task re-reads its expert's rows: fewer, wider
+  // tasks).
   int cols = std::max(2 * kBlockN, gs);
   auto divides_slices = [this, G](int c) {
     for (int g = 0; g < G; ++g)
       if (slice(g) % c) return false;
     return true;
   };
-  while (rt.max_rows >= 16 && cols < 128 && divides_slices(2 * cols)) cols *= 2;
+  const int max_cols = row_out ? 256 : 128;
+  while (rt.max_rows >= 16 && cols < max_cols && divides_slices(2 * cols)) cols *= 2;
   std::vector<size_t> gu_tasks(G);
   for (int g = 0; g < G; ++g) gu_tasks[g] = rt.experts.size() * (slice(g) / cols);
   const size_t gu_max = G ? *std::max_element(gu_tasks.begin(), gu_tasks.end()) : 0;
@@ -222,47 +203,76 @@ Job MoELayer::make_job(const MoECall& call) const {
     }
     for (int t = m; t < mp; ++t) st->hidden[g].zero(row0 + t, col0, cols, gs);
   }});
-  // 4: down for a block of output columns over every expert, weighted into the group's partial.
-  const int nb_per_task = rt.max_rows >= 32 ? 2 : 1;
-  job.push_back({size_t(H / kBlockN / nb_per_task), [this, st, nb_per_task, H, kernels_for,
-                                                     ep](size_t task, int g, int) {
-    const Routing& r = st->routing;
-    const int nb0 = int(task) * nb_per_task, width = nb_per_task * kBlockN;
-    float* acc = st->accum[g];
-    for (int t = 0; t < st->call.q; ++t)
-      std::fill_n(acc + size_t(t) * H + nb0 * kBlockN, width, 0.0f);
-    if (slice(g) == 0) return;
-    float* c = scratch(round_up(r.max_rows, 16) * width);
-    for (size_t a = 0; a < r.experts.size(); ++a) {
-      const int m = r.rows[a];
+  if (row_out) {
+    // 4: down of (expert, 256 output columns) straight into the rows' outputs.
+    const int nbs = H / kBlockN, per_expert = (nbs + kRowOutBlocks - 1) / kRowOutBlocks;
+    job.push_back({rt.experts.size() * per_expert, [this, st, nbs, per_expert, H, kernels_for](
+                                                       size_t task, int g, int) {
+      if (slice(g) == 0) return;
+      const Routing& r = st->routing;
+      const size_t a = task / per_expert;
+      const int nb0 = int(task % per_expert) * kRowOutBlocks;
+      const int nb1 = std::min(nbs, nb0 + kRowOutBlocks), m = r.rows[a];
       const long row0 = r.first_row[a];
       const PackedMatrix& w = down_[size_t(g) * cfg_.num_experts + r.experts[a]];
-      kernels_for(m).get(cfg_.format)(w, st->hidden[g].view(row0, m), nb0, nb0 + nb_per_task, c,
-                                      width);
-      for (int t = 0; t < m; ++t)
-        ep->axpy(r.row_weight[row0 + t], c + t * width, width,
-                acc + size_t(r.row_token[row0 + t]) * H + nb0 * kBlockN);
-    }
-  }});
-  // 5: sum of the groups' partial outputs, written once in the output dtype.
-  job.push_back({split(token_tasks), [this, st, G, H](size_t task, int g, int) {
-    const int chunk = int(task) * G + g;
-    const MoECall& c = st->call;
-    for (int t = chunk * kTokensPerTask; t < std::min(c.q, (chunk + 1) * kTokensPerTask); ++t) {
-      float* row = st->accum[0] + size_t(t) * H;
-      for (int gg = 1; gg < G; ++gg) {
-        if (slice(gg) == 0) continue;
-        const float* part = st->accum[gg] + size_t(t) * H;
-        for (int i = 0; i < H; ++i) row[i] += part[i];
+      kernels_for(m).get(cfg_.format)(w, st->hidden[g].view(row0, m), nb0, nb1,
+                                      st->row_out[g] + size_t(row0) * H + nb0 * kBlockN, H);
+    }});
+    // 5: each token's weighted rows over the NUMA groups, written once in the output dtype.
+    job.push_back({split(token_tasks), [this, st, G, H](size_t task, int g, int) {
+      const int chunk = int(task) * G + g;
+      const MoECall& c = st->call;
+      const Routing& r = st->routing;
+      float* row = scratch(H);
+      for (int t = chunk * kTokensPerTask; t < std::min(c.q, (chunk + 1) * kTokensPerTask); ++t) {
+        std::fill_n(row, H, 0.0f);
+        for (int j = 0; j < c.k; ++j) {
+          const long src = r.slot_row[size_t(t) * c.k + j];
+          for (int gg = 0; gg < G && src >= 0; ++gg)
+            if (slice(gg) > 0)
+              add_scaled(r.row_weight[src], st->row_out[gg] + size_t(src) * H, H, row);
+        }
+        store_row(c, H, t, row);
       }
-      if (c.out_type == DType::kFP32) {
-        std::memcpy(static_cast<float*>(c.out) + size_t(t) * H, row, sizeof(float) * H);
-      } else {
-        uint16_t* o = static_cast<uint16_t*>(c.out) + size_t(t) * H;
-        for (int i = 0; i < H; ++i) o[i] = float_to_bf16(row[i]);
+    }});
+  } else {
+    // 4: down for a block of output columns over every expert, weighted into the group's partial.
+    const int nb_per_task = rt.max_rows >= 32 ? 2 : 1;
+    job.push_back({size_t(H / kBlockN / nb_per_task), [this, st, nb_per_task, H, kernels_for,
+                                                       ep](size_t task, int g, int) {
+      const Routing& r = st->routing;
+      const int nb0 = int(task) * nb_per_task, width = nb_per_task * kBlockN;
+      float* acc = st->accum[g];
+      for (int t = 0; t < st->call.q; ++t)
+        std::fill_n(acc + size_t(t) * H + nb0 * kBlockN, width, 0.0f);
+      if (slice(g) == 0) return;
+      float* c = scratch(round_up(r.max_rows, 16) * width);
+      for (size_t a = 0; a < r.experts.size(); ++a) {
+        const int m = r.rows[a];
+        const long row0 = r.first_row[a];
+        const PackedMatrix& w = down_[size_t(g) * cfg_.num_experts + r.experts[a]];
+        kernels_for(m).get(cfg_.format)(w, st->hidden[g].view(row0, m), nb0, nb0 + nb_per_task, c,
+                                        width);
+        for (int t = 0; t < m; ++t)
+          ep->axpy(r.row_weight[row0 + t], c + t * width, width,
+                  acc + size_t(r.row_token[row0 + t]) * H + nb0 * kBlockN);
       }
-    }
-  }});
+    }});
+    // 5: sum of the groups' partial outputs, written once in the output dtype.
+    job.push_back({split(token_tasks), [this, st, G, H](size_t task, int g, int) {
+      const int chunk = int(task) * G + g;
+      const MoECall& c = st->call;
+      for (int t = chunk * kTokensPerTask; t < std::min(c.q, (chunk + 1) * kTokensPerTask); ++t) {
+        float* row = st->accum[0] + size_t(t) * H;
+        for (int gg = 1; gg < G; ++gg) {
+          if (slice(gg) == 0) continue;
+          const float* part = st->accum[gg] + size_t(t) * H;
+          for (int i = 0; i < H; ++i) row[i] += part[i];
+        }
+        store_row(c, H, t, row);
+      }
+    }});
+  }
   if (profile_) {
     auto clock = std::make_shared<PhaseClock>(job.size());
     for (size_t p = 0; p < job.size(); ++p)

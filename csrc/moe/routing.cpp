@@ -41,9 +41,11 @@ Routing route(const int64_t* ids, const float* weights, int q, int k, int num_ex
   }
   r.row_token.assign(r.total_rows, -1);
   r.row_weight.assign(r.total_rows, 0.0f);
+  r.slot_row.assign(size_t(q) * k, -1);
   for (long i = 0; i < long(q) * k; ++i) {
     const int64_t e = ids[i];
     if (e < 0 || (!gpu_mask.empty() && gpu_mask[e])) continue;
+    r.slot_row[i] = cursor[e];
     r.row_token[cursor[e]] = int(i / k);
     r.row_weight[cursor[e]++] = weights[i];
   }

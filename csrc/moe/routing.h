@@ -12,6 +12,7 @@ struct Routing {
   std::vector<long> first_row; // first row of each active expert; experts start 16-aligned
   std::vector<int> row_token;  // token of each row, -1 for padding rows
   std::vector<float> row_weight;
+  std::vector<long> slot_row;  // [q * k] row of each (token, slot) pair, -1 when skipped
   long total_rows = 0;         // including padding
   int max_rows = 0;
 };

@@ -19,6 +19,7 @@ enum WorkspaceRegion : int {
   kHidden,         // per NUMA group: [rows][Ig] activations of the down projection
   kHiddenGroups,   // per NUMA group: [3][rows][Ig / gs]
   kAccum,          // per NUMA group: [q][H] fp32 partial outputs
+  kRowOut,         // per NUMA group: [rows][H] fp32 down outputs per row (prefill)
   kNumRegions
 };
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = """
@@ -20,22 +21,23 @@ for fmt in ("bf16", "int8", "int4"):
     moe = CpuMoE(5, 128, 320, fmt, amx_min_tokens=8)
     moe.load(w.gate, w.up, w.down)
     g = torch.Generator().manual_seed(32)
-    x = torch.randn(40, 128, generator=g)
-    ids = torch.randint(-1, 5, (40, 4), generator=g)
-    out[fmt] = (moe.num_groups, moe.forward(x, ids, torch.rand(40, 4, generator=g)))
+    x = torch.randn({q}, 128, generator=g)
+    ids = torch.randint(-1, 5, ({q}, 4), generator=g)
+    out[fmt] = (moe.num_groups, moe.forward(x, ids, torch.rand({q}, 4, generator=g)))
 torch.save(out, sys.argv[1])
 """
 
 
-def _run(groups: int, path: Path) -> dict:
+def _run(groups: int, q: int, path: Path) -> dict:
     env = dict(os.environ, HETMOE_NUMA_GROUPS=str(groups), HETMOE_THREADS="2")
-    script = SCRIPT.format(here=str(Path(__file__).parent))
+    script = SCRIPT.format(here=str(Path(__file__).parent), q=q)
     subprocess.run([sys.executable, "-c", script, str(path)], env=env, check=True, timeout=120)
     return torch.load(path)
 
 
-def test_two_groups_equal_one(tmp_path: Path) -> None:
-    one, two = _run(1, tmp_path / "one.pt"), _run(2, tmp_path / "two.pt")
+@pytest.mark.parametrize("q", [40, 200])  # 200: >= 32 rows per expert, the prefill down path
+def test_two_groups_equal_one(tmp_path: Path, q: int) -> None:
+    one, two = _run(1, q, tmp_path / "one.pt"), _run(2, q, tmp_path / "two.pt")
     for fmt in ("bf16", "int8", "int4"):
         assert one[fmt][0] == 1 and two[fmt][0] == 2
         a, b = one[fmt][1], two[fmt][1]
