@@ -62,6 +62,9 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if "cpu_experts_ms_per_token" in r:
                 out[f"{mode}_cpu_experts_alone_of_bound"] = round(
                     1e3 / r["cpu_experts_ms_per_token"] / bound, 3)
+        if "graph_d0_host_functions" in decode and "graph_d0" in decode:
+            out[f"{mode}_flags_over_host_functions"] = round(
+                decode["graph_d0"]["tok_s"] / decode["graph_d0_host_functions"]["tok_s"], 3)
         for d in (2, 3):
             if f"graph_d{d}" in decode and "graph_d0" in decode:
                 out[f"{mode}_deferred{d}_speedup"] = round(

@@ -6,7 +6,11 @@ For every family's baby model (fp32, routed experts in the C++ CPU backend, the 
 - the graph path equals the plain runner on the same model (no overlap, no graphs) within fp32
   rounding, and the torch-experts reference in tokens and within bf16-kernel tolerance;
 - graph decode with deferral equals the pure-torch deferral reference on the same model;
-- no host function reported an error; launches per token in both modes.
+- the CPU experts signalled through ready/done flags (default) and through CUDA host functions
+  give bit-identical graph logits;
+- a step that raises after its CPU jobs were queued releases them (abort), and the next step
+  decodes the same tokens;
+- no CPU job reported an error; launches per token in both modes.
 
     python benchmarks/check_graph_device.py [--json FILE]
 """
@@ -104,9 +108,57 @@ def check_family(family: str, root: Path) -> dict[str, object]:
             want_tokens, want = decode(plain, 1, DeferralReference(cpu.model, d))
             row[f"graph_d{d}_eq_reference_tokens"] = tokens == want_tokens
             row[f"graph_d{d}_vs_reference_max_dlogit"] = max_delta(logits, want)
-        runner.overlap.check_host_errors()
         runner.overlap.detach()
+    row["graph_flags_eq_host_functions"] = check_signals(cpu)
+    row["graph_recovers_after_abort"] = check_abort(cpu)
     return row
+
+
+def check_signals(llm: LLM) -> bool:
+    """Graph decode with flags and with host functions: bit-identical logits (d=2 if possible)."""
+    d = min(2, int(llm.model.config.num_experts_per_tok) - 2)
+    logits = []
+    for signal in ("flags", "host_functions"):
+        runner = HybridRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
+                              HybridConfig(deferred=d, signal=signal))
+        logits.append(decode(runner, 1)[1])
+        runner.overlap.detach()
+    return max_delta(*logits) == 0.0
+
+
+class BrokenGraph:
+    """Stands in for a captured graph whose launch fails."""
+
+    def replay(self) -> None:
+        raise RuntimeError("injected replay failure")
+
+
+def check_abort(llm: LLM) -> bool:
+    """A replay that raises after its CPU jobs were queued: the jobs are released, and decode
+    afterwards gives the tokens of an undisturbed run."""
+    runner = HybridRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len)
+    want, _ = decode(runner, 1)
+    slot = runner.cache.allocate()
+    try:
+        last = int(runner.prefill(slot, PROMPTS[0]).argmax())
+        runner.decode([slot], [last])  # captures the graph of batch 1
+        graph = runner.graphs[1].graph
+
+        runner.graphs[1].graph = BrokenGraph()  # type: ignore[assignment]
+        try:
+            runner.decode([slot], [last])
+            return False
+        except RuntimeError as exc:
+            if "injected replay failure" not in str(exc):
+                raise
+        runner.graphs[1].graph = graph
+        released = not runner.overlap.pending and all(
+            link.flags.ready == 0 and link.flags.done == 0 for link in runner.overlap.host)
+    finally:
+        runner.cache.free(slot)
+    again, _ = decode(runner, 1)
+    runner.overlap.detach()
+    return released and again == want
 
 
 def main() -> int:

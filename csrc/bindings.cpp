@@ -12,6 +12,7 @@
 #include "moe/stream_read.h"
 #include "runtime/cuda_host.h"
 #include "runtime/pool_probe.h"
+#include "runtime/stream_flags.h"
 
 namespace nb = nanobind;
 
@@ -180,6 +181,44 @@ NB_MODULE(_cpu, m) {
         j.host.launch_wait(reinterpret_cast<void*>(stream));
       }, nb::arg("stream"), "Enqueue submit + wait host functions on a cudaStream_t.")
       .def("take_error", [](CountingHostJob& j) { return j.host.take_error(); });
+  using hetmoe::StreamFlags;
+  m.def("stream_memops_available", &hetmoe::stream_memops_available,
+        "True when the loaded CUDA driver provides cuStreamWriteValue32 / cuStreamWaitValue32.");
+  m.def("cuda_driver_path", &hetmoe::cuda_driver_path,
+        "The loaded CUDA driver library used for stream memory operations ('' when none).");
+  nb::class_<StreamFlags>(m, "StreamFlags",
+                          "Ready/done words in pinned memory between a GPU stream and CPU jobs "
+                          "(see runtime/stream_flags.h).")
+      .def("__init__", [](StreamFlags* self, uintptr_t ready, uintptr_t done) {
+        new (self) StreamFlags(reinterpret_cast<uint32_t*>(ready),
+                               reinterpret_cast<uint32_t*>(done));
+      }, nb::arg("ready"), nb::arg("done"))
+      .def("signal_ready_on", [](StreamFlags& f, uintptr_t stream) {
+        f.signal_ready_on(reinterpret_cast<void*>(stream));
+      }, nb::arg("stream"), "Enqueue ready := 1 on a cudaStream_t.")
+      .def("wait_done_on", [](StreamFlags& f, uintptr_t stream) {
+        f.wait_done_on(reinterpret_cast<void*>(stream));
+      }, nb::arg("stream"), "Enqueue: wait until done == 1, then done := 0.")
+      .def("abort", &StreamFlags::abort)
+      .def("release_done", &StreamFlags::release_done)
+      .def("reset", &StreamFlags::reset)
+      .def_prop_ro("ready", &StreamFlags::ready)
+      .def_prop_ro("done", &StreamFlags::done);
+  using hetmoe::FlagCountJob;
+  nb::class_<FlagCountJob>(m, "FlagCountJob", "A counting pool job gated by StreamFlags.")
+      .def("__init__", [pick](FlagCountJob* self, StreamFlags& flags, int tasks_per_group,
+                              ThreadPool* pool) {
+        new (self) FlagCountJob(pick(pool), flags, tasks_per_group);
+      }, nb::arg("flags"), nb::arg("tasks_per_group"), nb::arg("pool").none() = nb::none(),
+         nb::keep_alive<1, 2>(), nb::keep_alive<1, 4>())
+      .def("submit", &FlagCountJob::submit)
+      .def("wait", [](FlagCountJob& j, uint64_t handle) {
+        nb::gil_scoped_release release;
+        j.pool.wait(handle);
+      }, nb::arg("handle"))
+      .def_prop_ro("count", [](FlagCountJob& j) { return j.count.load(); })
+      .def_prop_rw("fail", [](FlagCountJob& j) { return j.fail.load(); },
+                   [](FlagCountJob& j, bool v) { j.fail.store(v); });
   // ---- runtime bindings end ----
 
   // ---- moe bindings begin ----
@@ -262,6 +301,9 @@ NB_MODULE(_cpu, m) {
         l.host_job().launch_wait(reinterpret_cast<void*>(stream));
       }, nb::arg("stream"))
       .def("take_host_error", [](MoELayer& l) { return l.host_job().take_error(); })
+      .def("submit_flagged", [](MoELayer& l, hetmoe::StreamFlags& flags) {
+        return l.submit_flagged(flags);
+      }, nb::arg("flags"), "Queue the host call, started/awaited through StreamFlags.")
       .def_prop_ro("num_groups", &MoELayer::num_groups)
       .def_prop_ro("isa", [](MoELayer& l) {
         return std::string(hetmoe::isa_name(l.config().max_isa));

@@ -10,6 +10,7 @@
 #include "layout/packed_matrix.h"
 #include "runtime/host_job.h"
 #include "runtime/pool.h"
+#include "runtime/stream_flags.h"
 
 namespace hetmoe {
 
@@ -55,6 +56,14 @@ class MoELayer {
   // CUDA host functions run the call set here (buffers at fixed addresses, e.g. pinned).
   void set_host_call(const MoECall& call) { host_call_ = call; }
   HostJob& host_job() { return host_job_; }
+  // Queues the call set by set_host_call as a job a GPU stream starts and awaits through `flags`
+  // (runtime/stream_flags.h): built on the pool once the ready word is set, done word set after
+  // (also on failure). `flags` and this layer must outlive the job.
+  JobHandle submit_flagged(StreamFlags& flags) {
+    return pool_.submit_built(
+        [this, call = host_call_, &flags] { return flags.wait_ready() ? make_job(call) : Job{}; },
+        [&flags] { flags.signal_done(); });
+  }
 
   const MoEConfig& config() const { return cfg_; }
   // Applies to calls submitted afterwards.

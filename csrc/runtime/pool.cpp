@@ -35,6 +35,9 @@ struct alignas(kCacheLine) PaddedCounter {
 
 struct alignas(kCacheLine) Slot {
   Job job;
+  std::function<Job()> build;    // submit_built: makes `job` when the job starts
+  std::function<void()> finish;  // submit_built: runs after the last phase
+  std::atomic<bool> build_claimed{false};
   std::unique_ptr<PaddedCounter[]> counters;      // [num_groups], the current phase's next task
   std::unique_ptr<PaddedCounter[]> team_arrived;  // [num_teams], members at the current barrier
   alignas(kCacheLine) std::atomic<int> arrived{0};  // teams whose members have all arrived
@@ -46,6 +49,7 @@ struct Failure {
   std::exception_ptr error;
   size_t phase = 0, task = 0;
   int group = 0;
+  const char* stage = nullptr;  // "build" / "finish" of a submit_built job; nullptr: a task
 };
 
 thread_local const void* tl_worker_of = nullptr;  // the pool whose worker this thread is
@@ -144,6 +148,11 @@ struct ThreadPool::Impl {
 
   void run_job(uint64_t seq, int worker, int group, int in_group) {
     Slot& slot = slots[seq % kPoolQueueCapacity];
+    uint32_t opened = 0;  // barriers passed: the build's, then one per phase
+    if (slot.build) {
+      if (!slot.build_claimed.exchange(true, std::memory_order_acq_rel)) build_job(slot, seq);
+      barrier(slot, seq, opened++, false, team_of[worker]);  // publishes slot.job
+    }
     const size_t num_phases = slot.job.size();
     const uint32_t barriers = num_phases == 0 ? 1 : static_cast<uint32_t>(num_phases);
     for (uint32_t p = 0; p < barriers; ++p) {
@@ -160,7 +169,23 @@ struct ThreadPool::Impl {
           }
         }
       }
-      barrier(slot, seq, p, p + 1 == barriers, team_of[worker]);
+      barrier(slot, seq, opened++, p + 1 == barriers, team_of[worker]);
+    }
+  }
+
+  void build_job(Slot& slot, uint64_t seq) {
+    try {
+      slot.job = slot.build();
+      for (size_t p = 0; p < slot.job.size(); ++p) {
+        if (slot.job[p].num_tasks > 0 && !slot.job[p].fn) {
+          throw std::invalid_argument("phase " + std::to_string(p) + " has " +
+                                      std::to_string(slot.job[p].num_tasks) +
+                                      " tasks but no function");
+        }
+      }
+    } catch (...) {
+      slot.job.clear();
+      record_failure(slot, seq, {std::current_exception(), 0, 0, 0, "build"});
     }
   }
 
@@ -189,6 +214,15 @@ struct ThreadPool::Impl {
       }
       if (last_phase) {
         slot.job.clear();  // captured state dies before wait() returns
+        if (slot.finish) {
+          try {
+            slot.finish();
+          } catch (...) {
+            record_failure(slot, seq, {std::current_exception(), 0, 0, 0, "finish"});
+          }
+        }
+        slot.build = nullptr;
+        slot.finish = nullptr;
         completed.store(seq + 1, std::memory_order_release);
       } else {
         slot.phase_gen.store(p + 1, std::memory_order_release);
@@ -260,14 +294,23 @@ ThreadPool::~ThreadPool() {
 }
 
 JobHandle ThreadPool::submit(Job job) {
-  if (tl_worker_of == this) {
-    throw std::logic_error("ThreadPool::submit called from inside one of its own tasks");
-  }
   for (size_t p = 0; p < job.size(); ++p) {
     if (job[p].num_tasks > 0 && !job[p].fn) {
       throw std::invalid_argument("ThreadPool::submit: phase " + std::to_string(p) + " has " +
                                   std::to_string(job[p].num_tasks) + " tasks but no function");
     }
+  }
+  return enqueue(std::move(job), {}, {});
+}
+
+JobHandle ThreadPool::submit_built(std::function<Job()> build, std::function<void()> finish) {
+  if (!build) throw std::invalid_argument("ThreadPool::submit_built: build is empty");
+  return enqueue({}, std::move(build), std::move(finish));
+}
+
+JobHandle ThreadPool::enqueue(Job job, std::function<Job()> build, std::function<void()> finish) {
+  if (tl_worker_of == this) {
+    throw std::logic_error("ThreadPool::submit called from inside one of its own tasks");
   }
   std::lock_guard<std::mutex> lock(impl_->submit_mu);
   const uint64_t seq = impl_->published.load(std::memory_order_relaxed);
@@ -276,6 +319,9 @@ JobHandle ThreadPool::submit(Job job) {
   }
   Slot& slot = impl_->slots[seq % kPoolQueueCapacity];
   slot.job = std::move(job);
+  slot.build = std::move(build);
+  slot.finish = std::move(finish);
+  slot.build_claimed.store(false, std::memory_order_relaxed);
   slot.failed.store(false, std::memory_order_relaxed);
   slot.phase_gen.store(0, std::memory_order_relaxed);
   impl_->published.store(seq + 1, std::memory_order_seq_cst);
@@ -302,10 +348,12 @@ void ThreadPool::wait(JobHandle handle) {
     impl_->failures.erase(it);
     impl_->num_failures.fetch_sub(1, std::memory_order_relaxed);
   }
-  const std::string where = "CPU pool job " + std::to_string(handle) + " failed in phase " +
-                            std::to_string(failure.phase) + ", group " +
-                            std::to_string(failure.group) + ", task " +
-                            std::to_string(failure.task) + ": ";
+  const std::string where =
+      "CPU pool job " + std::to_string(handle) +
+      (failure.stage ? std::string(" failed in its ") + failure.stage + " step: "
+                     : " failed in phase " + std::to_string(failure.phase) + ", group " +
+                           std::to_string(failure.group) + ", task " +
+                           std::to_string(failure.task) + ": ");
   try {
     std::rethrow_exception(failure.error);
   } catch (const std::invalid_argument& e) {

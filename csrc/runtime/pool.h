@@ -42,6 +42,11 @@ class ThreadPool {
 
   // Queues the job (blocks only while kPoolQueueCapacity jobs are already queued).
   JobHandle submit(Job job);
+  // Queues a job whose phases are made when it starts: one worker calls `build` (which may wait,
+  // e.g. for a flag a GPU writes) while the others wait at a barrier, then every worker runs the
+  // returned phases. `finish` runs once after the last phase, also when `build` or a task threw,
+  // before wait() returns; an exception from either is reported by wait() like a task's.
+  JobHandle submit_built(std::function<Job()> build, std::function<void()> finish = {});
   // Returns once the job is done and its Phase functions are destroyed; rethrows its first task
   // exception (std::invalid_argument stays invalid_argument, others become std::runtime_error).
   // Waiting again on a finished handle returns at once; an unknown handle throws invalid_argument.
@@ -63,12 +68,16 @@ class ThreadPool {
                                      // (a waiter then shares a core with one, so it yields at once)
 
  private:
+  JobHandle enqueue(Job job, std::function<Job()> build, std::function<void()> finish);
+
   struct Impl;
   Impl* impl_;
 };
 
 // Queue and spin settings, fixed at build time (reported by the introspection API).
-inline constexpr int kPoolQueueCapacity = 64;         // queued jobs; submit() blocks beyond it
+// Queued jobs; submit() blocks beyond it. A decode step queues up to two jobs per MoE layer
+// before the GPU starts it (engine/overlap.py), so this bounds the layers of one step.
+inline constexpr int kPoolQueueCapacity = 256;
 inline constexpr int kPoolIdleBeforeParkUs = 50000;   // workers spin this long before parking
 inline constexpr int kPoolWaitSpinUs = 100;           // wait() spins this long, then yields
 

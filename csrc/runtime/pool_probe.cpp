@@ -159,4 +159,26 @@ CountingHostJob::CountingHostJob(ThreadPool& pool, int tasks)
   }
 }
 
+FlagCountJob::FlagCountJob(ThreadPool& pool, StreamFlags& flags, int tasks)
+    : pool(pool), flags(flags), tasks_per_group(tasks) {
+  if (tasks < 0) {
+    throw std::invalid_argument("FlagCountJob: tasks_per_group must be >= 0, got " +
+                                std::to_string(tasks));
+  }
+}
+
+JobHandle FlagCountJob::submit() {
+  return pool.submit_built(
+      [this] {
+        if (!flags.wait_ready()) return Job{};
+        return Job{{static_cast<size_t>(tasks_per_group), [this](size_t task, int group, int) {
+          if (task == 0 && group == 0 && fail.load()) {
+            throw std::runtime_error("injected flag-job failure");
+          }
+          count.fetch_add(1);
+        }}};
+      },
+      [this] { flags.signal_done(); });
+}
+
 }  // namespace hetmoe

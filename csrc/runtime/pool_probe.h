@@ -7,6 +7,7 @@
 
 #include "runtime/host_job.h"
 #include "runtime/pool.h"
+#include "runtime/stream_flags.h"
 #include "runtime/topology.h"
 
 namespace hetmoe {
@@ -62,6 +63,19 @@ struct CountingHostJob {
   std::atomic<bool> fail{false};
   const int tasks_per_group;
   HostJob host;
+};
+
+// A job gated by StreamFlags (ThreadPool::submit_built): each run waits for the ready word, adds
+// one per task and group to `count`, throws in task 0 of group 0 while `fail` is set, then sets
+// done. Checks the flag protocol's CPU side without a GPU (a test writes the "GPU" words).
+struct FlagCountJob {
+  FlagCountJob(ThreadPool& pool, StreamFlags& flags, int tasks_per_group);
+  JobHandle submit();
+  ThreadPool& pool;
+  StreamFlags& flags;
+  const int tasks_per_group;
+  std::atomic<int64_t> count{0};
+  std::atomic<bool> fail{false};
 };
 
 }  // namespace hetmoe

@@ -64,7 +64,7 @@ def test_global_pool_leaves_a_core_and_pins_inside_allowed_set() -> None:
 
 
 def test_queued_submits_from_several_threads(pool) -> None:
-    # 4 callers x 100 jobs each: more than the 64-slot queue, so submit() also waits for room.
+    # 4 callers x 100 jobs each: more than the 256-slot queue, so submit() also waits for room.
     results: list[dict] = []
     errors: list[BaseException] = []
 

@@ -1,9 +1,10 @@
 """`hetmoe bench`: one model build, its speed in every requested mode, as a JSON-ready dict.
 
 Modes by `BenchConfig.experts`:
-- `cpu` (ours): `HybridRunner` (overlap, CUDA-graph decode with host-function submit/sync);
-  decode for each `deferred` value, the same in eager mode, launches per token in both modes, a
-  trace of a few eager steps, prefill speed per length.
+- `cpu` (ours): `HybridRunner` (overlap, CUDA-graph decode, CPU experts started/awaited through
+  ready/done flags); decode for each `deferred` value; with `eager`, also eager decode, graph
+  decode with CUDA host functions instead of flags, launches per token; a trace of a few eager
+  steps, prefill speed per length.
 - `torch-cpu` (baseline): the same injected model with plain-torch experts on the CPU, the plain
   `ModelRunner` (no graphs, no overlap).
 - `accelerate` (baseline): unmodified transformers, experts offloaded by accelerate
@@ -145,6 +146,15 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
             result["graph_eager_same_tokens"] = tokens["graph_d0"] == tokens["eager_d0"]
         runner.use_graphs = True
         log(f"decode eager_d0: {decode['eager_d0']['tok_s']} tok/s")
+        # The same graph step with the CPU experts started/awaited by CUDA host functions.
+        runner.overlap.detach()
+        alt = HybridRunner(model, device, dtype, 1, window, HybridConfig(signal="host_functions"))
+        run = measure.greedy_decode(alt, prompt, cfg.new_tokens)
+        decode["graph_d0_host_functions"] = _decode_entry(run, result["bound_tok_s"])
+        alt.overlap.detach()
+        del alt
+        runner.overlap.attach()
+        log(f"decode graph_d0_host_functions: {decode['graph_d0_host_functions']['tok_s']} tok/s")
     if cfg.trace:
         result["trace"] = _trace(runner, prompt, cfg.trace)
     result["prefill_tok_s"] = {}
@@ -185,7 +195,7 @@ def _trace(runner: HybridRunner, prompt: list[int], path: str, steps: int = 4) -
 
 def table(results: list[dict[str, Any]]) -> str:
     """A readable table of bench results (one row per decode mode)."""
-    rows = [f"{'shape':<24}{'mode':<22}{'tok/s':>9}{'of bound':>10}{'bound':>9}"]
+    rows = [f"{'shape':<24}{'mode':<34}{'tok/s':>9}{'of bound':>10}{'bound':>9}"]
     for r in results:
         c = r["config"]
         for name, entry in r.get("decode", {}).items():
@@ -194,10 +204,10 @@ def table(results: list[dict[str, Any]]) -> str:
             bound = r.get("bound_tok_s", float("nan"))
             share = entry.get("of_bound", float("nan"))
             speed = entry.get("tok_s", entry.get("decode_tok_s", float("nan")))
-            rows.append(f"{shape:<24}{mode:<22}{speed:>9.2f}{share:>10.3f}{bound:>9.2f}")
+            rows.append(f"{shape:<24}{mode:<34}{speed:>9.2f}{share:>10.3f}{bound:>9.2f}")
         for n, speed in r.get("prefill_tok_s", {}).items():
             mode = f"{c['experts']}/{c['weight_format']}/prefill {n}"
-            rows.append(f"{c['shape'] or c['model']:<24}{mode:<22}{speed:>9.1f}")
+            rows.append(f"{c['shape'] or c['model']:<24}{mode:<34}{speed:>9.1f}")
     return "\n".join(rows)
 
 

@@ -1,8 +1,8 @@
 """Timeline of decode steps: GPU work and CPU expert tasks per MoE layer, as a Chrome trace.
 
 `MoEOverlap` calls `mark(label, layer)` at each stage of a layer; on CUDA every mark records an
-event on the current stream, so its time is when the stream got there (for a host function, when
-it returned). Spans are built from consecutive marks:
+event on the current stream, so its time is when the stream got there (after a wait on the CPU:
+when the stream passed it). Spans are built from consecutive marks:
 
 - GPU track: `attention L` (previous layer's end to this layer's start: attention, norms,
   residuals), `route+copy L`, `shared L`, `wait L` (GPU idle until the CPU result is there),

@@ -1,8 +1,10 @@
 """`HybridRunner`: the model runner with CPU/GPU overlap and decode steps as CUDA graphs.
 
 Each decode batch size in `HybridConfig.graph_batch_sizes` gets one CUDA graph of the forward
-pass (embedding to final norm), captured at its first use; the CPU experts' submit and wait enter
-it as host nodes (engine/overlap.py), reading and writing fixed pinned buffers. A batch is padded
+pass (embedding to final norm), captured at its first use; the CPU experts' start and wait enter
+it as stream memory operations on ready/done words (or host nodes), reading and writing fixed
+pinned buffers (engine/host_link.py). The CPU jobs a step starts are recorded at capture and
+queued in the pool right before each replay, where each waits for its ready word. A batch is padded
 to the next captured size by repeating its first row (same token, slot and position: the cache
 write is the same, the extra outputs are dropped). Graphs need a static shape, so decode attends
 over the whole window (`kv_len = max_seq_len`, masked causally) in both modes, which keeps the
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hetmoe.engine.host_link import SIGNALS, HostLink
 from hetmoe.engine.overlap import MoEOverlap
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.ops.kv_batch import KVBatch
@@ -35,11 +38,15 @@ class HybridConfig:
     """Replay decode steps as CUDA graphs (False: the same steps launched eagerly)."""
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     """Decode batch sizes that get a graph; larger batches run eagerly."""
+    signal: str = "flags"
+    """How the GPU stream starts and awaits CPU experts: "flags" or "host_functions"."""
 
     def __post_init__(self) -> None:
         sizes = self.graph_batch_sizes
         if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
             raise ValueError(f"graph_batch_sizes must be positive integers, got {sizes!r}")
+        if self.signal not in SIGNALS:
+            raise ValueError(f"signal must be one of {', '.join(SIGNALS)}, got {self.signal!r}")
 
 
 @dataclass
@@ -51,6 +58,7 @@ class _Graph:
     positions: torch.Tensor  # [B, 1]
     slots: torch.Tensor  # [B]
     hidden: torch.Tensor  # [B, 1, H] output
+    jobs: list[HostLink]  # flag-gated CPU jobs the step starts, in stream order
 
 
 class HybridRunner(ModelRunner):
@@ -61,7 +69,7 @@ class HybridRunner(ModelRunner):
         super().__init__(model, device, dtype, max_batch, max_seq_len)
         self.config = config or HybridConfig()
         self.overlap = MoEOverlap(model, device, max(max_batch, *self.config.graph_batch_sizes),
-                                  self.config.deferred)
+                                  self.config.deferred, self.config.signal)  # type: ignore[arg-type]
         self.use_graphs = self.config.cuda_graphs and device.type == "cuda"
         if self.config.cuda_graphs and not self.use_graphs:
             log.info("CUDA graphs need a CUDA device (running on %s): decode runs eagerly", device)
@@ -70,14 +78,18 @@ class HybridRunner(ModelRunner):
     def decode(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
         """See `ModelRunner.decode`; runs as a decode step (deferral, graphs)."""
         with self.overlap.phase(decoding=True):
-            logits = super().decode(slots, token_ids)
-        if self.device.type == "cuda":
-            # Sleep, not spin, until the step is done: a CUDA sync spins by default, and the CPU
-            # experts' workers need every core but the one the CUDA host functions run on.
-            done = torch.cuda.Event(blocking=True)
-            done.record()
-            done.synchronize()
-        self.overlap.check_host_errors()
+            try:
+                logits = super().decode(slots, token_ids)
+                if self.device.type == "cuda":
+                    # Sleep, not spin, until the step is done: a CUDA sync spins by default, and
+                    # the CPU experts' workers need every core but this one.
+                    done = torch.cuda.Event(blocking=True)
+                    done.record()
+                    done.synchronize()
+            except BaseException:
+                self.overlap.abort_step()  # queued CPU jobs must not wait for a step never run
+                raise
+        self.overlap.finish_step()
         return logits
 
     def _forward(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
@@ -101,6 +113,7 @@ class HybridRunner(ModelRunner):
         graph.slots.copy_(slots)
         for link in self.overlap.host:
             link.bind(size)  # another size may have been bound since this graph's capture
+        self.overlap.submit_recorded(graph.jobs)
         graph.graph.replay()
         return graph.hidden[:b]
 
@@ -108,7 +121,7 @@ class HybridRunner(ModelRunner):
                  slots: torch.Tensor) -> torch.Tensor:
         """Runs this step eagerly (its real output) and captures it for later steps."""
         static = _Graph(torch.cuda.CUDAGraph(), ids.clone(), positions.clone(), slots.clone(),
-                        torch.empty(0))
+                        torch.empty(0), [])
         kv = KVBatch(static.slots, static.positions, self.max_seq_len)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -117,8 +130,12 @@ class HybridRunner(ModelRunner):
         torch.cuda.current_stream(self.device).wait_stream(side)
         out = out.clone()
         # The capture records work without running it: the cache and buffers stay as they are.
-        with torch.cuda.graph(static.graph):
-            static.hidden = super()._forward(static.ids, kv)
+        self.overlap.begin_capture()
+        try:
+            with torch.cuda.graph(static.graph):
+                static.hidden = super()._forward(static.ids, kv)
+        finally:
+            static.jobs = self.overlap.end_capture()
         self.graphs[size] = static
         return out
 

@@ -2,34 +2,39 @@
 
 Per MoE layer k, in stream order (`MoEOverlap.forward`):
 
-    router on the GPU -> ids/weights (+ x) to the layer's CPU buffers -> CPU submit
+    router on the GPU -> ids/weights (+ x) to the layer's CPU buffers -> CPU start
     shared experts on the GPU meanwhile
     CPU wait -> routed output to the GPU
-    decode with deferral: CPU submit of layer k's lowest-scored experts (their ids replace the
+    decode with deferral: CPU start of layer k's lowest-scored experts (their ids replace the
     immediate ones in the same buffer); they run while the GPU does layer k+1's attention
     out = routed + (deferred output of layer k-1) + shared
 
 Two transports move data and start/await CPU work (`Link`):
-- `HostLink` (CUDA decode): fixed pinned buffers per layer, async copies, and the CPU backend's C
-  submit/wait functions enqueued with `cudaLaunchHostFunc`, so the sequence is pure stream work
-  and a CUDA graph can capture it (host nodes).
+- `HostLink` (CUDA decode, engine/host_link.py): fixed pinned buffers per layer, async copies,
+  and start/wait in stream order (ready/done words in pinned memory by default, or CUDA host
+  functions), so a CUDA graph can capture it. With the flag signal the step's CPU jobs wait in
+  the pool for their ready words: `MoEOverlap` submits them as the step is launched (recorded
+  at capture, queued before each replay) and waits them in `finish_step`.
 - `DirectLink` (prefill, and every step without a GPU): copies to CPU tensors, then the
   backend's `submit` / `sync` from Python; the shared experts still run between them.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from hetmoe.experts.cpu_moe import CpuMoE, HostFunctions
+from hetmoe.engine.host_link import HostLink, Signal, check_signal
+from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.ops.deferral import check_deferred, moe_layers, split_ids
+
+ABORT_TIMEOUT_S = 30.0
+"""Seconds a failed step's stream gets to drain (done words held set) before giving up."""
 
 
 def cpu_moe_of(backend: nn.Module) -> CpuMoE:
@@ -75,65 +80,6 @@ class DirectLink:
         return out.to(self.device)
 
 
-@functools.cache
-def _launch_host_func() -> Any:
-    """`cudaLaunchHostFunc` of the CUDA runtime torch loaded (the one the C++ side binds to)."""
-    from hetmoe import _cpu
-
-    torch.cuda.init()
-    path = _cpu.cuda_runtime_path()
-    if not path:
-        raise RuntimeError("no CUDA runtime with cudaLaunchHostFunc is loaded in this process")
-    fn = ctypes.CDLL(path).cudaLaunchHostFunc
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-class HostLink:
-    """Pinned per-layer buffers [max_rows, ...] and stream-ordered host functions (graph-safe)."""
-
-    def __init__(self, moe: CpuMoE, max_rows: int, top_k: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.moe, self.device = moe, device
-        h = moe.hidden
-        self.x = torch.zeros(max_rows, h, dtype=dtype, pin_memory=True)
-        self.ids = torch.full((max_rows, top_k), -1, dtype=torch.int64, pin_memory=True)
-        self.weights = torch.zeros(max_rows, top_k, dtype=torch.float32, pin_memory=True)
-        self.out = torch.zeros(max_rows, h, dtype=dtype, pin_memory=True)
-        self.rows = 0
-        self.fns: HostFunctions | None = None
-
-    def bind(self, rows: int) -> None:
-        """Points the backend's host functions at the first `rows` rows of the buffers."""
-        if rows != self.rows:
-            self.fns = self.moe.host_functions(self.x[:rows], self.ids[:rows],
-                                               self.weights[:rows], self.out[:rows])
-            self.rows = rows
-
-    def _launch(self, fn: int) -> None:
-        assert self.fns is not None
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        code = _launch_host_func()(stream, fn, self.fns.user_data)
-        if code:
-            raise RuntimeError(f"cudaLaunchHostFunc failed with CUDA error {code}")
-
-    def start(self, x: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        t = ids.shape[0]
-        self.bind(t)
-        assert self.fns is not None
-        if x is not None:
-            self.x[:t].copy_(x, non_blocking=True)
-        self.ids[:t].copy_(ids, non_blocking=True)
-        self.weights[:t].copy_(weights, non_blocking=True)
-        self._launch(self.fns.submit_fn)
-
-    def finish(self) -> torch.Tensor:
-        assert self.fns is not None
-        self._launch(self.fns.wait_fn)
-        return self.out[: self.rows].to(self.device, non_blocking=True)
-
-
 class MoEOverlap:
     """Runs every `HybridMoE` of a model through CPU/GPU overlap (see the module docstring).
 
@@ -142,24 +88,31 @@ class MoEOverlap:
     """
 
     def __init__(self, model: nn.Module, device: torch.device, max_batch: int,
-                 deferred: int = 0) -> None:
+                 deferred: int = 0, signal: Signal = "flags") -> None:
         self.layers = moe_layers(model)
         if not self.layers:
             raise ValueError("MoEOverlap: the model has no hybrid_moe layer")
         self.index = {id(m): i for i, m in enumerate(self.layers)}
         self.top_k = self.layers[0].gate.config.top_k
         check_deferred(deferred, self.top_k)
-        self.deferred = deferred
-        self.device = device
+        check_signal(signal, device)
+        self.deferred, self.device, self.signal = deferred, device, signal
         cpu = [cpu_moe_of(m.experts) for m in self.layers]
         self.direct = [DirectLink(c) for c in cpu]
         self.host: list[HostLink] = []
         if device.type == "cuda":
             dtype = self.layers[0].gate.weight.dtype  # activations' dtype
-            self.host = [HostLink(c, max_batch, self.top_k, dtype, device) for c in cpu]
+            self.host = [HostLink(c, max_batch, self.top_k, dtype, device, signal, self._queue)
+                         for c in cpu]
+        self.recorded: list[HostLink] | None = None  # flag jobs of a step being captured
+        self.pending: list[tuple[HostLink, int]] = []  # flag jobs submitted for this step
         self.decoding = False
         self.trace: Any = None
         self._carry: Link | None = None  # layer k-1's deferred experts, in flight
+        self.attach()
+
+    def attach(self) -> None:
+        """Routes every MoE layer's forward through this overlap (done at construction)."""
         for moe in self.layers:
             moe.runtime = self
 
@@ -178,12 +131,71 @@ class MoEOverlap:
         finally:
             self.decoding = before
 
-    def check_host_errors(self) -> None:
-        """RuntimeError with the first error a CPU host function kept since the last check."""
+    def _queue(self, link: HostLink) -> None:
+        """Submits `link`'s flag-gated CPU job now, or records it while a graph is captured."""
+        if torch.cuda.is_current_stream_capturing():
+            if self.recorded is None:
+                raise RuntimeError("MoEOverlap: a CUDA graph is being captured outside "
+                                   "begin_capture() / end_capture()")
+            self.recorded.append(link)
+        else:
+            self.pending.append((link, link.submit()))
+
+    def begin_capture(self) -> None:
+        """Starts recording the flag jobs of the step about to be captured."""
+        self.recorded = []
+
+    def end_capture(self) -> list[HostLink]:
+        """The flag jobs the captured step starts, in stream order (for `submit_recorded`)."""
+        recorded, self.recorded = self.recorded or [], None
+        return recorded
+
+    def submit_recorded(self, links: Sequence[HostLink]) -> None:
+        """Queues a captured step's CPU jobs in stream order; call right before its replay."""
+        self.pending.extend((link, link.submit()) for link in links)
+
+    def finish_step(self) -> None:
+        """Once the step's stream work is done: waits its CPU jobs; RuntimeError with the first
+        error one of them (or a host function) hit."""
+        pending, self.pending = self.pending, []
+        first = ""
+        for link, handle in pending:
+            try:
+                link.moe.wait_flagged(handle)
+            except (RuntimeError, ValueError) as exc:
+                first = first or f"CPU experts of MoE layer {self.host.index(link)}: {exc}"
         for i, link in enumerate(self.host):
             message = link.moe.take_host_error()
-            if message:
-                raise RuntimeError(f"CPU experts of MoE layer {i}: {message}")
+            if message and not first:
+                first = f"CPU experts of MoE layer {i}: {message}"
+        if first:
+            raise RuntimeError(first)
+
+    def abort_step(self) -> None:
+        """Tears down a step that raised: its queued CPU jobs return without computing, a
+        stream still waiting on a done word is let through, then every word is cleared."""
+        if self.signal != "flags" or not self.host:
+            self.pending = []
+            return
+        for link in self.host:
+            link.flags.abort()
+        for link, handle in self.pending:
+            try:
+                link.moe.wait_flagged(handle)
+            except (RuntimeError, ValueError):
+                pass  # the step already failed: the error being raised is the one to report
+        self.pending = []
+        stream = torch.cuda.current_stream(self.device)
+        deadline = time.monotonic() + ABORT_TIMEOUT_S
+        while not stream.query():
+            for link in self.host:
+                link.flags.release_done()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"MoEOverlap: the failed step's CUDA stream did not finish "
+                                   f"within {ABORT_TIMEOUT_S:.0f} s")
+            time.sleep(1e-4)
+        for link in self.host:
+            link.flags.reset()
 
     def forward(self, moe: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         """The MoE output (without the residual) of `hidden_states` [..., H] at layer `moe`."""

@@ -244,6 +244,19 @@ class CpuMoE:
         self._layer.launch_submit(stream)
         self._layer.launch_wait(stream)
 
+    def submit_flagged(self, flags: object) -> int:
+        """Queues `forward` on the buffers bound by `host_functions` as a job that a GPU stream
+        starts and awaits through `flags` (a `hetmoe._cpu.StreamFlags`): it waits in the pool
+        for the ready word, then sets the done word. Returns the handle for `wait_flagged`."""
+        if not self._host_inputs:
+            raise RuntimeError("CpuMoE.submit_flagged: call host_functions(x, ids, weights, out) "
+                               "first")
+        return int(self._layer.submit_flagged(flags))
+
+    def wait_flagged(self, handle: int) -> None:
+        """Waits for a `submit_flagged` job; raises the error its routing or a task hit."""
+        self._layer.wait(handle)
+
     def take_host_error(self) -> str:
         """The first error a host function hit since the last call ("" when none)."""
         return str(self._layer.take_host_error())

@@ -1,0 +1,134 @@
+"""`HostLink`: one MoE layer's CUDA decode transport to its CPU experts (graph-safe).
+
+Fixed pinned buffers [max_rows, ...] and async copies; the CPU work is started and awaited in
+stream order, so a CUDA graph can capture the whole sequence. Two signals:
+
+- "flags" (default): after the input copies the stream sets a *ready* word in pinned memory, and
+  before the output copy it waits for a *done* word (the CUDA driver's stream memory
+  operations, captured as memop nodes). The CPU job is queued in the pool ahead of time and
+  spins on its ready word (`_cpu.StreamFlags`, protocol in csrc/runtime/stream_flags.h): no
+  thread has to wake up on the critical path.
+- "host_functions": `cudaLaunchHostFunc` submit and wait entries (host nodes in a graph), run by
+  the CUDA driver's callback thread; the measured alternative (docs/benchmarks/hybrid.md), also
+  for drivers without stream memory operations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from hetmoe.experts.cpu_moe import CpuMoE, HostFunctions
+
+Signal = Literal["flags", "host_functions"]
+SIGNALS: tuple[str, ...] = ("flags", "host_functions")
+
+
+@functools.cache
+def _launch_host_func() -> Any:
+    """`cudaLaunchHostFunc` of the CUDA runtime torch loaded (the one the C++ side binds to)."""
+    from hetmoe import _cpu
+
+    torch.cuda.init()
+    path = _cpu.cuda_runtime_path()
+    if not path:
+        raise RuntimeError("no CUDA runtime with cudaLaunchHostFunc is loaded in this process")
+    fn = ctypes.CDLL(path).cudaLaunchHostFunc
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def check_signal(signal: str, device: torch.device) -> None:
+    """ValueError for an unknown signal; RuntimeError when "flags" cannot run on this driver."""
+    if signal not in SIGNALS:
+        raise ValueError(f"signal must be one of {', '.join(SIGNALS)}, got {signal!r}")
+    if signal == "flags" and device.type == "cuda":
+        from hetmoe import _cpu
+
+        torch.cuda.init()
+        if not _cpu.stream_memops_available():
+            raise RuntimeError(
+                "signal='flags' needs the CUDA driver's stream memory operations "
+                "(cuStreamWriteValue32 in libcuda), which this process has not loaded; use "
+                "signal='host_functions'"
+            )
+
+
+class HostLink:
+    """Pinned per-layer buffers and stream-ordered CPU start/wait (see the module docstring).
+
+    With `signal="flags"`, `start` enqueues the ready word and hands the link to `queue`, which
+    submits the flag-gated CPU job (or records it while a CUDA graph is being captured).
+    """
+
+    def __init__(self, moe: CpuMoE, max_rows: int, top_k: int, dtype: torch.dtype,
+                 device: torch.device, signal: Signal = "flags",
+                 queue: Callable[[HostLink], None] | None = None) -> None:
+        self.moe, self.device, self.signal = moe, device, signal
+        h = moe.hidden
+        self.x = torch.zeros(max_rows, h, dtype=dtype, pin_memory=True)
+        self.ids = torch.full((max_rows, top_k), -1, dtype=torch.int64, pin_memory=True)
+        self.weights = torch.zeros(max_rows, top_k, dtype=torch.float32, pin_memory=True)
+        self.out = torch.zeros(max_rows, h, dtype=dtype, pin_memory=True)
+        self.rows = 0
+        self.fns: HostFunctions | None = None
+        self.flags: Any = None
+        self.queue = queue
+        if signal == "flags":
+            from hetmoe import _cpu
+
+            if queue is None:
+                raise ValueError("HostLink: signal='flags' needs a queue for its CPU jobs")
+            # The ready and done words on 64-byte lines of their own: [2, 16] int32, [:, 0] used.
+            self.words = torch.zeros(2, 16, dtype=torch.int32, pin_memory=True)
+            self.flags = _cpu.StreamFlags(self.words[0].data_ptr(), self.words[1].data_ptr())
+
+    def bind(self, rows: int) -> None:
+        """Points the backend's CPU calls at the first `rows` rows of the buffers."""
+        if rows != self.rows:
+            self.fns = self.moe.host_functions(self.x[:rows], self.ids[:rows],
+                                               self.weights[:rows], self.out[:rows])
+            self.rows = rows
+
+    def submit(self) -> int:
+        """Queues the flag-gated CPU job of the bound rows; the pool handle."""
+        return self.moe.submit_flagged(self.flags)
+
+    def _stream(self) -> int:
+        return int(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _launch(self, fn: int) -> None:
+        assert self.fns is not None
+        code = _launch_host_func()(self._stream(), fn, self.fns.user_data)
+        if code:
+            raise RuntimeError(f"cudaLaunchHostFunc failed with CUDA error {code}")
+
+    def start(self, x: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Copies the inputs (x None: keep the last x) and starts the CPU experts on them."""
+        t = ids.shape[0]
+        self.bind(t)
+        assert self.fns is not None
+        if x is not None:
+            self.x[:t].copy_(x, non_blocking=True)
+        self.ids[:t].copy_(ids, non_blocking=True)
+        self.weights[:t].copy_(weights, non_blocking=True)
+        if self.flags is None:
+            self._launch(self.fns.submit_fn)
+            return
+        self.flags.signal_ready_on(self._stream())
+        assert self.queue is not None
+        self.queue(self)
+
+    def finish(self) -> torch.Tensor:
+        """Waits (in stream order) for the last start; its output [T, H] on the GPU."""
+        assert self.fns is not None
+        if self.flags is None:
+            self._launch(self.fns.wait_fn)
+        else:
+            self.flags.wait_done_on(self._stream())
+        return self.out[: self.rows].to(self.device, non_blocking=True)

@@ -1,0 +1,143 @@
+"""The CPU side of the ready/done flag protocol (csrc/runtime/stream_flags.h), without a GPU:
+the test writes the words a GPU stream would write (ready := 1, and done := 0 after its wait)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hetmoe import _cpu
+from hetmoe.engine.cuda_graph import HybridConfig
+from hetmoe.experts.cpu_moe import CpuMoE
+
+TASKS = 3
+
+
+@pytest.fixture(scope="module")
+def pool() -> _cpu.ThreadPool:
+    return _cpu.ThreadPool(num_threads=2, num_groups=1)
+
+
+class Words:
+    """Two int32 words on their own cache lines, as the GPU side would see them."""
+
+    def __init__(self) -> None:
+        self.mem = torch.zeros(2, 16, dtype=torch.int32)  # [ready, done] x 64 bytes
+        self.flags = _cpu.StreamFlags(self.mem[0].data_ptr(), self.mem[1].data_ptr())
+
+    def gpu_ready(self) -> None:
+        self.mem[0, 0] = 1
+
+    def gpu_consume_done(self) -> None:
+        assert int(self.mem[1, 0]) == 1
+        self.mem[1, 0] = 0
+
+
+def test_job_waits_for_ready_then_sets_done_and_replays_without_reset(pool) -> None:
+    words = Words()
+    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    for round_ in range(1, 4):
+        handle = job.submit()
+        time.sleep(0.05)
+        assert job.count == TASKS * (round_ - 1), "the job ran before its ready word was set"
+        assert words.flags.done == 0
+        words.gpu_ready()
+        job.wait(handle)
+        assert job.count == TASKS * round_
+        assert (words.flags.ready, words.flags.done) == (0, 1)  # ready consumed, done set
+        words.gpu_consume_done()
+
+
+def test_jobs_queued_ahead_run_in_order_one_ready_each(pool) -> None:
+    words = Words()
+    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    handles = [job.submit() for _ in range(3)]  # a step's jobs, queued before it starts
+    for i, handle in enumerate(handles, start=1):
+        words.gpu_ready()
+        job.wait(handle)
+        assert job.count == TASKS * i
+        words.gpu_consume_done()
+    assert (words.flags.ready, words.flags.done) == (0, 0)
+
+
+def test_abort_releases_a_waiting_job_and_reset_clears_the_words(pool) -> None:
+    words = Words()
+    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    handle = job.submit()
+    time.sleep(0.02)
+    words.flags.abort()
+    job.wait(handle)  # returns: the job gave up waiting for its ready word
+    assert job.count == 0
+    assert words.flags.done == 1  # a stream waiting on done is let through
+    words.flags.reset()
+    assert (words.flags.ready, words.flags.done) == (0, 0)
+    handle = job.submit()
+    words.gpu_ready()
+    job.wait(handle)
+    assert job.count == TASKS
+
+
+def test_failed_job_still_sets_done_and_wait_reports_it(pool) -> None:
+    words = Words()
+    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    job.fail = True
+    handle = job.submit()
+    words.gpu_ready()
+    with pytest.raises(RuntimeError, match=r"failed in phase 0, group 0, task 0: injected "
+                                           r"flag-job failure"):
+        job.wait(handle)
+    assert words.flags.done == 1
+
+
+def test_words_are_checked() -> None:
+    mem = torch.zeros(32, dtype=torch.int32)
+    with pytest.raises(ValueError, match="ready and done must be on different cache lines"):
+        _cpu.StreamFlags(mem[0:].data_ptr(), mem[1:].data_ptr())
+    with pytest.raises(ValueError, match="must be 4-byte aligned words"):
+        _cpu.StreamFlags(mem.data_ptr() + 2, mem[16:].data_ptr())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a CUDA driver")
+def test_gpu_side_without_a_cuda_driver_says_so() -> None:
+    words = Words()
+    assert not _cpu.stream_memops_available()
+    with pytest.raises(RuntimeError, match=r"no CUDA driver \(libcuda\) with cuStreamWriteValue32"):
+        words.flags.signal_ready_on(0)
+
+
+def test_cpu_moe_flag_job_matches_forward_and_reports_routing_errors() -> None:
+    torch.manual_seed(0)
+    e, h, i, q, k = 4, 64, 32, 2, 2
+    moe = CpuMoE(e, h, i, threads=2)
+    moe.load(torch.randn(e, i, h) * 0.1, torch.randn(e, i, h) * 0.1, torch.randn(e, h, i) * 0.1)
+    x, out = torch.randn(q, h), torch.full((q, h), float("nan"))
+    ids = torch.tensor([[0, 3], [2, -1]])
+    weights = torch.rand(q, k)
+    want = moe.forward(x, ids, weights)
+    words = Words()
+    moe.host_functions(x, ids, weights, out)
+    handle = moe.submit_flagged(words.flags)
+    words.gpu_ready()
+    moe.wait_flagged(handle)
+    assert torch.equal(out, want)
+    words.gpu_consume_done()
+    ids[0, 0] = 9  # what a broken router would have copied in
+    handle = moe.submit_flagged(words.flags)
+    words.gpu_ready()
+    with pytest.raises(RuntimeError, match=r"failed in its build step: expert_ids\[0, 0\] = 9 is "
+                                         r"out of range \[0, 4\)"):
+        moe.wait_flagged(handle)
+    assert words.flags.done == 1
+
+
+def test_flag_job_needs_bound_buffers() -> None:
+    moe = CpuMoE(2, 32, 32, threads=2)
+    with pytest.raises(RuntimeError, match=r"submit_flagged: call host_functions\(x, ids, "):
+        moe.submit_flagged(Words().flags)
+
+
+def test_signal_is_checked() -> None:
+    with pytest.raises(ValueError, match="signal must be one of flags, host_functions, got 'x'"):
+        HybridConfig(signal="x")
