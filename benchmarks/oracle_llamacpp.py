@@ -42,6 +42,10 @@ CMAKE_ARGS = (
     "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
     "-DLLAMA_BUILD_SERVER=OFF"
 )
+# DeepSeek-V2 baby as V2-Lite: llama.cpp reads a V2 without q LoRA only at V2-Lite's depth (26/27
+# layers), and scores expert groups by their top-2 sum (V3's rule) where V2's group_limited_greedy
+# takes the max, so the routing is V2-Lite's ungrouped greedy top-k (`--v2-grouped` keeps V2's).
+V2_LITE = {"num_layers": 26, "topk_method": "greedy", "n_group": 1, "topk_group": 1}
 TINY_PROMPT = [0, 7, 42, 99, 123, 200, 301, 17, 64, 88, 250, 400]
 DEMO_MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 
@@ -125,17 +129,22 @@ def convert(model_dir: Path, out: Path, llama: Path, site: Path) -> Path:
         llama=str(llama), gguf_py=str(llama / "gguf-py"), site=str(site), model=str(model_dir),
         out=str(out),
     )
-    _run([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
+    print(f"converting {model_dir.name} to f32 GGUF", flush=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf failed on {model_dir}:\n{done.stderr[-4000:]}")
     return out
 
 
 def llama_cpp_greedy(gguf: Path, prompt: list[int], tokens: int) -> tuple[list[int], np.ndarray]:
     """llama.cpp's greedy continuation and the logits [len(prompt) + tokens - 1, V] it saw."""
-    from llama_cpp import Llama
+    from llama_cpp import GGML_TYPE_F32, Llama
 
+    # An f32 KV cache (the default is f16) keeps llama.cpp's side all f32, like the GGUF.
     model = Llama(
         model_path=str(gguf), n_ctx=len(prompt) + tokens, n_batch=len(prompt) + tokens,
-        logits_all=True, n_threads=os.cpu_count(), verbose=False,
+        logits_all=True, n_threads=os.cpu_count(), type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32,
+        verbose=False,
     )
     model.eval(prompt)
     out: list[int] = []
@@ -183,7 +192,9 @@ def git_sha() -> str:
     return done.stdout.strip() or "unknown"
 
 
-def _models(names: list[str], work: Path) -> list[tuple[str, Path, list[int]]]:
+def _models(
+    names: list[str], work: Path, v2_grouped: bool
+) -> list[tuple[str, Path, list[int]]]:
     from hetmoe.presets.tiny import build_tiny_model
 
     chosen = []
@@ -199,8 +210,14 @@ def _models(names: list[str], work: Path) -> list[tuple[str, Path, list[int]]]:
                                            add_generation_prompt=True)
             chosen.append((name, path, tok.encode(text, add_special_tokens=False)))
         else:
-            path = build_tiny_model(name, work / name)
-            chosen.append((f"tiny-{name.replace('_', '-')}", path, TINY_PROMPT))
+            options: dict = {}
+            label = f"tiny-{name.replace('_', '-')}"
+            if name == "deepseek_v2":
+                options = {**V2_LITE, **({"topk_method": "group_limited_greedy", "n_group": 4,
+                                          "topk_group": 2} if v2_grouped else {})}
+                label += " (grouped)" if v2_grouped else " (V2-Lite routing)"
+            path = build_tiny_model(name, work / name, **options)
+            chosen.append((label, path, TINY_PROMPT))
     return chosen
 
 
@@ -221,6 +238,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="greedy continuation length")
     parser.add_argument("--experts", default="torch",
                         help="comma-separated expert backends of ours to check (torch, cpu)")
+    parser.add_argument("--v2-grouped", action="store_true",
+                        help="DeepSeek-V2 baby with group_limited_greedy routing (see V2_LITE)")
     parser.add_argument("--json", type=Path, help="where to write the results as JSON")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -229,7 +248,7 @@ def main() -> None:
     rows: list[OracleRow] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for name, path, prompt in _models(args.models.split(","), work):
+        for name, path, prompt in _models(args.models.split(","), work, args.v2_grouped):
             gguf = convert(path, work / f"{name}.f32.gguf", llama, site)
             for experts in args.experts.split(","):
                 rows.append(compare(name, path, prompt, gguf, args.tokens, experts))
