@@ -112,10 +112,9 @@ void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end
 // Widens an int4 n-block to the int8 block layout (same rows, 1024 bytes per 64-k block).
 void widen_int4(const PackedMatrix& w, int nb, uint8_t* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
-  const uint8_t* src = w.n_block(nb);
   for (int kb = 0; kb < w.num_k_blocks(); ++kb)
     for (int r = 0; r < 8; ++r) {
-      const __m512i v = _mm512_load_si512(src + kb * 512 + r * 64);
+      const __m512i v = _mm512_load_si512(w.k_block(nb, kb) + r * 64);
       _mm512_store_si512(out + kb * 1024 + r * 64,
                          _mm512_sub_epi8(_mm512_and_si512(v, low4), eight));
       _mm512_store_si512(out + kb * 1024 + (r + 8) * 64,
@@ -123,13 +122,21 @@ void widen_int4(const PackedMatrix& w, int nb, uint8_t* out) {
     }
 }
 
+// 16 lanes of int4 metadata (bf16) as floats.
+inline __m512 bf16x16(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
 // acc[row][32] += fix-up of the int32 tile `dot` (16 x 16) for group g, outputs of n-block nb.
 template <bool kInt4>
 void fix_up(const PackedMatrix& w, int nb, int g, const ActView& a, int t0, const int32_t* dot,
             float* acc) {
   const size_t at = (size_t(nb) * w.num_groups() + g) * kBlockN;
-  const __m512 sw = _mm512_loadu_ps(w.scale + at), swq = _mm512_loadu_ps(w.scale_qsum + at);
-  const __m512 bw = kInt4 ? _mm512_loadu_ps(w.bias + at) : _mm512_setzero_ps();
+  const uint16_t* meta = kInt4 ? w.meta(nb, g) : nullptr;
+  const __m512 sw = kInt4 ? bf16x16(meta) : _mm512_loadu_ps(w.scale + at);
+  const __m512 swq = kInt4 ? bf16x16(meta + 16) : _mm512_loadu_ps(w.scale_qsum + at);
+  const __m512 bw = kInt4 ? bf16x16(meta + 32) : _mm512_setzero_ps();
   for (int r = 0; r < 16; ++r) {
     const size_t ga = size_t(t0 + r) * a.ldg + g;
     __m512 v = _mm512_loadu_ps(acc + r * 32);

@@ -68,6 +68,12 @@ inline void reduce16(const __m256i* d, __m256i* out) {
   out[1] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(d[2], d[3]), order);
 }
 
+// 8 lanes of int4 metadata (bf16) as floats.
+inline __m256 bf16x8(const uint16_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
 template <bool kInt4>
 void fix_up(const PackedMatrix& w, int nb, int g, const ActView& a, int t, __m256i* dot,
             __m256* acc) {
@@ -75,13 +81,15 @@ void fix_up(const PackedMatrix& w, int nb, int g, const ActView& a, int t, __m25
   reduce16(dot, sums);
   const size_t at = (size_t(nb) * w.num_groups() + g) * kBlockN, ga = size_t(t) * a.ldg + g;
   const __m256 sx = _mm256_set1_ps(a.scale[ga]), bx = _mm256_set1_ps(a.bias[ga]);
+  const uint16_t* meta = kInt4 ? w.meta(nb, g) : nullptr;
   for (int h = 0; h < 2; ++h) {
-    const __m256 sw = _mm256_loadu_ps(w.scale + at + 8 * h);
+    const __m256 sw = kInt4 ? bf16x8(meta + 8 * h) : _mm256_loadu_ps(w.scale + at + 8 * h);
+    const __m256 swq =
+        kInt4 ? bf16x8(meta + 16 + 8 * h) : _mm256_loadu_ps(w.scale_qsum + at + 8 * h);
     acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[h]), _mm256_mul_ps(sw, sx), acc[h]);
-    acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(w.scale_qsum + at + 8 * h), bx, acc[h]);
+    acc[h] = _mm256_fmadd_ps(swq, bx, acc[h]);
     if (kInt4)
-      acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(w.bias + at + 8 * h),
-                               _mm256_set1_ps(a.sum[ga]), acc[h]);
+      acc[h] = _mm256_fmadd_ps(bf16x8(meta + 32 + 8 * h), _mm256_set1_ps(a.sum[ga]), acc[h]);
   }
   for (int i = 0; i < 4; ++i) dot[i] = _mm256_setzero_si256();
 }
@@ -98,13 +106,12 @@ inline __m128i row_chunk(const uint8_t* blk, int r, int q) {
 template <bool kInt4>
 void int_token(const PackedMatrix& w, int nb, const ActView& a, int t, float* c) {
   const int kblocks = w.num_k_blocks(), gs = w.group_size;
-  const uint8_t* blocks = w.n_block(nb);
   const uint8_t* x = a.u8 + size_t(t) * a.ld;
   __m256i lo[4], hi[4];
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int i = 0; i < 4; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
   for (int kb = 0; kb < kblocks; ++kb) {
-    const uint8_t* blk = blocks + kb * w.block_bytes();
+    const uint8_t* blk = w.k_block(nb, kb);
     for (int r = 0; r < 16; ++r) {
       const __m128i x4 = _mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(x + kb * 64 + r * 4));
       const __m256i xw = _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(x4));

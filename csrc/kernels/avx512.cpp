@@ -55,19 +55,27 @@ void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end
   }
 }
 
+// 16 lanes of int4 metadata (bf16) as floats.
+inline __m512 bf16x16(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
 // Adds one group's exact integer dot products to the float accumulators (gemm.h's formula).
 template <bool kInt4, int MT>
 inline void fix_up(const PackedMatrix& w, int nb, int g, const ActView& a, int t0, __m512i* dot,
                    __m512* acc) {
   const size_t at = (size_t(nb) * w.num_groups() + g) * kBlockN;
-  const __m512 sw = _mm512_loadu_ps(w.scale + at), swq = _mm512_loadu_ps(w.scale_qsum + at);
+  const uint16_t* meta = kInt4 ? w.meta(nb, g) : nullptr;
+  const __m512 sw = kInt4 ? bf16x16(meta) : _mm512_loadu_ps(w.scale + at);
+  const __m512 swq = kInt4 ? bf16x16(meta + 16) : _mm512_loadu_ps(w.scale_qsum + at);
+  const __m512 bw = kInt4 ? bf16x16(meta + 32) : _mm512_setzero_ps();
   for (int t = 0; t < MT; ++t) {
     const size_t ga = size_t(t0 + t) * a.ldg + g;
     const __m512 f = _mm512_cvtepi32_ps(dot[t]);
     acc[t] = _mm512_fmadd_ps(f, _mm512_mul_ps(sw, _mm512_set1_ps(a.scale[ga])), acc[t]);
     acc[t] = _mm512_fmadd_ps(swq, _mm512_set1_ps(a.bias[ga]), acc[t]);
-    if (kInt4)
-      acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(w.bias + at), _mm512_set1_ps(a.sum[ga]), acc[t]);
+    if (kInt4) acc[t] = _mm512_fmadd_ps(bw, _mm512_set1_ps(a.sum[ga]), acc[t]);
     dot[t] = _mm512_setzero_si512();
   }
 }
@@ -75,8 +83,6 @@ inline void fix_up(const PackedMatrix& w, int nb, int g, const ActView& a, int t
 template <bool kInt4, int MT>
 void int_tokens(const PackedMatrix& w, int nb, const ActView& a, int t0, float* c, size_t ldc) {
   const int kblocks = w.num_k_blocks(), gs = w.group_size;
-  const size_t bb = w.block_bytes();
-  const uint8_t* blocks = w.n_block(nb);
   const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
   __m512i lo[MT], hi[MT];
   __m512 acc[MT];
@@ -85,8 +91,8 @@ void int_tokens(const PackedMatrix& w, int nb, const ActView& a, int t0, float* 
     acc[t] = _mm512_setzero_ps();
   }
   for (int kb = 0; kb < kblocks; ++kb) {
-    const uint8_t* blk = blocks + kb * bb;
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * bb), _MM_HINT_T0);
+    const uint8_t* blk = w.k_block(nb, kb);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 2048), _MM_HINT_T0);  // ~4 blocks ahead
     for (int r = 0; r < 8; ++r) {
       __m512i w0, w1;
       if (kInt4) {

@@ -1,5 +1,6 @@
 // Scalar reference kernels: plain loops over the packed layout, the oracle for the ISA kernels
 // and the path for CPUs with no AVX2.
+#include <cmath>
 #include <vector>
 
 #include "kernels/epilogue.h"
@@ -39,25 +40,30 @@ template <bool kInt4>
 void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
               size_t ldc) {
   const int groups = w.num_groups(), gs = w.group_size;
-  const size_t bb = w.block_bytes();
   for (int nb = nb_begin; nb < nb_end; ++nb) {
-    const uint8_t* blocks = w.n_block(nb);
     for (int t = 0; t < a.m; ++t) {
       const uint8_t* x = a.u8 + size_t(t) * a.ld;
       float acc[kBlockN] = {};
       for (int g = 0; g < groups; ++g) {
         int32_t dot[kBlockN] = {};
         for (int kk = g * gs; kk < (g + 1) * gs; ++kk) {
-          const uint8_t* blk = blocks + (kk / 64) * bb;
+          const uint8_t* blk = w.k_block(nb, kk / 64);
           const int r = (kk % 64) / 4;
           for (int n = 0; n < kBlockN; ++n)
             dot[n] += int(x[kk]) * weight_at(blk, kInt4, r, n * 4 + kk % 4);
         }
         const size_t at = (size_t(nb) * groups + g) * kBlockN;
         const float sx = a.scale[size_t(t) * a.ldg + g], bx = a.bias[size_t(t) * a.ldg + g];
+        const uint16_t* meta = kInt4 ? w.meta(nb, g) : nullptr;
         for (int n = 0; n < kBlockN; ++n) {
-          acc[n] += w.scale[at + n] * sx * float(dot[n]) + w.scale_qsum[at + n] * bx;
-          if (kInt4) acc[n] += w.bias[at + n] * a.sum[size_t(t) * a.ldg + g];
+          const float sw = kInt4 ? bf16_to_float(meta[n]) : w.scale[at + n];
+          const float swq = kInt4 ? bf16_to_float(meta[16 + n]) : w.scale_qsum[at + n];
+          // Fused, in the ISA kernels' order, so that every ISA computes the same floats (hidden
+          // activations are requantized: one ulp there can move a u8 step).
+          acc[n] = std::fma(float(dot[n]), sw * sx, acc[n]);
+          acc[n] = std::fma(swq, bx, acc[n]);
+          if (kInt4) acc[n] = std::fma(bf16_to_float(meta[32 + n]), a.sum[size_t(t) * a.ldg + g],
+                                       acc[n]);
         }
       }
       for (int n = 0; n < kBlockN; ++n) c[size_t(t) * ldc + (nb - nb_begin) * 16 + n] = acc[n];

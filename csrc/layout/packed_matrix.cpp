@@ -91,12 +91,14 @@ void pack_block_bf16(const std::vector<float>& rows, int k, uint8_t* dst) {
         out[(kk / 2) * 32 + n * 2 + kk % 2] = float_to_bf16(rows[size_t(n) * k + kb * 32 + kk]);
 }
 
-// q: [16][k] signed values; int8 blocks hold them as bytes, int4 blocks as nibbles of (q + 8).
-void place_int(const std::vector<int8_t>& q, int k, bool int4, uint8_t* dst) {
-  const size_t bytes = int4 ? 512 : 1024;
-  std::memset(dst, 0, bytes * (k / 64));
+// q: [16][k] signed values of n-block nb; int8 blocks hold them as bytes, int4 blocks as nibbles
+// of (q + 8).
+void place_int(const PackedMatrix& m, int nb, const std::vector<int8_t>& q) {
+  const int k = m.k;
+  const bool int4 = m.int4();
   for (int kb = 0; kb < k / 64; ++kb) {
-    uint8_t* blk = dst + kb * bytes;
+    uint8_t* blk = m.k_block(nb, kb);
+    std::memset(blk, 0, m.block_bytes());
     for (int n = 0; n < kBlockN; ++n)
       for (int kk = 0; kk < 64; ++kk) {
         const int r = kk / 4, pos = n * 4 + kk % 4;
@@ -116,11 +118,10 @@ void place_int(const std::vector<int8_t>& q, int k, bool int4, uint8_t* dst) {
 void allocate_packed(PackedMatrix& m, int node) {
   m.node = node;
   m.blocks = static_cast<uint8_t*>(numa_alloc(m.blocks_bytes(), node, 64));
-  if (m.format != WeightFormat::kBF16) {
+  if (m.format == WeightFormat::kINT8) {
     const size_t bytes = m.group_floats() * sizeof(float);
     m.scale = static_cast<float*>(numa_alloc(bytes, node, 64));
     m.scale_qsum = static_cast<float*>(numa_alloc(bytes, node, 64));
-    if (m.format == WeightFormat::kINT4) m.bias = static_cast<float*>(numa_alloc(bytes, node, 64));
   }
 }
 
@@ -129,9 +130,8 @@ void free_packed(PackedMatrix& m) {
   if (m.blocks) numa_free(m.blocks, m.blocks_bytes());
   if (m.scale) numa_free(m.scale, bytes);
   if (m.scale_qsum) numa_free(m.scale_qsum, bytes);
-  if (m.bias) numa_free(m.bias, bytes);
   m.blocks = nullptr;
-  m.scale = m.scale_qsum = m.bias = nullptr;
+  m.scale = m.scale_qsum = nullptr;
 }
 
 void pack_rows(PackedMatrix& m, int nb_begin, int num_blocks, const void* src, SourceType type,
@@ -150,9 +150,8 @@ void pack_rows(PackedMatrix& m, int nb_begin, int num_blocks, const void* src, S
         std::fill(&rows[size_t(n) * k], &rows[size_t(n) * k] + k, 0.0f);
       }
     }
-    uint8_t* dst = m.blocks + size_t(nb) * m.num_k_blocks() * m.block_bytes();
     if (m.format == WeightFormat::kBF16) {
-      pack_block_bf16(rows, k, dst);
+      pack_block_bf16(rows, k, m.n_block(nb));
       continue;
     }
     for (int n = 0; n < kBlockN; ++n) {
@@ -162,13 +161,20 @@ void pack_rows(PackedMatrix& m, int nb_begin, int num_blocks, const void* src, S
         const GroupQuant r = int4 ? quantize_int4(w, gs, qg) : quantize_int8(w, gs, qg);
         int qsum = 0;
         for (int i = 0; i < gs; ++i) qsum += qg[i];
-        const size_t at = (size_t(nb) * groups + g) * kBlockN + n;
-        m.scale[at] = r.scale;
-        m.scale_qsum[at] = r.scale * float(qsum);
-        if (int4) m.bias[at] = r.bias;
+        if (int4) {
+          // The kernels see the bf16-rounded scale: its zero-point term uses the same value.
+          uint16_t* meta = m.meta(nb, g);
+          meta[n] = float_to_bf16(r.scale);
+          meta[16 + n] = float_to_bf16(bf16_to_float(meta[n]) * float(qsum));
+          meta[32 + n] = float_to_bf16(r.bias);
+        } else {
+          const size_t at = (size_t(nb) * groups + g) * kBlockN + n;
+          m.scale[at] = r.scale;
+          m.scale_qsum[at] = r.scale * float(qsum);
+        }
       }
     }
-    place_int(q, k, int4, dst);
+    place_int(m, nb, q);
   }
 }
 

@@ -55,11 +55,7 @@ size_t MoELayer::packed_bytes() const {
   size_t total = 0;
   for (const auto* mats : {&gate_up_, &down_})
     for (const auto& m : *mats) {
-      if (!m.blocks) continue;
-      const int arrays = m.format == WeightFormat::kINT4   ? 3
-                         : m.format == WeightFormat::kINT8 ? 2
-                                                           : 0;
-      total += m.blocks_bytes() + arrays * m.group_floats() * sizeof(float);
+      if (m.blocks) total += m.total_bytes();
     }
   return total;
 }
