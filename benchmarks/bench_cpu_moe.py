@@ -5,7 +5,8 @@ weights come from DRAM), weight bytes read / time against the read bandwidth mea
 (decode), TFLOPS (prefill), and a plain-torch per-expert loop on bf16 weights as the baseline.
 First it measures the AVX-512/AMX crossover (tokens per expert) per format and uses it.
 
-Usage: python benchmarks/bench_cpu_moe.py [--layers 6] [--json out.json] [--quick]
+Usage: python benchmarks/bench_cpu_moe.py [--layers 6] [--formats bf16,int8,int4] [--json out.json]
+           [--quick]
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--q", default="1,2,4,8,32,128,512,2048")
     parser.add_argument("--json", type=Path, default=Path("bench_cpu_moe.json"))
+    parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--quick", action="store_true", help="few calls (a smoke run)")
     args = parser.parse_args()
     E, H, I, K = args.experts, 2048, 768, 8
@@ -158,7 +160,7 @@ def main() -> None:
               "rows": []}
     amx = _cpu.best_isa() == "amx"
     baseline = [tuple(t.clone() for t in src) for _ in range(args.layers)]
-    for fmt in FORMATS:
+    for fmt in args.formats.split(","):
         layers = []
         for _ in range(args.layers):
             moe = CpuMoE(E, H, I, fmt)
@@ -194,7 +196,7 @@ def main() -> None:
             report["rows"].append(row)
             print(json.dumps(row), flush=True)
         layers.clear()
-    args.json.write_text(json.dumps(report, indent=1))
+        args.json.write_text(json.dumps(report, indent=1))  # after each format: a cut run keeps it
     print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s, torch bf16 matmul "
           f"{tflops_torch:.1f} TFLOPS, {report['machine']['cpu']}")
     print(f"{'fmt':5} {'q':>5} {'ms':>9} {'GB/s':>7} {'%BW':>5} {'floor ms':>9} {'TFLOPS':>7} "
