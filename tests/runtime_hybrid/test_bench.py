@@ -122,6 +122,7 @@ def test_bench_command_on_a_preset(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert set(data["decode"]) == {"eager_d0", "eager_d1"}  # no GPU: no graphs
     assert data["read_gb_s"] > 0 and data["bound_tok_s"] > 0
+    assert data["pool_read_gb_s"] > 0 and data["pool_bound_tok_s"] > 0
     assert data["decode"]["eager_d0"]["timed_steps"] == 2
     assert "16" in data["prefill_tok_s"]
     assert "tiny-qwen3-moe" in result.output

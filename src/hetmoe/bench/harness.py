@@ -112,6 +112,14 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         f"{result['build_s']} s")
     result["routed_bytes_per_token"] = measure.routed_bytes_per_token(model)
     result["bound_tok_s"] = round(result["read_gb_s"] * 1e9 / result["routed_bytes_per_token"], 2)
+    if cfg.experts == "cpu":
+        from hetmoe import _cpu
+
+        # The CPU backend's own workers reading: a second, same-run bandwidth for the bound.
+        size = int(cfg.bandwidth_gib * 2**30)
+        result["pool_read_gb_s"] = round(_cpu.read_bandwidth(size, 5) / 1e9, 1)
+        result["pool_bound_tok_s"] = round(
+            result["pool_read_gb_s"] * 1e9 / result["routed_bytes_per_token"], 2)
     if cfg.experts == "torch-cpu":
         runner = ModelRunner(model, device, torch.bfloat16, 1, window)
         run = measure.greedy_decode(runner, prompt, cfg.new_tokens)
@@ -134,6 +142,11 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         run = measure.greedy_decode(runner, prompt, cfg.new_tokens)
         decode[name], tokens[name] = _decode_entry(run, result["bound_tok_s"]), run.tokens
         log(f"decode {name}: {decode[name]['tok_s']} tok/s")
+    if runner.use_graphs:
+        runner.reset_graphs(0)
+        run = _without_cpu_work(runner, prompt, cfg.new_tokens)
+        decode["graph_d0_no_cpu_work"] = _decode_entry(run, result["bound_tok_s"])
+        log(f"decode graph_d0_no_cpu_work: {decode['graph_d0_no_cpu_work']['tok_s']} tok/s")
     if cfg.eager and runner.use_graphs:
         runner.reset_graphs(0)
         result["launches"] = {"graph": measure.count_launches(runner, prompt, 8)}
@@ -165,6 +178,22 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     del runner, model
     gc.collect()
     return result
+
+
+def _without_cpu_work(runner: HybridRunner, prompt: list[int],
+                      new_tokens: int) -> measure.DecodeRun:
+    """Decode with every routed expert masked out of the CPU jobs: the runtime's floor (GPU
+    work, copies, signals, CPU jobs that route nothing). Its tokens mean nothing."""
+    from hetmoe.engine.overlap import cpu_moe_of
+
+    moes = [cpu_moe_of(m.experts) for m in runner.overlap.layers]
+    for moe in moes:
+        moe.set_gpu_experts(torch.ones(moe.num_experts, dtype=torch.bool))
+    try:
+        return measure.greedy_decode(runner, prompt, new_tokens)
+    finally:
+        for moe in moes:
+            moe.set_gpu_experts(None)
 
 
 def _decode_entry(run: measure.DecodeRun, bound: float) -> dict[str, Any]:
