@@ -140,4 +140,4 @@ def test_flag_job_needs_bound_buffers() -> None:
 
 def test_signal_is_checked() -> None:
     with pytest.raises(ValueError, match="signal must be one of flags, host_functions, got 'x'"):
-        HybridConfig(signal="x")
+        HybridConfig(signal="x")  # type: ignore[arg-type]

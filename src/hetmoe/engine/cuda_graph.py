@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hetmoe.engine.host_link import SIGNALS, HostLink
+from hetmoe.engine.host_link import SIGNALS, HostLink, Signal
 from hetmoe.engine.overlap import MoEOverlap
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.ops.kv_batch import KVBatch
@@ -38,7 +38,7 @@ class HybridConfig:
     """Replay decode steps as CUDA graphs (False: the same steps launched eagerly)."""
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     """Decode batch sizes that get a graph; larger batches run eagerly."""
-    signal: str = "flags"
+    signal: Signal = "flags"
     """How the GPU stream starts and awaits CPU experts: "flags" or "host_functions"."""
 
     def __post_init__(self) -> None:
@@ -69,7 +69,7 @@ class HybridRunner(ModelRunner):
         super().__init__(model, device, dtype, max_batch, max_seq_len)
         self.config = config or HybridConfig()
         self.overlap = MoEOverlap(model, device, max(max_batch, *self.config.graph_batch_sizes),
-                                  self.config.deferred, self.config.signal)  # type: ignore[arg-type]
+                                  self.config.deferred, self.config.signal)
         self.use_graphs = self.config.cuda_graphs and device.type == "cuda"
         if self.config.cuda_graphs and not self.use_graphs:
             log.info("CUDA graphs need a CUDA device (running on %s): decode runs eagerly", device)
