@@ -182,6 +182,7 @@ NB_MODULE(_cpu, m) {
       }, nb::arg("stream"), "Enqueue submit + wait host functions on a cudaStream_t.")
       .def("take_error", [](CountingHostJob& j) { return j.host.take_error(); });
   using hetmoe::StreamFlags;
+  m.attr("POOL_QUEUE_CAPACITY") = hetmoe::kPoolQueueCapacity;
   m.def("stream_memops_available", &hetmoe::stream_memops_available,
         "True when the loaded CUDA driver provides cuStreamWriteValue32 / cuStreamWaitValue32.");
   m.def("cuda_driver_path", &hetmoe::cuda_driver_path,

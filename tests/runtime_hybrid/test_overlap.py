@@ -87,6 +87,24 @@ def test_cpu_moe_of_finds_the_backend_engine(engine: Callable[[str, str], LLM]) 
     assert len(found) == len(layers) == 2
 
 
+def test_a_step_starting_more_cpu_jobs_than_the_pool_queues_is_refused(
+    engine: Callable[[str, str], LLM]
+) -> None:
+    from hetmoe import _cpu
+
+    runner = hybrid(engine("qwen3_moe", "cpu"))
+    try:
+        runner.overlap.begin_capture()
+        assert runner.overlap.recorded is not None
+        runner.overlap.recorded.extend([runner.overlap.direct[0]] * 257)  # type: ignore[list-item]
+        with pytest.raises(RuntimeError, match=r"a decode step starts 257 CPU jobs \(2 MoE "
+                           r"layers, deferred=0\) but the CPU pool queues 256"):
+            runner.overlap.end_capture()
+        assert _cpu.POOL_QUEUE_CAPACITY == 256
+    finally:
+        runner.overlap.detach()
+
+
 def test_graph_options_are_checked() -> None:
     with pytest.raises(ValueError, match=r"graph_batch_sizes must be positive integers, got \(0,"):
         HybridConfig(graph_batch_sizes=(0, 2))

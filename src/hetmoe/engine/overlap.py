@@ -146,8 +146,19 @@ class MoEOverlap:
         self.recorded = []
 
     def end_capture(self) -> list[HostLink]:
-        """The flag jobs the captured step starts, in stream order (for `submit_recorded`)."""
+        """The flag jobs the captured step starts, in stream order (for `submit_recorded`).
+
+        RuntimeError when they exceed the pool's queue: they are all queued before the replay,
+        and a full queue would wait for a job that waits for the replay."""
+        from hetmoe import _cpu
+
         recorded, self.recorded = self.recorded or [], None
+        capacity = int(_cpu.POOL_QUEUE_CAPACITY)
+        if len(recorded) > capacity:
+            raise RuntimeError(
+                f"MoEOverlap: a decode step starts {len(recorded)} CPU jobs ({len(self.layers)} "
+                f"MoE layers, deferred={self.deferred}) but the CPU pool queues {capacity}; "
+                "use deferred=0 or signal='host_functions'")
         return recorded
 
     def submit_recorded(self, links: Sequence[HostLink]) -> None:
