@@ -21,17 +21,26 @@ def cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPa
     return path
 
 
-def test_generate_streams_the_engines_text(cache: Path) -> None:
+def test_generate_streams_the_engines_chat_answer(cache: Path) -> None:
     result = runner.invoke(app, ["generate", "tiny-qwen3-moe", "Hello", "--max-new-tokens", "8",
                                  "--verbose"])
     assert result.exit_code == 0, result.output
-    expected = LLM("tiny-qwen3-moe", progress=False).generate("Hello", max_new_tokens=8).text
+    llm = LLM("tiny-qwen3-moe", progress=False)
+    expected = llm.chat([{"role": "user", "content": "Hello"}], max_new_tokens=8).text
     assert result.stdout.endswith(expected + "\n")
     assert "injection: 4 module(s) replaced" in result.stdout
     assert "model.layers.1.mlp: Qwen3MoeSparseMoeBlock -> hybrid_moe on cpu (rule 1)" in (
         result.stdout
     )
     assert (cache / "models").is_dir()
+
+
+def test_generate_raw_continues_the_text(cache: Path) -> None:
+    result = runner.invoke(app, ["generate", "tiny-qwen3-moe", "Hello", "--max-new-tokens", "8",
+                                 "--raw"])
+    assert result.exit_code == 0, result.output
+    expected = LLM("tiny-qwen3-moe", progress=False).generate("Hello", max_new_tokens=8).text
+    assert result.stdout.endswith(expected + "\n")
 
 
 def test_chat_keeps_history_and_exits(cache: Path) -> None:

@@ -68,13 +68,25 @@ def generate(
     max_seq_len: MaxSeqLenOpt = None,
     experts: ExpertsOpt = None,
     verbose: VerboseOpt = False,
+    raw: Annotated[bool, typer.Option(
+        "--raw", help="Send PROMPT as plain text, not as a user message in the chat template")
+    ] = False,
 ) -> None:
-    """Generate a continuation of PROMPT, streamed to stdout."""
+    """Answer PROMPT, streamed to stdout.
+
+    PROMPT goes to the model as one user message through its chat template when the tokenizer has
+    one (what instruct models expect); with --raw, or without a template, it is continued as text.
+    """
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
                    verbose=verbose)
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                    top_k=top_k, seed=seed, stop=stop)
     try:
-        for piece in llm.stream(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                top_p=top_p, top_k=top_k, seed=seed, stop=stop):
+        if raw or not llm.has_chat_template:
+            pieces = llm.stream(prompt, **sampling)
+        else:
+            pieces = llm.stream_chat([{"role": "user", "content": prompt}], **sampling)
+        for piece in pieces:
             typer.echo(piece, nl=False)
     except ValueError as exc:
         fail(exc)

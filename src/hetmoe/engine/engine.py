@@ -144,9 +144,14 @@ class LLM:
         """Like `chat`, yielding text pieces."""
         return self.stream(self.chat_prompt(messages), **sampling)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer carries a chat template (`chat` and `chat_prompt` need one)."""
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+
     def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of `messages` rendered by the chat template, ready for the reply."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if not self.has_chat_template:
             raise ValueError(f"the tokenizer of {self.path} has no chat template")
         text = self.tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=True
