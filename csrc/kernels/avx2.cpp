@@ -75,13 +75,12 @@ inline __m256 bf16x8(const uint16_t* p) {
 }
 
 template <bool kInt4>
-void fix_up(const PackedMatrix& w, int nb, int g, const ActView& a, int t, __m256i* dot,
-            __m256* acc) {
+void fix_up(const PackedMatrix& w, int nb, int g, const uint16_t* meta, const ActView& a, int t,
+            __m256i* dot, __m256* acc) {
   __m256i sums[2];
   reduce16(dot, sums);
   const size_t at = (size_t(nb) * w.num_groups() + g) * kBlockN, ga = size_t(t) * a.ldg + g;
   const __m256 sx = _mm256_set1_ps(a.scale[ga]), bx = _mm256_set1_ps(a.bias[ga]);
-  const uint16_t* meta = kInt4 ? w.meta(nb, g) : nullptr;
   for (int h = 0; h < 2; ++h) {
     const __m256 sw = kInt4 ? bf16x8(meta + 8 * h) : _mm256_loadu_ps(w.scale + at + 8 * h);
     const __m256 swq =
@@ -107,11 +106,15 @@ template <bool kInt4>
 void int_token(const PackedMatrix& w, int nb, const ActView& a, int t, float* c) {
   const int kblocks = w.num_k_blocks(), gs = w.group_size;
   const uint8_t* x = a.u8 + size_t(t) * a.ld;
+  // Blocks walked by pointer as in avx512.cpp (int4 metadata after each run's last block).
+  const int kpr = kInt4 ? w.run_k() / 64 : 1, kb_per_group = gs / 64;
+  const size_t meta_bytes = kInt4 ? w.run_bytes() - size_t(kpr) * 512 : 0;
+  const uint8_t* blk = w.n_block(nb);
+  int in_run = 0, in_group = 0;
   __m256i lo[4], hi[4];
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int i = 0; i < 4; ++i) lo[i] = hi[i] = _mm256_setzero_si256();
-  for (int kb = 0; kb < kblocks; ++kb) {
-    const uint8_t* blk = w.k_block(nb, kb);
+  for (int kb = 0; kb < kblocks; ++kb, blk += w.block_bytes()) {
     for (int r = 0; r < 16; ++r) {
       const __m128i x4 = _mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(x + kb * 64 + r * 4));
       const __m256i xw = _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(x4));
@@ -120,15 +123,21 @@ void int_token(const PackedMatrix& w, int nb, const ActView& a, int t, float* c)
         d[q] = _mm256_add_epi32(
             d[q], _mm256_madd_epi16(_mm256_cvtepi8_epi16(row_chunk<kInt4>(blk, r, q)), xw));
     }
+    const uint16_t* meta = reinterpret_cast<const uint16_t*>(blk + 512);
     if (gs == 32) {
-      fix_up<kInt4>(w, nb, 2 * kb, a, t, lo, acc);
-      fix_up<kInt4>(w, nb, 2 * kb + 1, a, t, hi, acc);
-    } else if ((kb + 1) % (gs / 64) == 0) {
+      fix_up<kInt4>(w, nb, 2 * kb, meta, a, t, lo, acc);
+      fix_up<kInt4>(w, nb, 2 * kb + 1, meta + 48, a, t, hi, acc);
+    } else if (++in_group == kb_per_group) {
+      in_group = 0;
       for (int i = 0; i < 4; ++i) {
         lo[i] = _mm256_add_epi32(lo[i], hi[i]);
         hi[i] = _mm256_setzero_si256();
       }
-      fix_up<kInt4>(w, nb, (kb + 1) * 64 / gs - 1, a, t, lo, acc);
+      fix_up<kInt4>(w, nb, (kb + 1) / kb_per_group - 1, meta, a, t, lo, acc);
+    }
+    if (kInt4 && ++in_run == kpr) {
+      in_run = 0;
+      blk += meta_bytes;
     }
   }
   _mm256_storeu_ps(c, acc[0]);

@@ -63,10 +63,9 @@ inline __m512 bf16x16(const uint16_t* p) {
 
 // Adds one group's exact integer dot products to the float accumulators (gemm.h's formula).
 template <bool kInt4, int MT>
-inline void fix_up(const PackedMatrix& w, int nb, int g, const ActView& a, int t0, __m512i* dot,
-                   __m512* acc) {
+inline void fix_up(const PackedMatrix& w, int nb, int g, const uint16_t* meta, const ActView& a,
+                   int t0, __m512i* dot, __m512* acc) {
   const size_t at = (size_t(nb) * w.num_groups() + g) * kBlockN;
-  const uint16_t* meta = kInt4 ? w.meta(nb, g) : nullptr;
   const __m512 sw = kInt4 ? bf16x16(meta) : _mm512_loadu_ps(w.scale + at);
   const __m512 swq = kInt4 ? bf16x16(meta + 16) : _mm512_loadu_ps(w.scale_qsum + at);
   const __m512 bw = kInt4 ? bf16x16(meta + 32) : _mm512_setzero_ps();
@@ -83,6 +82,12 @@ inline void fix_up(const PackedMatrix& w, int nb, int g, const ActView& a, int t
 template <bool kInt4, int MT>
 void int_tokens(const PackedMatrix& w, int nb, const ActView& a, int t0, float* c, size_t ldc) {
   const int kblocks = w.num_k_blocks(), gs = w.group_size;
+  // Walk the blocks by pointer (no divisions in the loop): int4 runs of kpr blocks, each followed
+  // by its groups' metadata, which a fix-up reads right after the run's last block.
+  const int kpr = kInt4 ? w.run_k() / 64 : 1, kb_per_group = gs / 64;
+  const size_t meta_bytes = kInt4 ? w.run_bytes() - size_t(kpr) * 512 : 0;
+  const uint8_t* blk = w.n_block(nb);
+  int in_run = 0, in_group = 0;
   const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
   __m512i lo[MT], hi[MT];
   __m512 acc[MT];
@@ -90,8 +95,7 @@ void int_tokens(const PackedMatrix& w, int nb, const ActView& a, int t0, float* 
     lo[t] = hi[t] = _mm512_setzero_si512();
     acc[t] = _mm512_setzero_ps();
   }
-  for (int kb = 0; kb < kblocks; ++kb) {
-    const uint8_t* blk = w.k_block(nb, kb);
+  for (int kb = 0; kb < kblocks; ++kb, blk += w.block_bytes()) {
     _mm_prefetch(reinterpret_cast<const char*>(blk + 2048), _MM_HINT_T0);  // ~4 blocks ahead
     for (int r = 0; r < 8; ++r) {
       __m512i w0, w1;
@@ -109,15 +113,21 @@ void int_tokens(const PackedMatrix& w, int nb, const ActView& a, int t0, float* 
         hi[t] = _mm512_dpbusd_epi32(hi[t], broadcast32(xt + (r + 8) * 4), w1);
       }
     }
+    const uint16_t* meta = reinterpret_cast<const uint16_t*>(blk + 512);
     if (gs == 32) {
-      fix_up<kInt4, MT>(w, nb, 2 * kb, a, t0, lo, acc);
-      fix_up<kInt4, MT>(w, nb, 2 * kb + 1, a, t0, hi, acc);
-    } else if ((kb + 1) % (gs / 64) == 0) {
+      fix_up<kInt4, MT>(w, nb, 2 * kb, meta, a, t0, lo, acc);
+      fix_up<kInt4, MT>(w, nb, 2 * kb + 1, meta + 48, a, t0, hi, acc);
+    } else if (++in_group == kb_per_group) {
+      in_group = 0;
       for (int t = 0; t < MT; ++t) {
         lo[t] = _mm512_add_epi32(lo[t], hi[t]);
         hi[t] = _mm512_setzero_si512();
       }
-      fix_up<kInt4, MT>(w, nb, (kb + 1) * 64 / gs - 1, a, t0, lo, acc);
+      fix_up<kInt4, MT>(w, nb, (kb + 1) / kb_per_group - 1, meta, a, t0, lo, acc);
+    }
+    if (kInt4 && ++in_run == kpr) {
+      in_run = 0;
+      blk += meta_bytes;
     }
   }
   for (int t = 0; t < MT; ++t) _mm512_storeu_ps(c + size_t(t) * ldc, acc[t]);
