@@ -53,7 +53,8 @@ const uint8_t* tile_order(const uint8_t* a, size_t ld_bytes, int m, size_t row_b
     for (int r = 0; r < 16; ++r) {
       const uint8_t* src = a + (size_t(tb) * 16 + r) * ld_bytes;
       uint8_t* dst = out + size_t(tb) * steps * 16 * step + size_t(r) * step;
-      for (int s = 0; s < steps; ++s) std::memcpy(dst + size_t(s) * 16 * step, src + s * step, step);
+      for (int s = 0; s < steps; ++s)
+        std::memcpy(dst + size_t(s) * 16 * step, src + s * step, step);
     }
   return out;
 }

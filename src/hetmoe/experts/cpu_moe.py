@@ -17,7 +17,7 @@ import torch
 from hetmoe import env
 from hetmoe.experts.expert_weights import WEIGHT_FORMATS, ExpertWeights, check_group_size
 
-AMX_MIN_TOKENS = {"bf16": 4, "int8": 12, "int4": 64}
+AMX_MIN_TOKENS = {"bf16": 2, "int8": 32, "int4": 32}
 """Tokens per expert from which AMX tiles beat AVX-512, per format (measured by
 benchmarks/bench_cpu_moe.py on a 16-core Xeon with AMX: docs/benchmarks/cpu_moe.md)."""
 
