@@ -20,6 +20,9 @@ class EngineConfig:
     """KV-cache slots, i.e. sequences decoded together at most."""
     experts: str | None = None
     """Routed-expert backend for every MoE layer (`torch`, `cpu`); None: as the rules say."""
+    torch_threads: int | None = None
+    """CPU-device runs: torch's intra-op threads beside the CPU expert pool; None: the cores the
+    pool leaves free (at least 1), so torch and the spinning pool never fight for a core."""
     verbose: bool = False
     """Print the injection report (what was replaced, on which device) after loading."""
     progress: bool = True
@@ -30,6 +33,8 @@ class EngineConfig:
             raise ValueError(f"option dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ValueError(f"option max_seq_len must be positive, got {self.max_seq_len}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"option torch_threads must be positive, got {self.torch_threads}")
         if self.max_batch < 1:
             raise ValueError(f"option max_batch must be a positive integer, got {self.max_batch}")
 

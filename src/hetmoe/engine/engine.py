@@ -71,6 +71,7 @@ class LLM:
         )
         self.model = loaded.model.eval()
         _check_experts_loaded(self.model, self.path)
+        _share_cores(self.model, self.device, self.options.torch_threads)
         self.tokenizer = loaded.tokenizer
         self.family = loaded.family
         if self.options.verbose:
@@ -235,6 +236,24 @@ def _check_experts_loaded(model: torch.nn.Module, path: Path) -> None:
             f"{path}: the checkpoint lacks {len(missing)} routed-expert tensors: "
             f"{', '.join(missing[:5])}{more}"
         )
+
+
+def _share_cores(model: torch.nn.Module, device: torch.device, requested: int | None) -> None:
+    """On the CPU device, gives torch the cores the CPU expert pool leaves free.
+
+    The pool's workers spin between layers; torch threads on the same cores would be preempted
+    (measured on 2 cores: 3.5 tok/s with torch on both cores, 13.8 with torch on the free one).
+    """
+    from hetmoe.experts.cpu_backend import CpuExperts
+
+    if device.type != "cpu" or not any(isinstance(m, CpuExperts) for m in model.modules()):
+        return
+    if requested is None:
+        from hetmoe._cpu import pool_info
+
+        info = pool_info()
+        requested = max(1, int(info["allowed_cpus"]) - int(info["threads"]))
+    torch.set_num_threads(requested)
 
 
 def _read_config(path: Path) -> dict[str, Any]:
