@@ -16,9 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from hetmoe.ops.moe import HybridMoE
 
 MIN_IMMEDIATE = 2
 """Experts per token that always run in their own layer."""
@@ -49,7 +53,7 @@ def split_ids(expert_ids: torch.Tensor, deferred: int) -> tuple[torch.Tensor, to
     return immediate, late
 
 
-def moe_layers(model: nn.Module) -> list[nn.Module]:
+def moe_layers(model: nn.Module) -> list[HybridMoE]:
     """The model's hybrid MoE modules in execution order."""
     from hetmoe.ops.moe import HybridMoE
 
@@ -84,7 +88,7 @@ class DeferralReference:
                 moe.runtime = None
             self.carry = None
 
-    def forward(self, moe: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, moe: HybridMoE, hidden_states: torch.Tensor) -> torch.Tensor:
         """O_k − I_k for MoE layer `moe` (see the module docstring)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # [T, H]
