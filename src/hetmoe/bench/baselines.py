@@ -9,7 +9,7 @@ the GPU by accelerate's hooks each time their module runs. Generation is HF `gen
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,20 +18,22 @@ from hetmoe.bench.random_model import random_tensor
 from hetmoe.loading.materialize import _rebuild_computed_buffers
 from hetmoe.loading.skeleton import build_skeleton
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 def _is_routed_experts(name: str) -> bool:
     return name.endswith(".experts") and ".layers." in name
 
 
 def build_offloaded_hf_model(config: Any, dtype: torch.dtype = torch.bfloat16,
-                             seed: int = 0) -> nn.Module:
+                             seed: int = 0) -> PreTrainedModel:
     """The plain HF model of `config`, random weights, experts offloaded to the CPU (accelerate)."""
     from accelerate import dispatch_model
 
     model = build_skeleton(config, dtype)
     gpu = torch.device("cuda")
     generator = torch.Generator(gpu).manual_seed(seed)
-    device_map: dict[str, str | int] = {}
     experts = [name for name, _ in model.named_modules() if _is_routed_experts(name)]
     device_map: dict[str, str | int] = {}
     for name, module in model.named_modules():
@@ -54,7 +56,8 @@ def build_offloaded_hf_model(config: Any, dtype: torch.dtype = torch.bfloat16,
 
 
 @torch.inference_mode()
-def hf_generate_speed(model: nn.Module, prompt: list[int], new_tokens: int) -> dict[str, float]:
+def hf_generate_speed(model: PreTrainedModel, prompt: list[int],
+                      new_tokens: int) -> dict[str, float]:
     """Prefill and decode speed of HF `generate` (greedy): decode = the time of `new_tokens`
     minus the time of 1 new token, over new_tokens - 1."""
     ids = torch.tensor([prompt], device="cuda")

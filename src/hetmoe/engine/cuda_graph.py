@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from hetmoe.engine.host_link import SIGNALS, HostLink, Signal
 from hetmoe.engine.overlap import MoEOverlap
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.ops.kv_batch import KVBatch
+
+if TYPE_CHECKING:
+    from hetmoe.ops.moe import HybridMoE
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +160,7 @@ def make_runner(model: nn.Module, device: torch.device, dtype: torch.dtype, max_
     from hetmoe.engine.overlap import cpu_moe_of
     from hetmoe.ops.deferral import moe_layers
 
-    def on_cpu_backend(moe: nn.Module) -> bool:
+    def on_cpu_backend(moe: HybridMoE) -> bool:
         try:
             cpu_moe_of(moe.experts)
         except ValueError:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from torch import nn
 from hetmoe.engine.host_link import HostLink, Signal, check_signal
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.ops.deferral import check_deferred, moe_layers, split_ids
+
+if TYPE_CHECKING:
+    from hetmoe.ops.moe import HybridMoE
 
 ABORT_TIMEOUT_S = 30.0
 """Seconds a failed step's stream gets to drain (done words held set) before giving up."""
@@ -208,7 +211,7 @@ class MoEOverlap:
         for link in self.host:
             link.flags.reset()
 
-    def forward(self, moe: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, moe: HybridMoE, hidden_states: torch.Tensor) -> torch.Tensor:
         """The MoE output (without the residual) of `hidden_states` [..., H] at layer `moe`."""
         shape = hidden_states.shape
         i = self.index[id(moe)]
