@@ -85,12 +85,14 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
                               "machine": _machine(device)}
     result["read_gb_s"] = round(measure.read_bandwidth(cfg.bandwidth_gib), 1)
     log(f"host read bandwidth {result['read_gb_s']} GB/s")
+    config: Any  # the transformers config of the model or of the shape
     if cfg.model is not None:
         from hetmoe.engine.engine import LLM
 
         llm = LLM(cfg.model, device=device, progress=False)
         model, config = llm.model, llm.model.config
     else:
+        assert cfg.shape is not None  # __post_init__: exactly one of shape and model is set
         config = shape_config(cfg.shape, cfg.num_layers)
     prompt = torch.randint(0, config.vocab_size, (cfg.prompt_len,),
                            generator=torch.Generator().manual_seed(cfg.seed)).tolist()
@@ -99,9 +101,9 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         from hetmoe.bench.baselines import build_offloaded_hf_model, hf_generate_speed
 
         start = time.perf_counter()
-        model = build_offloaded_hf_model(config, seed=cfg.seed)
+        hf_model = build_offloaded_hf_model(config, seed=cfg.seed)
         result["build_s"] = round(time.perf_counter() - start, 1)
-        result["decode"] = {"accelerate": hf_generate_speed(model, prompt, cfg.new_tokens)}
+        result["decode"] = {"accelerate": hf_generate_speed(hf_model, prompt, cfg.new_tokens)}
         return result
     start = time.perf_counter()
     if cfg.model is None:

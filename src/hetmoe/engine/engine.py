@@ -152,12 +152,13 @@ class LLM:
 
     def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of `messages` rendered by the chat template, ready for the reply."""
-        if not self.has_chat_template:
+        tokenizer = self.tokenizer
+        if tokenizer is None or not self.has_chat_template:
             raise ValueError(f"the tokenizer of {self.path} has no chat template")
-        text = self.tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=True
         )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(tokenizer.encode(text, add_special_tokens=False))
 
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Prefill logits [len, vocab] float32 of `token_ids` (on the CPU)."""

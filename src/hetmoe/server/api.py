@@ -27,11 +27,11 @@ Body = protocol.ChatCompletionRequest | protocol.CompletionRequest
 
 
 def _service(request: Request) -> ModelService:
-    return request.app.state.service  # type: ignore[no-any-return]
+    return request.app.state.service
 
 
 def _metrics(request: Request) -> Metrics:
-    return request.app.state.metrics  # type: ignore[no-any-return]
+    return request.app.state.metrics
 
 
 @router.get("/health")
