@@ -79,8 +79,8 @@ def generate(
     """
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
                    verbose=verbose)
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                    top_k=top_k, seed=seed, stop=stop)
+    sampling: dict[str, Any] = dict(max_new_tokens=max_new_tokens, temperature=temperature,
+                                    top_p=top_p, top_k=top_k, seed=seed, stop=stop)
     try:
         if raw or not llm.has_chat_template:
             pieces = llm.stream(prompt, **sampling)
@@ -178,7 +178,8 @@ def serve(
     from hetmoe.server.app import serve as serve_app
     from hetmoe.server.config import ServerConfig
 
-    given = dict(host=host, port=port, api_key=api_key, max_queue=max_queue, model_name=model_name)
+    given: dict[str, Any] = dict(host=host, port=port, api_key=api_key, max_queue=max_queue,
+                                 model_name=model_name)
     try:
         config = ServerConfig(**{k: v for k, v in given.items() if v is not None})
     except ValueError as exc:
