@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hetmoe.presets.tiny import FAMILIES, build_tiny_model
 
@@ -27,6 +28,16 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyDir:
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a module: baby tensors on a shared 2-core box gain nothing from
+    intra-op threads, and threads that spin-wait for a busy core slow each step a hundredfold."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session", params=FAMILIES)

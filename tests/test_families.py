@@ -7,7 +7,6 @@ model also still works under transformers' own `generate`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,16 +15,8 @@ from baby import assert_logits_close, reference_greedy, reference_logits, refere
 
 from hetmoe import LLM
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPT = "The quick brown fox jumps over the lazy dog."
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Tiny tensors on a shared 2-core box: intra-op parallel regions only cost time."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @torch.no_grad()

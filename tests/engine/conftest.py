@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
 from hetmoe import LLM
 
@@ -27,9 +26,5 @@ def llm_of(tiny_dir: Callable[..., Any]) -> Callable[[str], LLM]:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Tiny tensors on a shared 2-core box: intra-op parallel regions only cost time."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread_here(one_torch_thread: None) -> None:
+    """Every test module of this folder runs with one torch thread."""

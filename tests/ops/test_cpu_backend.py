@@ -3,7 +3,7 @@ models: equal within bf16 tolerance."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,18 +16,13 @@ from hetmoe.experts.torch_backend import TorchExperts
 from hetmoe.inject.rules import parse_rules
 from hetmoe.presets.tiny import FAMILIES
 
-pytestmark = pytest.mark.skipif(
-    CpuExperts.unavailable() is not None, reason=f"cpu backend: {CpuExperts.unavailable()}"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        CpuExperts.unavailable() is not None, reason=f"cpu backend: {CpuExperts.unavailable()}"
+    ),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 SPEC = ExpertSpec(num_experts=6, hidden_size=64, intermediate_size=96)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-import torch
 
 from hetmoe import LLM
 from hetmoe.experts.backend import backends
@@ -29,9 +28,5 @@ def engine(tiny_dir: Callable[..., object]) -> Callable[[str, str], LLM]:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Tiny tensors on a shared 2-core box: intra-op parallel regions only cost time."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread_here(one_torch_thread: None) -> None:
+    """Every test module of this folder runs with one torch thread."""

@@ -6,20 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from live_server import API_KEY, LiveServer, tiny_llm
 
 from hetmoe.server.config import ServerConfig
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """The scheduler shares 2 cores with uvicorn and the test's clients: intra-op threads that
-    spin-wait for a busy core would slow each step a hundredfold."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
