@@ -13,19 +13,22 @@ namespace hetmoe {
 Routing route(const int64_t* ids, const float* weights, int q, int k, int num_experts,
               const std::vector<uint8_t>& gpu_mask, const std::vector<uint8_t>& loaded) {
   std::vector<int> count(num_experts, 0);
+  int64_t unloaded = -1;  // the first expert routed to but never loaded
   for (long i = 0; i < long(q) * k; ++i) {
     const int64_t e = ids[i];
+    if (e < -1 || e >= num_experts)  // the first bad id in row-major order, as Python finds it
+      throw std::invalid_argument("CpuMoE routing: expert_ids[" + std::to_string(i / k) + ", " +
+                                  std::to_string(i % k) + "] = " + std::to_string(e) +
+                                  " is outside [-1, " + std::to_string(num_experts) + ")");
     if (e < 0) continue;
-    if (e >= num_experts)
-      throw std::out_of_range("expert_ids[" + std::to_string(i / k) + ", " +
-                              std::to_string(i % k) + "] = " + std::to_string(e) +
-                              " is out of range [0, " + std::to_string(num_experts) + ")");
     if (!gpu_mask.empty() && gpu_mask[e]) continue;
-    if (!loaded[e])
-      throw std::runtime_error("expert " + std::to_string(e) +
-                               " is routed to but its weights were never loaded");
+    if (!loaded[e] && unloaded < 0) unloaded = e;
     ++count[e];
   }
+  // After the whole range pass: a bad id anywhere is reported before an unloaded expert.
+  if (unloaded >= 0)
+    throw std::runtime_error("expert " + std::to_string(unloaded) +
+                             " is routed to but its weights were never loaded");
   Routing r;
   for (int e = 0; e < num_experts; ++e)
     if (count[e] > 0) r.experts.push_back(e);

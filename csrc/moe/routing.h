@@ -18,7 +18,8 @@ struct Routing {
 };
 
 // ids/weights: [q, k]. Ids < 0 and experts marked in `gpu_mask` (may be empty) are skipped.
-// Throws std::out_of_range for an id >= num_experts, std::runtime_error for an expert never loaded.
+// Throws std::invalid_argument (Python: ValueError) for an id outside [-1, num_experts),
+// std::runtime_error for an expert never loaded.
 Routing route(const int64_t* ids, const float* weights, int q, int k, int num_experts,
               const std::vector<uint8_t>& gpu_mask, const std::vector<uint8_t>& loaded);
 
