@@ -7,6 +7,9 @@
 // its expert's activations once instead of every task reading all experts' (from L3).
 // Phases 3 and 4 run in every NUMA group over its own intermediate slice; the others split their
 // tasks across groups.
+// Decode (q <= kFoldTokens) folds 1 and 2 into 3: the first gate/up task of an expert converts
+// its rows straight from x while the expert's other tasks wait for it. With one NUMA group, 4
+// writes its output columns itself and 5 is dropped: a q=1 call is 2 phases (2 barriers).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -28,6 +31,9 @@ constexpr int kTokensPerTask = 4;
 constexpr int kRowsPerTask = 16;
 constexpr int kRowsForRowOut = 32;   // max rows per expert from which phase 4 goes by expert
 constexpr int kRowOutBlocks = 16;    // n-blocks (256 outputs) per (expert, column block) task
+constexpr int kFoldTokens = 4;       // max q whose rows are converted inside the gate/up phase
+// Slots of phase_us(): convert, gather, gate/up, down, combine (folded phases report 0).
+enum PhaseSlot { kConvert, kGather, kGateUp, kDown, kCombine, kNumSlots };
 
 const IsaKernels& kernels_of(Isa isa) {
   switch (isa) {
@@ -57,7 +63,49 @@ struct CallState {
   std::vector<ActStore> hidden;  // per NUMA group
   std::vector<float*> accum;     // per NUMA group, [q][H]
   std::vector<float*> row_out;   // per NUMA group, [rows][H] (prefill)
+  // Decode: per active expert 0 = rows not converted, 1 = being converted, 2 = ready.
+  std::unique_ptr<std::atomic<int>[]> rows_state;
 };
+
+// Row r <- token t of x in the kernels' input form (zero-padded to Hp), or zeros for padding.
+void convert_row(const CallState& st, const Epilogue& ep, int H, int Hp, int gs, long r) {
+  const int tok = st.routing.row_token[r];
+  if (tok < 0) {
+    st.rows.zero(r, 0, st.rows.k, gs);
+    return;
+  }
+  const MoECall& c = st.call;
+  float* row = scratch(Hp);
+  for (int i = 0; i < H; ++i) row[i] = load_value(c.x, c.x_type, size_t(tok) * H + i);
+  std::fill(row + H, row + Hp, 0.0f);
+  st.rows.put(ep, r, 0, row, Hp, gs);
+}
+
+// Decode: makes the rows of active expert `a` ready; the first task to come converts them, the
+// others spin until it is done (it is running on another worker, so the wait is short).
+void ensure_rows(CallState& st, const Epilogue& ep, int H, int Hp, int gs, size_t a) {
+  std::atomic<int>& state = st.rows_state[a];
+  int seen = state.load(std::memory_order_acquire);
+  if (seen == 2) return;
+  if (seen == 0 && state.compare_exchange_strong(seen, 1, std::memory_order_acq_rel)) {
+    const long row0 = st.routing.first_row[a];
+    const long end = row0 + long(round_up(st.routing.rows[a], 16));
+    for (long r = row0; r < end; ++r) convert_row(st, ep, H, Hp, gs, r);
+    state.store(2, std::memory_order_release);
+    return;
+  }
+  while (state.load(std::memory_order_acquire) != 2) __builtin_ia32_pause();
+}
+
+// out[t, col0:col0+n] = row[0:n] in the call's output dtype.
+void store_cols(const MoECall& c, int H, int t, int col0, int n, const float* row) {
+  if (c.out_type == DType::kFP32) {
+    std::memcpy(static_cast<float*>(c.out) + size_t(t) * H + col0, row, sizeof(float) * n);
+  } else {
+    uint16_t* o = static_cast<uint16_t*>(c.out) + size_t(t) * H + col0;
+    for (int i = 0; i < n; ++i) o[i] = float_to_bf16(row[i]);
+  }
+}
 
 // out[t] = row (H floats) in the call's output dtype.
 void store_row(const MoECall& c, int H, int t, const float* row) {
@@ -145,30 +193,38 @@ Job MoELayer::make_job(const MoECall& call) const {
     const bool amx = max_isa == Isa::kAmx && m >= amx_min;
     return kernels_of(amx ? Isa::kAmx : small_isa);
   };
+  const bool fold = q <= kFoldTokens && !row_out, store_in_down = G == 1 && !row_out;
   Job job;
-
-  // 1: each token once into the kernels' input form.
+  std::vector<int> slots;  // the PhaseSlot of each phase of `job`
   const Epilogue* ep = &kernels_of(small_isa).epilogue;
-  job.push_back({split(token_tasks), [st, G, H, Hp, gs, ep](size_t task, int g, int) {
-    const int chunk = int(task) * G + g;
-    const MoECall& c = st->call;
-    float* row = scratch(Hp);
-    for (int t = chunk * kTokensPerTask; t < std::min(c.q, (chunk + 1) * kTokensPerTask); ++t) {
-      for (int i = 0; i < H; ++i) row[i] = load_value(c.x, c.x_type, size_t(t) * H + i);
-      std::fill(row + H, row + Hp, 0.0f);
-      st->tokens.put(*ep, t, 0, row, Hp, gs);
-    }
-  }});
-  // 2: rows grouped by expert; padding rows are zero so AMX tiles read defined data.
-  job.push_back({split(row_tasks), [st, G, gs](size_t task, int g, int) {
-    const long chunk = long(task) * G + g;
-    const long end = std::min(st->routing.total_rows, (chunk + 1) * kRowsPerTask);
-    for (long r = chunk * kRowsPerTask; r < end; ++r) {
-      const int tok = st->routing.row_token[r];
-      if (tok < 0) st->rows.zero(r, 0, st->rows.k, gs);
-      else st->rows.copy_row(st->tokens, tok, r);
-    }
-  }});
+  if (fold) {
+    st->rows_state.reset(new std::atomic<int>[rt.experts.size()]);
+    for (size_t a = 0; a < rt.experts.size(); ++a) st->rows_state[a].store(0);
+  } else {
+    // 1: each token once into the kernels' input form.
+    slots.push_back(kConvert);
+    job.push_back({split(token_tasks), [st, G, H, Hp, gs, ep](size_t task, int g, int) {
+      const int chunk = int(task) * G + g;
+      const MoECall& c = st->call;
+      float* row = scratch(Hp);
+      for (int t = chunk * kTokensPerTask; t < std::min(c.q, (chunk + 1) * kTokensPerTask); ++t) {
+        for (int i = 0; i < H; ++i) row[i] = load_value(c.x, c.x_type, size_t(t) * H + i);
+        std::fill(row + H, row + Hp, 0.0f);
+        st->tokens.put(*ep, t, 0, row, Hp, gs);
+      }
+    }});
+    // 2: rows grouped by expert; padding rows are zero so AMX tiles read defined data.
+    slots.push_back(kGather);
+    job.push_back({split(row_tasks), [st, G, gs](size_t task, int g, int) {
+      const long chunk = long(task) * G + g;
+      const long end = std::min(st->routing.total_rows, (chunk + 1) * kRowsPerTask);
+      for (long r = chunk * kRowsPerTask; r < end; ++r) {
+        const int tok = st->routing.row_token[r];
+        if (tok < 0) st->rows.zero(r, 0, st->rows.k, gs);
+        else st->rows.copy_row(st->tokens, tok, r);
+      }
+    }});
+  }
   // 3: gate and up of one block of intermediate columns, SiLU(gate) * up -> hidden activations.
   // Whole quantization groups per task; 32 columns for decode (many tasks balance the cores),
   // up to 128 (256 from 32 rows) for prefill (each task re-reads its expert's rows: fewer, wider
@@ -184,11 +240,14 @@ Job MoELayer::make_job(const MoECall& call) const {
   std::vector<size_t> gu_tasks(G);
   for (int g = 0; g < G; ++g) gu_tasks[g] = rt.experts.size() * (slice(g) / cols);
   const size_t gu_max = G ? *std::max_element(gu_tasks.begin(), gu_tasks.end()) : 0;
-  job.push_back({gu_max, [this, st, cols, gs, kernels_for, ep](size_t task, int g, int) {
+  slots.push_back(kGateUp);
+  job.push_back({gu_max, [this, st, cols, gs, kernels_for, ep, fold, H, Hp](size_t task, int g,
+                                                                            int) {
     const int per_expert = slice(g) / cols;
     if (per_expert == 0 || task >= st->routing.experts.size() * per_expert) return;
     const Routing& r = st->routing;
     const size_t a = task / per_expert;
+    if (fold) ensure_rows(*st, *ep, H, Hp, gs, a);
     const int col0 = int(task % per_expert) * cols, m = r.rows[a], mp = int(round_up(m, 16));
     const long row0 = r.first_row[a];
     const PackedMatrix& w = gate_up_[size_t(g) * cfg_.num_experts + r.experts[a]];
@@ -205,6 +264,7 @@ Job MoELayer::make_job(const MoECall& call) const {
   }});
   if (row_out) {
     // 4: down of (expert, 256 output columns) straight into the rows' outputs.
+    slots.push_back(kDown);
     const int nbs = H / kBlockN, per_expert = (nbs + kRowOutBlocks - 1) / kRowOutBlocks;
     job.push_back({rt.experts.size() * per_expert, [this, st, nbs, per_expert, H, kernels_for](
                                                        size_t task, int g, int) {
@@ -219,6 +279,7 @@ Job MoELayer::make_job(const MoECall& call) const {
                                       st->row_out[g] + size_t(row0) * H + nb0 * kBlockN, H);
     }});
     // 5: each token's weighted rows over the NUMA groups, written once in the output dtype.
+    slots.push_back(kCombine);
     job.push_back({split(token_tasks), [this, st, G, H](size_t task, int g, int) {
       const int chunk = int(task) * G + g;
       const MoECall& c = st->call;
@@ -237,9 +298,11 @@ Job MoELayer::make_job(const MoECall& call) const {
     }});
   } else {
     // 4: down for a block of output columns over every expert, weighted into the group's partial.
+    // With one group the block is final: it goes to out here and phase 5 is not needed.
     const int nb_per_task = rt.max_rows >= 32 ? 2 : 1;
-    job.push_back({size_t(H / kBlockN / nb_per_task), [this, st, nb_per_task, H, kernels_for,
-                                                       ep](size_t task, int g, int) {
+    slots.push_back(kDown);
+    job.push_back({size_t(H / kBlockN / nb_per_task), [this, st, nb_per_task, H, kernels_for, ep,
+                                                       store_in_down](size_t task, int g, int) {
       const Routing& r = st->routing;
       const int nb0 = int(task) * nb_per_task, width = nb_per_task * kBlockN;
       float* acc = st->accum[g];
@@ -257,26 +320,31 @@ Job MoELayer::make_job(const MoECall& call) const {
           ep->axpy(r.row_weight[row0 + t], c + t * width, width,
                   acc + size_t(r.row_token[row0 + t]) * H + nb0 * kBlockN);
       }
+      for (int t = 0; store_in_down && t < st->call.q; ++t)
+        store_cols(st->call, H, t, nb0 * kBlockN, width, acc + size_t(t) * H + nb0 * kBlockN);
     }});
     // 5: sum of the groups' partial outputs, written once in the output dtype.
-    job.push_back({split(token_tasks), [this, st, G, H](size_t task, int g, int) {
-      const int chunk = int(task) * G + g;
-      const MoECall& c = st->call;
-      for (int t = chunk * kTokensPerTask; t < std::min(c.q, (chunk + 1) * kTokensPerTask); ++t) {
-        float* row = st->accum[0] + size_t(t) * H;
-        for (int gg = 1; gg < G; ++gg) {
-          if (slice(gg) == 0) continue;
-          const float* part = st->accum[gg] + size_t(t) * H;
-          for (int i = 0; i < H; ++i) row[i] += part[i];
+    if (!store_in_down) {
+      slots.push_back(kCombine);
+      job.push_back({split(token_tasks), [this, st, G, H](size_t task, int g, int) {
+        const int chunk = int(task) * G + g;
+        const MoECall& c = st->call;
+        for (int t = chunk * kTokensPerTask; t < std::min(c.q, (chunk + 1) * kTokensPerTask); ++t) {
+          float* row = st->accum[0] + size_t(t) * H;
+          for (int gg = 1; gg < G; ++gg) {
+            if (slice(gg) == 0) continue;
+            const float* part = st->accum[gg] + size_t(t) * H;
+            for (int i = 0; i < H; ++i) row[i] += part[i];
+          }
+          store_row(c, H, t, row);
         }
-        store_row(c, H, t, row);
-      }
-    }});
+      }});
+    }
   }
   if (profile_) {
-    auto clock = std::make_shared<PhaseClock>(job.size());
-    for (size_t p = 0; p < job.size(); ++p)
-      job[p].fn = [clock, p, fn = std::move(job[p].fn)](size_t task, int g, int w) {
+    auto clock = std::make_shared<PhaseClock>(kNumSlots);
+    for (size_t i = 0; i < job.size(); ++i)
+      job[i].fn = [clock, p = slots[i], fn = std::move(job[i].fn)](size_t task, int g, int w) {
         const int64_t start = now_ns();
         int64_t seen = clock->first[p].load();
         while (start < seen && !clock->first[p].compare_exchange_weak(seen, start)) {}
