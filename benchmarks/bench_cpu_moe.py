@@ -6,7 +6,7 @@ weights come from DRAM), weight bytes read / time against the read bandwidth mea
 First it measures the AVX-512/AMX crossover (tokens per expert) per format and uses it.
 
 Usage: python benchmarks/bench_cpu_moe.py [--layers 6] [--formats bf16,int8,int4] [--json out.json]
-           [--quick]
+           [--quick] [--no-crossover] [--git SHA]
 """
 
 from __future__ import annotations
@@ -140,6 +140,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("bench_cpu_moe.json"))
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--quick", action="store_true", help="few calls (a smoke run)")
+    parser.add_argument("--no-crossover", action="store_true",
+                        help="skip the AVX-512/AMX crossover runs; use AMX_MIN_TOKENS")
+    parser.add_argument("--git", default="",
+                        help="commit to record (default: git rev-parse HEAD, where .git exists)")
     args = parser.parse_args()
     E, H, I, K = args.experts, 2048, 768, 8
     qs = [int(v) for v in args.q.split(",")]
@@ -154,8 +158,8 @@ def main() -> None:
               "read_bandwidth_gbs": bandwidth / 1e9, "torch_sum_gbs": torch_bandwidth / 1e9,
               "torch_bf16_matmul_tflops": tflops_torch,
               "shape": {"E": E, "H": H, "I": I, "k": K, "layers": args.layers},
-              "git": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                    text=True).stdout.strip(),
+              "git": args.git or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                text=True).stdout.strip(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "crossover": {},
               "rows": []}
     amx = _cpu.best_isa() == "amx"
@@ -166,7 +170,7 @@ def main() -> None:
             moe = CpuMoE(E, H, I, fmt)
             moe.load(*src)
             layers.append(moe)
-        if amx:
+        if amx and not args.no_crossover:
             m, rows = crossover(layers, args.quick)
             report["crossover"][fmt] = {"amx_min_tokens": m, "rows": rows}
             print(f"crossover {fmt}: AMX from {m} tokens/expert", flush=True)

@@ -16,10 +16,12 @@ Routing route(const int64_t* ids, const float* weights, int q, int k, int num_ex
   int64_t unloaded = -1;  // the first expert routed to but never loaded
   for (long i = 0; i < long(q) * k; ++i) {
     const int64_t e = ids[i];
-    if (e < -1 || e >= num_experts)  // the first bad id in row-major order, as Python finds it
-      throw std::invalid_argument("CpuMoE routing: expert_ids[" + std::to_string(i / k) + ", " +
-                                  std::to_string(i % k) + "] = " + std::to_string(e) +
-                                  " is outside [-1, " + std::to_string(num_experts) + ")");
+    if (e < -1 || e >= num_experts)  // the first bad id in row-major order
+      throw std::out_of_range("expert_ids[" + std::to_string(i / k) + ", " +
+                              std::to_string(i % k) + "] = " + std::to_string(e) +
+                              (e < 0 ? " is below -1 (the id of a skipped slot)"
+                                     : " is out of range [0, " + std::to_string(num_experts) +
+                                           ")"));
     if (e < 0) continue;
     if (!gpu_mask.empty() && gpu_mask[e]) continue;
     if (!loaded[e] && unloaded < 0) unloaded = e;

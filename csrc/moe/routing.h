@@ -18,7 +18,7 @@ struct Routing {
 };
 
 // ids/weights: [q, k]. Ids < 0 and experts marked in `gpu_mask` (may be empty) are skipped.
-// Throws std::invalid_argument (Python: ValueError) for an id outside [-1, num_experts),
+// Throws std::out_of_range for an id outside [-1, num_experts) (before any other error),
 // std::runtime_error for an expert never loaded.
 Routing route(const int64_t* ids, const float* weights, int q, int k, int num_experts,
               const std::vector<uint8_t>& gpu_mask, const std::vector<uint8_t>& loaded);

@@ -194,7 +194,11 @@ class CpuMoE:
         """out[q, H] (dtype of x) = sum_j w_j * expert_{ids_j}(x); ids of -1 are skipped."""
         out = self._check_call(x, expert_ids, expert_weights, out)
         if x.shape[0]:
-            self._layer.forward(*self._call_args(x, expert_ids, expert_weights, out))
+            try:
+                self._layer.forward(*self._call_args(x, expert_ids, expert_weights, out))
+            except IndexError:  # the routing pass refused an id: name it as every check here
+                self._check_ids(expert_ids)
+                raise
         return out
 
     __call__ = forward
@@ -204,7 +208,11 @@ class CpuMoE:
         """Starts `forward` on the pool and returns at once; `sync` returns the output."""
         out = self._check_call(x, expert_ids, expert_weights, out)
         args = self._call_args(x, expert_ids, expert_weights, out)
-        handle = self._layer.submit(*args) if x.shape[0] else 0
+        try:
+            handle = self._layer.submit(*args) if x.shape[0] else 0
+        except IndexError:  # the routing pass refused an id (see forward)
+            self._check_ids(expert_ids)
+            raise
         call = PendingCall(handle, out, (x, expert_ids, expert_weights), self._layer)
         with self._lock:
             self._pending.append(call)
@@ -271,7 +279,7 @@ class CpuMoE:
                     out: torch.Tensor | None) -> torch.Tensor:
         # Runs on every decode call of every layer: plain attribute reads only (is_cpu, ndim,
         # dtype, shape), no device objects or tensor ops. The id range is checked by the C++
-        # routing pass (ValueError naming the first bad id), which reads every id anyway.
+        # routing pass, which reads every id anyway; when it refuses one, _check_ids names it.
         where = "CpuMoE.forward"
         for name, t in (("x", x), ("expert_ids", ids), ("expert_weights", weights)):
             if not isinstance(t, torch.Tensor):
@@ -309,6 +317,16 @@ class CpuMoE:
                 f"found {found}"
             )
         return out
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        # Only after the C++ routing pass refused an id: finds and names the first bad one.
+        lo, hi = torch.aminmax(ids)
+        if int(lo) < -1 or int(hi) >= self.num_experts:
+            bad = ((ids < -1) | (ids >= self.num_experts)).nonzero()[0].tolist()
+            raise ValueError(
+                f"CpuMoE.forward: expert_ids{bad} = {int(ids[bad[0], bad[1]])} is outside "
+                f"[-1, {self.num_experts})"
+            )
 
 
 def _check_amx_min_tokens(tokens: object) -> None:
