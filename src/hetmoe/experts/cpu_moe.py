@@ -150,11 +150,9 @@ class CpuMoE:
         with block scales `*_scale` [E, ceil(rows/B0), ceil(cols/B1)])."""
         self._weights.check_stacked(gate, up, down, gate_scale, up_scale, down_scale)
         for e in range(self.num_experts):
-            self.load_expert(
-                e, gate[e], up[e], down[e],
-                *(s[e] if s is not None else None for s in (gate_scale, up_scale, down_scale)),
-                fp8_block=fp8_block,
-            )
+            gs, us, ds = (s[e] if s is not None else None for s in (gate_scale, up_scale,
+                                                                     down_scale))
+            self.load_expert(e, gate[e], up[e], down[e], gs, us, ds, fp8_block=fp8_block)
 
     def load_expert(self, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                     gate_scale: torch.Tensor | None = None, up_scale: torch.Tensor | None = None,
