@@ -21,7 +21,7 @@ from hetmoe.server.service import EventStream, ModelService
 
 router = APIRouter()
 # How often a non-streaming request checks whether its client is still there, seconds.
-DISCONNECT_POLL_S = 0.25
+DISCONNECT_POLL_S = 0.05
 GREEDY_BELOW = 1e-4
 Body = protocol.ChatCompletionRequest | protocol.CompletionRequest
 
