@@ -242,8 +242,8 @@ def _check_experts_loaded(model: torch.nn.Module, path: Path) -> None:
 def _share_cores(model: torch.nn.Module, device: torch.device, requested: int | None) -> None:
     """On the CPU device, gives torch the cores the CPU expert pool leaves free.
 
-    The pool's workers spin between layers; torch threads on the same cores would be preempted
-    (measured on 2 cores: 3.5 tok/s with torch on both cores, 13.8 with torch on the free one).
+    The pool's workers spin between layers, so torch threads on the same cores would be
+    preempted by them and every torch op would wait for its slowest thread.
     """
     from hetmoe.experts.cpu_backend import CpuExperts
 
