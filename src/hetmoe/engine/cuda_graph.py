@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from hetmoe.engine.fused_decode import FusedDecoder, plan_layers
 from hetmoe.engine.host_link import SIGNALS, HostLink, Signal
 from hetmoe.engine.overlap import MoEOverlap
 from hetmoe.engine.runner import ModelRunner
@@ -44,6 +45,10 @@ class HybridConfig:
     """Decode batch sizes that get a graph; larger batches run eagerly."""
     signal: Signal = "flags"
     """How the GPU stream starts and awaits CPU experts: "flags" or "host_functions"."""
+    fused: bool = True
+    """Decode through one function per layer (engine/fused_decode.py) when the model fits."""
+    compile: bool = True
+    """On a GPU, compile those functions with torch.compile (False: run them eagerly)."""
 
     def __post_init__(self) -> None:
         sizes = self.graph_batch_sizes
@@ -72,8 +77,18 @@ class HybridRunner(ModelRunner):
                  max_batch: int, max_seq_len: int, config: HybridConfig | None = None) -> None:
         super().__init__(model, device, dtype, max_batch, max_seq_len)
         self.config = config or HybridConfig()
+        plans_error = ""
+        if self.config.fused:
+            try:
+                plan_layers(model)
+            except ValueError as exc:
+                plans_error = str(exc)
+                log.info("fused decode does not fit this model (%s): module path", exc)
+        fused = self.config.fused and not plans_error
         self.overlap = MoEOverlap(model, device, max(max_batch, *self.config.graph_batch_sizes),
-                                  self.config.deferred, self.config.signal)
+                                  self.config.deferred, self.config.signal, packed=fused)
+        self.fused = FusedDecoder(model, self.overlap, self.config.compile
+                                  and device.type == "cuda") if fused else None
         self.use_graphs = self.config.cuda_graphs and device.type == "cuda"
         if self.config.cuda_graphs and not self.use_graphs:
             log.info("CUDA graphs need a CUDA device (running on %s): decode runs eagerly", device)
@@ -103,7 +118,7 @@ class HybridRunner(ModelRunner):
         size = next((s for s in sorted(self.config.graph_batch_sizes) if s >= b), None)
         if not (self.use_graphs and self.device.type == "cuda") or size is None:
             static = KVBatch(kv.slots, kv.positions, self.max_seq_len)
-            return super()._forward(ids, static)
+            return self._step(ids, static)
         pad = size - b
         ids = torch.cat([ids, ids[:1].expand(pad, 1)]) if pad else ids  # [size, 1]
         positions = torch.cat([kv.positions, kv.positions[:1].expand(pad, 1)]) if pad \
@@ -121,6 +136,12 @@ class HybridRunner(ModelRunner):
         graph.graph.replay()
         return graph.hidden[:b]
 
+    def _step(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
+        """One decode step's forward: fused layer functions, or the HF layers."""
+        if self.fused is not None:
+            return self.fused.forward(ids, kv)
+        return super()._forward(ids, kv)
+
     def _capture(self, size: int, ids: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor) -> torch.Tensor:
         """Runs this step eagerly (its real output) and captures it for later steps."""
@@ -130,14 +151,14 @@ class HybridRunner(ModelRunner):
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            out = super()._forward(static.ids, kv)  # warm-up = this step's result
+            out = self._step(static.ids, kv)  # warm-up (and compile) = this step's result
         torch.cuda.current_stream(self.device).wait_stream(side)
         out = out.clone()
         # The capture records work without running it: the cache and buffers stay as they are.
         self.overlap.begin_capture()
         try:
             with torch.cuda.graph(static.graph):
-                static.hidden = super()._forward(static.ids, kv)
+                static.hidden = self._step(static.ids, kv)
         finally:
             static.jobs = self.overlap.end_capture()
         self.graphs[size] = static

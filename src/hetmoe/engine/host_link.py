@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 
 from hetmoe.experts.cpu_moe import CpuMoE, HostFunctions
+from hetmoe.ops.fused import staged_floats, unpack_moe_inputs
 
 Signal = Literal["flags", "host_functions"]
 SIGNALS: tuple[str, ...] = ("flags", "host_functions")
@@ -64,17 +65,27 @@ class HostLink:
 
     With `signal="flags"`, `start` enqueues the ready word and hands the link to `queue`, which
     submits the flag-gated CPU job (or records it while a CUDA graph is being captured).
+    With `packed=True` the inputs live in one pinned fp32 vector laid out as
+    `ops.fused.pack_moe_inputs` writes it for the bound row count (x as fp32, ids, weights), so
+    `start_packed` moves them with ONE copy.
     """
 
     def __init__(self, moe: CpuMoE, max_rows: int, top_k: int, dtype: torch.dtype,
                  device: torch.device, signal: Signal = "flags",
-                 queue: Callable[[HostLink], None] | None = None) -> None:
+                 queue: Callable[[HostLink], None] | None = None, packed: bool = False) -> None:
         self.moe, self.device, self.signal = moe, device, signal
         h = moe.hidden
-        self.x = torch.zeros(max_rows, h, dtype=dtype, pin_memory=True)
-        self.ids = torch.full((max_rows, top_k), -1, dtype=torch.int64, pin_memory=True)
-        self.weights = torch.zeros(max_rows, top_k, dtype=torch.float32, pin_memory=True)
-        self.out = torch.zeros(max_rows, h, dtype=dtype, pin_memory=True)
+        self.hidden, self.top_k, self.packed = h, top_k, packed
+        self.stage = torch.zeros(staged_floats(max_rows, h, top_k) if packed else 0,
+                                 dtype=torch.float32, pin_memory=True)
+        self.x = torch.zeros(0 if packed else max_rows, h, dtype=dtype, pin_memory=True)
+        self.ids = torch.full((0 if packed else max_rows, top_k), -1, dtype=torch.int64,
+                              pin_memory=True)
+        self.weights = torch.zeros(0 if packed else max_rows, top_k, dtype=torch.float32,
+                                   pin_memory=True)
+        # The CPU backend writes out in x's dtype: fp32 when packed.
+        out_dtype = torch.float32 if packed else dtype
+        self.out = torch.zeros(max_rows, h, dtype=out_dtype, pin_memory=True)
         self.rows = 0
         self.fns: HostFunctions | None = None
         self.flags: Any = None
@@ -91,6 +102,9 @@ class HostLink:
     def bind(self, rows: int) -> None:
         """Points the backend's CPU calls at the first `rows` rows of the buffers."""
         if rows != self.rows:
+            if self.packed:
+                self.x, self.ids, self.weights = unpack_moe_inputs(self.stage, rows, self.hidden,
+                                                                   self.top_k)
             self.fns = self.moe.host_functions(self.x[:rows], self.ids[:rows],
                                                self.weights[:rows], self.out[:rows])
             self.rows = rows
@@ -117,6 +131,24 @@ class HostLink:
             self.x[:t].copy_(x, non_blocking=True)
         self.ids[:t].copy_(ids, non_blocking=True)
         self.weights[:t].copy_(weights, non_blocking=True)
+        self._signal_start()
+
+    def start_packed(self, stage: torch.Tensor, rows: int) -> None:
+        """Starts the CPU experts on a `pack_moe_inputs` vector of `rows` tokens: one copy."""
+        if not self.packed:
+            raise RuntimeError("HostLink.start_packed needs a link built with packed=True")
+        self.bind(rows)
+        self.stage[:stage.numel()].copy_(stage, non_blocking=True)
+        self._signal_start()
+
+    def start_ids(self, ids: torch.Tensor) -> None:
+        """Starts the CPU experts again on the last x and weights with new ids [T, K] (the
+        deferred experts of the same layer): one copy."""
+        self.ids[:ids.shape[0]].copy_(ids, non_blocking=True)
+        self._signal_start()
+
+    def _signal_start(self) -> None:
+        assert self.fns is not None
         if self.flags is None:
             self._launch(self.fns.submit_fn)
             return

@@ -22,7 +22,7 @@ Two transports move data and start/await CPU work (`Link`):
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,6 +32,7 @@ from torch import nn
 from hetmoe.engine.host_link import HostLink, Signal, check_signal
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.ops.deferral import check_deferred, moe_layers, split_ids
+from hetmoe.ops.fused import unpack_moe_inputs
 
 if TYPE_CHECKING:
     from hetmoe.ops.moe import HybridMoE
@@ -91,7 +92,7 @@ class MoEOverlap:
     """
 
     def __init__(self, model: nn.Module, device: torch.device, max_batch: int,
-                 deferred: int = 0, signal: Signal = "flags") -> None:
+                 deferred: int = 0, signal: Signal = "flags", packed: bool = False) -> None:
         self.layers = moe_layers(model)
         if not self.layers:
             raise ValueError("MoEOverlap: the model has no hybrid_moe layer")
@@ -105,8 +106,8 @@ class MoEOverlap:
         self.host: list[HostLink] = []
         if device.type == "cuda":
             dtype = self.layers[0].gate.weight.dtype  # activations' dtype
-            self.host = [HostLink(c, max_batch, self.top_k, dtype, device, signal, self._queue)
-                         for c in cpu]
+            self.host = [HostLink(c, max_batch, self.top_k, dtype, device, signal, self._queue,
+                                  packed) for c in cpu]
         self.recorded: list[HostLink] | None = None  # flag jobs of a step being captured
         self.pending: list[tuple[HostLink, int]] = []  # flag jobs submitted for this step
         self.decoding = False
@@ -239,6 +240,43 @@ class MoEOverlap:
             out = out + shared
         self._mark("moe_end", i)
         return out.reshape(shape)
+
+    def forward_packed(self, i: int, x: torch.Tensor, stage: torch.Tensor,
+                       late: torch.Tensor | None,
+                       shared: Callable[[], torch.Tensor | None]) -> list[torch.Tensor]:
+        """MoE layer i of a fused decode step (engine/fused_decode.py), whose compiled layer
+        already routed: `stage` = `pack_moe_inputs(x, immediate ids, weights)`, `late` the
+        deferred ids [T, K] (or None). The same story as `forward`, one copy per start; returns
+        the terms the caller adds to the residual: routed (fp32 when packed), the previous
+        layer's deferred output, the shared experts' output."""
+        rows = x.shape[0]
+        self._mark("moe_start", i)
+        if self.decoding and self.host:
+            link: Link = self.host[i]
+            self.host[i].start_packed(stage, rows)
+        else:  # no GPU: the same inputs through Python submit/sync
+            link = self.direct[i]
+            _, ids, weights = unpack_moe_inputs(stage, rows, x.shape[1], self.top_k)
+            link.start(x, ids, weights)
+        self._mark("submitted", i)
+        out = shared()  # GPU, while the CPU computes
+        self._mark("shared_done", i)
+        terms = [link.finish()]
+        self._mark("waited", i)
+        if late is not None:
+            if isinstance(link, HostLink):
+                link.start_ids(late)  # runs during layer i+1's attention
+            else:
+                link.start(None, late, weights)
+            self._mark("deferred_submitted", i)
+        if self._carry is not None:
+            terms.append(self._carry.finish())
+            self._mark("deferred_waited", i - 1)
+        self._carry = link if late is not None else None
+        if out is not None:
+            terms.append(out)
+        self._mark("moe_end", i)
+        return terms
 
     def _mark(self, label: str, layer: int) -> None:
         if self.trace is not None:

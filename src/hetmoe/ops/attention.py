@@ -64,15 +64,38 @@ class StaticKVAttention(nn.Module):
         self.q_norm: nn.Module | None = getattr(hf, "q_norm", None)
         self.k_norm: nn.Module | None = getattr(hf, "k_norm", None)
         self.num_kv_heads: int = hf.k_proj.out_features // hf.head_dim
+        self._qkv: torch.Tensor | None = None  # q/k/v weights as one tensor (fused_qkv)
+        self.kv_cache: torch.Tensor | None = None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
     def allocate_kv(self, max_batch: int, max_len: int, dtype: torch.dtype) -> int:
-        """Creates this layer's cache [max_batch, max_len, h_kv, D] x 2; returns its bytes."""
-        shape = (max_batch, max_len, self.num_kv_heads, self.head_dim)
-        self.k_cache = torch.zeros(shape, device=self.device, dtype=dtype)
-        self.v_cache = torch.zeros(shape, device=self.device, dtype=dtype)
-        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+        """Creates this layer's cache [max_batch, max_len, 2, h_kv, D] (K and V side by side,
+        so a decode step writes both in one kernel; `k_cache` / `v_cache` are its views
+        [max_batch, max_len, h_kv, D]); returns its bytes."""
+        shape = (max_batch, max_len, 2, self.num_kv_heads, self.head_dim)
+        self.kv_cache = torch.zeros(shape, device=self.device, dtype=dtype)
+        self.k_cache, self.v_cache = self.kv_cache[:, :, 0], self.kv_cache[:, :, 1]
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight [(h + 2 h_kv) D, H], bias or None) of q/k/v as one projection (one GEMV per
+        decode step). The first call moves the three weights into one tensor and leaves the
+        projections holding views of it, so no memory is duplicated."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        fused = self._qkv
+        offsets = [0, self.q_proj.weight.shape[0]]
+        offsets.append(offsets[1] + self.k_proj.weight.shape[0])
+        if fused is None or any(p.weight.data_ptr() != fused[o].data_ptr()
+                                for p, o in zip(projections, offsets, strict=True)):
+            fused = torch.cat([p.weight.detach() for p in projections])
+            for proj, start in zip(projections, offsets, strict=True):
+                rows = proj.weight.shape[0]
+                proj.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
+            self._qkv = fused
+        biases = [p.bias for p in projections]
+        bias = None if any(b is None for b in biases) else torch.cat([b.detach() for b in biases])
+        return fused, bias
 
     def forward(
         self,

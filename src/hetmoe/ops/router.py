@@ -116,33 +116,40 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routes T tokens; see the module doc for the per-family semantics."""
-        c = self.config
-        if c.logits_fp32:
-            logits = F.linear(x.float(), self.weight.float())  # [T, E]
-        else:
-            logits = F.linear(x, self.weight).float()
-        scores = logits.softmax(dim=-1) if c.scoring == "softmax" else logits.sigmoid()
-        choice = scores + self.e_score_correction_bias.float() if c.has_bias else scores
-        if c.topk_method != "greedy" and c.num_groups > 1:
-            choice = self._limit_groups(choice)
-        ids = torch.topk(choice, c.top_k, dim=-1).indices  # [T, K]
-        weights = scores.gather(1, ids)  # the bias only steers the choice
-        if c.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        if c.scale_when_normalized or not c.norm_topk_prob:
-            weights = weights * c.scaling_factor
-        if c.round_weights:
-            weights = weights.to(x.dtype).float()
-        return ids, weights
+        bias = self.e_score_correction_bias if self.config.has_bias else None
+        return route(x, self.weight, bias, self.config)
 
-    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        grouped = choice.view(choice.shape[0], c.num_groups, -1)  # [T, G, E/G]
-        if c.topk_method == "noaux_tc":
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
-        else:
-            group_scores = grouped.max(dim=-1).values
-        keep = torch.topk(group_scores, c.topk_groups, dim=-1).indices  # [T, topk_groups]
-        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        fill = float("-inf") if c.topk_method == "noaux_tc" else 0.0
-        return grouped.masked_fill(~mask[..., None], fill).view_as(choice)
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          c: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], router weight [E, H] (bias [E] for `noaux_tc`) -> (ids [T, K] int64 sorted
+    by score, weights [T, K] fp32): a pure function, so the fused decode step can compile it."""
+    if c.logits_fp32:
+        logits = F.linear(x.float(), weight.float())  # [T, E]
+    else:
+        logits = F.linear(x, weight).float()
+    scores = logits.softmax(dim=-1) if c.scoring == "softmax" else logits.sigmoid()
+    choice = scores + bias.float() if bias is not None else scores
+    if c.topk_method != "greedy" and c.num_groups > 1:
+        choice = _limit_groups(choice, c)
+    ids = torch.topk(choice, c.top_k, dim=-1).indices  # [T, K]
+    weights = scores.gather(1, ids)  # the bias only steers the choice
+    if c.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if c.scale_when_normalized or not c.norm_topk_prob:
+        weights = weights * c.scaling_factor
+    if c.round_weights:
+        weights = weights.to(x.dtype).float()
+    return ids, weights
+
+
+def _limit_groups(choice: torch.Tensor, c: RouterConfig) -> torch.Tensor:
+    grouped = choice.view(choice.shape[0], c.num_groups, -1)  # [T, G, E/G]
+    if c.topk_method == "noaux_tc":
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    else:
+        group_scores = grouped.max(dim=-1).values
+    keep = torch.topk(group_scores, c.topk_groups, dim=-1).indices  # [T, topk_groups]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+    fill = float("-inf") if c.topk_method == "noaux_tc" else 0.0
+    return grouped.masked_fill(~mask[..., None], fill).view_as(choice)
