@@ -10,9 +10,12 @@ For every family's baby model (fp32, routed experts in the C++ CPU backend, the 
   give bit-identical graph logits;
 - a step that raises after its CPU jobs were queued releases them (abort), and the next step
   decodes the same tokens;
+- decode through the compiled fused layer functions (engine/fused_decode.py, the default) and
+  through the HF layers give the same tokens and logits within fp32 rounding (batch 1 and 3,
+  with and without deferral); GPU kernels per token of both;
 - no CPU job reported an error; launches per token in both modes.
 
-    python benchmarks/check_graph_device.py [--json FILE]
+    python benchmarks/check_graph_device.py [--json FILE] [--families qwen3_moe,...]
 """
 
 from __future__ import annotations
@@ -109,9 +112,36 @@ def check_family(family: str, root: Path) -> dict[str, object]:
             row[f"graph_d{d}_eq_reference_tokens"] = tokens == want_tokens
             row[f"graph_d{d}_vs_reference_max_dlogit"] = max_delta(logits, want)
         runner.overlap.detach()
+    row.update(check_fused(cpu))
     row["graph_flags_eq_host_functions"] = check_signals(cpu)
     row["graph_recovers_after_abort"] = check_abort(cpu)
     return row
+
+
+def check_fused(llm: LLM) -> dict[str, object]:
+    """Graph decode through the compiled fused layer functions vs through the HF layers (both
+    CUDA graphs, same CPU experts): same tokens, logits within fp32 rounding, batch 1 and 3,
+    with and without deferral; kernels per token of both."""
+    d_late = min(2, int(llm.model.config.num_experts_per_tok) - 2)
+    out: dict[str, object] = {}
+    for d in sorted({0, d_late}):
+        runs = {}
+        for fused in (False, True):
+            runner = HybridRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
+                                  HybridConfig(deferred=d, fused=fused))
+            if fused:
+                out["fused_used"] = runner.fused is not None
+            runs[fused] = [decode(runner, batch) for batch in (1, 3)]
+            if d == 0:
+                name = "fused" if fused else "module"
+                out[f"kernels_per_token_{name}"] = count_launches(
+                    runner, PROMPTS[0], 4)["gpu_kernels_per_token"]
+            runner.overlap.detach()
+        for i, batch in enumerate((1, 3)):
+            (want_tokens, want), (tokens, logits) = runs[False][i], runs[True][i]
+            out[f"graph_fused_eq_module_b{batch}_d{d}"] = tokens == want_tokens
+            out[f"fused_vs_module_max_dlogit_b{batch}_d{d}"] = max_delta(logits, want)
+    return out
 
 
 def check_signals(llm: LLM) -> bool:
@@ -164,13 +194,15 @@ def check_abort(llm: LLM) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--families", default=",".join(FAMILIES),
+                        help="comma-separated baby families (default: all)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check here (CI covers the CPU paths)")
         return 2
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [check_family(f, Path(tmp)) for f in FAMILIES]
+        rows = [check_family(f, Path(tmp)) for f in args.families.split(",")]
     ok = True
     for row in rows:
         flags = {k: v for k, v in row.items() if k.startswith("graph_") and isinstance(v, bool)}
@@ -182,6 +214,8 @@ def main() -> int:
         print(f"{'':<12} max |Δlogit| {deltas}")
         launches = row["launches"]
         print(f"{'':<12} per token: graph {launches['graph']}\n{'':<12} eager {launches['eager']}")
+        print(f"{'':<12} fused path used: {row['fused_used']}; GPU kernels per token: fused "
+              f"{row['kernels_per_token_fused']}, module {row['kernels_per_token_module']}")
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "ok": ok, "rows": rows}
     if args.json:

@@ -1,10 +1,11 @@
 """`hetmoe bench`: one model build, its speed in every requested mode, as a JSON-ready dict.
 
 Modes by `BenchConfig.experts`:
-- `cpu` (ours): `HybridRunner` (overlap, CUDA-graph decode, CPU experts started/awaited through
-  ready/done flags); decode for each `deferred` value; with `eager`, also eager decode, graph
-  decode with CUDA host functions instead of flags, launches per token; a trace of a few eager
-  steps, prefill speed per length.
+- `cpu` (ours): `HybridRunner` (overlap, CUDA-graph decode of the fused layer functions, CPU
+  experts started/awaited through ready/done flags); decode for each `deferred` value; with
+  `eager`, also eager decode, graph decode with CUDA host functions instead of flags, graph
+  decode of the HF layers (`module_path`, before the fused decode; real and without CPU work),
+  launches per token; a trace of a few eager steps, prefill speed per length.
 - `torch-cpu` (baseline): the same injected model with plain-torch experts on the CPU, the plain
   `ModelRunner` (no graphs, no overlap).
 - `accelerate` (baseline): unmodified transformers, experts offloaded by accelerate
@@ -168,8 +169,20 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         decode["graph_d0_host_functions"] = _decode_entry(run, result["bound_tok_s"])
         alt.overlap.detach()
         del alt
+        # Before the fused decode (engine/fused_decode.py): the HF layers, same process.
+        module = HybridRunner(model, device, dtype, 1, window, HybridConfig(fused=False))
+        run = measure.greedy_decode(module, prompt, cfg.new_tokens)
+        decode["graph_d0_module_path"] = _decode_entry(run, result["bound_tok_s"])
+        run = _without_cpu_work(module, prompt, cfg.new_tokens)
+        decode["graph_d0_no_cpu_work_module_path"] = _decode_entry(run, result["bound_tok_s"])
+        result["launches"]["graph_module_path"] = measure.count_launches(module, prompt, 8)
+        module.overlap.detach()
+        del module
         runner.overlap.attach()
+        runner.reset_graphs()  # the runners above re-allocated the KV caches the graphs baked in
         log(f"decode graph_d0_host_functions: {decode['graph_d0_host_functions']['tok_s']} tok/s")
+        log(f"decode graph_d0_module_path: {decode['graph_d0_module_path']['tok_s']} tok/s, "
+            f"no CPU work {decode['graph_d0_no_cpu_work_module_path']['tok_s']} tok/s")
     if cfg.trace:
         result["trace"] = _trace(runner, prompt, cfg.trace)
     result["prefill_tok_s"] = {}

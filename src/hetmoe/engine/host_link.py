@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from hetmoe.experts.cpu_moe import CpuMoE, HostFunctions
-from hetmoe.ops.fused import staged_floats, unpack_moe_inputs
+from hetmoe.ops.fused import staged_words, unpack_moe_inputs
 
 Signal = Literal["flags", "host_functions"]
 SIGNALS: tuple[str, ...] = ("flags", "host_functions")
@@ -65,7 +65,7 @@ class HostLink:
 
     With `signal="flags"`, `start` enqueues the ready word and hands the link to `queue`, which
     submits the flag-gated CPU job (or records it while a CUDA graph is being captured).
-    With `packed=True` the inputs live in one pinned fp32 vector laid out as
+    With `packed=True` the inputs live in one pinned int32 vector laid out as
     `ops.fused.pack_moe_inputs` writes it for the bound row count (x as fp32, ids, weights), so
     `start_packed` moves them with ONE copy.
     """
@@ -76,8 +76,8 @@ class HostLink:
         self.moe, self.device, self.signal = moe, device, signal
         h = moe.hidden
         self.hidden, self.top_k, self.packed = h, top_k, packed
-        self.stage = torch.zeros(staged_floats(max_rows, h, top_k) if packed else 0,
-                                 dtype=torch.float32, pin_memory=True)
+        self.stage = torch.zeros(staged_words(max_rows, h, top_k) if packed else 0,
+                                 dtype=torch.int32, pin_memory=True)
         self.x = torch.zeros(0 if packed else max_rows, h, dtype=dtype, pin_memory=True)
         self.ids = torch.full((0 if packed else max_rows, top_k), -1, dtype=torch.int64,
                               pin_memory=True)

@@ -104,26 +104,30 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
 
 
 def pack_moe_inputs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """One fp32 staging vector [T*(H + 3K)] = x (fp32) | ids (int64 as int32 pairs) | weights.
+    """One int32 staging vector [T*(H + 3K)] = x (fp32 bits) | ids (int64 as int32 pairs) |
+    weights (fp32 bits).
 
     So one copy moves a layer's CPU-expert inputs; engine/host_link.py views the same bytes as
     x [T, H] float32, ids [T, K] int64 and weights [T, K] float32 (little-endian: an int64 id is
-    its low int32 word, then the sign word)."""
+    its low int32 word, then the sign word). Integers, not floats, carry the bits: a float copy
+    may rewrite the NaN patterns that small negative ids make."""
     low = ids.to(torch.int32)
-    pairs = torch.stack((low, low >> 31), dim=-1).view(torch.float32)  # [T, K, 2] bitcast
-    return torch.cat((x.float().flatten(), pairs.flatten(), weights.float().flatten()))
+    pairs = torch.stack((low, low >> 31), dim=-1)  # [T, K, 2]
+    return torch.cat((x.float().view(torch.int32).flatten(), pairs.flatten(),
+                      weights.float().view(torch.int32).flatten()))
 
 
 def unpack_moe_inputs(stage: torch.Tensor, rows: int, hidden: int,
                       top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views of a `pack_moe_inputs` vector: x [T, H] fp32, ids [T, K] int64, weights [T, K]."""
     n_x, n_ids = rows * hidden, 2 * rows * top_k
-    x = stage[:n_x].view(rows, hidden)
+    x = stage[:n_x].view(torch.float32).view(rows, hidden)
     ids = stage[n_x:n_x + n_ids].view(torch.int64).view(rows, top_k)
-    weights = stage[n_x + n_ids:n_x + n_ids + rows * top_k].view(rows, top_k)
-    return x, ids, weights
+    weights = stage[n_x + n_ids:n_x + n_ids + rows * top_k].view(torch.float32)
+    return x, ids, weights.view(rows, top_k)
 
 
-def staged_floats(rows: int, hidden: int, top_k: int) -> int:
-    """Length of a `pack_moe_inputs` vector for `rows` tokens."""
+def staged_words(rows: int, hidden: int, top_k: int) -> int:
+    """Length of a `pack_moe_inputs` vector for `rows` tokens (rows * hidden must be even, so
+    the ids start on an 8-byte boundary)."""
     return rows * (hidden + 3 * top_k)

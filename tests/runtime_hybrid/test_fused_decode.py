@@ -1,0 +1,70 @@
+"""The fused decode path (engine/fused_decode.py, eager on the CPU) against the HF-layer path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from hetmoe import LLM
+from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
+from hetmoe.engine.fused_decode import plan_layers
+
+SAME_BACKEND_ATOL = 1e-4
+"""fp32 baby models on the same expert backend: rounding only."""
+PROMPT = [5, 9, 33, 100, 7]
+
+
+def greedy(runner: HybridRunner, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill PROMPT into slot 0, then `steps` greedy decode steps."""
+    runner.lengths[0] = 0
+    logits = [runner.prefill(0, PROMPT)]
+    tokens = [int(logits[0].argmax())]
+    for _ in range(steps):
+        logits.append(runner.decode([0], [tokens[-1]])[0])
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, logits
+
+
+def _run(llm: LLM, fused: bool, deferred: int) -> tuple[list[int], list[torch.Tensor], bool]:
+    runner = HybridRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len,
+                          HybridConfig(deferred=deferred, fused=fused))
+    try:
+        tokens, logits = greedy(runner, 6)
+    finally:
+        runner.overlap.detach()
+    return tokens, logits, runner.fused is not None
+
+
+@pytest.mark.parametrize(("family", "deferred"), [
+    ("qwen3_moe", 0), ("qwen3_moe", 2), ("qwen2_moe", 1), ("mixtral", 0), ("deepseek_v2", 1)])
+def test_fused_decode_matches_the_module_path(
+    engine: Callable[[str, str], LLM], family: str, deferred: int
+) -> None:
+    llm = engine(family, "cpu")
+    want_tokens, want, _ = _run(llm, fused=False, deferred=deferred)
+    tokens, logits, used = _run(llm, fused=True, deferred=deferred)
+    assert used, f"{family}: the fused path should fit"
+    assert tokens == want_tokens
+    for step, (ours, ref) in enumerate(zip(logits, want, strict=True)):
+        delta = (ours - ref).abs().max().item()
+        assert delta <= SAME_BACKEND_ATOL, f"{family} step {step}: max |Δlogits| {delta:.3g}"
+
+
+def test_unfit_model_keeps_the_module_path(engine: Callable[[str, str], LLM]) -> None:
+    llm = engine("deepseek_v3", "cpu")  # low-rank queries (q_a_proj): no fused form
+    with pytest.raises(ValueError, match=r"decoder layer 0: fused decode needs MLA with q_proj"):
+        plan_layers(llm.model)
+    _, _, used = _run(llm, fused=True, deferred=0)
+    assert not used
+
+
+def test_fused_qkv_shares_the_projection_weights(engine: Callable[[str, str], LLM]) -> None:
+    attn = engine("qwen2_moe", "cpu").model.model.layers[0].self_attn
+    before = [p.weight.clone() for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    weight, bias = attn.fused_qkv()
+    assert torch.equal(weight, torch.cat(before)) and bias is not None  # Qwen2 has q/k/v biases
+    assert attn.k_proj.weight.data_ptr() == weight[before[0].shape[0]].data_ptr()
+    again, _ = attn.fused_qkv()
+    assert again.data_ptr() == weight.data_ptr()  # no second copy
