@@ -6,7 +6,7 @@ weights come from DRAM), weight bytes read / time against the read bandwidth mea
 First it measures the AVX-512/AMX crossover (tokens per expert) per format and uses it.
 
 Usage: python benchmarks/bench_cpu_moe.py [--layers 6] [--formats bf16,int8,int4] [--json out.json]
-           [--quick] [--no-crossover] [--git SHA]
+           [--quick] [--no-crossover] [--git SHA] [--warmup-s 1.0]
 """
 
 from __future__ import annotations
@@ -124,12 +124,29 @@ def crossover(layers: list[CpuMoE], quick: bool) -> tuple[int, list[dict]]:
     return (best or CROSSOVER_M[-1]), rows
 
 
-def phases(moe: CpuMoE, x: torch.Tensor, route: tuple[torch.Tensor, torch.Tensor]) -> list[float]:
-    """Microseconds per phase of one call (convert, gather, gate/up, down, combine)."""
-    moe._layer.set_profile(True)
-    moe.forward(x, *route)
-    moe._layer.set_profile(False)
-    return [round(v, 1) for v in moe._layer.phase_us()]
+def phases(layers: list[CpuMoE], x: torch.Tensor,
+           routes: list[tuple[torch.Tensor, torch.Tensor]], calls: int = 9) -> list[float]:
+    """Median microseconds per phase (convert, gather, gate/up, down, combine) over `calls`
+    profiled calls, cycled like the timed ones (one call's phases vary by tens of percent)."""
+    samples = []
+    for i in range(calls):
+        moe = layers[i % len(layers)]
+        moe._layer.set_profile(True)
+        moe.forward(x, *routes[i % len(routes)])
+        moe._layer.set_profile(False)
+        samples.append(moe._layer.phase_us())
+    return [round(statistics.median(s[p] for s in samples), 1) for p in range(len(samples[0]))]
+
+
+def warm_up(layers: list[CpuMoE], seconds: float) -> None:
+    """Decode calls for `seconds` right after packing: the first calls over freshly packed
+    weights run slower (seen in round 3 as a q=1 time 25-35 us above its raw C++ time)."""
+    x = torch.randn(1, layers[0].hidden).bfloat16()
+    routes = [routing(1, layers[0].num_experts, 8, seed=r) for r in range(ROUTINGS)]
+    call, end, i = cycle(layers, x, routes), time.perf_counter() + seconds, 0
+    while time.perf_counter() < end:
+        call(i)
+        i += 1
 
 
 def main() -> None:
@@ -142,6 +159,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few calls (a smoke run)")
     parser.add_argument("--no-crossover", action="store_true",
                         help="skip the AVX-512/AMX crossover runs; use AMX_MIN_TOKENS")
+    parser.add_argument("--warmup-s", type=float, default=1.0,
+                        help="decode calls for this long after each format's layers are packed")
     parser.add_argument("--git", default="",
                         help="commit to record (default: git rev-parse HEAD, where .git exists)")
     args = parser.parse_args()
@@ -160,7 +179,8 @@ def main() -> None:
               "shape": {"E": E, "H": H, "I": I, "k": K, "layers": args.layers},
               "git": args.git or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                 text=True).stdout.strip(),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "crossover": {},
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "warmup_s": args.warmup_s, "crossover": {},
               "rows": []}
     amx = _cpu.best_isa() == "amx"
     baseline = [tuple(t.clone() for t in src) for _ in range(args.layers)]
@@ -170,6 +190,7 @@ def main() -> None:
             moe = CpuMoE(E, H, I, fmt)
             moe.load(*src)
             layers.append(moe)
+        warm_up(layers, args.warmup_s)
         if amx and not args.no_crossover:
             m, rows = crossover(layers, args.quick)
             report["crossover"][fmt] = {"amx_min_tokens": m, "rows": rows}
@@ -189,7 +210,7 @@ def main() -> None:
                    "bw_fraction": distinct * expert_bytes / sec / bandwidth,
                    "bw_floor_ms": distinct * expert_bytes / bandwidth * 1e3,
                    "tflops": flops / sec / 1e12,
-                   "phase_us": phases(layers[0], x, routes[0])}
+                   "phase_us": phases(layers, x, routes)}
             if q <= 8:  # the pool + kernels alone, without the Python argument checks
                 row["raw_ms"] = 1e3 * timed(raw_cycle(layers, x, routes), calls, len(layers))
             if fmt == "bf16":

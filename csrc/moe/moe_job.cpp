@@ -7,14 +7,19 @@
 // its expert's activations once instead of every task reading all experts' (from L3).
 // Phases 3 and 4 run in every NUMA group over its own intermediate slice; the others split their
 // tasks across groups.
-// Decode (q <= kFoldTokens) folds 1 and 2 into 3: the first gate/up task of an expert converts
-// its rows straight from x while the expert's other tasks wait for it. With one NUMA group, 4
-// writes its output columns itself and 5 is dropped: a q=1 call is 2 phases (2 barriers).
+// Decode (q <= kFoldTokens) folds 1 and 2 into 3: the q tokens are converted when the job is
+// made, an expert with one row reads its token's row in place, and the first gate/up task of an
+// expert with more rows gathers them while the expert's other tasks wait for it. With one NUMA
+// group, 4 writes its output columns itself and 5 is dropped: a q=1 call is 2 phases (2
+// barriers). Padding rows (to 16 per expert) are written only for experts whose kernels are AMX
+// tiles, the only ones that read them.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <vector>
 
 #include "kernels/gemm.h"
@@ -50,9 +55,18 @@ float* scratch(size_t floats) {
   return buf.data();
 }
 
-inline float load_value(const void* base, DType t, size_t i) {
-  return t == DType::kBF16 ? bf16_to_float(static_cast<const uint16_t*>(base)[i])
-                           : static_cast<const float*>(base)[i];
+// Token t of x in the kernels' input form (zero-padded to Hp) into row t of `dst`.
+void convert_token(const MoECall& c, const ActStore& dst, const Epilogue& ep, int H, int Hp,
+                   int gs, int t) {
+  float* row = scratch(Hp);
+  if (c.x_type == DType::kBF16) {
+    const uint16_t* x = static_cast<const uint16_t*>(c.x) + size_t(t) * H;
+    for (int i = 0; i < H; ++i) row[i] = bf16_to_float(x[i]);  // one loop per dtype: vectorized
+  } else {
+    std::memcpy(row, static_cast<const float*>(c.x) + size_t(t) * H, sizeof(float) * H);
+  }
+  std::fill(row + H, row + Hp, 0.0f);
+  dst.put(ep, t, 0, row, Hp, gs);
 }
 
 struct CallState {
@@ -63,38 +77,34 @@ struct CallState {
   std::vector<ActStore> hidden;  // per NUMA group
   std::vector<float*> accum;     // per NUMA group, [q][H]
   std::vector<float*> row_out;   // per NUMA group, [rows][H] (prefill)
-  // Decode: per active expert 0 = rows not converted, 1 = being converted, 2 = ready.
+  // Decode: per active expert 0 = rows not gathered, 1 = being gathered, 2 = ready.
   std::unique_ptr<std::atomic<int>[]> rows_state;
+  // Decode: the converted tokens, owned by the call (they are written when the job is made,
+  // while earlier jobs may still be using the shared workspace).
+  std::unique_ptr<uint8_t, decltype(&std::free)> token_buf{nullptr, &std::free};
 };
 
-// Row r <- token t of x in the kernels' input form (zero-padded to Hp), or zeros for padding.
-void convert_row(const CallState& st, const Epilogue& ep, int H, int Hp, int gs, long r) {
-  const int tok = st.routing.row_token[r];
-  if (tok < 0) {
-    st.rows.zero(r, 0, st.rows.k, gs);
-    return;
-  }
-  const MoECall& c = st.call;
-  float* row = scratch(Hp);
-  for (int i = 0; i < H; ++i) row[i] = load_value(c.x, c.x_type, size_t(tok) * H + i);
-  std::fill(row + H, row + Hp, 0.0f);
-  st.rows.put(ep, r, 0, row, Hp, gs);
-}
-
-// Decode: makes the rows of active expert `a` ready; the first task to come converts them, the
-// others spin until it is done (it is running on another worker, so the wait is short).
-void ensure_rows(CallState& st, const Epilogue& ep, int H, int Hp, int gs, size_t a) {
+// Decode: the gate/up input rows of active expert `a`. One row that no AMX tile reads is its
+// token's row in place. Otherwise the first task to come copies the converted tokens into the
+// expert's rows (and zeroes its padding rows if `pad`); the others spin until it is done (it is
+// running on another worker and copies at most kFoldTokens rows, so the wait is short).
+ActView decode_rows(CallState& st, int gs, size_t a, bool pad) {
+  const Routing& r = st.routing;
+  const long row0 = r.first_row[a];
+  if (r.rows[a] == 1 && !pad) return st.tokens.view(r.row_token[row0], 1);
   std::atomic<int>& state = st.rows_state[a];
   int seen = state.load(std::memory_order_acquire);
-  if (seen == 2) return;
   if (seen == 0 && state.compare_exchange_strong(seen, 1, std::memory_order_acq_rel)) {
-    const long row0 = st.routing.first_row[a];
-    const long end = row0 + long(round_up(st.routing.rows[a], 16));
-    for (long r = row0; r < end; ++r) convert_row(st, ep, H, Hp, gs, r);
+    const long end = row0 + (pad ? long(round_up(r.rows[a], 16)) : r.rows[a]);
+    for (long row = row0; row < end; ++row) {
+      if (r.row_token[row] < 0) st.rows.zero(row, 0, st.rows.k, gs);
+      else st.rows.copy_row(st.tokens, r.row_token[row], row);
+    }
     state.store(2, std::memory_order_release);
-    return;
+  } else {
+    while (state.load(std::memory_order_acquire) != 2) __builtin_ia32_pause();
   }
-  while (state.load(std::memory_order_acquire) != 2) __builtin_ia32_pause();
+  return st.rows.view(row0, r.rows[a]);
 }
 
 // out[t, col0:col0+n] = row[0:n] in the call's output dtype.
@@ -188,16 +198,26 @@ Job MoELayer::make_job(const MoECall& call) const {
   const int token_tasks = (q + kTokensPerTask - 1) / kTokensPerTask;
   const int row_tasks = int(R / kRowsPerTask);
   const Isa small_isa = std::min(cfg_.max_isa, Isa::kAvx512);
-  auto kernels_for = [max_isa = cfg_.max_isa, amx_min = cfg_.amx_min_tokens,
-                      small_isa](int m) -> const IsaKernels& {
-    const bool amx = max_isa == Isa::kAmx && m >= amx_min;
-    return kernels_of(amx ? Isa::kAmx : small_isa);
+  // AMX for experts with m rows; only AMX tiles read an expert's padding rows (to 16).
+  auto amx_for = [max_isa = cfg_.max_isa, amx_min = cfg_.amx_min_tokens](int m) {
+    return max_isa == Isa::kAmx && m >= amx_min;
+  };
+  auto kernels_for = [amx_for, small_isa](int m) -> const IsaKernels& {
+    return kernels_of(amx_for(m) ? Isa::kAmx : small_isa);
   };
   const bool fold = q <= kFoldTokens && !row_out, store_in_down = G == 1 && !row_out;
   Job job;
   std::vector<int> slots;  // the PhaseSlot of each phase of `job`
   const Epilogue* ep = &kernels_of(small_isa).epilogue;
   if (fold) {
+    // The few tokens are converted here, before the pool starts (a microsecond or two each).
+    const size_t act_bytes = round_up(size_t(q) * Hp * elem, 64);
+    st->token_buf.reset(static_cast<uint8_t*>(
+        std::aligned_alloc(64, act_bytes + round_up(3 * size_t(q) * ngx * 4, 64))));
+    if (!st->token_buf) throw std::bad_alloc();
+    st->tokens.act = st->token_buf.get();
+    st->tokens.groups = reinterpret_cast<float*>(st->token_buf.get() + act_bytes);
+    for (int t = 0; t < q; ++t) convert_token(call, st->tokens, *ep, H, Hp, gs, t);
     st->rows_state.reset(new std::atomic<int>[rt.experts.size()]);
     for (size_t a = 0; a < rt.experts.size(); ++a) st->rows_state[a].store(0);
   } else {
@@ -205,13 +225,9 @@ Job MoELayer::make_job(const MoECall& call) const {
     slots.push_back(kConvert);
     job.push_back({split(token_tasks), [st, G, H, Hp, gs, ep](size_t task, int g, int) {
       const int chunk = int(task) * G + g;
-      const MoECall& c = st->call;
-      float* row = scratch(Hp);
-      for (int t = chunk * kTokensPerTask; t < std::min(c.q, (chunk + 1) * kTokensPerTask); ++t) {
-        for (int i = 0; i < H; ++i) row[i] = load_value(c.x, c.x_type, size_t(t) * H + i);
-        std::fill(row + H, row + Hp, 0.0f);
-        st->tokens.put(*ep, t, 0, row, Hp, gs);
-      }
+      const int end = std::min(st->call.q, (chunk + 1) * kTokensPerTask);
+      for (int t = chunk * kTokensPerTask; t < end; ++t)
+        convert_token(st->call, st->tokens, *ep, H, Hp, gs, t);
     }});
     // 2: rows grouped by expert; padding rows are zero so AMX tiles read defined data.
     slots.push_back(kGather);
@@ -241,26 +257,28 @@ Job MoELayer::make_job(const MoECall& call) const {
   for (int g = 0; g < G; ++g) gu_tasks[g] = rt.experts.size() * (slice(g) / cols);
   const size_t gu_max = G ? *std::max_element(gu_tasks.begin(), gu_tasks.end()) : 0;
   slots.push_back(kGateUp);
-  job.push_back({gu_max, [this, st, cols, gs, kernels_for, ep, fold, H, Hp](size_t task, int g,
-                                                                            int) {
+  job.push_back({gu_max, [this, st, cols, gs, kernels_for, amx_for, ep, fold](size_t task, int g,
+                                                                             int) {
     const int per_expert = slice(g) / cols;
     if (per_expert == 0 || task >= st->routing.experts.size() * per_expert) return;
     const Routing& r = st->routing;
     const size_t a = task / per_expert;
-    if (fold) ensure_rows(*st, *ep, H, Hp, gs, a);
     const int col0 = int(task % per_expert) * cols, m = r.rows[a], mp = int(round_up(m, 16));
     const long row0 = r.first_row[a];
+    const bool pad = amx_for(m);
+    const ActView rows = fold ? decode_rows(*st, gs, a, pad) : st->rows.view(row0, m);
     const PackedMatrix& w = gate_up_[size_t(g) * cfg_.num_experts + r.experts[a]];
     const size_t ldc = 2 * size_t(cols);
     float* c = scratch(size_t(mp) * ldc + cols);
     float* h = c + size_t(mp) * ldc;
-    kernels_for(m).get(cfg_.format)(w, st->rows.view(row0, m), 2 * col0 / kBlockN,
-                                    2 * (col0 + cols) / kBlockN, c, ldc);
+    kernels_for(m).get(cfg_.format)(w, rows, 2 * col0 / kBlockN, 2 * (col0 + cols) / kBlockN, c,
+                                    ldc);
     for (int t = 0; t < m; ++t) {
       ep->silu_mul(c + t * ldc, cols, h);
       st->hidden[g].put(*ep, row0 + t, col0, h, cols, gs);
     }
-    for (int t = m; t < mp; ++t) st->hidden[g].zero(row0 + t, col0, cols, gs);
+    // The down kernel for m rows is the same family: only AMX reads the padding rows.
+    for (int t = m; pad && t < mp; ++t) st->hidden[g].zero(row0 + t, col0, cols, gs);
   }});
   if (row_out) {
     // 4: down of (expert, 256 output columns) straight into the rows' outputs.
