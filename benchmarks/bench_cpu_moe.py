@@ -155,7 +155,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--q", default="1,2,4,8,32,128,512,2048")
     parser.add_argument("--json", type=Path, default=Path("bench_cpu_moe.json"))
-    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--formats", default=",".join(FORMATS),
+                        help="comma-separated FORMAT or FORMAT:GROUP_SIZE (e.g. int8:128)")
     parser.add_argument("--quick", action="store_true", help="few calls (a smoke run)")
     parser.add_argument("--no-crossover", action="store_true",
                         help="skip the AVX-512/AMX crossover runs; use AMX_MIN_TOKENS")
@@ -184,10 +185,11 @@ def main() -> None:
               "rows": []}
     amx = _cpu.best_isa() == "amx"
     baseline = [tuple(t.clone() for t in src) for _ in range(args.layers)]
-    for fmt in args.formats.split(","):
+    for spec in args.formats.split(","):
+        fmt, _, group = spec.partition(":")  # e.g. int8:128, an int format's group size
         layers = []
         for _ in range(args.layers):
-            moe = CpuMoE(E, H, I, fmt)
+            moe = CpuMoE(E, H, I, fmt, group_size=int(group) if group else None)
             moe.load(*src)
             layers.append(moe)
         warm_up(layers, args.warmup_s)
@@ -205,7 +207,8 @@ def main() -> None:
             calls = 3 if args.quick else max(5, min(200, 4000 // q))
             sec = timed(cycle(layers, x, routes), calls, len(layers))
             flops = 3 * 2 * H * I * q * K
-            row = {"format": fmt, "q": q, "ms": sec * 1e3, "experts_touched": distinct,
+            row = {"format": spec, "group_size": layers[0].group_size, "q": q, "ms": sec * 1e3,
+                   "experts_touched": distinct,
                    "weight_gb_s": distinct * expert_bytes / sec / 1e9,
                    "bw_fraction": distinct * expert_bytes / sec / bandwidth,
                    "bw_floor_ms": distinct * expert_bytes / bandwidth * 1e3,

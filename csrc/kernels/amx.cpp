@@ -1,11 +1,15 @@
-// AMX kernels for many tokens per expert (prefill): BF16 tdpbf16ps and u8 x s8 tdpbusd over
-// 2 x 2 output tiles (32 tokens x 32 outputs). The packed blocks are B tiles as they lie; int4
-// n-blocks are widened to int8 once per call. Int groups are fixed up in fp32 per group.
+// AMX kernels for many tokens per expert (prefill): BF16 tdpbf16ps and u8 x s8 tdpbusd, one pair
+// of n-blocks (32 outputs) at a time over all of the call's token tiles, so each B tile is read
+// from DRAM once and then reused from L1 (bf16: K chunks over 2 x 2 output tiles; int: per group,
+// one token tile at a time). The next pair's weights are prefetched into L2 meanwhile. The packed
+// blocks are B tiles as they lie; int4 n-blocks are widened to int8 once per pair. Int groups are
+// fixed up in fp32 per group, on the vector units while the tile unit works.
 // Activations are copied once per call into tile order (each A tile 1 KB contiguous): row-major
 // rows 4 KB apart all map to one L1 set, and 16-row tile loads from them thrash it (single-core
 // 2x2-tile loop 0.38 -> 0.48 TFLOPS in a microbenchmark).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -35,9 +39,10 @@ void configure(int k_bytes) {
   _tile_loadconfig(&cfg);
 }
 
-// 64-byte aligned per-thread scratch; `slot` keeps separate buffers apart.
+// 64-byte aligned per-thread scratch; `slot` keeps separate buffers apart (0: C or int4 widened
+// weights, 1: A in tile order, 2: int accumulators, 3: activation group terms by group).
 uint8_t* aligned_scratch(size_t bytes, int slot) {
-  thread_local std::vector<uint8_t> buf[2];
+  thread_local std::vector<uint8_t> buf[4];
   if (buf[slot].size() < bytes + 64) buf[slot].resize(bytes + 64);
   const uintptr_t base = reinterpret_cast<uintptr_t>(buf[slot].data());
   return reinterpret_cast<uint8_t*>((base + 63) & ~uintptr_t(63));
@@ -59,52 +64,116 @@ const uint8_t* tile_order(const uint8_t* a, size_t ld_bytes, int m, size_t row_b
   return out;
 }
 
-// x: A in tile order (32 k per 1 KB tile).
+// Software prefetch into L2 of the next n-block pair's weights, spread evenly over the steps of
+// the current pair, so the DRAM stream runs under the tile work instead of stalling its first
+// pass (the hardware streamer alone runs only a little ahead of the loads).
+struct Prefetch {
+  const uint8_t* p = nullptr;
+  const uint8_t* end = nullptr;
+  size_t lines_per_step = 0;
+  Prefetch(const uint8_t* begin, const uint8_t* stop, size_t steps)
+      : p(begin), end(stop), lines_per_step((size_t(stop - begin) / 64 + steps - 1) / steps) {}
+  void step() {
+    for (size_t i = 0; i < lines_per_step && p < end; ++i, p += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+  }
+};
+
+// The next pair of n-blocks after [nb, nb + 2) within [.., nb_end) as one byte range.
+Prefetch next_pair(const PackedMatrix& w, int nb, int nb_end, size_t steps) {
+  const int first = std::min(nb + 2, nb_end), last = std::min(nb + 4, nb_end);
+  return Prefetch(w.n_block(first), w.n_block(last), steps);
+}
+
+// k-steps (32 k each) per K chunk when a pair of n-blocks meets more than one token-tile pair: the
+// chunk's B tiles (2 x 8 KB) stay in L1 while every token pair passes over them, so only A comes
+// from L2 (a 2x2 step needs 4 KB per 4 tdpbf16ps; from L2 alone that is the bound).
+constexpr int kChunkSteps = 8;
+
+// C tiles of token tiles (t, t + 1) x n-blocks (nb, nb + 1) over `steps` k-steps: started from
+// zero (first chunk) or from `cb` (4 tiles of 1 KB), ended in `c` (last chunk) or `cb`.
+// a: the first token tile's A at the chunk's k, a_next bytes to the second's; b0/b1 likewise.
 template <int NT, int NN>
-void bf16_tiles(const PackedMatrix& w, const uint8_t* x, int t0, int nb, float* c, size_t ldc) {
-  _tile_zero(0);
-  if (NN > 1) _tile_zero(1);
-  if (NT > 1) _tile_zero(2);
-  if (NT > 1 && NN > 1) _tile_zero(3);
-  const int kbs = w.num_k_blocks();
-  const uint8_t* a0 = x + size_t(t0 / 16) * kbs * 1024;
-  const uint8_t* b0 = w.n_block(nb);
-  const uint8_t* b1 = NN > 1 ? w.n_block(nb + 1) : b0;
-  for (int kb = 0; kb < kbs; ++kb) {
-    _tile_loadd(4, a0 + kb * 1024, 64);
-    _tile_loadd(6, b0 + kb * 1024, 64);
+void bf16_block(const uint8_t* a, size_t a_next, const uint8_t* b0, const uint8_t* b1, int steps,
+                bool first, bool last, float* cb, float* c, size_t ldc, Prefetch& pf) {
+  if (first) {
+    _tile_zero(0);
+    if (NN > 1) _tile_zero(1);
+    if (NT > 1) _tile_zero(2);
+    if (NT > 1 && NN > 1) _tile_zero(3);
+  } else {
+    _tile_loadd(0, cb, 64);
+    if (NN > 1) _tile_loadd(1, cb + 256, 64);
+    if (NT > 1) _tile_loadd(2, cb + 512, 64);
+    if (NT > 1 && NN > 1) _tile_loadd(3, cb + 768, 64);
+  }
+  for (int s = 0; s < steps; ++s) {
+    pf.step();
+    const size_t off = size_t(s) * 1024;
+    _tile_loadd(4, a + off, 64);
+    _tile_loadd(6, b0 + off, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (NN > 1) {
-      _tile_loadd(7, b1 + kb * 1024, 64);
+      _tile_loadd(7, b1 + off, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if (NT > 1) {
-      _tile_loadd(5, a0 + size_t(kbs + kb) * 1024, 64);
+      _tile_loadd(5, a + a_next + off, 64);
       _tile_dpbf16ps(2, 5, 6);
       if (NN > 1) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  const size_t ldcb = ldc * 4;
-  _tile_stored(0, c, ldcb);
-  if (NN > 1) _tile_stored(1, c + 16, ldcb);
-  if (NT > 1) _tile_stored(2, c + 16 * ldc, ldcb);
-  if (NT > 1 && NN > 1) _tile_stored(3, c + 16 * ldc + 16, ldcb);
+  if (last) {
+    const size_t ldcb = ldc * 4;
+    _tile_stored(0, c, ldcb);
+    if (NN > 1) _tile_stored(1, c + 16, ldcb);
+    if (NT > 1) _tile_stored(2, c + 16 * ldc, ldcb);
+    if (NT > 1 && NN > 1) _tile_stored(3, c + 16 * ldc + 16, ldcb);
+  } else {
+    _tile_stored(0, cb, 64);
+    if (NN > 1) _tile_stored(1, cb + 256, 64);
+    if (NT > 1) _tile_stored(2, cb + 512, 64);
+    if (NT > 1 && NN > 1) _tile_stored(3, cb + 768, 64);
+  }
 }
 
+// Per n-block pair: K chunk outer, token-tile pairs inner (B reused from L1); x: A in tile order.
 void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
                size_t ldc) {
   configure(64);
   const uint8_t* x = tile_order(reinterpret_cast<const uint8_t*>(a.bf16), a.ld * 2, a.m,
                                 size_t(w.k) * 2, 64);
+  const int kbs = w.num_k_blocks(), pairs = (a.m + 31) / 32;
+  const int chunk = pairs > 1 ? kChunkSteps : kbs;
+  const size_t tile_stride = size_t(kbs) * 1024;
+  float* cbuf = reinterpret_cast<float*>(aligned_scratch(size_t(pairs) * 4096, 0));
   for (int nb = nb_begin; nb < nb_end; nb += 2) {
     const bool two_n = nb + 1 < nb_end;
-    for (int t = 0; t < a.m; t += 32) {
-      float* ct = c + size_t(t) * ldc + (nb - nb_begin) * 16;
-      const bool two_t = t + 16 < a.m;
-      if (two_t && two_n) bf16_tiles<2, 2>(w, x, t, nb, ct, ldc);
-      else if (two_t) bf16_tiles<2, 1>(w, x, t, nb, ct, ldc);
-      else if (two_n) bf16_tiles<1, 2>(w, x, t, nb, ct, ldc);
-      else bf16_tiles<1, 1>(w, x, t, nb, ct, ldc);
+    const uint8_t* b0 = w.n_block(nb);
+    const uint8_t* b1 = two_n ? w.n_block(nb + 1) : b0;
+    Prefetch pf = next_pair(w, nb, nb_end, size_t(kbs) * pairs);
+    for (int k0 = 0; k0 < kbs; k0 += chunk) {
+      const int steps = std::min(chunk, kbs - k0);
+      const bool first = k0 == 0, last = k0 + steps == kbs;
+      const size_t koff = size_t(k0) * 1024;
+      for (int t = 0; t < a.m; t += 32) {
+        const uint8_t* at = x + size_t(t / 16) * tile_stride + koff;
+        float* cb = cbuf + size_t(t / 32) * 1024;
+        float* ct = c + size_t(t) * ldc + (nb - nb_begin) * 16;
+        const bool two_t = t + 16 < a.m;
+        if (two_t && two_n)
+          bf16_block<2, 2>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
+                           pf);
+        else if (two_t)
+          bf16_block<2, 1>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
+                           pf);
+        else if (two_n)
+          bf16_block<1, 2>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
+                           pf);
+        else
+          bf16_block<1, 1>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
+                           pf);
+      }
     }
   }
   _tile_release();
@@ -129,76 +198,158 @@ inline __m512 bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-// acc[row][32] += fix-up of the int32 tile `dot` (16 x 16) for group g, outputs of n-block nb.
+// Int32 tiles of one token tile and group waiting for their fix-up (the pair's two n-blocks).
+struct PendingDots {
+  alignas(64) int32_t dot[2][256];
+  int t = -1, g = 0;
+};
+
+// Group metadata of n-block nb, group g, as 16 fp32 lanes: weight scale, its zero-point term and
+// (int4) the weight offset.
 template <bool kInt4>
-void fix_up(const PackedMatrix& w, int nb, int g, const ActView& a, int t0, const int32_t* dot,
-            float* acc) {
-  const size_t at = (size_t(nb) * w.num_groups() + g) * kBlockN;
-  const uint16_t* meta = kInt4 ? w.meta(nb, g) : nullptr;
-  const __m512 sw = kInt4 ? bf16x16(meta) : _mm512_loadu_ps(w.scale + at);
-  const __m512 swq = kInt4 ? bf16x16(meta + 16) : _mm512_loadu_ps(w.scale_qsum + at);
-  const __m512 bw = kInt4 ? bf16x16(meta + 32) : _mm512_setzero_ps();
-  for (int r = 0; r < 16; ++r) {
-    const size_t ga = size_t(t0 + r) * a.ldg + g;
-    __m512 v = _mm512_loadu_ps(acc + r * 32);
-    v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dot + r * 16)),
-                        _mm512_mul_ps(sw, _mm512_set1_ps(a.scale[ga])), v);
-    v = _mm512_fmadd_ps(swq, _mm512_set1_ps(a.bias[ga]), v);
-    if (kInt4) v = _mm512_fmadd_ps(bw, _mm512_set1_ps(a.sum[ga]), v);
-    _mm512_storeu_ps(acc + r * 32, v);
+struct GroupMeta {
+  __m512 sw, swq, bw;
+  GroupMeta(const PackedMatrix& w, int nb, int g, int num_groups) {
+    if (kInt4) {
+      const uint16_t* meta = w.meta(nb, g);
+      sw = bf16x16(meta);
+      swq = bf16x16(meta + 16);
+      bw = bf16x16(meta + 32);
+    } else {
+      const size_t at = (size_t(nb) * num_groups + g) * kBlockN;
+      sw = _mm512_loadu_ps(w.scale + at);
+      swq = _mm512_loadu_ps(w.scale_qsum + at);
+      bw = _mm512_setzero_ps();
+    }
   }
+  // v + dot * (sw * sx) + swq * bx (+ bw * xsum): the order every ISA uses, so floats agree.
+  __m512 apply(__m512 v, const int32_t* dot, __m512 sx, __m512 bx, __m512 xsum) const {
+    v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dot)), _mm512_mul_ps(sw, sx), v);
+    v = _mm512_fmadd_ps(swq, bx, v);
+    if (kInt4) v = _mm512_fmadd_ps(bw, xsum, v);
+    return v;
+  }
+};
+
+// The activations' per-(row, group) terms, group-major ([group][mp] each): a fix-up then reads one
+// cache line per array for its 16 rows instead of 16 lines (row-major rows are a group count of
+// floats apart), which kept them out of L1.
+struct GroupTerms {
+  const float* scale;
+  const float* bias;
+  const float* sum;
+  size_t mp;
+};
+
+GroupTerms group_major(const ActView& a, int groups, int mp) {
+  float* out = reinterpret_cast<float*>(aligned_scratch(size_t(3) * groups * mp * 4, 3));
+  const float* src[3] = {a.scale, a.bias, a.sum};
+  for (int i = 0; i < 3; ++i)
+    for (int r = 0; r < mp; ++r)
+      for (int g = 0; g < groups; ++g)
+        out[(size_t(i) * groups + g) * mp + r] = src[i][size_t(r) * a.ldg + g];
+  return {out, out + size_t(groups) * mp, out + size_t(2) * groups * mp, size_t(mp)};
 }
 
-// b0/b1: int8 n-blocks (packed or widened). k_bytes = min(64, group size); x: A in tile order.
-template <bool kInt4, int NT, int NN>
-void int_tiles(const PackedMatrix& w, const ActView& a, const uint8_t* x, int t0, int nb,
-               const uint8_t* b0, const uint8_t* b1, int k_bytes, float* c, size_t ldc) {
-  alignas(64) int32_t dot[4][256];
-  alignas(64) float acc[2][16 * 32] = {};
-  const int steps_per_group = w.group_size / k_bytes;
-  const size_t tile_bytes = size_t(16) * k_bytes, block_bytes = size_t(16) * w.k;
-  const uint8_t* x0 = x + size_t(t0 / 16) * block_bytes;
+// acc rows p.t .. p.t + 15 (32 floats each: the pair's two n-blocks) += the fix-up of `p`, which
+// is then marked done. Each row's activation terms are broadcast once for both n-blocks.
+template <bool kInt4>
+void fix_up(const PackedMatrix& w, const GroupTerms& x, int nb, bool two_n, PendingDots& p,
+            float* acc) {
+  if (p.t < 0) return;
+  const int groups = w.num_groups();
+  const GroupMeta<kInt4> m0(w, nb, p.g, groups), m1(w, two_n ? nb + 1 : nb, p.g, groups);
+  const size_t at0 = size_t(p.g) * x.mp + p.t;
+  const float* __restrict sx = x.scale + at0;
+  const float* __restrict bx = x.bias + at0;
+  const float* __restrict xs = (kInt4 ? x.sum : x.scale) + at0;
+  float* __restrict at = acc + size_t(p.t) * 32;
+  for (int r = 0; r < 16; ++r) {
+    const __m512 s = _mm512_set1_ps(sx[r]), b = _mm512_set1_ps(bx[r]);
+    const __m512 u = kInt4 ? _mm512_set1_ps(xs[r]) : s;
+    float* row = at + size_t(r) * 32;
+    _mm512_storeu_ps(row, m0.apply(_mm512_loadu_ps(row), p.dot[0] + r * 16, s, b, u));
+    if (two_n)
+      _mm512_storeu_ps(row + 16, m1.apply(_mm512_loadu_ps(row + 16), p.dot[1] + r * 16, s, b, u));
+  }
+  p.t = -1;
+}
+
+// tdpbusd of a token tile (A tile register a) into C tiles c0/c1 over one group's k-steps. The
+// tile intrinsics take register numbers as literals, hence a macro for the two tile sets.
+#define HETMOE_INT_TILE(a, c0, c1)                                       \
+  do {                                                                  \
+    _tile_zero(c0);                                                     \
+    if (two_n) _tile_zero(c1);                                          \
+    for (int s = 0; s < steps; ++s) {                                   \
+      const int k = kg + s * k_bytes;                                   \
+      /* k in the int8 block layout: block k / 64, row (k % 64) / 4 */  \
+      const size_t boff = size_t(k / 64) * 1024 + (k % 64) / 4 * 64;    \
+      _tile_loadd(a, x0 + size_t(k / k_bytes) * 16 * k_bytes, k_bytes); \
+      if (!b_resident) {                                                \
+        _tile_loadd(6, b0 + boff, 64);                                  \
+        if (two_n) _tile_loadd(7, b1 + boff, 64);                       \
+      }                                                                 \
+      _tile_dpbusd(c0, a, 6);                                           \
+      if (two_n) _tile_dpbusd(c1, a, 7);                                \
+    }                                                                   \
+  } while (0)
+
+// One n-block pair over all groups. Per group the pair's B tiles meet every token tile (kept in
+// tile registers when a group is one k-step, else from L1). Every group's int32 tiles must leave
+// the tile unit for their fp32 fix-up, so token tiles alternate between two pairs of C tiles:
+// while tdpbusd fill one pair, the other pair (the previous token tile) is stored, and the vector
+// units fix up the token tile before that. Fix-ups stay in group order: the floats do not change.
+// b0/b1: int8 n-blocks (packed or widened); x: A in tile order; k_bytes = min(64, group size).
+template <bool kInt4>
+void int_pair(const PackedMatrix& w, int m, const GroupTerms& terms, const uint8_t* x, int nb,
+              bool two_n, const uint8_t* b0, const uint8_t* b1, int k_bytes, float* acc,
+              Prefetch& pf) {
+  PendingDots pend[2];
+  const int steps = w.group_size / k_bytes;
+  const bool b_resident = steps == 1;
+  const size_t block_bytes = size_t(16) * w.k;
+  int i = 0;  // token tiles issued so far; set i % 2 holds tile i's C
+  int prev_t = -1, prev_g = 0;
+  auto store_prev = [&](int set) {
+    // Tiles of the previous token tile (C set `set`) -> pend[set]; its older content is fixed up.
+    if (prev_t < 0) return;
+    PendingDots& p = pend[set];
+    if (set == 0) {
+      _tile_stored(0, p.dot[0], 64);
+      if (two_n) _tile_stored(1, p.dot[1], 64);
+    } else {
+      _tile_stored(2, p.dot[0], 64);
+      if (two_n) _tile_stored(3, p.dot[1], 64);
+    }
+    p.t = prev_t;
+    p.g = prev_g;
+  };
   for (int g = 0; g < w.num_groups(); ++g) {
-    _tile_zero(0);
-    if (NN > 1) _tile_zero(1);
-    if (NT > 1) _tile_zero(2);
-    if (NT > 1 && NN > 1) _tile_zero(3);
-    for (int s = 0; s < steps_per_group; ++s) {
-      const int k = g * w.group_size + s * k_bytes;
-      // Offset of this k in the int8 block layout: block k/64, row (k%64)/4.
-      const size_t boff = size_t(k / 64) * 1024 + (k % 64) / 4 * 64;
-      _tile_loadd(4, x0 + size_t(k / k_bytes) * tile_bytes, k_bytes);
+    const int kg = g * w.group_size;
+    if (b_resident) {
+      const size_t boff = size_t(kg / 64) * 1024 + (kg % 64) / 4 * 64;
       _tile_loadd(6, b0 + boff, 64);
-      _tile_dpbusd(0, 4, 6);
-      if (NN > 1) {
-        _tile_loadd(7, b1 + boff, 64);
-        _tile_dpbusd(1, 4, 7);
-      }
-      if (NT > 1) {
-        _tile_loadd(5, x0 + block_bytes + size_t(k / k_bytes) * tile_bytes, k_bytes);
-        _tile_dpbusd(2, 5, 6);
-        if (NN > 1) _tile_dpbusd(3, 5, 7);
-      }
+      if (two_n) _tile_loadd(7, b1 + boff, 64);
     }
-    _tile_stored(0, dot[0], 64);
-    fix_up<kInt4>(w, nb, g, a, t0, dot[0], acc[0]);
-    if (NN > 1) {
-      _tile_stored(1, dot[1], 64);
-      fix_up<kInt4>(w, nb + 1, g, a, t0, dot[1], acc[0] + 16);
-    }
-    if (NT > 1) {
-      _tile_stored(2, dot[2], 64);
-      fix_up<kInt4>(w, nb, g, a, t0 + 16, dot[2], acc[1]);
-      if (NN > 1) {
-        _tile_stored(3, dot[3], 64);
-        fix_up<kInt4>(w, nb + 1, g, a, t0 + 16, dot[3], acc[1] + 16);
-      }
+    for (int t = 0; t < m; t += 16, ++i) {
+      const uint8_t* x0 = x + size_t(t / 16) * block_bytes;
+      const int set = i % 2;
+      pf.step();
+      if (set == 0) HETMOE_INT_TILE(4, 0, 1);
+      else HETMOE_INT_TILE(5, 2, 3);
+      // While those run: fix up the tile stored last time, then store the previous tile.
+      fix_up<kInt4>(w, terms, nb, two_n, pend[set], acc);
+      store_prev(set ^ 1);
+      prev_t = t;
+      prev_g = g;
     }
   }
-  for (int i = 0; i < NT; ++i)
-    for (int r = 0; r < 16; ++r)
-      std::memcpy(c + (size_t(i) * 16 + r) * ldc, acc[i] + r * 32, sizeof(float) * 16 * NN);
+  fix_up<kInt4>(w, terms, nb, two_n, pend[i % 2], acc);
+  store_prev(i % 2 ^ 1);
+  fix_up<kInt4>(w, terms, nb, two_n, pend[i % 2 ^ 1], acc);
 }
+#undef HETMOE_INT_TILE
 
 template <bool kInt4>
 void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
@@ -206,8 +357,11 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
   const int k_bytes = w.group_size < 64 ? w.group_size : 64;
   const size_t nbytes = size_t(w.num_k_blocks()) * 1024;
   uint8_t* wide = kInt4 ? aligned_scratch(2 * nbytes, 0) : nullptr;
+  const int mp = int(round_up(a.m, 16));
+  float* acc = reinterpret_cast<float*>(aligned_scratch(size_t(mp) * 32 * sizeof(float), 2));
   configure(k_bytes);
   const uint8_t* x = tile_order(a.u8, a.ld, a.m, size_t(w.k), k_bytes);
+  const GroupTerms terms = group_major(a, w.num_groups(), mp);
   for (int nb = nb_begin; nb < nb_end; nb += 2) {
     const bool two_n = nb + 1 < nb_end;
     const uint8_t* b0 = w.n_block(nb);
@@ -218,14 +372,12 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
       b0 = wide;
       b1 = wide + nbytes;
     }
-    for (int t = 0; t < a.m; t += 32) {
-      float* ct = c + size_t(t) * ldc + (nb - nb_begin) * 16;
-      const bool two_t = t + 16 < a.m;
-      if (two_t && two_n) int_tiles<kInt4, 2, 2>(w, a, x, t, nb, b0, b1, k_bytes, ct, ldc);
-      else if (two_t) int_tiles<kInt4, 2, 1>(w, a, x, t, nb, b0, b1, k_bytes, ct, ldc);
-      else if (two_n) int_tiles<kInt4, 1, 2>(w, a, x, t, nb, b0, b1, k_bytes, ct, ldc);
-      else int_tiles<kInt4, 1, 1>(w, a, x, t, nb, b0, b1, k_bytes, ct, ldc);
-    }
+    Prefetch pf = next_pair(w, nb, nb_end, size_t(w.num_groups()) * (mp / 16));
+    std::memset(acc, 0, size_t(mp) * 32 * sizeof(float));
+    int_pair<kInt4>(w, a.m, terms, x, nb, two_n, b0, b1, k_bytes, acc, pf);
+    for (int r = 0; r < mp; ++r)
+      std::memcpy(c + size_t(r) * ldc + (nb - nb_begin) * 16, acc + size_t(r) * 32,
+                  sizeof(float) * 16 * (two_n ? 2 : 1));
   }
   _tile_release();
 }

@@ -1,0 +1,104 @@
+// Single-core throughput of the AMX matrix kernels alone (kernels/amx.cpp, compiled into this
+// program), on the prefill task shapes of a Qwen3-30B-A3B layer: gate/up (K=2048, 32 n-blocks)
+// and down (K=768, 16 n-blocks into rows 2048 floats apart), 128 rows. Weights rotate over
+// `copies` packed matrices so they stream from DRAM as in a layer call. Times are on-CPU
+// (CLOCK_THREAD_CPUTIME_ID), so time-sharing the core does not count. Built and run by
+// bench_amx_core.py; prints one line of key=value pairs.
+//
+// Usage: bench_amx_core FORMAT(bf16|int8) M K NBLOCKS LDC COPIES CALLS GROUP_SIZE CPU
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/amx.cpp"
+
+namespace {
+
+double cpu_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
+}
+
+void* alloc(size_t bytes) { return std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace hetmoe;
+  if (argc != 10) {
+    std::fprintf(stderr, "usage: %s FORMAT M K NBLOCKS LDC COPIES CALLS GROUP_SIZE CPU\n", argv[0]);
+    return 2;
+  }
+  const std::string fmt = argv[1];
+  const int m = std::atoi(argv[2]), K = std::atoi(argv[3]), nblocks = std::atoi(argv[4]);
+  const size_t ldc = size_t(std::atol(argv[5]));
+  const int copies = std::atoi(argv[6]), calls = std::atoi(argv[7]), gs = std::atoi(argv[8]);
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(std::atoi(argv[9]), &set);
+  sched_setaffinity(0, sizeof(set), &set);
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+    std::fprintf(stderr, "AMX permission refused\n");
+    return 1;
+  }
+  if (fmt != "bf16" && fmt != "int8") {
+    std::fprintf(stderr, "FORMAT must be bf16 or int8, got %s\n", fmt.c_str());
+    return 2;
+  }
+  const WeightFormat wf = fmt == "bf16" ? WeightFormat::kBF16 : WeightFormat::kINT8;
+  const bool bf = wf == WeightFormat::kBF16;
+  std::mt19937 rng(1);
+  std::vector<PackedMatrix> ws(copies);
+  for (PackedMatrix& w : ws) {
+    w.format = wf;
+    w.n = nblocks * 16;
+    w.k = K;
+    w.group_size = bf ? 0 : gs;
+    w.blocks = static_cast<uint8_t*>(alloc(w.blocks_bytes()));
+    // bf16 weights in [0.5, 1) (no denormals); int8 bytes random in [0, 63].
+    for (size_t i = 0; i < w.blocks_bytes() / 4; ++i)
+      reinterpret_cast<uint32_t*>(w.blocks)[i] = bf ? (0x3f00u + (rng() & 0xff)) * 0x10001u
+                                                    : (rng() & 0x3f3f3f3fu);
+    if (wf == WeightFormat::kINT8) {
+      w.scale = static_cast<float*>(alloc(w.group_floats() * 4));
+      w.scale_qsum = static_cast<float*>(alloc(w.group_floats() * 4));
+      for (size_t i = 0; i < w.group_floats(); ++i) w.scale[i] = 0.01f, w.scale_qsum[i] = 0.1f;
+    }
+  }
+  const int mp = (m + 15) / 16 * 16, groups = bf ? 1 : K / gs;
+  std::vector<uint16_t> xb(size_t(mp) * K);
+  std::vector<uint8_t> xu(size_t(mp) * K);
+  for (auto& v : xb) v = uint16_t(0x3f00 + (rng() & 0xff));
+  for (auto& v : xu) v = uint8_t(rng());
+  std::vector<float> scale(size_t(mp) * groups, 0.02f), bias(scale.size(), -1.0f),
+      sum(scale.size(), 3.0f);
+  ActView a;
+  a.m = m;
+  a.ld = size_t(K);
+  a.bf16 = xb.data();
+  a.u8 = xu.data();
+  a.scale = scale.data();
+  a.bias = bias.data();
+  a.sum = sum.data();
+  a.ldg = size_t(groups);
+  std::vector<float> c(size_t(mp) * ldc, -1.0f);
+  const GemmFn fn = amx_kernels().get(wf);
+  for (int r = 0; r < copies; ++r) fn(ws[r], a, 0, nblocks, c.data(), ldc);
+  const double t0 = cpu_seconds();
+  for (int r = 0; r < calls; ++r) fn(ws[r % copies], a, 0, nblocks, c.data(), ldc);
+  const double sec = cpu_seconds() - t0;
+  const double ops = 2.0 * m * K * 16 * nblocks * calls;
+  std::printf("format=%s m=%d K=%d nblocks=%d gs=%d us_per_call=%.1f tops_per_core=%.3f "
+              "weight_gbs=%.2f\n", fmt.c_str(), m, K, nblocks, bf ? 0 : gs, sec / calls * 1e6,
+              ops / sec / 1e12, double(ws[0].blocks_bytes()) * calls / sec / 1e9);
+  return c[0] == -1.0f ? 1 : 0;  // the kernel must have written the output
+}
