@@ -63,6 +63,20 @@ def decode(runner: ModelRunner, batch: int, reference: DeferralReference | None 
             runner.cache.free(s)
 
 
+SAME_KERNELS_ATOL = 1e-3
+"""fp32, the same kernels on both sides: rounding only."""
+OTHER_KERNELS_ATOL = 0.05
+"""fp32, different kernels (batch 3 eagerly vs padded to 4 in the graph; fused vs HF layers):
+their last-ulp differences can flip the bf16 rounding of a CPU expert's input (the CPU kernels
+round activations to bf16), which moves logits by ~1e-2; tokens must still be equal."""
+
+
+def tolerance(key: str) -> float:
+    """The |Δlogit| allowed for a `max_dlogit` entry of a row."""
+    same = key.startswith("graph_vs_eager_max_dlogit_b1")
+    return SAME_KERNELS_ATOL if same else OTHER_KERNELS_ATOL
+
+
 def max_delta(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
@@ -208,8 +222,7 @@ def main() -> int:
         flags = {k: v for k, v in row.items() if k.startswith("graph_") and isinstance(v, bool)}
         deltas = {k: round(v, 6) for k, v in row.items() if "max_dlogit" in k}
         ok &= all(flags.values())
-        # Same model, fp32: rounding only (a padded batch runs GEMMs of 4 rows instead of 3).
-        ok &= all(v <= 1e-3 for k, v in deltas.items() if "torch_reference" not in k)
+        ok &= all(v <= tolerance(k) for k, v in deltas.items() if "torch_reference" not in k)
         print(f"{row['family']:<12} {'OK ' if all(flags.values()) else 'BAD'} {flags}")
         print(f"{'':<12} max |Δlogit| {deltas}")
         launches = row["launches"]

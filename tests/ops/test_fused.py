@@ -102,3 +102,27 @@ def test_swiglu_is_the_gated_mlp() -> None:
         torch.randn(8, 6, generator=g)
     want = (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
     torch.testing.assert_close(fused.swiglu(x, gate, up, down), want)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_routing_equals_the_router(family: str, dtype: torch.dtype) -> None:
+    from hetmoe.ops.router import RouterConfig, route
+    from hetmoe.presets.tiny import tiny_config
+
+    config = RouterConfig.from_hf(tiny_config(family))
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 64, generator=g).to(dtype)
+    weight = torch.randn(config.num_experts, 64, generator=g).to(dtype)
+    bias = torch.rand(config.num_experts, generator=g) if config.has_bias else None
+    want_ids, want = route(x, weight, bias, config)
+    ids, weights = route(x, weight, bias, config, fused=True)
+    assert torch.equal(ids, want_ids)  # random scores: no ties
+    torch.testing.assert_close(weights, want, atol=1e-6, rtol=1e-5)
+
+
+def test_top_k_ids_is_topk_best_first() -> None:
+    from hetmoe.ops.router import top_k_ids
+
+    scores = torch.randn(4, 32, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(top_k_ids(scores, 5), torch.topk(scores, 5).indices)

@@ -173,7 +173,7 @@ def _router_tail(s: LayerStatics, x: torch.Tensor, router_w: torch.Tensor,
                  router_b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Routes x and packs the CPU experts' inputs; (stage, deferred ids or None)."""
     assert s.router is not None
-    ids, weights = route(x, router_w, router_b, s.router)
+    ids, weights = route(x, router_w, router_b, s.router, fused=True)
     if not s.deferred:
         return fused.pack_moe_inputs(x, ids, weights), None
     k = ids.shape[1] - s.deferred

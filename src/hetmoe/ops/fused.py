@@ -61,16 +61,20 @@ def gqa_decode_attention(
 
     q [B, h, D], k_new / v_new [B, h_kv, D], caches [N, L, h_kv, D], slots [B], mask [B, L]
     (True: a cached entry before the row's position) -> [B, h*D]. Query heads are grouped per
-    key head (no repeated keys)."""
+    key head (no repeated keys). Both products are written as product-sums over gathered rows,
+    which a compiler turns into one reduction kernel each (gather included); bf16 products are
+    exact in fp32, so this is the matmul's math; probabilities are rounded to q's dtype before
+    the second product, as the module path's matmul does."""
     b, h, d = q.shape
     kv_heads = k_new.shape[1]
-    qg = q.view(b, kv_heads, h // kv_heads, d)  # [B, h_kv, g, D]
-    keys = k_cache.index_select(0, slots)  # [B, L, h_kv, D]
-    values = v_cache.index_select(0, slots)
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, keys).float() * scale  # [B, h_kv, g, L]
-    own = (qg.float() * k_new[:, :, None].float()).sum(-1, keepdim=True) * scale  # [.., 1]
+    qg = q.view(b, kv_heads, h // kv_heads, 1, d).float()  # [B, h_kv, g, 1, D]
+    keys = k_cache[slots].transpose(1, 2)[:, :, None].float()  # [B, h_kv, 1, L, D]
+    values = v_cache[slots].transpose(1, 2)[:, :, None].float()
+    scores = (qg * keys).sum(-1) * scale  # [B, h_kv, g, L]
+    own = (qg[:, :, :, 0] * k_new[:, :, None].float()).sum(-1, keepdim=True) * scale
     probs = torch.cat((masked_scores(scores, mask), own), dim=-1).softmax(dim=-1)
-    out = torch.einsum("bkgl,blkd->bkgd", probs[..., :-1].to(q.dtype), values).float()
+    probs = probs.to(q.dtype).float()
+    out = (probs[..., :-1, None] * values).sum(-2)  # [B, h_kv, g, D]
     out = out + probs[..., -1:] * v_new[:, :, None].float()
     return out.to(q.dtype).reshape(b, h * d)
 
@@ -80,21 +84,23 @@ def mla_decode_attention(
     k_rot_new: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
     slots: torch.Tensor, mask: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """MLA decode in latent space over the cache plus the row's own new entry.
+    """MLA decode in latent space over the cache plus the row's own new entry (product-sums,
+    as in `gqa_decode_attention`).
 
     q_latent [B, h, r], q_rot [B, h, d], latent_new [B, r], k_rot_new [B, d], latent_cache
     [N, L, r], rope_cache [N, L, d], mask [B, L] -> latent output [B, h, r]."""
-    latent = latent_cache.index_select(0, slots)  # [B, L, r]
-    k_rot = rope_cache.index_select(0, slots)  # [B, L, d]
-    scores = (torch.einsum("bhr,blr->bhl", q_latent, latent)
-              + torch.einsum("bhd,bld->bhl", q_rot, k_rot)).float() * scale  # [B, h, L]
-    own = ((q_latent.float() * latent_new[:, None].float()).sum(-1, keepdim=True)
-           + (q_rot.float() * k_rot_new[:, None].float()).sum(-1, keepdim=True)) * scale
+    dtype = latent_cache.dtype
+    latent = latent_cache[slots][:, None].float()  # [B, 1, L, r]
+    k_rot = rope_cache[slots][:, None].float()  # [B, 1, L, d]
+    ql, qr = q_latent.float()[:, :, None], q_rot.float()[:, :, None]  # [B, h, 1, *]
+    scores = ((ql * latent).sum(-1) + (qr * k_rot).sum(-1)) * scale  # [B, h, L]
+    own = ((ql[:, :, 0] * latent_new[:, None].float()).sum(-1, keepdim=True)
+           + (qr[:, :, 0] * k_rot_new[:, None].float()).sum(-1, keepdim=True)) * scale
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.cat((scores, own), dim=-1).softmax(dim=-1)  # [B, h, L+1]
-    out = torch.einsum("bhl,blr->bhr", probs[..., :-1].to(latent.dtype), latent).float()
+    probs = torch.cat((scores, own), dim=-1).softmax(dim=-1).to(dtype).float()  # [B, h, L+1]
+    out = (probs[..., :-1, None] * latent).sum(-2)  # [B, h, r]
     out = out + probs[..., -1:] * latent_new[:, None].float()
-    return out.to(latent.dtype)
+    return out.to(dtype)
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,

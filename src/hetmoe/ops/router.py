@@ -121,10 +121,18 @@ class Router(nn.Module):
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-          c: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+          c: RouterConfig, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], router weight [E, H] (bias [E] for `noaux_tc`) -> (ids [T, K] int64 sorted
-    by score, weights [T, K] fp32): a pure function, so the fused decode step can compile it."""
-    if c.logits_fp32:
+    by score, weights [T, K] fp32): a pure function, so the fused decode step can compile it.
+
+    `fused=True` (decode, few tokens) writes the logits as a product-sum and the top-k as K
+    argmax passes, which a compiler fuses into two kernels (a GEMV and `torch.topk` are four
+    launches); the same values, ties aside (argmax takes the lowest id)."""
+    if fused:
+        logits = (x.float()[:, None, :] * weight.float()[None]).sum(-1)  # [T, E]
+        if not c.logits_fp32:
+            logits = logits.to(x.dtype).float()  # as the model-dtype GEMV rounds it
+    elif c.logits_fp32:
         logits = F.linear(x.float(), weight.float())  # [T, E]
     else:
         logits = F.linear(x, weight).float()
@@ -132,7 +140,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     choice = scores + bias.float() if bias is not None else scores
     if c.topk_method != "greedy" and c.num_groups > 1:
         choice = _limit_groups(choice, c)
-    ids = torch.topk(choice, c.top_k, dim=-1).indices  # [T, K]
+    ids = top_k_ids(choice, c.top_k) if fused else torch.topk(choice, c.top_k, dim=-1).indices
     weights = scores.gather(1, ids)  # the bias only steers the choice
     if c.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -141,6 +149,17 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if c.round_weights:
         weights = weights.to(x.dtype).float()
     return ids, weights
+
+
+def top_k_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Ids [T, k] of the k largest scores [T, E], best first, by k argmax passes."""
+    iota = torch.arange(scores.shape[-1], device=scores.device)
+    ids = []
+    for _ in range(k):
+        best = scores.argmax(dim=-1, keepdim=True)  # [T, 1]
+        ids.append(best)
+        scores = scores.masked_fill(iota == best, float("-inf"))
+    return torch.cat(ids, dim=-1)
 
 
 def _limit_groups(choice: torch.Tensor, c: RouterConfig) -> torch.Tensor:
