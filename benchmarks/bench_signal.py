@@ -6,7 +6,11 @@ add. Timed per layer (median of replays) for:
 - `copies`: the copies alone, no CPU work (the floor of the transport);
 - `host_functions`: CPU work started/awaited by cudaLaunchHostFunc (the driver's callback thread);
 - `flags`: ready/done words with stream memory operations, jobs queued before the replay;
-- `cpu_alone`: the same CPU call from Python without any GPU (`CpuMoE.forward`).
+- `cpu_alone`: the same CPU call from Python without any GPU (`CpuMoE.forward`);
+- `copies_packed` / `flags_packed`: as `copies` / `flags`, the inputs packed on the GPU into one
+  staging vector (ops/fused.py) and moved with ONE copy (the fused decode's transport);
+- `flags_empty` / `cpu_empty_alone`: every expert masked out, so the job routes nothing: the
+  ready/done round trip alone (from the GPU) and the empty call alone (from Python).
 The CPU call is a real `CpuMoE` (8 experts, H=2048, I=`--intermediate`, bf16, top-8) so the job
 goes through routing and every phase; a small I keeps its compute short, so the transport shows.
 
@@ -26,6 +30,7 @@ import torch
 
 from hetmoe.engine.host_link import HostLink
 from hetmoe.experts.cpu_moe import CpuMoE
+from hetmoe.ops.fused import pack_moe_inputs
 
 H, E, K = 2048, 8, 8
 
@@ -56,7 +61,15 @@ def step(x: torch.Tensor, links: list[HostLink], ids: torch.Tensor, weights: tor
          mode: str) -> torch.Tensor:
     for link in links:
         y = x * 1.0001  # [1, H]
-        if mode == "copies":
+        if mode.endswith("packed") or mode == "flags_empty":
+            stage = pack_moe_inputs(y, ids, weights)  # one GPU kernel, as the fused layer's tail
+            if mode == "copies_packed":
+                link.stage[:stage.numel()].copy_(stage, non_blocking=True)
+                out = link.out[:1].to(x.device, non_blocking=True)
+            else:
+                link.start_packed(stage, 1)
+                out = link.finish()
+        elif mode == "copies":
             link.x[:1].copy_(y, non_blocking=True)
             link.ids[:1].copy_(ids, non_blocking=True)
             link.weights[:1].copy_(weights, non_blocking=True)
@@ -72,8 +85,9 @@ def time_mode(mode: str, moes: list[CpuMoE], replays: int) -> float:
     """Median µs per layer of `replays` graph replays."""
     device = torch.device("cuda")
     queue = Queue()
-    signal = "flags" if mode == "flags" else "host_functions"
-    links = [HostLink(m, 1, K, torch.bfloat16, device, signal, queue) for m in moes]
+    signal = "flags" if mode.startswith("flags") else "host_functions"
+    packed = mode.endswith("packed") or mode == "flags_empty"
+    links = [HostLink(m, 1, K, torch.bfloat16, device, signal, queue, packed) for m in moes]
     ids = torch.arange(K, device=device).view(1, K)
     weights = torch.full((1, K), 1.0 / K, device=device)
     x = torch.randn(1, H, device=device, dtype=torch.bfloat16)
@@ -131,8 +145,18 @@ def main() -> int:
         alone.append(time.perf_counter() - start)
     result = {"layers": args.layers, "intermediate": i, "device": torch.cuda.get_device_name(),
               "us_per_layer": {"cpu_alone": statistics.median(alone) / len(moes) * 1e6}}
-    for mode in ("copies", "host_functions", "flags"):
+    for mode in ("copies", "host_functions", "flags", "copies_packed", "flags_packed"):
         result["us_per_layer"][mode] = time_mode(mode, moes, args.replays)
+    for moe in moes:  # every expert masked: the jobs route nothing (the signal's round trip)
+        moe.set_gpu_experts(torch.ones(E, dtype=torch.bool))
+    empty = []
+    for _ in range(args.replays):
+        start = time.perf_counter()
+        for moe in moes:
+            moe.forward(x, ids, weights)
+        empty.append(time.perf_counter() - start)
+    result["us_per_layer"]["cpu_empty_alone"] = statistics.median(empty) / len(moes) * 1e6
+    result["us_per_layer"]["flags_empty"] = time_mode("flags_empty", moes, args.replays)
     print(f"{'mode':<16} µs/layer   ({args.layers} layers, I={i}, {result['device']})")
     for mode, us in result["us_per_layer"].items():
         print(f"{mode:<16} {us:8.1f}")
