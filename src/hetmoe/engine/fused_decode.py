@@ -62,9 +62,22 @@ class LayerStatics:
     """Experts deferred to the next MoE layer (0 for the last one)."""
 
 
-def _eps(norm: nn.Module) -> float:
+def _eps(norm: nn.Module | None) -> float:
+    """An RMSNorm's epsilon (`variance_epsilon` in HF, `eps` in torch)."""
     eps = getattr(norm, "variance_epsilon", None)
-    return float(eps if eps is not None else norm.eps)
+    if eps is None:
+        eps = getattr(norm, "eps", None)
+    if not isinstance(eps, float):
+        raise ValueError(f"fused decode needs RMSNorms with an epsilon, found {norm!r}")
+    return eps
+
+
+def _weight(module: nn.Module | None) -> torch.Tensor:
+    """A norm's (or linear's) weight, detached; ValueError when it has none."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"fused decode needs a weight on {module!r}")
+    return weight.detach()
 
 
 def _plain(module: object) -> torch.Tensor:
@@ -83,20 +96,22 @@ class LayerPlan:
                 raise ValueError(f"fused decode needs a decoder layer with `{name}`")
         attn, mlp = layer.self_attn, layer.mlp
         self.attn = attn
-        self.norms = (layer.input_layernorm.weight.detach(),
-                      layer.post_attention_layernorm.weight.detach())
+        self.norms = (_weight(layer.input_layernorm), _weight(layer.post_attention_layernorm))
         self.moe: HybridMoE | None = mlp if isinstance(mlp, HybridMoE) else None
         self.window: int | None = None
         if isinstance(attn, StaticKVAttention):
             self.window = attn.sliding_window
             qkv, bias = attn.fused_qkv()
-            qk = attn.q_norm is not None and attn.k_norm is not None
+            q_norm = k_norm = None
+            qk_eps = 0.0
+            if attn.q_norm is not None and attn.k_norm is not None:
+                q_norm, k_norm = _weight(attn.q_norm), _weight(attn.k_norm)
+                qk_eps = _eps(attn.q_norm)
             self.weights: tuple[torch.Tensor | None, ...] = (
-                qkv, bias, attn.q_norm.weight.detach() if qk else None,
-                attn.k_norm.weight.detach() if qk else None, _plain(attn.o_proj))
-            qk_eps = _eps(attn.q_norm) if qk else 0.0
+                qkv, bias, q_norm, k_norm, _plain(attn.o_proj))
             dims: tuple[int, ...] = (attn.num_kv_heads, attn.head_dim)
-            heads, kind, rope = attn.q_proj.out_features // attn.head_dim, "gqa", "half"
+            heads = (qkv.shape[0] - 2 * attn.num_kv_heads * attn.head_dim) // attn.head_dim
+            kind, rope = "gqa", "half"
         elif isinstance(attn, MLAttention):
             kv_b = attn._plain_kv_b_weight()
             if kv_b is None or attn.q_proj is None:
@@ -104,7 +119,7 @@ class LayerPlan:
             w = kv_b.detach().view(attn.num_heads, attn.nope_dim + attn.v_dim, attn.kv_lora_rank)
             w_k, w_v = w.split([attn.nope_dim, attn.v_dim], dim=1)
             self.weights = (_plain(attn.q_proj), _plain(attn.kv_a_proj_with_mqa),
-                            attn.kv_a_layernorm.weight.detach(), w_k, w_v, _plain(attn.o_proj))
+                            _weight(attn.kv_a_layernorm), w_k, w_v, _plain(attn.o_proj))
             qk_eps = _eps(attn.kv_a_layernorm)
             dims = (attn.nope_dim, attn.rope_dim, attn.v_dim, attn.kv_lora_rank)
             heads, kind = attn.num_heads, "mla"

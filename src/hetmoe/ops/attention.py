@@ -82,19 +82,24 @@ class StaticKVAttention(nn.Module):
         """(weight [(h + 2 h_kv) D, H], bias or None) of q/k/v as one projection (one GEMV per
         decode step). The first call moves the three weights into one tensor and leaves the
         projections holding views of it, so no memory is duplicated."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
+        projections = [p for p in (self.q_proj, self.k_proj, self.v_proj)
+                       if isinstance(p, nn.Linear)]
+        if len(projections) != 3:
+            raise ValueError(f"attention layer {self.layer_idx}: q/k/v must be nn.Linear")
         fused = self._qkv
-        offsets = [0, self.q_proj.weight.shape[0]]
-        offsets.append(offsets[1] + self.k_proj.weight.shape[0])
+        offsets = [0, projections[0].out_features]
+        offsets.append(offsets[1] + projections[1].out_features)
         if fused is None or any(p.weight.data_ptr() != fused[o].data_ptr()
                                 for p, o in zip(projections, offsets, strict=True)):
             fused = torch.cat([p.weight.detach() for p in projections])
             for proj, start in zip(projections, offsets, strict=True):
-                rows = proj.weight.shape[0]
+                rows = proj.out_features
                 proj.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
             self._qkv = fused
         biases = [p.bias for p in projections]
-        bias = None if any(b is None for b in biases) else torch.cat([b.detach() for b in biases])
+        bias = None
+        if all(b is not None for b in biases):
+            bias = torch.cat([b.detach() for b in biases if b is not None])
         return fused, bias
 
     def forward(
