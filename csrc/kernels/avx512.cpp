@@ -15,15 +15,34 @@ inline __m512i broadcast32(const void* p) {
   return _mm512_set1_epi32(*static_cast<const int32_t*>(p));
 }
 
+// BF16 and int4 read every line of their n-block range once, in order, and prefetch each line
+// this far ahead (stopping at the range's end). With one prefetch per block (int8 still does
+// that) one core streamed ~7 (int4) / ~10 (bf16) GB/s from DRAM; with every line ~10.6 / ~11.8,
+// as int8 and a plain read; 15 cores: int4 76 -> 111 GB/s.
+constexpr size_t kStreamAhead = 4096;
+
+inline void prefetch(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+
+inline void prefetch_lines(const uint8_t* p, size_t bytes) {
+  for (size_t i = 0; i < bytes; i += 64) prefetch(p + i);
+}
+
+// `end`: the end of the n-blocks this call reads (prefetches stop there).
 template <int MT>
 void bf16_tokens(const uint8_t* blocks, int kblocks, const uint16_t* x, size_t ld, float* c,
-                 size_t ldc) {
+                 size_t ldc, const uint8_t* end) {
   __m512 even[MT], odd[MT];
   for (int t = 0; t < MT; ++t) even[t] = odd[t] = _mm512_setzero_ps();
   for (int kb = 0; kb < kblocks; ++kb) {
     const uint8_t* blk = blocks + size_t(kb) * 1024;
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 4096), _MM_HINT_T0);
+    const bool ahead = blk + kStreamAhead + 1024 <= end;
     for (int r = 0; r < 16; r += 2) {
+      if (ahead) {
+        prefetch(blk + kStreamAhead + r * 64);
+        prefetch(blk + kStreamAhead + r * 64 + 64);
+      }
       const __m512bh w0 = (__m512bh)_mm512_load_si512(blk + r * 64);
       const __m512bh w1 = (__m512bh)_mm512_load_si512(blk + (r + 1) * 64);
       for (int t = 0; t < MT; ++t) {
@@ -40,16 +59,17 @@ void bf16_tokens(const uint8_t* blocks, int kblocks, const uint16_t* x, size_t l
 void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
                size_t ldc) {
   const int kblocks = w.num_k_blocks();
+  const uint8_t* end = w.n_block(nb_end);
   for (int nb = nb_begin; nb < nb_end; ++nb) {
     float* cn = c + (nb - nb_begin) * 16;
     for (int t = 0; t < a.m; t += kMaxTokens) {
       const uint16_t* x = a.bf16 + size_t(t) * a.ld;
       float* ct = cn + size_t(t) * ldc;
       switch (a.m - t >= kMaxTokens ? kMaxTokens : a.m - t) {
-        case 1: bf16_tokens<1>(w.n_block(nb), kblocks, x, a.ld, ct, ldc); break;
-        case 2: bf16_tokens<2>(w.n_block(nb), kblocks, x, a.ld, ct, ldc); break;
-        case 3: bf16_tokens<3>(w.n_block(nb), kblocks, x, a.ld, ct, ldc); break;
-        default: bf16_tokens<4>(w.n_block(nb), kblocks, x, a.ld, ct, ldc); break;
+        case 1: bf16_tokens<1>(w.n_block(nb), kblocks, x, a.ld, ct, ldc, end); break;
+        case 2: bf16_tokens<2>(w.n_block(nb), kblocks, x, a.ld, ct, ldc, end); break;
+        case 3: bf16_tokens<3>(w.n_block(nb), kblocks, x, a.ld, ct, ldc, end); break;
+        default: bf16_tokens<4>(w.n_block(nb), kblocks, x, a.ld, ct, ldc, end); break;
       }
     }
   }
@@ -79,16 +99,6 @@ inline void fix_up(const PackedMatrix& w, int nb, int g, const uint16_t* meta, c
   }
 }
 
-// Int4 reads every line of its n-block range once, in order; the stream is prefetched line by
-// line this far ahead (one prefetch per block, as for int8, left one core streaming at ~7 GB/s
-// from DRAM; every line: ~10, as int8 and a plain read).
-constexpr size_t kInt4Ahead = 4096;
-
-inline void prefetch_lines(const uint8_t* p, size_t bytes) {
-  for (size_t i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i),
-                                                      _MM_HINT_T0);
-}
-
 // `end`: the end of the n-blocks this call reads (int4 prefetches stop there).
 template <bool kInt4, int MT>
 void int_tokens(const PackedMatrix& w, int nb, const ActView& a, int t0, float* c, size_t ldc,
@@ -109,13 +119,12 @@ void int_tokens(const PackedMatrix& w, int nb, const ActView& a, int t0, float* 
   }
   for (int kb = 0; kb < kblocks; ++kb, blk += w.block_bytes()) {
     // Past the caller's n-blocks nothing is ours to fetch.
-    const bool ahead = kInt4 && blk + kInt4Ahead + w.run_bytes() <= end;
-    if (!kInt4) _mm_prefetch(reinterpret_cast<const char*>(blk + 2048), _MM_HINT_T0);
+    const bool ahead = kInt4 && blk + kStreamAhead + w.run_bytes() <= end;
+    if (!kInt4) prefetch(blk + 2048);  // int8: one line per block, 2 blocks ahead
     for (int r = 0; r < 8; ++r) {
       __m512i w0, w1;
       if (kInt4) {
-        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(blk + kInt4Ahead + r * 64),
-                                _MM_HINT_T0);
+        if (ahead) prefetch(blk + kStreamAhead + r * 64);
         const __m512i v = _mm512_load_si512(blk + r * 64);
         w0 = _mm512_sub_epi8(_mm512_and_si512(v, low4), eight);
         w1 = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight);
@@ -143,7 +152,7 @@ void int_tokens(const PackedMatrix& w, int nb, const ActView& a, int t0, float* 
     }
     if (kInt4 && ++in_run == kpr) {
       in_run = 0;
-      if (ahead) prefetch_lines(blk + 512 + kInt4Ahead, meta_bytes);
+      if (ahead) prefetch_lines(blk + 512 + kStreamAhead, meta_bytes);
       blk += meta_bytes;
     }
   }
