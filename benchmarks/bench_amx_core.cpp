@@ -5,7 +5,12 @@
 // (CLOCK_THREAD_CPUTIME_ID), so time-sharing the core does not count. Built and run by
 // bench_amx_core.py; prints one line of key=value pairs.
 //
-// Usage: bench_amx_core FORMAT(bf16|int8) M K NBLOCKS LDC COPIES CALLS GROUP_SIZE CPU
+// FORMAT bf16-peak / int8-peak times the bare tile instruction instead: 2 x 2 output tiles with
+// A and B in tile registers (no loads), or with `-l1`, reloaded each step from 4 KB (L1); M K
+// NBLOCKS LDC COPIES GROUP_SIZE are then ignored and CALLS counts 64k-instruction rounds.
+//
+// Usage: bench_amx_core FORMAT M K NBLOCKS LDC COPIES CALLS GROUP_SIZE CPU
+//   FORMAT: bf16, int8, bf16-peak, int8-peak, bf16-peak-l1, int8-peak-l1
 #include <sched.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -21,6 +26,11 @@
 
 namespace {
 
+// Seconds for `rounds` x 16384 steps of four tdpbf16ps / tdpbusd on four C tiles, A and B
+// resident, or (from_l1) loaded every step from a 4 KB buffer.
+template <bool kInt8, bool kFromL1>
+double peak(int rounds);
+
 double cpu_seconds() {
   timespec ts;
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
@@ -28,6 +38,47 @@ double cpu_seconds() {
 }
 
 void* alloc(size_t bytes) { return std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096); }
+
+template <bool kInt8, bool kFromL1>
+double peak(int rounds) {
+  alignas(64) static uint8_t buf[4096];
+  for (int i = 0; i < 4096; ++i) buf[i] = uint8_t(kInt8 ? i % 61 : (i % 2 ? 0x3f : i % 97));
+  hetmoe::configure(64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, buf, 64);
+  _tile_loadd(5, buf + 1024, 64);
+  _tile_loadd(6, buf + 2048, 64);
+  _tile_loadd(7, buf + 3072, 64);
+  const double t0 = cpu_seconds();
+  for (int r = 0; r < rounds; ++r)
+    for (int s = 0; s < 16384; ++s) {
+      if (kFromL1) {
+        _tile_loadd(4, buf, 64);
+        _tile_loadd(6, buf + 2048, 64);
+        _tile_loadd(7, buf + 3072, 64);
+        _tile_loadd(5, buf + 1024, 64);
+      }
+      if (kInt8) {
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(1, 4, 7);
+        _tile_dpbusd(2, 5, 6);
+        _tile_dpbusd(3, 5, 7);
+      } else {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+  const double sec = cpu_seconds() - t0;
+  alignas(64) static float out[256];
+  _tile_stored(0, out, 64);
+  _tile_release();
+  return out[0] == 12345.0f ? -sec : sec;  // keeps the loop's result alive
+}
 
 }  // namespace
 
@@ -49,6 +100,15 @@ int main(int argc, char** argv) {
   if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
     std::fprintf(stderr, "AMX permission refused\n");
     return 1;
+  }
+  if (fmt.find("-peak") != std::string::npos) {
+    const bool int8 = fmt.rfind("int8", 0) == 0, l1 = fmt.find("-l1") != std::string::npos;
+    const double sec = int8 ? (l1 ? peak<true, true>(calls) : peak<true, false>(calls))
+                            : (l1 ? peak<false, true>(calls) : peak<false, false>(calls));
+    const double ops = 4.0 * 16384 * calls * 2 * 16 * 16 * (int8 ? 64 : 32);
+    std::printf("format=%s us_per_call=%.1f tops_per_core=%.3f\n", fmt.c_str(),
+                sec / calls * 1e6, ops / sec / 1e12);
+    return 0;
   }
   if (fmt != "bf16" && fmt != "int8") {
     std::fprintf(stderr, "FORMAT must be bf16 or int8, got %s\n", fmt.c_str());
