@@ -53,7 +53,7 @@ class CpuMoE:
         intermediate: expert width I, a multiple of 32.
         weight_format: "bf16", "int8" (symmetric groups) or "int4" (asymmetric groups).
         group_size: quantization group along the input dim (32, 64, 128 or 256, dividing H and I);
-            default 64 for int8 (32 where 64 does not divide), 32 for int4; must be None for
+            default 128 for int8 (64 or 32 where 128 does not divide), 32 for int4; must be None for
             bf16. Larger groups cost accuracy: int4 stays under 0.15 only up to 64.
         activation: only "silu".
         threads: pool workers; None = the process-wide pool (HETMOE_THREADS, else all cores
@@ -190,10 +190,10 @@ class CpuMoE:
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """out[q, H] (dtype of x) = sum_j w_j * expert_{ids_j}(x); ids of -1 are skipped."""
-        out = self._check_call(x, expert_ids, expert_weights, out)
-        if x.shape[0]:
+        out, args = self._check_call(x, expert_ids, expert_weights, out)
+        if args[4]:  # q
             try:
-                self._layer.forward(*self._call_args(x, expert_ids, expert_weights, out))
+                self._layer.forward(*args)
             except IndexError:  # the routing pass refused an id: name it as every check here
                 self._check_ids(expert_ids)
                 raise
@@ -204,10 +204,9 @@ class CpuMoE:
     def submit(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
                out: torch.Tensor | None = None) -> PendingCall:
         """Starts `forward` on the pool and returns at once; `sync` returns the output."""
-        out = self._check_call(x, expert_ids, expert_weights, out)
-        args = self._call_args(x, expert_ids, expert_weights, out)
+        out, args = self._check_call(x, expert_ids, expert_weights, out)
         try:
-            handle = self._layer.submit(*args) if x.shape[0] else 0
+            handle = self._layer.submit(*args) if args[4] else 0
         except IndexError:  # the routing pass refused an id (see forward)
             self._check_ids(expert_ids)
             raise
@@ -236,10 +235,10 @@ class CpuMoE:
         """Binds fixed (pinned) CPU buffers and returns the C functions that run `forward` on
         them from a CUDA stream: `cudaLaunchHostFunc(s, submit_fn, user_data)`, GPU work, then
         `cudaLaunchHostFunc(s, wait_fn, user_data)` (also inside CUDA graph capture)."""
-        out = self._check_call(x, expert_ids, expert_weights, out)
-        if x.shape[0] == 0:
+        out, args = self._check_call(x, expert_ids, expert_weights, out)
+        if args[4] == 0:
             raise ValueError("CpuMoE.host_functions: x must have at least one token")
-        self._layer.set_host_call(*self._call_args(x, expert_ids, expert_weights, out))
+        self._layer.set_host_call(*args)
         self._host_inputs = (x, expert_ids, expert_weights, out)
         layer = self._layer
         return HostFunctions(layer.host_submit_fn, layer.host_wait_fn, layer.host_user_data)
@@ -270,14 +269,16 @@ class CpuMoE:
 
     def _call_args(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                    out: torch.Tensor) -> tuple[int, ...]:
-        return (x.data_ptr(), _DTYPE_CODES[x.dtype], ids.data_ptr(), weights.data_ptr(),
-                x.shape[0], ids.shape[1], out.data_ptr(), _DTYPE_CODES[out.dtype])
+        """The C++ layer's arguments for a checked call (benchmarks call the layer directly)."""
+        return self._check_call(x, ids, weights, out)[1]
 
     def _check_call(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    out: torch.Tensor | None) -> torch.Tensor:
+                    out: torch.Tensor | None) -> tuple[torch.Tensor, tuple[int, ...]]:
         # Runs on every decode call of every layer: plain attribute reads only (is_cpu, ndim,
-        # dtype, shape), no device objects or tensor ops. The id range is checked by the C++
-        # routing pass, which reads every id anyway; when it refuses one, _check_ids names it.
+        # dtype, shape), each read once, no device objects or tensor ops. The id range is checked
+        # by the C++ routing pass, which reads every id anyway; when it refuses one, _check_ids
+        # names it. Returns out and the C++ layer's arguments (x, dtype, ids, weights, q, k, out,
+        # dtype).
         where = "CpuMoE.forward"
         for name, t in (("x", x), ("expert_ids", ids), ("expert_weights", weights)):
             if not isinstance(t, torch.Tensor):
@@ -287,11 +288,12 @@ class CpuMoE:
                     f"{where}: {name} must be a contiguous 2-D CPU tensor, found shape "
                     f"{tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}"
                 )
-        x_shape, ids_shape = x.shape, ids.shape
-        if x.dtype not in _DTYPE_CODES or x_shape[1] != self.hidden:
+        x_shape, ids_shape, x_dtype = x.shape, ids.shape, x.dtype
+        code = _DTYPE_CODES.get(x_dtype)
+        if code is None or x_shape[1] != self.hidden:
             raise ValueError(
                 f"{where}: x must be [q, {self.hidden}] bfloat16 or float32, found "
-                f"{list(x_shape)} {x.dtype}"
+                f"{list(x_shape)} {x_dtype}"
             )
         q = x_shape[0]
         if ids.dtype != torch.int64 or ids_shape[0] != q or ids_shape[1] < 1:
@@ -305,16 +307,17 @@ class CpuMoE:
                 f"{list(ids_shape)}, found {list(weights.shape)} {weights.dtype}"
             )
         if out is None:
-            return torch.empty_like(x)
-        if (not isinstance(out, torch.Tensor) or out.shape != x_shape or out.dtype != x.dtype
+            out = torch.empty_like(x)
+        elif (not isinstance(out, torch.Tensor) or out.shape != x_shape or out.dtype != x_dtype
                 or not out.is_cpu or not out.is_contiguous()):
             found = (f"{list(out.shape)} {out.dtype} on {out.device}"
                      if isinstance(out, torch.Tensor) else type(out).__name__)
             raise ValueError(
-                f"{where}: out must be a contiguous CPU tensor {list(x_shape)} {x.dtype}, "
+                f"{where}: out must be a contiguous CPU tensor {list(x_shape)} {x_dtype}, "
                 f"found {found}"
             )
-        return out
+        return out, (x.data_ptr(), code, ids.data_ptr(), weights.data_ptr(), q, ids_shape[1],
+                     out.data_ptr(), code)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         # Only after the C++ routing pass refused an id: finds and names the first bad one.
