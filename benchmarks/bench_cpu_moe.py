@@ -140,17 +140,21 @@ def crossover(layers: list[CpuMoE], quick: bool) -> tuple[int, list[dict]]:
 
 
 def phases(layers: list[CpuMoE], x: torch.Tensor,
-           routes: list[tuple[torch.Tensor, torch.Tensor]], calls: int = 9) -> list[float]:
-    """Median microseconds per phase (convert, gather, gate/up, down, combine) over `calls`
-    profiled calls, cycled like the timed ones (one call's phases vary by tens of percent)."""
-    samples = []
-    for i in range(calls):
+           routes: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], float]:
+    """Median microseconds per phase (convert, gather, gate/up, down, combine) over one profiled
+    call per route (one call's phases vary by tens of percent), and the median wall time of
+    those calls in ms. Routes not used by the timed calls, so the weights come from DRAM."""
+    samples, walls = [], []
+    for i, route in enumerate(routes):
         moe = layers[i % len(layers)]
         moe._layer.set_profile(True)
-        moe.forward(x, *routes[i % len(routes)])
+        start = time.perf_counter()
+        moe.forward(x, *route)
+        walls.append(time.perf_counter() - start)
         moe._layer.set_profile(False)
         samples.append(moe._layer.phase_us())
-    return [round(statistics.median(s[p] for s in samples), 1) for p in range(len(samples[0]))]
+    return ([round(statistics.median(s[p] for s in samples), 1) for p in range(len(samples[0]))],
+            1e3 * statistics.median(walls))
 
 
 def warm_up(layers: list[CpuMoE], seconds: float) -> None:
@@ -225,6 +229,8 @@ def main() -> None:
                 fns["raw_ms"] = raw_cycle(layers, x, routes)
             sec_of = timed_alternating(fns, calls, len(layers))
             sec = sec_of["ms"]
+            phase_us, profiled_ms = phases(
+                layers, x, [routing(q, E, K, seed=1000 * q + 500 + r) for r in range(9)])
             flops = 3 * 2 * H * I * q * K
             row = {"format": spec, "group_size": layers[0].group_size, "q": q, "ms": sec * 1e3,
                    "experts_touched": distinct,
@@ -232,7 +238,7 @@ def main() -> None:
                    "bw_fraction": distinct * expert_bytes / sec / bandwidth,
                    "bw_floor_ms": distinct * expert_bytes / bandwidth * 1e3,
                    "tflops": flops / sec / 1e12,
-                   "phase_us": phases(layers, x, routes)}
+                   "phase_us": phase_us, "profiled_ms": profiled_ms}
             if "raw_ms" in sec_of:
                 row["raw_ms"] = 1e3 * sec_of["raw_ms"]
             if fmt == "bf16":
