@@ -65,6 +65,13 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if "graph_d0_host_functions" in decode and "graph_d0" in decode:
             out[f"{mode}_flags_over_host_functions"] = round(
                 decode["graph_d0"]["tok_s"] / decode["graph_d0_host_functions"]["tok_s"], 3)
+        if "graph_d0_module_path" in decode and "graph_d0" in decode:
+            out[f"{mode}_fused_over_module_path"] = round(
+                decode["graph_d0"]["tok_s"] / decode["graph_d0_module_path"]["tok_s"], 3)
+        for name in ("graph_d0_no_cpu_work", "graph_d0_no_cpu_work_module_path"):
+            if name in decode:
+                out[f"{mode}_{name.replace('graph_d0_', '')}_ms_per_token"] = \
+                    decode[name]["ms_per_token"]
         for d in (2, 3):
             if f"graph_d{d}" in decode and "graph_d0" in decode:
                 out[f"{mode}_deferred{d}_speedup"] = round(
