@@ -37,6 +37,7 @@ constexpr int kRowsPerTask = 16;
 constexpr int kRowsForRowOut = 32;   // max rows per expert from which phase 4 goes by expert
 constexpr int kRowOutBlocks = 16;    // n-blocks (256 outputs) per (expert, column block) task
 constexpr int kFoldTokens = 4;       // max q whose rows are converted inside the gate/up phase
+constexpr int kDecodeCols = 64;      // widest decode gate/up task; wider groups are split
 // The AVX-512 bf16 / int4 kernels prefetch every line this far ahead within one call; a decode
 // down task calls them on one short n-block per expert, so it fetches the start of the next
 // expert's while the current one runs.
@@ -86,6 +87,10 @@ struct CallState {
   // Decode: the converted tokens, owned by the call (they are written when the job is made,
   // while earlier jobs may still be using the shared workspace).
   std::unique_ptr<uint8_t, decltype(&std::free)> token_buf{nullptr, &std::free};
+  // Decode with groups wider than kDecodeCols: per NUMA group [rows][Ig] fp32 hidden values,
+  // and per (NUMA group, active expert, hidden group) the tasks that have written their part.
+  std::vector<float*> hidden_float;
+  std::unique_ptr<std::atomic<int>[]> parts_done;
 };
 
 // Decode: the gate/up input rows of active expert `a`. One row that no AMX tile reads is its
@@ -184,18 +189,25 @@ Job MoELayer::make_job(const MoECall& call) const {
   need[kHidden] = R * Ip * elem;
   need[kHiddenGroups] = quantized ? 3 * R * (Ip / gs) * 4 : 0;
   const bool row_out = rt.max_rows >= kRowsForRowOut;
+  const bool fold = q <= kFoldTokens && !row_out, store_in_down = G == 1 && !row_out;
+  // Decode tasks narrower than a group write fp32 values; the last part quantizes the group.
+  const bool split_groups = fold && gs > kDecodeCols;
   need[kAccum] = row_out ? 0 : size_t(G) * q * H * 4;
   need[kRowOut] = row_out ? size_t(G) * R * H * 4 : 0;
+  need[kHiddenFloat] = split_groups ? R * Ip * 4 : 0;
   st->ws = acquire_workspace(need);
   const Workspace& ws = *st->ws;
   st->tokens = {ws.at<uint8_t>(kTokenAct), ws.at<float>(kTokenGroups), size_t(Hp), size_t(q),
                 ngx, elem};
   st->rows = {ws.at<uint8_t>(kRowAct), ws.at<float>(kRowGroups), size_t(Hp), R, ngx, elem};
-  size_t h_off = 0, hg_off = 0;
+  size_t h_off = 0, hg_off = 0, hf_off = 0;
   for (int g = 0; g < G; ++g) {
     const size_t ig = size_t(slice(g)), ngh = quantized ? ig / gs : 0;
     st->hidden.push_back({ws.at<uint8_t>(kHidden, h_off), ws.at<float>(kHiddenGroups, hg_off), ig,
                           R, ngh, elem});
+    st->hidden_float.push_back(split_groups ? ws.at<float>(kHiddenFloat, R * hf_off * 4)
+                                            : nullptr);
+    hf_off += ig;
     st->accum.push_back(row_out ? nullptr : ws.at<float>(kAccum, size_t(g) * q * H * 4));
     st->row_out.push_back(row_out ? ws.at<float>(kRowOut, size_t(g) * R * H * 4) : nullptr);
     h_off += R * ig * elem;
@@ -213,7 +225,6 @@ Job MoELayer::make_job(const MoECall& call) const {
   auto kernels_for = [amx_for, small_isa](int m) -> const IsaKernels& {
     return kernels_of(amx_for(m) ? Isa::kAmx : small_isa);
   };
-  const bool fold = q <= kFoldTokens && !row_out, store_in_down = G == 1 && !row_out;
   Job job;
   std::vector<int> slots;  // the PhaseSlot of each phase of `job`
   const Epilogue* ep = &kernels_of(small_isa).epilogue;
@@ -261,12 +272,25 @@ Job MoELayer::make_job(const MoECall& call) const {
   };
   const int max_cols = row_out ? 256 : 128;
   while (rt.max_rows >= 16 && cols < max_cols && divides_slices(2 * cols)) cols *= 2;
+  // Decode with a group wider than kDecodeCols (int8 128, say: 6 tasks of 512 KB per expert) would
+  // leave few, long tasks for the cores; such groups are split into parts of kDecodeCols.
+  if (split_groups) cols = kDecodeCols;
+  const int parts = split_groups ? gs / cols : 1;
+  size_t max_groups = 0;
   std::vector<size_t> gu_tasks(G);
-  for (int g = 0; g < G; ++g) gu_tasks[g] = rt.experts.size() * (slice(g) / cols);
+  for (int g = 0; g < G; ++g) {
+    gu_tasks[g] = rt.experts.size() * (slice(g) / cols);
+    if (gs) max_groups = std::max(max_groups, size_t(slice(g) / gs));
+  }
+  if (split_groups) {
+    const size_t counters = size_t(G) * rt.experts.size() * max_groups;
+    st->parts_done.reset(new std::atomic<int>[counters]);
+    for (size_t i = 0; i < counters; ++i) st->parts_done[i].store(0, std::memory_order_relaxed);
+  }
   const size_t gu_max = G ? *std::max_element(gu_tasks.begin(), gu_tasks.end()) : 0;
   slots.push_back(kGateUp);
-  job.push_back({gu_max, [this, st, cols, gs, kernels_for, amx_for, ep, fold](size_t task, int g,
-                                                                             int) {
+  job.push_back({gu_max, [this, st, cols, gs, kernels_for, amx_for, ep, fold, parts, max_groups](
+                             size_t task, int g, int) {
     const int per_expert = slice(g) / cols;
     if (per_expert == 0 || task >= st->routing.experts.size() * per_expert) return;
     const Routing& r = st->routing;
@@ -281,6 +305,18 @@ Job MoELayer::make_job(const MoECall& call) const {
     float* h = c + size_t(mp) * ldc;
     kernels_for(m).get(cfg_.format)(w, rows, 2 * col0 / kBlockN, 2 * (col0 + cols) / kBlockN, c,
                                     ldc);
+    if (parts > 1) {
+      // One part of a group: fp32 values out; the task that completes the group quantizes it.
+      const size_t ld = size_t(slice(g)), grp = size_t(col0 / gs), gcol = grp * gs;
+      float* hf = st->hidden_float[g];
+      for (int t = 0; t < m; ++t) ep->silu_mul(c + t * ldc, cols, hf + (row0 + t) * ld + col0);
+      std::atomic<int>& done = st->parts_done[(g * r.experts.size() + a) * max_groups + grp];
+      if (done.fetch_add(1, std::memory_order_acq_rel) + 1 < parts) return;
+      for (int t = 0; t < m; ++t)
+        st->hidden[g].put(*ep, row0 + t, gcol, hf + (row0 + t) * ld + gcol, gs, gs);
+      for (int t = m; pad && t < mp; ++t) st->hidden[g].zero(row0 + t, gcol, gs, gs);
+      return;
+    }
     for (int t = 0; t < m; ++t) {
       ep->silu_mul(c + t * ldc, cols, h);
       st->hidden[g].put(*ep, row0 + t, col0, h, cols, gs);

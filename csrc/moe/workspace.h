@@ -20,6 +20,7 @@ enum WorkspaceRegion : int {
   kHiddenGroups,   // per NUMA group: [3][rows][Ig / gs]
   kAccum,          // per NUMA group: [q][H] fp32 partial outputs
   kRowOut,         // per NUMA group: [rows][H] fp32 down outputs per row (prefill)
+  kHiddenFloat,    // per NUMA group: [rows][Ig] fp32 SiLU(gate) * up (decode, groups > 64)
   kNumRegions
 };
 

@@ -102,6 +102,31 @@ def test_large_groups(weight_format: str, group_size: int, bound: float) -> None
         assert rel_error(out, outs[0].double()) < 1e-5
 
 
+@pytest.mark.parametrize(("weight_format", "group_size", "bound"),
+                         [("int8", 128, 2e-2), ("int8", 256, 2e-2), ("int4", 128, 0.2)])
+def test_decode_splits_large_groups(weight_format: str, group_size: int, bound: float) -> None:
+    """Decode (q <= 4) computes a group wider than 64 hidden columns in parts on several tasks:
+    each token comes out exactly as in a larger (undivided) call, on every ISA (AMX for every
+    call too), and every ISA gives the scalar result."""
+    layer = make_experts(3, 256, 256, seed=51)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(52))
+    ids, weights = _routing(4, 3, 3, seed=53)
+    by_isa = []
+    for isa in ISA_VARIANTS:
+        moe = CpuMoE(3, 256, 256, weight_format, group_size=group_size,
+                     isa=isa.removesuffix("-all"), amx_min_tokens=1 if isa == "amx-all" else 32)
+        moe.load(layer.gate, layer.up, layer.down)
+        decode = torch.cat([moe.forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1])
+                            for t in range(4)])
+        assert torch.equal(moe.forward(x, ids, weights), decode)  # q=4, also split
+        undivided = moe.forward(x.repeat(2, 1), ids.repeat(2, 1), weights.repeat(2, 1))
+        assert torch.equal(undivided[:4], decode), isa
+        by_isa.append(decode)
+    assert rel_error(by_isa[0], layer.reference(x, ids, weights)) <= bound
+    for out in by_isa[1:]:
+        assert rel_error(out, by_isa[0].double()) < 1e-5
+
+
 def test_profile_and_read_bandwidth() -> None:
     """The benchmark's probes: per-phase times of a profiled call, and the pool read rate."""
     from hetmoe import _cpu

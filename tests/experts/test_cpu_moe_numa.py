@@ -10,35 +10,43 @@ from pathlib import Path
 import pytest
 import torch
 
+# (name, format, intermediate, group size): int8 with 128-wide groups over 384 = 128 + 256
+# columns per NUMA group, which decode computes in 64-column parts.
+CASES = [("bf16", "bf16", 320, None), ("int8", "int8", 320, None), ("int4", "int4", 320, None),
+         ("int8-128", "int8", 384, 128)]
+
 SCRIPT = """
 import sys, torch
 sys.path.insert(0, {here!r})
 from moe_oracle import make_experts
 from hetmoe.experts import CpuMoE
+CASES = {cases!r}
 out = {{}}
-for fmt in ("bf16", "int8", "int4"):
-    w = make_experts(5, 128, 320, seed=31)
-    moe = CpuMoE(5, 128, 320, fmt, amx_min_tokens=8)
+for name, fmt, inter, group in CASES:
+    w = make_experts(5, 128, inter, seed=31)
+    moe = CpuMoE(5, 128, inter, fmt, group_size=group, amx_min_tokens=8)
     moe.load(w.gate, w.up, w.down)
     g = torch.Generator().manual_seed(32)
     x = torch.randn({q}, 128, generator=g)
     ids = torch.randint(-1, 5, ({q}, 4), generator=g)
-    out[fmt] = (moe.num_groups, moe.forward(x, ids, torch.rand({q}, 4, generator=g)))
+    out[name] = (moe.num_groups, moe.forward(x, ids, torch.rand({q}, 4, generator=g)))
 torch.save(out, sys.argv[1])
 """
 
 
 def _run(groups: int, q: int, path: Path) -> dict:
     env = dict(os.environ, HETMOE_NUMA_GROUPS=str(groups), HETMOE_THREADS="2")
-    script = SCRIPT.format(here=str(Path(__file__).parent), q=q)
+    script = SCRIPT.format(here=str(Path(__file__).parent), q=q, cases=CASES)
     subprocess.run([sys.executable, "-c", script, str(path)], env=env, check=True, timeout=120)
     return torch.load(path)
 
 
-@pytest.mark.parametrize("q", [40, 200])  # 200: >= 32 rows per expert, the prefill down path
+# 3: decode (tokens converted once, groups split); 200: >= 32 rows per expert, the prefill down
+# path.
+@pytest.mark.parametrize("q", [3, 40, 200])
 def test_two_groups_equal_one(tmp_path: Path, q: int) -> None:
     one, two = _run(1, q, tmp_path / "one.pt"), _run(2, q, tmp_path / "two.pt")
-    for fmt in ("bf16", "int8", "int4"):
+    for fmt, *_ in CASES:
         assert one[fmt][0] == 1 and two[fmt][0] == 2
         a, b = one[fmt][1], two[fmt][1]
         # Same packed values and activations; only the fp32 summation order of the halves differs.
