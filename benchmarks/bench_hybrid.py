@@ -122,7 +122,7 @@ def main() -> int:
     parser.add_argument("--baseline-tokens", type=int, default=32)
     parser.add_argument("--accelerate-tokens", type=int, default=4)
     parser.add_argument("--num-layers", type=int, default=0)
-    parser.add_argument("--timeout", type=int, default=300, help="seconds per mode")
+    parser.add_argument("--timeout", type=int, default=480, help="seconds per mode")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}

@@ -39,6 +39,10 @@ from hetmoe.ops.router import RouterConfig, route
 RECOMPILE_LIMIT = 64
 """Compiled variants allowed per layer function (batch sizes x layer kinds x MoE terms)."""
 
+_FUNCTIONS: dict[Any, Callable[..., Any]] = {}
+"""Layer functions by (statics or name, compiled), shared by every `FusedDecoder` of the process
+(another runner on the same model shapes reuses the compiled code instead of compiling again)."""
+
 
 @dataclass(frozen=True)
 class LayerStatics:
@@ -295,7 +299,6 @@ class FusedDecoder:
         self.overlap = overlap
         self.moe_index = {id(m): i for i, m in enumerate(overlap.layers)}
         self.compile = compile
-        self._fns: dict[Any, Callable[..., Any]] = {}
         if compile:
             import torch._dynamo
 
@@ -303,12 +306,12 @@ class FusedDecoder:
             config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
 
     def _fn(self, key: Any, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
-        fn = self._fns.get(key)
+        fn = _FUNCTIONS.get((key, self.compile))
         if fn is None:
             fn = make()
             if self.compile:
                 fn = torch.compile(fn, fullgraph=True, dynamic=False)
-            self._fns[key] = fn
+            _FUNCTIONS[(key, self.compile)] = fn
         return fn
 
     def _layer_fn(self, statics: LayerStatics) -> Callable[..., tuple[Any, ...]]:
