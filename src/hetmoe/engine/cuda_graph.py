@@ -8,7 +8,9 @@ queued in the pool right before each replay, where each waits for its ready word
 to the next captured size by repeating its first row (same token, slot and position: the cache
 write is the same, the extra outputs are dropped). Graphs need a static shape, so decode attends
 over the whole window (`kv_len = max_seq_len`, masked causally) in both modes, which keeps the
-eager mode (`cuda_graphs=False`, for debugging) token-for-token equal to the graphs.
+eager mode (`cuda_graphs=False`, for debugging) token-for-token equal to the graphs. A decode
+step runs `FusedDecoder` (engine/fused_decode.py: one compiled function per layer) when the
+model fits and `HybridConfig.fused` is set, else the HF decoder layers.
 """
 
 from __future__ import annotations

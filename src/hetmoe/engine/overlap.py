@@ -17,6 +17,10 @@ Two transports move data and start/await CPU work (`Link`):
   at capture, queued before each replay) and waits them in `finish_step`.
 - `DirectLink` (prefill, and every step without a GPU): copies to CPU tensors, then the
   backend's `submit` / `sync` from Python; the shared experts still run between them.
+
+`forward_packed` is the same story for the fused decode step (engine/fused_decode.py), whose
+compiled layer function already routed and packed the CPU inputs into one vector: one copy per
+start, and the caller adds the returned terms to the residual.
 """
 
 from __future__ import annotations
