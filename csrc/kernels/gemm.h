@@ -14,7 +14,7 @@
 namespace hetmoe {
 
 struct ActView {
-  int m = 0;                   // rows; rows up to round_up(m, 16) are readable and zero
+  int m = 0;                   // rows; for AMX, rows up to round_up(m, 16) are readable and zero
   size_t ld = 0;               // elements (bf16) or bytes (u8) between rows
   const uint16_t* bf16 = nullptr;
   const uint8_t* u8 = nullptr;
