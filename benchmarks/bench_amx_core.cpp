@@ -9,7 +9,10 @@
 // A and B in tile registers (no loads), or with `-l1`, reloaded each step from 4 KB (L1); M K
 // NBLOCKS LDC COPIES GROUP_SIZE are then ignored and CALLS counts 64k-instruction rounds.
 //
-// Usage: bench_amx_core FORMAT M K NBLOCKS LDC COPIES CALLS GROUP_SIZE CPU
+// TILED 1 hands the kernel its activations as already in tile order (ActView::tile_step, as the
+// layer's prefill writes them), read in place; 0 (default) row-major, copied per call.
+//
+// Usage: bench_amx_core FORMAT M K NBLOCKS LDC COPIES CALLS GROUP_SIZE CPU [TILED]
 //   FORMAT: bf16, int8, bf16-peak, int8-peak, bf16-peak-l1, int8-peak-l1
 #include <sched.h>
 #include <sys/syscall.h>
@@ -36,6 +39,14 @@ double cpu_seconds() {
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
 }
+
+// ActView::tile_step where the kernels' tree has it (an older tree given to --kernels may not).
+template <class View>
+auto set_tile_step(View& v, int step, int) -> decltype(v.tile_step = step, void()) {
+  v.tile_step = step;
+}
+template <class View>
+void set_tile_step(View&, int, long) {}
 
 void* alloc(size_t bytes) { return std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096); }
 
@@ -84,10 +95,12 @@ double peak(int rounds) {
 
 int main(int argc, char** argv) {
   using namespace hetmoe;
-  if (argc != 10) {
-    std::fprintf(stderr, "usage: %s FORMAT M K NBLOCKS LDC COPIES CALLS GROUP_SIZE CPU\n", argv[0]);
+  if (argc != 10 && argc != 11) {
+    std::fprintf(stderr, "usage: %s FORMAT M K NBLOCKS LDC COPIES CALLS GROUP_SIZE CPU [TILED]\n",
+                 argv[0]);
     return 2;
   }
+  const bool tiled = argc == 11 && std::atoi(argv[10]) != 0;
   const std::string fmt = argv[1];
   const int m = std::atoi(argv[2]), K = std::atoi(argv[3]), nblocks = std::atoi(argv[4]);
   const size_t ldc = size_t(std::atol(argv[5]));
@@ -135,21 +148,26 @@ int main(int argc, char** argv) {
     }
   }
   const int mp = (m + 15) / 16 * 16, groups = bf ? 1 : K / gs;
-  std::vector<uint16_t> xb(size_t(mp) * K);
-  std::vector<uint8_t> xu(size_t(mp) * K);
-  for (auto& v : xb) v = uint16_t(0x3f00 + (rng() & 0xff));
-  for (auto& v : xu) v = uint8_t(rng());
+  // Page-aligned like the layer's workspace (tile loads of A in place must not split lines).
+  uint16_t* xb = static_cast<uint16_t*>(alloc(size_t(mp) * K * 2));
+  uint8_t* xu = static_cast<uint8_t*>(alloc(size_t(mp) * K));
+  for (size_t i = 0; i < size_t(mp) * K; ++i) {
+    xb[i] = uint16_t(0x3f00 + (rng() & 0xff));
+    xu[i] = uint8_t(rng());
+  }
   std::vector<float> scale(size_t(mp) * groups, 0.02f), bias(scale.size(), -1.0f),
       sum(scale.size(), 3.0f);
   ActView a;
   a.m = m;
   a.ld = size_t(K);
-  a.bf16 = xb.data();
-  a.u8 = xu.data();
+  a.bf16 = xb;
+  a.u8 = xu;
   a.scale = scale.data();
   a.bias = bias.data();
   a.sum = sum.data();
   a.ldg = size_t(groups);
+  // The values are random either way: in place they are simply read as tiles.
+  set_tile_step(a, tiled ? (bf ? 64 : std::min(64, gs)) : 0, 0);
   std::vector<float> c(size_t(mp) * ldc, -1.0f);
   const GemmFn fn = amx_kernels().get(wf);
   for (int r = 0; r < copies; ++r) fn(ws[r], a, 0, nblocks, c.data(), ldc);
@@ -157,8 +175,9 @@ int main(int argc, char** argv) {
   for (int r = 0; r < calls; ++r) fn(ws[r % copies], a, 0, nblocks, c.data(), ldc);
   const double sec = cpu_seconds() - t0;
   const double ops = 2.0 * m * K * 16 * nblocks * calls;
-  std::printf("format=%s m=%d K=%d nblocks=%d gs=%d us_per_call=%.1f tops_per_core=%.3f "
-              "weight_gbs=%.2f\n", fmt.c_str(), m, K, nblocks, bf ? 0 : gs, sec / calls * 1e6,
+  std::printf("format=%s m=%d K=%d nblocks=%d gs=%d tiled=%d us_per_call=%.1f "
+              "tops_per_core=%.3f weight_gbs=%.2f\n", fmt.c_str(), m, K, nblocks, bf ? 0 : gs,
+              int(tiled), sec / calls * 1e6,
               ops / sec / 1e12, double(ws[0].blocks_bytes()) * calls / sec / 1e9);
   return c[0] == -1.0f ? 1 : 0;  // the kernel must have written the output
 }

@@ -5,10 +5,12 @@ csrc/ (or, with --kernels DIR, against DIR first: a tree holding another kernels
 two versions back to back), then times the Qwen3-30B-A3B prefill task shapes with 128 rows per
 expert: gate/up (K=2048, 32 n-blocks) and down (K=768, 16 n-blocks, rows 2048 floats apart).
 Runs alternate between the builds; each prints on-CPU T(FL)OPS per core (median and best of
---runs). Needs a CPU with AMX and g++.
+--runs). With --tiled, each build also runs with its activations handed over in tile order (as
+the layer's prefill writes them; layout "tiled") beside row-major ones copied per call ("rows").
+Needs a CPU with AMX and g++.
 
 Usage: python benchmarks/bench_amx_core.py [--kernels OLD_TREE] [--runs 9] [--cpu 1]
-           [--formats bf16,int8:64,int8:128] [--json amx_core.json]
+           [--formats bf16,int8:64,int8:128] [--tiled] [--json amx_core.json]
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ def build(include_first: Path | None, out: Path) -> Path:
     return out
 
 
-def run(binary: Path, fmt: str, gs: int, shape: str, calls: int, cpu: int) -> float:
-    """T(FL)OPS per core of one run."""
+def run(binary: Path, fmt: str, gs: int, shape: str, calls: int, cpu: int,
+        tiled: bool = False) -> float:
+    """T(FL)OPS per core of one run (activations in tile order when `tiled`)."""
     m, k, nblocks, ldc = SHAPES[shape]
-    args = [fmt, m, k, nblocks, ldc, COPIES, calls, gs, cpu]
+    args = [fmt, m, k, nblocks, ldc, COPIES, calls, gs, cpu, int(tiled)]
     out = subprocess.run([str(binary), *map(str, args)], check=True, capture_output=True,
                          text=True).stdout
     fields = dict(kv.split("=") for kv in out.split())
@@ -55,27 +58,33 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--cpu", type=int, default=1)
     parser.add_argument("--formats", default="bf16,int8:64,int8:128,int8:256")
+    parser.add_argument("--tiled", action="store_true",
+                        help="also time activations already in tile order (read in place)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         builds = {"current": build(None, Path(tmp) / "current")}
         if args.kernels:
             builds["other"] = build(args.kernels.resolve(), Path(tmp) / "other")
+        runs = {(name, layout): binary for name, binary in builds.items()
+                for layout in (("rows", "tiled") if args.tiled else ("rows",))}
         rows = []
         for spec in args.formats.split(","):
             fmt, _, gs = spec.partition(":")
             for shape in SHAPES:
-                samples: dict[str, list[float]] = {name: [] for name in builds}
+                samples: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
                 for _ in range(args.runs):
-                    for name, binary in builds.items():
-                        samples[name].append(run(binary, fmt, int(gs or 64), shape, args.calls,
-                                                 args.cpu))
-                for name, vals in samples.items():
-                    row = {"build": name, "format": fmt, "group_size": int(gs or 0),
-                           "shape": shape, "median": statistics.median(vals), "best": max(vals)}
+                    for (name, layout), binary in runs.items():
+                        samples[name, layout].append(run(binary, fmt, int(gs or 64), shape,
+                                                         args.calls, args.cpu,
+                                                         layout == "tiled"))
+                for (name, layout), vals in samples.items():
+                    row = {"build": name, "layout": layout, "format": fmt,
+                           "group_size": int(gs or 0), "shape": shape,
+                           "median": statistics.median(vals), "best": max(vals)}
                     rows.append(row)
-                    print(f"{name:8} {spec:9} {shape:8} T/core median {row['median']:.3f} "
-                          f"best {row['best']:.3f}", flush=True)
+                    print(f"{name:8} {layout:5} {spec:9} {shape:8} T/core median "
+                          f"{row['median']:.3f} best {row['best']:.3f}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"shapes": SHAPES, "rows": rows}, indent=1))
 

@@ -4,9 +4,10 @@
 // one token tile at a time). The next pair's weights are prefetched into L2 meanwhile. The packed
 // blocks are B tiles as they lie; int4 n-blocks are widened to int8 once per pair. Int groups are
 // fixed up in fp32 per group, on the vector units while the tile unit works.
-// Activations are copied once per call into tile order (each A tile 1 KB contiguous): row-major
-// rows 4 KB apart all map to one L1 set, and 16-row tile loads from them thrash it (single-core
-// 2x2-tile loop 0.38 -> 0.48 TFLOPS in a microbenchmark).
+// Activations are read in tile order (each A tile 1 KB contiguous): row-major rows 4 KB apart all
+// map to one L1 set, and 16-row tile loads from them thrash it (single-core 2x2-tile loop 0.38 ->
+// 0.48 TFLOPS in a microbenchmark). Prefill writes them so (ActView::tile_step) and they are read
+// in place; row-major views are copied into tile order once per call.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -50,8 +51,10 @@ uint8_t* aligned_scratch(size_t bytes, int slot) {
 
 // Rows [0, round_up(m, 16)) of row-major A (`row_bytes` used per row, `ld_bytes` apart) in tile
 // order: [m / 16][row_bytes / step][16 rows][step bytes], so A tile (t, s) is 16 * step bytes.
-const uint8_t* tile_order(const uint8_t* a, size_t ld_bytes, int m, size_t row_bytes,
-                          int step) {
+// A view already in tile order (with tile row `step`) is returned as it lies.
+const uint8_t* tile_order(const uint8_t* a, size_t ld_bytes, int m, size_t row_bytes, int step,
+                          int tile_step) {
+  if (tile_step == step) return a;
   const int mp = int(round_up(m, 16)), steps = int(row_bytes / step);
   uint8_t* out = aligned_scratch(size_t(mp) * row_bytes, 1);
   for (int tb = 0; tb < mp / 16; ++tb)
@@ -142,10 +145,11 @@ void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end
                size_t ldc) {
   configure(64);
   const uint8_t* x = tile_order(reinterpret_cast<const uint8_t*>(a.bf16), a.ld * 2, a.m,
-                                size_t(w.k) * 2, 64);
+                                size_t(w.k) * 2, 64, a.tile_step);
   const int kbs = w.num_k_blocks(), pairs = (a.m + 31) / 32;
   const int chunk = pairs > 1 ? kChunkSteps : kbs;
-  const size_t tile_stride = size_t(kbs) * 1024;
+  // Bytes between token tiles: 16 rows of the view in place, of the copy's K otherwise.
+  const size_t tile_stride = a.tile_step ? 16 * a.ld * 2 : size_t(kbs) * 1024;
   float* cbuf = reinterpret_cast<float*>(aligned_scratch(size_t(pairs) * 4096, 0));
   for (int nb = nb_begin; nb < nb_end; nb += 2) {
     const bool two_n = nb + 1 < nb_end;
@@ -300,15 +304,15 @@ void fix_up(const PackedMatrix& w, const GroupTerms& x, int nb, bool two_n, Pend
 // the tile unit for their fp32 fix-up, so token tiles alternate between two pairs of C tiles:
 // while tdpbusd fill one pair, the other pair (the previous token tile) is stored, and the vector
 // units fix up the token tile before that. Fix-ups stay in group order: the floats do not change.
-// b0/b1: int8 n-blocks (packed or widened); x: A in tile order; k_bytes = min(64, group size).
+// b0/b1: int8 n-blocks (packed or widened); x: A in tile order, token tiles block_bytes apart;
+// k_bytes = min(64, group size).
 template <bool kInt4>
-void int_pair(const PackedMatrix& w, int m, const GroupTerms& terms, const uint8_t* x, int nb,
-              bool two_n, const uint8_t* b0, const uint8_t* b1, int k_bytes, float* acc,
-              Prefetch& pf) {
+void int_pair(const PackedMatrix& w, int m, const GroupTerms& terms, const uint8_t* x,
+              size_t block_bytes, int nb, bool two_n, const uint8_t* b0, const uint8_t* b1,
+              int k_bytes, float* acc, Prefetch& pf) {
   PendingDots pend[2];
   const int steps = w.group_size / k_bytes;
   const bool b_resident = steps == 1;
-  const size_t block_bytes = size_t(16) * w.k;
   int i = 0;  // token tiles issued so far; set i % 2 holds tile i's C
   int prev_t = -1, prev_g = 0;
   auto store_prev = [&](int set) {
@@ -360,7 +364,8 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
   const int mp = int(round_up(a.m, 16));
   float* acc = reinterpret_cast<float*>(aligned_scratch(size_t(mp) * 32 * sizeof(float), 2));
   configure(k_bytes);
-  const uint8_t* x = tile_order(a.u8, a.ld, a.m, size_t(w.k), k_bytes);
+  const uint8_t* x = tile_order(a.u8, a.ld, a.m, size_t(w.k), k_bytes, a.tile_step);
+  const size_t block_bytes = 16 * (a.tile_step ? a.ld : size_t(w.k));
   const GroupTerms terms = group_major(a, w.num_groups(), mp);
   for (int nb = nb_begin; nb < nb_end; nb += 2) {
     const bool two_n = nb + 1 < nb_end;
@@ -374,7 +379,7 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
     }
     Prefetch pf = next_pair(w, nb, nb_end, size_t(w.num_groups()) * (mp / 16));
     std::memset(acc, 0, size_t(mp) * 32 * sizeof(float));
-    int_pair<kInt4>(w, a.m, terms, x, nb, two_n, b0, b1, k_bytes, acc, pf);
+    int_pair<kInt4>(w, a.m, terms, x, block_bytes, nb, two_n, b0, b1, k_bytes, acc, pf);
     for (int r = 0; r < mp; ++r)
       std::memcpy(c + size_t(r) * ldc + (nb - nb_begin) * 16, acc + size_t(r) * 32,
                   sizeof(float) * 16 * (two_n ? 2 : 1));

@@ -22,6 +22,10 @@ struct ActView {
   const float* bias = nullptr;   // [m][groups]
   const float* sum = nullptr;    // [m][groups] sum of the dequantized group
   size_t ldg = 0;                // floats between rows of scale/bias/sum
+  // AMX only: 0 = rows row-major, ld apart; else bytes per tile row of A tiles stored in place:
+  // [round_up(m, 16) / 16 blocks, 16 * ld elements each][ld bytes / tile_step][16][tile_step]
+  // (64 for bf16, min(64, group size) for u8), so the kernel loads each 1 KB A tile as it lies.
+  int tile_step = 0;
 };
 
 // Writes c[t * ldc + (nb - nb_begin) * 16 + j] for t < round_up(m, 16) (rows >= m are garbage).

@@ -1,10 +1,16 @@
 // Activations of the rows of one MoE call in the kernels' input form (bf16, or u8 with per-group
 // scale / bias / sum arrays), as the phases of moe_job.cpp write and read them.
+// Rows are row-major, or, for experts on AMX tiles, in tile order per 16-row block (the block
+// keeps its place and size; within it [k bytes / step][16 rows][step bytes], ActView::tile_step),
+// so the AMX kernels read A tiles in place. Tiled rows must start 16-row blocks of their own
+// (experts start 16-aligned) and all rows of a block are written in the same order.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kernels/gemm.h"
 
@@ -16,7 +22,11 @@ struct ActStore {
   float* groups = nullptr;
   size_t k = 0, total = 0, ngroups = 0, elem = 0;
 
-  ActView view(long row0, int m) const {
+  // Bytes per tile row of the tile order the AMX kernels read: 32 bf16, or one k-step of u8
+  // (min(64, group size)).
+  int tile_step() const { return elem == 2 ? 64 : int(std::min<size_t>(64, k / ngroups)); }
+
+  ActView view(long row0, int m, bool tiled = false) const {
     ActView v;
     v.m = m;
     v.ld = k;
@@ -28,31 +38,67 @@ struct ActStore {
       v.sum = groups + (2 * total + row0) * ngroups;
       v.ldg = ngroups;
     }
+    v.tile_step = tiled ? tile_step() : 0;
     return v;
   }
-  // Converts fp32 values into row `row`, columns [col, col + n) (n: whole groups).
-  void put(const Epilogue& ep, long row, size_t col, const float* x, int n, int group_size) const {
+  // Converts fp32 values into row `row`, columns [col, col + n) (n: whole groups; tiled: col and
+  // n whole tile rows).
+  void put(const Epilogue& ep, long row, size_t col, const float* x, int n, int group_size,
+           bool tiled = false) const {
+    uint8_t* out = tiled ? staging(n * elem) : act + (row * k + col) * elem;
     if (elem == 2) {
-      ep.to_bf16(x, n, reinterpret_cast<uint16_t*>(act) + row * k + col);
-      return;
+      ep.to_bf16(x, n, reinterpret_cast<uint16_t*>(out));
+    } else {
+      const size_t g = row * ngroups + col / group_size;
+      ep.to_u8(x, n, group_size, out, groups + g, groups + total * ngroups + g,
+               groups + 2 * total * ngroups + g);
     }
-    const size_t g = row * ngroups + col / group_size;
-    ep.to_u8(x, n, group_size, act + row * k + col, groups + g, groups + total * ngroups + g,
-             groups + 2 * total * ngroups + g);
+    if (tiled) scatter(row, col * elem, out, n * elem);
   }
-  void zero(long row, size_t col, size_t n, int group_size) const {
-    std::memset(act + (row * k + col) * elem, 0, n * elem);
+  void zero(long row, size_t col, size_t n, int group_size, bool tiled = false) const {
+    if (tiled) {
+      const int step = tile_step();
+      for (size_t b = 0; b < n * elem; b += step) std::memset(at(row, col * elem + b), 0, step);
+    } else {
+      std::memset(act + (row * k + col) * elem, 0, n * elem);
+    }
     if (!ngroups) return;
     for (int a = 0; a < 3; ++a)
       std::memset(groups + (a * total + row) * ngroups + col / group_size, 0,
                   sizeof(float) * (n / group_size));
   }
-  void copy_row(const ActStore& src, long from, long to) const {
-    std::memcpy(act + to * k * elem, src.act + from * k * elem, k * elem);
+  // Row `from` of the row-major `src` into row `to`.
+  void copy_row(const ActStore& src, long from, long to, bool tiled = false) const {
+    const uint8_t* in = src.act + from * k * elem;
+    if (tiled) scatter(to, 0, in, k * elem);
+    else std::memcpy(act + to * k * elem, in, k * elem);
     for (int a = 0; a < 3 && ngroups; ++a)
       std::memcpy(groups + (a * total + to) * ngroups,
                   src.groups + (a * src.total + from) * ngroups,
                   sizeof(float) * ngroups);
+  }
+
+ private:
+  // Byte `b` of row `row` in tile order.
+  uint8_t* at(long row, size_t b) const {
+    const size_t step = size_t(tile_step());
+    return act + size_t(row & ~15L) * k * elem + (b / step) * 16 * step + size_t(row & 15) * step +
+           b % step;
+  }
+  // bytes (whole tile rows) of one row from `src`, starting at byte b0 of the row, in tile order.
+  void scatter(long row, size_t b0, const uint8_t* src, size_t bytes) const {
+    const size_t step = size_t(tile_step());
+    uint8_t* dst = at(row, b0);
+    if (step == 64) {
+      for (size_t b = 0; b < bytes; b += 64, dst += 16 * 64) std::memcpy(dst, src + b, 64);
+    } else {
+      for (size_t b = 0; b < bytes; b += step, dst += 16 * step) std::memcpy(dst, src + b, step);
+    }
+  }
+  static uint8_t* staging(size_t bytes) {
+    thread_local std::vector<uint8_t> buf;
+    if (buf.size() < bytes) buf.resize(bytes);
+    return buf.data();
   }
 };
 

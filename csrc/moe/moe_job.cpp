@@ -13,6 +13,9 @@
 // group, 4 writes its output columns itself and 5 is dropped: a q=1 call is 2 phases (2
 // barriers). Padding rows (to 16 per expert) are written only for experts whose kernels are AMX
 // tiles, the only ones that read them.
+// Otherwise (prefill), the rows and hidden activations of experts on AMX tiles are written in tile
+// order (act_store.h) by the gather and the gate/up epilogue, and every AMX task reads its A tiles
+// in place instead of copying its expert's rows again.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -82,6 +85,8 @@ struct CallState {
   std::vector<ActStore> hidden;  // per NUMA group
   std::vector<float*> accum;     // per NUMA group, [q][H]
   std::vector<float*> row_out;   // per NUMA group, [rows][H] (prefill)
+  // Prefill: per 16-row block of the rows, nonzero = its expert's rows are in tile order.
+  std::vector<uint8_t> tiled_block;
   // Decode: per active expert 0 = rows not gathered, 1 = being gathered, 2 = ready.
   std::unique_ptr<std::atomic<int>[]> rows_state;
   // Decode: the converted tokens, owned by the call (they are written when the job is made,
@@ -225,6 +230,14 @@ Job MoELayer::make_job(const MoECall& call) const {
   auto kernels_for = [amx_for, small_isa](int m) -> const IsaKernels& {
     return kernels_of(amx_for(m) ? Isa::kAmx : small_isa);
   };
+  // Prefill rows and hidden activations of AMX experts are kept in tile order.
+  auto tiled_for = [amx_for, fold](int m) { return !fold && amx_for(m); };
+  if (!fold) {
+    st->tiled_block.assign(R / 16, 0);
+    for (size_t a = 0; a < rt.experts.size(); ++a)
+      std::fill_n(st->tiled_block.begin() + rt.first_row[a] / 16, round_up(rt.rows[a], 16) / 16,
+                  uint8_t(tiled_for(rt.rows[a])));
+  }
   Job job;
   std::vector<int> slots;  // the PhaseSlot of each phase of `job`
   const Epilogue* ep = &kernels_of(small_isa).epilogue;
@@ -248,15 +261,17 @@ Job MoELayer::make_job(const MoECall& call) const {
       for (int t = chunk * kTokensPerTask; t < end; ++t)
         convert_token(st->call, st->tokens, *ep, H, Hp, gs, t);
     }});
-    // 2: rows grouped by expert; padding rows are zero so AMX tiles read defined data.
+    // 2: rows grouped by expert (a task: one 16-row block of one expert); padding rows are zero
+    // so AMX tiles read defined data.
     slots.push_back(kGather);
     job.push_back({split(row_tasks), [st, G, gs](size_t task, int g, int) {
       const long chunk = long(task) * G + g;
       const long end = std::min(st->routing.total_rows, (chunk + 1) * kRowsPerTask);
+      const bool tiled = st->tiled_block[chunk];
       for (long r = chunk * kRowsPerTask; r < end; ++r) {
         const int tok = st->routing.row_token[r];
-        if (tok < 0) st->rows.zero(r, 0, st->rows.k, gs);
-        else st->rows.copy_row(st->tokens, tok, r);
+        if (tok < 0) st->rows.zero(r, 0, st->rows.k, gs, tiled);
+        else st->rows.copy_row(st->tokens, tok, r, tiled);
       }
     }});
   }
@@ -289,16 +304,16 @@ Job MoELayer::make_job(const MoECall& call) const {
   }
   const size_t gu_max = G ? *std::max_element(gu_tasks.begin(), gu_tasks.end()) : 0;
   slots.push_back(kGateUp);
-  job.push_back({gu_max, [this, st, cols, gs, kernels_for, amx_for, ep, fold, parts, max_groups](
-                             size_t task, int g, int) {
+  job.push_back({gu_max, [this, st, cols, gs, kernels_for, amx_for, tiled_for, ep, fold, parts,
+                          max_groups](size_t task, int g, int) {
     const int per_expert = slice(g) / cols;
     if (per_expert == 0 || task >= st->routing.experts.size() * per_expert) return;
     const Routing& r = st->routing;
     const size_t a = task / per_expert;
     const int col0 = int(task % per_expert) * cols, m = r.rows[a], mp = int(round_up(m, 16));
     const long row0 = r.first_row[a];
-    const bool pad = amx_for(m);
-    const ActView rows = fold ? decode_rows(*st, gs, a, pad) : st->rows.view(row0, m);
+    const bool pad = amx_for(m), tiled = tiled_for(m);
+    const ActView rows = fold ? decode_rows(*st, gs, a, pad) : st->rows.view(row0, m, tiled);
     const PackedMatrix& w = gate_up_[size_t(g) * cfg_.num_experts + r.experts[a]];
     const size_t ldc = 2 * size_t(cols);
     float* c = scratch(size_t(mp) * ldc + cols);
@@ -319,17 +334,17 @@ Job MoELayer::make_job(const MoECall& call) const {
     }
     for (int t = 0; t < m; ++t) {
       ep->silu_mul(c + t * ldc, cols, h);
-      st->hidden[g].put(*ep, row0 + t, col0, h, cols, gs);
+      st->hidden[g].put(*ep, row0 + t, col0, h, cols, gs, tiled);
     }
     // The down kernel for m rows is the same family: only AMX reads the padding rows.
-    for (int t = m; pad && t < mp; ++t) st->hidden[g].zero(row0 + t, col0, cols, gs);
+    for (int t = m; pad && t < mp; ++t) st->hidden[g].zero(row0 + t, col0, cols, gs, tiled);
   }});
   if (row_out) {
     // 4: down of (expert, 256 output columns) straight into the rows' outputs.
     slots.push_back(kDown);
     const int nbs = H / kBlockN, per_expert = (nbs + kRowOutBlocks - 1) / kRowOutBlocks;
-    job.push_back({rt.experts.size() * per_expert, [this, st, nbs, per_expert, H, kernels_for](
-                                                       size_t task, int g, int) {
+    job.push_back({rt.experts.size() * per_expert, [this, st, nbs, per_expert, H, kernels_for,
+                                                    tiled_for](size_t task, int g, int) {
       if (slice(g) == 0) return;
       const Routing& r = st->routing;
       const size_t a = task / per_expert;
@@ -337,7 +352,7 @@ Job MoELayer::make_job(const MoECall& call) const {
       const int nb1 = std::min(nbs, nb0 + kRowOutBlocks), m = r.rows[a];
       const long row0 = r.first_row[a];
       const PackedMatrix& w = down_[size_t(g) * cfg_.num_experts + r.experts[a]];
-      kernels_for(m).get(cfg_.format)(w, st->hidden[g].view(row0, m), nb0, nb1,
+      kernels_for(m).get(cfg_.format)(w, st->hidden[g].view(row0, m, tiled_for(m)), nb0, nb1,
                                       st->row_out[g] + size_t(row0) * H + nb0 * kBlockN, H);
     }});
     // 5: each token's weighted rows over the NUMA groups, written once in the output dtype.
@@ -364,9 +379,9 @@ Job MoELayer::make_job(const MoECall& call) const {
     const int nb_per_task = rt.max_rows >= 32 ? 2 : 1;
     const bool lead = cfg_.format != WeightFormat::kINT8;
     slots.push_back(kDown);
-    job.push_back({size_t(H / kBlockN / nb_per_task), [this, st, nb_per_task, H, kernels_for, ep,
-                                                       store_in_down, lead](size_t task, int g,
-                                                                            int) {
+    job.push_back({size_t(H / kBlockN / nb_per_task), [this, st, nb_per_task, H, kernels_for,
+                                                       tiled_for, ep, store_in_down,
+                                                       lead](size_t task, int g, int) {
       const Routing& r = st->routing;
       const int nb0 = int(task) * nb_per_task, width = nb_per_task * kBlockN;
       float* acc = st->accum[g];
@@ -382,8 +397,8 @@ Job MoELayer::make_job(const MoECall& call) const {
           const PackedMatrix& next = down_[size_t(g) * cfg_.num_experts + r.experts[a + 1]];
           prefetch_start(next.n_block(nb0), nb_per_task * next.n_block_bytes());
         }
-        kernels_for(m).get(cfg_.format)(w, st->hidden[g].view(row0, m), nb0, nb0 + nb_per_task, c,
-                                        width);
+        kernels_for(m).get(cfg_.format)(w, st->hidden[g].view(row0, m, tiled_for(m)), nb0,
+                                        nb0 + nb_per_task, c, width);
         for (int t = 0; t < m; ++t)
           ep->axpy(r.row_weight[row0 + t], c + t * width, width,
                   acc + size_t(r.row_token[row0 + t]) * H + nb0 * kBlockN);
