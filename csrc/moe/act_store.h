@@ -68,14 +68,36 @@ struct ActStore {
                   sizeof(float) * (n / group_size));
   }
   // Row `from` of the row-major `src` into row `to`.
-  void copy_row(const ActStore& src, long from, long to, bool tiled = false) const {
-    const uint8_t* in = src.act + from * k * elem;
-    if (tiled) scatter(to, 0, in, k * elem);
-    else std::memcpy(act + to * k * elem, in, k * elem);
-    for (int a = 0; a < 3 && ngroups; ++a)
-      std::memcpy(groups + (a * total + to) * ngroups,
-                  src.groups + (a * src.total + from) * ngroups,
-                  sizeof(float) * ngroups);
+  void copy_row(const ActStore& src, long from, long to) const {
+    std::memcpy(act + to * k * elem, src.act + from * k * elem, k * elem);
+    copy_groups(src, from, to);
+  }
+  // The 16-row block from row `row0` (16-aligned) in tile order: row r is row tokens[r] of the
+  // row-major `src`, or zero where tokens[r] < 0. Written in address order (one tile row of each
+  // of the 16 rows in turn), so the block's lines are filled one after another.
+  void gather_tiled_block(const ActStore& src, const int* tokens, long row0) const {
+    const size_t step = size_t(tile_step()), row_bytes = k * elem;
+    uint8_t* dst = act + size_t(row0) * row_bytes;
+    const uint8_t* in[16];
+    for (int r = 0; r < 16; ++r) in[r] = tokens[r] < 0 ? nullptr : src.act + tokens[r] * row_bytes;
+    for (size_t b = 0; b < row_bytes; b += step)
+      for (int r = 0; r < 16; ++r, dst += step) {
+        if (step == 64) {
+          if (in[r]) std::memcpy(dst, in[r] + b, 64);
+          else std::memset(dst, 0, 64);
+        } else {
+          if (in[r]) std::memcpy(dst, in[r] + b, step);
+          else std::memset(dst, 0, step);
+        }
+      }
+    for (int r = 0; r < 16 && ngroups; ++r) {
+      if (tokens[r] < 0) {
+        for (int a = 0; a < 3; ++a)
+          std::memset(groups + (a * total + row0 + r) * ngroups, 0, sizeof(float) * ngroups);
+      } else {
+        copy_groups(src, tokens[r], row0 + r);
+      }
+    }
   }
 
  private:
@@ -94,6 +116,11 @@ struct ActStore {
     } else {
       for (size_t b = 0; b < bytes; b += step, dst += 16 * step) std::memcpy(dst, src + b, step);
     }
+  }
+  void copy_groups(const ActStore& src, long from, long to) const {
+    for (int a = 0; a < 3 && ngroups; ++a)
+      std::memcpy(groups + (a * total + to) * ngroups,
+                  src.groups + (a * src.total + from) * ngroups, sizeof(float) * ngroups);
   }
   static uint8_t* staging(size_t bytes) {
     thread_local std::vector<uint8_t> buf;

@@ -36,7 +36,7 @@ namespace hetmoe {
 namespace {
 
 constexpr int kTokensPerTask = 4;
-constexpr int kRowsPerTask = 16;
+constexpr int kRowsPerTask = 16;     // one 16-row block per gather task (blocks are tiled whole)
 constexpr int kRowsForRowOut = 32;   // max rows per expert from which phase 4 goes by expert
 constexpr int kRowOutBlocks = 16;    // n-blocks (256 outputs) per (expert, column block) task
 constexpr int kFoldTokens = 4;       // max q whose rows are converted inside the gate/up phase
@@ -267,11 +267,15 @@ Job MoELayer::make_job(const MoECall& call) const {
     job.push_back({split(row_tasks), [st, G, gs](size_t task, int g, int) {
       const long chunk = long(task) * G + g;
       const long end = std::min(st->routing.total_rows, (chunk + 1) * kRowsPerTask);
-      const bool tiled = st->tiled_block[chunk];
+      if (st->tiled_block[chunk]) {
+        st->rows.gather_tiled_block(st->tokens, &st->routing.row_token[chunk * kRowsPerTask],
+                                    chunk * kRowsPerTask);
+        return;
+      }
       for (long r = chunk * kRowsPerTask; r < end; ++r) {
         const int tok = st->routing.row_token[r];
-        if (tok < 0) st->rows.zero(r, 0, st->rows.k, gs, tiled);
-        else st->rows.copy_row(st->tokens, tok, r, tiled);
+        if (tok < 0) st->rows.zero(r, 0, st->rows.k, gs);
+        else st->rows.copy_row(st->tokens, tok, r);
       }
     }});
   }
