@@ -266,6 +266,7 @@ Job MoELayer::make_job(const MoECall& call) const {
     slots.push_back(kGather);
     job.push_back({split(row_tasks), [st, G, gs](size_t task, int g, int) {
       const long chunk = long(task) * G + g;
+      if (chunk * kRowsPerTask >= st->routing.total_rows) return;  // the groups' last round
       const long end = std::min(st->routing.total_rows, (chunk + 1) * kRowsPerTask);
       if (st->tiled_block[chunk]) {
         st->rows.gather_tiled_block(st->tokens, &st->routing.row_token[chunk * kRowsPerTask],

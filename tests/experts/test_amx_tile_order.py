@@ -5,6 +5,11 @@ kernels of the same call stay row-major. Experts of 1..200 rows, odd q and q not
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from moe_oracle import available_isas, make_experts, rel_error
@@ -114,3 +119,40 @@ def test_tile_order_repeatable() -> None:
     moe.load(layer.gate, layer.up, layer.down)
     first = moe.forward(x, ids, weights)
     assert torch.equal(moe.forward(x, ids, weights), first)
+
+
+_GROUPS_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {here!r})
+from moe_oracle import make_experts
+from test_amx_tile_order import COUNTS, _skewed_routing
+from hetmoe.experts import CpuMoE
+out = {{}}
+for fmt in ("bf16", "int8"):
+    layer = make_experts(len(COUNTS), 128, 192, seed=131)
+    x = torch.randn(203, 128, generator=torch.Generator().manual_seed(132))
+    ids, weights = _skewed_routing(203, COUNTS, 133)
+    moe = CpuMoE(len(COUNTS), 128, 192, fmt, group_size=32 if fmt == "int8" else None,
+                 amx_min_tokens=16)
+    moe.load(layer.gate, layer.up, layer.down)
+    out[fmt] = (moe.num_groups, moe.forward(x, ids, weights))
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_numa_groups_equal_one(tmp_path: Path) -> None:
+    """Two (virtual) NUMA groups split the gather's 21 row blocks unevenly (the second group's
+    last task has none) and each keep their hidden slice in tile order: the result equals one
+    group's up to the fp32 order of adding the groups' partial rows."""
+    outs, groups = {}, 2
+    for n in (1, groups):
+        env = dict(os.environ, HETMOE_NUMA_GROUPS=str(n), HETMOE_THREADS="2")
+        path = tmp_path / f"{n}.pt"
+        script = _GROUPS_SCRIPT.format(here=str(Path(__file__).parent))
+        subprocess.run([sys.executable, "-c", script, str(path)], env=env, check=True,
+                       timeout=120)
+        outs[n] = torch.load(path)
+    for fmt, (num_groups, out) in outs[groups].items():
+        assert num_groups == groups
+        one = outs[1][fmt][1]
+        assert float((out - one).norm() / one.norm()) < 1e-6, fmt
