@@ -13,6 +13,12 @@ For every family's baby model (fp32, routed experts in the C++ CPU backend, the 
 - decode through the compiled fused layer functions (engine/fused_decode.py, the default) and
   through the HF layers give the same tokens and logits within fp32 rounding (batch 1 and 3,
   with and without deferral); GPU kernels per token of both;
+- attention over window buckets (a cache of 300 entries: 32, 64, 128, 256, 300) in graph mode,
+  decoding across every bucket boundary up to a full window, batch 1 and 3: the same tokens as
+  eager decode with the same buckets (logits within fp32 rounding at batch 1) and as graph
+  decode over the whole window (logits within summation-order noise); one graph captured per
+  (batch size, bucket) and no compile per bucket (the window's chunk count is a dynamic
+  dimension); capture time per graph;
 - no CPU job reported an error; launches per token in both modes.
 
     python benchmarks/check_graph_device.py [--json FILE] [--families qwen3_moe,...]
@@ -40,14 +46,14 @@ STEPS = 24
 
 
 def decode(runner: ModelRunner, batch: int, reference: DeferralReference | None = None,
-           ) -> tuple[list[list[int]], list[torch.Tensor]]:
+           steps: int = STEPS) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy decode of the first `batch` prompts together; returns tokens and [B, V] logits."""
     slots = [runner.cache.allocate() for _ in range(batch)]
     try:
         tokens = [[int(runner.prefill(s, p).argmax())] for s, p in zip(slots, PROMPTS,
                                                                        strict=False)]
         logits = []
-        for _ in range(STEPS):
+        for _ in range(steps):
             last = [t[-1] for t in tokens]
             if reference is None:
                 out = runner.decode(slots, last)
@@ -127,6 +133,7 @@ def check_family(family: str, root: Path) -> dict[str, object]:
             row[f"graph_d{d}_vs_reference_max_dlogit"] = max_delta(logits, want)
         runner.overlap.detach()
     row.update(check_fused(cpu))
+    row.update(check_buckets(cpu))
     row["graph_flags_eq_host_functions"] = check_signals(cpu)
     row["graph_recovers_after_abort"] = check_abort(cpu)
     return row
@@ -158,6 +165,51 @@ def check_fused(llm: LLM) -> dict[str, object]:
     return out
 
 
+BUCKET_MAX_SEQ_LEN = 300
+"""Cache length of `check_buckets` (not a power of two; 2 to 5 window chunks of 64)."""
+SMALLEST_WINDOW = 32
+"""Smallest window bucket of `check_buckets` (the runtime's default is 256)."""
+
+
+def check_buckets(llm: LLM) -> dict[str, object]:
+    """Decode across every window bucket boundary (32, 64, 128, 256, 300 = the cache length)
+    in graph mode, batch 1 and 3 (the longest row from 8 to 299 cached entries), against eager
+    decode with the same buckets and graph decode over the whole window; one graph per bucket,
+    and no compile for a bucket once the whole-window run compiled the shapes."""
+    from torch._dynamo.utils import counters
+
+    steps = BUCKET_MAX_SEQ_LEN - max(len(p) for p in PROMPTS) - 1
+    out: dict[str, object] = {}
+    for batch in (1, 3):
+        runs = {}
+        for name, smallest, graphs in (("whole", BUCKET_MAX_SEQ_LEN, True),
+                                       ("buckets", SMALLEST_WINDOW, True),
+                                       ("eager", SMALLEST_WINDOW, False)):
+            runner = HybridRunner(llm.model, llm.device, llm.dtype, 4, BUCKET_MAX_SEQ_LEN,
+                                  HybridConfig(smallest_window=smallest))
+            runner.use_graphs = graphs
+            compiled = counters["stats"]["unique_graphs"]
+            runs[name] = decode(runner, batch, steps=steps)
+            if name == "buckets":
+                size = 1 if batch == 1 else 4
+                widths = sorted(runner.windows)
+                out[f"bucket_widths_b{batch}"] = widths
+                out[f"graph_one_per_bucket_b{batch}"] = sorted(runner.graphs) == [
+                    (size, w) for w in widths] and widths == [32, 64, 128, 256, 300]
+                out[f"bucket_compiles_b{batch}"] = counters["stats"]["unique_graphs"] - compiled
+                out[f"bucket_capture_ms_b{batch}"] = {
+                    w: round(g.capture_s * 1e3, 2) for (_, w), g in sorted(runner.graphs.items())}
+            runner.overlap.detach()
+        (tokens, logits), (eager, eager_logits) = runs["buckets"], runs["eager"]
+        whole, whole_logits = runs["whole"]
+        out[f"graph_buckets_eq_eager_b{batch}"] = tokens == eager
+        out[f"graph_vs_eager_max_dlogit_b{batch}_buckets"] = max_delta(logits, eager_logits)
+        out[f"graph_buckets_eq_whole_window_b{batch}"] = tokens == whole
+        out[f"buckets_vs_whole_window_max_dlogit_b{batch}"] = max_delta(logits, whole_logits)
+    out["graph_buckets_no_compile"] = out["bucket_compiles_b1"] == out["bucket_compiles_b3"] == 0
+    return out
+
+
 def check_signals(llm: LLM) -> bool:
     """Graph decode with flags and with host functions: bit-identical logits (d=2 if possible)."""
     d = min(2, int(llm.model.config.num_experts_per_tok) - 2)
@@ -185,17 +237,18 @@ def check_abort(llm: LLM) -> bool:
     slot = runner.cache.allocate()
     try:
         last = int(runner.prefill(slot, PROMPTS[0]).argmax())
-        runner.decode([slot], [last])  # captures the graph of batch 1
-        graph = runner.graphs[1].graph
+        runner.decode([slot], [last])  # captures the graph of batch 1 (and this step's window)
+        (key,) = runner.graphs
+        graph = runner.graphs[key].graph
 
-        runner.graphs[1].graph = BrokenGraph()  # type: ignore[assignment]
+        runner.graphs[key].graph = BrokenGraph()  # type: ignore[assignment]
         try:
             runner.decode([slot], [last])
             return False
         except RuntimeError as exc:
             if "injected replay failure" not in str(exc):
                 raise
-        runner.graphs[1].graph = graph
+        runner.graphs[key].graph = graph
         released = not runner.overlap.pending and all(
             link.flags.ready == 0 and link.flags.done == 0 for link in runner.overlap.host)
     finally:
@@ -229,6 +282,9 @@ def main() -> int:
         print(f"{'':<12} per token: graph {launches['graph']}\n{'':<12} eager {launches['eager']}")
         print(f"{'':<12} fused path used: {row['fused_used']}; GPU kernels per token: fused "
               f"{row['kernels_per_token_fused']}, module {row['kernels_per_token_module']}")
+        print(f"{'':<12} window buckets {row['bucket_widths_b1']}, compiles for them "
+              f"{row['bucket_compiles_b1']} / {row['bucket_compiles_b3']} (batch 1 / 3), capture "
+              f"ms {row['bucket_capture_ms_b1']} / {row['bucket_capture_ms_b3']}")
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "ok": ok, "rows": rows}
     if args.json:

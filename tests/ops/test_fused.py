@@ -58,7 +58,7 @@ def test_gqa_decode_attention_matches_write_then_attend() -> None:
     q = torch.randn(b, h, d, generator=g)
     k_new, v_new = torch.randn(2, b, h_kv, d, generator=g)
     slots, pos = torch.tensor([2, 0]), torch.tensor([5, 9])
-    mask = torch.arange(length)[None] < pos[:, None]  # [B, L]
+    mask = fused.window_mask(pos, length, None)  # [B, n, c]
     got = fused.gqa_decode_attention(q, k_new, v_new, cache[:, :, 0], cache[:, :, 1], slots,
                                      mask, 0.25)
     want = _cache_reference(q, k_new, v_new, cache, slots, pos, 0.25)
@@ -74,7 +74,7 @@ def test_mla_decode_attention_matches_attention_over_the_written_cache() -> None
     q_latent, q_rot = torch.randn(b, h, r, generator=g), torch.randn(b, h, d, generator=g)
     latent_new, k_rot_new = torch.randn(b, r, generator=g), torch.randn(b, d, generator=g)
     slots, pos = torch.tensor([1, 0]), torch.tensor([4, 7])
-    mask = torch.arange(length)[None] < pos[:, None]
+    mask = fused.window_mask(pos, length, None)
     got = fused.mla_decode_attention(q_latent, q_rot, latent_new, k_rot_new, latent_cache,
                                      rope_cache, slots, mask, 0.3)
     latent_cache[slots, pos], rope_cache[slots, pos] = latent_new, k_rot_new

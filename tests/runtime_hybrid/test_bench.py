@@ -124,6 +124,10 @@ def test_bench_command_on_a_preset(tmp_path: Path) -> None:
     assert data["read_gb_s"] > 0 and data["bound_tok_s"] > 0
     assert data["pool_read_gb_s"] > 0 and data["pool_bound_tok_s"] > 0
     assert data["decode"]["eager_d0"]["timed_steps"] == 2
+    windows = data["decode_windows"]  # every step within the smallest bucket (capped)
+    assert windows["smallest"] == 256 and windows["capture_ms"] == {}
+    # 3 decode steps (4 new tokens) per deferred value
+    assert windows["steps"] == {str(min(256, windows["max_seq_len"])): 6}
     assert "16" in data["prefill_tok_s"]
     assert "tiny-qwen3-moe" in result.output
 

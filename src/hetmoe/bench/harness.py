@@ -2,7 +2,8 @@
 
 Modes by `BenchConfig.experts`:
 - `cpu` (ours): `HybridRunner` (overlap, CUDA-graph decode of the fused layer functions, CPU
-  experts started/awaited through ready/done flags); decode for each `deferred` value; with
+  experts started/awaited through ready/done flags); decode for each `deferred` value and the
+  attention window buckets those steps used (`decode_windows`, with graph capture times); with
   `eager`, also eager decode, graph decode with CUDA host functions instead of flags, graph
   decode of the HF layers (`module_path`, before the fused decode; real and without CPU work),
   launches per token; a trace of a few eager steps, prefill speed per length.
@@ -147,6 +148,8 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         run = measure.greedy_decode(runner, prompt, cfg.new_tokens)
         decode[name], tokens[name] = _decode_entry(run, result["bound_tok_s"]), run.tokens
         log(f"decode {name}: {decode[name]['tok_s']} tok/s")
+    result["decode_windows"] = windows = _windows(runner)
+    log(f"decode attention windows (bucket: steps): {windows['steps']}")
     if runner.use_graphs:
         runner.reset_graphs(0)
         run = _without_cpu_work(runner, prompt, cfg.new_tokens)
@@ -195,6 +198,15 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     del runner, model
     gc.collect()
     return result
+
+
+def _windows(runner: HybridRunner) -> dict[str, Any]:
+    """The attention window buckets the decode steps so far used, and the capture time of each
+    graph of the last `deferred` value."""
+    return {"max_seq_len": runner.max_seq_len, "smallest": runner.config.smallest_window,
+            "steps": {str(w): n for w, n in sorted(runner.windows.items())},
+            "capture_ms": {f"b{b}_w{w}": round(g.capture_s * 1e3, 1)
+                           for (b, w), g in sorted(runner.graphs.items())}}
 
 
 def _without_cpu_work(runner: HybridRunner, prompt: list[int],

@@ -1,21 +1,26 @@
 """`HybridRunner`: the model runner with CPU/GPU overlap and decode steps as CUDA graphs.
 
-Each decode batch size in `HybridConfig.graph_batch_sizes` gets one CUDA graph of the forward
-pass (embedding to final norm), captured at its first use; the CPU experts' start and wait enter
-it as stream memory operations on ready/done words (or host nodes), reading and writing fixed
-pinned buffers (engine/host_link.py). The CPU jobs a step starts are recorded at capture and
-queued in the pool right before each replay, where each waits for its ready word. A batch is padded
-to the next captured size by repeating its first row (same token, slot and position: the cache
-write is the same, the extra outputs are dropped). Graphs need a static shape, so decode attends
-over the whole window (`kv_len = max_seq_len`, masked causally) in both modes, which keeps the
-eager mode (`cuda_graphs=False`, for debugging) token-for-token equal to the graphs. A decode
-step runs `FusedDecoder` (engine/fused_decode.py: one compiled function per layer) when the
+Each decode batch size in `HybridConfig.graph_batch_sizes` and attention window bucket gets one
+CUDA graph of the forward pass (embedding to final norm), captured at its first use; the CPU
+experts' start and wait enter it as stream memory operations on ready/done words (or host nodes),
+reading and writing fixed pinned buffers (engine/host_link.py). The CPU jobs a step starts are
+recorded at capture and queued in the pool right before each replay, where each waits for its
+ready word. A batch is padded to the next captured size by repeating its first row (same token,
+slot and position: the cache write is the same, the extra outputs are dropped). Graphs need a
+static shape, and attention should cost what the cache holds: a step attends over the first W
+cache entries (masked causally), W = the window bucket of the batch's longest length after the
+step (ops/kv_batch.py `window_bucket`: `smallest_window` * 2**k, capped at `max_seq_len`), in
+both modes, which keeps the eager mode (`cuda_graphs=False`, for debugging) token-for-token equal
+to the graphs. Masked entries weigh exp(-inf) = 0, so W changes no result, only summation order.
+A decode step runs `FusedDecoder` (engine/fused_decode.py: one compiled function per layer) when the
 model fits and `HybridConfig.fused` is set, else the HF decoder layers.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,7 +32,7 @@ from hetmoe.engine.fused_decode import FusedDecoder, plan_layers
 from hetmoe.engine.host_link import SIGNALS, HostLink, Signal
 from hetmoe.engine.overlap import MoEOverlap
 from hetmoe.engine.runner import ModelRunner
-from hetmoe.ops.kv_batch import KVBatch
+from hetmoe.ops.kv_batch import KVBatch, window_bucket
 
 if TYPE_CHECKING:
     from hetmoe.ops.moe import HybridMoE
@@ -51,6 +56,9 @@ class HybridConfig:
     """Decode through one function per layer (engine/fused_decode.py) when the model fits."""
     compile: bool = True
     """On a GPU, compile those functions with torch.compile (False: run them eagerly)."""
+    smallest_window: int = 256
+    """Smallest attention window bucket of a decode step (>= max_seq_len: always the whole
+    cache window)."""
 
     def __post_init__(self) -> None:
         sizes = self.graph_batch_sizes
@@ -58,6 +66,10 @@ class HybridConfig:
             raise ValueError(f"graph_batch_sizes must be positive integers, got {sizes!r}")
         if self.signal not in SIGNALS:
             raise ValueError(f"signal must be one of {', '.join(SIGNALS)}, got {self.signal!r}")
+        if not isinstance(self.smallest_window, int) or self.smallest_window < 2:
+            # A compiled dimension of width 1 would be specialized, not dynamic.
+            raise ValueError(f"smallest_window must be an integer >= 2, got "
+                             f"{self.smallest_window!r}")
 
 
 @dataclass
@@ -70,6 +82,7 @@ class _Graph:
     slots: torch.Tensor  # [B]
     hidden: torch.Tensor  # [B, 1, H] output
     jobs: list[HostLink]  # flag-gated CPU jobs the step starts, in stream order
+    capture_s: float = 0.0  # wall time of the capture alone (after its eager warm-up step)
 
 
 class HybridRunner(ModelRunner):
@@ -94,7 +107,10 @@ class HybridRunner(ModelRunner):
         self.use_graphs = self.config.cuda_graphs and device.type == "cuda"
         if self.config.cuda_graphs and not self.use_graphs:
             log.info("CUDA graphs need a CUDA device (running on %s): decode runs eagerly", device)
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        """Captured steps by (batch size, window bucket)."""
+        self.windows: Counter[int] = Counter()
+        """Decode steps run per window bucket (graphs or eager) since this runner was made."""
 
     def decode(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
         """See `ModelRunner.decode`; runs as a decode step (deferral, graphs)."""
@@ -117,18 +133,19 @@ class HybridRunner(ModelRunner):
         if not self.overlap.decoding:
             return super()._forward(ids, kv)
         b = ids.shape[0]
+        width = window_bucket(kv.kv_len, self.config.smallest_window, self.max_seq_len)
+        self.windows[width] += 1
         size = next((s for s in sorted(self.config.graph_batch_sizes) if s >= b), None)
         if not (self.use_graphs and self.device.type == "cuda") or size is None:
-            static = KVBatch(kv.slots, kv.positions, self.max_seq_len)
-            return self._step(ids, static)
+            return self._step(ids, KVBatch(kv.slots, kv.positions, width))
         pad = size - b
         ids = torch.cat([ids, ids[:1].expand(pad, 1)]) if pad else ids  # [size, 1]
         positions = torch.cat([kv.positions, kv.positions[:1].expand(pad, 1)]) if pad \
             else kv.positions
         slots = torch.cat([kv.slots, kv.slots[:1].expand(pad)]) if pad else kv.slots
-        graph = self.graphs.get(size)
+        graph = self.graphs.get((size, width))
         if graph is None:
-            return self._capture(size, ids, positions, slots)[:b]
+            return self._capture(size, width, ids, positions, slots)[:b]
         graph.ids.copy_(ids)
         graph.positions.copy_(positions)
         graph.slots.copy_(slots)
@@ -144,12 +161,13 @@ class HybridRunner(ModelRunner):
             return self.fused.forward(ids, kv)
         return super()._forward(ids, kv)
 
-    def _capture(self, size: int, ids: torch.Tensor, positions: torch.Tensor,
+    def _capture(self, size: int, width: int, ids: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor) -> torch.Tensor:
-        """Runs this step eagerly (its real output) and captures it for later steps."""
+        """Runs this step eagerly (its real output) and captures it for later steps of this
+        batch size and window bucket."""
         static = _Graph(torch.cuda.CUDAGraph(), ids.clone(), positions.clone(), slots.clone(),
                         torch.empty(0), [])
-        kv = KVBatch(static.slots, static.positions, self.max_seq_len)
+        kv = KVBatch(static.slots, static.positions, width)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -157,13 +175,15 @@ class HybridRunner(ModelRunner):
         torch.cuda.current_stream(self.device).wait_stream(side)
         out = out.clone()
         # The capture records work without running it: the cache and buffers stay as they are.
+        start = time.perf_counter()
         self.overlap.begin_capture()
         try:
             with torch.cuda.graph(static.graph):
                 static.hidden = self._step(static.ids, kv)
         finally:
             static.jobs = self.overlap.end_capture()
-        self.graphs[size] = static
+        static.capture_s = time.perf_counter() - start
+        self.graphs[size, width] = static
         return out
 
     def reset_graphs(self, deferred: int | None = None) -> None:

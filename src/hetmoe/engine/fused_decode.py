@@ -11,7 +11,9 @@ the previous layer's MoE output to the packed router output:
 then, outside it: the CPU experts' start (one copy, engine/overlap.py `forward_packed`), the
 cache write (one kernel, off the CPU's critical path), the shared experts, the wait. On a GPU the
 layer functions go through `torch.compile` (Inductor); the weights are arguments, so every layer
-of a model shares one compiled graph. Without compile (CPU) the same functions run eagerly.
+of a model shares one compiled graph. Attention reads the first `kv_len` cache entries (the
+runner's window bucket, ops/kv_batch.py) in chunks of 64 whose count is a dynamic dimension, so
+every bucket shares that graph too. Without compile (CPU) the same functions run eagerly.
 
 `plan_layers` says whether a model fits (GQA or MLA attention, RMSNorms, gated SiLU MLPs or
 `HybridMoE`); `HybridRunner` uses the module path otherwise.
@@ -37,7 +39,8 @@ from hetmoe.ops.moe import HybridMoE
 from hetmoe.ops.router import RouterConfig, route
 
 RECOMPILE_LIMIT = 64
-"""Compiled variants allowed per layer function (batch sizes x layer kinds x MoE terms)."""
+"""Compiled variants allowed per layer function (batch sizes x layer kinds x MoE terms; the
+attention window is a dynamic dimension, not a variant)."""
 
 _FUNCTIONS: dict[Any, Callable[..., Any]] = {}
 """Layer functions by (statics or name, compiled), shared by every `FusedDecoder` of the process
@@ -294,6 +297,7 @@ class FusedDecoder:
     """Runs decode steps of `model` through the layer functions, MoE layers via `overlap`."""
 
     def __init__(self, model: Any, overlap: MoEOverlap, compile: bool) -> None:
+        """`compile`: run the layer functions through torch.compile (GPU), else eagerly."""
         self.base = getattr(model, model.base_model_prefix)
         self.plans = plan_layers(model)
         self.overlap = overlap
@@ -319,7 +323,8 @@ class FusedDecoder:
         return self._fn(statics, lambda: maker(statics))
 
     def forward(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
-        """ids [B, 1] -> final hidden states [B, 1, H], the module path's `_forward` result."""
+        """ids [B, 1] -> final hidden states [B, 1, H], the module path's `_forward` result;
+        attention reads the first `kv.kv_len` cache entries (the step's window bucket)."""
         b = ids.shape[0]
         h = self.base.embed_tokens(ids)  # [B, 1, H]
         rotary = self.base.rotary_emb(h, kv.positions)
@@ -337,11 +342,7 @@ class FusedDecoder:
             window = plan.window
             caches = plan.caches()
             if window not in masks:
-                keys = torch.arange(caches[0].shape[1], device=h.device)  # [L]
-                allowed = keys[None] < pos[:, None]  # [B, L]: cached entries before the row
-                if window is not None:
-                    allowed &= pos[:, None] - keys[None] < window
-                masks[window] = allowed
+                masks[window] = self._mask(pos, kv.kv_len, window)
             statics = plan.statics
             if plan.moe is not None:
                 i = self.moe_index[id(plan.moe)]
@@ -362,6 +363,16 @@ class FusedDecoder:
         norm = self.base.norm
         out = self._fn("final", lambda: final_norm)(h, terms, norm.weight.detach(), _eps(norm))
         return out.view(b, 1, -1)
+
+    def _mask(self, pos: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
+        """`fused.window_mask` over the first `width` cache entries; compiled, its chunk count
+        is marked dynamic, so every window bucket shares one compiled graph."""
+        allowed = fused.window_mask(pos, width, window)  # [B, n, c]
+        if self.compile:
+            from torch._dynamo import mark_dynamic
+
+            mark_dynamic(allowed, 1)
+        return allowed
 
     def _between(self, plan: LayerPlan, x: torch.Tensor, caches: tuple[torch.Tensor, ...],
                  new: tuple[torch.Tensor, ...], slots: torch.Tensor,

@@ -7,7 +7,8 @@ compiled graph (engine/fused_decode.py). Eagerly they are the same math, which t
 compare with the module path (HF layers + ops/attention.py, ops/mla.py).
 
 Shapes: B rows (sequences), one new token each; H hidden, h query heads, h_kv key/value heads,
-D head dim, L cache window, K experts per token.
+D head dim, K experts per token; N cache slots, C cache length; the attended window (the
+runner's window bucket, ops/kv_batch.py `window_bucket`) as n chunks of c = WINDOW_CHUNK.
 """
 
 from __future__ import annotations
@@ -48,9 +49,46 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str) -> 
     return apply_rope(x, (cos, sin), interleave=mode == "interleave")
 
 
-def masked_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """scores [B, a, b, L] fp32 with cache entries a row may not see set to -inf (mask [B, L])."""
-    return scores.masked_fill(~mask[:, None, None], float("-inf"))
+WINDOW_CHUNK = 64
+"""Cache entries per chunk of the attended window (a static size: reductions over a chunk are
+parallel over the chunks, whose number is the compiled graph's one dynamic dimension)."""
+
+
+def window_mask(pos: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
+    """[B, n, WINDOW_CHUNK] bool: True for the cached entries before each row's position (and
+    within its sliding window), over the first `width` entries in n >= 2 chunks (padded with
+    False; at least two chunks so a compiler never specializes a chunk count of 1)."""
+    n = max(2, -(-width // WINDOW_CHUNK))
+    keys = torch.arange(n * WINDOW_CHUNK, device=pos.device).view(n, WINDOW_CHUNK)
+    allowed = keys[None] < pos[:, None, None]  # [B, n, c]
+    if window is not None:
+        allowed &= pos[:, None, None] - keys[None] < window
+    return allowed
+
+
+def window_rows(cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's cache slot over the window of `mask` [B, n, c]: cache [N, C, ...] ->
+    [B, n, c, ...]. Entries past C (padding, masked) read the last entry instead.
+
+    Indexed by (slot, key) pairs, not sliced: a compiler keeps the window symbolic this way; a
+    slice [:, :width] makes it specialize a width equal to C into a graph of its own."""
+    n, c = mask.shape[1:]
+    keys = torch.arange(n * c, device=slots.device).clamp(max=cache.shape[1] - 1)
+    return cache[slots[:, None, None], keys.view(1, n, c)]
+
+
+def chunked_softmax(scores: torch.Tensor, own: torch.Tensor, mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the cached entries (scores [..., n, c] fp32, `mask` broadcast to them, False
+    entries weigh 0) and the row's own entry (own [..., 1]) -> (probs [..., n, c], own [..., 1]).
+    The softmax's math (max, exp, sum, divide) with its max and sum taken per chunk, then over
+    the chunks: the same values up to the summation order."""
+    scores = scores.masked_fill(~mask, float("-inf"))
+    top = torch.maximum(scores.amax(-1).amax(-1, keepdim=True), own)  # [..., 1], finite
+    exps = torch.exp(scores - top[..., None])
+    own_exp = torch.exp(own - top)
+    total = exps.sum(-1).sum(-1, keepdim=True) + own_exp  # [..., 1]
+    return exps / total[..., None], own_exp / total
 
 
 def gqa_decode_attention(
@@ -59,23 +97,24 @@ def gqa_decode_attention(
 ) -> torch.Tensor:
     """One query per row over its cached keys plus its own new key (not yet in the cache).
 
-    q [B, h, D], k_new / v_new [B, h_kv, D], caches [N, L, h_kv, D], slots [B], mask [B, L]
-    (True: a cached entry before the row's position) -> [B, h*D]. Query heads are grouped per
-    key head (no repeated keys). Both products are written as product-sums over gathered rows,
-    which a compiler turns into one reduction kernel each (gather included); bf16 products are
-    exact in fp32, so this is the matmul's math; probabilities are rounded to q's dtype before
-    the second product, as the module path's matmul does."""
+    q [B, h, D], k_new / v_new [B, h_kv, D], caches [N, C, h_kv, D], slots [B], mask [B, n, c]
+    (`window_mask`: True for a cached entry before the row's position) -> [B, h*D]. Query heads
+    are grouped per key head (no repeated keys). Both products are written as product-sums over
+    gathered rows, which a compiler turns into reduction kernels (gather included), per chunk
+    of the window and then over the chunks; bf16 products are exact in fp32, so this is the
+    matmul's math; probabilities are rounded to q's dtype before the second product, as the
+    module path's matmul does."""
     b, h, d = q.shape
     kv_heads = k_new.shape[1]
-    qg = q.view(b, kv_heads, h // kv_heads, 1, d).float()  # [B, h_kv, g, 1, D]
-    keys = k_cache[slots].transpose(1, 2)[:, :, None].float()  # [B, h_kv, 1, L, D]
-    values = v_cache[slots].transpose(1, 2)[:, :, None].float()
-    scores = (qg * keys).sum(-1) * scale  # [B, h_kv, g, L]
-    own = (qg[:, :, :, 0] * k_new[:, :, None].float()).sum(-1, keepdim=True) * scale
-    probs = torch.cat((masked_scores(scores, mask), own), dim=-1).softmax(dim=-1)
-    probs = probs.to(q.dtype).float()
-    out = (probs[..., :-1, None] * values).sum(-2)  # [B, h_kv, g, D]
-    out = out + probs[..., -1:] * v_new[:, :, None].float()
+    qg = q.view(b, kv_heads, h // kv_heads, 1, 1, d).float()  # [B, h_kv, g, 1, 1, D]
+    keys = window_rows(k_cache, slots, mask).permute(0, 3, 1, 2, 4)[:, :, None].float()
+    values = window_rows(v_cache, slots, mask).permute(0, 3, 1, 2, 4)[:, :, None].float()
+    scores = (qg * keys).sum(-1) * scale  # [B, h_kv, g, n, c]
+    own = (qg[:, :, :, 0, 0] * k_new[:, :, None].float()).sum(-1, keepdim=True) * scale
+    probs, own_prob = chunked_softmax(scores, own, mask[:, None, None])
+    probs, own_prob = probs.to(q.dtype).float(), own_prob.to(q.dtype).float()
+    out = (probs[..., None] * values).sum(-2).sum(-2)  # [B, h_kv, g, D]
+    out = out + own_prob * v_new[:, :, None].float()
     return out.to(q.dtype).reshape(b, h * d)
 
 
@@ -84,22 +123,23 @@ def mla_decode_attention(
     k_rot_new: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
     slots: torch.Tensor, mask: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """MLA decode in latent space over the cache plus the row's own new entry (product-sums,
-    as in `gqa_decode_attention`).
+    """MLA decode in latent space over the cache plus the row's own new entry (product-sums
+    per chunk, as in `gqa_decode_attention`).
 
     q_latent [B, h, r], q_rot [B, h, d], latent_new [B, r], k_rot_new [B, d], latent_cache
-    [N, L, r], rope_cache [N, L, d], mask [B, L] -> latent output [B, h, r]."""
+    [N, C, r], rope_cache [N, C, d], mask [B, n, c] -> latent output [B, h, r]."""
     dtype = latent_cache.dtype
-    latent = latent_cache[slots][:, None].float()  # [B, 1, L, r]
-    k_rot = rope_cache[slots][:, None].float()  # [B, 1, L, d]
-    ql, qr = q_latent.float()[:, :, None], q_rot.float()[:, :, None]  # [B, h, 1, *]
-    scores = ((ql * latent).sum(-1) + (qr * k_rot).sum(-1)) * scale  # [B, h, L]
-    own = ((ql[:, :, 0] * latent_new[:, None].float()).sum(-1, keepdim=True)
-           + (qr[:, :, 0] * k_rot_new[:, None].float()).sum(-1, keepdim=True)) * scale
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.cat((scores, own), dim=-1).softmax(dim=-1).to(dtype).float()  # [B, h, L+1]
-    out = (probs[..., :-1, None] * latent).sum(-2)  # [B, h, r]
-    out = out + probs[..., -1:] * latent_new[:, None].float()
+    latent = window_rows(latent_cache, slots, mask)[:, None].float()  # [B, 1, n, c, r]
+    k_rot = window_rows(rope_cache, slots, mask)[:, None].float()  # [B, 1, n, c, d]
+    ql, qr = q_latent.float(), q_rot.float()  # [B, h, *]
+    scores = ((ql[:, :, None, None] * latent).sum(-1)
+              + (qr[:, :, None, None] * k_rot).sum(-1)) * scale  # [B, h, n, c]
+    own = ((ql * latent_new[:, None].float()).sum(-1, keepdim=True)
+           + (qr * k_rot_new[:, None].float()).sum(-1, keepdim=True)) * scale  # [B, h, 1]
+    probs, own_prob = chunked_softmax(scores, own, mask[:, None])
+    probs, own_prob = probs.to(dtype).float(), own_prob.to(dtype).float()
+    out = (probs[..., None] * latent).sum(-2).sum(-2)  # [B, h, r]
+    out = out + own_prob * latent_new[:, None].float()
     return out.to(dtype)
 
 

@@ -4,6 +4,10 @@ The cache of each attention layer is `[max_batch, max_len, ...]`: one row (slot)
 A call carries B sequences of S new tokens each (prefill: B=1, S=prompt; decode: B slots, S=1),
 every sequence at its own position. Ops write the new keys at `positions` of their `slots` rows and
 attend over the first `kv_len` entries, masked causally per row.
+
+Decode steps under CUDA graphs need a static window, yet attention should cost what the cache
+holds, not what it could hold: `window_bucket` rounds the batch's longest length up to one of a
+few widths (powers of two from a smallest one, then the cache length), one graph per width.
 """
 
 from __future__ import annotations
@@ -37,3 +41,14 @@ class KVBatch:
         if window is not None:
             allowed &= queries - keys < window
         return allowed[:, None]
+
+
+def window_bucket(length: int, smallest: int, limit: int) -> int:
+    """The attention window of a decode step whose longest row holds `length` entries after the
+    step: the smallest of smallest * 2**k and `limit` (the cache length) that is >= length."""
+    if not 0 < length <= limit:
+        raise ValueError(f"window_bucket: length {length} is outside 1..{limit} (the cache length)")
+    width = smallest
+    while width < length:
+        width *= 2
+    return min(width, limit)
