@@ -3,7 +3,7 @@
 // Rows are row-major, or, for experts on AMX tiles, in tile order per 16-row block (the block
 // keeps its place and size; within it [k bytes / step][16 rows][step bytes], ActView::tile_step),
 // so the AMX kernels read A tiles in place. Tiled rows must start 16-row blocks of their own
-// (experts start 16-aligned) and all rows of a block are written in the same order.
+// (experts start 16-aligned), and every row of a block is in the same layout.
 #pragma once
 
 #include <algorithm>
