@@ -79,3 +79,10 @@ def test_info_prints_the_machine_report() -> None:
     keys = [line.split()[0] for line in result.stdout.splitlines()]
     assert keys[:6] == ["hetmoe", "python", "cpu", "cores", "isa", "numa"]
     assert "torch" in keys
+
+
+def test_deferral_without_a_gpu_is_refused(cache: Path) -> None:
+    result = runner.invoke(app, ["generate", "tiny-qwen3-moe", "Hi", "--device", "cpu",
+                                 "--deferred", "2"])
+    assert result.exit_code == 1
+    assert "error: option deferred=2 needs GPU decode" in result.output

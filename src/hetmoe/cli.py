@@ -22,6 +22,8 @@ DeviceOpt = Annotated[str | None, typer.Option(help="cpu, cuda, cuda:N (default:
 DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16")]
 MaxSeqLenOpt = Annotated[int | None, typer.Option(help="Context window (default: model's, <=4096)")]
 ExpertsOpt = Annotated[str | None, typer.Option(help="Routed-expert backend: torch or cpu")]
+DeferredOpt = Annotated[int, typer.Option(
+    help="GPU decode with CPU experts: experts per token deferred to the next layer (0 = exact)")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Print the injection report")]
 MaxNewOpt = Annotated[int, typer.Option(help="Tokens to generate at most")]
 TemperatureOpt = Annotated[float, typer.Option(help="0 = greedy")]
@@ -67,6 +69,7 @@ def generate(
     dtype: DtypeOpt = _DEFAULTS.dtype,
     max_seq_len: MaxSeqLenOpt = None,
     experts: ExpertsOpt = None,
+    deferred: DeferredOpt = _DEFAULTS.deferred,
     verbose: VerboseOpt = False,
     raw: Annotated[bool, typer.Option(
         "--raw", help="Send PROMPT as plain text, not as a user message in the chat template")
@@ -78,7 +81,7 @@ def generate(
     one (what instruct models expect); with --raw, or without a template, it is continued as text.
     """
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
-                   verbose=verbose)
+                   deferred=deferred, verbose=verbose)
     sampling: dict[str, Any] = dict(max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_p=top_p, top_k=top_k, seed=seed, stop=stop)
     try:
@@ -107,6 +110,7 @@ def chat(
     dtype: DtypeOpt = _DEFAULTS.dtype,
     max_seq_len: MaxSeqLenOpt = None,
     experts: ExpertsOpt = None,
+    deferred: DeferredOpt = _DEFAULTS.deferred,
     verbose: VerboseOpt = False,
     url: Annotated[str | None, typer.Option(
         help="Chat with a running server (http://host:port) that serves MODEL")] = None,
@@ -126,7 +130,7 @@ def chat(
             fail(exc)
         return
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
-                   verbose=verbose)
+                   deferred=deferred, verbose=verbose)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     typer.echo("chat: type a message; /exit quits")
     while True:
@@ -172,6 +176,7 @@ def serve(
     dtype: DtypeOpt = _DEFAULTS.dtype,
     max_seq_len: MaxSeqLenOpt = None,
     experts: ExpertsOpt = None,
+    deferred: DeferredOpt = _DEFAULTS.deferred,
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API, with a chat page at /."""
@@ -185,7 +190,7 @@ def serve(
     except ValueError as exc:
         fail(exc)
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
-                   verbose=verbose, max_batch=max_batch)
+                   deferred=deferred, verbose=verbose, max_batch=max_batch)
     serve_app(llm, config.model_name or model, config)
 
 

@@ -23,6 +23,12 @@ class EngineConfig:
     torch_threads: int | None = None
     """CPU-device runs: torch's intra-op threads beside the CPU expert pool; None: the cores the
     pool leaves free (at least 1), so torch and the spinning pool never fight for a core."""
+    deferred: int = 0
+    """GPU decode with CPU experts: Expert Deferral, each token's `deferred` lowest-scored experts
+    per MoE layer join the next layer's output while its attention runs (0: exact decode)."""
+    compile_decode: bool = True
+    """GPU decode with CPU experts: compile the per-layer decode step with torch.compile (needs
+    Triton and a C compiler); False runs the same functions uncompiled."""
     verbose: bool = False
     """Print the injection report (what was replaced, on which device) after loading."""
     progress: bool = True
@@ -35,6 +41,8 @@ class EngineConfig:
             raise ValueError(f"option max_seq_len must be positive, got {self.max_seq_len}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"option torch_threads must be positive, got {self.torch_threads}")
+        if not isinstance(self.deferred, int) or self.deferred < 0:
+            raise ValueError(f"option deferred must be an integer >= 0, got {self.deferred!r}")
         if self.max_batch < 1:
             raise ValueError(f"option max_batch must be a positive integer, got {self.max_batch}")
 

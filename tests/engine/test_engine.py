@@ -106,6 +106,15 @@ def test_bad_arguments_are_named(llm_of) -> None:
         LLM("tiny-qwen3-moe", dtype="int3")
 
 
+def test_deferral_option_is_checked(tiny_dir) -> None:
+    with pytest.raises(ValueError, match=r"option deferred must be an integer >= 0, got -1"):
+        LLM(tiny_dir("qwen3_moe"), device="cpu", deferred=-1, progress=False)
+    # Deferral overlaps CPU experts with GPU attention: a CPU-only run refuses it, never ignores.
+    with pytest.raises(ValueError, match=r"option deferred=2 needs GPU decode .* decodes on cpu "
+                                         r"with a ModelRunner \(use deferred=0\)"):
+        LLM(tiny_dir("qwen3_moe"), device="cpu", experts="cpu", deferred=2, progress=False)
+
+
 def test_missing_gpu_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="device 'cuda:0' requested but no CUDA GPU is available"):

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hetmoe.config import EngineConfig
-from hetmoe.engine.cuda_graph import make_runner
+from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner, make_runner
 from hetmoe.engine.sampler import GenerationOutput, Sampler, SamplingParams
 from hetmoe.engine.text_stream import TextStream
 from hetmoe.experts.backend import ExpertBackend, get_backend
@@ -83,8 +83,15 @@ class LLM:
         )
         # On a GPU with CPU experts: overlap + CUDA-graph decode (engine/cuda_graph.py).
         self.runner = make_runner(
-            self.model, self.device, self.dtype, self.options.max_batch, window
+            self.model, self.device, self.dtype, self.options.max_batch, window,
+            HybridConfig(deferred=self.options.deferred, compile=self.options.compile_decode),
         )
+        if self.options.deferred and not isinstance(self.runner, HybridRunner):
+            raise ValueError(
+                f"option deferred={self.options.deferred} needs GPU decode with every MoE "
+                f"layer's routed experts in the cpu backend; this run decodes on "
+                f"{self.device.type} with a {type(self.runner).__name__} (use deferred=0)"
+            )
         self.eos_token_ids = _eos_ids(self.path, config, self.tokenizer)
 
     @property
