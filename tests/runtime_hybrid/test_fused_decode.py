@@ -9,7 +9,7 @@ import torch
 
 from hetmoe import LLM
 from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
-from hetmoe.engine.fused_decode import plan_layers
+from hetmoe.engine.fused_decode import explain_compile_errors, plan_layers
 
 SAME_BACKEND_ATOL = 1e-4
 """fp32 baby models on the same expert backend: rounding only."""
@@ -68,3 +68,22 @@ def test_fused_qkv_shares_the_projection_weights(engine: Callable[[str, str], LL
     assert attn.k_proj.weight.data_ptr() == weight[before[0].shape[0]].data_ptr()
     again, _ = attn.fused_qkv()
     assert again.data_ptr() == weight.data_ptr()  # no second copy
+
+
+def test_compile_failures_name_the_way_out() -> None:
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    def no_compiler(x: int) -> int:
+        raise BackendCompilerFailed(None, RuntimeError("Failed to find C compiler"), None)
+
+    def bad_shape(x: int) -> int:
+        raise ValueError("shape mismatch")
+
+    expected = (r"torch.compile of the decode step failed \(it needs Triton and a C compiler on "
+                r"this machine\): RuntimeError: Failed to find C compiler; "
+                r"LLM\(\.\.\., compile_decode=False\) runs the same step uncompiled")
+    with pytest.raises(RuntimeError, match=expected):
+        explain_compile_errors(no_compiler)(1)
+    with pytest.raises(ValueError, match="shape mismatch"):  # not a compiler error: unchanged
+        explain_compile_errors(bad_shape)(1)
+    assert explain_compile_errors(lambda x: x + 1)(1) == 2

@@ -293,6 +293,26 @@ def final_norm(h: torch.Tensor, terms: tuple[torch.Tensor, ...], weight: torch.T
     return fused.rms_norm(_residual(h, terms), weight, eps)
 
 
+def explain_compile_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (compiled lazily, at each new input shape) with compiler failures re-raised as a
+    RuntimeError that names the requirement and the way out; other errors pass unchanged."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except TorchDynamoException as exc:
+            cause = getattr(exc, "inner_exception", None) or exc  # the compiler's own error
+            raise RuntimeError(
+                "torch.compile of the decode step failed (it needs Triton and a C compiler on "
+                f"this machine): {type(cause).__name__}: {cause}; LLM(..., compile_decode=False) "
+                "runs the same step uncompiled"
+            ) from exc
+
+    return call
+
+
 class FusedDecoder:
     """Runs decode steps of `model` through the layer functions, MoE layers via `overlap`."""
 
@@ -314,7 +334,7 @@ class FusedDecoder:
         if fn is None:
             fn = make()
             if self.compile:
-                fn = torch.compile(fn, fullgraph=True, dynamic=False)
+                fn = explain_compile_errors(torch.compile(fn, fullgraph=True, dynamic=False))
             _FUNCTIONS[(key, self.compile)] = fn
         return fn
 
