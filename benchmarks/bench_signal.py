@@ -137,25 +137,24 @@ def main() -> int:
         moes.append(moe)
     x = torch.randn(1, H, dtype=torch.bfloat16)
     ids, weights = torch.arange(K).view(1, K), torch.full((1, K), 1.0 / K)
-    alone = []
-    for _ in range(args.replays):
-        start = time.perf_counter()
-        for moe in moes:
-            moe.forward(x, ids, weights)
-        alone.append(time.perf_counter() - start)
+
+    def python_calls_us() -> float:
+        """Median µs per layer of the layers' `forward` called from Python, one after another."""
+        times = []
+        for _ in range(args.replays):
+            start = time.perf_counter()
+            for moe in moes:
+                moe.forward(x, ids, weights)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) / len(moes) * 1e6
+
     result = {"layers": args.layers, "intermediate": i, "device": torch.cuda.get_device_name(),
-              "us_per_layer": {"cpu_alone": statistics.median(alone) / len(moes) * 1e6}}
+              "us_per_layer": {"cpu_alone": python_calls_us()}}
     for mode in ("copies", "host_functions", "flags", "copies_packed", "flags_packed"):
         result["us_per_layer"][mode] = time_mode(mode, moes, args.replays)
     for moe in moes:  # every expert masked: the jobs route nothing (the signal's round trip)
         moe.set_gpu_experts(torch.ones(E, dtype=torch.bool))
-    empty = []
-    for _ in range(args.replays):
-        start = time.perf_counter()
-        for moe in moes:
-            moe.forward(x, ids, weights)
-        empty.append(time.perf_counter() - start)
-    result["us_per_layer"]["cpu_empty_alone"] = statistics.median(empty) / len(moes) * 1e6
+    result["us_per_layer"]["cpu_empty_alone"] = python_calls_us()
     result["us_per_layer"]["flags_empty"] = time_mode("flags_empty", moes, args.replays)
     print(f"{'mode':<16} µs/layer   ({args.layers} layers, I={i}, {result['device']})")
     for mode, us in result["us_per_layer"].items():

@@ -6,10 +6,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from decode_steps import greedy
 
 from hetmoe import LLM
 from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
-from hetmoe.engine.runner import ModelRunner
 from hetmoe.ops.deferral import DeferralReference, check_deferred, moe_layers, split_ids
 
 # Same backend, different order of float additions: fp32 rounding only.
@@ -17,26 +17,6 @@ SAME_BACKEND_ATOL = 1e-4
 # C++ CPU kernels (bf16 activations) against torch experts in fp32.
 CROSS_BACKEND_ATOL = 0.08
 
-PROMPT = [5, 9, 33, 100, 7]
-"""Prompt token ids (inside the baby vocabulary)."""
-
-
-def decode_logits(runner: ModelRunner, steps: int, reference: DeferralReference | None = None,
-                  ) -> tuple[list[int], list[torch.Tensor]]:
-    """Prefill PROMPT into slot 0, then `steps` greedy decode steps (reference installed only
-    during decode, as prefill never defers)."""
-    runner.lengths[0] = 0
-    logits = [runner.prefill(0, PROMPT)]
-    tokens = [int(logits[0].argmax())]
-    for _ in range(steps):
-        if reference is None:
-            out = runner.decode([0], [tokens[-1]])
-        else:
-            with reference.decoding():
-                out = runner.decode([0], [tokens[-1]])
-        logits.append(out[0])
-        tokens.append(int(logits[-1].argmax()))
-    return tokens, logits
 
 
 def test_split_ids_masks_the_other_part() -> None:
@@ -58,8 +38,8 @@ def test_check_deferred_keeps_two_immediate() -> None:
 
 def test_reference_at_zero_equals_no_deferral(engine: Callable[[str, str], LLM]) -> None:
     runner = engine("qwen3_moe", "torch").runner
-    _, plain = decode_logits(runner, 3)
-    _, ref = decode_logits(runner, 3, DeferralReference(runner.model, 0))
+    _, plain = greedy(runner, 3)
+    _, ref = greedy(runner, 3, DeferralReference(runner.model, 0))
     for a, b in zip(plain, ref, strict=True):
         assert torch.equal(a, b)
 
@@ -71,14 +51,14 @@ def test_overlap_deferral_matches_the_reference(
 ) -> None:
     cpu = engine(family, "cpu")
     # The formula on the same CPU backend (tight) and on torch experts (dtype tolerance).
-    ref_same = decode_logits(cpu.runner, 4, DeferralReference(cpu.model, deferred))
+    ref_same = greedy(cpu.runner, 4, DeferralReference(cpu.model, deferred))
     torch_runner = engine(family, "torch").runner
-    ref_torch = decode_logits(torch_runner, 4, DeferralReference(torch_runner.model, deferred))
-    _, no_deferral = decode_logits(cpu.runner, 4)
+    ref_torch = greedy(torch_runner, 4, DeferralReference(torch_runner.model, deferred))
+    _, no_deferral = greedy(cpu.runner, 4)
     runner = HybridRunner(cpu.model, cpu.device, cpu.dtype, 2, cpu.max_seq_len,
                           HybridConfig(deferred=deferred))
     try:
-        tokens, logits = decode_logits(runner, 4)
+        tokens, logits = greedy(runner, 4)
     finally:
         runner.overlap.detach()
     assert tokens == ref_same[0] == ref_torch[0]
@@ -103,10 +83,10 @@ def test_last_moe_layer_defers_nothing(tiny_dir: Callable[..., object]) -> None:
     runner = HybridRunner(llm.model, llm.device, llm.dtype, 1, llm.max_seq_len,
                           HybridConfig(deferred=2))
     runner.overlap.detach()
-    _, static_window = decode_logits(runner, 2)
+    _, static_window = greedy(runner, 2)
     for moe in runner.overlap.layers:
         moe.runtime = runner.overlap
-    _, deferred = decode_logits(runner, 2)
+    _, deferred = greedy(runner, 2)
     for a, b in zip(static_window, deferred, strict=True):
         assert torch.equal(a, b)
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from decode_steps import greedy
 
 from hetmoe import LLM
 from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
@@ -13,18 +14,6 @@ from hetmoe.engine.fused_decode import explain_compile_errors, plan_layers
 
 SAME_BACKEND_ATOL = 1e-4
 """fp32 baby models on the same expert backend: rounding only."""
-PROMPT = [5, 9, 33, 100, 7]
-
-
-def greedy(runner: HybridRunner, steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Prefill PROMPT into slot 0, then `steps` greedy decode steps."""
-    runner.lengths[0] = 0
-    logits = [runner.prefill(0, PROMPT)]
-    tokens = [int(logits[0].argmax())]
-    for _ in range(steps):
-        logits.append(runner.decode([0], [tokens[-1]])[0])
-        tokens.append(int(logits[-1].argmax()))
-    return tokens, logits
 
 
 def _run(llm: LLM, fused: bool, deferred: int) -> tuple[list[int], list[torch.Tensor], bool]:

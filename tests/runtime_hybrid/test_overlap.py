@@ -6,11 +6,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from decode_steps import greedy
 
 from hetmoe import LLM
 from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
 from hetmoe.engine.overlap import cpu_moe_of
-from hetmoe.engine.runner import ModelRunner
 from hetmoe.ops.deferral import moe_layers
 
 # The CPU kernels round activations to bf16: fp32 baby logits agree with torch's to ~3e-2, except
@@ -18,21 +18,6 @@ from hetmoe.ops.deferral import moe_layers
 # or without overlap); so decode steps are compared with the plain runner on the same backend.
 LOGIT_ATOL = 0.08
 SAME_BACKEND_ATOL = 1e-4
-
-PROMPT = [5, 9, 33, 100, 7]
-"""Prompt token ids (inside the baby vocabulary)."""
-
-
-def greedy(runner: ModelRunner, steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Prefill PROMPT into slot 0, then `steps` greedy decode steps; frees nothing (fresh slot)."""
-    runner.lengths[0] = 0
-    logits = [runner.prefill(0, PROMPT)]
-    tokens = [int(logits[0].argmax())]
-    for _ in range(steps):
-        logits.append(runner.decode([0], [tokens[-1]])[0])
-        tokens.append(int(logits[-1].argmax()))
-    return tokens, logits
-
 
 def hybrid(llm: LLM, deferred: int = 0) -> HybridRunner:
     return HybridRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len,

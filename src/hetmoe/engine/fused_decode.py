@@ -191,17 +191,25 @@ def _residual(h: torch.Tensor, terms: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return h + out
 
 
-def _router_tail(s: LayerStatics, x: torch.Tensor, router_w: torch.Tensor,
-                 router_b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Routes x and packs the CPU experts' inputs; (stage, deferred ids or None)."""
-    assert s.router is not None
+def _layer_tail(s: LayerStatics, h: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor,
+                post_norm: torch.Tensor, new: tuple[torch.Tensor, ...],
+                router: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
+    """Every layer function's end: o_proj + residual, the post-attention norm, and on MoE layers
+    the router with the CPU experts' packed inputs. Returns (h, x, new cache entries, stage or
+    None, deferred ids or None)."""
+    h = h + fused.linear(attn, o_w, None)
+    x = fused.rms_norm(h, post_norm, s.eps[1])
+    if s.router is None:
+        return h, x, new, None, None
+    router_w, router_b = router
+    assert router_w is not None
     ids, weights = route(x, router_w, router_b, s.router, fused=True)
     if not s.deferred:
-        return fused.pack_moe_inputs(x, ids, weights), None
+        return h, x, new, fused.pack_moe_inputs(x, ids, weights), None
     k = ids.shape[1] - s.deferred
     late = torch.cat((torch.full_like(ids[:, :k], -1), ids[:, k:]), dim=1)
     immediate = torch.cat((ids[:, :k], torch.full_like(ids[:, k:], -1)), dim=1)
-    return fused.pack_moe_inputs(x, immediate, weights), late
+    return h, x, new, fused.pack_moe_inputs(x, immediate, weights), late
 
 
 def make_gqa_layer(s: LayerStatics) -> Callable[..., tuple[Any, ...]]:
@@ -228,15 +236,8 @@ def make_gqa_layer(s: LayerStatics) -> Callable[..., tuple[Any, ...]]:
         kv_cache = caches[0]
         attn = fused.gqa_decode_attention(q, k, v, kv_cache[:, :, 0], kv_cache[:, :, 1],
                                           slots, mask, s.scale)
-        h = h + fused.linear(attn, o_w, None)
-        x = fused.rms_norm(h, norms[1], s.eps[1])
         new = (torch.stack((k, v), dim=1).to(kv_cache.dtype),)  # [B, 2, h_kv, D]
-        if s.router is None:
-            return h, x, new, None, None
-        router_w, router_b = router
-        assert router_w is not None
-        stage, late = _router_tail(s, x, router_w, router_b)
-        return h, x, new, stage, late
+        return _layer_tail(s, h, attn, o_w, norms[1], new, router)
 
     return layer
 
@@ -265,15 +266,8 @@ def make_mla_layer(s: LayerStatics) -> Callable[..., tuple[Any, ...]]:
         out = fused.mla_decode_attention(q_latent, q_rot, latent, k_rot, caches[0], caches[1],
                                          slots, mask, s.scale)
         out = torch.einsum("bhr,hvr->bhv", out, w_v).reshape(b, s.heads * v_dim)
-        h = h + fused.linear(out, o_w, None)
-        x = fused.rms_norm(h, norms[1], s.eps[1])
         new = (latent.to(caches[0].dtype), k_rot.to(caches[1].dtype))
-        if s.router is None:
-            return h, x, new, None, None
-        router_w, router_b = router
-        assert router_w is not None
-        stage, late = _router_tail(s, x, router_w, router_b)
-        return h, x, new, stage, late
+        return _layer_tail(s, h, out, o_w, norms[1], new, router)
 
     return layer
 
