@@ -22,7 +22,7 @@ import torch
 
 from hetmoe import _cpu
 from hetmoe.experts import CpuMoE
-from hetmoe.machine import machine_report
+from hetmoe.machine import huge_page_bytes, machine_report
 
 FORMATS = ("bf16", "int8", "int4")
 CROSSOVER_M = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96)
@@ -181,6 +181,8 @@ def main() -> None:
                         help="skip the AVX-512/AMX crossover runs; use AMX_MIN_TOKENS")
     parser.add_argument("--warmup-s", type=float, default=1.0,
                         help="decode calls for this long after each format's layers are packed")
+    parser.add_argument("--no-torch", action="store_true",
+                        help="skip the plain-torch baseline (it keeps a bf16 copy of every layer)")
     parser.add_argument("--git", default="",
                         help="commit to record (default: git rev-parse HEAD, where .git exists)")
     args = parser.parse_args()
@@ -206,7 +208,7 @@ def main() -> None:
               "warmup_s": args.warmup_s, "crossover": {},
               "rows": []}
     amx = _cpu.best_isa() == "amx"
-    baseline = [tuple(t.clone() for t in src) for _ in range(args.layers)]
+    baseline = [] if args.no_torch else [tuple(t.clone() for t in src) for _ in range(args.layers)]
     for spec in args.formats.split(","):
         fmt, _, group = spec.partition(":")  # e.g. int8:128, an int format's group size
         layers = []
@@ -214,6 +216,12 @@ def main() -> None:
             moe = CpuMoE(E, H, I, fmt, group_size=int(group) if group else None)
             moe.load(*src)
             layers.append(moe)
+        # Share of the packed weights on huge pages (the rest costs a TLB walk per 4 KiB read).
+        packed = sum(moe.packed_bytes for moe in layers)
+        report.setdefault("huge_page_share", {})[spec] = round(
+            min(1.0, huge_page_bytes() / packed), 3)
+        print(f"{spec}: {packed / 1e9:.1f} GB packed, "
+              f"{100 * report['huge_page_share'][spec]:.0f} % on huge pages", flush=True)
         warm_up(layers, args.warmup_s)
         if amx and not args.no_crossover:
             m, rows = crossover(layers, args.quick)
@@ -244,7 +252,7 @@ def main() -> None:
                    "phase_us": phase_us, "profiled_ms": profiled_ms}
             if "raw_ms" in sec_of:
                 row["raw_ms"] = 1e3 * sec_of["raw_ms"]
-            if fmt == "bf16":
+            if fmt == "bf16" and baseline:
                 plain = [TorchLayer(w) for w in baseline]
                 tsec = timed(cycle(plain, x, routes), max(2, calls // 10), 1)
                 row["torch_ms"] = tsec * 1e3

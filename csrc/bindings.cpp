@@ -313,7 +313,10 @@ NB_MODULE(_cpu, m) {
       .def("set_amx_min_tokens", &MoELayer::set_amx_min_tokens, nb::arg("tokens"))
       .def("set_profile", &MoELayer::set_profile, nb::arg("on"))
       .def("phase_us", &MoELayer::phase_us,
-           "Per-phase microseconds of the latest profiled call (see moe_job.cpp).");
+           "Per-phase microseconds of the latest profiled call (see moe_job.cpp).")
+      .def("take_timeline", &MoELayer::take_timeline,
+           "Profiled calls since the last take: [start, built, done, (first, last) per phase "
+           "slot] in steady-clock ns (see moe_layer.h).");
   m.def("read_bandwidth", [](size_t bytes, int repeats, int threads) {
     nb::gil_scoped_release release;
     return hetmoe::read_bandwidth(hetmoe::pool_for_threads(threads), bytes, repeats);

@@ -33,6 +33,31 @@
 #include "moe/workspace.h"
 
 namespace hetmoe {
+
+struct MoECallState {
+  MoECall call;
+  Routing routing;
+  std::shared_ptr<Workspace> ws;
+  ActStore tokens, rows;
+  std::vector<ActStore> hidden;  // per NUMA group
+  std::vector<float*> accum;     // per NUMA group, [q][H]
+  std::vector<float*> row_out;   // per NUMA group, [rows][H] (prefill)
+  // Prefill: per 16-row block of the rows, nonzero = its expert's rows are in tile order.
+  std::vector<uint8_t> tiled_block;
+  // Decode: per active expert 0 = rows not gathered, 1 = being gathered, 2 = ready.
+  std::unique_ptr<std::atomic<int>[]> rows_state;
+  // Decode: the converted tokens, owned by the call (they are written when the job is made,
+  // while earlier jobs may still be using the shared workspace).
+  std::unique_ptr<uint8_t, decltype(&std::free)> token_buf{nullptr, &std::free};
+  // Decode with groups wider than kDecodeCols: per NUMA group [rows][Ig] fp32 hidden values,
+  // and per (NUMA group, active expert, hidden group) the tasks that have written their part.
+  std::vector<float*> hidden_float;
+  std::unique_ptr<std::atomic<int>[]> parts_done;
+  // A planned job (see MoELayer::make_job): its gate/up phase and columns per task.
+  size_t gate_up_phase = 0;
+  int cols = 0;
+};
+
 namespace {
 
 constexpr int kTokensPerTask = 4;
@@ -77,32 +102,12 @@ void convert_token(const MoECall& c, const ActStore& dst, const Epilogue& ep, in
   dst.put(ep, t, 0, row, Hp, gs);
 }
 
-struct CallState {
-  MoECall call;
-  Routing routing;
-  std::shared_ptr<Workspace> ws;
-  ActStore tokens, rows;
-  std::vector<ActStore> hidden;  // per NUMA group
-  std::vector<float*> accum;     // per NUMA group, [q][H]
-  std::vector<float*> row_out;   // per NUMA group, [rows][H] (prefill)
-  // Prefill: per 16-row block of the rows, nonzero = its expert's rows are in tile order.
-  std::vector<uint8_t> tiled_block;
-  // Decode: per active expert 0 = rows not gathered, 1 = being gathered, 2 = ready.
-  std::unique_ptr<std::atomic<int>[]> rows_state;
-  // Decode: the converted tokens, owned by the call (they are written when the job is made,
-  // while earlier jobs may still be using the shared workspace).
-  std::unique_ptr<uint8_t, decltype(&std::free)> token_buf{nullptr, &std::free};
-  // Decode with groups wider than kDecodeCols: per NUMA group [rows][Ig] fp32 hidden values,
-  // and per (NUMA group, active expert, hidden group) the tasks that have written their part.
-  std::vector<float*> hidden_float;
-  std::unique_ptr<std::atomic<int>[]> parts_done;
-};
 
 // Decode: the gate/up input rows of active expert `a`. One row that no AMX tile reads is its
 // token's row in place. Otherwise the first task to come copies the converted tokens into the
 // expert's rows (and zeroes its padding rows if `pad`); the others spin until it is done (it is
 // running on another worker and copies at most kFoldTokens rows, so the wait is short).
-ActView decode_rows(CallState& st, int gs, size_t a, bool pad) {
+ActView decode_rows(MoECallState& st, int gs, size_t a, bool pad) {
   const Routing& r = st.routing;
   const long row0 = r.first_row[a];
   if (r.rows[a] == 1 && !pad) return st.tokens.view(r.row_token[row0], 1);
@@ -165,7 +170,52 @@ struct PhaseClock {
   }
   std::unique_ptr<std::atomic<int64_t>[]> first, last;
   size_t size;
+  int64_t start = 0, built = 0, done = 0;  // see MoELayer::take_timeline
 };
+
+namespace {
+// A profiled call keeps at most this many clocks until take_timeline() (a few MB).
+constexpr size_t kTimelineCalls = 1 << 16;
+}  // namespace
+
+std::vector<std::vector<int64_t>> MoELayer::take_timeline() {
+  std::vector<std::vector<int64_t>> rows;
+  for (const auto& clock : timeline_) {
+    std::vector<int64_t> row{clock->start, clock->built, clock->done};
+    int64_t last_end = 0;
+    for (size_t i = 0; i < clock->size; ++i) {
+      const bool ran = clock->last[i] > 0;
+      row.push_back(ran ? clock->first[i].load() : 0);
+      row.push_back(ran ? clock->last[i].load() : 0);
+      last_end = std::max(last_end, row.back());
+    }
+    if (row[2] == 0) row[2] = last_end;  // submit(): done when its last task ended
+    rows.push_back(std::move(row));
+  }
+  timeline_.clear();
+  return rows;
+}
+
+JobHandle MoELayer::submit_flagged(StreamFlags& flags) {
+  return pool_.submit_built(
+      [this, call = host_call_, &flags] {
+        // A decode call is made while the GPU still computes its inputs; only the routing and
+        // the token conversion wait for the ready word.
+        std::shared_ptr<MoECallState> planned;
+        Job job = call.q <= kFoldTokens ? make_job(call, &planned) : Job{};
+        if (!flags.wait_ready()) return Job{};
+        const int64_t ready = profile_ ? now_ns() : 0;
+        if (planned) bind_job(job, *planned);
+        else job = make_job(call);
+        if (profile_) last_clock_->start = ready, last_clock_->built = now_ns();
+        return job;
+      },
+      // Runs before any later job of the pool starts: last_clock_ is still this call's.
+      [this, &flags] {
+        if (profile_ && last_clock_) last_clock_->done = now_ns();
+        flags.signal_done();
+      });
+}
 
 std::vector<double> MoELayer::phase_us() const {
   std::vector<double> us;
@@ -176,10 +226,20 @@ std::vector<double> MoELayer::phase_us() const {
   return us;
 }
 
-Job MoELayer::make_job(const MoECall& call) const {
-  auto st = std::make_shared<CallState>();
+Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* planned) const {
+  auto st = std::make_shared<MoECallState>();
   st->call = call;
-  st->routing = route(call.ids, call.weights, call.q, call.k, cfg_.num_experts, gpu_mask_, loaded_);
+  if (planned) {
+    // The ids are not written yet: size the job for the most experts a decode call can reach,
+    // each padded to 16 rows; bind_job routes it once they are.
+    const int most = std::min(call.q * call.k, cfg_.num_experts);
+    st->routing.experts.assign(most, 0);
+    st->routing.total_rows = 16L * most;
+    st->routing.max_rows = call.q;
+  } else {
+    st->routing =
+        route(call.ids, call.weights, call.q, call.k, cfg_.num_experts, gpu_mask_, loaded_);
+  }
   const Routing& rt = st->routing;
   const int G = num_groups(), H = cfg_.hidden, Hp = hidden_padded_, q = call.q;
   const bool quantized = cfg_.format != WeightFormat::kBF16;
@@ -249,7 +309,7 @@ Job MoELayer::make_job(const MoECall& call) const {
     if (!st->token_buf) throw std::bad_alloc();
     st->tokens.act = st->token_buf.get();
     st->tokens.groups = reinterpret_cast<float*>(st->token_buf.get() + act_bytes);
-    for (int t = 0; t < q; ++t) convert_token(call, st->tokens, *ep, H, Hp, gs, t);
+    for (int t = 0; !planned && t < q; ++t) convert_token(call, st->tokens, *ep, H, Hp, gs, t);
     st->rows_state.reset(new std::atomic<int>[rt.experts.size()]);
     for (size_t a = 0; a < rt.experts.size(); ++a) st->rows_state[a].store(0);
   } else {
@@ -308,6 +368,8 @@ Job MoELayer::make_job(const MoECall& call) const {
     for (size_t i = 0; i < counters; ++i) st->parts_done[i].store(0, std::memory_order_relaxed);
   }
   const size_t gu_max = G ? *std::max_element(gu_tasks.begin(), gu_tasks.end()) : 0;
+  st->gate_up_phase = job.size();
+  st->cols = cols;
   slots.push_back(kGateUp);
   job.push_back({gu_max, [this, st, cols, gs, kernels_for, amx_for, tiled_for, ep, fold, parts,
                           max_groups](size_t task, int g, int) {
@@ -442,10 +504,29 @@ Job MoELayer::make_job(const MoECall& call) const {
         while (end > seen && !clock->last[p].compare_exchange_weak(seen, end)) {}
       };
     last_clock_ = clock;
+    if (timeline_.size() < kTimelineCalls) timeline_.push_back(clock);
   }
+  if (planned) *planned = st;
   return job;
 }
 
-JobHandle MoELayer::submit(const MoECall& call) { return pool_.submit(make_job(call)); }
+void MoELayer::bind_job(Job& job, MoECallState& st) const {
+  const MoECall& c = st.call;
+  st.routing = route(c.ids, c.weights, c.q, c.k, cfg_.num_experts, gpu_mask_, loaded_);
+  const Epilogue& ep = kernels_of(std::min(cfg_.max_isa, Isa::kAvx512)).epilogue;
+  for (int t = 0; t < c.q; ++t)
+    convert_token(c, st.tokens, ep, cfg_.hidden, hidden_padded_, cfg_.group_size, t);
+  size_t tasks = 0;
+  for (int g = 0; g < num_groups(); ++g)
+    tasks = std::max(tasks, st.routing.experts.size() * (slice(g) / st.cols));
+  job[st.gate_up_phase].num_tasks = tasks;
+}
+
+JobHandle MoELayer::submit(const MoECall& call) {
+  const int64_t start = profile_ ? now_ns() : 0;
+  Job job = make_job(call);
+  if (profile_) last_clock_->start = start, last_clock_->built = now_ns();
+  return pool_.submit(std::move(job));
+}
 
 }  // namespace hetmoe

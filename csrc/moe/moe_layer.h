@@ -59,11 +59,7 @@ class MoELayer {
   // Queues the call set by set_host_call as a job a GPU stream starts and awaits through `flags`
   // (runtime/stream_flags.h): built on the pool once the ready word is set, done word set after
   // (also on failure). `flags` and this layer must outlive the job.
-  JobHandle submit_flagged(StreamFlags& flags) {
-    return pool_.submit_built(
-        [this, call = host_call_, &flags] { return flags.wait_ready() ? make_job(call) : Job{}; },
-        [&flags] { flags.signal_done(); });
-  }
+  JobHandle submit_flagged(StreamFlags& flags);
 
   const MoEConfig& config() const { return cfg_; }
   // Applies to calls submitted afterwards.
@@ -72,12 +68,22 @@ class MoELayer {
   // phase_us() gives the durations of the latest profiled call (after it is waited for).
   void set_profile(bool on) { profile_ = on; }
   std::vector<double> phase_us() const;
+  // Every profiled call since the last take_timeline(), oldest first, as steady-clock ns:
+  // [start, built, done, then first-task start and last-task end of each phase slot (convert,
+  // gather, gate/up, down, combine; 0 when the call had no such phase)]. start: the ready word
+  // seen (flagged calls) or submit(); built: the job made; done: the done word set (flagged) or
+  // the last task's end. Call it while no job of this layer runs.
+  std::vector<std::vector<int64_t>> take_timeline();
   int num_groups() const { return int(slice_begin_.size()) - 1; }
   int slice_begin(int g) const { return slice_begin_[g]; }
   size_t packed_bytes() const;  // weight + scale bytes of the loaded experts
 
  private:
-  Job make_job(const MoECall& call) const;
+  // The job of `call`. With `planned` (decode calls, q <= 4, whose ids and x are not written
+  // yet), it is made for the most experts the call can route to and *planned gets its state;
+  // bind_job() then routes it, converts the tokens and sets the gate/up task count.
+  Job make_job(const MoECall& call, std::shared_ptr<struct MoECallState>* planned = nullptr) const;
+  void bind_job(Job& job, MoECallState& st) const;
   int slice(int g) const { return slice_begin_[g + 1] - slice_begin_[g]; }
 
   MoEConfig cfg_;
@@ -89,6 +95,7 @@ class MoELayer {
   std::vector<uint8_t> loaded_, gpu_mask_;
   bool profile_ = false;
   mutable std::shared_ptr<struct PhaseClock> last_clock_;
+  mutable std::vector<std::shared_ptr<struct PhaseClock>> timeline_;  // profiled calls
   MoECall host_call_;
   HostJob host_job_;
 };

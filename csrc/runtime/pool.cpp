@@ -213,7 +213,7 @@ struct ThreadPool::Impl {
         slot.counters[g].value.store(0, std::memory_order_relaxed);
       }
       if (last_phase) {
-        slot.job.clear();  // captured state dies before wait() returns
+        // finish first: a signal it sends (a GPU's done word) does not wait for the teardown.
         if (slot.finish) {
           try {
             slot.finish();
@@ -221,6 +221,7 @@ struct ThreadPool::Impl {
             record_failure(slot, seq, {std::current_exception(), 0, 0, 0, "finish"});
           }
         }
+        slot.job.clear();  // captured state dies before wait() returns
         slot.build = nullptr;
         slot.finish = nullptr;
         completed.store(seq + 1, std::memory_order_release);

@@ -45,7 +45,7 @@ class ThreadPool {
   // Queues a job whose phases are made when it starts: one worker calls `build` (which may wait,
   // e.g. for a flag a GPU writes) while the others wait at a barrier, then every worker runs the
   // returned phases. `finish` runs once after the last phase, also when `build` or a task threw,
-  // before wait() returns; an exception from either is reported by wait() like a task's.
+  // before the phases' functions are destroyed and before wait() returns; an exception from either is reported by wait() like a task's.
   JobHandle submit_built(std::function<Job()> build, std::function<void()> finish = {});
   // Returns once the job is done and its Phase functions are destroyed; rethrows its first task
   // exception (std::invalid_argument stays invalid_argument, others become std::runtime_error).

@@ -26,6 +26,32 @@ def numa_nodes() -> list[str]:
     return [f"{n.name}: cpus {(n / 'cpulist').read_text().strip()}" for n in nodes]
 
 
+def transparent_huge_pages() -> str:
+    """The kernel's transparent huge page modes, e.g. "enabled=madvise defrag=madvise" (the
+    weights ask for huge pages with madvise; "never" leaves them on 4 KiB pages)."""
+    root = Path("/sys/kernel/mm/transparent_hugepage")
+    modes = []
+    for name in ("enabled", "defrag"):
+        try:
+            text = (root / name).read_text()
+        except OSError:
+            return "unknown (no sysfs entry)"
+        chosen = text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
+        modes.append(f"{name}={chosen}")
+    return " ".join(modes)
+
+
+def huge_page_bytes() -> int:
+    """Bytes of this process's anonymous memory on transparent huge pages (0 when unknown)."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def machine_report() -> dict[str, str]:
     """Facts about CPU, ISA, NUMA, GPU and library versions, as printable strings."""
     from hetmoe import __version__
@@ -43,6 +69,8 @@ def machine_report() -> dict[str, str]:
         "cores": str(os.cpu_count()),
         "isa": " ".join(isa) or "x86-64 baseline only",
         "numa": "; ".join(numa_nodes()),
+        "huge_pages": transparent_huge_pages(),
+        "kernel": platform.release(),
     }
     try:
         import torch

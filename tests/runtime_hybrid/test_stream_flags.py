@@ -132,6 +132,33 @@ def test_cpu_moe_flag_job_matches_forward_and_reports_routing_errors() -> None:
     assert words.flags.done == 1
 
 
+@pytest.mark.parametrize("fmt,group,q", [("bf16", None, 1), ("bf16", None, 4), ("int8", 128, 1),
+                                         ("int4", 32, 3), ("bf16", None, 5)])
+def test_flag_job_reads_inputs_written_after_submit(fmt: str, group: int | None, q: int) -> None:
+    """A decode job (q <= 4) is made before its ready word and routed after it: x, ids and
+    weights written between submit and ready are the ones computed (q = 5: made after ready)."""
+    torch.manual_seed(1)
+    e, h, i, k = 6, 256, 256, 3
+    moe = CpuMoE(e, h, i, fmt, group_size=group, threads=2)
+    moe.load(torch.randn(e, i, h) * 0.1, torch.randn(e, i, h) * 0.1, torch.randn(e, h, i) * 0.1)
+    moe.set_gpu_experts(torch.tensor([False, False, False, False, True, False]))
+    x, out = torch.zeros(q, h), torch.full((q, h), float("nan"))
+    ids, weights = torch.zeros(q, k, dtype=torch.int64), torch.zeros(q, k)
+    words = Words()
+    moe.host_functions(x, ids, weights, out)
+    for step in range(3):
+        handle = moe.submit_flagged(words.flags)
+        time.sleep(0.01)  # the job is made and waits for its ready word
+        x.copy_(torch.randn(q, h))
+        ids.copy_(torch.stack([torch.randperm(e)[:k] for _ in range(q)]))
+        ids[0, -1] = -1 if step == 1 else ids[0, -1]
+        weights.copy_(torch.rand(q, k))
+        words.gpu_ready()
+        moe.wait_flagged(handle)
+        words.gpu_consume_done()
+        torch.testing.assert_close(out, moe.forward(x, ids, weights), rtol=0, atol=0)
+
+
 def test_flag_job_needs_bound_buffers() -> None:
     moe = CpuMoE(2, 32, 32, threads=2)
     with pytest.raises(RuntimeError, match=r"submit_flagged: call host_functions\(x, ids, "):

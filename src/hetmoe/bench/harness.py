@@ -34,6 +34,7 @@ from hetmoe.bench.shapes import shape_config
 from hetmoe.bench.trace import TraceRecorder
 from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
 from hetmoe.engine.runner import ModelRunner
+from hetmoe.machine import huge_page_bytes
 
 MODES = ("cpu", "torch-cpu", "accelerate")
 
@@ -112,6 +113,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         model = build_random_model(config, device, torch.bfloat16, cfg.experts,
                                    cfg.weight_format, cfg.seed)
     result["build_s"] = round(time.perf_counter() - start, 1)
+    result["huge_page_gb"] = round(huge_page_bytes() / 1e9, 1)  # of the whole process
     log(f"built {cfg.shape or cfg.model} ({cfg.experts}, {cfg.weight_format}) in "
         f"{result['build_s']} s")
     result["routed_bytes_per_token"] = measure.routed_bytes_per_token(model)

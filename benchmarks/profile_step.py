@@ -1,0 +1,179 @@
+"""Where a graph decode step's time goes on the CPU side, against the same layers called alone.
+
+Builds a random-weight model of a real shape (routed experts in the CPU backend), decodes with
+the CUDA graph step and every layer's CPU job profiled (`MoELayer.take_timeline`: when the job
+saw its ready word, was made, ran each phase and set its done word), then calls the same layers
+one after another from Python (`CpuMoE.forward`, K random distinct experts, no GPU) with the same
+profiling. Per decode step (median over steps), in milliseconds:
+
+- step: wall time of the step; busy: the CPU jobs from ready seen to done set; idle: the rest
+  (GPU work the CPU waits for, and the hand-off both ways);
+- build: making the job after the ready word (routing, workspace, token conversion);
+- start: job made -> its first task started (the pool's barrier);
+- gate/up, down: first task start -> last task end of each phase; between: the barrier;
+- finish: last task end -> done word set.
+The "alone" row gives the same stages for the standalone calls (start = submit()).
+
+    python benchmarks/profile_step.py --shape qwen3-30b-a3b [--weight-format bf16]
+        [--deferred 0,3] [--steps 64] [--num-layers N] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetmoe import _cpu
+from hetmoe.bench.random_model import build_random_model
+from hetmoe.bench.shapes import shape_config
+from hetmoe.engine.cuda_graph import HybridRunner
+from hetmoe.engine.overlap import cpu_moe_of
+from hetmoe.machine import huge_page_bytes
+
+# Columns of a take_timeline row: start, built, done, then (first, last) per phase slot.
+START, BUILT, DONE = 0, 1, 2
+GATE_UP, DOWN = 3 + 2 * 2, 3 + 2 * 3  # slots: convert, gather, gate/up, down, combine
+STAGES = ("build", "start", "gate_up", "between", "down", "finish")
+
+
+def stages(row: list[int]) -> dict[str, float]:
+    """Nanoseconds of each stage of one profiled call (see the module doc)."""
+    firsts = [row[i] for i in range(3, len(row), 2) if row[i]]
+    lasts = [row[i + 1] for i in range(3, len(row), 2) if row[i]]
+    first, last = (min(firsts), max(lasts)) if firsts else (row[BUILT], row[BUILT])
+    gu = row[GATE_UP + 1] - row[GATE_UP] if row[GATE_UP] else 0
+    dn = row[DOWN + 1] - row[DOWN] if row[DOWN] else 0
+    return {"build": row[BUILT] - row[START], "start": first - row[BUILT], "gate_up": gu,
+            "down": dn, "between": (last - first) - gu - dn, "finish": row[DONE] - last,
+            "busy": row[DONE] - row[START]}
+
+
+def summarize(steps: list[list[list[int]]], step_s: list[float] | None) -> dict[str, Any]:
+    """Per-step sums of the stages (median over steps, ms), from each step's profiled calls."""
+    sums: dict[str, list[float]] = {k: [] for k in (*STAGES, "busy")}
+    for calls in steps:
+        per = [stages(row) for row in calls]
+        for key in sums:
+            sums[key].append(sum(p[key] for p in per) / 1e6)
+    out = {key: round(statistics.median(v), 3) for key, v in sums.items()}
+    out["calls_per_step"] = len(steps[0]) if steps else 0
+    if step_s:
+        out["step"] = round(statistics.median(step_s) * 1e3, 3)
+        out["idle"] = round(out["step"] - out["busy"], 3)
+    return out
+
+
+def profiled_decode(runner: HybridRunner, layers: list[Any], prompt: list[int],
+                    steps: int) -> dict[str, Any]:
+    """Graph decode steps with every layer's job profiled; the stage summary."""
+    slot = runner.cache.allocate()
+    try:
+        token = int(runner.prefill(slot, prompt).argmax())
+        for _ in range(4):  # capture and warm-up
+            token = int(runner.decode([slot], [token])[0].argmax())
+        for layer in layers:
+            layer.set_profile(True)
+            layer.take_timeline()
+        step_s, bounds = [], []
+        for _ in range(steps):
+            start_ns = time.monotonic_ns()
+            start = time.perf_counter()
+            token = int(runner.decode([slot], [token])[0].argmax())
+            step_s.append(time.perf_counter() - start)
+            bounds.append((start_ns, time.monotonic_ns()))
+    finally:
+        for layer in layers:
+            layer.set_profile(False)
+        runner.cache.free(slot)
+    rows = sorted(row for layer in layers for row in layer.take_timeline())
+    per_step = [[r for r in rows if lo <= r[START] <= hi] for lo, hi in bounds]
+    return summarize(per_step, step_s)
+
+
+def alone(moes: list[Any], top_k: int, repeats: int) -> dict[str, Any]:
+    """The same layers called one after another from Python, profiled the same way."""
+    g = torch.Generator().manual_seed(1)
+    for moe in moes:
+        moe._layer.set_profile(True)
+        moe._layer.take_timeline()
+    step_s = []
+    for r in range(repeats + 2):
+        calls = []
+        for moe in moes:
+            ids = torch.randperm(moe.num_experts, generator=g)[:top_k][None]
+            w = torch.rand(1, top_k, generator=g)
+            calls.append((moe, torch.randn(1, moe.hidden, generator=g).bfloat16(), ids,
+                          w / w.sum()))
+        start = time.perf_counter()
+        for moe, x, ids, w in calls:
+            moe.forward(x, ids, w)
+        step_s.append(time.perf_counter() - start)
+        if r < 2:
+            for moe in moes:
+                moe._layer.take_timeline()
+    per_step: list[list[list[int]]] = [[] for _ in range(repeats)]
+    for moe in moes:
+        for i, row in enumerate(moe._layer.take_timeline()):
+            per_step[i].append(row)
+        moe._layer.set_profile(False)
+    return summarize(per_step, step_s[2:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="qwen3-30b-a3b")
+    parser.add_argument("--weight-format", default="bf16")
+    parser.add_argument("--num-layers", type=int)
+    parser.add_argument("--deferred", default="0,3")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("profile_step needs a CUDA device", file=sys.stderr)
+        return 2
+    config = shape_config(args.shape, args.num_layers)
+    model = build_random_model(config, torch.device("cuda"), torch.bfloat16, "cpu",
+                               args.weight_format, 0)
+    runner = HybridRunner(model, torch.device("cuda"), torch.bfloat16, 1, 64 + args.steps)
+    moes = [cpu_moe_of(m.experts) for m in runner.overlap.layers]
+    packed = sum(m.packed_bytes for m in moes)
+    result: dict[str, Any] = {
+        "shape": args.shape, "weight_format": args.weight_format,
+        "gpu": torch.cuda.get_device_name(), "packed_gb": round(packed / 1e9, 2),
+        "huge_page_share": round(min(1.0, huge_page_bytes() / packed), 3),
+        "pool_read_gb_s": round(_cpu.read_bandwidth(4 << 30, 5) / 1e9, 1)}
+    top_k = config.num_experts_per_tok
+    expert_bytes = packed / len(moes) / moes[0].num_experts
+    result["bytes_per_step_gb"] = round(expert_bytes * top_k * len(moes) / 1e9, 3)
+    result["alone"] = alone(moes, top_k, 10)
+    prompt = list(range(1, 33))
+    for d in [int(v) for v in args.deferred.split(",") if v]:
+        runner.reset_graphs(d)
+        result[f"graph_d{d}"] = profiled_decode(runner, [m._layer for m in moes], prompt,
+                                                args.steps)
+    result["alone_again"] = alone(moes, top_k, 10)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    print(f"{args.shape} {args.weight_format}: {result['packed_gb']} GB packed, "
+          f"{100 * result['huge_page_share']:.0f} % on huge pages, pool read "
+          f"{result['pool_read_gb_s']} GB/s, {result['bytes_per_step_gb']} GB of experts/step")
+    cols = ("step", "busy", "idle", *STAGES)
+    print(f"{'ms per step':<14}" + "".join(f"{c:>9}" for c in cols) + f"{'GB/s':>8}")
+    for name in ("alone", *(k for k in result if k.startswith("graph_d")), "alone_again"):
+        r = result[name]
+        stream = r["gate_up"] + r["down"]
+        rate = result["bytes_per_step_gb"] / stream * 1e3 if stream else 0.0
+        print(f"{name:<14}" + "".join(f"{r.get(c, float('nan')):>9.3f}" for c in cols)
+              + f"{rate:>8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
