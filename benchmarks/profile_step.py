@@ -11,7 +11,8 @@ profiling. Per decode step (median over steps), in milliseconds:
 - build: making the job after the ready word (routing, workspace, token conversion);
 - start: job made -> its first task started (the pool's barrier);
 - gate/up, down: first task start -> last task end of each phase; between: the barrier;
-- finish: last task end -> done word set.
+- finish: last task end -> done word set;
+- head: step start -> the first job's ready word seen; tail: the last done word -> step end.
 The "alone" row gives the same stages for the standalone calls (start = submit()).
 
     python benchmarks/profile_step.py --shape qwen3-30b-a3b [--weight-format bf16]
@@ -55,13 +56,21 @@ def stages(row: list[int]) -> dict[str, float]:
             "busy": row[DONE] - row[START]}
 
 
-def summarize(steps: list[list[list[int]]], step_s: list[float] | None) -> dict[str, Any]:
-    """Per-step sums of the stages (median over steps, ms), from each step's profiled calls."""
+def summarize(steps: list[list[list[int]]], step_s: list[float] | None,
+              bounds: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Per-step sums of the stages (median over steps, ms), from each step's profiled calls.
+    With the steps' `bounds` (monotonic ns): head = step start -> first ready word seen, tail =
+    last done word set -> step end (the Python and GPU work around the layers)."""
     sums: dict[str, list[float]] = {k: [] for k in (*STAGES, "busy")}
-    for calls in steps:
+    if bounds:
+        sums["head"], sums["tail"] = [], []
+    for s, calls in enumerate(steps):
         per = [stages(row) for row in calls]
-        for key in sums:
+        for key in STAGES + ("busy",):
             sums[key].append(sum(p[key] for p in per) / 1e6)
+        if bounds and calls:
+            sums["head"].append((min(r[START] for r in calls) - bounds[s][0]) / 1e6)
+            sums["tail"].append((bounds[s][1] - max(r[DONE] for r in calls)) / 1e6)
     out = {key: round(statistics.median(v), 3) for key, v in sums.items()}
     out["calls_per_step"] = len(steps[0]) if steps else 0
     if step_s:
@@ -94,7 +103,7 @@ def profiled_decode(runner: HybridRunner, layers: list[Any], prompt: list[int],
         runner.cache.free(slot)
     rows = sorted(row for layer in layers for row in layer.take_timeline())
     per_step = [[r for r in rows if lo <= r[START] <= hi] for lo, hi in bounds]
-    return summarize(per_step, step_s)
+    return summarize(per_step, step_s, bounds)
 
 
 def alone(moes: list[Any], top_k: int, repeats: int) -> dict[str, Any]:
@@ -164,7 +173,7 @@ def main() -> int:
     print(f"{args.shape} {args.weight_format}: {result['packed_gb']} GB packed, "
           f"{100 * result['huge_page_share']:.0f} % on huge pages, pool read "
           f"{result['pool_read_gb_s']} GB/s, {result['bytes_per_step_gb']} GB of experts/step")
-    cols = ("step", "busy", "idle", *STAGES)
+    cols = ("step", "busy", "idle", "head", "tail", *STAGES)
     print(f"{'ms per step':<14}" + "".join(f"{c:>9}" for c in cols) + f"{'GB/s':>8}")
     for name in ("alone", *(k for k in result if k.startswith("graph_d")), "alone_again"):
         r = result[name]

@@ -1,19 +1,19 @@
 """`HybridRunner`: the model runner with CPU/GPU overlap and decode steps as CUDA graphs.
 
-Each decode batch size in `HybridConfig.graph_batch_sizes` and attention window bucket gets one
-CUDA graph of the forward pass (embedding to final norm), captured at its first use; the CPU
-experts' start and wait enter it as stream memory operations on ready/done words (or host nodes),
-reading and writing fixed pinned buffers (engine/host_link.py). The CPU jobs a step starts are
-recorded at capture and queued in the pool right before each replay, where each waits for its
-ready word. A batch is padded to the next captured size by repeating its first row (same token,
-slot and position: the cache write is the same, the extra outputs are dropped). Graphs need a
-static shape, and attention should cost what the cache holds: a step attends over the first W
-cache entries (masked causally), W = the window bucket of the batch's longest length after the
-step (ops/kv_batch.py `window_bucket`: `smallest_window` * 2**k, capped at `max_seq_len`), in
-both modes, which keeps the eager mode (`cuda_graphs=False`, for debugging) token-for-token equal
-to the graphs. Masked entries weigh exp(-inf) = 0, so W changes no result, only summation order.
-A decode step runs `FusedDecoder` (engine/fused_decode.py: one compiled function per layer) when the
-model fits and `HybridConfig.fused` is set, else the HF decoder layers.
+Each decode batch size in `HybridConfig.graph_batch_sizes` and attention window bucket gets one CUDA
+graph of the forward pass (embedding to final norm), captured at its first use; the CPU experts'
+start and wait enter it as stream memory operations on ready/done words (or host nodes), reading and
+writing fixed pinned buffers (engine/host_link.py). The CPU jobs a step starts are recorded at
+capture and queued in the pool right after each replay's launch (while the GPU runs the embedding
+and first layer), where each waits for its ready word. A batch is padded to the next captured size
+by repeating its first row (same token, slot and position: the cache write is the same, the extra
+outputs are dropped). Graphs need a static shape, and attention should cost what the cache holds: a
+step attends over the first W cache entries (masked causally), W = the window bucket of the batch's
+longest length after the step (ops/kv_batch.py `window_bucket`: `smallest_window` * 2**k, capped at
+`max_seq_len`), in both modes, which keeps the eager mode (`cuda_graphs=False`, for debugging)
+token-for-token equal to the graphs. Masked entries weigh exp(-inf) = 0, so W changes no result,
+only summation order. A decode step runs `FusedDecoder` (engine/fused_decode.py: one compiled
+function per layer) when the model fits and `HybridConfig.fused` is set, else the HF decoder layers.
 """
 
 from __future__ import annotations
@@ -151,8 +151,10 @@ class HybridRunner(ModelRunner):
         graph.slots.copy_(slots)
         for link in self.overlap.host:
             link.bind(size)  # another size may have been bound since this graph's capture
-        self.overlap.submit_recorded(graph.jobs)
+        # The launch returns at once; the jobs are queued while the GPU runs the embedding and
+        # the first layer (a job whose ready word is already set starts at once).
         graph.graph.replay()
+        self.overlap.submit_recorded(graph.jobs)
         return graph.hidden[:b]
 
     def _step(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:

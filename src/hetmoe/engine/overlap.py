@@ -14,7 +14,7 @@ Two transports move data and start/await CPU work (`Link`):
   and start/wait in stream order (ready/done words in pinned memory by default, or CUDA host
   functions), so a CUDA graph can capture it. With the flag signal the step's CPU jobs wait in
   the pool for their ready words: `MoEOverlap` submits them as the step is launched (recorded
-  at capture, queued before each replay) and waits them in `finish_step`.
+  at capture, queued as each replay is launched) and waits them in `finish_step`.
 - `DirectLink` (prefill, and every step without a GPU): copies to CPU tensors, then the
   backend's `submit` / `sync` from Python; the shared experts still run between them.
 
@@ -156,7 +156,7 @@ class MoEOverlap:
     def end_capture(self) -> list[HostLink]:
         """The flag jobs the captured step starts, in stream order (for `submit_recorded`).
 
-        RuntimeError when they exceed the pool's queue: they are all queued before the replay,
+        RuntimeError when they exceed the pool's queue: a step queues them all at once,
         and a full queue would wait for a job that waits for the replay."""
         from hetmoe import _cpu
 
@@ -170,7 +170,8 @@ class MoEOverlap:
         return recorded
 
     def submit_recorded(self, links: Sequence[HostLink]) -> None:
-        """Queues a captured step's CPU jobs in stream order; call right before its replay."""
+        """Queues a captured step's CPU jobs in stream order; call right after launching its
+        replay (a job whose ready word is already set starts at once)."""
         self.pending.extend((link, link.submit()) for link in links)
 
     def finish_step(self) -> None:
