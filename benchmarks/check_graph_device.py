@@ -106,8 +106,9 @@ def check_family(family: str, root: Path) -> dict[str, object]:
     generated = row["llm_generate_tokens"]
     row["graph_llm_generate_eq_plain_tokens"] = generated == plain_tokens[0][: len(generated)]
     for d in sorted({0, min(2, top_k - 2)}):
+        # Graphs in two parts (split before layer 1), as the real models' are before layer 4.
         runner = HybridRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len,
-                              HybridConfig(deferred=d))
+                              HybridConfig(deferred=d, graph_split_layer=1))
         for batch in (1, 3):
             runner.use_graphs = True
             graph_tokens, graph_logits = decode(runner, batch)
@@ -232,23 +233,24 @@ class BrokenGraph:
 def check_abort(llm: LLM) -> bool:
     """A replay that raises after its CPU jobs were queued: the jobs are released, and decode
     afterwards gives the tokens of an undisturbed run."""
-    runner = HybridRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len)
+    # Split after the first layer: the broken last part is replayed once the jobs are queued.
+    runner = HybridRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
+                          HybridConfig(graph_split_layer=1))
     want, _ = decode(runner, 1)
     slot = runner.cache.allocate()
     try:
         last = int(runner.prefill(slot, PROMPTS[0]).argmax())
         runner.decode([slot], [last])  # captures the graph of batch 1 (and this step's window)
         (key,) = runner.graphs
-        graph = runner.graphs[key].graph
-
-        runner.graphs[key].graph = BrokenGraph()  # type: ignore[assignment]
+        parts = runner.graphs[key].parts
+        runner.graphs[key].parts = [*parts[:-1], BrokenGraph()]  # type: ignore[list-item]
         try:
             runner.decode([slot], [last])
             return False
         except RuntimeError as exc:
             if "injected replay failure" not in str(exc):
                 raise
-        runner.graphs[key].graph = graph
+        runner.graphs[key].parts = parts
         released = not runner.overlap.pending and all(
             link.flags.ready == 0 and link.flags.done == 0 for link in runner.overlap.host)
     finally:

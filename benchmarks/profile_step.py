@@ -79,9 +79,40 @@ def summarize(steps: list[list[list[int]]], step_s: list[float] | None,
     return out
 
 
+class HostMarks:
+    """Monotonic ns at which each step's host side launched the replay, queued the CPU jobs and
+    waited them (wrappers around the runner's calls, removed by `close`)."""
+
+    def __init__(self, runner: HybridRunner) -> None:
+        self.marks: dict[str, list[int]] = {}
+        self.undo: list[Any] = []
+        self.wrap(torch.cuda.CUDAGraph, "replay", "replay")
+        self.wrap(runner.overlap, "submit_recorded", "submit")
+        self.wrap(runner.overlap, "finish_step", "finish")
+
+    def wrap(self, owner: Any, name: str, mark: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self.marks.setdefault(f"{mark}_start", []).append(time.monotonic_ns())
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.marks.setdefault(f"{mark}_end", []).append(time.monotonic_ns())
+
+        had = name in vars(owner)
+        setattr(owner, name, timed)
+        self.undo.append(lambda: setattr(owner, name, inner) if had else delattr(owner, name))
+
+    def close(self) -> None:
+        for undo in self.undo:
+            undo()
+
+
 def profiled_decode(runner: HybridRunner, layers: list[Any], prompt: list[int],
                     steps: int) -> dict[str, Any]:
-    """Graph decode steps with every layer's job profiled; the stage summary."""
+    """Graph decode steps with every layer's job profiled; the stage summary, and the host
+    side's marks (ms after the step's start, median) against the first ready / last done word."""
     slot = runner.cache.allocate()
     try:
         token = int(runner.prefill(slot, prompt).argmax())
@@ -90,20 +121,38 @@ def profiled_decode(runner: HybridRunner, layers: list[Any], prompt: list[int],
         for layer in layers:
             layer.set_profile(True)
             layer.take_timeline()
+        marks = HostMarks(runner)
         step_s, bounds = [], []
-        for _ in range(steps):
-            start_ns = time.monotonic_ns()
-            start = time.perf_counter()
-            token = int(runner.decode([slot], [token])[0].argmax())
-            step_s.append(time.perf_counter() - start)
-            bounds.append((start_ns, time.monotonic_ns()))
+        try:
+            for _ in range(steps):
+                start_ns = time.monotonic_ns()
+                start = time.perf_counter()
+                token = int(runner.decode([slot], [token])[0].argmax())
+                step_s.append(time.perf_counter() - start)
+                bounds.append((start_ns, time.monotonic_ns()))
+        finally:
+            marks.close()
     finally:
         for layer in layers:
             layer.set_profile(False)
         runner.cache.free(slot)
     rows = sorted(row for layer in layers for row in layer.take_timeline())
     per_step = [[r for r in rows if lo <= r[START] <= hi] for lo, hi in bounds]
-    return summarize(per_step, step_s, bounds)
+    out = summarize(per_step, step_s, bounds)
+    starts = [lo for lo, _ in bounds]
+    host = {}
+    for name, v in marks.marks.items():
+        per = len(v) // steps  # e.g. one replay per graph part
+        v = v[0::per] if name.endswith("_start") else v[per - 1::per]  # first start, last end
+        host[name] = [t - lo for t, lo in zip(v, starts, strict=True)]
+    host["first_ready"] = [min(r[START] for r in c) - lo
+                           for c, lo in zip(per_step, starts, strict=True)]
+    host["last_done"] = [max(r[DONE] for r in c) - lo
+                         for c, lo in zip(per_step, starts, strict=True)]
+    host["end"] = [hi - lo for lo, hi in bounds]
+    out["host_ms"] = {name: round(statistics.median(v) / 1e6, 3)
+                      for name, v in sorted(host.items(), key=lambda kv: statistics.median(kv[1]))}
+    return out
 
 
 def alone(moes: list[Any], top_k: int, repeats: int) -> dict[str, Any]:
@@ -181,6 +230,9 @@ def main() -> int:
         rate = result["bytes_per_step_gb"] / stream * 1e3 if stream else 0.0
         print(f"{name:<14}" + "".join(f"{r.get(c, float('nan')):>9.3f}" for c in cols)
               + f"{rate:>8.1f}")
+    for name in (k for k in result if k.startswith("graph_d")):
+        print(f"{name} host side (ms after the step's start): "
+              + ", ".join(f"{k} {v}" for k, v in result[name]["host_ms"].items()))
     return 0
 
 

@@ -66,13 +66,6 @@ constexpr int kRowsForRowOut = 32;   // max rows per expert from which phase 4 g
 constexpr int kRowOutBlocks = 16;    // n-blocks (256 outputs) per (expert, column block) task
 constexpr int kFoldTokens = 4;       // max q whose rows are converted inside the gate/up phase
 constexpr int kDecodeCols = 64;      // widest decode gate/up task; wider groups are split
-int decode_cols() {
-  static const int cols = [] {
-    const char* v = std::getenv("HETMOE_DECODE_COLS");
-    return v ? std::atoi(v) : 0;
-  }();
-  return cols;
-}
 // The AVX-512 bf16 / int4 kernels prefetch every line this far ahead within one call; a decode
 // down task calls them on one short n-block per expert, so it fetches the start of the next
 // expert's while the current one runs.
@@ -263,8 +256,7 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
   const bool row_out = rt.max_rows >= kRowsForRowOut;
   const bool fold = q <= kFoldTokens && !row_out, store_in_down = G == 1 && !row_out;
   // Decode tasks narrower than a group write fp32 values; the last part quantizes the group.
-  const int dcols = decode_cols() ? decode_cols() : kDecodeCols;
-  const bool split_groups = fold && gs > dcols;
+  const bool split_groups = fold && gs > kDecodeCols;
   need[kAccum] = row_out ? 0 : size_t(G) * q * H * 4;
   need[kRowOut] = row_out ? size_t(G) * R * H * 4 : 0;
   need[kHiddenFloat] = split_groups ? R * Ip * 4 : 0;
@@ -362,8 +354,7 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
   while (rt.max_rows >= 16 && cols < max_cols && divides_slices(2 * cols)) cols *= 2;
   // Decode with a group wider than kDecodeCols (int8 128, say: 6 tasks of 512 KB per expert) would
   // leave few, long tasks for the cores; such groups are split into parts of kDecodeCols.
-  if (split_groups) cols = dcols;
-  if (fold && decode_cols()) cols = std::min(cols, decode_cols());
+  if (split_groups) cols = kDecodeCols;
   const int parts = split_groups ? gs / cols : 1;
   size_t max_groups = 0;
   std::vector<size_t> gu_tasks(G);

@@ -11,6 +11,7 @@ from decode_steps import greedy
 from hetmoe import LLM
 from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
 from hetmoe.engine.fused_decode import explain_compile_errors, plan_layers
+from hetmoe.ops.kv_batch import KVBatch
 
 SAME_BACKEND_ATOL = 1e-4
 """fp32 baby models on the same expert backend: rounding only."""
@@ -76,3 +77,26 @@ def test_compile_failures_name_the_way_out() -> None:
     with pytest.raises(ValueError, match="shape mismatch"):  # not a compiler error: unchanged
         explain_compile_errors(bad_shape)(1)
     assert explain_compile_errors(lambda x: x + 1)(1) == 2
+
+
+def test_before_layer_runs_before_each_decoder_layer(engine: Callable[[str, str], LLM]) -> None:
+    """The hook a graph capture splits at: called with 0..L-1 in order, results unchanged."""
+    llm = engine("qwen3_moe", "cpu")
+    runner = HybridRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len)
+    seen: list[int] = []
+    try:
+        slot = runner.cache.allocate()
+        runner.prefill(slot, [1, 2, 3])
+        kv = KVBatch(torch.tensor([slot]), torch.tensor([[3]]), 4)
+        with runner.overlap.phase(decoding=True):
+            want = runner.fused.forward(torch.tensor([[5]]), kv)
+            got = runner.fused.forward(torch.tensor([[5]]), kv, seen.append)
+    finally:
+        runner.overlap.detach()
+    assert seen == list(range(len(llm.model.model.layers)))
+    assert torch.equal(got, want)
+
+
+def test_graph_split_layer_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"graph_split_layer must be an integer >= 0, got -1"):
+        HybridConfig(graph_split_layer=-1)

@@ -19,9 +19,10 @@ function per layer) when the model fits and `HybridConfig.fused` is set, else th
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,12 +61,20 @@ class HybridConfig:
     """Smallest attention window bucket of a decode step (>= max_seq_len: always the whole
     cache window)."""
 
+    graph_split_layer: int = 4
+    """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond the
+    last layer: one graph): launching a graph costs the CPU about a microsecond per node, and
+    the second, long launch then runs while the GPU already runs the first part."""
+
     def __post_init__(self) -> None:
         sizes = self.graph_batch_sizes
         if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
             raise ValueError(f"graph_batch_sizes must be positive integers, got {sizes!r}")
         if self.signal not in SIGNALS:
             raise ValueError(f"signal must be one of {', '.join(SIGNALS)}, got {self.signal!r}")
+        if not isinstance(self.graph_split_layer, int) or self.graph_split_layer < 0:
+            raise ValueError(f"graph_split_layer must be an integer >= 0, got "
+                             f"{self.graph_split_layer!r}")
         if not isinstance(self.smallest_window, int) or self.smallest_window < 2:
             # A compiled dimension of width 1 would be specialized, not dynamic.
             raise ValueError(f"smallest_window must be an integer >= 2, got "
@@ -76,7 +85,7 @@ class HybridConfig:
 class _Graph:
     """One captured decode step and its static tensors."""
 
-    graph: torch.cuda.CUDAGraph
+    parts: list[torch.cuda.CUDAGraph]  # replayed in order (HybridConfig.graph_split_layer)
     ids: torch.Tensor  # [B, 1]
     positions: torch.Tensor  # [B, 1]
     slots: torch.Tensor  # [B]
@@ -153,21 +162,25 @@ class HybridRunner(ModelRunner):
             link.bind(size)  # another size may have been bound since this graph's capture
         # The launch returns at once; the jobs are queued while the GPU runs the embedding and
         # the first layer (a job whose ready word is already set starts at once).
-        graph.graph.replay()
+        graph.parts[0].replay()
         self.overlap.submit_recorded(graph.jobs)
+        for part in graph.parts[1:]:
+            part.replay()
         return graph.hidden[:b]
 
-    def _step(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
-        """One decode step's forward: fused layer functions, or the HF layers."""
+    def _step(self, ids: torch.Tensor, kv: KVBatch,
+              before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """One decode step's forward: fused layer functions (calling `before_layer(n)` before
+        decoder layer n), or the HF layers."""
         if self.fused is not None:
-            return self.fused.forward(ids, kv)
+            return self.fused.forward(ids, kv, before_layer)
         return super()._forward(ids, kv)
 
     def _capture(self, size: int, width: int, ids: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor) -> torch.Tensor:
         """Runs this step eagerly (its real output) and captures it for later steps of this
         batch size and window bucket."""
-        static = _Graph(torch.cuda.CUDAGraph(), ids.clone(), positions.clone(), slots.clone(),
+        static = _Graph([torch.cuda.CUDAGraph()], ids.clone(), positions.clone(), slots.clone(),
                         torch.empty(0), [])
         kv = KVBatch(static.slots, static.positions, width)
         side = torch.cuda.Stream(self.device)
@@ -178,10 +191,24 @@ class HybridRunner(ModelRunner):
         out = out.clone()
         # The capture records work without running it: the cache and buffers stay as they are.
         start = time.perf_counter()
+        captures = [torch.cuda.graph(static.parts[0])]
+
+        def split(n: int) -> None:
+            # Decoder layer n starts the second graph, in the first one's memory pool.
+            if n == 0 or n != self.config.graph_split_layer:
+                return
+            captures[-1].__exit__(None, None, None)
+            static.parts.append(torch.cuda.CUDAGraph())
+            captures.append(torch.cuda.graph(static.parts[-1], pool=static.parts[0].pool()))
+            captures[-1].__enter__()
+
         self.overlap.begin_capture()
         try:
-            with torch.cuda.graph(static.graph):
-                static.hidden = self._step(static.ids, kv)
+            captures[0].__enter__()
+            try:
+                static.hidden = self._step(static.ids, kv, split)
+            finally:
+                captures[-1].__exit__(*sys.exc_info())
         finally:
             static.jobs = self.overlap.end_capture()
         static.capture_s = time.perf_counter() - start

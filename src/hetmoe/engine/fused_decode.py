@@ -336,9 +336,11 @@ class FusedDecoder:
         maker = make_gqa_layer if statics.attention == "gqa" else make_mla_layer
         return self._fn(statics, lambda: maker(statics))
 
-    def forward(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, kv: KVBatch,
+                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """ids [B, 1] -> final hidden states [B, 1, H], the module path's `_forward` result;
-        attention reads the first `kv.kv_len` cache entries (the step's window bucket)."""
+        attention reads the first `kv.kv_len` cache entries (the step's window bucket).
+        `before_layer(n)` runs before decoder layer n (a graph capture splits there)."""
         b = ids.shape[0]
         h = self.base.embed_tokens(ids)  # [B, 1, H]
         rotary = self.base.rotary_emb(h, kv.positions)
@@ -352,7 +354,9 @@ class FusedDecoder:
         terms: tuple[torch.Tensor, ...] = ()
         overlap = self.overlap
         last_moe = len(overlap.layers) - 1
-        for plan in self.plans:
+        for n, plan in enumerate(self.plans):
+            if before_layer is not None:
+                before_layer(n)
             window = plan.window
             caches = plan.caches()
             if window not in masks:
