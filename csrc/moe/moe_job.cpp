@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <new>
 #include <vector>
@@ -202,8 +203,15 @@ JobHandle MoELayer::submit_flagged(StreamFlags& flags) {
         // A decode call is made while the GPU still computes its inputs; only the routing and
         // the token conversion wait for the ready word.
         std::shared_ptr<MoECallState> planned;
-        Job job = call.q <= kFoldTokens ? make_job(call, &planned) : Job{};
+        Job job;
+        std::exception_ptr failed;  // reported once the ready word is consumed (kept in step)
+        try {
+          if (call.q <= kFoldTokens) job = make_job(call, &planned);
+        } catch (...) {
+          failed = std::current_exception();
+        }
         if (!flags.wait_ready()) return Job{};
+        if (failed) std::rethrow_exception(failed);
         const int64_t ready = profile_ ? now_ns() : 0;
         if (planned) bind_job(job, *planned);
         else job = make_job(call);
