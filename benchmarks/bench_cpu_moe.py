@@ -72,6 +72,15 @@ def raw_cycle(layers: list[CpuMoE], x: torch.Tensor,
     return lambda i, keep=(out, routes): raw[i % len(raw)].forward(*args[i % len(args)])
 
 
+def with_decode_cols(layers: list[CpuMoE], width: int, fn):
+    """`fn` with every layer's decode gate/up task width set to `width` first."""
+    def run(i: int) -> None:
+        for moe in layers:
+            moe._layer.set_decode_cols(width)
+        fn(i)
+    return run
+
+
 def routing(q: int, num_experts: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random distinct top-k ids [q, k] and softmax weights, like a router."""
     g = torch.Generator().manual_seed(seed)
@@ -181,12 +190,19 @@ def main() -> None:
                         help="skip the AVX-512/AMX crossover runs; use AMX_MIN_TOKENS")
     parser.add_argument("--warmup-s", type=float, default=1.0,
                         help="decode calls for this long after each format's layers are packed")
+    parser.add_argument("--k", default="8",
+                        help="comma-separated experts per token (e.g. 8,3: a deferred job's 3)")
+    parser.add_argument("--decode-cols", default="",
+                        help="comma-separated decode gate/up task widths to time against each "
+                             "other at q <= 4 (e.g. 64,32), alternating in this process")
     parser.add_argument("--no-torch", action="store_true",
                         help="skip the plain-torch baseline (it keeps a bf16 copy of every layer)")
     parser.add_argument("--git", default="",
                         help="commit to record (default: git rev-parse HEAD, where .git exists)")
     args = parser.parse_args()
-    E, H, I, K = args.experts, 2048, 768, 8
+    E, H, I = args.experts, 2048, 768
+    ks = [int(v) for v in args.k.split(",")]
+    widths = [int(v) for v in args.decode_cols.split(",") if v]
     qs = [int(v) for v in args.q.split(",")]
     threads = torch.get_num_threads()
     torch_bandwidth = torch_read_bandwidth(1.0 if args.quick else 4.0)  # before the pool spins
@@ -201,7 +217,7 @@ def main() -> None:
     report = {"machine": machine_report(), "threads_torch": threads,
               "read_bandwidth_gbs": pool_bandwidth / 1e9, "torch_sum_gbs": torch_bandwidth / 1e9,
               "torch_bf16_matmul_tflops": tflops_torch,
-              "shape": {"E": E, "H": H, "I": I, "k": K, "layers": args.layers},
+              "shape": {"E": E, "H": H, "I": I, "k": ks, "layers": args.layers},
               "git": args.git or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                 text=True).stdout.strip(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -230,7 +246,7 @@ def main() -> None:
             for moe in layers:
                 moe.amx_min_tokens = m
         expert_bytes = layers[0].packed_bytes / E
-        for q in qs:
+        for q, K in [(q, k) for q in qs for k in ks]:
             x = torch.randn(q, H, generator=g).bfloat16()
             routes = [routing(q, E, K, seed=1000 * q + r) for r in range(ROUTINGS)]
             distinct = statistics.mean(ids.unique().numel() for ids, _ in routes)
@@ -238,12 +254,17 @@ def main() -> None:
             fns = {"ms": cycle(layers, x, routes)}
             if q <= 8:  # the pool + kernels alone, without the Python argument checks
                 fns["raw_ms"] = raw_cycle(layers, x, routes)
+            for width in widths if q <= 4 else []:
+                fns[f"cols{width}_ms"] = with_decode_cols(layers, width, cycle(layers, x, routes))
             sec_of = timed_alternating(fns, calls, len(layers))
+            for moe in layers:
+                moe._layer.set_decode_cols(64)  # the default again
             sec = sec_of["ms"]
             phase_us, profiled_ms = phases(
                 layers, x, [routing(q, E, K, seed=1000 * q + 500 + r) for r in range(9)])
             flops = 3 * 2 * H * I * q * K
-            row = {"format": spec, "group_size": layers[0].group_size, "q": q, "ms": sec * 1e3,
+            row = {"format": spec, "group_size": layers[0].group_size, "q": q, "k": K,
+                   "ms": sec * 1e3,
                    "experts_touched": distinct,
                    "weight_gb_s": distinct * expert_bytes / sec / 1e9,
                    "bw_fraction": distinct * expert_bytes / sec / bandwidth,
@@ -252,6 +273,8 @@ def main() -> None:
                    "phase_us": phase_us, "profiled_ms": profiled_ms}
             if "raw_ms" in sec_of:
                 row["raw_ms"] = 1e3 * sec_of["raw_ms"]
+            for name in (n for n in sec_of if n.startswith("cols")):
+                row[name] = 1e3 * sec_of[name]
             if fmt == "bf16" and baseline:
                 plain = [TorchLayer(w) for w in baseline]
                 tsec = timed(cycle(plain, x, routes), max(2, calls // 10), 1)
@@ -273,13 +296,15 @@ def main() -> None:
     print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s (best of the pool's read at the start "
           f"and end and torch's sum), torch bf16 matmul "
           f"{tflops_torch:.1f} TFLOPS, {report['machine']['cpu']}")
-    print(f"{'fmt':5} {'q':>5} {'ms':>9} {'GB/s':>7} {'%BW':>5} {'floor ms':>9} {'TFLOPS':>7} "
-          f"{'torch ms':>9} {'x torch':>7}  phases us (convert gather gate/up down combine)")
+    print(f"{'fmt':5} {'q':>5} {'k':>2} {'ms':>9} {'GB/s':>7} {'%BW':>5} {'floor ms':>9} "
+          f"{'TFLOPS':>7} {'torch ms':>9} {'x torch':>7}  "
+          "phases us (convert gather gate/up down combine)")
     for r in report["rows"]:
-        print(f"{r['format']:5} {r['q']:>5} {r['ms']:>9.3f} {r['weight_gb_s']:>7.1f} "
+        print(f"{r['format']:5} {r['q']:>5} {r['k']:>2} {r['ms']:>9.3f} {r['weight_gb_s']:>7.1f} "
               f"{100 * r['bw_fraction']:>5.1f} {r['bw_floor_ms']:>9.3f} {r['tflops']:>7.2f} "
               f"{r.get('torch_ms', float('nan')):>9.3f} {r.get('speedup_vs_torch', 0):>7.2f}  "
-              f"{' '.join(f'{v:.0f}' for v in r['phase_us'])}")
+              f"{' '.join(f'{v:.0f}' for v in r['phase_us'])}  "
+              + " ".join(f"{n[:-3]} {v:.3f}" for n, v in r.items() if n.startswith("cols")))
 
 
 if __name__ == "__main__":

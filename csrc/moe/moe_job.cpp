@@ -24,6 +24,8 @@
 #include <exception>
 #include <memory>
 #include <new>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernels/gemm.h"
@@ -50,7 +52,7 @@ struct MoECallState {
   // Decode: the converted tokens, owned by the call (they are written when the job is made,
   // while earlier jobs may still be using the shared workspace).
   std::unique_ptr<uint8_t, decltype(&std::free)> token_buf{nullptr, &std::free};
-  // Decode with groups wider than kDecodeCols: per NUMA group [rows][Ig] fp32 hidden values,
+  // Decode with groups wider than MoEConfig::decode_cols: per NUMA group [rows][Ig] fp32 hidden values,
   // and per (NUMA group, active expert, hidden group) the tasks that have written their part.
   std::vector<float*> hidden_float;
   std::unique_ptr<std::atomic<int>[]> parts_done;
@@ -66,7 +68,6 @@ constexpr int kRowsPerTask = 16;     // one 16-row block per gather task (blocks
 constexpr int kRowsForRowOut = 32;   // max rows per expert from which phase 4 goes by expert
 constexpr int kRowOutBlocks = 16;    // n-blocks (256 outputs) per (expert, column block) task
 constexpr int kFoldTokens = 4;       // max q whose rows are converted inside the gate/up phase
-constexpr int kDecodeCols = 64;      // widest decode gate/up task; wider groups are split
 // The AVX-512 bf16 / int4 kernels prefetch every line this far ahead within one call; a decode
 // down task calls them on one short n-block per expert, so it fetches the start of the next
 // expert's while the current one runs.
@@ -264,7 +265,7 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
   const bool row_out = rt.max_rows >= kRowsForRowOut;
   const bool fold = q <= kFoldTokens && !row_out, store_in_down = G == 1 && !row_out;
   // Decode tasks narrower than a group write fp32 values; the last part quantizes the group.
-  const bool split_groups = fold && gs > kDecodeCols;
+  const bool split_groups = fold && gs > cfg_.decode_cols;
   need[kAccum] = row_out ? 0 : size_t(G) * q * H * 4;
   need[kRowOut] = row_out ? size_t(G) * R * H * 4 : 0;
   need[kHiddenFloat] = split_groups ? R * Ip * 4 : 0;
@@ -360,9 +361,9 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
   };
   const int max_cols = row_out ? 256 : 128;
   while (rt.max_rows >= 16 && cols < max_cols && divides_slices(2 * cols)) cols *= 2;
-  // Decode with a group wider than kDecodeCols (int8 128, say: 6 tasks of 512 KB per expert) would
-  // leave few, long tasks for the cores; such groups are split into parts of kDecodeCols.
-  if (split_groups) cols = kDecodeCols;
+  // Decode with a group wider than decode_cols (int8 128, say: 6 tasks of 512 KB per expert)
+  // would leave few, long tasks for the cores; such groups are split into parts of decode_cols.
+  if (split_groups) cols = cfg_.decode_cols;
   const int parts = split_groups ? gs / cols : 1;
   size_t max_groups = 0;
   std::vector<size_t> gu_tasks(G);
@@ -528,6 +529,12 @@ void MoELayer::bind_job(Job& job, MoECallState& st) const {
   for (int g = 0; g < num_groups(); ++g)
     tasks = std::max(tasks, st.routing.experts.size() * (slice(g) / st.cols));
   job[st.gate_up_phase].num_tasks = tasks;
+}
+
+void MoELayer::set_decode_cols(int cols) {
+  if (cols != 32 && cols != 64 && cols != 128)
+    throw std::invalid_argument("decode_cols must be 32, 64 or 128, got " + std::to_string(cols));
+  cfg_.decode_cols = cols;
 }
 
 JobHandle MoELayer::submit(const MoECall& call) {

@@ -24,6 +24,9 @@ struct MoEConfig {
   int group_size = 0;    // int formats: 32, 64, 128 or 256, dividing H and I
   Isa max_isa = Isa::kScalar;
   int amx_min_tokens = 0;  // tokens per expert from which AMX kernels are used
+  // Widest gate/up task of a decode call (columns); a wider quantization group is split into
+  // parts of this width so the cores get enough tasks. 32, 64 or 128.
+  int decode_cols = 64;
 };
 
 // Raw pointers of one call; they must stay valid until the call's job is done.
@@ -64,6 +67,8 @@ class MoELayer {
   const MoEConfig& config() const { return cfg_; }
   // Applies to calls submitted afterwards.
   void set_amx_min_tokens(int tokens) { cfg_.amx_min_tokens = tokens; }
+  // Applies to calls submitted afterwards; std::invalid_argument unless 32, 64 or 128.
+  void set_decode_cols(int cols);
   // With profiling on, each call records every phase's first-task start and last-task end;
   // phase_us() gives the durations of the latest profiled call (after it is waited for).
   void set_profile(bool on) { profile_ = on; }

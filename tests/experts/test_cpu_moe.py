@@ -116,11 +116,15 @@ def test_decode_splits_large_groups(weight_format: str, group_size: int, bound: 
         moe = CpuMoE(3, 256, 256, weight_format, group_size=group_size,
                      isa=isa.removesuffix("-all"), amx_min_tokens=1 if isa == "amx-all" else 32)
         moe.load(layer.gate, layer.up, layer.down)
-        decode = torch.cat([moe.forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1])
-                            for t in range(4)])
-        assert torch.equal(moe.forward(x, ids, weights), decode)  # q=4, also split
         undivided = moe.forward(x.repeat(2, 1), ids.repeat(2, 1), weights.repeat(2, 1))
-        assert torch.equal(undivided[:4], decode), isa
+        for width in (32, 64, 128):  # parts of 32 or 64 columns, or whole groups of 128
+            moe._layer.set_decode_cols(width)
+            decode = torch.cat([moe.forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1])
+                                for t in range(4)])
+            assert torch.equal(moe.forward(x, ids, weights), decode)  # q=4, also split
+            assert torch.equal(undivided[:4], decode), (isa, width)
+        with pytest.raises(ValueError, match=r"decode_cols must be 32, 64 or 128, got 48"):
+            moe._layer.set_decode_cols(48)
         by_isa.append(decode)
     assert rel_error(by_isa[0], layer.reference(x, ids, weights)) <= bound
     for out in by_isa[1:]:
