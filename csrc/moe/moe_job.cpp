@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -59,6 +60,8 @@ struct MoECallState {
   // A planned job (see MoELayer::make_job): its gate/up phase and columns per task.
   size_t gate_up_phase = 0;
   int cols = 0;
+  size_t down_phase = 0;  // and its tasks per expert (decode)
+  int down_per_expert = 0;
 };
 
 namespace {
@@ -68,6 +71,7 @@ constexpr int kRowsPerTask = 16;     // one 16-row block per gather task (blocks
 constexpr int kRowsForRowOut = 32;   // max rows per expert from which phase 4 goes by expert
 constexpr int kRowOutBlocks = 16;    // n-blocks (256 outputs) per (expert, column block) task
 constexpr int kFoldTokens = 4;       // max q whose rows are converted inside the gate/up phase
+constexpr int kCombineCols = 256;    // output columns per decode combine task
 // The AVX-512 bf16 / int4 kernels prefetch every line this far ahead within one call; a decode
 // down task calls them on one short n-block per expert, so it fetches the start of the next
 // expert's while the current one runs.
@@ -155,6 +159,20 @@ void add_scaled(float w, const float* __restrict src, int n, float* __restrict d
 
 void prefetch_start(const uint8_t* p, size_t bytes) {
   for (size_t i = 0; i < std::min(bytes, kLeadBytes); i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
+// Decode down tasks are runs of n-blocks of one expert: the longest run (of 16, 8, 4, 2, 1) that
+// leaves the phase's last round of tasks at most 7 % idle on `workers` cores, else the least idle.
+int down_run_blocks(size_t experts, int nbs, int workers) {
+  int best = 1;
+  double best_idle = 1e9;
+  for (int b : {16, 8, 4, 2, 1}) {
+    const double rounds = double(experts * size_t((nbs + b - 1) / b)) / workers;
+    const double idle = rounds > 0 ? std::ceil(rounds) / rounds - 1 : 0;
+    if (idle <= 0.07) return b;
+    if (idle < best_idle) best = b, best_idle = idle;
+  }
+  return best;
 }
 
 int64_t now_ns() {
@@ -266,8 +284,11 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
   const bool fold = q <= kFoldTokens && !row_out, store_in_down = G == 1 && !row_out;
   // Decode tasks narrower than a group write fp32 values; the last part quantizes the group.
   const bool split_groups = fold && gs > cfg_.decode_cols;
-  need[kAccum] = row_out ? 0 : size_t(G) * q * H * 4;
-  need[kRowOut] = row_out ? size_t(G) * R * H * 4 : 0;
+  // Decode also writes each row's down output, in runs of n-blocks per expert (long streams of
+  // one expert's weights), then sums them per token.
+  const bool by_row = row_out || fold;
+  need[kAccum] = by_row ? 0 : size_t(G) * q * H * 4;
+  need[kRowOut] = by_row ? size_t(G) * R * H * 4 : 0;
   need[kHiddenFloat] = split_groups ? R * Ip * 4 : 0;
   st->ws = acquire_workspace(need);
   const Workspace& ws = *st->ws;
@@ -282,8 +303,8 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
     st->hidden_float.push_back(split_groups ? ws.at<float>(kHiddenFloat, R * hf_off * 4)
                                             : nullptr);
     hf_off += ig;
-    st->accum.push_back(row_out ? nullptr : ws.at<float>(kAccum, size_t(g) * q * H * 4));
-    st->row_out.push_back(row_out ? ws.at<float>(kRowOut, size_t(g) * R * H * 4) : nullptr);
+    st->accum.push_back(by_row ? nullptr : ws.at<float>(kAccum, size_t(g) * q * H * 4));
+    st->row_out.push_back(by_row ? ws.at<float>(kRowOut, size_t(g) * R * H * 4) : nullptr);
     h_off += R * ig * elem;
     hg_off += 3 * R * ngh * 4;
   }
@@ -449,6 +470,55 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
         store_row(c, H, t, row);
       }
     }});
+  } else if (fold) {
+    // 4: down of (expert, run of n-blocks) into the rows' outputs: each task streams one run of
+    // one expert's weights.
+    slots.push_back(kDown);
+    const int nbs = H / kBlockN;
+    const int run = down_run_blocks(rt.experts.size(), nbs, pool_.group_size(0));
+    const int per_expert = (nbs + run - 1) / run;
+    st->down_phase = job.size();
+    st->down_per_expert = per_expert;
+    job.push_back({rt.experts.size() * per_expert, [this, st, nbs, run, per_expert, H,
+                                                    kernels_for](size_t task, int g, int) {
+      const Routing& r = st->routing;
+      if (slice(g) == 0 || task >= r.experts.size() * per_expert) return;
+      const size_t a = task / per_expert;
+      const int nb0 = int(task % per_expert) * run, nb1 = std::min(nbs, nb0 + run);
+      const long row0 = r.first_row[a];
+      const PackedMatrix& w = down_[size_t(g) * cfg_.num_experts + r.experts[a]];
+      kernels_for(r.rows[a])
+          .get(cfg_.format)(w, st->hidden[g].view(row0, r.rows[a]), nb0, nb1,
+                            st->row_out[g] + size_t(row0) * H + nb0 * kBlockN, H);
+    }});
+    // 5: per (token, column chunk): each group's rows weighted in expert order, then the groups
+    // summed (the order of the column-block down below: the same floats).
+    slots.push_back(kCombine);
+    const int chunks = (H + kCombineCols - 1) / kCombineCols;
+    job.push_back({split(q * chunks), [this, st, G, H, chunks, ep](size_t task, int g, int) {
+      const int chunk = int(task) * G + g;
+      const MoECall& c = st->call;
+      const Routing& r = st->routing;
+      if (chunk >= c.q * chunks) return;
+      const int t = chunk / chunks, c0 = (chunk % chunks) * kCombineCols;
+      const int width = std::min(kCombineCols, H - c0);
+      float* total = scratch(2 * kCombineCols);
+      float* part = total + kCombineCols;
+      bool first = true;
+      for (int gg = 0; gg < G; ++gg) {
+        if (slice(gg) == 0 && gg > 0) continue;
+        float* acc = first ? total : part;
+        std::fill_n(acc, width, 0.0f);
+        for (size_t a = 0; slice(gg) > 0 && a < r.experts.size(); ++a)
+          for (long row = r.first_row[a]; row < r.first_row[a] + r.rows[a]; ++row)
+            if (r.row_token[row] == t)
+              ep->axpy(r.row_weight[row], st->row_out[gg] + size_t(row) * H + c0, width, acc);
+        if (!first)
+          for (int i = 0; i < width; ++i) total[i] += part[i];
+        first = false;
+      }
+      store_cols(c, H, t, c0, width, total);
+    }});
   } else {
     // 4: down for a block of output columns over every expert, weighted into the group's partial.
     // With one group the block is final: it goes to out here and phase 5 is not needed.
@@ -529,6 +599,7 @@ void MoELayer::bind_job(Job& job, MoECallState& st) const {
   for (int g = 0; g < num_groups(); ++g)
     tasks = std::max(tasks, st.routing.experts.size() * (slice(g) / st.cols));
   job[st.gate_up_phase].num_tasks = tasks;
+  job[st.down_phase].num_tasks = st.routing.experts.size() * st.down_per_expert;
 }
 
 void MoELayer::set_decode_cols(int cols) {
