@@ -256,9 +256,10 @@ def main() -> None:
                 fns["raw_ms"] = raw_cycle(layers, x, routes)
             for width in widths if q <= 4 else []:
                 fns[f"cols{width}_ms"] = with_decode_cols(layers, width, cycle(layers, x, routes))
+            default_cols = layers[0]._layer.decode_cols
             sec_of = timed_alternating(fns, calls, len(layers))
             for moe in layers:
-                moe._layer.set_decode_cols(64)  # the default again
+                moe._layer.set_decode_cols(default_cols)
             sec = sec_of["ms"]
             phase_us, profiled_ms = phases(
                 layers, x, [routing(q, E, K, seed=1000 * q + 500 + r) for r in range(9)])

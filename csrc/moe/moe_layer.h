@@ -26,7 +26,7 @@ struct MoEConfig {
   int amx_min_tokens = 0;  // tokens per expert from which AMX kernels are used
   // Widest gate/up task of a decode call (columns); a wider quantization group is split into
   // parts of this width so the cores get enough tasks. 32, 64 or 128.
-  int decode_cols = 64;
+  int decode_cols = 32;
 };
 
 // Raw pointers of one call; they must stay valid until the call's job is done.

@@ -68,9 +68,10 @@ class ModelRunner:
                 )
         self._check_ids(token_ids)
         starts = [self.lengths[s] for s in slots]
-        ids = torch.tensor(token_ids, device=self.device)[:, None]  # [B, 1]
-        positions = torch.tensor(starts, device=self.device)[:, None]  # [B, 1]
-        kv = KVBatch(torch.tensor(slots, device=self.device), positions, max(starts) + 1)
+        # One host-to-device copy for the step's three index vectors (each copy waits for it).
+        index = torch.tensor([list(token_ids), starts, list(slots)]).to(self.device)  # [3, B]
+        ids, positions = index[0, :, None], index[1, :, None]  # [B, 1] each
+        kv = KVBatch(index[2], positions, max(starts) + 1)
         hidden = self._forward(ids, kv)[:, 0]  # [B, H]
         for slot in slots:
             self.lengths[slot] += 1
