@@ -34,7 +34,7 @@ def mode_args(mode: str, args: argparse.Namespace, out: Path) -> list[str]:
                  "--new-tokens", str(args.new_tokens), "--prefill", args.prefill]
         if fmt == "bf16":
             extra += ["--trace", str(out / f"{args.shape}-trace.json")]
-        else:
+        if fmt != "bf16" or args.no_eager:
             extra += ["--no-eager"]
         return common + extra
     tokens = args.baseline_tokens if mode == "torch-cpu" else args.accelerate_tokens
@@ -124,6 +124,8 @@ def main() -> int:
     parser.add_argument("--baseline-tokens", type=int, default=32)
     parser.add_argument("--accelerate-tokens", type=int, default=4)
     parser.add_argument("--num-layers", type=int, default=0)
+    parser.add_argument("--no-eager", action="store_true",
+                        help="BF16 too: skip eager, host-function and HF-module comparisons")
     parser.add_argument("--timeout", type=int, default=480, help="seconds per mode")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

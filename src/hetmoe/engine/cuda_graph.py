@@ -62,9 +62,9 @@ class HybridConfig:
     cache window)."""
 
     graph_split_layer: int = 4
-    """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond the
-    last layer: one graph): launching a graph costs the CPU about a microsecond per node, and
-    the second, long launch then runs while the GPU already runs the first part."""
+    """Fused decode graphs with the "flags" signal are captured as two, split before this decoder
+    layer (0 or beyond the last layer: one graph): launching a graph costs the CPU about a
+    microsecond per node, and the second, long launch then runs while the GPU runs the first."""
 
     def __post_init__(self) -> None:
         sizes = self.graph_batch_sizes
@@ -195,7 +195,8 @@ class HybridRunner(ModelRunner):
 
         def split(n: int) -> None:
             # Decoder layer n starts the second graph, in the first one's memory pool.
-            if n == 0 or n != self.config.graph_split_layer:
+            # Host functions keep one graph: only the flag signal was checked with split graphs.
+            if n == 0 or n != self.config.graph_split_layer or self.config.signal != "flags":
                 return
             captures[-1].__exit__(None, None, None)
             static.parts.append(torch.cuda.CUDAGraph())
