@@ -74,7 +74,8 @@ struct PackedMatrix {
   size_t total_bytes() const { return blocks_bytes() + 2 * group_floats() * sizeof(float); }
 };
 
-// Allocates the arrays of `m` (fields n, k, group_size, format set) on NUMA node `node`.
+// Allocates the arrays of `m` (fields n, k, group_size, format set) on NUMA node `node`, all in
+// one mapping that free_packed releases.
 void allocate_packed(PackedMatrix& m, int node);
 void free_packed(PackedMatrix& m);
 

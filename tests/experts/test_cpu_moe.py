@@ -182,3 +182,21 @@ def test_fp16_and_fp8_sources() -> None:
            for t, s in ((g8, gs), (u8, us), (d8, ds))]
     oracle = type(layer)(*deq)
     assert rel_error(moe.forward(x, ids, weights), oracle.reference(x, ids, weights)) < 1e-2
+
+
+@pytest.mark.parametrize("weight_format", ["bf16", "int8", "int4"])
+def test_one_mapping_per_packed_matrix(weight_format: str) -> None:
+    """Each expert's gate/up and down take one memory mapping each, scales included: a model of
+    tens of thousands of matrices stays under the kernel's vm.max_map_count (65530)."""
+    e, h, i = 24, 1024, 1024  # matrices of >= 1 MB: their own mappings, not malloc's heap
+    layer = make_experts(e, h, i, seed=7)
+
+    def mappings() -> int:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+
+    moe = CpuMoE(e, h, i, weight_format, threads=2)
+    before = mappings()
+    moe.load(layer.gate, layer.up, layer.down)
+    # Neighbouring mappings with equal flags may merge, so this is an upper bound.
+    assert mappings() - before <= 2 * e
