@@ -1,15 +1,14 @@
-// Finds the CUDA runtime among the loaded objects (dl_iterate_phdr) and binds to it with
-// RTLD_NOLOAD, so nothing is ever loaded and the same runtime instance as torch's is used.
+// Binds to the CUDA runtime the process already loaded (runtime/loaded_library.h), so nothing is
+// ever loaded and the same runtime instance as torch's is used.
 #include "runtime/cuda_host.h"
 
 #include <dlfcn.h>
-#include <link.h>
 
 #include <atomic>
-#include <cstring>
 #include <mutex>
 #include <stdexcept>
-#include <vector>
+
+#include "runtime/loaded_library.h"
 
 namespace hetmoe {
 namespace {
@@ -29,36 +28,21 @@ Runtime& runtime() {
   return rt;
 }
 
-int collect_cudart(dl_phdr_info* info, size_t, void* out) {
-  const char* name = info->dlpi_name;
-  if (name != nullptr && std::strstr(name, "libcudart") != nullptr) {
-    static_cast<std::vector<std::string>*>(out)->push_back(name);
-  }
-  return 0;
-}
-
 LaunchFn resolve() {
   Runtime& rt = runtime();
   if (LaunchFn fn = rt.launch.load(std::memory_order_acquire)) return fn;
   std::lock_guard<std::mutex> lock(rt.mu);
   if (LaunchFn fn = rt.launch.load(std::memory_order_acquire)) return fn;
-  std::vector<std::string> names;
-  dl_iterate_phdr(collect_cudart, &names);
-  for (const std::string& name : names) {
-    // RTLD_NOLOAD: only a library that is already mapped; the reference we take keeps it mapped.
-    void* handle = dlopen(name.c_str(), RTLD_NOW | RTLD_NOLOAD);
-    if (handle == nullptr) continue;
-    void* launch = dlsym(handle, "cudaLaunchHostFunc");
-    if (launch == nullptr) {
-      dlclose(handle);
-      continue;
-    }
-    rt.path = name;
-    rt.error_string.store(reinterpret_cast<ErrorStringFn>(dlsym(handle, "cudaGetErrorString")));
-    rt.launch.store(reinterpret_cast<LaunchFn>(launch), std::memory_order_release);
-    return reinterpret_cast<LaunchFn>(launch);
-  }
-  return nullptr;
+  void* launch = nullptr;
+  const LoadedLibrary lib = find_loaded_library("libcudart", [&](void* handle) {
+    launch = dlsym(handle, "cudaLaunchHostFunc");
+    return launch != nullptr;
+  });
+  if (lib.handle == nullptr) return nullptr;
+  rt.path = lib.path;
+  rt.error_string.store(reinterpret_cast<ErrorStringFn>(dlsym(lib.handle, "cudaGetErrorString")));
+  rt.launch.store(reinterpret_cast<LaunchFn>(launch), std::memory_order_release);
+  return reinterpret_cast<LaunchFn>(launch);
 }
 
 }  // namespace

@@ -2,14 +2,12 @@
 #include "runtime/stream_flags.h"
 
 #include <dlfcn.h>
-#include <link.h>
 
 #include <chrono>
-#include <cstring>
 #include <mutex>
 #include <stdexcept>
-#include <vector>
 
+#include "runtime/loaded_library.h"
 #include "runtime/spin.h"
 
 namespace hetmoe {
@@ -35,14 +33,6 @@ Driver& driver() {
   return d;
 }
 
-int collect_libcuda(dl_phdr_info* info, size_t, void* out) {
-  const char* name = info->dlpi_name;
-  if (name != nullptr && std::strstr(name, "libcuda.so") != nullptr) {
-    static_cast<std::vector<std::string>*>(out)->push_back(name);
-  }
-  return 0;
-}
-
 void* symbol(void* handle, const char* versioned, const char* plain) {
   void* fn = dlsym(handle, versioned);
   return fn != nullptr ? fn : dlsym(handle, plain);
@@ -53,26 +43,19 @@ const Driver* resolve() {
   if (d.ready.load(std::memory_order_acquire)) return &d;
   std::lock_guard<std::mutex> lock(d.mu);
   if (d.ready.load(std::memory_order_acquire)) return &d;
-  std::vector<std::string> names;
-  dl_iterate_phdr(collect_libcuda, &names);
-  for (const std::string& name : names) {
-    // RTLD_NOLOAD: only a library already mapped (by the CUDA runtime torch loaded).
-    void* handle = dlopen(name.c_str(), RTLD_NOW | RTLD_NOLOAD);
-    if (handle == nullptr) continue;
-    void* write = symbol(handle, "cuStreamWriteValue32_v2", "cuStreamWriteValue32");
-    void* wait = symbol(handle, "cuStreamWaitValue32_v2", "cuStreamWaitValue32");
-    if (write == nullptr || wait == nullptr) {
-      dlclose(handle);
-      continue;
-    }
-    d.write = reinterpret_cast<MemopFn>(write);
-    d.wait = reinterpret_cast<MemopFn>(wait);
-    d.error_string = reinterpret_cast<ErrorStringFn>(dlsym(handle, "cuGetErrorString"));
-    d.path = name;
-    d.ready.store(true, std::memory_order_release);
-    return &d;
-  }
-  return nullptr;
+  void *write = nullptr, *wait = nullptr;
+  const LoadedLibrary lib = find_loaded_library("libcuda.so", [&](void* handle) {
+    write = symbol(handle, "cuStreamWriteValue32_v2", "cuStreamWriteValue32");
+    wait = symbol(handle, "cuStreamWaitValue32_v2", "cuStreamWaitValue32");
+    return write != nullptr && wait != nullptr;
+  });
+  if (lib.handle == nullptr) return nullptr;
+  d.write = reinterpret_cast<MemopFn>(write);
+  d.wait = reinterpret_cast<MemopFn>(wait);
+  d.error_string = reinterpret_cast<ErrorStringFn>(dlsym(lib.handle, "cuGetErrorString"));
+  d.path = lib.path;
+  d.ready.store(true, std::memory_order_release);
+  return &d;
 }
 
 const Driver& need_driver() {
