@@ -1,4 +1,6 @@
 // The one place that knows Python. Everything else in csrc/ takes raw pointers and sizes.
+#include <dlfcn.h>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/map.h>
@@ -11,6 +13,7 @@
 #include "moe/moe_layer.h"
 #include "moe/stream_read.h"
 #include "runtime/cuda_host.h"
+#include "runtime/loaded_library.h"
 #include "runtime/pool_probe.h"
 #include "runtime/stream_flags.h"
 
@@ -187,6 +190,13 @@ NB_MODULE(_cpu, m) {
         "True when the loaded CUDA driver provides cuStreamWriteValue32 / cuStreamWaitValue32.");
   m.def("cuda_driver_path", &hetmoe::cuda_driver_path,
         "The loaded CUDA driver library used for stream memory operations ('' when none).");
+  m.def("loaded_library_path", [](const std::string& name_part, const std::string& symbol) {
+    return hetmoe::find_loaded_library(name_part.c_str(), [&](void* handle) {
+      return dlsym(handle, symbol.c_str()) != nullptr;
+    }).path;
+  }, nb::arg("name_part"), nb::arg("symbol"),
+     "Path of an already-loaded library whose path contains name_part and that exports symbol "
+     "('' when none): the lookup the CUDA bindings use.");
   nb::class_<StreamFlags>(m, "StreamFlags",
                           "Ready/done words in pinned memory between a GPU stream and CPU jobs "
                           "(see runtime/stream_flags.h).")

@@ -168,3 +168,12 @@ def test_flag_job_needs_bound_buffers() -> None:
 def test_signal_is_checked() -> None:
     with pytest.raises(ValueError, match="signal must be one of flags, host_functions, got 'x'"):
         HybridConfig(signal="x")  # type: ignore[arg-type]
+
+
+def test_loaded_library_lookup_binds_only_what_is_loaded() -> None:
+    """The lookup behind the CUDA bindings: an already-loaded library exporting the symbol is
+    found (libc with malloc); a missing symbol or library gives ''."""
+    path = _cpu.loaded_library_path("libc.so", "malloc")
+    assert "libc.so" in path
+    assert _cpu.loaded_library_path("libc.so", "hetmoe_no_such_symbol") == ""
+    assert _cpu.loaded_library_path("libhetmoe-not-loaded", "malloc") == ""
