@@ -3,9 +3,11 @@
 Each decode batch size in `HybridConfig.graph_batch_sizes` and attention window bucket gets one CUDA
 graph of the forward pass (embedding to final norm), captured at its first use; the CPU experts'
 start and wait enter it as stream memory operations on ready/done words (or host nodes), reading and
-writing fixed pinned buffers (engine/host_link.py). The CPU jobs a step starts are recorded at
-capture and queued in the pool right after each replay's launch (while the GPU runs the embedding
-and first layer), where each waits for its ready word. A batch is padded to the next captured size
+writing fixed pinned buffers (engine/host_link.py). A fused step with the flag signal is captured
+in two parts, split before decoder layer `graph_split_layer`: a launch costs the CPU about a
+microsecond per node, and the GPU runs the first part while the CPU launches the second. The CPU
+jobs a step starts are recorded at capture and queued in the pool between the two launches, where
+each waits for its ready word. A batch is padded to the next captured size
 by repeating its first row (same token, slot and position: the cache write is the same, the extra
 outputs are dropped). Graphs need a static shape, and attention should cost what the cache holds: a
 step attends over the first W cache entries (masked causally), W = the window bucket of the batch's
@@ -160,8 +162,8 @@ class HybridRunner(ModelRunner):
         graph.slots.copy_(slots)
         for link in self.overlap.host:
             link.bind(size)  # another size may have been bound since this graph's capture
-        # The launch returns at once; the jobs are queued while the GPU runs the embedding and
-        # the first layer (a job whose ready word is already set starts at once).
+        # The first part's short launch starts the GPU; the jobs are queued and the long launch
+        # of the rest made while it runs (a job whose ready word is already set starts at once).
         graph.parts[0].replay()
         self.overlap.submit_recorded(graph.jobs)
         for part in graph.parts[1:]:
