@@ -73,11 +73,11 @@ class MoELayer {
   // phase_us() gives the durations of the latest profiled call (after it is waited for).
   void set_profile(bool on) { profile_ = on; }
   std::vector<double> phase_us() const;
-  // Every profiled call since the last take_timeline(), oldest first, as steady-clock ns:
-  // [start, built, done, then first-task start and last-task end of each phase slot (convert,
-  // gather, gate/up, down, combine; 0 when the call had no such phase)]. start: the ready word
-  // seen (flagged calls) or submit(); built: the job made; done: the done word set (flagged) or
-  // the last task's end. Call it while no job of this layer runs.
+  // The profiled calls since the last take_timeline() (the first 4096), oldest first, in
+  // steady-clock ns: [start, built, done, then first-task start and last-task end of each phase
+  // slot (convert, gather, gate/up, down, combine; 0 when the call had no such phase)].
+  // start: the ready word seen (flagged calls) or submit(); built: the job made; done: the done
+  // word set (flagged) or the last task's end. Call it while no job of this layer runs.
   std::vector<std::vector<int64_t>> take_timeline();
   int num_groups() const { return int(slice_begin_.size()) - 1; }
   int slice_begin(int g) const { return slice_begin_[g]; }
