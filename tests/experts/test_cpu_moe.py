@@ -145,6 +145,28 @@ def test_profile_and_read_bandwidth() -> None:
     assert _cpu.read_bandwidth(16 << 20, 2) > 1e8  # bytes/s: any machine reads > 0.1 GB/s
 
 
+def test_timeline_orders_each_profiled_call() -> None:
+    """take_timeline: one row per profiled call (decode: gate/up, down, combine; prefill: every
+    phase), times in order start <= built <= each phase's first start <= its last end <= done,
+    and taking clears it."""
+    layer = make_experts(3, 64, 64, seed=52)
+    moe = CpuMoE(3, 64, 64, "bf16")
+    moe.load(layer.gate, layer.up, layer.down)
+    moe.forward(torch.randn(1, 64), torch.tensor([[0, 2]]), torch.rand(1, 2))  # not profiled
+    moe._layer.set_profile(True)
+    for q in (1, 100):  # 100 tokens x 2 slots on 3 experts: >= 32 rows each, all 5 phases
+        moe.forward(torch.randn(q, 64), torch.randint(0, 3, (q, 2)), torch.rand(q, 2))
+    rows = moe._layer.take_timeline()
+    assert len(rows) == 2 and all(len(r) == 3 + 2 * 5 for r in rows)
+    for row, ran in zip(rows, ([2, 3, 4], [0, 1, 2, 3, 4]), strict=True):
+        start, built, done = row[:3]
+        spans = [(row[3 + 2 * i], row[4 + 2 * i]) for i in range(5)]
+        assert [i for i, (first, _) in enumerate(spans) if first] == ran
+        assert start <= built <= min(spans[i][0] for i in ran)
+        assert all(first <= last <= done for first, last in (spans[i] for i in ran))
+    assert moe._layer.take_timeline() == []
+
+
 def test_isas_agree_closely() -> None:
     """Every ISA computes the same packed function: int8 results agree far below the bound."""
     layer = make_experts(5, 128, 96, seed=3)
