@@ -8,11 +8,13 @@
 // Phases 3 and 4 run in every NUMA group over its own intermediate slice; the others split their
 // tasks across groups.
 // Decode (q <= kFoldTokens) folds 1 and 2 into 3: the q tokens are converted when the job is
-// made, an expert with one row reads its token's row in place, and the first gate/up task of an
-// expert with more rows gathers them while the expert's other tasks wait for it. With one NUMA
-// group, 4 writes its output columns itself and 5 is dropped: a q=1 call is 2 phases (2
-// barriers). Padding rows (to 16 per expert) are written only for experts whose kernels are AMX
-// tiles, the only ones that read them.
+// made (a flag-gated job: when its ready word is seen, the rest of the job made before it), an
+// expert with one row reads its token's row in place, and the first gate/up task of an expert
+// with more rows gathers them while the expert's other tasks wait for it. Its 4 runs as (expert,
+// run of n-blocks) tasks, each streaming one run of one expert's weights into the rows' outputs,
+// and 5 sums them per (token, column chunk) in expert order: a q=1 call is 3 phases. Padding rows
+// (to 16 per expert) are written only for experts whose kernels are AMX tiles, the only ones
+// that read them.
 // Otherwise (prefill), the rows and hidden activations of experts on AMX tiles are written in tile
 // order (act_store.h) by the gather and the gate/up epilogue, and every AMX task reads its A tiles
 // in place instead of copying its expert's rows again.
