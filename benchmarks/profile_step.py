@@ -10,7 +10,8 @@ profiling. Per decode step (median over steps), in milliseconds:
   (GPU work the CPU waits for, and the hand-off both ways);
 - build: making the job after the ready word (routing, workspace, token conversion);
 - start: job made -> its first task started (the pool's barrier);
-- gate/up, down: first task start -> last task end of each phase; between: the barrier;
+- gate/up, down: first task start -> last task end of each phase; between: the rest of the
+  phases (barriers, the combine phase);
 - finish: last task end -> done word set;
 - head: step start -> the first job's ready word seen; tail: the last done word -> step end.
 The "alone" row gives the same stages for the standalone calls (start = submit()).
