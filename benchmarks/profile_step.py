@@ -8,7 +8,7 @@ profiling. Per decode step (median over steps), in milliseconds:
 
 - step: wall time of the step; busy: the CPU jobs from ready seen to done set; idle: the rest
   (GPU work the CPU waits for, and the hand-off both ways);
-- build: making the job after the ready word (routing, workspace, token conversion);
+- build: what of the job is made after the ready word (decode: routing and token conversion);
 - start: job made -> its first task started (the pool's barrier);
 - gate/up, down: first task start -> last task end of each phase; between: the rest of the
   phases (barriers, the combine phase);
