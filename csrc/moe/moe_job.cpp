@@ -55,8 +55,9 @@ struct MoECallState {
   // Decode: the converted tokens, owned by the call (they are written when the job is made,
   // while earlier jobs may still be using the shared workspace).
   std::unique_ptr<uint8_t, decltype(&std::free)> token_buf{nullptr, &std::free};
-  // Decode with groups wider than MoEConfig::decode_cols: per NUMA group [rows][Ig] fp32 hidden values,
-  // and per (NUMA group, active expert, hidden group) the tasks that have written their part.
+  // Decode with groups wider than MoEConfig::decode_cols: per NUMA group [rows][Ig] fp32 hidden
+  // values, and per (NUMA group, active expert, hidden group) the tasks that have written their
+  // part.
   std::vector<float*> hidden_float;
   std::unique_ptr<std::atomic<int>[]> parts_done;
   // A planned job (see MoELayer::make_job): its gate/up phase and columns per task.
@@ -438,89 +439,80 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
     // The down kernel for m rows is the same family: only AMX reads the padding rows.
     for (int t = m; pad && t < mp; ++t) st->hidden[g].zero(row0 + t, col0, cols, gs, tiled);
   }});
-  if (row_out) {
-    // 4: down of (expert, 256 output columns) straight into the rows' outputs.
+  if (by_row) {
+    // 4: down of (expert, run of n-blocks) straight into the rows' outputs: each task streams one
+    // run of one expert's weights. Prefill runs are 16 n-blocks (256 outputs); decode runs are as
+    // long as leaves the phase's last round of tasks little idle (down_run_blocks).
     slots.push_back(kDown);
-    const int nbs = H / kBlockN, per_expert = (nbs + kRowOutBlocks - 1) / kRowOutBlocks;
-    job.push_back({rt.experts.size() * per_expert, [this, st, nbs, per_expert, H, kernels_for,
-                                                    tiled_for](size_t task, int g, int) {
-      if (slice(g) == 0) return;
+    const int nbs = H / kBlockN;
+    const int run = fold ? down_run_blocks(rt.experts.size(), nbs, pool_.group_size(0))
+                         : kRowOutBlocks;
+    const int per_expert = (nbs + run - 1) / run;
+    st->down_phase = job.size();
+    st->down_per_expert = per_expert;
+    job.push_back({rt.experts.size() * per_expert, [this, st, nbs, run, per_expert, H,
+                                                    kernels_for, tiled_for](size_t task, int g,
+                                                                            int) {
       const Routing& r = st->routing;
+      // A planned decode job has tasks for fewer experts once bound (bind_job).
+      if (slice(g) == 0 || task >= r.experts.size() * per_expert) return;
       const size_t a = task / per_expert;
-      const int nb0 = int(task % per_expert) * kRowOutBlocks;
-      const int nb1 = std::min(nbs, nb0 + kRowOutBlocks), m = r.rows[a];
+      const int nb0 = int(task % per_expert) * run, nb1 = std::min(nbs, nb0 + run);
+      const int m = r.rows[a];
       const long row0 = r.first_row[a];
       const PackedMatrix& w = down_[size_t(g) * cfg_.num_experts + r.experts[a]];
       kernels_for(m).get(cfg_.format)(w, st->hidden[g].view(row0, m, tiled_for(m)), nb0, nb1,
                                       st->row_out[g] + size_t(row0) * H + nb0 * kBlockN, H);
     }});
-    // 5: each token's weighted rows over the NUMA groups, written once in the output dtype.
-    slots.push_back(kCombine);
-    job.push_back({split(token_tasks), [this, st, G, H](size_t task, int g, int) {
-      const int chunk = int(task) * G + g;
-      const MoECall& c = st->call;
-      const Routing& r = st->routing;
-      float* row = scratch(H);
-      for (int t = chunk * kTokensPerTask; t < std::min(c.q, (chunk + 1) * kTokensPerTask); ++t) {
-        std::fill_n(row, H, 0.0f);
-        for (int j = 0; j < c.k; ++j) {
-          const long src = r.slot_row[size_t(t) * c.k + j];
-          for (int gg = 0; gg < G && src >= 0; ++gg)
-            if (slice(gg) > 0)
-              add_scaled(r.row_weight[src], st->row_out[gg] + size_t(src) * H, H, row);
+    if (fold) {
+      // 5: per (token, column chunk): each group's rows weighted in expert order, then the groups
+      // summed (the order of the column-block down below: the same floats).
+      slots.push_back(kCombine);
+      const int chunks = (H + kCombineCols - 1) / kCombineCols;
+      job.push_back({split(q * chunks), [this, st, G, H, chunks, ep](size_t task, int g, int) {
+        const int chunk = int(task) * G + g;
+        const MoECall& c = st->call;
+        const Routing& r = st->routing;
+        if (chunk >= c.q * chunks) return;
+        const int t = chunk / chunks, c0 = (chunk % chunks) * kCombineCols;
+        const int width = std::min(kCombineCols, H - c0);
+        float* total = scratch(2 * kCombineCols);
+        float* part = total + kCombineCols;
+        bool first = true;
+        for (int gg = 0; gg < G; ++gg) {
+          if (slice(gg) == 0 && gg > 0) continue;
+          float* acc = first ? total : part;
+          std::fill_n(acc, width, 0.0f);
+          for (size_t a = 0; slice(gg) > 0 && a < r.experts.size(); ++a)
+            for (long row = r.first_row[a]; row < r.first_row[a] + r.rows[a]; ++row)
+              if (r.row_token[row] == t)
+                ep->axpy(r.row_weight[row], st->row_out[gg] + size_t(row) * H + c0, width, acc);
+          if (!first)
+            for (int i = 0; i < width; ++i) total[i] += part[i];
+          first = false;
         }
-        store_row(c, H, t, row);
-      }
-    }});
-  } else if (fold) {
-    // 4: down of (expert, run of n-blocks) into the rows' outputs: each task streams one run of
-    // one expert's weights.
-    slots.push_back(kDown);
-    const int nbs = H / kBlockN;
-    const int run = down_run_blocks(rt.experts.size(), nbs, pool_.group_size(0));
-    const int per_expert = (nbs + run - 1) / run;
-    st->down_phase = job.size();
-    st->down_per_expert = per_expert;
-    job.push_back({rt.experts.size() * per_expert, [this, st, nbs, run, per_expert, H,
-                                                    kernels_for](size_t task, int g, int) {
-      const Routing& r = st->routing;
-      if (slice(g) == 0 || task >= r.experts.size() * per_expert) return;
-      const size_t a = task / per_expert;
-      const int nb0 = int(task % per_expert) * run, nb1 = std::min(nbs, nb0 + run);
-      const long row0 = r.first_row[a];
-      const PackedMatrix& w = down_[size_t(g) * cfg_.num_experts + r.experts[a]];
-      kernels_for(r.rows[a])
-          .get(cfg_.format)(w, st->hidden[g].view(row0, r.rows[a]), nb0, nb1,
-                            st->row_out[g] + size_t(row0) * H + nb0 * kBlockN, H);
-    }});
-    // 5: per (token, column chunk): each group's rows weighted in expert order, then the groups
-    // summed (the order of the column-block down below: the same floats).
-    slots.push_back(kCombine);
-    const int chunks = (H + kCombineCols - 1) / kCombineCols;
-    job.push_back({split(q * chunks), [this, st, G, H, chunks, ep](size_t task, int g, int) {
-      const int chunk = int(task) * G + g;
-      const MoECall& c = st->call;
-      const Routing& r = st->routing;
-      if (chunk >= c.q * chunks) return;
-      const int t = chunk / chunks, c0 = (chunk % chunks) * kCombineCols;
-      const int width = std::min(kCombineCols, H - c0);
-      float* total = scratch(2 * kCombineCols);
-      float* part = total + kCombineCols;
-      bool first = true;
-      for (int gg = 0; gg < G; ++gg) {
-        if (slice(gg) == 0 && gg > 0) continue;
-        float* acc = first ? total : part;
-        std::fill_n(acc, width, 0.0f);
-        for (size_t a = 0; slice(gg) > 0 && a < r.experts.size(); ++a)
-          for (long row = r.first_row[a]; row < r.first_row[a] + r.rows[a]; ++row)
-            if (r.row_token[row] == t)
-              ep->axpy(r.row_weight[row], st->row_out[gg] + size_t(row) * H + c0, width, acc);
-        if (!first)
-          for (int i = 0; i < width; ++i) total[i] += part[i];
-        first = false;
-      }
-      store_cols(c, H, t, c0, width, total);
-    }});
+        store_cols(c, H, t, c0, width, total);
+      }});
+    } else {
+      // 5: each token's weighted rows over the NUMA groups, written once in the output dtype.
+      slots.push_back(kCombine);
+      job.push_back({split(token_tasks), [this, st, G, H](size_t task, int g, int) {
+        const int chunk = int(task) * G + g;
+        const MoECall& c = st->call;
+        const Routing& r = st->routing;
+        float* row = scratch(H);
+        for (int t = chunk * kTokensPerTask; t < std::min(c.q, (chunk + 1) * kTokensPerTask); ++t) {
+          std::fill_n(row, H, 0.0f);
+          for (int j = 0; j < c.k; ++j) {
+            const long src = r.slot_row[size_t(t) * c.k + j];
+            for (int gg = 0; gg < G && src >= 0; ++gg)
+              if (slice(gg) > 0)
+                add_scaled(r.row_weight[src], st->row_out[gg] + size_t(src) * H, H, row);
+          }
+          store_row(c, H, t, row);
+        }
+      }});
+    }
   } else {
     // 4: down for a block of output columns over every expert, weighted into the group's partial.
     // With one group the block is final: it goes to out here and phase 5 is not needed.
