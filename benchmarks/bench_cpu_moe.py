@@ -73,10 +73,10 @@ def raw_cycle(layers: list[CpuMoE], x: torch.Tensor,
 
 
 def with_decode_cols(layers: list[CpuMoE], width: int, fn):
-    """`fn` with every layer's decode gate/up task width set to `width` first."""
+    """`fn` (call i runs layer i % len(layers)) with that layer's decode gate/up task width set
+    to `width` first: one setting per timed call."""
     def run(i: int) -> None:
-        for moe in layers:
-            moe._layer.set_decode_cols(width)
+        layers[i % len(layers)]._layer.set_decode_cols(width)
         fn(i)
     return run
 
@@ -254,9 +254,12 @@ def main() -> None:
             fns = {"ms": cycle(layers, x, routes)}
             if q <= 8:  # the pool + kernels alone, without the Python argument checks
                 fns["raw_ms"] = raw_cycle(layers, x, routes)
-            for width in widths if q <= 4 else []:
-                fns[f"cols{width}_ms"] = with_decode_cols(layers, width, cycle(layers, x, routes))
             default_cols = layers[0]._layer.decode_cols
+            if q <= 4 and widths:  # every variant sets its width: the default ones too
+                fns = {name: with_decode_cols(layers, default_cols, fn) for name, fn in fns.items()}
+                for width in widths:
+                    fns[f"cols{width}_ms"] = with_decode_cols(layers, width,
+                                                              cycle(layers, x, routes))
             sec_of = timed_alternating(fns, calls, len(layers))
             for moe in layers:
                 moe._layer.set_decode_cols(default_cols)

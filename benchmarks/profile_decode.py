@@ -28,7 +28,7 @@ import torch
 
 from hetmoe.bench import measure
 from hetmoe.bench.random_model import build_random_model
-from hetmoe.bench.shapes import shape_config
+from hetmoe.bench.shapes import add_shape_arguments, shape_config
 from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
 from hetmoe.engine.overlap import cpu_moe_of
 
@@ -149,10 +149,7 @@ def measure_path(path: str, model: Any, prompt: list[int], window: int, deferred
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="qwen3-30b-a3b")
-    parser.add_argument("--weight-format", default="bf16")
-    parser.add_argument("--num-layers", type=int)
-    parser.add_argument("--deferred", default="0,3")
+    add_shape_arguments(parser)
     parser.add_argument("--paths", default="module,fused")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--json", type=Path)

@@ -34,7 +34,7 @@ import torch
 
 from hetmoe import _cpu
 from hetmoe.bench.random_model import build_random_model
-from hetmoe.bench.shapes import shape_config
+from hetmoe.bench.shapes import add_shape_arguments, shape_config
 from hetmoe.engine.cuda_graph import HybridRunner
 from hetmoe.engine.overlap import cpu_moe_of
 from hetmoe.machine import huge_page_bytes
@@ -187,10 +187,7 @@ def alone(moes: list[Any], top_k: int, repeats: int) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="qwen3-30b-a3b")
-    parser.add_argument("--weight-format", default="bf16")
-    parser.add_argument("--num-layers", type=int)
-    parser.add_argument("--deferred", default="0,3")
+    add_shape_arguments(parser)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

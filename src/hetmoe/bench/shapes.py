@@ -6,6 +6,7 @@ rope scaling is plain, since positions do not change the speed.
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -54,3 +55,12 @@ def shape_config(name: str, num_layers: int | None = None) -> Any:
     if num_layers is not None:
         fields = {**fields, "num_hidden_layers": num_layers}
     return AutoConfig.for_model(model_type, **fields)
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a profiling script's random-weight model: --shape, --weight-format of the
+    routed experts, --num-layers (default: the shape's), --deferred (comma-separated values)."""
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    parser.add_argument("--weight-format", default="bf16")
+    parser.add_argument("--num-layers", type=int)
+    parser.add_argument("--deferred", default="0,3")
