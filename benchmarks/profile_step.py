@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from hetmoe import _cpu
+from hetmoe.bench import measure
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import add_shape_arguments, shape_config
 from hetmoe.engine.cuda_graph import HybridRunner
@@ -164,16 +165,8 @@ def alone(moes: list[Any], top_k: int, repeats: int) -> dict[str, Any]:
         moe._layer.take_timeline()
     step_s = []
     for r in range(repeats + 2):
-        calls = []
-        for moe in moes:
-            ids = torch.randperm(moe.num_experts, generator=g)[:top_k][None]
-            w = torch.rand(1, top_k, generator=g)
-            calls.append((moe, torch.randn(1, moe.hidden, generator=g).bfloat16(), ids,
-                          w / w.sum()))
-        start = time.perf_counter()
-        for moe, x, ids, w in calls:
-            moe.forward(x, ids, w)
-        step_s.append(time.perf_counter() - start)
+        step_s.append(measure.cpu_experts_pass_s([(moe, top_k) for moe in moes], g,
+                                                 torch.bfloat16))
         if r < 2:
             for moe in moes:
                 moe._layer.take_timeline()

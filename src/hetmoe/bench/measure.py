@@ -11,6 +11,7 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -163,17 +164,21 @@ def cpu_experts_ms(model: nn.Module, repeats: int = 10) -> float:
     layers = [(cpu_moe_of(m.experts), m.gate.config.top_k) for m in moe_layers(model)]
     generator = torch.Generator().manual_seed(1)
     dtype = moe_layers(model)[0].gate.weight.dtype
-    times = []
-    for r in range(repeats + 2):
-        calls = []
-        for moe, k in layers:
-            x = torch.randn(1, moe.hidden, generator=generator).to(dtype)  # [1, H]
-            ids = torch.randperm(moe.num_experts, generator=generator)[:k][None]  # [1, K]
-            weights = torch.rand(1, k, generator=generator)  # [1, K]
-            calls.append((moe, x, ids, weights / weights.sum()))
-        start = time.perf_counter()
-        for moe, x, ids, weights in calls:
-            moe.forward(x, ids, weights)
-        if r >= 2:  # two warm-up passes
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    times = [cpu_experts_pass_s(layers, generator, dtype) for _ in range(repeats + 2)]
+    return statistics.median(times[2:]) * 1e3  # after two warm-up passes
+
+
+def cpu_experts_pass_s(layers: list[tuple[Any, int]], generator: torch.Generator,
+                       dtype: torch.dtype) -> float:
+    """Seconds of one token through every (CpuMoE, top-k) of `layers` in turn, each on k distinct
+    random experts (inputs drawn before the clock starts)."""
+    calls = []
+    for moe, k in layers:
+        x = torch.randn(1, moe.hidden, generator=generator).to(dtype)  # [1, H]
+        ids = torch.randperm(moe.num_experts, generator=generator)[:k][None]  # [1, K]
+        weights = torch.rand(1, k, generator=generator)  # [1, K]
+        calls.append((moe, x, ids, weights / weights.sum()))
+    start = time.perf_counter()
+    for moe, x, ids, weights in calls:
+        moe.forward(x, ids, weights)
+    return time.perf_counter() - start
