@@ -39,17 +39,17 @@ class Queue:
     """Records flag jobs at capture; submits them before each replay; waits them after."""
 
     def __init__(self) -> None:
-        self.recorded: list[HostLink] = []
+        self.recorded: list[tuple[HostLink, int]] = []
         self.handles: list[tuple[HostLink, int]] = []
 
-    def __call__(self, link: HostLink) -> None:
+    def __call__(self, link: HostLink, deferred: int) -> None:
         if torch.cuda.is_current_stream_capturing():
-            self.recorded.append(link)
+            self.recorded.append((link, deferred))
         else:
-            self.handles.append((link, link.submit()))
+            self.handles.append((link, link.submit(deferred)))
 
     def submit(self) -> None:
-        self.handles = [(link, link.submit()) for link in self.recorded]
+        self.handles = [(link, link.submit(d)) for link, d in self.recorded]
 
     def wait(self) -> None:
         for link, handle in self.handles:

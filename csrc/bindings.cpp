@@ -312,9 +312,13 @@ NB_MODULE(_cpu, m) {
         l.host_job().launch_wait(reinterpret_cast<void*>(stream));
       }, nb::arg("stream"))
       .def("take_host_error", [](MoELayer& l) { return l.host_job().take_error(); })
-      .def("submit_flagged", [](MoELayer& l, hetmoe::StreamFlags& flags) {
-        return l.submit_flagged(flags);
-      }, nb::arg("flags"), "Queue the host call, started/awaited through StreamFlags.")
+      .def("submit_flagged", [](MoELayer& l, hetmoe::StreamFlags& flags, int deferred,
+                                hetmoe::StreamFlags* late_flags, uintptr_t late_out) {
+        return l.submit_flagged(flags, deferred, late_flags, reinterpret_cast<void*>(late_out));
+      }, nb::arg("flags"), nb::arg("deferred") = 0, nb::arg("late_flags").none() = nb::none(),
+         nb::arg("late_out") = 0,
+         "Queue the host call, started/awaited through StreamFlags; with deferred > 0 the last "
+         "`deferred` slots follow in the same job, into late_out, done on late_flags.")
       .def_prop_ro("num_groups", &MoELayer::num_groups)
       .def_prop_ro("isa", [](MoELayer& l) {
         return std::string(hetmoe::isa_name(l.config().max_isa));

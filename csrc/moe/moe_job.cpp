@@ -219,31 +219,79 @@ std::vector<std::vector<int64_t>> MoELayer::take_timeline() {
   return rows;
 }
 
-JobHandle MoELayer::submit_flagged(StreamFlags& flags) {
+JobHandle MoELayer::submit_flagged(StreamFlags& flags, int deferred, StreamFlags* late_flags,
+                                   void* late_out) {
+  // The job's parts, in order: the immediate slots, then (with deferral) the deferred ones.
+  std::vector<MoECall> parts{host_call_};
+  std::vector<StreamFlags*> done{&flags};
+  if (deferred != 0) {
+    const MoECall& c = host_call_;
+    if (deferred < 0 || deferred >= c.k)
+      throw std::invalid_argument("submit_flagged: deferred must be in [0, k = " +
+                                  std::to_string(c.k) + "), got " + std::to_string(deferred));
+    if (late_flags == nullptr || late_out == nullptr)
+      throw std::invalid_argument("submit_flagged: deferred experts need late_flags and late_out");
+    parts[0].end_slot = c.k - deferred;
+    parts.push_back(c);
+    parts[1].first_slot = c.k - deferred;
+    parts[1].out = late_out;
+    done.push_back(late_flags);
+  }
+  auto signalled = std::make_shared<std::atomic<size_t>>(0);  // parts whose done word is set
+  auto clocks = std::make_shared<std::vector<std::shared_ptr<PhaseClock>>>();  // when profiling
   return pool_.submit_built(
-      [this, call = host_call_, &flags] {
+      [this, parts, done, signalled, clocks, &flags] {
         // A decode call is made while the GPU still computes its inputs; only the routing and
         // the token conversion wait for the ready word.
-        std::shared_ptr<MoECallState> planned;
-        Job job;
+        const size_t n = parts.size();
+        std::vector<std::shared_ptr<MoECallState>> planned(n);
+        std::vector<Job> jobs(n);
         std::exception_ptr failed;  // reported once the ready word is consumed (kept in step)
         try {
-          if (call.q <= kFoldTokens) job = make_job(call, &planned);
+          for (size_t p = 0; p < n && parts[p].q <= kFoldTokens; ++p) {
+            jobs[p] = make_job(parts[p], &planned[p]);
+            if (profile_) clocks->push_back(last_clock_);
+          }
         } catch (...) {
           failed = std::current_exception();
         }
         if (!flags.wait_ready()) return Job{};
         if (failed) std::rethrow_exception(failed);
         const int64_t ready = profile_ ? now_ns() : 0;
-        if (planned) bind_job(job, *planned);
-        else job = make_job(call);
-        if (profile_) last_clock_->start = ready, last_clock_->built = now_ns();
+        for (size_t p = 0; p < n; ++p) {
+          if (planned[p]) {
+            bind_job(jobs[p], *planned[p]);
+          } else {
+            jobs[p] = make_job(parts[p]);
+            if (profile_) clocks->push_back(last_clock_);
+          }
+        }
+        if (profile_) clocks->front()->start = ready, clocks->front()->built = now_ns();
+        Job job = std::move(jobs[0]);
+        if (n > 1) {
+          // The immediate part's done word, then straight on to the deferred part.
+          job.push_back({1, [this, done, signalled, clocks](size_t, int g, int) {
+            if (g != 0) return;
+            if (profile_) {
+              const int64_t t = now_ns();
+              (*clocks)[0]->done = t;
+              (*clocks)[1]->start = (*clocks)[1]->built = t;
+            }
+            done[0]->signal_done();
+            signalled->store(1, std::memory_order_release);
+          }});
+          for (Phase& phase : jobs[1]) job.push_back(std::move(phase));
+        }
         return job;
       },
-      // Runs before any later job of the pool starts: last_clock_ is still this call's.
-      [this, &flags] {
-        if (profile_ && last_clock_) last_clock_->done = now_ns();
-        flags.signal_done();
+      // Runs before any later job of the pool starts, also after a failure: every done word not
+      // set yet is set, so the stream never waits for a part that will not run.
+      [this, done, signalled, clocks] {
+        const int64_t t = profile_ ? now_ns() : 0;
+        for (size_t p = signalled->load(std::memory_order_acquire); p < done.size(); ++p) {
+          if (p < clocks->size()) (*clocks)[p]->done = t;
+          done[p]->signal_done();
+        }
       });
 }
 
@@ -262,13 +310,14 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
   if (planned) {
     // The ids are not written yet: size the job for the most experts a decode call can reach,
     // each padded to 16 rows; bind_job routes it once they are.
-    const int most = std::min(call.q * call.k, cfg_.num_experts);
+    const int slots = (call.end_slot < 0 ? call.k : call.end_slot) - call.first_slot;
+    const int most = std::min(call.q * slots, cfg_.num_experts);
     st->routing.experts.assign(most, 0);
     st->routing.total_rows = 16L * most;
     st->routing.max_rows = call.q;
   } else {
-    st->routing =
-        route(call.ids, call.weights, call.q, call.k, cfg_.num_experts, gpu_mask_, loaded_);
+    st->routing = route(call.ids, call.weights, call.q, call.k, cfg_.num_experts, gpu_mask_,
+                        loaded_, call.first_slot, call.end_slot);
   }
   const Routing& rt = st->routing;
   const int G = num_groups(), H = cfg_.hidden, Hp = hidden_padded_, q = call.q;
@@ -585,7 +634,8 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
 
 void MoELayer::bind_job(Job& job, MoECallState& st) const {
   const MoECall& c = st.call;
-  st.routing = route(c.ids, c.weights, c.q, c.k, cfg_.num_experts, gpu_mask_, loaded_);
+  st.routing = route(c.ids, c.weights, c.q, c.k, cfg_.num_experts, gpu_mask_, loaded_,
+                     c.first_slot, c.end_slot);
   const Epilogue& ep = kernels_of(std::min(cfg_.max_isa, Isa::kAvx512)).epilogue;
   for (int t = 0; t < c.q; ++t)
     convert_token(c, st.tokens, ep, cfg_.hidden, hidden_padded_, cfg_.group_size, t);

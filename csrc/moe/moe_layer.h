@@ -36,6 +36,7 @@ struct MoECall {
   const int64_t* ids = nullptr;     // [q, k]
   const float* weights = nullptr;   // [q, k]
   int q = 0, k = 0;
+  int first_slot = 0, end_slot = -1;  // the slots of each token computed: [first, end or k)
   void* out = nullptr;              // [q, H]
   DType out_type = DType::kFP32;
 };
@@ -62,7 +63,12 @@ class MoELayer {
   // Queues the call set by set_host_call as a job a GPU stream starts and awaits through `flags`
   // (runtime/stream_flags.h): built on the pool once the ready word is set, done word set after
   // (also on failure). `flags` and this layer must outlive the job.
-  JobHandle submit_flagged(StreamFlags& flags);
+  // With `deferred` > 0 (Expert Deferral), the job computes each token's first k - deferred slots
+  // into the call's out and sets `flags`' done word, then goes straight on to the last `deferred`
+  // slots into `late_out` (same shape and dtype) and sets `late_flags`' done word (its ready word
+  // is not used): the deferred experts start without a round trip through the GPU.
+  JobHandle submit_flagged(StreamFlags& flags, int deferred = 0, StreamFlags* late_flags = nullptr,
+                           void* late_out = nullptr);
 
   const MoEConfig& config() const { return cfg_; }
   // Applies to calls submitted afterwards.

@@ -11,10 +11,14 @@
 namespace hetmoe {
 
 Routing route(const int64_t* ids, const float* weights, int q, int k, int num_experts,
-              const std::vector<uint8_t>& gpu_mask, const std::vector<uint8_t>& loaded) {
+              const std::vector<uint8_t>& gpu_mask, const std::vector<uint8_t>& loaded,
+              int first_slot, int end_slot) {
+  if (end_slot < 0) end_slot = k;
+  auto routed = [&](long i) { return i % k >= first_slot && i % k < end_slot; };
   std::vector<int> count(num_experts, 0);
   int64_t unloaded = -1;  // the first expert routed to but never loaded
   for (long i = 0; i < long(q) * k; ++i) {
+    if (!routed(i)) continue;
     const int64_t e = ids[i];
     if (e < -1 || e >= num_experts)  // the first bad id in row-major order
       throw std::out_of_range("expert_ids[" + std::to_string(i / k) + ", " +
@@ -49,7 +53,7 @@ Routing route(const int64_t* ids, const float* weights, int q, int k, int num_ex
   r.slot_row.assign(size_t(q) * k, -1);
   for (long i = 0; i < long(q) * k; ++i) {
     const int64_t e = ids[i];
-    if (e < 0 || (!gpu_mask.empty() && gpu_mask[e])) continue;
+    if (!routed(i) || e < 0 || (!gpu_mask.empty() && gpu_mask[e])) continue;
     r.slot_row[i] = cursor[e];
     r.row_token[cursor[e]] = int(i / k);
     r.row_weight[cursor[e]++] = weights[i];

@@ -17,10 +17,12 @@ struct Routing {
   int max_rows = 0;
 };
 
-// ids/weights: [q, k]. Ids < 0 and experts marked in `gpu_mask` (may be empty) are skipped.
-// Throws std::out_of_range for an id outside [-1, num_experts) (before any other error),
-// std::runtime_error for an expert never loaded.
+// ids/weights: [q, k]; only each token's slots [first_slot, end_slot) are routed (end_slot < 0:
+// k), the others get slot_row -1. Ids < 0 and experts marked in `gpu_mask` (may be empty) are
+// skipped. Throws std::out_of_range for a routed id outside [-1, num_experts) (before any other
+// error), std::runtime_error for an expert never loaded.
 Routing route(const int64_t* ids, const float* weights, int q, int k, int num_experts,
-              const std::vector<uint8_t>& gpu_mask, const std::vector<uint8_t>& loaded);
+              const std::vector<uint8_t>& gpu_mask, const std::vector<uint8_t>& loaded,
+              int first_slot = 0, int end_slot = -1);
 
 }  // namespace hetmoe

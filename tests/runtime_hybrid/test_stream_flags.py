@@ -159,6 +159,64 @@ def test_flag_job_reads_inputs_written_after_submit(fmt: str, group: int | None,
         torch.testing.assert_close(out, moe.forward(x, ids, weights), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fmt,group,q,d", [("bf16", None, 1, 2), ("int8", 128, 1, 3),
+                                           ("int4", 32, 3, 1), ("bf16", None, 5, 2)])
+def test_deferred_flag_job_chains_the_late_slots(fmt: str, group: int | None, q: int,
+                                                 d: int) -> None:
+    """With deferral one job computes the first k - d slots into out (done word), then the last
+    d into late_out (second done word): each equals forward on its slots alone, bit for bit."""
+    torch.manual_seed(2)
+    e, h, i, k = 8, 256, 256, 4
+    moe = CpuMoE(e, h, i, fmt, group_size=group, threads=2)
+    moe.load(torch.randn(e, i, h) * 0.1, torch.randn(e, i, h) * 0.1, torch.randn(e, h, i) * 0.1)
+    moe._layer.set_profile(True)
+    x, out, late = torch.zeros(q, h), torch.zeros(q, h), torch.zeros(q, h)
+    ids, weights = torch.zeros(q, k, dtype=torch.int64), torch.zeros(q, k)
+    mem = torch.zeros(3, 16, dtype=torch.int32)  # ready, done, late done
+    flags = _cpu.StreamFlags(mem[0].data_ptr(), mem[1].data_ptr())
+    late_flags = _cpu.StreamFlags(mem[0].data_ptr(), mem[2].data_ptr())
+    moe.host_functions(x, ids, weights, out)
+    for _ in range(2):
+        handle = moe.submit_flagged(flags, d, late_flags, late)
+        x.copy_(torch.randn(q, h))
+        ids.copy_(torch.stack([torch.randperm(e)[:k] for _ in range(q)]))
+        weights.copy_(torch.rand(q, k))
+        mem[0, 0] = 1
+        moe.wait_flagged(handle)
+        assert mem[1:, 0].tolist() == [1, 1]
+        mem[1:, 0] = 0
+        now, later = ids.clone(), ids.clone()
+        now[:, k - d:], later[:, :k - d] = -1, -1
+        torch.testing.assert_close(out, moe.forward(x, now, weights), rtol=0, atol=0)
+        torch.testing.assert_close(late, moe.forward(x, later, weights), rtol=0, atol=0)
+    rows = moe._layer.take_timeline()  # per round: the job's two parts, then the two forwards
+    assert len(rows) == 8
+    for first, second in (rows[0:2], rows[4:6]):
+        assert first[0] <= first[1] <= first[2] <= second[0] <= second[2]  # ready, built, done
+
+
+def test_deferred_flag_job_errors_set_both_done_words() -> None:
+    moe = CpuMoE(4, 64, 32, threads=2)
+    moe.load(torch.randn(4, 32, 64), torch.randn(4, 32, 64), torch.randn(4, 64, 32))
+    x, out, late = torch.randn(1, 64), torch.zeros(1, 64), torch.zeros(1, 64)
+    ids, weights = torch.tensor([[0, 1, 7]]), torch.rand(1, 3)  # 7: a broken late slot
+    mem = torch.zeros(3, 16, dtype=torch.int32)
+    flags = _cpu.StreamFlags(mem[0].data_ptr(), mem[1].data_ptr())
+    late_flags = _cpu.StreamFlags(mem[0].data_ptr(), mem[2].data_ptr())
+    moe.host_functions(x, ids, weights, out)
+    handle = moe.submit_flagged(flags, 1, late_flags, late)
+    mem[0, 0] = 1
+    with pytest.raises(RuntimeError, match=r"expert_ids\[0, 2\] = 7 is out of range \[0, 4\)"):
+        moe.wait_flagged(handle)
+    assert mem[1:, 0].tolist() == [1, 1]  # a stream waiting on either word goes on
+    for bad, message in ((3, r"deferred must be in \[0, 3\)"), (1, "need late_flags and late_out")):
+        with pytest.raises(ValueError, match=message):
+            moe.submit_flagged(flags, bad, None if bad == 1 else late_flags, late)
+    with pytest.raises(ValueError, match=r"late_out must be a contiguous CPU tensor like the bound "
+                                         r"out \(\(1, 64\), torch.float32\)"):
+        moe.submit_flagged(flags, 1, late_flags, torch.zeros(2, 64))
+
+
 def test_flag_job_needs_bound_buffers() -> None:
     moe = CpuMoE(2, 32, 32, threads=2)
     with pytest.raises(RuntimeError, match=r"submit_flagged: call host_functions\(x, ids, "):

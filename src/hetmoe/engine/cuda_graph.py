@@ -92,7 +92,8 @@ class _Graph:
     positions: torch.Tensor  # [B, 1]
     slots: torch.Tensor  # [B]
     hidden: torch.Tensor  # [B, 1, H] output
-    jobs: list[HostLink]  # flag-gated CPU jobs the step starts, in stream order
+    jobs: list[tuple[HostLink, int]]  # flag-gated CPU jobs the step starts (link, deferred
+    # slots chained), in stream order
     capture_s: float = 0.0  # wall time of the capture alone (after its eager warm-up step)
 
 

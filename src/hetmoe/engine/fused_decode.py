@@ -353,7 +353,6 @@ class FusedDecoder:
         masks: dict[int | None, torch.Tensor] = {}
         terms: tuple[torch.Tensor, ...] = ()
         overlap = self.overlap
-        last_moe = len(overlap.layers) - 1
         for n, plan in enumerate(self.plans):
             if before_layer is not None:
                 before_layer(n)
@@ -364,7 +363,8 @@ class FusedDecoder:
             statics = plan.statics
             if plan.moe is not None:
                 i = self.moe_index[id(plan.moe)]
-                d = overlap.deferred if overlap.decoding and i < last_moe else 0
+                # The layer function splits the ids only when the CPU job does not.
+                d = 0 if overlap.chains_deferral() else overlap.deferred_at(i)
                 statics = dataclasses.replace(statics, deferred=d)
             router = plan.router if plan.moe is not None else (None, None)
             h, x, new, stage, late = self._layer_fn(statics)(

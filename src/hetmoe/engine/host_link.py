@@ -7,10 +7,14 @@ stream order, so a CUDA graph can capture the whole sequence. Two signals:
   before the output copy it waits for a *done* word (the CUDA driver's stream memory
   operations, captured as memop nodes). The CPU job is queued in the pool ahead of time and
   spins on its ready word (`_cpu.StreamFlags`, protocol in csrc/runtime/stream_flags.h): no
-  thread has to wake up on the critical path.
+  thread has to wake up on the critical path. With Expert Deferral the same job goes on to the
+  layer's deferred experts into a second output buffer and sets a second done word, which the
+  stream awaits at the next MoE layer: the deferred experts start with no round trip through
+  the GPU.
 - "host_functions": `cudaLaunchHostFunc` submit and wait entries (host nodes in a graph), run by
   the CUDA driver's callback thread; the measured alternative (docs/benchmarks/hybrid.md), also
-  for drivers without stream memory operations.
+  for drivers without stream memory operations. Deferred experts are a second start here
+  (`start_ids`).
 """
 
 from __future__ import annotations
@@ -63,8 +67,9 @@ def check_signal(signal: str, device: torch.device) -> None:
 class HostLink:
     """Pinned per-layer buffers and stream-ordered CPU start/wait (see the module docstring).
 
-    With `signal="flags"`, `start` enqueues the ready word and hands the link to `queue`, which
-    submits the flag-gated CPU job (or records it while a CUDA graph is being captured).
+    With `signal="flags"`, `start` enqueues the ready word and hands the link and its deferred
+    slot count to `queue`, which submits the flag-gated CPU job (or records it while a CUDA graph
+    is being captured); `finish_late` awaits the deferred slots (`chains`).
     With `packed=True` the inputs live in one pinned int32 vector laid out as
     `ops.fused.pack_moe_inputs` writes it for the bound row count (x as fp32, ids, weights), so
     `start_packed` moves them with ONE copy.
@@ -72,7 +77,8 @@ class HostLink:
 
     def __init__(self, moe: CpuMoE, max_rows: int, top_k: int, dtype: torch.dtype,
                  device: torch.device, signal: Signal = "flags",
-                 queue: Callable[[HostLink], None] | None = None, packed: bool = False) -> None:
+                 queue: Callable[[HostLink, int], None] | None = None,
+                 packed: bool = False) -> None:
         self.moe, self.device, self.signal = moe, device, signal
         h = moe.hidden
         self.hidden, self.top_k, self.packed = h, top_k, packed
@@ -86,18 +92,29 @@ class HostLink:
         # The CPU backend writes out in x's dtype: fp32 when packed.
         out_dtype = torch.float32 if packed else dtype
         self.out = torch.zeros(max_rows, h, dtype=out_dtype, pin_memory=True)
+        self.out_late = torch.zeros(max_rows, h, dtype=out_dtype,
+                                    pin_memory=True) if signal == "flags" else self.out
         self.rows = 0
         self.fns: HostFunctions | None = None
         self.flags: Any = None
+        self.flags_late: Any = None
         self.queue = queue
         if signal == "flags":
             from hetmoe import _cpu
 
             if queue is None:
                 raise ValueError("HostLink: signal='flags' needs a queue for its CPU jobs")
-            # The ready and done words on 64-byte lines of their own: [2, 16] int32, [:, 0] used.
-            self.words = torch.zeros(2, 16, dtype=torch.int32, pin_memory=True)
+            # The ready, done and deferred-done words on 64-byte lines of their own: [3, 16]
+            # int32, [:, 0] used.
+            self.words = torch.zeros(3, 16, dtype=torch.int32, pin_memory=True)
             self.flags = _cpu.StreamFlags(self.words[0].data_ptr(), self.words[1].data_ptr())
+            self.flags_late = _cpu.StreamFlags(self.words[0].data_ptr(),
+                                               self.words[2].data_ptr())
+
+    @property
+    def chains(self) -> bool:
+        """Whether one start computes the deferred experts too (the flag signal)."""
+        return self.flags is not None
 
     def bind(self, rows: int) -> None:
         """Points the backend's CPU calls at the first `rows` rows of the buffers."""
@@ -109,9 +126,13 @@ class HostLink:
                                                self.weights[:rows], self.out[:rows])
             self.rows = rows
 
-    def submit(self) -> int:
-        """Queues the flag-gated CPU job of the bound rows; the pool handle."""
-        return self.moe.submit_flagged(self.flags)
+    def submit(self, deferred: int = 0) -> int:
+        """Queues the flag-gated CPU job of the bound rows (its last `deferred` slots into
+        `out_late`); the pool handle."""
+        if not deferred:
+            return self.moe.submit_flagged(self.flags)
+        return self.moe.submit_flagged(self.flags, deferred, self.flags_late,
+                                       self.out_late[: self.rows])
 
     def _stream(self) -> int:
         return int(torch.cuda.current_stream(self.device).cuda_stream)
@@ -122,8 +143,10 @@ class HostLink:
         if code:
             raise RuntimeError(f"cudaLaunchHostFunc failed with CUDA error {code}")
 
-    def start(self, x: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        """Copies the inputs (x None: keep the last x) and starts the CPU experts on them."""
+    def start(self, x: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor,
+              deferred: int = 0) -> None:
+        """Copies the inputs (x None: keep the last x) and starts the CPU experts on them; with
+        `deferred` (`chains` only) the last `deferred` slots go to `finish_late`."""
         t = ids.shape[0]
         self.bind(t)
         assert self.fns is not None
@@ -131,15 +154,16 @@ class HostLink:
             self.x[:t].copy_(x, non_blocking=True)
         self.ids[:t].copy_(ids, non_blocking=True)
         self.weights[:t].copy_(weights, non_blocking=True)
-        self._signal_start()
+        self._signal_start(deferred)
 
-    def start_packed(self, stage: torch.Tensor, rows: int) -> None:
-        """Starts the CPU experts on a `pack_moe_inputs` vector of `rows` tokens: one copy."""
+    def start_packed(self, stage: torch.Tensor, rows: int, deferred: int = 0) -> None:
+        """Starts the CPU experts on a `pack_moe_inputs` vector of `rows` tokens: one copy
+        (`deferred` as in `start`)."""
         if not self.packed:
             raise RuntimeError("HostLink.start_packed needs a link built with packed=True")
         self.bind(rows)
         self.stage[:stage.numel()].copy_(stage, non_blocking=True)
-        self._signal_start()
+        self._signal_start(deferred)
 
     def start_ids(self, ids: torch.Tensor) -> None:
         """Starts the CPU experts again on the last x and weights with new ids [T, K] (the
@@ -147,14 +171,17 @@ class HostLink:
         self.ids[:ids.shape[0]].copy_(ids, non_blocking=True)
         self._signal_start()
 
-    def _signal_start(self) -> None:
+    def _signal_start(self, deferred: int = 0) -> None:
         assert self.fns is not None
         if self.flags is None:
+            if deferred:
+                raise RuntimeError("HostLink: host functions start deferred experts with "
+                                   "start_ids")
             self._launch(self.fns.submit_fn)
             return
         self.flags.signal_ready_on(self._stream())
         assert self.queue is not None
-        self.queue(self)
+        self.queue(self, deferred)
 
     def finish(self) -> torch.Tensor:
         """Waits (in stream order) for the last start; its output [T, H] on the GPU."""
@@ -164,3 +191,11 @@ class HostLink:
         else:
             self.flags.wait_done_on(self._stream())
         return self.out[: self.rows].to(self.device, non_blocking=True)
+
+    def finish_late(self) -> torch.Tensor:
+        """Waits (in stream order) for the deferred slots of the last start (`chains`); their
+        output [T, H] on the GPU."""
+        if self.flags_late is None:
+            raise RuntimeError("HostLink.finish_late needs the flag signal")
+        self.flags_late.wait_done_on(self._stream())
+        return self.out_late[: self.rows].to(self.device, non_blocking=True)

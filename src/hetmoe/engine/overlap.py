@@ -5,8 +5,9 @@ Per MoE layer k, in stream order (`MoEOverlap.forward`):
     router on the GPU -> ids/weights (+ x) to the layer's CPU buffers -> CPU start
     shared experts on the GPU meanwhile
     CPU wait -> routed output to the GPU
-    decode with deferral: CPU start of layer k's lowest-scored experts (their ids replace the
-    immediate ones in the same buffer); they run while the GPU does layer k+1's attention
+    decode with deferral: layer k's lowest-scored experts run on the CPU while the GPU does
+    layer k+1's attention; with the flag signal the CPU job of layer k goes straight on to them
+    (one start, a second done word), with host functions they are a second start
     out = routed + (deferred output of layer k-1) + shared
 
 Two transports move data and start/await CPU work (`Link`):
@@ -112,11 +113,13 @@ class MoEOverlap:
             dtype = self.layers[0].gate.weight.dtype  # activations' dtype
             self.host = [HostLink(c, max_batch, self.top_k, dtype, device, signal, self._queue,
                                   packed) for c in cpu]
-        self.recorded: list[HostLink] | None = None  # flag jobs of a step being captured
+        self.recorded: list[tuple[HostLink, int]] | None = None  # flag jobs (link, deferred)
+        # of a step being captured
         self.pending: list[tuple[HostLink, int]] = []  # flag jobs submitted for this step
         self.decoding = False
         self.trace: Any = None
-        self._carry: Link | None = None  # layer k-1's deferred experts, in flight
+        self._carry: Callable[[], torch.Tensor] | None = None  # awaits layer k-1's deferred
+        # experts (in flight)
         self.attach()
 
     def attach(self) -> None:
@@ -139,21 +142,22 @@ class MoEOverlap:
         finally:
             self.decoding = before
 
-    def _queue(self, link: HostLink) -> None:
-        """Submits `link`'s flag-gated CPU job now, or records it while a graph is captured."""
+    def _queue(self, link: HostLink, deferred: int) -> None:
+        """Submits `link`'s flag-gated CPU job (with `deferred` chained slots) now, or records it
+        while a graph is captured."""
         if torch.cuda.is_current_stream_capturing():
             if self.recorded is None:
                 raise RuntimeError("MoEOverlap: a CUDA graph is being captured outside "
                                    "begin_capture() / end_capture()")
-            self.recorded.append(link)
+            self.recorded.append((link, deferred))
         else:
-            self.pending.append((link, link.submit()))
+            self.pending.append((link, link.submit(deferred)))
 
     def begin_capture(self) -> None:
         """Starts recording the flag jobs of the step about to be captured."""
         self.recorded = []
 
-    def end_capture(self) -> list[HostLink]:
+    def end_capture(self) -> list[tuple[HostLink, int]]:
         """The flag jobs the captured step starts, in stream order (for `submit_recorded`).
 
         RuntimeError when they exceed the pool's queue: a step queues them all at once,
@@ -169,10 +173,10 @@ class MoEOverlap:
                 "use deferred=0 or signal='host_functions'")
         return recorded
 
-    def submit_recorded(self, links: Sequence[HostLink]) -> None:
-        """Queues a captured step's CPU jobs in stream order; call right after launching its
-        replay (a job whose ready word is already set starts at once)."""
-        self.pending.extend((link, link.submit()) for link in links)
+    def submit_recorded(self, jobs: Sequence[tuple[HostLink, int]]) -> None:
+        """Queues a captured step's CPU jobs (link, deferred) in stream order; call right after
+        launching its replay (a job whose ready word is already set starts at once)."""
+        self.pending.extend((link, link.submit(deferred)) for link, deferred in jobs)
 
     def finish_step(self) -> None:
         """Once the step's stream work is done: waits its CPU jobs; RuntimeError with the first
@@ -210,12 +214,24 @@ class MoEOverlap:
         while not stream.query():
             for link in self.host:
                 link.flags.release_done()
+                link.flags_late.release_done()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"MoEOverlap: the failed step's CUDA stream did not finish "
                                    f"within {ABORT_TIMEOUT_S:.0f} s")
             time.sleep(1e-4)
         for link in self.host:
             link.flags.reset()
+            link.flags_late.reset()
+
+    def deferred_at(self, i: int) -> int:
+        """Experts per token MoE layer i defers: `deferred` in decode, 0 in prefill and at the
+        last MoE layer."""
+        return self.deferred if self.decoding and i < len(self.layers) - 1 else 0
+
+    def chains_deferral(self) -> bool:
+        """Whether a decode start computes the deferred experts too (`HostLink.chains`): its
+        inputs then hold all K ids, not the immediate ones."""
+        return self.decoding and bool(self.host) and self.host[0].chains
 
     def forward(self, moe: HybridMoE, hidden_states: torch.Tensor) -> torch.Tensor:
         """The MoE output (without the residual) of `hidden_states` [..., H] at layer `moe`."""
@@ -224,11 +240,19 @@ class MoEOverlap:
         self._mark("moe_start", i)
         x = hidden_states.reshape(-1, shape[-1])  # [T, H]
         ids, weights = moe.gate(x)  # [T, K] int64 sorted by score, [T, K] fp32
-        host = self.decoding and bool(self.host)
-        link: Link = self.host[i] if host else self.direct[i]
-        d = self.deferred if self.decoding and i < len(self.layers) - 1 else 0
-        immediate, late = split_ids(ids, d) if d else (ids, None)
-        link.start(x, immediate, weights)
+        d = self.deferred_at(i)
+        late = None
+        if self.decoding and self.host:
+            link: Link = self.host[i]
+            if self.host[i].chains:
+                self.host[i].start(x, ids, weights, deferred=d)
+            else:
+                immediate, late = split_ids(ids, d) if d else (ids, None)
+                link.start(x, immediate, weights)
+        else:
+            link = self.direct[i]
+            immediate, late = split_ids(ids, d) if d else (ids, None)
+            link.start(x, immediate, weights)
         self._mark("submitted", i)
         shared = moe._shared(x)  # GPU, while the CPU computes
         self._mark("shared_done", i)
@@ -238,9 +262,9 @@ class MoEOverlap:
             link.start(None, late, weights)  # runs during layer i+1's attention
             self._mark("deferred_submitted", i)
         if self._carry is not None:
-            out = out + self._carry.finish()
+            out = out + self._carry()
             self._mark("deferred_waited", i - 1)
-        self._carry = link if late is not None else None
+        self._carry = self._late_output(link, d)
         if shared is not None:
             out = out + shared
         self._mark("moe_end", i)
@@ -250,15 +274,18 @@ class MoEOverlap:
                        late: torch.Tensor | None,
                        shared: Callable[[], torch.Tensor | None]) -> list[torch.Tensor]:
         """MoE layer i of a fused decode step (engine/fused_decode.py), whose compiled layer
-        already routed: `stage` = `pack_moe_inputs(x, immediate ids, weights)`, `late` the
-        deferred ids [T, K] (or None). The same story as `forward`, one copy per start; returns
-        the terms the caller adds to the residual: routed (fp32 when packed), the previous
-        layer's deferred output, the shared experts' output."""
+        already routed: `stage` = `pack_moe_inputs(x, ids, weights)` with all K ids when
+        `chains_deferral()`, else the immediate ids and `late` the deferred ones [T, K] (or
+        None). The same story as `forward`, one copy per start; returns the terms the caller
+        adds to the residual: routed (fp32 when packed), the previous layer's deferred output,
+        the shared experts' output."""
         rows = x.shape[0]
+        d = self.deferred_at(i)
         self._mark("moe_start", i)
         if self.decoding and self.host:
             link: Link = self.host[i]
-            self.host[i].start_packed(stage, rows)
+            chained = d if self.host[i].chains else 0
+            self.host[i].start_packed(stage, rows, deferred=chained)
         else:  # no GPU: the same inputs through Python submit/sync
             link = self.direct[i]
             _, ids, weights = unpack_moe_inputs(stage, rows, x.shape[1], self.top_k)
@@ -275,13 +302,22 @@ class MoEOverlap:
                 link.start(None, late, weights)
             self._mark("deferred_submitted", i)
         if self._carry is not None:
-            terms.append(self._carry.finish())
+            terms.append(self._carry())
             self._mark("deferred_waited", i - 1)
-        self._carry = link if late is not None else None
+        self._carry = self._late_output(link, d)
         if out is not None:
             terms.append(out)
         self._mark("moe_end", i)
         return terms
+
+    @staticmethod
+    def _late_output(link: Link, deferred: int) -> Callable[[], torch.Tensor] | None:
+        """What awaits this layer's deferred experts at the next MoE layer (None: none)."""
+        if not deferred:
+            return None
+        if isinstance(link, HostLink) and link.chains:
+            return link.finish_late
+        return link.finish
 
     def _mark(self, label: str, layer: int) -> None:
         if self.trace is not None:

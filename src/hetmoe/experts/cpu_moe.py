@@ -115,6 +115,7 @@ class CpuMoE:
         self._pending: deque[PendingCall] = deque()
         self._lock = threading.Lock()
         self._host_inputs: tuple[torch.Tensor, ...] = ()
+        self._late_out: torch.Tensor | None = None  # submit_flagged's deferred output
 
     @property
     def isa(self) -> str:
@@ -250,14 +251,35 @@ class CpuMoE:
         self._layer.launch_submit(stream)
         self._layer.launch_wait(stream)
 
-    def submit_flagged(self, flags: object) -> int:
+    def submit_flagged(self, flags: object, deferred: int = 0, late_flags: object = None,
+                       late_out: torch.Tensor | None = None) -> int:
         """Queues `forward` on the buffers bound by `host_functions` as a job that a GPU stream
         starts and awaits through `flags` (a `hetmoe._cpu.StreamFlags`): it waits in the pool
-        for the ready word, then sets the done word. Returns the handle for `wait_flagged`."""
+        for the ready word, then sets the done word. Returns the handle for `wait_flagged`.
+
+        With `deferred` > 0 (Expert Deferral) that job computes each token's first k - deferred
+        slots only; the same job then computes the last `deferred` slots into `late_out` (shaped
+        like the bound out) and sets `late_flags`' done word."""
         if not self._host_inputs:
             raise RuntimeError("CpuMoE.submit_flagged: call host_functions(x, ids, weights, out) "
                                "first")
-        return int(self._layer.submit_flagged(flags))
+        if not deferred:
+            return int(self._layer.submit_flagged(flags))
+        out = self._host_inputs[3]
+        k = self._host_inputs[1].shape[1]
+        if not 0 < deferred < k:
+            raise ValueError(f"CpuMoE.submit_flagged: deferred must be in [0, {k}) (the bound "
+                             f"ids' slots), got {deferred}")
+        if late_flags is None or late_out is None:
+            raise ValueError("CpuMoE.submit_flagged: deferred experts need late_flags and "
+                             "late_out")
+        if (late_out.shape != out.shape or late_out.dtype != out.dtype
+                or late_out.device.type != "cpu" or not late_out.is_contiguous()):
+            raise ValueError(f"CpuMoE.submit_flagged: late_out must be a contiguous CPU tensor "
+                             f"like the bound out ({tuple(out.shape)}, {out.dtype}), got "
+                             f"{tuple(late_out.shape)}, {late_out.dtype} on {late_out.device}")
+        self._late_out = late_out  # kept alive while the job may write it
+        return int(self._layer.submit_flagged(flags, deferred, late_flags, late_out.data_ptr()))
 
     def wait_flagged(self, handle: int) -> None:
         """Waits for a `submit_flagged` job; raises the error its routing or a task hit."""
