@@ -13,16 +13,21 @@ profiling. Per decode step (median over steps), in milliseconds:
 - gate/up, down: first task start -> last task end of each phase; between: the rest of the
   phases (barriers, the combine phase);
 - finish: last task end -> done word set;
-- head: step start -> the first job's ready word seen; tail: the last done word -> step end.
+- head: step start -> the first job's ready word seen; tail: the last done word -> step end;
+- the idle between two jobs, split: dispatch (the previous done word -> the pool takes the job
+  up), make (the decode job made before its ready word) and ready_wait (spinning for it).
 The "alone" row gives the same stages for the standalone calls (start = submit()).
 
     python benchmarks/profile_step.py --shape qwen3-30b-a3b [--weight-format bf16]
-        [--deferred 0,3] [--steps 64] [--num-layers N] [--json FILE]
+        [--deferred 0,3] [--steps 64] [--num-layers N] [--json FILE] [--gpu-activity]
+
+--gpu-activity adds what the GPU itself runs per step (kernels and copies, torch.profiler).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -40,16 +45,22 @@ from hetmoe.engine.cuda_graph import HybridRunner
 from hetmoe.engine.overlap import cpu_moe_of
 from hetmoe.machine import huge_page_bytes
 
-# Columns of a take_timeline row: start, built, done, then (first, last) per phase slot.
+# Columns of a take_timeline row: start, built, done, (first, last) per phase slot, then picked
+# and made (a flagged job's first part).
 START, BUILT, DONE = 0, 1, 2
 GATE_UP, DOWN = 3 + 2 * 2, 3 + 2 * 3  # slots: convert, gather, gate/up, down, combine
+PHASES_END = 3 + 2 * 5
+PICKED, MADE = PHASES_END, PHASES_END + 1
 STAGES = ("build", "start", "gate_up", "between", "down", "finish")
+GAPS = ("dispatch", "make", "ready_wait")
+"""Between a job's previous done word and its ready word seen: the pool takes the job up, makes
+it (decode jobs, before their ready word), and spins for the ready word."""
 
 
 def stages(row: list[int]) -> dict[str, float]:
     """Nanoseconds of each stage of one profiled call (see the module doc)."""
-    firsts = [row[i] for i in range(3, len(row), 2) if row[i]]
-    lasts = [row[i + 1] for i in range(3, len(row), 2) if row[i]]
+    firsts = [row[i] for i in range(3, PHASES_END, 2) if row[i]]
+    lasts = [row[i + 1] for i in range(3, PHASES_END, 2) if row[i]]
     first, last = (min(firsts), max(lasts)) if firsts else (row[BUILT], row[BUILT])
     gu = row[GATE_UP + 1] - row[GATE_UP] if row[GATE_UP] else 0
     dn = row[DOWN + 1] - row[DOWN] if row[DOWN] else 0
@@ -63,13 +74,22 @@ def summarize(steps: list[list[list[int]]], step_s: list[float] | None,
     """Per-step sums of the stages (median over steps, ms), from each step's profiled calls.
     With the steps' `bounds` (monotonic ns): head = step start -> first ready word seen, tail =
     last done word set -> step end (the Python and GPU work around the layers)."""
-    sums: dict[str, list[float]] = {k: [] for k in (*STAGES, "busy")}
+    sums: dict[str, list[float]] = {k: [] for k in (*STAGES, "busy", *GAPS)}
     if bounds:
         sums["head"], sums["tail"] = [], []
     for s, calls in enumerate(steps):
         per = [stages(row) for row in calls]
         for key in STAGES + ("busy",):
             sums[key].append(sum(p[key] for p in per) / 1e6)
+        gaps = dict.fromkeys(GAPS, 0)
+        ordered = sorted(calls)
+        for before, row in itertools.pairwise(ordered):
+            if row[PICKED] and row[PICKED] >= before[DONE]:
+                gaps["dispatch"] += row[PICKED] - before[DONE]
+                gaps["make"] += row[MADE] - row[PICKED]
+                gaps["ready_wait"] += row[START] - row[MADE]
+        for key, ns in gaps.items():
+            sums[key].append(ns / 1e6)
         if bounds and calls:
             sums["head"].append((min(r[START] for r in calls) - bounds[s][0]) / 1e6)
             sums["tail"].append((bounds[s][1] - max(r[DONE] for r in calls)) / 1e6)
@@ -157,6 +177,29 @@ def profiled_decode(runner: HybridRunner, layers: list[Any], prompt: list[int],
     return out
 
 
+def gpu_activity(runner: HybridRunner, prompt: list[int], steps: int) -> dict[str, Any]:
+    """What the GPU itself runs per graph decode step (torch.profiler's CUDA activities: kernels
+    and copies, not the waits on done words): busy ms per step and the largest items."""
+    from torch.profiler import ProfilerActivity, profile
+
+    slot = runner.cache.allocate()
+    try:
+        token = int(runner.prefill(slot, prompt).argmax())
+        for _ in range(4):
+            token = int(runner.decode([slot], [token])[0].argmax())
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                token = int(runner.decode([slot], [token])[0].argmax())
+    finally:
+        runner.cache.free(slot)
+    items = [(e.key, e.device_time_total / steps, e.count / steps)
+             for e in prof.key_averages() if e.device_time_total > 0]
+    items.sort(key=lambda kv: -kv[1])
+    return {"gpu_busy_ms": round(sum(us for _, us, _ in items) / 1e3, 3),
+            "items": [{"name": name[:90], "us_per_step": round(us, 1), "per_step": n}
+                      for name, us, n in items[:14]]}
+
+
 def alone(moes: list[Any], top_k: int, repeats: int) -> dict[str, Any]:
     """The same layers called one after another from Python, profiled the same way."""
     g = torch.Generator().manual_seed(1)
@@ -183,6 +226,8 @@ def main() -> int:
     add_shape_arguments(parser)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--gpu-activity", action="store_true",
+                        help="also profile the GPU's own kernels and copies per step")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("profile_step needs a CUDA device", file=sys.stderr)
@@ -207,13 +252,15 @@ def main() -> int:
         runner.reset_graphs(d)
         result[f"graph_d{d}"] = profiled_decode(runner, [m._layer for m in moes], prompt,
                                                 args.steps)
+        if args.gpu_activity:
+            result[f"graph_d{d}"]["gpu"] = gpu_activity(runner, prompt, 8)
     result["alone_again"] = alone(moes, top_k, 10)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     print(f"{args.shape} {args.weight_format}: {result['packed_gb']} GB packed, "
           f"{100 * result['huge_page_share']:.0f} % on huge pages, pool read "
           f"{result['pool_read_gb_s']} GB/s, {result['bytes_per_step_gb']} GB of experts/step")
-    cols = ("step", "busy", "idle", "head", "tail", *STAGES)
+    cols = ("step", "busy", "idle", "head", "tail", *STAGES, *GAPS)
     print(f"{'ms per step':<14}" + "".join(f"{c:>9}" for c in cols) + f"{'GB/s':>8}")
     for name in ("alone", *(k for k in result if k.startswith("graph_d")), "alone_again"):
         r = result[name]
@@ -224,6 +271,12 @@ def main() -> int:
     for name in (k for k in result if k.startswith("graph_d")):
         print(f"{name} host side (ms after the step's start): "
               + ", ".join(f"{k} {v}" for k, v in result[name]["host_ms"].items()))
+        gpu = result[name].get("gpu")
+        if gpu:
+            print(f"{name} GPU busy {gpu['gpu_busy_ms']} ms per step; per step:")
+            for item in gpu["items"]:
+                print(f"  {item['us_per_step']:>9.1f} us {item['per_step']:>6.1f}x  "
+                      f"{item['name']}")
     return 0
 
 

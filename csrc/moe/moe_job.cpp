@@ -193,7 +193,7 @@ struct PhaseClock {
   }
   std::unique_ptr<std::atomic<int64_t>[]> first, last;
   size_t size;
-  int64_t start = 0, built = 0, done = 0;  // see MoELayer::take_timeline
+  int64_t start = 0, built = 0, done = 0, picked = 0, made = 0;  // see MoELayer::take_timeline
 };
 
 namespace {
@@ -213,6 +213,8 @@ std::vector<std::vector<int64_t>> MoELayer::take_timeline() {
       last_end = std::max(last_end, row.back());
     }
     if (row[2] == 0) row[2] = last_end;  // submit(): done when its last task ended
+    row.push_back(clock->picked);
+    row.push_back(clock->made);
     rows.push_back(std::move(row));
   }
   timeline_.clear();
@@ -244,6 +246,7 @@ JobHandle MoELayer::submit_flagged(StreamFlags& flags, int deferred, StreamFlags
         // A decode call is made while the GPU still computes its inputs; only the routing and
         // the token conversion wait for the ready word.
         const size_t n = parts.size();
+        const int64_t picked = profile_ ? now_ns() : 0;
         std::vector<std::shared_ptr<MoECallState>> planned(n);
         std::vector<Job> jobs(n);
         std::exception_ptr failed;  // reported once the ready word is consumed (kept in step)
@@ -255,6 +258,7 @@ JobHandle MoELayer::submit_flagged(StreamFlags& flags, int deferred, StreamFlags
         } catch (...) {
           failed = std::current_exception();
         }
+        const int64_t made = profile_ ? now_ns() : 0;
         if (!flags.wait_ready()) return Job{};
         if (failed) std::rethrow_exception(failed);
         const int64_t ready = profile_ ? now_ns() : 0;
@@ -266,7 +270,11 @@ JobHandle MoELayer::submit_flagged(StreamFlags& flags, int deferred, StreamFlags
             if (profile_) clocks->push_back(last_clock_);
           }
         }
-        if (profile_) clocks->front()->start = ready, clocks->front()->built = now_ns();
+        if (profile_) {
+          PhaseClock& first = *clocks->front();
+          first.start = ready, first.built = now_ns();
+          first.picked = picked, first.made = planned[0] ? made : ready;
+        }
         Job job = std::move(jobs[0]);
         if (n > 1) {
           // The immediate part's done word, then straight on to the deferred part.

@@ -83,7 +83,9 @@ class MoELayer {
   // steady-clock ns: [start, built, done, then first-task start and last-task end of each phase
   // slot (convert, gather, gate/up, down, combine; 0 when the call had no such phase)].
   // start: the ready word seen (flagged calls) or submit(); built: the job made; done: the done
-  // word set (flagged) or the last task's end. Call it while no job of this layer runs.
+  // word set (flagged) or the last task's end; then picked and made: a flagged job's first part
+  // taken up by the pool and made before its ready word (0 for other calls and parts). Call it
+  // while no job of this layer runs.
   std::vector<std::vector<int64_t>> take_timeline();
   int num_groups() const { return int(slice_begin_.size()) - 1; }
   int slice_begin(int g) const { return slice_begin_[g]; }

@@ -193,6 +193,8 @@ def test_deferred_flag_job_chains_the_late_slots(fmt: str, group: int | None, q:
     assert len(rows) == 8
     for first, second in (rows[0:2], rows[4:6]):
         assert first[0] <= first[1] <= first[2] <= second[0] <= second[2]  # ready, built, done
+        assert 0 < first[-2] <= first[-1] <= first[0]  # picked, made (before the ready word)
+        assert second[-2:] == [0, 0]
 
 
 def test_deferred_flag_job_errors_set_both_done_words() -> None:
