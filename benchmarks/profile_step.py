@@ -14,8 +14,10 @@ profiling. Per decode step (median over steps), in milliseconds:
   phases (barriers, the combine phase);
 - finish: last task end -> done word set;
 - head: step start -> the first job's ready word seen; tail: the last done word -> step end;
-- the idle between two jobs, split: dispatch (the previous done word -> the pool takes the job
-  up), make (the decode job made before its ready word) and ready_wait (spinning for it).
+- the idle between two jobs, split: dispatch (the previous done word -> the job's build step,
+  which first waits for its prepare step if still running) and ready_wait (spinning for the
+  ready word); make: the prepare step (the decode job made before its ready word), make_late:
+  the part of it after the previous done word.
 The "alone" row gives the same stages for the standalone calls (start = submit()).
 
     python benchmarks/profile_step.py --shape qwen3-30b-a3b [--weight-format bf16]
@@ -50,11 +52,13 @@ from hetmoe.machine import huge_page_bytes
 START, BUILT, DONE = 0, 1, 2
 GATE_UP, DOWN = 3 + 2 * 2, 3 + 2 * 3  # slots: convert, gather, gate/up, down, combine
 PHASES_END = 3 + 2 * 5
-PICKED, MADE = PHASES_END, PHASES_END + 1
+PICKED, MADE, CLAIMED = PHASES_END, PHASES_END + 1, PHASES_END + 2
 STAGES = ("build", "start", "gate_up", "between", "down", "finish")
-GAPS = ("dispatch", "make", "ready_wait")
-"""Between a job's previous done word and its ready word seen: the pool takes the job up, makes
-it (decode jobs, before their ready word), and spins for the ready word."""
+GAPS = ("dispatch", "ready_wait", "make", "make_late")
+"""Between a job's previous done word and its ready word seen: dispatch (the pool gets to the
+job's build step, waiting for its prepare step if that still runs) and ready_wait (spinning for
+the ready word). make: its prepare step (made before the ready word); make_late: the part of it
+after the previous job's done word (the rest ran while earlier jobs did)."""
 
 
 def stages(row: list[int]) -> dict[str, float]:
@@ -84,10 +88,11 @@ def summarize(steps: list[list[list[int]]], step_s: list[float] | None,
         gaps = dict.fromkeys(GAPS, 0)
         ordered = sorted(calls)
         for before, row in itertools.pairwise(ordered):
-            if row[PICKED] and row[PICKED] >= before[DONE]:
-                gaps["dispatch"] += row[PICKED] - before[DONE]
+            if row[CLAIMED] and row[CLAIMED] >= before[DONE]:
+                gaps["dispatch"] += row[CLAIMED] - before[DONE]
+                gaps["ready_wait"] += row[START] - row[CLAIMED]
                 gaps["make"] += row[MADE] - row[PICKED]
-                gaps["ready_wait"] += row[START] - row[MADE]
+                gaps["make_late"] += max(0, row[MADE] - max(row[PICKED], before[DONE]))
         for key, ns in gaps.items():
             sums[key].append(ns / 1e6)
         if bounds and calls:

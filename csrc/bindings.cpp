@@ -229,7 +229,15 @@ NB_MODULE(_cpu, m) {
       }, nb::arg("handle"))
       .def_prop_ro("count", [](FlagCountJob& j) { return j.count.load(); })
       .def_prop_rw("fail", [](FlagCountJob& j) { return j.fail.load(); },
-                   [](FlagCountJob& j, bool v) { j.fail.store(v); });
+                   [](FlagCountJob& j, bool v) { j.fail.store(v); })
+      .def_prop_rw("fail_prepare", [](FlagCountJob& j) { return j.fail_prepare.load(); },
+                   [](FlagCountJob& j, bool v) { j.fail_prepare.store(v); })
+      .def_prop_ro("prepared", [](FlagCountJob& j) { return j.prepared.load(); })
+      .def_prop_ro("unprepared_builds", [](FlagCountJob& j) { return j.unprepared_builds.load(); })
+      .def_prop_ro("saw_watch_prepared", [](FlagCountJob& j) { return j.saw_watch_prepared.load(); })
+      .def("watch", [](FlagCountJob& j, FlagCountJob& other) { j.watch = &other; },
+           nb::arg("other"), nb::keep_alive<1, 2>(),
+           "Task 0 of each run waits (up to 2 s) until `other` was prepared.");
   // ---- runtime bindings end ----
 
   // ---- moe bindings begin ----

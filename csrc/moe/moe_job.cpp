@@ -193,7 +193,8 @@ struct PhaseClock {
   }
   std::unique_ptr<std::atomic<int64_t>[]> first, last;
   size_t size;
-  int64_t start = 0, built = 0, done = 0, picked = 0, made = 0;  // see MoELayer::take_timeline
+  // See MoELayer::take_timeline.
+  int64_t start = 0, built = 0, done = 0, picked = 0, made = 0, claimed = 0;
 };
 
 namespace {
@@ -215,17 +216,31 @@ std::vector<std::vector<int64_t>> MoELayer::take_timeline() {
     if (row[2] == 0) row[2] = last_end;  // submit(): done when its last task ended
     row.push_back(clock->picked);
     row.push_back(clock->made);
+    row.push_back(clock->claimed);
     rows.push_back(std::move(row));
   }
   timeline_.clear();
   return rows;
 }
 
+// One flagged job's parts (the immediate slots, then with deferral the deferred ones), handed
+// from its prepare step to its build and finish steps (MoELayer::submit_flagged).
+struct FlaggedParts {
+  std::vector<MoECall> calls;
+  std::vector<StreamFlags*> done;
+  std::vector<std::shared_ptr<MoECallState>> planned;  // decode parts made before the ready word
+  std::vector<Job> jobs;
+  std::vector<std::shared_ptr<PhaseClock>> clocks;  // when profiling
+  std::exception_ptr failed;  // of the prepare: reported once the ready word is consumed
+  std::atomic<size_t> signalled{0};  // parts whose done word is set
+  int64_t picked = 0, made = 0;
+};
+
 JobHandle MoELayer::submit_flagged(StreamFlags& flags, int deferred, StreamFlags* late_flags,
                                    void* late_out) {
-  // The job's parts, in order: the immediate slots, then (with deferral) the deferred ones.
-  std::vector<MoECall> parts{host_call_};
-  std::vector<StreamFlags*> done{&flags};
+  auto fp = std::make_shared<FlaggedParts>();
+  fp->calls = {host_call_};
+  fp->done = {&flags};
   if (deferred != 0) {
     const MoECall& c = host_call_;
     if (deferred < 0 || deferred >= c.k)
@@ -233,73 +248,84 @@ JobHandle MoELayer::submit_flagged(StreamFlags& flags, int deferred, StreamFlags
                                   std::to_string(c.k) + "), got " + std::to_string(deferred));
     if (late_flags == nullptr || late_out == nullptr)
       throw std::invalid_argument("submit_flagged: deferred experts need late_flags and late_out");
-    parts[0].end_slot = c.k - deferred;
-    parts.push_back(c);
-    parts[1].first_slot = c.k - deferred;
-    parts[1].out = late_out;
-    done.push_back(late_flags);
+    fp->calls[0].end_slot = c.k - deferred;
+    fp->calls.push_back(c);
+    fp->calls[1].first_slot = c.k - deferred;
+    fp->calls[1].out = late_out;
+    fp->done.push_back(late_flags);
   }
-  auto signalled = std::make_shared<std::atomic<size_t>>(0);  // parts whose done word is set
-  auto clocks = std::make_shared<std::vector<std::shared_ptr<PhaseClock>>>();  // when profiling
+  const size_t n = fp->calls.size();
+  fp->planned.resize(n);
+  fp->jobs.resize(n);
   return pool_.submit_built(
-      [this, parts, done, signalled, clocks, &flags] {
-        // A decode call is made while the GPU still computes its inputs; only the routing and
-        // the token conversion wait for the ready word.
-        const size_t n = parts.size();
-        const int64_t picked = profile_ ? now_ns() : 0;
-        std::vector<std::shared_ptr<MoECallState>> planned(n);
-        std::vector<Job> jobs(n);
-        std::exception_ptr failed;  // reported once the ready word is consumed (kept in step)
-        try {
-          for (size_t p = 0; p < n && parts[p].q <= kFoldTokens; ++p) {
-            jobs[p] = make_job(parts[p], &planned[p]);
-            if (profile_) clocks->push_back(last_clock_);
-          }
-        } catch (...) {
-          failed = std::current_exception();
-        }
-        const int64_t made = profile_ ? now_ns() : 0;
+      // build: once the ready word is set, route and convert, then hand the phases over.
+      [this, fp, &flags, n] {
+        const int64_t claimed = profile_ ? now_ns() : 0;
         if (!flags.wait_ready()) return Job{};
-        if (failed) std::rethrow_exception(failed);
+        if (fp->failed) std::rethrow_exception(fp->failed);
         const int64_t ready = profile_ ? now_ns() : 0;
         for (size_t p = 0; p < n; ++p) {
-          if (planned[p]) {
-            bind_job(jobs[p], *planned[p]);
-          } else {
-            jobs[p] = make_job(parts[p]);
-            if (profile_) clocks->push_back(last_clock_);
-          }
+          if (fp->planned[p]) continue;
+          fp->jobs[p] = make_job(fp->calls[p]);  // not a decode call: made now
+          if (profile_) fp->clocks.push_back(last_clock_);
         }
+        if (fp->planned[0]) bind_job(&fp->jobs[0], *fp->planned[0]);
         if (profile_) {
-          PhaseClock& first = *clocks->front();
+          PhaseClock& first = *fp->clocks.front();
           first.start = ready, first.built = now_ns();
-          first.picked = picked, first.made = planned[0] ? made : ready;
+          first.picked = fp->picked, first.made = fp->made;
+          first.claimed = claimed;
         }
-        Job job = std::move(jobs[0]);
-        if (n > 1) {
-          // The immediate part's done word, then straight on to the deferred part.
-          job.push_back({1, [this, done, signalled, clocks](size_t, int g, int) {
-            if (g != 0) return;
-            if (profile_) {
-              const int64_t t = now_ns();
-              (*clocks)[0]->done = t;
-              (*clocks)[1]->start = (*clocks)[1]->built = t;
-            }
-            done[0]->signal_done();
-            signalled->store(1, std::memory_order_release);
-          }});
-          for (Phase& phase : jobs[1]) job.push_back(std::move(phase));
+        Job job = std::move(fp->jobs[0]);
+        if (n == 1) return job;
+        if (fp->planned[1]) {
+          // The deferred part is routed by one more task of the immediate part's last phase (a
+          // decode combine leaves most workers idle); its phases keep their planned task counts,
+          // whose tasks beyond the routed experts return at once.
+          Phase& last = job.back();
+          const size_t extra = last.num_tasks;
+          last.num_tasks += 1;
+          last.fn = [this, fp, extra, inner = std::move(last.fn)](size_t task, int g, int w) {
+            if (task < extra) inner(task, g, w);
+            else if (g == 0) bind_job(nullptr, *fp->planned[1]);
+          };
         }
+        // The immediate part's done word, then straight on to the deferred part.
+        job.push_back({1, [this, fp](size_t, int g, int) {
+          if (g != 0) return;
+          if (profile_) {
+            const int64_t t = now_ns();
+            fp->clocks[0]->done = t;
+            fp->clocks[1]->start = fp->clocks[1]->built = t;
+          }
+          fp->done[0]->signal_done();
+          fp->signalled.store(1, std::memory_order_release);
+        }});
+        for (Phase& phase : fp->jobs[1]) job.push_back(std::move(phase));
         return job;
       },
-      // Runs before any later job of the pool starts, also after a failure: every done word not
-      // set yet is set, so the stream never waits for a part that will not run.
-      [this, done, signalled, clocks] {
+      // finish: runs before any later job of the pool starts, also after a failure: every done
+      // word not set yet is set, so the stream never waits for a part that will not run.
+      [this, fp, n] {
         const int64_t t = profile_ ? now_ns() : 0;
-        for (size_t p = signalled->load(std::memory_order_acquire); p < done.size(); ++p) {
-          if (p < clocks->size()) (*clocks)[p]->done = t;
-          done[p]->signal_done();
+        for (size_t p = fp->signalled.load(std::memory_order_acquire); p < n; ++p) {
+          if (p < fp->clocks.size()) fp->clocks[p]->done = t;
+          fp->done[p]->signal_done();
         }
+      },
+      // prepare: a decode call's job is made while earlier jobs run and the GPU still computes
+      // its inputs; only the routing and the token conversion wait for the ready word.
+      [this, fp, n] {
+        fp->picked = profile_ ? now_ns() : 0;
+        try {
+          for (size_t p = 0; p < n && fp->calls[p].q <= kFoldTokens; ++p) {
+            fp->jobs[p] = make_job(fp->calls[p], &fp->planned[p]);
+            if (profile_) fp->clocks.push_back(last_clock_);
+          }
+        } catch (...) {
+          fp->failed = std::current_exception();
+        }
+        fp->made = profile_ ? now_ns() : 0;
       });
 }
 
@@ -640,7 +666,7 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
   return job;
 }
 
-void MoELayer::bind_job(Job& job, MoECallState& st) const {
+void MoELayer::bind_job(Job* job, MoECallState& st) const {
   const MoECall& c = st.call;
   st.routing = route(c.ids, c.weights, c.q, c.k, cfg_.num_experts, gpu_mask_, loaded_,
                      c.first_slot, c.end_slot);
@@ -650,8 +676,9 @@ void MoELayer::bind_job(Job& job, MoECallState& st) const {
   size_t tasks = 0;
   for (int g = 0; g < num_groups(); ++g)
     tasks = std::max(tasks, st.routing.experts.size() * (slice(g) / st.cols));
-  job[st.gate_up_phase].num_tasks = tasks;
-  job[st.down_phase].num_tasks = st.routing.experts.size() * st.down_per_expert;
+  if (!job) return;
+  (*job)[st.gate_up_phase].num_tasks = tasks;
+  (*job)[st.down_phase].num_tasks = st.routing.experts.size() * st.down_per_expert;
 }
 
 void MoELayer::set_decode_cols(int cols) {

@@ -83,9 +83,10 @@ class MoELayer {
   // steady-clock ns: [start, built, done, then first-task start and last-task end of each phase
   // slot (convert, gather, gate/up, down, combine; 0 when the call had no such phase)].
   // start: the ready word seen (flagged calls) or submit(); built: the job made; done: the done
-  // word set (flagged) or the last task's end; then picked and made: a flagged job's first part
-  // taken up by the pool and made before its ready word (0 for other calls and parts). Call it
-  // while no job of this layer runs.
+  // word set (flagged) or the last task's end; then, for a flagged job's first part (else 0):
+  // picked and made, the start and end of its prepare step (made before its ready word, maybe
+  // while earlier jobs ran), and claimed, its build step begun (it then waits for the ready
+  // word). Call it while no job of this layer runs.
   std::vector<std::vector<int64_t>> take_timeline();
   int num_groups() const { return int(slice_begin_.size()) - 1; }
   int slice_begin(int g) const { return slice_begin_[g]; }
@@ -94,9 +95,10 @@ class MoELayer {
  private:
   // The job of `call`. With `planned` (decode calls, q <= 4, whose ids and x are not written
   // yet), it is made for the most experts the call can route to and *planned gets its state;
-  // bind_job() then routes it, converts the tokens and sets the gate/up task count.
+  // bind_job() then routes it, converts the tokens and (given the job) sets the task counts of
+  // its gate/up and down phases to the routed experts'.
   Job make_job(const MoECall& call, std::shared_ptr<struct MoECallState>* planned = nullptr) const;
-  void bind_job(Job& job, MoECallState& st) const;
+  void bind_job(Job* job, MoECallState& st) const;
   int slice(int g) const { return slice_begin_[g + 1] - slice_begin_[g]; }
 
   MoEConfig cfg_;

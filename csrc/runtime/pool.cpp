@@ -37,7 +37,10 @@ struct alignas(kCacheLine) Slot {
   Job job;
   std::function<Job()> build;    // submit_built: makes `job` when the job starts
   std::function<void()> finish;  // submit_built: runs after the last phase
+  std::function<void()> prepare;  // submit_built: runs before build, maybe during earlier jobs
   std::atomic<bool> build_claimed{false};
+  std::atomic<int> prepare_state{0};  // 0 not started, 1 running, 2 done
+  alignas(kCacheLine) std::atomic<bool> built{false};  // `job` is made (submit_built)
   std::unique_ptr<PaddedCounter[]> counters;      // [num_groups], the current phase's next task
   std::unique_ptr<PaddedCounter[]> team_arrived;  // [num_teams], members at the current barrier
   alignas(kCacheLine) std::atomic<int> arrived{0};  // teams whose members have all arrived
@@ -148,10 +151,19 @@ struct ThreadPool::Impl {
 
   void run_job(uint64_t seq, int worker, int group, int in_group) {
     Slot& slot = slots[seq % kPoolQueueCapacity];
-    uint32_t opened = 0;  // barriers passed: the build's, then one per phase
+    uint32_t opened = 0;  // phase barriers passed
     if (slot.build) {
-      if (!slot.build_claimed.exchange(true, std::memory_order_acq_rel)) build_job(slot, seq);
-      barrier(slot, seq, opened++, false, team_of[worker]);  // publishes slot.job
+      if (!slot.build_claimed.exchange(true, std::memory_order_acq_rel)) {
+        build_job(slot, seq);
+        slot.built.store(true, std::memory_order_release);  // publishes slot.job
+        // While the others run this job, its builder makes the next job's early part.
+        prepare_job(seq + 1, false);
+      } else {
+        for (uint32_t spins = 1; !slot.built.load(std::memory_order_acquire); ++spins) {
+          cpu_pause();
+          if (spins % spins_per_yield == 0) sched_yield();
+        }
+      }
     }
     const size_t num_phases = slot.job.size();
     const uint32_t barriers = num_phases == 0 ? 1 : static_cast<uint32_t>(num_phases);
@@ -173,7 +185,32 @@ struct ThreadPool::Impl {
     }
   }
 
+  // Runs job `seq`'s prepare once, if it is queued and has one. `wait`: return only once it has
+  // run (on this worker or another); else leave it to whoever claimed it.
+  void prepare_job(uint64_t seq, bool wait) {
+    if (published.load(std::memory_order_acquire) <= seq) return;
+    Slot& slot = slots[seq % kPoolQueueCapacity];
+    if (!slot.prepare) return;
+    int state = 0;
+    if (slot.prepare_state.compare_exchange_strong(state, 1, std::memory_order_acq_rel)) {
+      try {
+        slot.prepare();
+      } catch (...) {
+        record_failure(slot, seq, {std::current_exception(), 0, 0, 0, "prepare"});
+      }
+      slot.prepare_state.store(2, std::memory_order_release);
+      return;
+    }
+    for (uint32_t spins = 1; wait && slot.prepare_state.load(std::memory_order_acquire) != 2;
+         ++spins) {
+      cpu_pause();
+      if (spins % spins_per_yield == 0) sched_yield();
+    }
+  }
+
   void build_job(Slot& slot, uint64_t seq) {
+    prepare_job(seq, true);
+    if (slot.failed.load(std::memory_order_acquire)) return;  // the prepare threw
     try {
       slot.job = slot.build();
       for (size_t p = 0; p < slot.job.size(); ++p) {
@@ -221,9 +258,14 @@ struct ThreadPool::Impl {
             record_failure(slot, seq, {std::current_exception(), 0, 0, 0, "finish"});
           }
         }
-        slot.job.clear();  // captured state dies before wait() returns
+        // The job's functions (and the state they hold) die on this worker once the others
+        // have gone on to the next job; the slot is free for a later submit() at once.
+        Job job = std::move(slot.job);
+        std::function<Job()> build = std::move(slot.build);
+        std::function<void()> finish = std::move(slot.finish), prepare = std::move(slot.prepare);
+        slot.job.clear();
         slot.build = nullptr;
-        slot.finish = nullptr;
+        slot.finish = slot.prepare = nullptr;
         completed.store(seq + 1, std::memory_order_release);
       } else {
         slot.phase_gen.store(p + 1, std::memory_order_release);
@@ -301,15 +343,17 @@ JobHandle ThreadPool::submit(Job job) {
                                   std::to_string(job[p].num_tasks) + " tasks but no function");
     }
   }
-  return enqueue(std::move(job), {}, {});
+  return enqueue(std::move(job), {}, {}, {});
 }
 
-JobHandle ThreadPool::submit_built(std::function<Job()> build, std::function<void()> finish) {
+JobHandle ThreadPool::submit_built(std::function<Job()> build, std::function<void()> finish,
+                                   std::function<void()> prepare) {
   if (!build) throw std::invalid_argument("ThreadPool::submit_built: build is empty");
-  return enqueue({}, std::move(build), std::move(finish));
+  return enqueue({}, std::move(build), std::move(finish), std::move(prepare));
 }
 
-JobHandle ThreadPool::enqueue(Job job, std::function<Job()> build, std::function<void()> finish) {
+JobHandle ThreadPool::enqueue(Job job, std::function<Job()> build, std::function<void()> finish,
+                              std::function<void()> prepare) {
   if (tl_worker_of == this) {
     throw std::logic_error("ThreadPool::submit called from inside one of its own tasks");
   }
@@ -322,7 +366,10 @@ JobHandle ThreadPool::enqueue(Job job, std::function<Job()> build, std::function
   slot.job = std::move(job);
   slot.build = std::move(build);
   slot.finish = std::move(finish);
+  slot.prepare = std::move(prepare);
   slot.build_claimed.store(false, std::memory_order_relaxed);
+  slot.prepare_state.store(0, std::memory_order_relaxed);
+  slot.built.store(false, std::memory_order_relaxed);
   slot.failed.store(false, std::memory_order_relaxed);
   slot.phase_gen.store(0, std::memory_order_relaxed);
   impl_->published.store(seq + 1, std::memory_order_seq_cst);

@@ -43,13 +43,17 @@ class ThreadPool {
   // Queues the job (blocks only while kPoolQueueCapacity jobs are already queued).
   JobHandle submit(Job job);
   // Queues a job whose phases are made when it starts: one worker calls `build` (which may wait,
-  // e.g. for a flag a GPU writes) while the others wait at a barrier, then every worker runs the
-  // returned phases. `finish` runs once after the last phase, also when `build` or a task threw,
-  // before the phases' functions are destroyed and before wait() returns; an exception from either is reported by wait() like a task's.
-  JobHandle submit_built(std::function<Job()> build, std::function<void()> finish = {});
-  // Returns once the job is done and its Phase functions are destroyed; rethrows its first task
-  // exception (std::invalid_argument stays invalid_argument, others become std::runtime_error).
-  // Waiting again on a finished handle returns at once; an unknown handle throws invalid_argument.
+  // e.g. for a flag a GPU writes) while the others wait for it, then every worker runs the
+  // returned phases. `finish` runs once after the last phase, also when `prepare`, `build` or a
+  // task threw, before wait() returns; an exception from any of them is reported by wait() like
+  // a task's. `prepare` runs once before `build`, as early as the worker that built the previous
+  // job is free of that (while the others still run it): work that needs no earlier job's result.
+  JobHandle submit_built(std::function<Job()> build, std::function<void()> finish = {},
+                         std::function<void()> prepare = {});
+  // Returns once the job is done; rethrows its first task exception (std::invalid_argument stays
+  // invalid_argument, others become std::runtime_error). The job's functions are destroyed by a
+  // worker right after it, off the next job's path. Waiting again on a finished handle returns at
+  // once; an unknown handle throws invalid_argument.
   void wait(JobHandle handle);
   void run(Job job) { wait(submit(std::move(job))); }
 
@@ -68,7 +72,8 @@ class ThreadPool {
                                      // (a waiter then shares a core with one, so it yields at once)
 
  private:
-  JobHandle enqueue(Job job, std::function<Job()> build, std::function<void()> finish);
+  JobHandle enqueue(Job job, std::function<Job()> build, std::function<void()> finish,
+                    std::function<void()> prepare);
 
   struct Impl;
   Impl* impl_;

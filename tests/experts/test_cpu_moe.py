@@ -157,8 +157,8 @@ def test_timeline_orders_each_profiled_call() -> None:
     for q in (1, 100):  # 100 tokens x 2 slots on 3 experts: >= 32 rows each, all 5 phases
         moe.forward(torch.randn(q, 64), torch.randint(0, 3, (q, 2)), torch.rand(q, 2))
     rows = moe._layer.take_timeline()
-    assert len(rows) == 2 and all(len(r) == 3 + 2 * 5 + 2 for r in rows)
-    assert all(r[-2:] == [0, 0] for r in rows)  # picked, made: flagged jobs only
+    assert len(rows) == 2 and all(len(r) == 3 + 2 * 5 + 3 for r in rows)
+    assert all(r[-3:] == [0, 0, 0] for r in rows)  # picked, made, claimed: flagged jobs only
     for row, ran in zip(rows, ([2, 3, 4], [0, 1, 2, 3, 4]), strict=True):
         start, built, done = row[:3]
         spans = [(row[3 + 2 * i], row[4 + 2 * i]) for i in range(5)]

@@ -91,6 +91,43 @@ def test_failed_job_still_sets_done_and_wait_reports_it(pool) -> None:
     assert words.flags.done == 1
 
 
+def test_prepare_runs_before_build_and_during_the_job_ahead(pool) -> None:
+    """A built job's prepare step runs once before its build step; the worker that built the
+    job ahead prepares it while that job's tasks still run (here: a task of the job ahead waits
+    until it has)."""
+    ahead, behind = Words(), Words()
+    first = _cpu.FlagCountJob(ahead.flags, TASKS, pool=pool)
+    second = _cpu.FlagCountJob(behind.flags, TASKS, pool=pool)
+    first.watch(second)
+    handles = [first.submit(), second.submit()]
+    time.sleep(0.02)
+    assert (first.prepared, second.prepared) == (1, 0)  # the first builder waits for ready
+    ahead.gpu_ready()
+    first.wait(handles[0])
+    assert first.saw_watch_prepared and second.prepared == 1
+    behind.gpu_ready()
+    second.wait(handles[1])
+    assert (first.count, second.count) == (TASKS, TASKS)
+    assert (first.unprepared_builds, second.unprepared_builds) == (0, 0)
+
+
+def test_failed_prepare_skips_the_job_but_sets_done(pool) -> None:
+    words = Words()
+    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    job.fail_prepare = True
+    handle = job.submit()
+    with pytest.raises(RuntimeError, match=r"failed in its prepare step: injected prepare "
+                                           r"failure"):
+        job.wait(handle)
+    assert job.count == 0 and words.flags.done == 1 and words.flags.ready == 0
+    words.gpu_consume_done()
+    job.fail_prepare = False
+    handle = job.submit()
+    words.gpu_ready()
+    job.wait(handle)
+    assert job.count == TASKS
+
+
 def test_words_are_checked() -> None:
     mem = torch.zeros(32, dtype=torch.int32)
     with pytest.raises(ValueError, match="ready and done must be on different cache lines"):
@@ -193,8 +230,9 @@ def test_deferred_flag_job_chains_the_late_slots(fmt: str, group: int | None, q:
     assert len(rows) == 8
     for first, second in (rows[0:2], rows[4:6]):
         assert first[0] <= first[1] <= first[2] <= second[0] <= second[2]  # ready, built, done
-        assert 0 < first[-2] <= first[-1] <= first[0]  # picked, made (before the ready word)
-        assert second[-2:] == [0, 0]
+        picked, made, claimed = first[-3:]  # the prepare step, then the build step
+        assert 0 < picked <= made <= claimed <= first[0]
+        assert second[-3:] == [0, 0, 0]
 
 
 def test_deferred_flag_job_errors_set_both_done_words() -> None:
