@@ -19,6 +19,8 @@ For every family's baby model (fp32, routed experts in the C++ CPU backend, the 
   decode over the whole window (logits within summation-order noise); one graph captured per
   (batch size, bucket) and no compile per bucket (the window's chunk count is a dynamic
   dimension); capture time per graph;
+- greedy steps launched ahead (`HybridRunner.greedy`, what greedy requests run) give the tokens
+  of the decode loop, and stopping early discards the step launched ahead;
 - no CPU job reported an error; launches per token in both modes.
 
     python benchmarks/check_graph_device.py [--json FILE] [--families qwen3_moe,...]
@@ -67,6 +69,32 @@ def decode(runner: ModelRunner, batch: int, reference: DeferralReference | None 
     finally:
         for s in slots:
             runner.cache.free(s)
+
+
+def greedy_ahead(runner: HybridRunner) -> list[int]:
+    """`runner.greedy` (each step launched before the previous token is read) on the first
+    prompt, as `decode` lays tokens out; then a run stopped after 3 tokens must leave the slot's
+    length at the tokens it consumed (the step launched ahead discarded). [] if it did not."""
+    slot = runner.cache.allocate()
+    try:
+        tokens = [int(runner.prefill(slot, PROMPTS[0]).argmax())]
+        steps = runner.greedy(slot, tokens[0])
+        tokens += [next(steps) for _ in range(STEPS)]
+        steps.close()
+        if runner.lengths[slot] != len(PROMPTS[0]) + STEPS:
+            return []
+    finally:
+        runner.cache.free(slot)
+    slot = runner.cache.allocate()
+    try:
+        steps = runner.greedy(slot, int(runner.prefill(slot, PROMPTS[0]).argmax()))
+        early = [next(steps) for _ in range(3)]
+        steps.close()
+        if early != tokens[1:4] or runner.lengths[slot] != len(PROMPTS[0]) + 3:
+            return []
+    finally:
+        runner.cache.free(slot)
+    return tokens
 
 
 SAME_KERNELS_ATOL = 1e-3
@@ -119,6 +147,7 @@ def check_family(family: str, root: Path) -> dict[str, object]:
                                                                         eager_logits)
         runner.use_graphs = True
         tokens, logits = decode(runner, 1)
+        row[f"graph_greedy_ahead_eq_decode_d{d}"] = greedy_ahead(runner) == tokens[0]
         if d == 0:
             row["graph_eq_plain_tokens"] = tokens == plain_tokens
             row["graph_vs_plain_max_dlogit"] = max_delta(logits, plain_logits)

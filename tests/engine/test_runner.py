@@ -99,3 +99,28 @@ def test_full_context_window_stops_decode(llm_of) -> None:
             runner.decode([slot], [9])
     finally:
         runner.cache.free(slot)
+
+
+def test_greedy_steps_are_the_argmax_decode_loop_and_end_at_the_window(llm_of) -> None:
+    runner = llm_of("qwen3_moe").runner
+    slot = runner.cache.allocate()
+    try:
+        first = int(runner.prefill(slot, [3, 4, 5]).argmax())
+        want, token = [], first
+        for _ in range(4):
+            token = int(runner.decode([slot], [token])[0].argmax())
+            want.append(token)
+        runner.cache.free(slot)
+        slot = runner.cache.allocate()
+        runner.prefill(slot, [3, 4, 5])
+        steps = runner.greedy(slot, first)
+        assert [next(steps) for _ in range(4)] == want
+        steps.close()
+        assert runner.lengths[slot] == 3 + 4
+        runner.cache.free(slot)
+        slot = runner.cache.allocate()
+        runner.prefill(slot, [7] * (runner.max_seq_len - 2))
+        assert len(list(runner.greedy(slot, 8))) == 2  # then the window is full
+        assert runner.lengths[slot] == runner.max_seq_len
+    finally:
+        runner.cache.free(slot)

@@ -80,9 +80,11 @@ class DecodeRun:
 
 
 def greedy_decode(runner: ModelRunner, prompt: list[int], new_tokens: int) -> DecodeRun:
-    """Prefills `prompt` into a fresh slot, then decodes `new_tokens` greedily; frees the slot.
+    """Prefills `prompt` into a fresh slot, then decodes `new_tokens` greedily through the
+    runner's `greedy` steps (what a greedy request runs); frees the slot.
 
-    The first decode step (graph capture, warm-up) is not timed.
+    A step's time is the interval between two tokens read; the first decode step (graph capture,
+    warm-up) is not timed.
     """
     device = runner.device
     slot = runner.cache.allocate()
@@ -92,12 +94,17 @@ def greedy_decode(runner: ModelRunner, prompt: list[int], new_tokens: int) -> De
         token = int(runner.prefill(slot, prompt).argmax())
         prefill_s = time.perf_counter() - start
         tokens, steps = [token], []
-        for i in range(new_tokens - 1):
+        greedy = runner.greedy(slot, token)
+        try:
             start = time.perf_counter()
-            token = int(runner.decode([slot], [token])[0].argmax())  # syncs the device
-            if i:
-                steps.append(time.perf_counter() - start)
-            tokens.append(token)
+            for i in range(new_tokens - 1):
+                tokens.append(next(greedy))
+                now = time.perf_counter()
+                if i:
+                    steps.append(now - start)
+                start = now
+        finally:
+            greedy.close()
         return DecodeRun(tokens, steps, prefill_s)
     finally:
         runner.cache.free(slot)

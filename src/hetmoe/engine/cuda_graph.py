@@ -24,7 +24,7 @@ import logging
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -84,6 +84,16 @@ class HybridConfig:
 
 
 @dataclass
+class _Ahead:
+    """A greedy decode step launched before the previous one's token was read."""
+
+    token: torch.Tensor  # [1, 1] int64 on the GPU: the step's argmax, the next step's input
+    host: torch.Tensor  # [1, 1] pinned: its copy for the host
+    done: torch.cuda.Event  # recorded after that copy
+    jobs: list[tuple[HostLink, int]]  # the step's flag jobs (MoEOverlap.take_pending)
+
+
+@dataclass
 class _Graph:
     """One captured decode step and its static tensors."""
 
@@ -140,6 +150,67 @@ class HybridRunner(ModelRunner):
                 raise
         self.overlap.finish_step()
         return logits
+
+    def greedy(self, slot: int, token: int) -> Generator[int, None, None]:
+        """See `ModelRunner.greedy`. With CUDA graphs each step is launched before the previous
+        step's token is read, its input being that step's argmax on the GPU: the host's work
+        between steps and the GPU's end of a step (final norm, lm_head) no longer leave the CPU
+        experts idle. A consumer that stops discards the step launched ahead (it is waited for,
+        and its cache entry lies beyond the slot's length again)."""
+        if not self.use_graphs:
+            yield from super().greedy(slot, token)
+            return
+        self.cache.check_slot(slot)
+        self._check_ids([token])
+        if self.lengths[slot] == 0:
+            raise ValueError(f"slot {slot} holds no tokens; greedy decode needs a prefilled slot")
+        ahead: list[_Ahead] = []
+        try:
+            ids = torch.tensor([[token]]).to(self.device)
+            while True:
+                if self.lengths[slot] < self.max_seq_len:
+                    ahead.append(self._launch_greedy(slot, ids))
+                    ids = ahead[-1].token
+                if not ahead:
+                    return
+                if len(ahead) == 1 and self.lengths[slot] < self.max_seq_len:
+                    continue  # the first step: launch the one after it before waiting
+                yield self._finish_ahead(ahead.pop(0))
+        except BaseException as exc:
+            failed = not isinstance(exc, GeneratorExit)
+            if not failed:
+                try:
+                    while ahead:  # launched ahead, never read
+                        self._finish_ahead(ahead[0])
+                        ahead.pop(0)
+                        self.lengths[slot] -= 1
+                except BaseException:
+                    failed = True
+            if failed:
+                self.overlap.abort_step([job for step in ahead for job in step.jobs])
+                self.lengths[slot] -= len(ahead)
+            raise
+
+    def _launch_greedy(self, slot: int, ids: torch.Tensor) -> _Ahead:
+        """Launches one greedy decode step of `slot` on ids [1, 1] (on the GPU)."""
+        start = self.lengths[slot]
+        index = torch.tensor([[start], [slot]], pin_memory=True).to(self.device, non_blocking=True)
+        kv = KVBatch(index[1], index[0:1], start + 1)
+        with self.overlap.phase(decoding=True):
+            hidden = self._forward(ids, kv)[:, 0]  # [1, H]
+        self.lengths[slot] += 1
+        token = self.model.lm_head(hidden).float().argmax(-1, keepdim=True)  # [1, 1]
+        host = torch.empty(1, 1, dtype=torch.int64, pin_memory=True)
+        host.copy_(token, non_blocking=True)
+        done = torch.cuda.Event(blocking=True)  # sleep, not spin, on it (see `decode`)
+        done.record()
+        return _Ahead(token, host, done, self.overlap.take_pending())
+
+    def _finish_ahead(self, step: _Ahead) -> int:
+        """Waits for a launched greedy step and its CPU jobs; its token."""
+        step.done.synchronize()
+        self.overlap.finish_step(step.jobs)
+        return int(step.host[0, 0])
 
     def _forward(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
         if not self.overlap.decoding:

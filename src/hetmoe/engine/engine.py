@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,10 +197,12 @@ class LLM:
         slot = runner.cache.allocate()
         out: list[int] = []
         reason = "length"
+        # Greedy requests take the runner's greedy steps (launched ahead on the hybrid runner);
+        # the others sample each step's logits.
+        steps: Generator[int, None, None] | None = None
         try:
-            logits = runner.prefill(slot, prompt_ids)  # [V]
+            token = sampler(runner.prefill(slot, prompt_ids))
             while True:
-                token = sampler(logits)
                 out.append(token)
                 if token in self.eos_token_ids:
                     reason = "stop"
@@ -211,10 +213,21 @@ class LLM:
                 if text.stopped:
                     reason = "stop"
                     break
-                if len(out) >= params.max_new_tokens or runner.lengths[slot] >= self.max_seq_len:
+                if len(out) >= params.max_new_tokens:
                     break
-                logits = runner.decode([slot], [token])[0]
+                if sampler.greedy:
+                    steps = steps or runner.greedy(slot, token)
+                    next_token = next(steps, None)  # None: the context window is full
+                    if next_token is None:
+                        break
+                    token = next_token
+                elif runner.lengths[slot] >= self.max_seq_len:
+                    break
+                else:
+                    token = sampler(runner.decode([slot], [token])[0])
         finally:
+            if steps is not None:
+                steps.close()  # waits for a step launched ahead, before the slot is freed
             runner.cache.free(slot)
         tail = text.finish()
         if tail:

@@ -178,10 +178,17 @@ class MoEOverlap:
         launching its replay (a job whose ready word is already set starts at once)."""
         self.pending.extend((link, link.submit(deferred)) for link, deferred in jobs)
 
-    def finish_step(self) -> None:
-        """Once the step's stream work is done: waits its CPU jobs; RuntimeError with the first
-        error one of them (or a host function) hit."""
+    def take_pending(self) -> list[tuple[HostLink, int]]:
+        """The flag jobs submitted since the last call (one step's, for `finish_step`)."""
         pending, self.pending = self.pending, []
+        return pending
+
+    def finish_step(self, pending: list[tuple[HostLink, int]] | None = None) -> None:
+        """Once the step's stream work is done: waits its CPU jobs (`pending`, by default every
+        job submitted since the last `take_pending`); RuntimeError with the first error one of
+        them (or a host function) hit."""
+        if pending is None:
+            pending = self.take_pending()
         first = ""
         for link, handle in pending:
             try:
@@ -195,20 +202,20 @@ class MoEOverlap:
         if first:
             raise RuntimeError(first)
 
-    def abort_step(self) -> None:
-        """Tears down a step that raised: its queued CPU jobs return without computing, a
-        stream still waiting on a done word is let through, then every word is cleared."""
+    def abort_step(self, inflight: Sequence[tuple[HostLink, int]] = ()) -> None:
+        """Tears down a step that raised (and the `inflight` jobs of steps launched before it,
+        taken with `take_pending`): the queued CPU jobs return without computing, a stream still
+        waiting on a done word is let through, then every word is cleared."""
+        jobs, self.pending = [*inflight, *self.pending], []
         if self.signal != "flags" or not self.host:
-            self.pending = []
             return
         for link in self.host:
             link.flags.abort()
-        for link, handle in self.pending:
+        for link, handle in jobs:
             try:
                 link.moe.wait_flagged(handle)
             except (RuntimeError, ValueError):
                 pass  # the step already failed: the error being raised is the one to report
-        self.pending = []
         stream = torch.cuda.current_stream(self.device)
         deadline = time.monotonic() + ABORT_TIMEOUT_S
         while not stream.query():

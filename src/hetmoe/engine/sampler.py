@@ -62,10 +62,15 @@ class Sampler:
         else:
             self.generator.manual_seed(params.seed)
 
+    @property
+    def greedy(self) -> bool:
+        """Whether every token is the argmax (temperature 0 or top_k 1)."""
+        return self.params.temperature == 0.0 or self.params.top_k == 1
+
     def __call__(self, logits: torch.Tensor) -> int:
         """One token id from logits [V]."""
         p = self.params
-        if p.temperature == 0.0 or p.top_k == 1:
+        if self.greedy:
             return int(torch.argmax(logits))
         logits = logits.float().cpu() / p.temperature  # [V]
         if p.top_k > 0:
