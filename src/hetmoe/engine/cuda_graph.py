@@ -191,6 +191,7 @@ class HybridRunner(ModelRunner):
                 self.lengths[slot] -= len(ahead)
             raise
 
+    @torch.inference_mode()
     def _launch_greedy(self, slot: int, ids: torch.Tensor) -> _Ahead:
         """Launches one greedy decode step of `slot` on ids [1, 1] (on the GPU)."""
         start = self.lengths[slot]
