@@ -36,6 +36,8 @@ def mode_args(mode: str, args: argparse.Namespace, out: Path) -> list[str]:
             extra += ["--trace", str(out / f"{args.shape}-trace.json")]
         if fmt != "bf16" or args.no_eager:
             extra += ["--no-eager"]
+        elif args.no_alternatives:
+            extra += ["--no-alternatives"]
         return common + extra
     tokens = args.baseline_tokens if mode == "torch-cpu" else args.accelerate_tokens
     prefill = ["--prefill", "128"] if mode == "torch-cpu" else ["--prefill", ""]
@@ -126,6 +128,9 @@ def main() -> int:
     parser.add_argument("--num-layers", type=int, default=0)
     parser.add_argument("--no-eager", action="store_true",
                         help="BF16 too: skip eager, host-function and HF-module comparisons")
+    parser.add_argument("--no-alternatives", action="store_true",
+                        help="BF16: keep eager decode and launch counts, skip the host-function "
+                             "and HF-module comparisons")
     parser.add_argument("--timeout", type=int, default=480, help="seconds per mode")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

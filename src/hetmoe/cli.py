@@ -208,6 +208,9 @@ def bench(
     new_tokens: Annotated[int, typer.Option(help="Tokens decoded per run")] = 256,
     prefill: Annotated[str, typer.Option(help="Prefill lengths, e.g. 128,1024,4096")] = "128",
     eager: Annotated[bool, typer.Option(help="Also time eager decode, count launches")] = True,
+    alternatives: Annotated[bool, typer.Option(
+        help="With --eager: also time graph decode with host functions and via the HF "
+             "layers")] = True,
     trace: Annotated[Path | None, typer.Option(help="Chrome/Perfetto trace file")] = None,
     num_layers: Annotated[int | None, typer.Option(help="Fewer decoder layers")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results here")] = None,
@@ -222,7 +225,7 @@ def bench(
         cfg = BenchConfig(
             shape=random_weights, model=model, experts=experts, weight_format=weight_format,
             deferred=_ints(deferred, "deferred"), prompt_len=prompt_len, new_tokens=new_tokens,
-            prefill_lengths=_ints(prefill, "prefill"), eager=eager,
+            prefill_lengths=_ints(prefill, "prefill"), eager=eager, alternatives=alternatives,
             trace=str(trace) if trace else None, num_layers=num_layers,
             bandwidth_gib=bandwidth_gib,
         )

@@ -4,9 +4,10 @@ Modes by `BenchConfig.experts`:
 - `cpu` (ours): `HybridRunner` (overlap, CUDA-graph decode of the fused layer functions, CPU
   experts started/awaited through ready/done flags); decode for each `deferred` value and the
   attention window buckets those steps used (`decode_windows`, with graph capture times); with
-  `eager`, also eager decode, graph decode with CUDA host functions instead of flags, graph
-  decode of the HF layers (`module_path`, before the fused decode; real and without CPU work),
-  launches per token; a trace of a few eager steps, prefill speed per length.
+  `eager`, also eager decode and launches per token, and with `alternatives` graph decode with
+  CUDA host functions instead of flags and graph decode of the HF layers (`module_path`, before
+  the fused decode; real and without CPU work); a trace of a few eager steps, prefill speed per
+  length.
 - `torch-cpu` (baseline): the same injected model with plain-torch experts on the CPU, the plain
   `ModelRunner` (no graphs, no overlap).
 - `accelerate` (baseline): unmodified transformers, experts offloaded by accelerate
@@ -61,6 +62,8 @@ class BenchConfig:
     """Expert Deferral values timed in graph mode."""
     eager: bool = True
     """Also time decode in eager mode and count launches in both modes."""
+    alternatives: bool = True
+    """With `eager`: also time graph decode with host functions and through the HF layers."""
     trace: str | None = None
     """Chrome trace file of a few eager decode steps."""
     num_layers: int | None = None
@@ -169,6 +172,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
             result["graph_eager_same_tokens"] = tokens["graph_d0"] == tokens["eager_d0"]
         runner.use_graphs = True
         log(f"decode eager_d0: {decode['eager_d0']['tok_s']} tok/s")
+    if cfg.eager and cfg.alternatives and runner.use_graphs:
         # The same graph step with the CPU experts started/awaited by CUDA host functions.
         runner.overlap.detach()
         alt = HybridRunner(model, device, dtype, 1, window, HybridConfig(signal="host_functions"))
