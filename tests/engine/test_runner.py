@@ -119,6 +119,11 @@ def test_greedy_steps_are_the_argmax_decode_loop_and_end_at_the_window(llm_of) -
         assert runner.lengths[slot] == 3 + 4
         runner.cache.free(slot)
         slot = runner.cache.allocate()
+        runner.prefill(slot, [3, 4, 5])
+        assert list(runner.greedy(slot, first, limit=3)) == want[:3]  # then it ends
+        assert runner.lengths[slot] == 3 + 3
+        runner.cache.free(slot)
+        slot = runner.cache.allocate()
         runner.prefill(slot, [7] * (runner.max_seq_len - 2))
         assert len(list(runner.greedy(slot, 8))) == 2  # then the window is full
         assert runner.lengths[slot] == runner.max_seq_len

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -117,3 +118,76 @@ def test_graph_and_eager_tokens_equal_on_cuda(tiny_dir: Callable[..., object]) -
     runner.use_graphs = False
     eager_tokens, _ = greedy(runner, 8)
     assert graph_tokens == eager_tokens
+
+
+class FakeSteps:
+    """Stands in for `HybridRunner._launch_greedy` / `_finish_ahead` (CUDA only): step n's token
+    is 100 + n; records launches and reads, so the scheduling of steps launched ahead is seen."""
+
+    def __init__(self, runner: HybridRunner, slot: int, fail_at: int | None = None) -> None:
+        self.runner, self.slot, self.fail_at = runner, slot, fail_at
+        self.events: list[str] = []
+        self.launched = 0
+
+    def launch(self, slot: int, ids: object) -> SimpleNamespace:
+        n, self.launched = self.launched, self.launched + 1
+        self.events.append(f"launch {n}")
+        self.runner.lengths[slot] += 1
+        return SimpleNamespace(n=n, token=n, jobs=[f"jobs of {n}"])
+
+    def finish(self, step: SimpleNamespace) -> int:
+        self.events.append(f"read {step.n}")
+        if step.n == self.fail_at:
+            raise RuntimeError("CPU experts of MoE layer 0: injected")
+        return 100 + step.n
+
+
+def fake_greedy(runner: HybridRunner, slot: int, fail_at: int | None = None) -> FakeSteps:
+    fake = FakeSteps(runner, slot, fail_at)
+    runner.use_graphs = True  # the greedy loop's scheduling, without a GPU
+    runner._launch_greedy = fake.launch  # type: ignore[method-assign,assignment]
+    runner._finish_ahead = fake.finish  # type: ignore[method-assign,assignment]
+    return fake
+
+
+def test_greedy_steps_are_launched_one_ahead_and_the_unread_one_is_dropped(
+    engine: Callable[[str, str], LLM]
+) -> None:
+    runner = hybrid(engine("qwen3_moe", "cpu"))
+    try:
+        slot = runner.cache.allocate()
+        runner.prefill(slot, [3, 4, 5])
+        fake = fake_greedy(runner, slot)
+        steps = runner.greedy(slot, 7)
+        assert [next(steps), next(steps)] == [100, 101]
+        assert fake.events == ["launch 0", "launch 1", "read 0", "launch 2", "read 1"]
+        steps.close()  # step 2 was launched ahead and is never read: waited, length rolled back
+        assert fake.events[-1] == "read 2" and runner.lengths[slot] == 3 + 2
+        fake.events.clear()
+        assert list(runner.greedy(slot, 7, limit=2)) == [103, 104]
+        assert fake.events == ["launch 3", "launch 4", "read 3", "read 4"]  # none beyond limit
+        assert runner.lengths[slot] == 3 + 4
+        runner.lengths[slot] = runner.max_seq_len - 1
+        assert list(runner.greedy(slot, 7)) == [105]  # the window's last position
+    finally:
+        runner.overlap.detach()
+
+
+def test_a_failed_greedy_step_releases_the_step_launched_ahead(
+    engine: Callable[[str, str], LLM]
+) -> None:
+    runner = hybrid(engine("qwen3_moe", "cpu"))
+    try:
+        slot = runner.cache.allocate()
+        runner.prefill(slot, [3, 4, 5])
+        fake_greedy(runner, slot, fail_at=1)
+        aborted: list[list[object]] = []
+        runner.overlap.abort_step = lambda inflight=(): aborted.append(list(inflight))  # type: ignore[method-assign]
+        steps = runner.greedy(slot, 7)
+        assert next(steps) == 100
+        with pytest.raises(RuntimeError, match="injected"):
+            next(steps)
+        assert aborted == [["jobs of 2"]]  # the step launched ahead is released with the rest
+        assert runner.lengths[slot] == 3 + 2  # and rolled back
+    finally:
+        runner.overlap.detach()

@@ -94,7 +94,7 @@ def greedy_decode(runner: ModelRunner, prompt: list[int], new_tokens: int) -> De
         token = int(runner.prefill(slot, prompt).argmax())
         prefill_s = time.perf_counter() - start
         tokens, steps = [token], []
-        greedy = runner.greedy(slot, token)
+        greedy = runner.greedy(slot, token, new_tokens - 1)
         try:
             start = time.perf_counter()
             for i in range(new_tokens - 1):

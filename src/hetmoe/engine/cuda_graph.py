@@ -151,14 +151,16 @@ class HybridRunner(ModelRunner):
         self.overlap.finish_step()
         return logits
 
-    def greedy(self, slot: int, token: int) -> Generator[int, None, None]:
+    def greedy(self, slot: int, token: int,
+               limit: int | None = None) -> Generator[int, None, None]:
         """See `ModelRunner.greedy`. With CUDA graphs each step is launched before the previous
         step's token is read, its input being that step's argmax on the GPU: the host's work
         between steps and the GPU's end of a step (final norm, lm_head) no longer leave the CPU
         experts idle. A consumer that stops discards the step launched ahead (it is waited for,
-        and its cache entry lies beyond the slot's length again)."""
+        and its cache entry lies beyond the slot's length again); with `limit`, no step beyond
+        the last token wanted is launched."""
         if not self.use_graphs:
-            yield from super().greedy(slot, token)
+            yield from super().greedy(slot, token, limit)
             return
         self.cache.check_slot(slot)
         self._check_ids([token])
@@ -167,13 +169,17 @@ class HybridRunner(ModelRunner):
         ahead: list[_Ahead] = []
         try:
             ids = torch.tensor([[token]]).to(self.device)
+            launched = 0
             while True:
-                if self.lengths[slot] < self.max_seq_len:
+                more = self.lengths[slot] < self.max_seq_len and (limit is None
+                                                                  or launched < limit)
+                if more:
                     ahead.append(self._launch_greedy(slot, ids))
                     ids = ahead[-1].token
+                    launched += 1
                 if not ahead:
                     return
-                if len(ahead) == 1 and self.lengths[slot] < self.max_seq_len:
+                if len(ahead) == 1 and more and (limit is None or launched < limit):
                     continue  # the first step: launch the one after it before waiting
                 yield self._finish_ahead(ahead.pop(0))
         except BaseException as exc:

@@ -216,7 +216,8 @@ class LLM:
                 if len(out) >= params.max_new_tokens:
                     break
                 if sampler.greedy:
-                    steps = steps or runner.greedy(slot, token)
+                    steps = steps or runner.greedy(slot, token,
+                                                   params.max_new_tokens - len(out))
                     next_token = next(steps, None)  # None: the context window is full
                     if next_token is None:
                         break

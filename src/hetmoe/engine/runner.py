@@ -7,9 +7,9 @@ The stable interface the engine and the server's scheduler drive (single-threade
   position's logits; `prefill_logits` returns all positions' [T, V].
 - `decode(slots, token_ids) -> [B, V]`: one new token for each of B slots, each at its own
   position (the slot's length), in ONE forward pass: one MoE call per layer for the whole batch.
-- `greedy(slot, token) -> iterator of int`: greedy decode of one slot from its last token, one
-  token per step until the caller stops (the hybrid runner launches each step before the
-  previous one's token is read).
+- `greedy(slot, token, limit=None) -> iterator of int`: greedy decode of one slot from its last
+  token, one token per step until the caller stops (the hybrid runner launches each step before
+  the previous one's token is read; `limit` keeps it from launching steps never read).
 - `max_batch`, `max_seq_len`, `vocab_size`, `lengths[slot]`; `cache.allocate()` / `cache.free()`.
 
 Logits are float32. The HF decoder layers run unchanged; the runner owns embedding, rotary
@@ -80,11 +80,15 @@ class ModelRunner:
             self.lengths[slot] += 1
         return self.model.lm_head(hidden).float()
 
-    def greedy(self, slot: int, token: int) -> Generator[int, None, None]:
+    def greedy(self, slot: int, token: int,
+               limit: int | None = None) -> Generator[int, None, None]:
         """Greedy decode of `slot` after `token` (its last sampled token, not yet in the cache):
-        yields the next token of each step until the caller stops or the window is full."""
-        while self.lengths[slot] < self.max_seq_len:
+        yields the next token of each step until the caller stops, `limit` tokens were yielded
+        or the window is full."""
+        yielded = 0
+        while self.lengths[slot] < self.max_seq_len and (limit is None or yielded < limit):
             token = int(self.decode([slot], [token])[0].argmax())
+            yielded += 1
             yield token
 
     def _prefill(
