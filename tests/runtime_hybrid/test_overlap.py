@@ -191,3 +191,40 @@ def test_a_failed_greedy_step_releases_the_step_launched_ahead(
         assert runner.lengths[slot] == 3 + 2  # and rolled back
     finally:
         runner.overlap.detach()
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_a_step_queues_its_cpu_jobs_before_a_launch_that_could_block(
+    engine: Callable[[str, str], LLM], parts: int
+) -> None:
+    """A step captured as one graph queues its CPU jobs before the launch (a long launch blocks
+    once the GPU waits on a done word whose job is not queued: a deadlock); a split step launches
+    its short first part, queues the jobs, then launches the rest. CUDA calls stood in for."""
+    from hetmoe.engine.cuda_graph import _Graph
+    from hetmoe.ops.kv_batch import KVBatch, window_bucket
+
+    runner = hybrid(engine("qwen3_moe", "cpu"))
+    events: list[str] = []
+
+    class Part:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def replay(self) -> None:
+            events.append(f"launch {self.n}")
+
+    try:
+        runner.use_graphs = True
+        runner.device = torch.device("cuda")  # the graph branch; nothing here touches a GPU
+        width = window_bucket(6, runner.config.smallest_window, runner.max_seq_len)
+        ids, pos, slots = torch.zeros(1, 1, dtype=torch.int64), torch.full((1, 1), 5), \
+            torch.zeros(1, dtype=torch.int64)
+        runner.graphs[1, width] = _Graph([Part(n) for n in range(parts)], ids.clone(),  # type: ignore[misc]
+                                         pos.clone(), slots.clone(), torch.zeros(1, 1, 8), [])
+        runner.overlap.submit_recorded = lambda jobs: events.append("queue jobs")  # type: ignore[method-assign]
+        with runner.overlap.phase(decoding=True):
+            runner._forward(ids, KVBatch(slots, pos, 6))
+        want = ["queue jobs", "launch 0"] if parts == 1 else ["launch 0", "queue jobs", "launch 1"]
+        assert events == want
+    finally:
+        runner.overlap.detach()

@@ -66,7 +66,9 @@ class HybridConfig:
     graph_split_layer: int = 4
     """Fused decode graphs with the "flags" signal are captured as two, split before this decoder
     layer (0 or beyond the last layer: one graph): launching a graph costs the CPU about a
-    microsecond per node, and the second, long launch then runs while the GPU runs the first."""
+    microsecond per node, and the second, long launch then runs while the GPU runs the first.
+    The step's CPU jobs are queued between the two launches (before a single one), so the first
+    part must be short: a launch can block once the GPU waits for a job not yet queued."""
 
     def __post_init__(self) -> None:
         sizes = self.graph_batch_sizes
@@ -241,6 +243,12 @@ class HybridRunner(ModelRunner):
         graph.slots.copy_(slots)
         for link in self.overlap.host:
             link.bind(size)  # another size may have been bound since this graph's capture
+        if len(graph.parts) == 1:
+            # One launch of a whole step can block once the GPU waits on the first done word
+            # (its queue fills), and that word needs a job queued: queue the jobs first.
+            self.overlap.submit_recorded(graph.jobs)
+            graph.parts[0].replay()
+            return graph.hidden[:b]
         # The first part's short launch starts the GPU; the jobs are queued and the long launch
         # of the rest made while it runs (a job whose ready word is already set starts at once).
         graph.parts[0].replay()
