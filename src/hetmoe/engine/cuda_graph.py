@@ -172,16 +172,19 @@ class HybridRunner(ModelRunner):
         try:
             ids = torch.tensor([[token]]).to(self.device)
             launched = 0
-            while True:
-                more = self.lengths[slot] < self.max_seq_len and (limit is None
+
+            def wanted() -> bool:  # another step fits the window and the limit
+                return self.lengths[slot] < self.max_seq_len and (limit is None
                                                                   or launched < limit)
-                if more:
+
+            while True:
+                if wanted():
                     ahead.append(self._launch_greedy(slot, ids))
                     ids = ahead[-1].token
                     launched += 1
                 if not ahead:
                     return
-                if len(ahead) == 1 and more and (limit is None or launched < limit):
+                if len(ahead) == 1 and wanted():
                     continue  # the first step: launch the one after it before waiting
                 yield self._finish_ahead(ahead.pop(0))
         except BaseException as exc:
