@@ -248,16 +248,12 @@ class MoEOverlap:
         x = hidden_states.reshape(-1, shape[-1])  # [T, H]
         ids, weights = moe.gate(x)  # [T, K] int64 sorted by score, [T, K] fp32
         d = self.deferred_at(i)
+        host = self.host[i] if self.decoding and self.host else None
+        link: Link = host if host is not None else self.direct[i]
         late = None
-        if self.decoding and self.host:
-            link: Link = self.host[i]
-            if self.host[i].chains:
-                self.host[i].start(x, ids, weights, deferred=d)
-            else:
-                immediate, late = split_ids(ids, d) if d else (ids, None)
-                link.start(x, immediate, weights)
+        if host is not None and host.chains:
+            host.start(x, ids, weights, deferred=d)  # the job goes on to the deferred slots
         else:
-            link = self.direct[i]
             immediate, late = split_ids(ids, d) if d else (ids, None)
             link.start(x, immediate, weights)
         self._mark("submitted", i)
