@@ -124,8 +124,8 @@ class FakeSteps:
     """Stands in for `HybridRunner._launch_greedy` / `_finish_ahead` (CUDA only): step n's token
     is 100 + n; records launches and reads, so the scheduling of steps launched ahead is seen."""
 
-    def __init__(self, runner: HybridRunner, slot: int, fail_at: int | None = None) -> None:
-        self.runner, self.slot, self.fail_at = runner, slot, fail_at
+    def __init__(self, runner: HybridRunner, fail_at: int | None = None) -> None:
+        self.runner, self.fail_at = runner, fail_at
         self.events: list[str] = []
         self.launched = 0
 
@@ -142,12 +142,15 @@ class FakeSteps:
         return 100 + step.n
 
 
-def fake_greedy(runner: HybridRunner, slot: int, fail_at: int | None = None) -> FakeSteps:
-    fake = FakeSteps(runner, slot, fail_at)
+def fake_greedy(runner: HybridRunner, fail_at: int | None = None) -> tuple[FakeSteps, int]:
+    """The stand-ins installed on `runner`, and a slot prefilled with 3 tokens."""
+    slot = runner.cache.allocate()
+    runner.prefill(slot, [3, 4, 5])
+    fake = FakeSteps(runner, fail_at)
     runner.use_graphs = True  # the greedy loop's scheduling, without a GPU
     runner._launch_greedy = fake.launch  # type: ignore[method-assign,assignment]
     runner._finish_ahead = fake.finish  # type: ignore[method-assign,assignment]
-    return fake
+    return fake, slot
 
 
 def test_greedy_steps_are_launched_one_ahead_and_the_unread_one_is_dropped(
@@ -155,9 +158,7 @@ def test_greedy_steps_are_launched_one_ahead_and_the_unread_one_is_dropped(
 ) -> None:
     runner = hybrid(engine("qwen3_moe", "cpu"))
     try:
-        slot = runner.cache.allocate()
-        runner.prefill(slot, [3, 4, 5])
-        fake = fake_greedy(runner, slot)
+        fake, slot = fake_greedy(runner)
         steps = runner.greedy(slot, 7)
         assert [next(steps), next(steps)] == [100, 101]
         assert fake.events == ["launch 0", "launch 1", "read 0", "launch 2", "read 1"]
@@ -178,9 +179,7 @@ def test_a_failed_greedy_step_releases_the_step_launched_ahead(
 ) -> None:
     runner = hybrid(engine("qwen3_moe", "cpu"))
     try:
-        slot = runner.cache.allocate()
-        runner.prefill(slot, [3, 4, 5])
-        fake_greedy(runner, slot, fail_at=1)
+        _, slot = fake_greedy(runner, fail_at=1)
         aborted: list[list[object]] = []
         runner.overlap.abort_step = lambda inflight=(): aborted.append(list(inflight))  # type: ignore[method-assign]
         steps = runner.greedy(slot, 7)

@@ -21,11 +21,13 @@ def pool() -> _cpu.ThreadPool:
 
 
 class Words:
-    """Two int32 words on their own cache lines, as the GPU side would see them."""
+    """Int32 words on their own cache lines, as the GPU side would see them: ready, done and
+    (for a job with deferred experts) the deferred part's done, `late_flags`."""
 
     def __init__(self) -> None:
-        self.mem = torch.zeros(2, 16, dtype=torch.int32)  # [ready, done] x 64 bytes
+        self.mem = torch.zeros(3, 16, dtype=torch.int32)  # [ready, done, late done] x 64 bytes
         self.flags = _cpu.StreamFlags(self.mem[0].data_ptr(), self.mem[1].data_ptr())
+        self.late_flags = _cpu.StreamFlags(self.mem[0].data_ptr(), self.mem[2].data_ptr())
 
     def gpu_ready(self) -> None:
         self.mem[0, 0] = 1
@@ -209,9 +211,8 @@ def test_deferred_flag_job_chains_the_late_slots(fmt: str, group: int | None, q:
     moe._layer.set_profile(True)
     x, out, late = torch.zeros(q, h), torch.zeros(q, h), torch.zeros(q, h)
     ids, weights = torch.zeros(q, k, dtype=torch.int64), torch.zeros(q, k)
-    mem = torch.zeros(3, 16, dtype=torch.int32)  # ready, done, late done
-    flags = _cpu.StreamFlags(mem[0].data_ptr(), mem[1].data_ptr())
-    late_flags = _cpu.StreamFlags(mem[0].data_ptr(), mem[2].data_ptr())
+    words = Words()
+    mem, flags, late_flags = words.mem, words.flags, words.late_flags
     moe.host_functions(x, ids, weights, out)
     for _ in range(2):
         handle = moe.submit_flagged(flags, d, late_flags, late)
@@ -240,9 +241,8 @@ def test_deferred_flag_job_errors_set_both_done_words() -> None:
     moe.load(torch.randn(4, 32, 64), torch.randn(4, 32, 64), torch.randn(4, 64, 32))
     x, out, late = torch.randn(1, 64), torch.zeros(1, 64), torch.zeros(1, 64)
     ids, weights = torch.tensor([[0, 1, 7]]), torch.rand(1, 3)  # 7: a broken late slot
-    mem = torch.zeros(3, 16, dtype=torch.int32)
-    flags = _cpu.StreamFlags(mem[0].data_ptr(), mem[1].data_ptr())
-    late_flags = _cpu.StreamFlags(mem[0].data_ptr(), mem[2].data_ptr())
+    words = Words()
+    mem, flags, late_flags = words.mem, words.flags, words.late_flags
     moe.host_functions(x, ids, weights, out)
     handle = moe.submit_flagged(flags, 1, late_flags, late)
     mem[0, 0] = 1
