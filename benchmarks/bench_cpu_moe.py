@@ -1,12 +1,14 @@
-"""CpuMoE speed at Qwen3-30B-A3B's layer shape (E=128, H=2048, I=768, top-8), BF16/INT8/INT4.
+"""CpuMoE speed at a real model's layer shape (default Qwen3-30B-A3B: E=128, H=2048, I=768,
+top-8), BF16/INT8/INT4.
 
 Per format and q: the median time of one layer call (public `CpuMoE.forward`, layers cycled so
 weights come from DRAM), weight bytes read / time against the read bandwidth measured in this run
 (decode), TFLOPS (prefill), and a plain-torch per-expert loop on bf16 weights as the baseline.
 First it measures the AVX-512/AMX crossover (tokens per expert) per format and uses it.
 
-Usage: python benchmarks/bench_cpu_moe.py [--layers 6] [--formats bf16,int8,int4] [--json out.json]
-           [--quick] [--no-crossover] [--git SHA] [--warmup-s 1.0]
+Usage: python benchmarks/bench_cpu_moe.py [--shape deepseek-v2-lite] [--layers 6]
+           [--formats bf16,int8,int4] [--json out.json] [--quick]
+           [--no-crossover] [--git SHA] [--warmup-s 1.0]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from hetmoe import _cpu
+from hetmoe.bench.shapes import SHAPES, routed_expert_shape
 from hetmoe.experts import CpuMoE
 from hetmoe.machine import huge_page_bytes, machine_report
 
@@ -179,8 +182,10 @@ def warm_up(layers: list[CpuMoE], seconds: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
+                        help="the routed experts' shape (bench/shapes.py)")
     parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--experts", type=int, help="routed experts (default: the shape's)")
     parser.add_argument("--q", default="1,2,4,8,32,128,512,2048")
     parser.add_argument("--json", type=Path, default=Path("bench_cpu_moe.json"))
     parser.add_argument("--formats", default=",".join(FORMATS),
@@ -190,8 +195,9 @@ def main() -> None:
                         help="skip the AVX-512/AMX crossover runs; use AMX_MIN_TOKENS")
     parser.add_argument("--warmup-s", type=float, default=1.0,
                         help="decode calls for this long after each format's layers are packed")
-    parser.add_argument("--k", default="8",
-                        help="comma-separated experts per token (e.g. 8,3: a deferred job's 3)")
+    parser.add_argument("--k", default="",
+                        help="comma-separated experts per token (e.g. 8,3: a deferred job's 3; "
+                             "default: the shape's)")
     parser.add_argument("--decode-cols", default="",
                         help="comma-separated decode gate/up task widths to time against each "
                              "other at q <= 4 (e.g. 64,32), alternating in this process")
@@ -200,8 +206,9 @@ def main() -> None:
     parser.add_argument("--git", default="",
                         help="commit to record (default: git rev-parse HEAD, where .git exists)")
     args = parser.parse_args()
-    E, H, I = args.experts, 2048, 768
-    ks = [int(v) for v in args.k.split(",")]
+    E, H, I, top_k = routed_expert_shape(args.shape)
+    E = args.experts or E
+    ks = [int(v) for v in (args.k or str(top_k)).split(",")]
     widths = [int(v) for v in args.decode_cols.split(",") if v]
     qs = [int(v) for v in args.q.split(",")]
     threads = torch.get_num_threads()
@@ -217,7 +224,7 @@ def main() -> None:
     report = {"machine": machine_report(), "threads_torch": threads,
               "read_bandwidth_gbs": pool_bandwidth / 1e9, "torch_sum_gbs": torch_bandwidth / 1e9,
               "torch_bf16_matmul_tflops": tflops_torch,
-              "shape": {"E": E, "H": H, "I": I, "k": ks, "layers": args.layers},
+              "shape": {"name": args.shape, "E": E, "H": H, "I": I, "k": ks, "layers": args.layers},
               "git": args.git or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                 text=True).stdout.strip(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -150,6 +150,7 @@ NB_MODULE(_cpu, m) {
     hetmoe::NumaAllocReport r = hetmoe::check_numa_alloc(bytes, node, alignment);
     nb::dict out;
     out["aligned"] = r.aligned;
+    out["huge_page_aligned"] = r.huge_page_aligned;
     nb::list nodes;
     for (int n : r.page_nodes) nodes.append(n);
     out["page_nodes"] = nodes;

@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "layout/bf16.h"
-#include "runtime/pool.h"
 
 namespace hetmoe {
 namespace {
@@ -117,28 +116,20 @@ void place_int(const PackedMatrix& m, int nb, const std::vector<int8_t>& q) {
 
 namespace {
 
-// One mapping per matrix: blocks, then (int8) the two scale arrays, each 64-byte aligned. A
-// large model has tens of thousands of matrices, and every mapping counts against the kernel's
-// vm.max_map_count (65530 by default).
 size_t scales_offset(const PackedMatrix& m) { return round_up(m.blocks_bytes(), 64); }
 size_t scale_bytes(const PackedMatrix& m) { return round_up(m.group_floats() * sizeof(float), 64); }
-size_t mapping_bytes(const PackedMatrix& m) { return scales_offset(m) + 2 * scale_bytes(m); }
 
 }  // namespace
 
-void allocate_packed(PackedMatrix& m, int node) {
-  m.node = node;
-  m.blocks = static_cast<uint8_t*>(numa_alloc(mapping_bytes(m), node, 64));
+size_t packed_memory_bytes(const PackedMatrix& m) { return scales_offset(m) + 2 * scale_bytes(m); }
+
+void place_packed(PackedMatrix& m, uint8_t* memory) {
+  m.blocks = memory;
+  m.scale = m.scale_qsum = nullptr;
   if (m.format == WeightFormat::kINT8) {
     m.scale = reinterpret_cast<float*>(m.blocks + scales_offset(m));
     m.scale_qsum = reinterpret_cast<float*>(m.blocks + scales_offset(m) + scale_bytes(m));
   }
-}
-
-void free_packed(PackedMatrix& m) {
-  if (m.blocks) numa_free(m.blocks, mapping_bytes(m));
-  m.blocks = nullptr;
-  m.scale = m.scale_qsum = nullptr;
 }
 
 void pack_rows(PackedMatrix& m, int nb_begin, int num_blocks, const void* src, SourceType type,

@@ -37,7 +37,6 @@ struct PackedMatrix {
   // Per (n-block, group, lane) floats, n-block major: [n/16][k/group][16].
   float* scale = nullptr;      // int8: w = scale * q
   float* scale_qsum = nullptr; // int8: scale * sum_k q over the group (activation zero-point term)
-  int node = -1;               // NUMA node the memory lives on
 
   int k_block() const { return format == WeightFormat::kBF16 ? 32 : 64; }
   size_t block_bytes() const { return format == WeightFormat::kINT4 ? 512 : 1024; }
@@ -74,10 +73,11 @@ struct PackedMatrix {
   size_t total_bytes() const { return blocks_bytes() + 2 * group_floats() * sizeof(float); }
 };
 
-// Allocates the arrays of `m` (fields n, k, group_size, format set) on NUMA node `node`, all in
-// one mapping that free_packed releases.
-void allocate_packed(PackedMatrix& m, int node);
-void free_packed(PackedMatrix& m);
+// Bytes of `m`'s arrays (fields n, k, group_size, format set): blocks, then (int8) the two scale
+// arrays, each 64-byte aligned; place_packed points `m`'s arrays into that much memory at
+// `memory` (64-byte aligned; the owner allocates and frees it, e.g. one mapping for many).
+size_t packed_memory_bytes(const PackedMatrix& m);
+void place_packed(PackedMatrix& m, uint8_t* memory);
 
 // Packs 16 * num_blocks rows of a row-major source (`src` points at the first row's first column,
 // leading dimension `ld` elements) into n-blocks starting at `nb_begin`. Rows past `valid_rows` and

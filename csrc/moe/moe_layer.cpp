@@ -44,11 +44,12 @@ MoELayer::MoELayer(const MoEConfig& cfg, ThreadPool& pool)
   gate_up_.resize(size_t(groups) * cfg.num_experts);
   down_.resize(size_t(groups) * cfg.num_experts);
   loaded_.assign(cfg.num_experts, 0);
+  memory_.assign(groups, nullptr);
+  memory_bytes_.assign(groups, 0);
 }
 
 MoELayer::~MoELayer() {
-  for (auto& m : gate_up_) free_packed(m);
-  for (auto& m : down_) free_packed(m);
+  for (size_t g = 0; g < memory_.size(); ++g) numa_free(memory_[g], memory_bytes_[g]);
 }
 
 size_t MoELayer::packed_bytes() const {
@@ -87,8 +88,16 @@ void MoELayer::load_expert(int e, const void* gate, const void* up, const void* 
     gu.k = hidden_padded_;
     dn.n = H;
     dn.k = slice(g);
-    allocate_packed(gu, pool_.group_node(g));
-    allocate_packed(dn, pool_.group_node(g));
+    // One mapping holds the group's slices of every expert (pages are touched as experts load):
+    // one huge-page-aligned run instead of a 4 KiB-paged head and tail per matrix.
+    const size_t gu_bytes = round_up(packed_memory_bytes(gu), 4096);
+    const size_t stride = gu_bytes + round_up(packed_memory_bytes(dn), 4096);
+    if (!memory_[g]) {
+      memory_bytes_[g] = stride * size_t(cfg_.num_experts);
+      memory_[g] = static_cast<uint8_t*>(numa_alloc(memory_bytes_[g], pool_.group_node(g), 64));
+    }
+    place_packed(gu, memory_[g] + size_t(e) * stride);
+    place_packed(dn, memory_[g] + size_t(e) * stride + gu_bytes);
   }
   auto bytes = [elem](const void* p, long elements) {
     return static_cast<const uint8_t*>(p) + elements * long(elem);

@@ -107,6 +107,8 @@ class MoELayer {
   std::vector<int> slice_begin_;          // G + 1 boundaries over the padded intermediate dim
   std::vector<PackedMatrix> gate_up_;     // [G * E]: gate/up n-blocks interleaved, K = Hp
   std::vector<PackedMatrix> down_;        // [G * E]: N = H, K = the group's slice
+  std::vector<uint8_t*> memory_;          // [G]: one mapping on the group's node for all experts
+  std::vector<size_t> memory_bytes_;      // [G]
   std::vector<uint8_t> loaded_, gpu_mask_;
   bool profile_ = false;
   mutable std::shared_ptr<struct PhaseClock> last_clock_;

@@ -90,8 +90,8 @@ inline constexpr int kPoolWaitSpinUs = 100;           // wait() spins this long,
 // std::invalid_argument on bad values). Never destroyed; a forked child builds its own.
 ThreadPool& global_pool();
 
-// Memory on a NUMA node: an anonymous mapping (huge pages advised from 2 MiB), placed by libnuma's
-// numa_alloc_onnode when built with it, else by an mbind(MPOL_PREFERRED) system call (best effort:
+// Memory on a NUMA node: an anonymous mapping (from 2 MiB: 2 MiB-aligned, huge pages advised),
+// placed by libnuma's numa_tonode_memory when built with it, else by an mbind(MPOL_PREFERRED) system call (best effort:
 // a kernel or sandbox refusing mbind leaves it unbound). node < 0: no placement; a node missing
 // from sysfs and an alignment that is not a power of two <= the page size throw
 // std::invalid_argument. bytes == 0 gives nullptr. Release with numa_free(ptr, same bytes).

@@ -47,6 +47,7 @@ OverheadReport measure_overhead(ThreadPool& pool, int iters, int tasks_per_group
 
 struct NumaAllocReport {
   bool aligned = false;         // the pointer honours the requested alignment
+  bool huge_page_aligned = false;  // ... and starts on a 2 MiB boundary
   std::vector<int> page_nodes;  // node of the first, middle and last page after writing them
                                 // (negative: the kernel's -errno, e.g. no NUMA support)
 };

@@ -11,7 +11,17 @@ from hetmoe import _cpu
 
 def test_pages_land_on_the_requested_node() -> None:
     report = _cpu.numa_alloc_check(4 << 20, node=0)  # 4 MiB: the huge-page advice path too
-    assert report == {"aligned": True, "page_nodes": [0, 0, 0]}
+    assert report == {"aligned": True, "huge_page_aligned": True, "page_nodes": [0, 0, 0]}
+
+
+@pytest.mark.parametrize("size", [2 << 20, (5 << 20) + 12345])
+def test_large_mappings_start_on_a_huge_page(size: int) -> None:
+    # A mapping of 2 MiB or more starts on a 2 MiB boundary (else its head is 4 KiB pages), and
+    # numa_free releases the trimmed mapping whole (the self-check frees it: no crash, no leak).
+    for _ in range(3):
+        report = _cpu.numa_alloc_check(size, node=-1)
+        assert report["huge_page_aligned"] is True
+        assert min(report["page_nodes"]) >= 0
 
 
 @pytest.mark.parametrize("alignment", [64, 4096])
@@ -22,7 +32,8 @@ def test_unplaced_small_allocation_is_aligned_and_usable(alignment: int) -> None
 
 
 def test_zero_bytes_gives_no_memory() -> None:
-    assert _cpu.numa_alloc_check(0) == {"aligned": True, "page_nodes": []}
+    assert _cpu.numa_alloc_check(0) == {"aligned": True, "huge_page_aligned": True,
+                                        "page_nodes": []}
 
 
 def test_bad_alignment_is_refused() -> None:

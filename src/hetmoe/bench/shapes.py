@@ -57,6 +57,16 @@ def shape_config(name: str, num_layers: int | None = None) -> Any:
     return AutoConfig.for_model(model_type, **fields)
 
 
+def routed_expert_shape(name: str) -> tuple[int, int, int, int]:
+    """(routed experts, hidden size, expert width, experts per token) of shape `name`."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; expected one of {', '.join(SHAPES)}")
+    f = SHAPES[name][1]
+    experts = f.get("num_experts") or f.get("n_routed_experts") or f["num_local_experts"]
+    intermediate = f.get("moe_intermediate_size", f["intermediate_size"])
+    return experts, f["hidden_size"], intermediate, f["num_experts_per_tok"]
+
+
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of a profiling script's random-weight model: --shape, --weight-format of the
     routed experts, --num-layers (default: the shape's), --deferred (comma-separated values)."""
