@@ -63,6 +63,9 @@ def ratios(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             for d in (0, 2, 3):
                 if f"graph_d{d}" in decode:
                     out[f"{mode}_d{d}_of_bound"] = round(decode[f"graph_d{d}"]["tok_s"] / bound, 3)
+                    if "of_adjacent_bound" in decode[f"graph_d{d}"]:
+                        out[f"{mode}_d{d}_of_adjacent_bound"] = \
+                            decode[f"graph_d{d}"]["of_adjacent_bound"]
             if "cpu_experts_ms_per_token" in r:
                 out[f"{mode}_cpu_experts_alone_of_bound"] = round(
                     1e3 / r["cpu_experts_ms_per_token"] / bound, 3)
@@ -103,6 +106,9 @@ def markdown(shape: str, results: dict[str, dict[str, Any]], summary: dict[str, 
             speed = e.get("tok_s", e.get("decode_tok_s"))
             share = e.get("of_bound", "")
             note = f"{e.get('timed_steps', e.get('new_tokens'))} tokens"
+            if "of_adjacent_bound" in e:
+                note += (f"; {e['of_adjacent_bound']} of the pool's reads around it "
+                         f"({'/'.join(str(v) for v in e['read_gb_s_around'])} GB/s)")
             lines.append(f"| {mode} {name} | {speed:.2f} | {share} | "
                          f"{r.get('bound_tok_s', '')} | {note} |")
     lines += ["", "| mode | prefill length | tok/s |", "|---|---:|---:|"]

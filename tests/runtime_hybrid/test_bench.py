@@ -124,6 +124,11 @@ def test_bench_command_on_a_preset(tmp_path: Path) -> None:
     assert data["read_gb_s"] > 0 and data["bound_tok_s"] > 0
     assert data["pool_read_gb_s"] > 0 and data["pool_bound_tok_s"] > 0
     assert data["decode"]["eager_d0"]["timed_steps"] == 2
+    for entry in data["decode"].values():  # the pool's reads just before and after each run
+        assert len(entry["read_gb_s_around"]) == 2 and min(entry["read_gb_s_around"]) > 0
+        assert entry["of_adjacent_bound"] == pytest.approx(
+            entry["tok_s"] * data["routed_bytes_per_token"]
+            / (max(entry["read_gb_s_around"]) * 1e9), rel=0.02, abs=1e-3)
     windows = data["decode_windows"]  # every step within the smallest bucket (capped)
     assert windows["smallest"] == 256 and windows["capture_ms"] == {}
     # 3 decode steps (4 new tokens) per deferred value

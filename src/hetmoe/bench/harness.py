@@ -12,7 +12,9 @@ Modes by `BenchConfig.experts`:
   `ModelRunner` (no graphs, no overlap).
 - `accelerate` (baseline): unmodified transformers, experts offloaded by accelerate
   (bench/baselines.py).
-The bound is host read bandwidth / routed-expert bytes per token (measured before the build).
+The bound is host read bandwidth / routed-expert bytes per token (measured before the build);
+each timed graph decode also gets the pool's reads just before and after it (`read_gb_s_around`,
+`of_adjacent_bound`), since the host's bandwidth drifts within a run.
 """
 
 from __future__ import annotations
@@ -147,12 +149,21 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     log(f"routed experts alone on the CPU: {cpu_ms:.2f} ms/token")
     result["decode"] = decode = {}
     tokens: dict[str, list[int]] = {}
+    probe = int(cfg.bandwidth_gib * 2**30)
     for d in cfg.deferred:
         runner.reset_graphs(d)
         name = f"{'graph' if runner.use_graphs else 'eager'}_d{d}"
+        before = _cpu.read_bandwidth(probe, 5) / 1e9
         run = measure.greedy_decode(runner, prompt, cfg.new_tokens)
+        after = _cpu.read_bandwidth(probe, 5) / 1e9
         decode[name], tokens[name] = _decode_entry(run, result["bound_tok_s"]), run.tokens
-        log(f"decode {name}: {decode[name]['tok_s']} tok/s")
+        # The host's bandwidth drifts within a run (other tenants of the machine): the pool's
+        # reads just before and after this decode give a bound of the same minutes too.
+        decode[name]["read_gb_s_around"] = [round(before, 1), round(after, 1)]
+        decode[name]["of_adjacent_bound"] = round(
+            run.tok_s * result["routed_bytes_per_token"] / (max(before, after) * 1e9), 3)
+        log(f"decode {name}: {decode[name]['tok_s']} tok/s "
+            f"({decode[name]['of_adjacent_bound']:.1%} of the reads around it)")
     result["decode_windows"] = windows = _windows(runner)
     log(f"decode attention windows (bucket: steps): {windows['steps']}")
     if runner.use_graphs:
