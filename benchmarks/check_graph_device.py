@@ -20,7 +20,8 @@ For every family's baby model (fp32, routed experts in the C++ CPU backend, the 
   (batch size, bucket) and no compile per bucket (the window's chunk count is a dynamic
   dimension); capture time per graph;
 - greedy steps launched ahead (`HybridRunner.greedy`, what greedy requests run) give the tokens
-  of the decode loop, and stopping early discards the step launched ahead;
+  of the decode loop, stopping early discards the step launched ahead, and a `limit` ends the
+  steps without launching one beyond it;
 - no CPU job reported an error; launches per token in both modes.
 
     python benchmarks/check_graph_device.py [--json FILE] [--families qwen3_moe,...]
@@ -74,7 +75,8 @@ def decode(runner: ModelRunner, batch: int, reference: DeferralReference | None 
 def greedy_ahead(runner: HybridRunner) -> list[int]:
     """`runner.greedy` (each step launched before the previous token is read) on the first
     prompt, as `decode` lays tokens out; then a run stopped after 3 tokens must leave the slot's
-    length at the tokens it consumed (the step launched ahead discarded). [] if it did not."""
+    length at the tokens it consumed (the step launched ahead discarded), and one with `limit=5`
+    must give 5 tokens and launch none beyond. [] if it did not."""
     slot = runner.cache.allocate()
     try:
         tokens = [int(runner.prefill(slot, PROMPTS[0]).argmax())]
@@ -91,6 +93,13 @@ def greedy_ahead(runner: HybridRunner) -> list[int]:
         early = [next(steps) for _ in range(3)]
         steps.close()
         if early != tokens[1:4] or runner.lengths[slot] != len(PROMPTS[0]) + 3:
+            return []
+    finally:
+        runner.cache.free(slot)
+    slot = runner.cache.allocate()
+    try:  # with a limit the generator ends by itself, no step launched beyond it
+        steps = runner.greedy(slot, int(runner.prefill(slot, PROMPTS[0]).argmax()), limit=5)
+        if list(steps) != tokens[1:6] or runner.lengths[slot] != len(PROMPTS[0]) + 5:
             return []
     finally:
         runner.cache.free(slot)
