@@ -84,6 +84,14 @@ def with_decode_cols(layers: list[CpuMoE], width: int, fn):
     return run
 
 
+def with_one_phase(layers: list[CpuMoE], on: bool, fn):
+    """`fn` with that layer's decode gate/up + down set to one phase (`on`) or two first."""
+    def run(i: int) -> None:
+        layers[i % len(layers)]._layer.set_decode_one_phase(on)
+        fn(i)
+    return run
+
+
 def routing(q: int, num_experts: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random distinct top-k ids [q, k] and softmax weights, like a router."""
     g = torch.Generator().manual_seed(seed)
@@ -201,6 +209,9 @@ def main() -> None:
     parser.add_argument("--decode-cols", default="",
                         help="comma-separated decode gate/up task widths to time against each "
                              "other at q <= 4 (e.g. 64,32), alternating in this process")
+    parser.add_argument("--two-phase", action="store_true",
+                        help="also time decode (q <= 4) with gate/up and down as two phases (a "
+                             "barrier between), alternating with the default in this process")
     parser.add_argument("--no-torch", action="store_true",
                         help="skip the plain-torch baseline (it keeps a bf16 copy of every layer)")
     parser.add_argument("--git", default="",
@@ -267,9 +278,13 @@ def main() -> None:
                 for width in widths:
                     fns[f"cols{width}_ms"] = with_decode_cols(layers, width,
                                                               cycle(layers, x, routes))
+            if q <= 4 and args.two_phase:
+                fns = {name: with_one_phase(layers, True, fn) for name, fn in fns.items()}
+                fns["two_phase_ms"] = with_one_phase(layers, False, cycle(layers, x, routes))
             sec_of = timed_alternating(fns, calls, len(layers))
             for moe in layers:
                 moe._layer.set_decode_cols(default_cols)
+                moe._layer.set_decode_one_phase(True)
             sec = sec_of["ms"]
             phase_us, profiled_ms = phases(
                 layers, x, [routing(q, E, K, seed=1000 * q + 500 + r) for r in range(9)])
@@ -284,7 +299,7 @@ def main() -> None:
                    "phase_us": phase_us, "profiled_ms": profiled_ms}
             if "raw_ms" in sec_of:
                 row["raw_ms"] = 1e3 * sec_of["raw_ms"]
-            for name in (n for n in sec_of if n.startswith("cols")):
+            for name in (n for n in sec_of if n.startswith(("cols", "two_phase"))):
                 row[name] = 1e3 * sec_of[name]
             if fmt == "bf16" and baseline:
                 plain = [TorchLayer(w) for w in baseline]
@@ -315,7 +330,8 @@ def main() -> None:
               f"{100 * r['bw_fraction']:>5.1f} {r['bw_floor_ms']:>9.3f} {r['tflops']:>7.2f} "
               f"{r.get('torch_ms', float('nan')):>9.3f} {r.get('speedup_vs_torch', 0):>7.2f}  "
               f"{' '.join(f'{v:.0f}' for v in r['phase_us'])}  "
-              + " ".join(f"{n[:-3]} {v:.3f}" for n, v in r.items() if n.startswith("cols")))
+              + " ".join(f"{n[:-3]} {v:.3f}" for n, v in r.items()
+                         if n.startswith(("cols", "two_phase"))))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@
 // expert with one row reads its token's row in place, and the first gate/up task of an expert
 // with more rows gathers them while the expert's other tasks wait for it. Its 4 runs as (expert,
 // run of n-blocks) tasks, each streaming one run of one expert's weights into the rows' outputs,
-// and 5 sums them per (token, column chunk) in expert order: a q=1 call is 3 phases. Padding rows
+// and 5 sums them per (token, column chunk) in expert order. 3 and 4 are one phase: its tasks are
+// every gate/up task, then every down task, claimed in that order, and a down task waits for its
+// expert's gate/up tasks (long done, but for the last experts'), so no core idles at a barrier
+// between them: a q=1 call is 2 phases. Padding rows
 // (to 16 per expert) are written only for experts whose kernels are AMX tiles, the only ones
 // that read them.
 // Otherwise (prefill), the rows and hidden activations of experts on AMX tiles are written in tile
@@ -60,11 +63,18 @@ struct MoECallState {
   // part.
   std::vector<float*> hidden_float;
   std::unique_ptr<std::atomic<int>[]> parts_done;
+  // Decode: per (NUMA group, active expert) the gate/up tasks done, which the expert's down tasks
+  // wait for (gate/up and down are one phase: no barrier between them); `expert_stride` = the
+  // active experts the job was made for.
+  std::unique_ptr<std::atomic<int>[]> gate_up_done;
+  size_t expert_stride = 0;
   // A planned job (see MoELayer::make_job): its gate/up phase and columns per task.
   size_t gate_up_phase = 0;
   int cols = 0;
   size_t down_phase = 0;  // and its tasks per expert (decode)
   int down_per_expert = 0;
+  // Decode: tasks [0, gate_up_tasks) of the merged phase are gate/up, the rest down.
+  size_t gate_up_tasks = 0;
 };
 
 namespace {
@@ -79,8 +89,11 @@ constexpr int kCombineCols = 256;    // output columns per decode combine task
 // down task calls them on one short n-block per expert, so it fetches the start of the next
 // expert's while the current one runs.
 constexpr size_t kLeadBytes = 4096;
-// Slots of phase_us(): convert, gather, gate/up, down, combine (folded phases report 0).
-enum PhaseSlot { kConvert, kGather, kGateUp, kDown, kCombine, kNumSlots };
+// Slots of phase_us(): convert, gather, gate/up, down, combine (folded phases report 0); a
+// decode's merged phase reports its gate/up and down tasks in their slots.
+enum PhaseSlot { kConvert, kGather, kGateUp, kDown, kCombine, kNumSlots, kGateUpDown = kNumSlots };
+
+using PhaseFn = decltype(Phase::fn);
 
 const IsaKernels& kernels_of(Isa isa) {
   switch (isa) {
@@ -486,13 +499,29 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
   const size_t gu_max = G ? *std::max_element(gu_tasks.begin(), gu_tasks.end()) : 0;
   st->gate_up_phase = job.size();
   st->cols = cols;
-  slots.push_back(kGateUp);
-  job.push_back({gu_max, [this, st, cols, gs, kernels_for, amx_for, tiled_for, ep, fold, parts,
-                          max_groups](size_t task, int g, int) {
+  st->gate_up_tasks = gu_max;
+  const bool merged = fold && cfg_.decode_one_phase;
+  if (merged) {
+    st->expert_stride = rt.experts.size();
+    st->gate_up_done.reset(new std::atomic<int>[size_t(G) * st->expert_stride]);
+    for (size_t i = 0; i < size_t(G) * st->expert_stride; ++i)
+      st->gate_up_done[i].store(0, std::memory_order_relaxed);
+  }
+  // Counts a decode gate/up task as done when it returns (also by an exception: a down task
+  // waiting for it must not spin forever; the job is reported failed anyway).
+  struct CountDone {
+    std::atomic<int>* done;
+    ~CountDone() {
+      if (done) done->fetch_add(1, std::memory_order_release);
+    }
+  };
+  PhaseFn gate_up = [this, st, cols, gs, kernels_for, amx_for, tiled_for, ep, fold, merged,
+                     parts, max_groups](size_t task, int g, int) {
     const int per_expert = slice(g) / cols;
     if (per_expert == 0 || task >= st->routing.experts.size() * per_expert) return;
     const Routing& r = st->routing;
     const size_t a = task / per_expert;
+    const CountDone count{merged ? &st->gate_up_done[g * st->expert_stride + a] : nullptr};
     const int col0 = int(task % per_expert) * cols, m = r.rows[a], mp = int(round_up(m, 16));
     const long row0 = r.first_row[a];
     const bool pad = amx_for(m), tiled = tiled_for(m);
@@ -521,32 +550,52 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
     }
     // The down kernel for m rows is the same family: only AMX reads the padding rows.
     for (int t = m; pad && t < mp; ++t) st->hidden[g].zero(row0 + t, col0, cols, gs, tiled);
-  }});
+  };
+  if (!merged) {
+    slots.push_back(kGateUp);
+    job.push_back({gu_max, std::move(gate_up)});
+  }
   if (by_row) {
     // 4: down of (expert, run of n-blocks) straight into the rows' outputs: each task streams one
     // run of one expert's weights. Prefill runs are 16 n-blocks (256 outputs); decode runs are as
     // long as leaves the phase's last round of tasks little idle (down_run_blocks).
-    slots.push_back(kDown);
     const int nbs = H / kBlockN;
     const int run = fold ? down_run_blocks(rt.experts.size(), nbs, pool_.group_size(0))
                          : kRowOutBlocks;
     const int per_expert = (nbs + run - 1) / run;
     st->down_phase = job.size();
     st->down_per_expert = per_expert;
-    job.push_back({rt.experts.size() * per_expert, [this, st, nbs, run, per_expert, H,
-                                                    kernels_for, tiled_for](size_t task, int g,
-                                                                            int) {
+    PhaseFn down = [this, st, nbs, run, per_expert, H, cols, merged, kernels_for,
+                    tiled_for](size_t task, int g, int) {
       const Routing& r = st->routing;
       // A planned decode job has tasks for fewer experts once bound (bind_job).
       if (slice(g) == 0 || task >= r.experts.size() * per_expert) return;
       const size_t a = task / per_expert;
+      if (merged) {  // the expert's hidden activations: its gate/up tasks (all claimed before)
+        const std::atomic<int>& done = st->gate_up_done[g * st->expert_stride + a];
+        while (done.load(std::memory_order_acquire) < slice(g) / cols) __builtin_ia32_pause();
+      }
       const int nb0 = int(task % per_expert) * run, nb1 = std::min(nbs, nb0 + run);
       const int m = r.rows[a];
       const long row0 = r.first_row[a];
       const PackedMatrix& w = down_[size_t(g) * cfg_.num_experts + r.experts[a]];
       kernels_for(m).get(cfg_.format)(w, st->hidden[g].view(row0, m, tiled_for(m)), nb0, nb1,
                                       st->row_out[g] + size_t(row0) * H + nb0 * kBlockN, H);
-    }});
+    };
+    if (merged) {
+      // 3 + 4 in one phase: gate/up tasks first (bind_job may lower their count), then down.
+      slots.push_back(kGateUpDown);
+      job.push_back({gu_max + rt.experts.size() * per_expert,
+                     [st, gate_up = std::move(gate_up), down = std::move(down)](size_t task,
+                                                                                 int g, int w) {
+                       const size_t split = st->gate_up_tasks;
+                       if (task < split) gate_up(task, g, w);
+                       else down(task - split, g, w);
+                     }});
+    } else {
+      slots.push_back(kDown);
+      job.push_back({rt.experts.size() * per_expert, std::move(down)});
+    }
     if (fold) {
       // 5: per (token, column chunk): each group's rows weighted in expert order, then the groups
       // summed (the order of the column-block down below: the same floats).
@@ -650,7 +699,9 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
   if (profile_) {
     auto clock = std::make_shared<PhaseClock>(kNumSlots);
     for (size_t i = 0; i < job.size(); ++i)
-      job[i].fn = [clock, p = slots[i], fn = std::move(job[i].fn)](size_t task, int g, int w) {
+      job[i].fn = [clock, st, slot = slots[i], fn = std::move(job[i].fn)](size_t task, int g,
+                                                                          int w) {
+        const int p = slot != kGateUpDown ? slot : task < st->gate_up_tasks ? kGateUp : kDown;
         const int64_t start = now_ns();
         int64_t seen = clock->first[p].load();
         while (start < seen && !clock->first[p].compare_exchange_weak(seen, start)) {}
@@ -676,9 +727,17 @@ void MoELayer::bind_job(Job* job, MoECallState& st) const {
   size_t tasks = 0;
   for (int g = 0; g < num_groups(); ++g)
     tasks = std::max(tasks, st.routing.experts.size() * (slice(g) / st.cols));
+  // Without `job` (a deferred part bound while its phases are queued) the task counts stay the
+  // planned ones, whose tasks past the routed experts' return at once.
+  st.gate_up_tasks = tasks;
   if (!job) return;
-  (*job)[st.gate_up_phase].num_tasks = tasks;
-  (*job)[st.down_phase].num_tasks = st.routing.experts.size() * st.down_per_expert;
+  const size_t down = st.routing.experts.size() * st.down_per_expert;
+  if (st.gate_up_phase == st.down_phase) {
+    (*job)[st.gate_up_phase].num_tasks = tasks + down;
+  } else {
+    (*job)[st.gate_up_phase].num_tasks = tasks;
+    (*job)[st.down_phase].num_tasks = down;
+  }
 }
 
 void MoELayer::set_decode_cols(int cols) {
