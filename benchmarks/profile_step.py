@@ -10,8 +10,9 @@ profiling. Per decode step (median over steps), in milliseconds:
   (GPU work the CPU waits for, and the hand-off both ways);
 - build: what of the job is made after the ready word (decode: routing and token conversion);
 - start: job made -> its first task started (the pool's barrier);
-- gate/up, down: first task start -> last task end of each phase; between: the rest of the
-  phases (barriers, the combine phase);
+- gate/up, down: first task start -> last task end of each phase (decode runs both in one
+  phase: down counts from the later of its first task start and gate/up's last task end); between:
+  the rest of the phases (barriers, the combine phase);
 - finish: last task end -> done word set;
 - head: step start -> the first job's ready word seen; tail: the last done word -> step end;
 - the idle between two jobs, split: dispatch (the previous done word -> the job's build step,
@@ -67,7 +68,8 @@ def stages(row: list[int]) -> dict[str, float]:
     lasts = [row[i + 1] for i in range(3, PHASES_END, 2) if row[i]]
     first, last = (min(firsts), max(lasts)) if firsts else (row[BUILT], row[BUILT])
     gu = row[GATE_UP + 1] - row[GATE_UP] if row[GATE_UP] else 0
-    dn = row[DOWN + 1] - row[DOWN] if row[DOWN] else 0
+    # Decode runs gate/up and down in one phase: down counts from gate/up's last task end.
+    dn = row[DOWN + 1] - max(row[DOWN], row[GATE_UP + 1]) if row[DOWN] else 0
     return {"build": row[BUILT] - row[START], "start": first - row[BUILT], "gate_up": gu,
             "down": dn, "between": (last - first) - gu - dn, "finish": row[DONE] - last,
             "busy": row[DONE] - row[START]}
