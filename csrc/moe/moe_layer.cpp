@@ -44,8 +44,36 @@ MoELayer::MoELayer(const MoEConfig& cfg, ThreadPool& pool)
   gate_up_.resize(size_t(groups) * cfg.num_experts);
   down_.resize(size_t(groups) * cfg.num_experts);
   loaded_.assign(cfg.num_experts, 0);
+  // One mapping per group holds its slices of every expert: one huge-page-aligned run instead of
+  // a 4 KiB-paged head and tail per matrix. Only address space until experts load and touch it.
   memory_.assign(groups, nullptr);
   memory_bytes_.assign(groups, 0);
+  expert_bytes_.assign(groups, 0);
+  try {
+    for (int g = 0; g < groups; ++g) {
+      if (slice(g) == 0) continue;
+      PackedMatrix gu, dn;
+      shape_expert(g, gu, dn);
+      expert_bytes_[g] = round_up(packed_memory_bytes(gu), 4096) +
+                         round_up(packed_memory_bytes(dn), 4096);
+      memory_bytes_[g] = expert_bytes_[g] * size_t(cfg.num_experts);
+      memory_[g] = static_cast<uint8_t*>(numa_alloc(memory_bytes_[g], pool.group_node(g), 64));
+    }
+  } catch (...) {
+    for (int g = 0; g < groups; ++g) numa_free(memory_[g], memory_bytes_[g]);
+    throw;
+  }
+}
+
+void MoELayer::shape_expert(int g, PackedMatrix& gu, PackedMatrix& dn) const {
+  for (PackedMatrix* m : {&gu, &dn}) {
+    m->format = cfg_.format;
+    m->group_size = cfg_.group_size;
+  }
+  gu.n = 2 * slice(g);
+  gu.k = hidden_padded_;
+  dn.n = cfg_.hidden;
+  dn.k = slice(g);
 }
 
 MoELayer::~MoELayer() {
@@ -80,24 +108,10 @@ void MoELayer::load_expert(int e, const void* gate, const void* up, const void* 
     PackedMatrix& gu = gate_up_[size_t(g) * cfg_.num_experts + e];
     PackedMatrix& dn = down_[size_t(g) * cfg_.num_experts + e];
     if (gu.blocks || slice(g) == 0) continue;
-    for (PackedMatrix* m : {&gu, &dn}) {
-      m->format = cfg_.format;
-      m->group_size = cfg_.group_size;
-    }
-    gu.n = 2 * slice(g);
-    gu.k = hidden_padded_;
-    dn.n = H;
-    dn.k = slice(g);
-    // One mapping holds the group's slices of every expert (pages are touched as experts load):
-    // one huge-page-aligned run instead of a 4 KiB-paged head and tail per matrix.
-    const size_t gu_bytes = round_up(packed_memory_bytes(gu), 4096);
-    const size_t stride = gu_bytes + round_up(packed_memory_bytes(dn), 4096);
-    if (!memory_[g]) {
-      memory_bytes_[g] = stride * size_t(cfg_.num_experts);
-      memory_[g] = static_cast<uint8_t*>(numa_alloc(memory_bytes_[g], pool_.group_node(g), 64));
-    }
-    place_packed(gu, memory_[g] + size_t(e) * stride);
-    place_packed(dn, memory_[g] + size_t(e) * stride + gu_bytes);
+    shape_expert(g, gu, dn);
+    uint8_t* memory = memory_[g] + size_t(e) * expert_bytes_[g];
+    place_packed(gu, memory);
+    place_packed(dn, memory + round_up(packed_memory_bytes(gu), 4096));
   }
   auto bytes = [elem](const void* p, long elements) {
     return static_cast<const uint8_t*>(p) + elements * long(elem);

@@ -104,6 +104,8 @@ class MoELayer {
   Job make_job(const MoECall& call, std::shared_ptr<struct MoECallState>* planned = nullptr) const;
   void bind_job(Job* job, MoECallState& st) const;
   int slice(int g) const { return slice_begin_[g + 1] - slice_begin_[g]; }
+  // The fields of group g's gate/up and down matrices of one expert (not their memory).
+  void shape_expert(int g, PackedMatrix& gu, PackedMatrix& dn) const;
 
   MoEConfig cfg_;
   ThreadPool& pool_;
@@ -113,6 +115,7 @@ class MoELayer {
   std::vector<PackedMatrix> down_;        // [G * E]: N = H, K = the group's slice
   std::vector<uint8_t*> memory_;          // [G]: one mapping on the group's node for all experts
   std::vector<size_t> memory_bytes_;      // [G]
+  std::vector<size_t> expert_bytes_;      // [G]: one expert's gate/up + down in it
   std::vector<uint8_t> loaded_, gpu_mask_;
   bool profile_ = false;
   mutable std::shared_ptr<struct PhaseClock> last_clock_;
