@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from hetmoe import LLM
 from hetmoe.bench.measure import greedy_decode, routed_bytes_per_token
 from hetmoe.bench.random_model import build_random_model
-from hetmoe.bench.shapes import SHAPES, shape_config
+from hetmoe.bench.shapes import SHAPES, routed_expert_shape, shape_config
 from hetmoe.bench.trace import TraceRecorder
 from hetmoe.cli import app
 from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
@@ -37,6 +37,13 @@ def test_shapes_have_the_published_sizes() -> None:
                            "deepseek-v3-few-layers"}
     with pytest.raises(ValueError, match="unknown shape 'qwen9'; expected one of qwen3-30b-a3b"):
         shape_config("qwen9")
+    # What bench_cpu_moe --shape builds: (routed experts, hidden, expert width, top-k).
+    assert routed_expert_shape("qwen3-30b-a3b") == (128, 2048, 768, 8)
+    assert routed_expert_shape("deepseek-v2-lite") == (64, 2048, 1408, 6)
+    assert routed_expert_shape("mixtral-8x7b") == (8, 4096, 14336, 2)
+    assert routed_expert_shape("deepseek-v3-few-layers") == (256, 7168, 2048, 8)
+    with pytest.raises(ValueError, match="unknown shape 'qwen9'"):
+        routed_expert_shape("qwen9")
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])

@@ -45,13 +45,17 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 """Shape name -> (model_type, transformers config fields)."""
 
 
+def _shape(name: str) -> tuple[str, dict[str, Any]]:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; expected one of {', '.join(SHAPES)}")
+    return SHAPES[name]
+
+
 def shape_config(name: str, num_layers: int | None = None) -> Any:
     """The transformers config of shape `name` (optionally with fewer decoder layers)."""
     from transformers import AutoConfig
 
-    if name not in SHAPES:
-        raise ValueError(f"unknown shape {name!r}; expected one of {', '.join(SHAPES)}")
-    model_type, fields = SHAPES[name]
+    model_type, fields = _shape(name)
     if num_layers is not None:
         fields = {**fields, "num_hidden_layers": num_layers}
     return AutoConfig.for_model(model_type, **fields)
@@ -59,9 +63,7 @@ def shape_config(name: str, num_layers: int | None = None) -> Any:
 
 def routed_expert_shape(name: str) -> tuple[int, int, int, int]:
     """(routed experts, hidden size, expert width, experts per token) of shape `name`."""
-    if name not in SHAPES:
-        raise ValueError(f"unknown shape {name!r}; expected one of {', '.join(SHAPES)}")
-    f = SHAPES[name][1]
+    f = _shape(name)[1]
     experts = f.get("num_experts") or f.get("n_routed_experts") or f["num_local_experts"]
     intermediate = f.get("moe_intermediate_size", f["intermediate_size"])
     return experts, f["hidden_size"], intermediate, f["num_experts_per_tok"]
