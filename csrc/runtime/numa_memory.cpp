@@ -25,7 +25,6 @@
 namespace hetmoe {
 namespace {
 
-constexpr size_t kHugePage = size_t(2) << 20;
 constexpr int kMpolPreferred = 1;  // MPOL_PREFERRED from <linux/mempolicy.h>
 
 // Node 0 always exists (a kernel without NUMA has just that one); others must be in sysfs.
@@ -44,13 +43,13 @@ void check_node(int node) {
 void* map_aligned(size_t bytes) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   const size_t size = (bytes + page - 1) / page * page;
-  const size_t extra = bytes >= kHugePage ? kHugePage : 0;
+  const size_t extra = bytes >= kHugePageBytes ? kHugePageBytes : 0;
   void* raw = mmap(nullptr, size + extra, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                    -1, 0);
   if (raw == MAP_FAILED) return nullptr;
   if (extra == 0) return raw;
   const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
+  const uintptr_t aligned = (start + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
   if (aligned > start) munmap(raw, aligned - start);
   const size_t tail = start + size + extra - (aligned + size);
   if (tail) munmap(reinterpret_cast<void*>(aligned + size), tail);
@@ -92,7 +91,7 @@ void* numa_alloc(size_t bytes, int node, size_t alignment) {
                              std::strerror(errno));
   }
   // Large weight buffers: transparent huge pages cut TLB misses of the streaming kernels.
-  if (bytes >= kHugePage) madvise(ptr, bytes, MADV_HUGEPAGE);
+  if (bytes >= kHugePageBytes) madvise(ptr, bytes, MADV_HUGEPAGE);
   return ptr;
 }
 

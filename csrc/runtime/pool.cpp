@@ -87,6 +87,15 @@ struct ThreadPool::Impl {
   // Workers on every allowed CPU share cores with the caller: hand the CPU over sooner.
   uint32_t spins_per_yield = kSpinsPerCheck;
 
+  // Spins (pause) until `done()`, yielding the core every spins_per_yield spins.
+  template <class Pred>
+  void spin_until(Pred done) const {
+    for (uint32_t spins = 1; !done(); ++spins) {
+      cpu_pause();
+      if (spins % spins_per_yield == 0) sched_yield();
+    }
+  }
+
   alignas(kCacheLine) std::atomic<uint64_t> published{0};  // jobs submitted (= next handle)
   alignas(kCacheLine) std::atomic<uint64_t> completed{0};  // jobs finished, in order
   alignas(kCacheLine) std::atomic<int> parked{0};
@@ -159,10 +168,7 @@ struct ThreadPool::Impl {
         // While the others run this job, its builder makes the next job's early part.
         prepare_job(seq + 1, false);
       } else {
-        for (uint32_t spins = 1; !slot.built.load(std::memory_order_acquire); ++spins) {
-          cpu_pause();
-          if (spins % spins_per_yield == 0) sched_yield();
-        }
+        spin_until([&] { return slot.built.load(std::memory_order_acquire); });
       }
     }
     const size_t num_phases = slot.job.size();
@@ -201,11 +207,7 @@ struct ThreadPool::Impl {
       slot.prepare_state.store(2, std::memory_order_release);
       return;
     }
-    for (uint32_t spins = 1; wait && slot.prepare_state.load(std::memory_order_acquire) != 2;
-         ++spins) {
-      cpu_pause();
-      if (spins % spins_per_yield == 0) sched_yield();
-    }
+    if (wait) spin_until([&] { return slot.prepare_state.load(std::memory_order_acquire) == 2; });
   }
 
   void build_job(Slot& slot, uint64_t seq) {
@@ -274,13 +276,10 @@ struct ThreadPool::Impl {
     }
     // The final barrier waits on the global `completed`, never on the slot: once the job is
     // complete, submit() may already be refilling this slot for a later job.
-    for (uint32_t spins = 1;; ++spins) {
-      bool open = last_phase ? completed.load(std::memory_order_acquire) > seq
-                             : slot.phase_gen.load(std::memory_order_acquire) > p;
-      if (open) return;
-      cpu_pause();
-      if (spins % spins_per_yield == 0) sched_yield();
-    }
+    spin_until([&] {
+      return last_phase ? completed.load(std::memory_order_acquire) > seq
+                        : slot.phase_gen.load(std::memory_order_acquire) > p;
+    });
   }
 
   int wait_spin_us() const { return num_threads() < plan.allowed_cpus ? kPoolWaitSpinUs : 0; }

@@ -90,11 +90,15 @@ inline constexpr int kPoolWaitSpinUs = 100;           // wait() spins this long,
 // std::invalid_argument on bad values). Never destroyed; a forked child builds its own.
 ThreadPool& global_pool();
 
-// Memory on a NUMA node: an anonymous mapping (from 2 MiB: 2 MiB-aligned, huge pages advised),
-// placed by libnuma's numa_tonode_memory when built with it, else by an mbind(MPOL_PREFERRED) system call (best effort:
-// a kernel or sandbox refusing mbind leaves it unbound). node < 0: no placement; a node missing
-// from sysfs and an alignment that is not a power of two <= the page size throw
-// std::invalid_argument. bytes == 0 gives nullptr. Release with numa_free(ptr, same bytes).
+// Transparent huge page size: mappings from this size on are aligned to it.
+inline constexpr size_t kHugePageBytes = size_t(2) << 20;
+
+// Memory on a NUMA node: an anonymous mapping (from kHugePageBytes on: aligned to them, huge
+// pages advised), placed by libnuma's numa_tonode_memory when built with it, else by an
+// mbind(MPOL_PREFERRED) system call (best effort: a kernel or sandbox refusing mbind leaves it
+// unbound). node < 0: no placement; a node missing from sysfs and an alignment that is not a power
+// of two <= the page size throw std::invalid_argument. bytes == 0 gives nullptr. Release with
+// numa_free(ptr, same bytes).
 void* numa_alloc(size_t bytes, int node, size_t alignment = 64);
 void numa_free(void* ptr, size_t bytes);
 

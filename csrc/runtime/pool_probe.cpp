@@ -135,7 +135,7 @@ NumaAllocReport check_numa_alloc(size_t bytes, int node, size_t alignment) {
   NumaAllocReport report;
   auto* ptr = static_cast<unsigned char*>(numa_alloc(bytes, node, alignment));
   report.aligned = reinterpret_cast<uintptr_t>(ptr) % alignment == 0;
-  report.huge_page_aligned = reinterpret_cast<uintptr_t>(ptr) % (size_t(2) << 20) == 0;
+  report.huge_page_aligned = reinterpret_cast<uintptr_t>(ptr) % kHugePageBytes == 0;
   if (ptr == nullptr) return report;
   std::fill(ptr, ptr + bytes, static_cast<unsigned char>(0x5a));
   void* pages[3] = {ptr, ptr + bytes / 2, ptr + bytes - 1};
