@@ -75,19 +75,11 @@ def raw_cycle(layers: list[CpuMoE], x: torch.Tensor,
     return lambda i, keep=(out, routes): raw[i % len(raw)].forward(*args[i % len(args)])
 
 
-def with_decode_cols(layers: list[CpuMoE], width: int, fn):
-    """`fn` (call i runs layer i % len(layers)) with that layer's decode gate/up task width set
-    to `width` first: one setting per timed call."""
+def with_setting(layers: list[CpuMoE], setter: str, value, fn):
+    """`fn` (call i runs layer i % len(layers)) with that layer's `_layer.<setter>(value)` called
+    first (e.g. set_decode_cols, set_decode_one_phase): one setting per timed call."""
     def run(i: int) -> None:
-        layers[i % len(layers)]._layer.set_decode_cols(width)
-        fn(i)
-    return run
-
-
-def with_one_phase(layers: list[CpuMoE], on: bool, fn):
-    """`fn` with that layer's decode gate/up + down set to one phase (`on`) or two first."""
-    def run(i: int) -> None:
-        layers[i % len(layers)]._layer.set_decode_one_phase(on)
+        getattr(layers[i % len(layers)]._layer, setter)(value)
         fn(i)
     return run
 
@@ -274,13 +266,16 @@ def main() -> None:
                 fns["raw_ms"] = raw_cycle(layers, x, routes)
             default_cols = layers[0]._layer.decode_cols
             if q <= 4 and widths:  # every variant sets its width: the default ones too
-                fns = {name: with_decode_cols(layers, default_cols, fn) for name, fn in fns.items()}
+                fns = {name: with_setting(layers, "set_decode_cols", default_cols, fn)
+                       for name, fn in fns.items()}
                 for width in widths:
-                    fns[f"cols{width}_ms"] = with_decode_cols(layers, width,
-                                                              cycle(layers, x, routes))
+                    fns[f"cols{width}_ms"] = with_setting(layers, "set_decode_cols", width,
+                                                          cycle(layers, x, routes))
             if q <= 4 and args.two_phase:
-                fns = {name: with_one_phase(layers, True, fn) for name, fn in fns.items()}
-                fns["two_phase_ms"] = with_one_phase(layers, False, cycle(layers, x, routes))
+                fns = {name: with_setting(layers, "set_decode_one_phase", True, fn)
+                       for name, fn in fns.items()}
+                fns["two_phase_ms"] = with_setting(layers, "set_decode_one_phase", False,
+                                                   cycle(layers, x, routes))
             sec_of = timed_alternating(fns, calls, len(layers))
             for moe in layers:
                 moe._layer.set_decode_cols(default_cols)
