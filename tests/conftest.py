@@ -14,6 +14,14 @@ from hetmoe.presets.tiny import FAMILIES, build_tiny_model
 TinyDir = Callable[..., Path]
 
 
+def pytest_report_header() -> str:
+    """The versions a run was checked against (CI runs the family tests on the oldest and the
+    newest transformers the project allows)."""
+    import transformers
+
+    return f"hetmoe versions: torch {torch.__version__}, transformers {transformers.__version__}"
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyDir:
     """`tiny_dir(family, **options)` → a checkpoint dir built by `build_tiny_model`, cached per

@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hetmoe import LLM
+from hetmoe._cpu import cpu_features
 from hetmoe.cli import app
 
 runner = CliRunner()
@@ -77,8 +78,21 @@ def test_info_prints_the_machine_report() -> None:
     result = runner.invoke(app, ["info"])
     assert result.exit_code == 0, result.output
     keys = [line.split()[0] for line in result.stdout.splitlines()]
-    assert keys[:6] == ["hetmoe", "python", "cpu", "cores", "isa", "numa"]
+    assert keys[:7] == ["hetmoe", "python", "cpu", "cores", "isa", "amx", "numa"]
     assert "torch" in keys
+    amx = next(line for line in result.stdout.splitlines() if line.startswith("amx"))
+    has_amx = cpu_features()["amx_tile"]
+    assert ("not in this CPU" in amx) != has_amx, amx
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["bench"], ["serve"], ["chat"], ["info"]])
+def test_help_shows_no_internal_notes_or_flag_types(command: list[str]) -> None:
+    result = runner.invoke(app, [*command, "--help"], prog_name="hetmoe")
+    assert result.exit_code == 0, result.output
+    assert "<bool>" not in result.output and "as it lands" not in result.output
+    assert "Usage: hetmoe" in result.output
+    if command == ["generate"]:
+        assert "demo, demo-sparse" in result.output and "--raw " in result.output
 
 
 def test_deferral_without_a_gpu_is_refused(cache: Path) -> None:

@@ -1,4 +1,7 @@
-"""Command line: generate, chat, serve, bench, info (convert joins as it lands)."""
+"""Command line: generate, chat, serve, bench, info.
+
+Help is rendered in click's plain style: typer's rich style labels every flag `<bool>`.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +15,12 @@ from hetmoe.config import EngineConfig
 if TYPE_CHECKING:
     from hetmoe.engine.engine import LLM
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
 _DEFAULTS = EngineConfig()
 
 # Options shared by every command that loads a model (annotated types, reusable by new commands).
-ModelArg = Annotated[str, typer.Argument(help="Checkpoint directory or preset (tiny-qwen3-moe)")]
+ModelArg = Annotated[str, typer.Argument(
+    help="Checkpoint directory or preset (demo, demo-sparse, tiny-qwen3-moe, ...)")]
 RulesOpt = Annotated[Path | None, typer.Option(help="YAML rule file (default: the family's)")]
 DeviceOpt = Annotated[str | None, typer.Option(help="cpu, cuda, cuda:N (default: cuda if any)")]
 DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16")]
@@ -116,7 +120,10 @@ def chat(
         help="Chat with a running server (http://host:port) that serves MODEL")] = None,
     api_key: Annotated[str | None, typer.Option(help="Bearer key of the server at --url")] = None,
 ) -> None:
-    """Chat with MODEL in the terminal (answers stream; /exit or Ctrl-D quits)."""
+    """Chat with MODEL in the terminal.
+
+    Answers stream as they are generated; /exit or Ctrl-D quits.
+    """
     if url is not None:
         from hetmoe.server.client import ChatClient, ServerError, remote_chat
 
@@ -179,7 +186,10 @@ def serve(
     deferred: DeferredOpt = _DEFAULTS.deferred,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Serve MODEL over an OpenAI-compatible HTTP API, with a chat page at /."""
+    """Serve MODEL over an OpenAI-style API.
+
+    OpenAI-compatible HTTP API with a chat page at /.
+    """
     from hetmoe.server.app import serve as serve_app
     from hetmoe.server.config import ServerConfig
 
@@ -216,7 +226,10 @@ def bench(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results here")] = None,
     bandwidth_gib: Annotated[float, typer.Option(help="Read-bandwidth probe size")] = 2.0,
 ) -> None:
-    """Prefill and decode speed of MODEL (or a random-weight shape), JSON + table."""
+    """Measure prefill and decode speed.
+
+    Times MODEL, or a real shape with random weights, and prints a table (and JSON).
+    """
     import json
 
     from hetmoe.bench.harness import BenchConfig, run_bench, table
@@ -247,7 +260,10 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 
 @app.command()
 def info() -> None:
-    """Print the machine report: CPU, ISA (AMX and its OS permission), NUMA, GPU, versions."""
+    """Print CPU, ISA, NUMA, GPU, versions.
+
+    The ISA line says whether AMX is there and allowed by the OS (hetmoe's fast prefill).
+    """
     from hetmoe.machine import machine_report
 
     for key, value in machine_report().items():

@@ -59,15 +59,19 @@ def machine_report() -> dict[str, str]:
 
     feats = cpu_features()
     isa = [name for name in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni") if feats[name]]
-    if feats["amx_tile"]:
-        permission = "OS permission granted" if feats["amx_permitted"] else "NO OS permission"
-        isa.append(f"amx({permission})")
+    if not feats["amx_tile"]:
+        amx = "not in this CPU (prefill's expert matmuls run on AVX-512/AVX2, several times slower)"
+    elif feats["amx_permitted"]:
+        amx = "yes, OS permission granted"
+    else:
+        amx = "in the CPU but NO OS permission (the kernel refused arch_prctl): not used"
     report = {
         "hetmoe": __version__,
         "python": platform.python_version(),
         "cpu": _cpu_model(),
         "cores": str(os.cpu_count()),
         "isa": " ".join(isa) or "x86-64 baseline only",
+        "amx": amx,
         "numa": "; ".join(numa_nodes()),
         "huge_pages": transparent_huge_pages(),
         "kernel": platform.release(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from baby import reference_model
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from hetmoe.presets import presets
+from hetmoe.presets import presets, resolve_model
 from hetmoe.presets.tiny import FAMILIES, FP8_BLOCK, build_tiny_model
 
 
@@ -26,6 +27,20 @@ def _tensors(path):
 def test_every_family_is_a_preset():
     names = set(presets())
     assert {"tiny-" + f.replace("_", "-") for f in FAMILIES} <= names
+
+
+def test_readme_lists_every_preset():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    missing = [name for name in presets() if f"`{name}`" not in readme]
+    assert not missing, f"README.md does not list the presets {missing}"
+
+
+def test_first_build_says_what_it_builds(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HETMOE_CACHE_DIR", str(tmp_path))
+    path = resolve_model("tiny-mixtral")
+    assert f"building preset 'tiny-mixtral' into {path} (first use only)" in capsys.readouterr().err
+    assert resolve_model("tiny-mixtral") == path
+    assert capsys.readouterr().err == ""  # built once: later uses say nothing
 
 
 def test_build_is_deterministic(tmp_path):

@@ -6,17 +6,14 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from decode_steps import greedy
+from decode_steps import SAME_BACKEND_ATOL, greedy
 
 from hetmoe import LLM
 from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
 from hetmoe.ops.deferral import DeferralReference, check_deferred, moe_layers, split_ids
 
-# Same backend, different order of float additions: fp32 rounding only.
-SAME_BACKEND_ATOL = 1e-4
 # C++ CPU kernels (bf16 activations) against torch experts in fp32.
 CROSS_BACKEND_ATOL = 0.08
-
 
 
 def test_split_ids_masks_the_other_part() -> None:

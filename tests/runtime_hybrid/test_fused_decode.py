@@ -6,15 +6,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from decode_steps import greedy
+from decode_steps import SAME_BACKEND_ATOL, greedy
 
 from hetmoe import LLM
 from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
 from hetmoe.engine.fused_decode import explain_compile_errors, plan_layers
 from hetmoe.ops.kv_batch import KVBatch
-
-SAME_BACKEND_ATOL = 1e-4
-"""fp32 baby models on the same expert backend: rounding only."""
 
 
 def _run(llm: LLM, fused: bool, deferred: int) -> tuple[list[int], list[torch.Tensor], bool]:

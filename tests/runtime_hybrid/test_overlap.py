@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from decode_steps import greedy
+from decode_steps import SAME_BACKEND_ATOL, greedy
 
 from hetmoe import LLM
 from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
@@ -18,7 +18,6 @@ from hetmoe.ops.deferral import moe_layers
 # where bf16 flips a near-tie of the router (then the CPU backend itself differs from torch, with
 # or without overlap); so decode steps are compared with the plain runner on the same backend.
 LOGIT_ATOL = 0.08
-SAME_BACKEND_ATOL = 1e-4
 
 def hybrid(llm: LLM, deferred: int = 0) -> HybridRunner:
     return HybridRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len,

@@ -32,3 +32,22 @@ def byte_progress(
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(description, total=total)
         yield lambda nbytes: bar.advance(task, nbytes)
+
+
+@contextmanager
+def step_progress(
+    total: int, description: str, enabled: bool = True
+) -> Iterator[Callable[[int], None]]:
+    """Yields `advance(steps)` for a count of `total` steps (tensors, layers); drawn like
+    `byte_progress`, on stderr only if `enabled` and it is a TTY."""
+    if not (enabled and sys.stderr.isatty()):
+        yield lambda steps: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda steps: bar.advance(task, steps)

@@ -47,6 +47,20 @@ def hf_mask(attention_mask: object) -> torch.Tensor | None:
     return attention_mask if isinstance(attention_mask, torch.Tensor) else None
 
 
+# The keyword under which HF's decoder layer hands its `Cache` to attention: `cache` from
+# transformers 5.24, `past_key_values` before. Both are read, so one release's rename does not
+# make HF's `generate` run without a cache.
+HF_CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+def hf_cache(kwargs: dict[str, object]) -> Any:
+    """HF's `Cache` object among an attention call's keyword arguments, or None."""
+    for name in HF_CACHE_KEYWORDS:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
+
+
 class StaticKVAttention(nn.Module):
     """Multi-head / grouped-query attention with rope, on a multi-slot static KV cache."""
 
@@ -121,7 +135,7 @@ class StaticKVAttention(nn.Module):
         k = apply_rope(k.transpose(1, 2), position_embeddings)  # [B, h_kv, S, D]
         if kv is None:
             v = v.transpose(1, 2)  # [B, h_kv, S, D]
-            past: Any = kwargs.get("past_key_values")
+            past = hf_cache(kwargs)
             if past is not None:  # HF's cache, when HF code drives the model
                 k, v = past.update(k, v, self.layer_idx)
             out = attend(q, k, v, self.scaling, hf_mask(attention_mask))

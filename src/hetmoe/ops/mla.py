@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hetmoe.inject.registry import OpContext, register_op
-from hetmoe.ops.attention import AttentionOptions, attend, hf_mask
+from hetmoe.ops.attention import AttentionOptions, attend, hf_cache, hf_mask
 from hetmoe.ops.kv_batch import KVBatch
 from hetmoe.ops.rope import apply_rope
 
@@ -83,7 +83,7 @@ class MLAttention(nn.Module):
         q_rot = apply_rope(q_rot, position_embeddings, self.interleave)
         k_rot = apply_rope(k_rot[:, None], position_embeddings, self.interleave)[:, 0]  # [B, S, d]
         mask = hf_mask(attention_mask)
-        past: Any = kwargs.get("past_key_values")
+        past = hf_cache(kwargs)
         if kv is None and past is not None:  # HF's cache: [B, 1, L, *] as HF's MLA stores it
             cached = past.update(latent[:, None], k_rot[:, None], self.layer_idx)
             latent, k_rot = cached[0][:, 0], cached[1][:, 0]

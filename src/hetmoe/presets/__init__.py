@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
     if (target / ".complete").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"hetmoe: building preset {preset.name!r} into {target} (first use only)",
+          file=sys.stderr, flush=True)
     # Build in a temp dir beside the target and rename: a crash never leaves half a model.
     tmp = Path(tempfile.mkdtemp(prefix=f".{preset.name}-", dir=target.parent))
     try:

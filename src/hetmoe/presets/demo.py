@@ -14,7 +14,7 @@ Weights are written in fp32: the Q4_1/Q8_0 blocks dequantize to values bf16 cann
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,12 +55,24 @@ def smollm2_gguf() -> Path:
 def build_demo(out: Path, sparse: bool = False) -> None:
     """Writes the `demo` (or `demo-sparse`) Mixtral checkpoint into the empty directory `out`."""
     from hetmoe.loading.gguf import open_gguf
+    from hetmoe.loading.progress import step_progress
 
     gguf = open_gguf(smollm2_gguf())
     llama = gguf.llama_config()
     _write_config(out, llama, sparse)
     _write_tokenizer(out, gguf)
-    _write_shards(out, _mixtral_tensors(gguf.tensors(), llama, sparse))
+    name = "demo-sparse" if sparse else "demo"
+    with step_progress(len(gguf.reader.tensors), f"building {name} (once)") as advance:
+        _write_shards(out, _mixtral_tensors(_counted(gguf.tensors(), advance), llama, sparse))
+
+
+def _counted(
+    items: Iterator[tuple[str, torch.Tensor]], advance: Callable[[int], None]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`items`, calling advance(1) as each is taken."""
+    for item in items:
+        advance(1)
+        yield item
 
 
 def _mixtral_tensors(
