@@ -42,14 +42,14 @@ def build_runner(args: argparse.Namespace, max_batch: int, window: int) -> Model
         return llm.runner
     from hetmoe.bench.random_model import build_random_model
     from hetmoe.bench.shapes import shape_config
-    from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
+    from hetmoe.config import EngineConfig
 
     config = shape_config(args.shape, args.num_layers)
     model = build_random_model(config, device, torch.bfloat16, args.experts, args.weight_format,
                                args.seed)
     sizes = tuple(sorted({1, 2, 4, 8, *range(16, max_batch + 1, 8), max_batch}))
-    return HybridRunner(model, device, torch.bfloat16, max_batch, window,
-                        HybridConfig(graph_batch_sizes=sizes))
+    return ModelRunner(model, device, torch.bfloat16, max_batch, window,
+                       EngineConfig(graph_batch_sizes=sizes))
 
 
 def serve_together(scheduler: Scheduler, prompts: list[list[int]], new_tokens: int

@@ -6,8 +6,6 @@ For every family's baby model (fp32, routed experts in the C++ CPU backend, the 
 - the graph path equals the plain runner on the same model (no overlap, no graphs) within fp32
   rounding, and the torch-experts reference in tokens and within bf16-kernel tolerance;
 - graph decode with deferral equals the pure-torch deferral reference on the same model;
-- the CPU experts signalled through ready/done flags (default) and through CUDA host functions
-  give bit-identical graph logits;
 - a step that raises after its CPU jobs were queued releases them (abort), and the next step
   decodes the same tokens;
 - decode through the compiled fused layer functions (engine/fused_decode.py, the default) and
@@ -19,7 +17,7 @@ For every family's baby model (fp32, routed experts in the C++ CPU backend, the 
   decode over the whole window (logits within summation-order noise); one graph captured per
   (batch size, bucket) and no compile per bucket (the window's chunk count is a dynamic
   dimension); capture time per graph;
-- greedy steps launched ahead (`HybridRunner.greedy`, what greedy requests run) give the tokens
+- greedy steps launched ahead (`ModelRunner.greedy`, what greedy requests run) give the tokens
   of the decode loop, stopping early discards the step launched ahead, and a `limit` ends the
   steps without launching one beyond it;
 - no CPU job reported an error; launches per token in both modes.
@@ -39,10 +37,13 @@ import torch
 
 from hetmoe import LLM
 from hetmoe.bench.measure import count_launches
-from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
+from hetmoe.config import EngineConfig
 from hetmoe.engine.runner import ModelRunner
-from hetmoe.ops.deferral import DeferralReference
 from hetmoe.presets.tiny import FAMILIES, build_tiny_model
+
+# The pure-torch deferral oracle lives with the tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
+from deferral_reference import DeferralReference  # noqa: E402
 
 PROMPTS = [[5, 9, 33, 100, 7], [11, 12, 13], [200, 3, 3, 40, 41, 42, 43]]
 STEPS = 24
@@ -72,7 +73,7 @@ def decode(runner: ModelRunner, batch: int, reference: DeferralReference | None 
             runner.cache.free(s)
 
 
-def greedy_ahead(runner: HybridRunner) -> list[int]:
+def greedy_ahead(runner: ModelRunner) -> list[int]:
     """`runner.greedy` (each step launched before the previous token is read) on the first
     prompt, as `decode` lays tokens out; then a run stopped after 3 tokens must leave the slot's
     length at the tokens it consumed (the step launched ahead discarded), and one with `limit=5`
@@ -135,7 +136,7 @@ def check_family(family: str, root: Path) -> dict[str, object]:
     # LLM on a GPU with CPU experts runs the hybrid runner (overlap + graphs) end to end.
     row["llm_runner"] = type(cpu.runner).__name__
     row["llm_generate_tokens"] = cpu.generate(PROMPTS[0], max_new_tokens=STEPS + 1).token_ids
-    if isinstance(cpu.runner, HybridRunner):
+    if isinstance(cpu.runner, ModelRunner):
         cpu.runner.overlap.detach()
     plain = ModelRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len)
     ref_tokens, ref_logits = decode(ref.runner, 1)
@@ -144,8 +145,8 @@ def check_family(family: str, root: Path) -> dict[str, object]:
     row["graph_llm_generate_eq_plain_tokens"] = generated == plain_tokens[0][: len(generated)]
     for d in sorted({0, min(2, top_k - 2)}):
         # Graphs in two parts (split before layer 1), as the real models' are before layer 4.
-        runner = HybridRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len,
-                              HybridConfig(deferred=d, graph_split_layer=1))
+        runner = ModelRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len,
+                             EngineConfig(deferred=d, graph_split_layer=1))
         for batch in (1, 3):
             runner.use_graphs = True
             graph_tokens, graph_logits = decode(runner, batch)
@@ -173,7 +174,6 @@ def check_family(family: str, root: Path) -> dict[str, object]:
         runner.overlap.detach()
     row.update(check_fused(cpu))
     row.update(check_buckets(cpu))
-    row["graph_flags_eq_host_functions"] = check_signals(cpu)
     row["graph_recovers_after_abort"] = check_abort(cpu)
     return row
 
@@ -187,8 +187,8 @@ def check_fused(llm: LLM) -> dict[str, object]:
     for d in sorted({0, d_late}):
         runs = {}
         for fused in (False, True):
-            runner = HybridRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
-                                  HybridConfig(deferred=d, fused=fused))
+            runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
+                                 EngineConfig(deferred=d, fused_decode=fused))
             if fused:
                 out["fused_used"] = runner.fused is not None
             runs[fused] = [decode(runner, batch) for batch in (1, 3)]
@@ -224,8 +224,8 @@ def check_buckets(llm: LLM) -> dict[str, object]:
         for name, smallest, graphs in (("whole", BUCKET_MAX_SEQ_LEN, True),
                                        ("buckets", SMALLEST_WINDOW, True),
                                        ("eager", SMALLEST_WINDOW, False)):
-            runner = HybridRunner(llm.model, llm.device, llm.dtype, 4, BUCKET_MAX_SEQ_LEN,
-                                  HybridConfig(smallest_window=smallest))
+            runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, BUCKET_MAX_SEQ_LEN,
+                                 EngineConfig(smallest_window=smallest))
             runner.use_graphs = graphs
             compiled = counters["stats"]["unique_graphs"]
             runs[name] = decode(runner, batch, steps=steps)
@@ -249,18 +249,6 @@ def check_buckets(llm: LLM) -> dict[str, object]:
     return out
 
 
-def check_signals(llm: LLM) -> bool:
-    """Graph decode with flags and with host functions: bit-identical logits (d=2 if possible)."""
-    d = min(2, int(llm.model.config.num_experts_per_tok) - 2)
-    logits = []
-    for signal in ("flags", "host_functions"):
-        runner = HybridRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
-                              HybridConfig(deferred=d, signal=signal))
-        logits.append(decode(runner, 1)[1])
-        runner.overlap.detach()
-    return max_delta(*logits) == 0.0
-
-
 class BrokenGraph:
     """Stands in for a captured graph whose launch fails."""
 
@@ -272,8 +260,8 @@ def check_abort(llm: LLM) -> bool:
     """A replay that raises after its CPU jobs were queued: the jobs are released, and decode
     afterwards gives the tokens of an undisturbed run."""
     # Split after the first layer: the broken last part is replayed once the jobs are queued.
-    runner = HybridRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
-                          HybridConfig(graph_split_layer=1))
+    runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
+                         EngineConfig(graph_split_layer=1))
     want, _ = decode(runner, 1)
     slot = runner.cache.allocate()
     try:

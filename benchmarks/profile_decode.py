@@ -29,8 +29,9 @@ import torch
 from hetmoe.bench import measure
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import add_shape_arguments, shape_config
-from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
+from hetmoe.config import EngineConfig
 from hetmoe.engine.overlap import cpu_moe_of
+from hetmoe.engine.runner import ModelRunner
 
 
 def graph_node_us(nodes: int = 400, replays: int = 50) -> float:
@@ -85,7 +86,7 @@ def gpu_weight_bytes(model: Any) -> int:
                if p.device.type == "cuda" and id(p) not in skip)
 
 
-def kernel_table(runner: HybridRunner, prompt: list[int], steps: int) -> dict[str, Any]:
+def kernel_table(runner: ModelRunner, prompt: list[int], steps: int) -> dict[str, Any]:
     """GPU activity per token by name over `steps` graph decode steps."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -119,8 +120,8 @@ def measure_path(path: str, model: Any, prompt: list[int], window: int, deferred
                  tokens: int) -> dict[str, Any]:
     """Floor, kernel table and real decode speed of one decode path."""
     dtype = next(model.parameters()).dtype
-    runner = HybridRunner(model, torch.device("cuda"), dtype, 1, window,
-                          HybridConfig(fused=path == "fused"))
+    runner = ModelRunner(model, torch.device("cuda"), dtype, 1, window,
+                         EngineConfig(fused_decode=path == "fused"))
     if path == "fused" and runner.fused is None:
         raise SystemExit("the fused path does not fit this model")
     out: dict[str, Any] = {}

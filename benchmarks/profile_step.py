@@ -44,8 +44,8 @@ from hetmoe import _cpu
 from hetmoe.bench import measure
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import add_shape_arguments, shape_config
-from hetmoe.engine.cuda_graph import HybridRunner
 from hetmoe.engine.overlap import cpu_moe_of
+from hetmoe.engine.runner import ModelRunner
 from hetmoe.machine import huge_page_bytes
 
 # Columns of a take_timeline row: start, built, done, (first, last) per phase slot, then picked
@@ -112,7 +112,7 @@ class HostMarks:
     """Monotonic ns at which each step's host side launched the replay, queued the CPU jobs and
     waited them (wrappers around the runner's calls, removed by `close`)."""
 
-    def __init__(self, runner: HybridRunner) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.marks: dict[str, list[int]] = {}
         self.undo: list[Any] = []
         self.wrap(torch.cuda.CUDAGraph, "replay", "replay")
@@ -138,7 +138,7 @@ class HostMarks:
             undo()
 
 
-def profiled_decode(runner: HybridRunner, layers: list[Any], prompt: list[int],
+def profiled_decode(runner: ModelRunner, layers: list[Any], prompt: list[int],
                     steps: int) -> dict[str, Any]:
     """Graph decode steps with every layer's job profiled; the stage summary, and the host
     side's marks (ms after the step's start, median) against the first ready / last done word."""
@@ -184,7 +184,7 @@ def profiled_decode(runner: HybridRunner, layers: list[Any], prompt: list[int],
     return out
 
 
-def gpu_activity(runner: HybridRunner, prompt: list[int], steps: int) -> dict[str, Any]:
+def gpu_activity(runner: ModelRunner, prompt: list[int], steps: int) -> dict[str, Any]:
     """What the GPU itself runs per graph decode step (torch.profiler's CUDA activities: kernels
     and copies, not the waits on done words): busy ms per step and the largest items."""
     from torch.profiler import ProfilerActivity, profile
@@ -242,7 +242,7 @@ def main() -> int:
     config = shape_config(args.shape, args.num_layers)
     model = build_random_model(config, torch.device("cuda"), torch.bfloat16, "cpu",
                                args.weight_format, 0)
-    runner = HybridRunner(model, torch.device("cuda"), torch.bfloat16, 1, 64 + args.steps)
+    runner = ModelRunner(model, torch.device("cuda"), torch.bfloat16, 1, 64 + args.steps)
     moes = [cpu_moe_of(m.experts) for m in runner.overlap.layers]
     packed = sum(m.packed_bytes for m in moes)
     result: dict[str, Any] = {

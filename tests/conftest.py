@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from hetmoe import LLM
+from hetmoe.experts.backend import backends
 from hetmoe.presets.tiny import FAMILIES, build_tiny_model
 
 TinyDir = Callable[..., Path]
@@ -77,3 +79,20 @@ def tiny_deepseek_v3(tiny_dir: TinyDir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mixtral(tiny_dir: TinyDir) -> Path:
     return tiny_dir("mixtral")
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_dir: Callable[..., object]) -> Callable[[str, str], LLM]:
+    """`engine(family, experts)`: a cached fp32 CPU `LLM` with experts `cpu` or `torch`."""
+    built: dict[tuple[str, str], LLM] = {}
+
+    def get(family: str, experts: str) -> LLM:
+        if experts == "cpu" and "cpu" not in backends():
+            pytest.fail("the `cpu` expert backend is not registered (hetmoe._cpu not built?)")
+        key = (family, experts)
+        if key not in built:
+            built[key] = LLM(tiny_dir(family), device="cpu", dtype="float32", experts=experts,
+                             progress=False, max_seq_len=64)
+        return built[key]
+
+    return get

@@ -219,8 +219,7 @@ def bench(
     prefill: Annotated[str, typer.Option(help="Prefill lengths, e.g. 128,1024,4096")] = "128",
     eager: Annotated[bool, typer.Option(help="Also time eager decode, count launches")] = True,
     alternatives: Annotated[bool, typer.Option(
-        help="With --eager: also time graph decode with host functions and via the HF "
-             "layers")] = True,
+        help="With --eager: also time graph decode via the HF layers")] = True,
     trace: Annotated[Path | None, typer.Option(help="Chrome/Perfetto trace file")] = None,
     num_layers: Annotated[int | None, typer.Option(help="Fewer decoder layers")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results here")] = None,

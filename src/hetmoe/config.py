@@ -29,6 +29,22 @@ class EngineConfig:
     compile_decode: bool = True
     """GPU decode with CPU experts: compile the per-layer decode step with torch.compile (needs
     Triton and a C compiler); False runs the same functions uncompiled."""
+    fused_decode: bool = True
+    """GPU decode with CPU experts through one function per decoder layer
+    (engine/fused_decode.py) when the model fits; False runs the HF decoder layers (as `LLM`
+    always does on the CPU device)."""
+    cuda_graphs: bool = True
+    """GPU decode with CPU experts: replay decode steps as CUDA graphs (False: the same steps
+    launched eagerly, for debugging)."""
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    """Decode batch sizes that get a CUDA graph (a batch is padded to the next one); larger
+    batches run eagerly."""
+    smallest_window: int = 256
+    """Smallest attention window bucket of a decode step with CPU experts (engine/graphs.py);
+    at least 2; >= the context window: always the whole window."""
+    graph_split_layer: int = 4
+    """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond
+    the last layer: one graph), so the GPU starts while the CPU still launches the rest."""
     verbose: bool = False
     """Print the injection report (what was replaced, on which device) after loading."""
     progress: bool = True
@@ -45,6 +61,16 @@ class EngineConfig:
             raise ValueError(f"option deferred must be an integer >= 0, got {self.deferred!r}")
         if self.max_batch < 1:
             raise ValueError(f"option max_batch must be a positive integer, got {self.max_batch}")
+        sizes = self.graph_batch_sizes
+        if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
+            raise ValueError(f"option graph_batch_sizes must be positive integers, got {sizes!r}")
+        if not isinstance(self.graph_split_layer, int) or self.graph_split_layer < 0:
+            raise ValueError(f"option graph_split_layer must be an integer >= 0, got "
+                             f"{self.graph_split_layer!r}")
+        if not isinstance(self.smallest_window, int) or self.smallest_window < 2:
+            # A compiled dimension of width 1 would be specialized, not dynamic.
+            raise ValueError(f"option smallest_window must be an integer >= 2, got "
+                             f"{self.smallest_window!r}")
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

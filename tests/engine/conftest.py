@@ -1,4 +1,5 @@
-"""Engine fixtures: one fp32 `LLM` per baby family for the session, one torch thread."""
+"""Engine fixtures: fp32 baby engines (routed experts in torch or the C++ CPU backend), one torch
+thread."""
 
 from __future__ import annotations
 

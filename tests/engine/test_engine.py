@@ -111,7 +111,7 @@ def test_deferral_option_is_checked(tiny_dir) -> None:
         LLM(tiny_dir("qwen3_moe"), device="cpu", deferred=-1, progress=False)
     # Deferral overlaps CPU experts with GPU attention: a CPU-only run refuses it, never ignores.
     with pytest.raises(ValueError, match=r"option deferred=2 needs GPU decode .* decodes on cpu "
-                                         r"with a ModelRunner \(use deferred=0\)"):
+                                         r"\(use deferred=0\)"):
         LLM(tiny_dir("qwen3_moe"), device="cpu", experts="cpu", deferred=2, progress=False)
 
 

@@ -79,9 +79,10 @@ def test_runner_errors_are_explicit(llm_of) -> None:
                                              f"of {window}"):
             runner.prefill(slot, [5] * (window + 1))
         runner.prefill(slot, [5] * 3)
-        with pytest.raises(ValueError, match=r"decode got a slot twice: \[.*\]"):
+        with pytest.raises(ValueError, match=r"a decode step got a slot twice: \[.*\]"):
             runner.decode([slot, slot], [5, 6])
-        with pytest.raises(ValueError, match="decode needs one token per slot, got 1 slots and 2"):
+        with pytest.raises(ValueError,
+                           match="a decode step needs one token per slot, got 1 slots and 2"):
             runner.decode([slot], [5, 6])
     finally:
         runner.cache.free(slot)

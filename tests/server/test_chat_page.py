@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
+from typing import Any
 
 import pytest
 from live_server import API_KEY, MODEL, LiveServer
@@ -69,7 +71,17 @@ def test_page_streams_an_answer_over_two_turns(server: LiveServer) -> None:
             browser.close()
 
 
-def test_stop_button_cancels_the_stream(server: LiveServer) -> None:
+def test_stop_button_cancels_the_stream(server: LiveServer,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 10 ms per decode step: 200 baby-model tokens would otherwise end in well under a second,
+    # sometimes before the browser clicks Stop.
+    step = server.service.runner.step
+
+    def slow_step(plan: Any) -> Any:
+        time.sleep(0.01)
+        return step(plan)
+
+    monkeypatch.setattr(server.service.runner, "step", slow_step)
     server.wait_for("hetmoe_running_requests", 0)
     generated_before = server.metric("hetmoe_generated_tokens_total")
     with sync_playwright() as playwright:

@@ -14,6 +14,7 @@ from live_server import MODEL, LiveServer, tiny_llm
 from hetmoe import LLM
 from hetmoe.engine.sampler import SamplingParams
 from hetmoe.engine.scheduler import Event, QueueFull, Scheduler
+from hetmoe.engine.step import StepOutput, StepPlan
 from hetmoe.ops.moe import HybridMoE
 from hetmoe.server.config import ServerConfig
 
@@ -215,10 +216,10 @@ def test_each_decode_step_is_one_moe_call_per_layer_for_the_whole_batch(llm: LLM
 def test_a_failing_decode_fails_its_rows_and_frees_their_slots(
     llm: LLM, scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def lost(slots: list[int], token_ids: list[int]) -> torch.Tensor:
+    def lost(plan: StepPlan) -> StepOutput:
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(llm.runner, "decode", lost)  # the fault to survive, on this instance
+    monkeypatch.setattr(llm.runner, "step", lost)  # the fault to survive, on this instance
     sinks = [Collector(), Collector()]
     for sink in sinks:
         scheduler.submit(llm.encode("Hi"), SamplingParams(8), sink, ignore_eos=True)
@@ -229,3 +230,22 @@ def test_a_failing_decode_fails_its_rows_and_frees_their_slots(
     good = Collector()
     scheduler.submit(llm.encode("Hi"), SamplingParams(3), good, ignore_eos=True)
     assert good.wait().finish_reason == "length" and scheduler.num_running == 0
+
+
+def test_llm_generate_shares_the_servers_loop(llm: LLM) -> None:
+    alone = [llm.generate(prompt, **options) for prompt, options in REQUESTS]
+    live = LiveServer(llm, ServerConfig())
+    try:
+        assert llm.scheduler is live.service.scheduler and llm.scheduler.threaded
+        steps = llm.scheduler.decode_steps
+        served = [llm.generate(prompt, **options) for prompt, options in REQUESTS]
+        assert served == alone
+        assert llm.scheduler.decode_steps > steps  # the server's loop ran them
+        pieces = llm.stream("Hello! How are you?", max_new_tokens=20)
+        next(pieces)
+        pieces.close()  # stopped early: its slot is freed before close returns
+        assert llm.scheduler.num_running == 0
+    finally:
+        live.close()
+    assert not llm.scheduler.threaded
+    assert llm.generate(*REQUESTS[0][:1], **REQUESTS[0][1]) == alone[0]

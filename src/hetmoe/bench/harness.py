@@ -1,13 +1,12 @@
 """`hetmoe bench`: one model build, its speed in every requested mode, as a JSON-ready dict.
 
 Modes by `BenchConfig.experts`:
-- `cpu` (ours): `HybridRunner` (overlap, CUDA-graph decode of the fused layer functions, CPU
+- `cpu` (ours): `ModelRunner` (overlap, CUDA-graph decode of the fused layer functions, CPU
   experts started/awaited through ready/done flags); decode for each `deferred` value and the
   attention window buckets those steps used (`decode_windows`, with graph capture times); with
-  `eager`, also eager decode and launches per token, and with `alternatives` graph decode with
-  CUDA host functions instead of flags and graph decode of the HF layers (`module_path`, before
-  the fused decode; real and without CPU work); a trace of a few eager steps, prefill speed per
-  length.
+  `eager`, also eager decode and launches per token, and with `alternatives` graph decode of the
+  HF layers (`module_path`, before the fused decode; real and without CPU work); a trace of a few
+  eager steps, prefill speed per length.
 - `torch-cpu` (baseline): the same injected model with plain-torch experts on the CPU, the plain
   `ModelRunner` (no graphs, no overlap).
 - `accelerate` (baseline): unmodified transformers, experts offloaded by accelerate
@@ -35,7 +34,8 @@ from hetmoe.bench import measure
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.bench.trace import TraceRecorder
-from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
+from hetmoe.config import EngineConfig
+from hetmoe.engine.overlap import MoEOverlap, cpu_moe_of
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.machine import huge_page_bytes
 
@@ -65,7 +65,7 @@ class BenchConfig:
     eager: bool = True
     """Also time decode in eager mode and count launches in both modes."""
     alternatives: bool = True
-    """With `eager`: also time graph decode with host functions and through the HF layers."""
+    """With `eager`: also time graph decode through the HF layers."""
     trace: str | None = None
     """Chrome trace file of a few eager decode steps."""
     num_layers: int | None = None
@@ -141,8 +141,8 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
                                    config.vocab_size, 1), 1) for n in cfg.prefill_lengths}
         return result
     dtype = next(model.parameters()).dtype
-    runner = HybridRunner(model, device, dtype, 1, window,
-                          HybridConfig(deferred=cfg.deferred[0]))
+    runner = ModelRunner(model, device, dtype, 1, window,
+                         EngineConfig(deferred=cfg.deferred[0]))
     cpu_ms = measure.cpu_experts_ms(model)
     result["cpu_experts_ms_per_token"] = round(cpu_ms, 3)
     result["cpu_experts_of_bound"] = round(1e3 / cpu_ms / result["bound_tok_s"], 3)
@@ -184,25 +184,15 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         runner.use_graphs = True
         log(f"decode eager_d0: {decode['eager_d0']['tok_s']} tok/s")
     if cfg.eager and cfg.alternatives and runner.use_graphs:
-        # The same graph step with the CPU experts started/awaited by CUDA host functions.
-        runner.overlap.detach()
-        alt = HybridRunner(model, device, dtype, 1, window, HybridConfig(signal="host_functions"))
-        run = measure.greedy_decode(alt, prompt, cfg.new_tokens)
-        decode["graph_d0_host_functions"] = _decode_entry(run, result["bound_tok_s"])
-        alt.overlap.detach()
-        del alt
         # Before the fused decode (engine/fused_decode.py): the HF layers, same process.
-        module = HybridRunner(model, device, dtype, 1, window, HybridConfig(fused=False))
+        module = ModelRunner(model, device, dtype, 1, window, EngineConfig(fused_decode=False))
         run = measure.greedy_decode(module, prompt, cfg.new_tokens)
         decode["graph_d0_module_path"] = _decode_entry(run, result["bound_tok_s"])
         run = _without_cpu_work(module, prompt, cfg.new_tokens)
         decode["graph_d0_no_cpu_work_module_path"] = _decode_entry(run, result["bound_tok_s"])
         result["launches"]["graph_module_path"] = measure.count_launches(module, prompt, 8)
-        module.overlap.detach()
-        del module
-        runner.overlap.attach()
+        del module  # `runner` re-attaches its own MoE step at its next pass
         runner.reset_graphs()  # the runners above re-allocated the KV caches the graphs baked in
-        log(f"decode graph_d0_host_functions: {decode['graph_d0_host_functions']['tok_s']} tok/s")
         log(f"decode graph_d0_module_path: {decode['graph_d0_module_path']['tok_s']} tok/s, "
             f"no CPU work {decode['graph_d0_no_cpu_work_module_path']['tok_s']} tok/s")
     if cfg.trace:
@@ -217,7 +207,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     return result
 
 
-def _windows(runner: HybridRunner) -> dict[str, Any]:
+def _windows(runner: ModelRunner) -> dict[str, Any]:
     """The attention window buckets the decode steps so far used, and the capture time of each
     graph of the last `deferred` value."""
     return {"max_seq_len": runner.max_seq_len, "smallest": runner.config.smallest_window,
@@ -226,13 +216,17 @@ def _windows(runner: HybridRunner) -> dict[str, Any]:
                            for (b, w), g in sorted(runner.graphs.items())}}
 
 
-def _without_cpu_work(runner: HybridRunner, prompt: list[int],
+def _overlap(runner: ModelRunner) -> MoEOverlap:
+    if runner.overlap is None:
+        raise ValueError("this benchmark mode needs every MoE layer's experts in the cpu backend")
+    return runner.overlap
+
+
+def _without_cpu_work(runner: ModelRunner, prompt: list[int],
                       new_tokens: int) -> measure.DecodeRun:
     """Decode with every routed expert masked out of the CPU jobs: the runtime's floor (GPU
     work, copies, signals, CPU jobs that route nothing). Its tokens mean nothing."""
-    from hetmoe.engine.overlap import cpu_moe_of
-
-    moes = [cpu_moe_of(m.experts) for m in runner.overlap.layers]
+    moes = [cpu_moe_of(m.experts) for m in _overlap(runner).layers]
     for moe in moes:
         moe.set_gpu_experts(torch.ones(moe.num_experts, dtype=torch.bool))
     try:
@@ -248,7 +242,7 @@ def _decode_entry(run: measure.DecodeRun, bound: float) -> dict[str, Any]:
             "timed_steps": len(run.step_s), "prompt_prefill_s": round(run.prefill_s, 4)}
 
 
-def _trace(runner: HybridRunner, prompt: list[int], path: str, steps: int = 4) -> dict[str, Any]:
+def _trace(runner: ModelRunner, prompt: list[int], path: str, steps: int = 4) -> dict[str, Any]:
     """Eager decode steps with trace marks; writes the Chrome trace, returns its summary."""
     recorder = TraceRecorder(runner.device.type == "cuda")
     graphs, runner.use_graphs = runner.use_graphs, False
@@ -256,15 +250,15 @@ def _trace(runner: HybridRunner, prompt: list[int], path: str, steps: int = 4) -
     try:
         token = int(runner.prefill(slot, prompt).argmax())
         token = int(runner.decode([slot], [token])[0].argmax())  # warm-up, untraced
-        runner.overlap.trace = recorder
+        _overlap(runner).trace = recorder
         for _ in range(steps):
             recorder.begin_step()
             token = int(runner.decode([slot], [token])[0].argmax())
     finally:
-        runner.overlap.trace = None
+        _overlap(runner).trace = None
         runner.use_graphs = graphs
-        runner.cache.free(slot)
-    return {"file": path, "steps": steps, "deferred": runner.overlap.deferred,
+        runner.free(slot)
+    return {"file": path, "steps": steps, "deferred": _overlap(runner).deferred,
             **recorder.write(path)}
 
 

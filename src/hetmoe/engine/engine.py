@@ -1,19 +1,21 @@
-"""`hetmoe.LLM`: load + inject a checkpoint, then generate with our own prefill/decode loop."""
+"""`hetmoe.LLM`: load + inject a checkpoint, then generate through the scheduler (the one loop)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from collections.abc import Generator, Iterator, Sequence
+import queue
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hetmoe.config import EngineConfig
-from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner, make_runner
-from hetmoe.engine.sampler import GenerationOutput, Sampler, SamplingParams
-from hetmoe.engine.text_stream import TextStream
+from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.sampler import GenerationOutput, SamplingParams
+from hetmoe.engine.scheduler import Event, Scheduler
 from hetmoe.experts.backend import ExpertBackend, get_backend
 from hetmoe.inject.apply import InjectionReport, apply_rules
 from hetmoe.inject.registry import OpContext
@@ -21,7 +23,6 @@ from hetmoe.inject.rules import Rule, load_rules, shipped_rules_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_MAX_SEQ_LEN = 4096
-_CONTEXT_TOKENS = 4  # prompt tokens the detokenizer window starts with (see TextStream)
 
 
 def default_device() -> torch.device:
@@ -81,18 +82,24 @@ class LLM:
             int(getattr(config, "max_position_embeddings", _DEFAULT_MAX_SEQ_LEN)),
             _DEFAULT_MAX_SEQ_LEN,
         )
-        # On a GPU with CPU experts: overlap + CUDA-graph decode (engine/cuda_graph.py).
-        self.runner = make_runner(
-            self.model, self.device, self.dtype, self.options.max_batch, window,
-            HybridConfig(deferred=self.options.deferred, compile=self.options.compile_decode),
-        )
-        if self.options.deferred and not isinstance(self.runner, HybridRunner):
+        if self.options.deferred and self.device.type != "cuda":
             raise ValueError(
                 f"option deferred={self.options.deferred} needs GPU decode with every MoE "
                 f"layer's routed experts in the cpu backend; this run decodes on "
-                f"{self.device.type} with a {type(self.runner).__name__} (use deferred=0)"
+                f"{self.device.type} (use deferred=0)"
+            )
+        # The fused decode step cuts GPU launches; on the CPU device the HF layers run.
+        runner_options = dataclasses.replace(
+            self.options, fused_decode=self.options.fused_decode and self.device.type == "cuda")
+        self.runner = ModelRunner(self.model, self.device, self.dtype, self.options.max_batch,
+                                  window, runner_options)
+        if self.options.deferred and self.runner.overlap is None:
+            raise ValueError(
+                f"option deferred={self.options.deferred} needs every MoE layer's routed experts "
+                "in the cpu backend (use deferred=0)"
             )
         self.eos_token_ids = _eos_ids(self.path, config, self.tokenizer)
+        self.scheduler = Scheduler(self.runner, self.decode, self.eos_token_ids, threaded=False)
 
     @property
     def max_seq_len(self) -> int:
@@ -174,7 +181,7 @@ class LLM:
         try:
             return self.runner.prefill_logits(slot, ids).cpu()
         finally:
-            self.runner.cache.free(slot)
+            self.runner.free(slot)
 
     def _checked_prompt(self, ids: list[int]) -> list[int]:
         if not ids:
@@ -184,56 +191,65 @@ class LLM:
                 f"the prompt has {len(ids)} tokens but the context window is {self.max_seq_len} "
                 "tokens (max_seq_len)"
             )
+        vocab = self.runner.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} out of the vocabulary [0, {vocab})")
         return ids
+
+    def start_loop(self, max_queue: int = 64,
+                   decode: Callable[[list[int]], str] | None = None) -> Scheduler:
+        """Runs the scheduler on a thread of its own (a server); `generate` / `stream` then
+        submit to it too, so every request shares its batches. `decode` turns ids into text on
+        that thread (default: `self.decode`)."""
+        self.scheduler.stop()
+        self.scheduler = Scheduler(self.runner, decode or self.decode, self.eos_token_ids,
+                                   max_queue, threaded=True)
+        return self.scheduler
+
+    def stop_loop(self) -> None:
+        """Stops the loop's thread (requests in flight end as cancelled); `generate` runs the
+        loop in the caller's thread again."""
+        self.scheduler.stop()
+        self.scheduler = Scheduler(self.runner, self.decode, self.eos_token_ids, threaded=False)
 
     def _run(
         self, prompt_ids: list[int], params: SamplingParams, result: list[GenerationOutput]
     ) -> Iterator[str]:
-        """The generation loop: prefill, then sample/decode until EOS, stop, or length."""
+        """Submits the request to the scheduler and waits for its events (driving the loop in
+        this thread when no server runs it), yielding text pieces as they become final."""
         prompt_ids = self._checked_prompt(prompt_ids)
-        sampler = Sampler(params)
-        text = TextStream(self.decode, params.stop, prompt_ids[-_CONTEXT_TOKENS:])
-        runner = self.runner
-        slot = runner.cache.allocate()
-        out: list[int] = []
-        reason = "length"
-        # Greedy requests take the runner's greedy steps (launched ahead on the hybrid runner);
-        # the others sample each step's logits.
-        steps: Generator[int, None, None] | None = None
+        scheduler = self.scheduler
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        handle = scheduler.submit(prompt_ids, params, events.put, fit_window=False)
+        text: list[str] = []
+        tokens: list[int] = []
+        last: Event | None = None
         try:
-            token = sampler(runner.prefill(slot, prompt_ids))
-            while True:
-                out.append(token)
-                if token in self.eos_token_ids:
-                    reason = "stop"
-                    break
-                piece = text.push(token)
-                if piece:
-                    yield piece
-                if text.stopped:
-                    reason = "stop"
-                    break
-                if len(out) >= params.max_new_tokens:
-                    break
-                if sampler.greedy:
-                    steps = steps or runner.greedy(slot, token,
-                                                   params.max_new_tokens - len(out))
-                    next_token = next(steps, None)  # None: the context window is full
-                    if next_token is None:
-                        break
-                    token = next_token
-                elif runner.lengths[slot] >= self.max_seq_len:
-                    break
-                else:
-                    token = sampler(runner.decode([slot], [token])[0])
+            while last is None:
+                if not scheduler.threaded and events.empty():
+                    scheduler.run_once()
+                    continue
+                event = events.get()
+                tokens.extend(event.token_ids)
+                if event.text:
+                    text.append(event.text)
+                    yield event.text
+                if event.finish_reason is not None:
+                    last = event
         finally:
-            if steps is not None:
-                steps.close()  # waits for a step launched ahead, before the slot is freed
-            runner.cache.free(slot)
-        tail = text.finish()
-        if tail:
-            yield tail
-        result.append(GenerationOutput(text.text, out, reason, len(prompt_ids)))
+            if last is None:  # the consumer stopped early: free the slot before returning
+                handle.cancel()
+                while not scheduler.threaded and (scheduler.num_running
+                                                  or scheduler.num_waiting):
+                    scheduler.run_once()
+                while scheduler.threaded and events.get().finish_reason is None:
+                    pass
+        assert last.finish_reason is not None
+        if last.finish_reason == "error":
+            raise RuntimeError(f"generation failed: {last.error}")
+        result.append(GenerationOutput("".join(text), tokens, last.finish_reason,
+                                       len(prompt_ids)))
 
 
 def _params(

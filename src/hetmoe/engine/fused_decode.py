@@ -8,35 +8,29 @@ the previous layer's MoE output to the packed router output:
     h += previous MoE terms -> RMSNorm -> q/k/v (one GEMV) -> q/k norm -> rope -> attention over
     the cache plus the new token -> o_proj -> h += attn -> RMSNorm -> router -> pack(x, ids, w)
 
-then, outside it: the CPU experts' start (one copy, engine/overlap.py `forward_packed`), the
+then, outside it: the CPU experts' start (one copy, `MoEStep.forward_packed`), the
 cache write (one kernel, off the CPU's critical path), the shared experts, the wait. On a GPU the
 layer functions go through `torch.compile` (Inductor); the weights are arguments, so every layer
 of a model shares one compiled graph. Attention reads the first `kv_len` cache entries (the
 runner's window bucket, ops/kv_batch.py) in chunks of 64 whose count is a dynamic dimension, so
 every bucket shares that graph too. Without compile (CPU) the same functions run eagerly.
 
-`plan_layers` says whether a model fits (GQA or MLA attention, RMSNorms, gated SiLU MLPs or
-`HybridMoE`); `HybridRunner` uses the module path otherwise.
+`engine/layer_plan.py` says whether a model fits; `ModelRunner` uses the module path otherwise.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from hetmoe.engine.overlap import MoEOverlap
+from hetmoe.engine.layer_plan import LayerPlan, LayerStatics, eps_of, plan_layers
 from hetmoe.ops import fused
-from hetmoe.ops.attention import StaticKVAttention
 from hetmoe.ops.kv_batch import KVBatch
-from hetmoe.ops.mla import MLAttention
-from hetmoe.ops.moe import HybridMoE
-from hetmoe.ops.router import RouterConfig, route
+from hetmoe.ops.moe_step import MoEStep
+from hetmoe.ops.router import route
 
 RECOMPILE_LIMIT = 64
 """Compiled variants allowed per layer function (batch sizes x layer kinds x MoE terms; the
@@ -45,139 +39,6 @@ attention window is a dynamic dimension, not a variant)."""
 _FUNCTIONS: dict[Any, Callable[..., Any]] = {}
 """Layer functions by (statics or name, compiled), shared by every `FusedDecoder` of the process
 (another runner on the same model shapes reuses the compiled code instead of compiling again)."""
-
-
-@dataclass(frozen=True)
-class LayerStatics:
-    """What a layer's compiled graph bakes in (equal for every layer of a model's kind)."""
-
-    attention: str
-    """`gqa` or `mla`."""
-    eps: tuple[float, float, float]
-    """Input norm, post-attention norm and q/k (or latent) norm epsilons."""
-    heads: int
-    """Query heads."""
-    dims: tuple[int, ...]
-    """gqa: (kv heads, head dim); mla: (nope, rope, v, kv_lora_rank)."""
-    scale: float
-    """Softmax scale."""
-    rope: str
-    """Rope form: `half`, `interleave` or `pairs` (ops/fused.py `rotate`)."""
-    router: RouterConfig | None
-    """The MoE router's semantics (None: a dense MLP layer)."""
-    deferred: int
-    """Experts deferred to the next MoE layer (0 for the last one)."""
-
-
-def _eps(norm: nn.Module | None) -> float:
-    """An RMSNorm's epsilon (`variance_epsilon` in HF, `eps` in torch)."""
-    eps = getattr(norm, "variance_epsilon", None)
-    if eps is None:
-        eps = getattr(norm, "eps", None)
-    if not isinstance(eps, float):
-        raise ValueError(f"fused decode needs RMSNorms with an epsilon, found {norm!r}")
-    return eps
-
-
-def _weight(module: nn.Module | None) -> torch.Tensor:
-    """A norm's (or linear's) weight, detached; ValueError when it has none."""
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        raise ValueError(f"fused decode needs a weight on {module!r}")
-    return weight.detach()
-
-
-def _plain(module: object) -> torch.Tensor:
-    """The weight of a bias-free linear; ValueError otherwise."""
-    if not isinstance(module, nn.Linear) or module.bias is not None:
-        raise ValueError(f"fused decode needs bias-free linears, found {module!r}")
-    return module.weight.detach()
-
-
-class LayerPlan:
-    """One decoder layer's weights and caches as the tensors the layer function takes."""
-
-    def __init__(self, layer: Any, act: str) -> None:
-        for name in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp"):
-            if getattr(layer, name, None) is None:
-                raise ValueError(f"fused decode needs a decoder layer with `{name}`")
-        attn, mlp = layer.self_attn, layer.mlp
-        self.attn = attn
-        self.norms = (_weight(layer.input_layernorm), _weight(layer.post_attention_layernorm))
-        self.moe: HybridMoE | None = mlp if isinstance(mlp, HybridMoE) else None
-        self.window: int | None = None
-        if isinstance(attn, StaticKVAttention):
-            self.window = attn.sliding_window
-            qkv, bias = attn.fused_qkv()
-            q_norm = k_norm = None
-            qk_eps = 0.0
-            if attn.q_norm is not None and attn.k_norm is not None:
-                q_norm, k_norm = _weight(attn.q_norm), _weight(attn.k_norm)
-                qk_eps = _eps(attn.q_norm)
-            self.weights: tuple[torch.Tensor | None, ...] = (
-                qkv, bias, q_norm, k_norm, _plain(attn.o_proj))
-            dims: tuple[int, ...] = (attn.num_kv_heads, attn.head_dim)
-            heads = (qkv.shape[0] - 2 * attn.num_kv_heads * attn.head_dim) // attn.head_dim
-            kind, rope = "gqa", "half"
-        elif isinstance(attn, MLAttention):
-            kv_b = attn._plain_kv_b_weight()
-            if kv_b is None or attn.q_proj is None:
-                raise ValueError("fused decode needs MLA with q_proj and a plain kv_b_proj")
-            w = kv_b.detach().view(attn.num_heads, attn.nope_dim + attn.v_dim, attn.kv_lora_rank)
-            w_k, w_v = w.split([attn.nope_dim, attn.v_dim], dim=1)
-            self.weights = (_plain(attn.q_proj), _plain(attn.kv_a_proj_with_mqa),
-                            _weight(attn.kv_a_layernorm), w_k, w_v, _plain(attn.o_proj))
-            qk_eps = _eps(attn.kv_a_layernorm)
-            dims = (attn.nope_dim, attn.rope_dim, attn.v_dim, attn.kv_lora_rank)
-            heads, kind = attn.num_heads, "mla"
-            rope = "interleave" if attn.interleave else "pairs"
-        else:
-            raise ValueError(f"fused decode has no form for {type(attn).__name__}")
-        if act != "silu":
-            raise ValueError(f"fused decode needs SiLU MLPs, found hidden_act={act!r}")
-        self.dense: tuple[torch.Tensor, ...] | None = None
-        self.shared: tuple[torch.Tensor, ...] | None = None
-        self.shared_gate: torch.Tensor | None = None
-        router = None
-        if self.moe is not None:
-            router = self.moe.gate.config
-            self.router = (self.moe.gate.weight.detach(),
-                           self.moe.gate.e_score_correction_bias if router.has_bias else None)
-            shared = self.moe.shared_experts or self.moe.shared_expert
-            if shared is not None:
-                self.shared = _mlp(shared)
-            if self.moe.shared_expert_gate is not None:
-                self.shared_gate = _plain(self.moe.shared_expert_gate)
-        else:
-            self.dense = _mlp(mlp)
-        self.statics = LayerStatics(
-            kind, (_eps(layer.input_layernorm), _eps(layer.post_attention_layernorm), qk_eps),
-            heads, dims, float(attn.scaling), rope, router, 0)
-
-    def caches(self) -> tuple[torch.Tensor, ...]:
-        """The layer's cache tensors (allocated by the runner's cache after this plan)."""
-        if isinstance(self.attn, StaticKVAttention):
-            assert self.attn.kv_cache is not None
-            return (self.attn.kv_cache,)
-        assert self.attn.latent_cache is not None and self.attn.rope_cache is not None
-        return (self.attn.latent_cache, self.attn.rope_cache)
-
-
-def _mlp(module: nn.Module) -> tuple[torch.Tensor, ...]:
-    return tuple(_plain(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj"))
-
-
-def plan_layers(model: Any) -> list[LayerPlan]:
-    """Every decoder layer's plan; ValueError naming the first layer the fused path cannot run."""
-    base = getattr(model, model.base_model_prefix)
-    act = str(getattr(model.config, "hidden_act", "silu"))
-    plans = []
-    for i, layer in enumerate(base.layers):
-        try:
-            plans.append(LayerPlan(layer, act))
-        except ValueError as exc:
-            raise ValueError(f"decoder layer {i}: {exc}") from exc
-    return plans
 
 
 def _residual(h: torch.Tensor, terms: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -195,21 +56,16 @@ def _layer_tail(s: LayerStatics, h: torch.Tensor, attn: torch.Tensor, o_w: torch
                 post_norm: torch.Tensor, new: tuple[torch.Tensor, ...],
                 router: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
     """Every layer function's end: o_proj + residual, the post-attention norm, and on MoE layers
-    the router with the CPU experts' packed inputs. Returns (h, x, new cache entries, stage or
-    None, deferred ids or None)."""
+    the router with the CPU experts' packed inputs (all K ids: the CPU job splits off deferred
+    ones). Returns (h, x, new cache entries, stage or None)."""
     h = h + fused.linear(attn, o_w, None)
     x = fused.rms_norm(h, post_norm, s.eps[1])
     if s.router is None:
-        return h, x, new, None, None
+        return h, x, new, None
     router_w, router_b = router
     assert router_w is not None
     ids, weights = route(x, router_w, router_b, s.router, fused=True)
-    if not s.deferred:
-        return h, x, new, fused.pack_moe_inputs(x, ids, weights), None
-    k = ids.shape[1] - s.deferred
-    late = torch.cat((torch.full_like(ids[:, :k], -1), ids[:, k:]), dim=1)
-    immediate = torch.cat((ids[:, :k], torch.full_like(ids[:, k:], -1)), dim=1)
-    return h, x, new, fused.pack_moe_inputs(x, immediate, weights), late
+    return h, x, new, fused.pack_moe_inputs(x, ids, weights)
 
 
 def make_gqa_layer(s: LayerStatics) -> Callable[..., tuple[Any, ...]]:
@@ -310,7 +166,7 @@ def explain_compile_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 class FusedDecoder:
     """Runs decode steps of `model` through the layer functions, MoE layers via `overlap`."""
 
-    def __init__(self, model: Any, overlap: MoEOverlap, compile: bool) -> None:
+    def __init__(self, model: Any, overlap: MoEStep, compile: bool) -> None:
         """`compile`: run the layer functions through torch.compile (GPU), else eagerly."""
         self.base = getattr(model, model.base_model_prefix)
         self.plans = plan_layers(model)
@@ -361,13 +217,8 @@ class FusedDecoder:
             if window not in masks:
                 masks[window] = self._mask(pos, kv.kv_len, window)
             statics = plan.statics
-            if plan.moe is not None:
-                i = self.moe_index[id(plan.moe)]
-                # The layer function splits the ids only when the CPU job does not.
-                d = 0 if overlap.chains_deferral() else overlap.deferred_at(i)
-                statics = dataclasses.replace(statics, deferred=d)
             router = plan.router if plan.moe is not None else (None, None)
-            h, x, new, stage, late = self._layer_fn(statics)(
+            h, x, new, stage = self._layer_fn(statics)(
                 h, terms, plan.norms, plan.weights, cos, sin, caches, kv.slots, masks[window],
                 router)
             if plan.moe is None:
@@ -377,9 +228,10 @@ class FusedDecoder:
                 terms = (self._fn("mlp", lambda: shared_mlp)(x, dense, None),)
                 continue
             between = functools.partial(self._between, plan, x, caches, new, kv.slots, pos)
-            terms = tuple(overlap.forward_packed(i, x, stage, late, between))
+            i = self.moe_index[id(plan.moe)]
+            terms = tuple(overlap.forward_packed(i, stage, x.shape[0], between))
         norm = self.base.norm
-        out = self._fn("final", lambda: final_norm)(h, terms, norm.weight.detach(), _eps(norm))
+        out = self._fn("final", lambda: final_norm)(h, terms, norm.weight.detach(), eps_of(norm))
         return out.view(b, 1, -1)
 
     def _mask(self, pos: torch.Tensor, width: int, window: int | None) -> torch.Tensor:

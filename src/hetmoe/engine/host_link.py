@@ -1,85 +1,58 @@
 """`HostLink`: one MoE layer's CUDA decode transport to its CPU experts (graph-safe).
 
 Fixed pinned buffers [max_rows, ...] and async copies; the CPU work is started and awaited in
-stream order, so a CUDA graph can capture the whole sequence. Two signals:
-
-- "flags" (default): after the input copies the stream sets a *ready* word in pinned memory, and
-  before the output copy it waits for a *done* word (the CUDA driver's stream memory
-  operations, captured as memop nodes). The CPU job is queued in the pool ahead of time and
-  spins on its ready word (`_cpu.StreamFlags`, protocol in csrc/runtime/stream_flags.h): no
-  thread has to wake up on the critical path. With Expert Deferral the same job goes on to the
-  layer's deferred experts into a second output buffer and sets a second done word, which the
-  stream awaits at the next MoE layer: the deferred experts start with no round trip through
-  the GPU.
-- "host_functions": `cudaLaunchHostFunc` submit and wait entries (host nodes in a graph), run by
-  the CUDA driver's callback thread; the measured alternative (docs/benchmarks/hybrid.md), also
-  for drivers without stream memory operations. Deferred experts are a second start here
-  (`start_ids`).
+stream order, so a CUDA graph can capture the whole sequence: after the input copies the stream
+sets a *ready* word in pinned memory, and before the output copy it waits for a *done* word (the
+CUDA driver's stream memory operations, captured as memop nodes). The CPU job is queued in the
+pool ahead of time and spins on its ready word (`_cpu.StreamFlags`, protocol in
+csrc/runtime/stream_flags.h): no thread has to wake up on the critical path. With Expert Deferral
+the same job goes on to the layer's deferred experts into a second output buffer and sets a
+second done word, which the stream awaits at the next MoE layer: the deferred experts start with
+no round trip through the GPU. Implements `ops.moe_step.Link`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from collections.abc import Callable
-from typing import Any, Literal
 
 import torch
 
-from hetmoe.experts.cpu_moe import CpuMoE, HostFunctions
+from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.ops.fused import staged_words, unpack_moe_inputs
 
-Signal = Literal["flags", "host_functions"]
-SIGNALS: tuple[str, ...] = ("flags", "host_functions")
 
-
-@functools.cache
-def _launch_host_func() -> Any:
-    """`cudaLaunchHostFunc` of the CUDA runtime torch loaded (the one the C++ side binds to)."""
+def check_stream_memops(device: torch.device) -> None:
+    """RuntimeError when this process's CUDA driver lacks stream memory operations (every Linux
+    driver since CUDA 12 has them enabled; hetmoe's GPU decode needs them)."""
+    if device.type != "cuda":
+        return
     from hetmoe import _cpu
 
     torch.cuda.init()
-    path = _cpu.cuda_runtime_path()
-    if not path:
-        raise RuntimeError("no CUDA runtime with cudaLaunchHostFunc is loaded in this process")
-    fn = ctypes.CDLL(path).cudaLaunchHostFunc
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def check_signal(signal: str, device: torch.device) -> None:
-    """ValueError for an unknown signal; RuntimeError when "flags" cannot run on this driver."""
-    if signal not in SIGNALS:
-        raise ValueError(f"signal must be one of {', '.join(SIGNALS)}, got {signal!r}")
-    if signal == "flags" and device.type == "cuda":
-        from hetmoe import _cpu
-
-        torch.cuda.init()
-        if not _cpu.stream_memops_available():
-            raise RuntimeError(
-                "signal='flags' needs the CUDA driver's stream memory operations "
-                "(cuStreamWriteValue32 in libcuda), which this process has not loaded; use "
-                "signal='host_functions'"
-            )
+    if not _cpu.stream_memops_available():
+        raise RuntimeError(
+            "GPU decode with CPU experts needs the CUDA driver's stream memory operations "
+            "(cuStreamWriteValue32 in libcuda), which this process has not loaded; update the "
+            "NVIDIA driver, or run with device='cpu'"
+        )
 
 
 class HostLink:
     """Pinned per-layer buffers and stream-ordered CPU start/wait (see the module docstring).
 
-    With `signal="flags"`, `start` enqueues the ready word and hands the link and its deferred
-    slot count to `queue`, which submits the flag-gated CPU job (or records it while a CUDA graph
-    is being captured); `finish_late` awaits the deferred slots (`chains`).
-    With `packed=True` the inputs live in one pinned int32 vector laid out as
-    `ops.fused.pack_moe_inputs` writes it for the bound row count (x as fp32, ids, weights), so
-    `start_packed` moves them with ONE copy.
+    `start` enqueues the ready word and hands the link and its deferred slot count to `queue`,
+    which submits the flag-gated CPU job (or records it while a CUDA graph is being captured);
+    `finish_late` awaits the deferred slots. With `packed=True` the inputs live in one pinned
+    int32 vector laid out as `ops.fused.pack_moe_inputs` writes it for the bound row count (x as
+    fp32, ids, weights), so `start_packed` moves them with ONE copy.
     """
 
     def __init__(self, moe: CpuMoE, max_rows: int, top_k: int, dtype: torch.dtype,
-                 device: torch.device, signal: Signal = "flags",
-                 queue: Callable[[HostLink, int], None] | None = None,
+                 device: torch.device, queue: Callable[[HostLink, int], None],
                  packed: bool = False) -> None:
-        self.moe, self.device, self.signal = moe, device, signal
+        from hetmoe import _cpu
+
+        self.moe, self.device = moe, device
         h = moe.hidden
         self.hidden, self.top_k, self.packed = h, top_k, packed
         self.stage = torch.zeros(staged_words(max_rows, h, top_k) if packed else 0,
@@ -92,29 +65,14 @@ class HostLink:
         # The CPU backend writes out in x's dtype: fp32 when packed.
         out_dtype = torch.float32 if packed else dtype
         self.out = torch.zeros(max_rows, h, dtype=out_dtype, pin_memory=True)
-        self.out_late = torch.zeros(max_rows, h, dtype=out_dtype,
-                                    pin_memory=True) if signal == "flags" else self.out
+        self.out_late = torch.zeros(max_rows, h, dtype=out_dtype, pin_memory=True)
         self.rows = 0
-        self.fns: HostFunctions | None = None
-        self.flags: Any = None
-        self.flags_late: Any = None
         self.queue = queue
-        if signal == "flags":
-            from hetmoe import _cpu
-
-            if queue is None:
-                raise ValueError("HostLink: signal='flags' needs a queue for its CPU jobs")
-            # The ready, done and deferred-done words on 64-byte lines of their own: [3, 16]
-            # int32, [:, 0] used.
-            self.words = torch.zeros(3, 16, dtype=torch.int32, pin_memory=True)
-            self.flags = _cpu.StreamFlags(self.words[0].data_ptr(), self.words[1].data_ptr())
-            self.flags_late = _cpu.StreamFlags(self.words[0].data_ptr(),
-                                               self.words[2].data_ptr())
-
-    @property
-    def chains(self) -> bool:
-        """Whether one start computes the deferred experts too (the flag signal)."""
-        return self.flags is not None
+        # The ready, done and deferred-done words on 64-byte lines of their own: [3, 16] int32,
+        # [:, 0] used.
+        self.words = torch.zeros(3, 16, dtype=torch.int32, pin_memory=True)
+        self.flags = _cpu.StreamFlags(self.words[0].data_ptr(), self.words[1].data_ptr())
+        self.flags_late = _cpu.StreamFlags(self.words[0].data_ptr(), self.words[2].data_ptr())
 
     def bind(self, rows: int) -> None:
         """Points the backend's CPU calls at the first `rows` rows of the buffers."""
@@ -122,8 +80,7 @@ class HostLink:
             if self.packed:
                 self.x, self.ids, self.weights = unpack_moe_inputs(self.stage, rows, self.hidden,
                                                                    self.top_k)
-            self.fns = self.moe.host_functions(self.x[:rows], self.ids[:rows],
-                                               self.weights[:rows], self.out[:rows])
+            self.moe.bind(self.x[:rows], self.ids[:rows], self.weights[:rows], self.out[:rows])
             self.rows = rows
 
     def submit(self, deferred: int = 0) -> int:
@@ -137,65 +94,36 @@ class HostLink:
     def _stream(self) -> int:
         return int(torch.cuda.current_stream(self.device).cuda_stream)
 
-    def _launch(self, fn: int) -> None:
-        assert self.fns is not None
-        code = _launch_host_func()(self._stream(), fn, self.fns.user_data)
-        if code:
-            raise RuntimeError(f"cudaLaunchHostFunc failed with CUDA error {code}")
-
-    def start(self, x: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor,
+    def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               deferred: int = 0) -> None:
-        """Copies the inputs (x None: keep the last x) and starts the CPU experts on them; with
-        `deferred` (`chains` only) the last `deferred` slots go to `finish_late`."""
+        """Copies the inputs and starts the CPU experts on them (the last `deferred` slots go
+        to `finish_late`)."""
         t = ids.shape[0]
         self.bind(t)
-        assert self.fns is not None
-        if x is not None:
-            self.x[:t].copy_(x, non_blocking=True)
+        self.x[:t].copy_(x, non_blocking=True)
         self.ids[:t].copy_(ids, non_blocking=True)
         self.weights[:t].copy_(weights, non_blocking=True)
         self._signal_start(deferred)
 
     def start_packed(self, stage: torch.Tensor, rows: int, deferred: int = 0) -> None:
-        """Starts the CPU experts on a `pack_moe_inputs` vector of `rows` tokens: one copy
-        (`deferred` as in `start`)."""
+        """Starts the CPU experts on a `pack_moe_inputs` vector of `rows` tokens: one copy."""
         if not self.packed:
             raise RuntimeError("HostLink.start_packed needs a link built with packed=True")
         self.bind(rows)
         self.stage[:stage.numel()].copy_(stage, non_blocking=True)
         self._signal_start(deferred)
 
-    def start_ids(self, ids: torch.Tensor) -> None:
-        """Starts the CPU experts again on the last x and weights with new ids [T, K] (the
-        deferred experts of the same layer): one copy."""
-        self.ids[:ids.shape[0]].copy_(ids, non_blocking=True)
-        self._signal_start()
-
-    def _signal_start(self, deferred: int = 0) -> None:
-        assert self.fns is not None
-        if self.flags is None:
-            if deferred:
-                raise RuntimeError("HostLink: host functions start deferred experts with "
-                                   "start_ids")
-            self._launch(self.fns.submit_fn)
-            return
+    def _signal_start(self, deferred: int) -> None:
         self.flags.signal_ready_on(self._stream())
-        assert self.queue is not None
         self.queue(self, deferred)
 
     def finish(self) -> torch.Tensor:
         """Waits (in stream order) for the last start; its output [T, H] on the GPU."""
-        assert self.fns is not None
-        if self.flags is None:
-            self._launch(self.fns.wait_fn)
-        else:
-            self.flags.wait_done_on(self._stream())
+        self.flags.wait_done_on(self._stream())
         return self.out[: self.rows].to(self.device, non_blocking=True)
 
     def finish_late(self) -> torch.Tensor:
-        """Waits (in stream order) for the deferred slots of the last start (`chains`); their
-        output [T, H] on the GPU."""
-        if self.flags_late is None:
-            raise RuntimeError("HostLink.finish_late needs the flag signal")
+        """Waits (in stream order) for the deferred slots of the last start; their output
+        [T, H] on the GPU."""
         self.flags_late.wait_done_on(self._stream())
         return self.out_late[: self.rows].to(self.device, non_blocking=True)

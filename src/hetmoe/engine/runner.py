@@ -1,47 +1,110 @@
-"""`ModelRunner`: tensors in, logits out, over the static KV cache. No sampling, no text.
+"""`ModelRunner`: tensors in, logits or tokens out, over the static KV cache. No text.
 
-The stable interface the engine and the server's scheduler drive (single-threaded):
+The one runner for prefill and decode, single-threaded (one owner at a time):
 
 - `prefill(slot, token_ids, start=0) -> [V]`: runs a sequence's tokens into `slot` from position
-  `start` (0 = a new sequence; start = the slot's length extends it) and returns the last
-  position's logits; `prefill_logits` returns all positions' [T, V].
-- `decode(slots, token_ids) -> [B, V]`: one new token for each of B slots, each at its own
-  position (the slot's length), in ONE forward pass: one MoE call per layer for the whole batch.
-- `greedy(slot, token, limit=None) -> iterator of int`: greedy decode of one slot from its last
-  token, one token per step until the caller stops (the hybrid runner launches each step before
-  the previous one's token is read; `limit` keeps it from launching steps never read).
-- `max_batch`, `max_seq_len`, `vocab_size`, `lengths[slot]`; `cache.allocate()` / `cache.free()`.
+  `start` (0 = a new sequence) and returns the last position's logits; `prefill_logits` -> [T, V].
+- `step(StepPlan) -> StepOutput`: one new token for each of B slots, each at its own position,
+  in ONE forward pass (one MoE call per layer for the batch). Greedy plans get tokens; with CUDA
+  graphs a plan with `ahead` also launches the next step of the same slots, its input the argmax
+  on the GPU, before this step's tokens are read, so the host's work between steps overlaps
+  the CPU experts. A step launched ahead that the next plan does not continue is waited for and
+  rolled back (`settle`), as is any before another call touches the cache.
+- `decode(slots, token_ids) -> [B, V]`: a step's logits; `greedy(slot, token, limit)`: a slot's
+  greedy tokens, step by step (benchmarks).
+- `max_batch`, `max_seq_len`, `vocab_size`, `lengths[slot]`, `cache.allocate()`, `free(slot)`.
 
-Logits are float32. The HF decoder layers run unchanged; the runner owns embedding, rotary
-positions, the final norm and `lm_head`, and passes a `KVBatch` down to the attention ops.
+It composes, when every MoE layer's routed experts are in the CPU backend: `MoEOverlap` (the MoE
+step over Python or stream-ordered links, engine/overlap.py), `FusedDecoder` (a decode step as
+one function per layer) and `GraphCache` (CUDA graphs per batch size and window). Such decode
+steps attend over a window bucket W of the cache (ops/kv_batch.py `window_bucket`), in graphs and
+eagerly alike; masked entries weigh exactly 0, so W changes summation order only.
+Logits are float32. The HF decoder layers run unchanged on the module path; the runner owns
+embedding, rotary positions, the final norm and `lm_head`, and passes a `KVBatch` down.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hetmoe.config import EngineConfig
+from hetmoe.engine.fused_decode import FusedDecoder
+from hetmoe.engine.graphs import GraphCache
 from hetmoe.engine.kv_cache import StaticKVCache
-from hetmoe.ops.kv_batch import KVBatch
+from hetmoe.engine.layer_plan import fits_fused
+from hetmoe.engine.overlap import MoEOverlap, all_on_cpu_backend
+from hetmoe.engine.step import StepOutput, StepPlan
+from hetmoe.ops.deferral import check_deferred
+from hetmoe.ops.kv_batch import KVBatch, window_bucket
+
+
+@dataclass
+class _Launched:
+    """A greedy decode step launched on the GPU, not yet read."""
+
+    slots: tuple[int, ...]
+    token: torch.Tensor  # [B, 1] int64 on the GPU: the argmax, the next step's input
+    host: torch.Tensor  # [B, 1] pinned: its copy for the host
+    done: torch.cuda.Event  # recorded after that copy
+    jobs: list[Any]  # the step's flag jobs (MoEOverlap.take_pending)
 
 
 class ModelRunner:
     """Prefill and batched decode of an injected model over a multi-slot static KV cache."""
 
-    def __init__(
-        self, model: Any, device: torch.device, dtype: torch.dtype, max_batch: int,
-        max_seq_len: int,
-    ) -> None:
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, max_batch: int,
+                 max_seq_len: int, config: EngineConfig | None = None) -> None:
         self.model = model  # the HF causal LM, injected
         self.base: Any = getattr(model, model.base_model_prefix)
         self.device = device
+        self.config = config = config or EngineConfig()
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.vocab_size = int(model.config.vocab_size)
+        self.overlap: MoEOverlap | None = None
+        self.fused: FusedDecoder | None = None
+        self.graph_cache: GraphCache | None = None
+        self.windows: Counter[int] = Counter()
+        """Decode steps run per window bucket since this runner was made (CPU-expert models)."""
+        if all_on_cpu_backend(model):
+            fits = config.fused_decode and fits_fused(model)
+            rows = max(max_batch, *config.graph_batch_sizes)
+            self.overlap = MoEOverlap(model, device, rows, config.deferred, packed=fits)
+            if fits:
+                compile_ = config.compile_decode and device.type == "cuda"
+                self.fused = FusedDecoder(model, self.overlap, compile_)
+            if device.type == "cuda":
+                self.graph_cache = GraphCache(config, device, self.overlap, self._step_forward)
+        elif config.deferred:
+            raise ValueError(f"deferred={config.deferred} needs every MoE layer's routed "
+                             "experts in the cpu backend")
+        self.use_graphs = self.graph_cache is not None and config.cuda_graphs
+        """Replay decode steps as CUDA graphs (settable: False launches the same steps)."""
         self.cache = StaticKVCache(model, max_batch, max_seq_len, dtype)
         self.lengths = self.cache.lengths
+        self._ahead: _Launched | None = None
+        self._ahead_tokens: tuple[int, ...] = ()  # the inputs `_ahead` was launched on
+
+    @property
+    def graphs(self) -> dict[tuple[int, int], Any]:
+        """The captured decode steps by (batch size, window bucket)."""
+        return self.graph_cache.graphs if self.graph_cache is not None else {}
+
+    def committed(self, slot: int) -> int:
+        """Tokens in `slot` that the caller has read (its length, less a step launched ahead)."""
+        ahead = self._ahead
+        return self.lengths[slot] - int(ahead is not None and slot in ahead.slots)
+
+    def free(self, slot: int) -> None:
+        """Frees `slot` (after settling a step launched ahead, which may write to it)."""
+        self.settle()
+        self.cache.free(slot)
 
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: Sequence[int], start: int = 0) -> torch.Tensor:
@@ -53,47 +116,191 @@ class ModelRunner:
         """Like `prefill`, but the logits of every position: [T, V]."""
         return self._prefill(slot, token_ids, start, every_position=True)
 
-    @torch.inference_mode()
     def decode(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
         """Logits [B, V] after appending token_ids[b] to slots[b] (each at its own position)."""
-        if len(slots) != len(token_ids) or not slots:
-            raise ValueError(f"decode needs one token per slot, got {len(slots)} slots and "
-                             f"{len(token_ids)} tokens")
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"decode got a slot twice: {list(slots)}")
-        for slot in slots:
-            self.cache.check_slot(slot)
-            if not 0 < self.lengths[slot] < self.max_seq_len:
-                raise ValueError(
-                    f"slot {slot} holds {self.lengths[slot]} tokens; decode needs 1 to "
-                    f"{self.max_seq_len - 1} (prefill first; the context window is full at "
-                    f"{self.max_seq_len})"
-                )
-        self._check_ids(token_ids)
-        starts = [self.lengths[s] for s in slots]
-        # One host-to-device copy for the step's three index vectors (each copy waits for it).
-        index = torch.tensor([list(token_ids), starts, list(slots)]).to(self.device)  # [3, B]
-        ids, positions = index[0, :, None], index[1, :, None]  # [B, 1] each
-        kv = KVBatch(index[2], positions, max(starts) + 1)
-        hidden = self._forward(ids, kv)[:, 0]  # [B, H]
-        for slot in slots:
-            self.lengths[slot] += 1
-        return self.model.lm_head(hidden).float()
+        logits = self.step(StepPlan(tuple(slots), tuple(int(t) for t in token_ids))).logits
+        assert logits is not None
+        return logits
 
     def greedy(self, slot: int, token: int,
                limit: int | None = None) -> Generator[int, None, None]:
         """Greedy decode of `slot` after `token` (its last sampled token, not yet in the cache):
         yields the next token of each step until the caller stops, `limit` tokens were yielded
-        or the window is full."""
+        or the window is full. Steps are launched ahead as in `step`."""
         yielded = 0
-        while self.lengths[slot] < self.max_seq_len and (limit is None or yielded < limit):
-            token = int(self.decode([slot], [token])[0].argmax())
-            yielded += 1
-            yield token
+        try:
+            while self.lengths[slot] < self.max_seq_len and (limit is None or yielded < limit):
+                more = (limit is None or yielded + 1 < limit) and \
+                    self.lengths[slot] + 1 < self.max_seq_len
+                tokens = self.step(StepPlan((slot,), (token,), greedy=True, ahead=more)).tokens
+                assert tokens is not None
+                token = tokens[0]
+                yielded += 1
+                yield token
+        finally:
+            self.settle()
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepOutput:
+        """Runs one decode step (see the module docstring)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and (ahead.slots != plan.slots or
+                                  self._ahead_tokens != plan.token_ids or not plan.greedy):
+            self._discard(ahead)
+            ahead = None
+        if ahead is None:
+            self._check_step(plan)
+        launched = ahead
+        try:
+            if not plan.greedy or not self.use_graphs:
+                return self._run_step(plan)
+            if launched is None:
+                ids = torch.tensor([[t] for t in plan.token_ids],
+                                   pin_memory=self.device.type == "cuda")
+                launched = self._launch(plan.slots, ids.to(self.device, non_blocking=True))
+            if plan.ahead and all(self.lengths[s] < self.max_seq_len for s in plan.slots):
+                self._ahead = self._launch(plan.slots, launched.token)
+            tokens = self._read(launched)
+            self._ahead_tokens = tokens
+            return StepOutput(tokens=tokens)
+        except BaseException:
+            inflight = [s for s in (launched, self._ahead) if s is not None]
+            self._ahead = None
+            self._abort(inflight)
+            for lost in inflight:  # their tokens never reach the caller
+                for slot in lost.slots:
+                    self.lengths[slot] -= 1
+            raise
+
+    def settle(self) -> None:
+        """Waits for a step launched ahead and rolls it back (its tokens were not wanted)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._discard(ahead)
+
+    def reset_graphs(self, deferred: int | None = None) -> None:
+        """Drops the captured graphs (e.g. to change `deferred`, which graphs bake in)."""
+        self.settle()
+        if deferred is not None:
+            if self.overlap is None:
+                raise ValueError("deferred needs every MoE layer's experts in the cpu backend")
+            check_deferred(deferred, self.overlap.top_k)
+            self.overlap.deferred = deferred
+        self.graphs.clear()
+
+    def _discard(self, launched: _Launched) -> None:
+        """Waits for a step nobody will read and rolls its slots' lengths back."""
+        try:
+            self._read(launched)
+        except BaseException:
+            self._abort([launched])
+            raise
+        finally:
+            for slot in launched.slots:
+                self.lengths[slot] -= 1
+
+    def _abort(self, steps: list[_Launched]) -> None:
+        """Releases the CPU jobs of failed or abandoned launched steps."""
+        if self.overlap is not None:
+            self.overlap.abort_step([job for s in steps for job in s.jobs])
+
+    def _check_step(self, plan: StepPlan) -> None:
+        for slot in plan.slots:
+            self.cache.check_slot(slot)
+            if not 0 < self.lengths[slot] < self.max_seq_len:
+                raise ValueError(
+                    f"slot {slot} holds {self.lengths[slot]} tokens; decode needs 1 to "
+                    f"{self.max_seq_len - 1} (prefill first; the context window is full at "
+                    f"{self.max_seq_len})")
+        self._check_ids(plan.token_ids)
+
+    def _phase(self, decoding: bool) -> contextlib.AbstractContextManager[None]:
+        """The MoE step's phase; re-attaches this runner's step when the model's layers run
+        another runner's (several runners may share a model; a step that is not a runner's,
+        such as a test's reference, is left in place)."""
+        if self.overlap is None:
+            return contextlib.nullcontext()
+        current = self.overlap.layers[0].step
+        if current is None or (isinstance(current, MoEOverlap) and current is not self.overlap):
+            self.overlap.attach()
+        return self.overlap.phase(decoding)
+
+    def _run_step(self, plan: StepPlan) -> StepOutput:
+        """A step run to its end: logits, or the argmax read on the host."""
+        starts = [self.lengths[s] for s in plan.slots]
+        # One host-to-device copy for the step's three index vectors (each copy waits for it).
+        index = torch.tensor([list(plan.token_ids), starts, list(plan.slots)]).to(self.device)
+        ids, positions = index[0, :, None], index[1, :, None]  # [B, 1] each
+        with self._phase(decoding=True):
+            try:
+                hidden = self._decode_forward(ids, KVBatch(index[2], positions, max(starts) + 1))
+                logits = self.model.lm_head(hidden[:, 0]).float()  # [B, V]
+                if self.device.type == "cuda":
+                    _sleep_until_done()
+            except BaseException:
+                if self.overlap is not None:
+                    self.overlap.abort_step()  # queued CPU jobs must not wait for a lost step
+                raise
+        if self.overlap is not None:
+            self.overlap.finish_step()
+        for slot in plan.slots:
+            self.lengths[slot] += 1
+        if plan.greedy:
+            return StepOutput(tokens=tuple(logits.argmax(-1).tolist()))
+        return StepOutput(logits=logits)
+
+    def _launch(self, slots: tuple[int, ...], ids: torch.Tensor) -> _Launched:
+        """Launches a greedy step of `slots` on ids [B, 1] (on the GPU); read with `_read`."""
+        starts = [self.lengths[s] for s in slots]
+        index = torch.tensor([starts, list(slots)], pin_memory=True)
+        index = index.to(self.device, non_blocking=True)
+        kv = KVBatch(index[1], index[0][:, None], max(starts) + 1)
+        assert self.overlap is not None
+        with self._phase(decoding=True):
+            hidden = self._decode_forward(ids, kv)[:, 0]  # [B, H]
+        for slot in slots:
+            self.lengths[slot] += 1
+        token = self.model.lm_head(hidden).float().argmax(-1, keepdim=True)  # [B, 1]
+        host = torch.empty(len(slots), 1, dtype=torch.int64, pin_memory=True)
+        host.copy_(token, non_blocking=True)
+        done = torch.cuda.Event(blocking=True)  # sleep, not spin, on it (_sleep_until_done)
+        done.record()
+        return _Launched(slots, token, host, done, self.overlap.take_pending())
+
+    def _read(self, launched: _Launched) -> tuple[int, ...]:
+        """Waits for a launched step and its CPU jobs; its tokens."""
+        launched.done.synchronize()
+        jobs, launched.jobs = launched.jobs, []
+        assert self.overlap is not None
+        self.overlap.finish_step(jobs)
+        return tuple(launched.host[:, 0].tolist())
+
+    def _decode_forward(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
+        """ids [B, 1] -> final hidden [B, 1, H] of a decode step: graphs or eager, fused or the
+        HF layers; CPU-expert models attend over the step's window bucket."""
+        if self.overlap is None:
+            return self._forward(ids, kv)
+        width = window_bucket(kv.kv_len, self.config.smallest_window, self.max_seq_len)
+        self.windows[width] += 1
+        kv = KVBatch(kv.slots, kv.positions, width)
+        cache = self.graph_cache if self.use_graphs else None
+        size = cache.size_for(ids.shape[0]) if cache is not None else None
+        if cache is None or size is None:
+            return self._step_forward(ids, kv, None)
+        return cache.run(ids, kv, size)
+
+    def _step_forward(self, ids: torch.Tensor, kv: KVBatch,
+                      before_layer: Callable[[int], None] | None) -> torch.Tensor:
+        """One decode step's forward: fused layer functions (calling `before_layer(n)` before
+        decoder layer n), or the HF layers."""
+        if self.fused is not None:
+            return self.fused.forward(ids, kv, before_layer)
+        return self._forward(ids, kv)
 
     def _prefill(
         self, slot: int, token_ids: Sequence[int], start: int, every_position: bool = False
     ) -> torch.Tensor:
+        self.settle()
         self.cache.check_slot(slot)
         n = len(token_ids)
         if n == 0:
@@ -108,12 +315,13 @@ class ModelRunner:
         ids = torch.tensor([list(token_ids)], device=self.device)  # [1, T]
         positions = torch.arange(start, start + n, device=self.device)[None]  # [1, T]
         kv = KVBatch(torch.tensor([slot], device=self.device), positions, start + n)
-        hidden = self._forward(ids, kv)[0]  # [T, H]
+        with self._phase(decoding=False):
+            hidden = self._forward(ids, kv)[0]  # [T, H]
         self.lengths[slot] = start + n
         return self.model.lm_head(hidden if every_position else hidden[-1:]).float()
 
     def _forward(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
-        """ids [B, S] -> final hidden states [B, S, H] (after the last norm)."""
+        """ids [B, S] -> final hidden states [B, S, H] (after the last norm), HF layers."""
         hidden = self.base.embed_tokens(ids)
         rotary = self.base.rotary_emb(hidden, kv.positions)
         for layer in self.base.layers:
@@ -127,3 +335,12 @@ class ModelRunner:
         bad = [t for t in token_ids if not 0 <= int(t) < self.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} out of the vocabulary [0, {self.vocab_size})")
+
+
+def _sleep_until_done() -> None:
+    """Sleeps, not spins, until the current stream's work is done: a CUDA sync spins by
+    default, and the CPU experts' workers need every core but this one."""
+    done = torch.cuda.Event(blocking=True)
+    done.record()
+    done.synchronize()
+

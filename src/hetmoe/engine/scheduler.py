@@ -1,10 +1,14 @@
-"""Continuous batching: concurrent requests share the runner's KV slots and decode steps.
+"""The generation loop: continuous batching over the runner's KV slots and decode steps.
 
-One thread owns the runner. Each step it admits waiting requests into free slots (one prefill
-each), then decodes every other active sequence in ONE batched `decode` call, so each expert's
-weights are read once per step for the whole batch. Each request keeps its own sampler (seed) and
-stop strings, exactly as `LLM.generate` would run it alone. Outputs leave through each request's
-`sink` callback (called on the scheduler thread); `cancel()` frees the slot at the next step.
+The only loop of the engine: `LLM.generate / stream / chat` run it synchronously in the caller's
+thread (`run_once` until their request ends), the server on a thread of its own. Each step it
+admits waiting requests into free slots (one prefill each), then decodes every other active
+sequence in ONE batched step (`runner.step(StepPlan)`), so each expert's weights are read once
+per step for the whole batch; a batch of greedy requests gets tokens, with the next step launched
+ahead by the runner. Each request keeps its own sampler (seed) and stop strings; EOS, stop
+strings, `max_new_tokens` and a full context window end it here and nowhere else. Outputs leave
+through each request's `sink` callback (on the loop's thread); `cancel()` frees the slot at the
+next step.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hetmoe.engine.engine import _CONTEXT_TOKENS
 from hetmoe.engine.sampler import Sampler, SamplingParams
-from hetmoe.engine.text_stream import TextStream
+from hetmoe.engine.step import StepPlan
+from hetmoe.engine.text_stream import CONTEXT_TOKENS, TextStream
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +45,8 @@ class Event:
     completion_tokens: int
     """Tokens sampled so far, end-of-sequence included."""
     finish_reason: str | None = None
-    """`stop`, `length`, `cancelled` or `error`; None while generating."""
+    """`stop`, `length` (max_new_tokens or a full context window), `cancelled` or `error`;
+    None while generating."""
     error: str | None = None
     """What went wrong when `finish_reason == "error"`."""
 
@@ -87,7 +92,10 @@ class Scheduler:
         decode_text: Callable[[list[int]], str],
         eos_token_ids: Sequence[int] | frozenset[int],
         max_queue: int = 64,
+        threaded: bool = True,
     ) -> None:
+        """`threaded`: run the loop on a thread of its own (a server); else the caller drives it
+        with `run_once`."""
         self.runner = runner
         self.max_queue = max_queue
         self._decode_text = decode_text
@@ -100,8 +108,16 @@ class Scheduler:
         """Batched decode calls so far."""
         self.decode_rows = 0
         """Sequences decoded so far, summed over steps (rows / steps = mean batch size)."""
-        self._thread = threading.Thread(target=self._loop, name="hetmoe-scheduler", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._loop, name="hetmoe-scheduler",
+                                            daemon=True)
+            self._thread.start()
+
+    @property
+    def threaded(self) -> bool:
+        """Whether the loop runs on a thread of its own (else the caller runs `run_once`)."""
+        return self._thread is not None
 
     @property
     def num_waiting(self) -> int:
@@ -116,7 +132,8 @@ class Scheduler:
     @property
     def alive(self) -> bool:
         """True while the loop accepts and serves requests."""
-        return self._thread.is_alive() and not self._stopped
+        running = self._thread is None or self._thread.is_alive()
+        return running and not self._stopped
 
     def submit(
         self,
@@ -124,19 +141,23 @@ class Scheduler:
         params: SamplingParams,
         sink: Callable[[Event], None],
         ignore_eos: bool = False,
+        fit_window: bool = True,
     ) -> RequestHandle:
-        """Queues a request; QueueFull at the queue limit, ValueError beyond the context window.
+        """Queues a request; QueueFull at the queue limit, ValueError for an empty prompt or one
+        beyond the context window.
 
+        `fit_window`: refuse a request whose prompt + max_new_tokens exceed the window (the
+        API's contract); False lets it end with `length` when the window is full (`LLM`).
         `ignore_eos` generates exactly `max_new_tokens` (benchmarks of random-weight models).
         """
+        window = self.runner.max_seq_len
         total = len(prompt_ids) + params.max_new_tokens
-        if not prompt_ids or total > self.runner.max_seq_len:
+        if not prompt_ids or len(prompt_ids) > window or (fit_window and total > window):
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                f"{total} exceeds the context window of {self.runner.max_seq_len} tokens"
+                f"{total} exceeds the context window of {window} tokens"
             )
-        # The detokenizer window starts in the prompt exactly as in `LLM.generate`.
-        text = TextStream(self._decode_text, params.stop, list(prompt_ids)[-_CONTEXT_TOKENS:])
+        text = TextStream(self._decode_text, params.stop, list(prompt_ids)[-CONTEXT_TOKENS:])
         request = _Request(list(prompt_ids), params, sink, Sampler(params), text, ignore_eos)
         with self._wake:
             if self._stopped:
@@ -157,7 +178,10 @@ class Scheduler:
         with self._wake:
             self._stopped = True
             self._wake.notify()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            self._drain()
 
     def _cancel(self, request: _Request) -> None:
         with self._wake:
@@ -171,24 +195,34 @@ class Scheduler:
                     self._wake.wait()
                 if self._stopped:
                     break
-                for request in [r for r in self._waiting if r.cancelled]:
-                    self._waiting.remove(request)
-                    self._finish(request, "cancelled")
-                admitted: list[_Request] = []
-                while self._waiting and len(self._running) < self.runner.max_batch:
-                    admitted.append(self._waiting.popleft())
-                    self._running.append(admitted[-1])
-            try:
-                self._step(admitted)
-            except Exception as exc:  # a failed batched decode fails its rows, never the loop
-                for request in list(self._running):
-                    self._release(request)
-                    self._finish(request, "error", f"{type(exc).__name__}: {exc}")
+            self.run_once()
+        self._drain()
+
+    def run_once(self) -> None:
+        """One step of the loop: admissions (one prefill each), then one batched decode step."""
+        with self._wake:
+            for request in [r for r in self._waiting if r.cancelled]:
+                self._waiting.remove(request)
+                self._finish(request, "cancelled")
+            admitted: list[_Request] = []
+            while self._waiting and len(self._running) < self.runner.max_batch:
+                admitted.append(self._waiting.popleft())
+                self._running.append(admitted[-1])
+        try:
+            self._step(admitted)
+        except Exception as exc:  # a failed batched decode fails its rows, never the loop
+            log.exception("a decode step failed")
+            for request in list(self._running):
+                self._release(request)
+                self._finish(request, "error", f"{type(exc).__name__}: {exc}")
+
+    def _drain(self) -> None:
         for request in list(self._running):
             self._release(request)
             self._finish(request, "cancelled")
         for request in self._waiting:
             self._finish(request, "cancelled")
+        self._waiting.clear()
 
     def _step(self, admitted: list[_Request]) -> None:
         for request in [r for r in self._running if r.cancelled]:
@@ -206,16 +240,33 @@ class Scheduler:
                     continue
                 self._advance(request, logits)
         if batch:
-            last = [r.output_ids[-1] for r in batch]
-            logits = self.runner.decode([r.slot for r in batch], last)  # [B, V]
-            self.decode_steps += 1
-            self.decode_rows += len(batch)
-            for row, request in enumerate(batch):
-                self._advance(request, logits[row])
+            self._decode(batch)
 
-    def _advance(self, request: _Request, logits: torch.Tensor) -> None:
-        """Samples one token for `request`, emits its text, finishes it when it stops."""
-        token = request.sampler(logits)
+    def _decode(self, batch: list[_Request]) -> None:
+        """One decode step of `batch`; greedy batches get tokens (and the next step launched
+        ahead when every row wants more and no admission is pending)."""
+        greedy = all(r.sampler.greedy for r in batch)
+        more = all(r.params.max_new_tokens - len(r.output_ids) > 1 for r in batch)
+        admitting = bool(self._waiting) and len(self._running) < self.runner.max_batch
+        plan = StepPlan(tuple(r.slot for r in batch), tuple(r.output_ids[-1] for r in batch),
+                        greedy=greedy, ahead=greedy and more and not admitting)
+        out = self.runner.step(plan)
+        self.decode_steps += 1
+        self.decode_rows += len(batch)
+        for row, request in enumerate(batch):
+            if out.tokens is not None:
+                self._advance(request, token=out.tokens[row])
+            else:
+                assert out.logits is not None
+                self._advance(request, out.logits[row])
+
+    def _advance(self, request: _Request, logits: torch.Tensor | None = None,
+                 token: int | None = None) -> None:
+        """Takes `token` (or samples one from `logits`) for `request`, emits its text, and
+        finishes it when it stops."""
+        if token is None:
+            assert logits is not None
+            token = request.sampler(logits)
         request.output_ids.append(token)
         reason = None
         if token in self._eos and not request.ignore_eos:
@@ -225,7 +276,8 @@ class Scheduler:
             piece = request.text.push(token)
             if request.text.stopped:
                 reason = "stop"
-            elif len(request.output_ids) >= request.params.max_new_tokens:
+            elif (len(request.output_ids) >= request.params.max_new_tokens
+                  or self.runner.committed(request.slot) >= self.runner.max_seq_len):
                 reason = "length"
                 piece += request.text.finish()
         event = Event(piece, (token,), len(request.prompt_ids), len(request.output_ids), reason)
@@ -237,7 +289,7 @@ class Scheduler:
         with self._wake:
             self._running.remove(request)
         if request.slot >= 0:
-            self.runner.cache.free(request.slot)
+            self.runner.free(request.slot)
             request.slot = -1
 
     def _finish(self, request: _Request, reason: str, error: str | None = None) -> None:

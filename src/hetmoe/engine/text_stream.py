@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+CONTEXT_TOKENS = 4
+"""Prompt tokens a request's detokenizer window starts with (see the module docstring)."""
+
 
 class TextStream:
     """Feed tokens with `push`, take safe text pieces; `finish` returns what was held back."""

@@ -1,4 +1,4 @@
-"""Expert Deferral (decode only): which experts of a layer run late, and its pure-torch reference.
+"""Expert Deferral (decode only): which experts of a layer run late.
 
 With `deferred = d`, of the K experts a token picks at MoE layer k the top K−d by router score are
 *immediate*; the lowest-scored d are *deferred*: submitted right after the immediate ones, their
@@ -14,8 +14,6 @@ least 2 experts stay immediate, and prefill never defers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,57 +56,3 @@ def moe_layers(model: nn.Module) -> list[HybridMoE]:
     from hetmoe.ops.moe import HybridMoE
 
     return [m for m in model.modules() if isinstance(m, HybridMoE)]
-
-
-class DeferralReference:
-    """The formula above in plain torch: synchronous `experts.forward` calls, no overlap.
-
-    Installed on every `HybridMoE` of a model (`with DeferralReference(model, d).decoding():`),
-    it computes each layer's output with column slices of the router's top-K, holding the
-    deferred output of the previous MoE layer in a Python variable.
-    """
-
-    def __init__(self, model: nn.Module, deferred: int) -> None:
-        self.layers = moe_layers(model)
-        if not self.layers:
-            raise ValueError("DeferralReference: the model has no hybrid_moe layer")
-        self.deferred = deferred
-        self.index = {id(m): i for i, m in enumerate(self.layers)}
-        self.carry: torch.Tensor | None = None  # R^def_{k-1}(I_{k-1}) [T, H]
-
-    @contextmanager
-    def decoding(self) -> Iterator[None]:
-        """Routes every MoE layer through `forward` while inside (decode steps only)."""
-        for moe in self.layers:
-            moe.runtime = self
-        try:
-            yield
-        finally:
-            for moe in self.layers:
-                moe.runtime = None
-            self.carry = None
-
-    def forward(self, moe: HybridMoE, hidden_states: torch.Tensor) -> torch.Tensor:
-        """O_k − I_k for MoE layer `moe` (see the module docstring)."""
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])  # [T, H]
-        ids, weights = moe.gate(x)  # [T, K]
-        last = self.index[id(moe)] == len(self.layers) - 1
-        d = 0 if last else self.deferred
-        k = ids.shape[1]
-        check_deferred(d, k)
-        experts = moe.experts
-        where = experts.device
-        xs = x.to(where)
-        out = experts.forward(xs, ids[:, : k - d].to(where), weights[:, : k - d].to(where))
-        out = out.to(x.device)
-        if self.carry is not None:
-            out = out + self.carry
-        shared = moe._shared(x)
-        if shared is not None:
-            out = out + shared
-        self.carry = None
-        if d:
-            late = experts.forward(xs, ids[:, k - d:].to(where), weights[:, k - d:].to(where))
-            self.carry = late.to(x.device)
-        return out.reshape(shape)

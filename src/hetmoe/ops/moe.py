@@ -9,7 +9,6 @@ backend: per-expert tensors arrive through its `load_tensor`), `shared_experts` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +16,7 @@ from torch import nn
 
 from hetmoe.experts.backend import ExpertBackend, ExpertSpec, backends, get_backend
 from hetmoe.inject.registry import OpContext, register_op
+from hetmoe.ops.moe_step import MoEStep, backend_link
 from hetmoe.ops.router import Router, RouterConfig
 
 
@@ -61,25 +61,23 @@ class HybridMoE(nn.Module):
         self.shared_experts = shared_experts
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
-        self.runtime: Any = None
-        """When set (engine/overlap.py, ops/deferral.py), `runtime.forward(self, x)` runs this."""
+        self.step: MoEStep | None = None
+        """The engine's MoE step when one is attached (ops/moe_step.py); else a plain one."""
+        self._plain: MoEStep | None = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Routes, starts the routed experts, runs shared experts meanwhile, then combines."""
-        if self.runtime is not None:
-            return self.runtime.forward(self, hidden_states)
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])  # [T, H]
-        expert_ids, expert_weights = self.gate(x)  # [T, K] int64, [T, K] fp32
-        where = self.experts.device
-        self.experts.submit(x.to(where), expert_ids.to(where), expert_weights.to(where))
-        shared = self._shared(x)  # overlaps with a backend that runs asynchronously
-        out = self.experts.sync().to(x.device)
-        if shared is not None:
-            out = out + shared
-        return out.reshape(shape)
+        """Routes, starts the routed experts, runs shared experts meanwhile, then combines
+        (`MoEStep.forward`, the one MoE story)."""
+        step = self.step
+        if step is None:
+            if self._plain is None:
+                link = backend_link(self)
+                self._plain = MoEStep([self], lambda i: link)
+            step = self._plain
+        return step.forward(self, hidden_states)
 
-    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output on x [T, H] (None: the layer has none)."""
         if self.shared_experts is not None:
             return self.shared_experts(x)
         if self.shared_expert is not None and self.shared_expert_gate is not None:

@@ -55,7 +55,8 @@ class ModelService:
         self.runner = llm.runner
         # The tokenizer is used from the event loop (encode) and the scheduler thread (decode).
         self._tokenizer_lock = threading.Lock()
-        self.scheduler = Scheduler(self.runner, self._decode, llm.eos_token_ids, max_queue)
+        # The LLM's one loop, now on a thread: `llm.generate` shares its batches.
+        self.scheduler: Scheduler = llm.start_loop(max_queue, self._decode)
 
     @property
     def context_len(self) -> int:
@@ -88,7 +89,7 @@ class ModelService:
 
     def close(self) -> None:
         """Stops the scheduler thread (requests in flight end as cancelled)."""
-        self.scheduler.stop()
+        self.llm.stop_loop()
 
     def _decode(self, token_ids: list[int]) -> str:
         with self._tokenizer_lock:

@@ -16,7 +16,8 @@ import torch
 from decode_steps import SAME_BACKEND_ATOL
 
 from hetmoe import LLM
-from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
+from hetmoe.config import EngineConfig
+from hetmoe.engine.runner import ModelRunner
 from hetmoe.ops import fused
 from hetmoe.ops.kv_batch import window_bucket
 
@@ -53,8 +54,8 @@ def decode_batch(llm: LLM, fused: bool, smallest: int
                  ) -> tuple[list[list[int]], list[torch.Tensor], dict[int, int], bool]:
     """Both prompts prefilled into their own slots, then STEPS greedy steps of the pair;
     (tokens per row, [2, V] logits per step, steps per window bucket, fused path used)."""
-    runner = HybridRunner(llm.model, llm.device, llm.dtype, 2, MAX_SEQ_LEN,
-                          HybridConfig(fused=fused, smallest_window=smallest))
+    runner = ModelRunner(llm.model, llm.device, llm.dtype, 2, MAX_SEQ_LEN,
+                         EngineConfig(fused_decode=fused, smallest_window=smallest))
     try:
         slots = [runner.cache.allocate() for _ in PROMPTS]
         tokens = [[int(runner.prefill(s, p).argmax())] for s, p in zip(slots, PROMPTS,
@@ -87,7 +88,7 @@ def test_window_bucket_widths() -> None:
 
 def test_smallest_window_is_checked() -> None:
     with pytest.raises(ValueError, match=r"smallest_window must be an integer >= 2, got 1"):
-        HybridConfig(smallest_window=1)
+        EngineConfig(smallest_window=1)
 
 
 @pytest.mark.parametrize(("family", "config", "fused"), [

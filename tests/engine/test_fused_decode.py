@@ -9,14 +9,16 @@ import torch
 from decode_steps import SAME_BACKEND_ATOL, greedy
 
 from hetmoe import LLM
-from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
-from hetmoe.engine.fused_decode import explain_compile_errors, plan_layers
+from hetmoe.config import EngineConfig
+from hetmoe.engine.fused_decode import explain_compile_errors
+from hetmoe.engine.layer_plan import plan_layers
+from hetmoe.engine.runner import ModelRunner
 from hetmoe.ops.kv_batch import KVBatch
 
 
 def _run(llm: LLM, fused: bool, deferred: int) -> tuple[list[int], list[torch.Tensor], bool]:
-    runner = HybridRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len,
-                          HybridConfig(deferred=deferred, fused=fused))
+    runner = ModelRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len,
+                         EngineConfig(deferred=deferred, fused_decode=fused))
     try:
         tokens, logits = greedy(runner, 6)
     finally:
@@ -79,7 +81,7 @@ def test_compile_failures_name_the_way_out() -> None:
 def test_before_layer_runs_before_each_decoder_layer(engine: Callable[[str, str], LLM]) -> None:
     """The hook a graph capture splits at: called with 0..L-1 in order, results unchanged."""
     llm = engine("qwen3_moe", "cpu")
-    runner = HybridRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len)
+    runner = ModelRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len)
     seen: list[int] = []
     try:
         slot = runner.cache.allocate()
@@ -96,4 +98,4 @@ def test_before_layer_runs_before_each_decoder_layer(engine: Callable[[str, str]
 
 def test_graph_split_layer_is_checked() -> None:
     with pytest.raises(ValueError, match=r"graph_split_layer must be an integer >= 0, got -1"):
-        HybridConfig(graph_split_layer=-1)
+        EngineConfig(graph_split_layer=-1)

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from hetmoe import _cpu
-from hetmoe.engine.cuda_graph import HybridConfig
 from hetmoe.experts.cpu_moe import CpuMoE
 
 TASKS = 3
@@ -261,11 +260,6 @@ def test_flag_job_needs_bound_buffers() -> None:
     moe = CpuMoE(2, 32, 32, threads=2)
     with pytest.raises(RuntimeError, match=r"submit_flagged: call host_functions\(x, ids, "):
         moe.submit_flagged(Words().flags)
-
-
-def test_signal_is_checked() -> None:
-    with pytest.raises(ValueError, match="signal must be one of flags, host_functions, got 'x'"):
-        HybridConfig(signal="x")  # type: ignore[arg-type]
 
 
 def test_loaded_library_lookup_binds_only_what_is_loaded() -> None:

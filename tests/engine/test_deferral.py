@@ -7,10 +7,12 @@ from collections.abc import Callable
 import pytest
 import torch
 from decode_steps import SAME_BACKEND_ATOL, greedy
+from deferral_reference import DeferralReference
 
 from hetmoe import LLM
-from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
-from hetmoe.ops.deferral import DeferralReference, check_deferred, moe_layers, split_ids
+from hetmoe.config import EngineConfig
+from hetmoe.engine.runner import ModelRunner
+from hetmoe.ops.deferral import check_deferred, moe_layers, split_ids
 
 # C++ CPU kernels (bf16 activations) against torch experts in fp32.
 CROSS_BACKEND_ATOL = 0.08
@@ -52,8 +54,8 @@ def test_overlap_deferral_matches_the_reference(
     torch_runner = engine(family, "torch").runner
     ref_torch = greedy(torch_runner, 4, DeferralReference(torch_runner.model, deferred))
     _, no_deferral = greedy(cpu.runner, 4)
-    runner = HybridRunner(cpu.model, cpu.device, cpu.dtype, 2, cpu.max_seq_len,
-                          HybridConfig(deferred=deferred))
+    runner = ModelRunner(cpu.model, cpu.device, cpu.dtype, 2, cpu.max_seq_len,
+                         EngineConfig(deferred=deferred))
     try:
         tokens, logits = greedy(runner, 4)
     finally:
@@ -77,8 +79,8 @@ def test_last_moe_layer_defers_nothing(tiny_dir: Callable[..., object]) -> None:
     llm = LLM(tiny_dir("qwen3_moe", num_layers=1), device="cpu", dtype="float32",
               experts="cpu", progress=False, max_seq_len=32)
     assert len(moe_layers(llm.model)) == 1
-    runner = HybridRunner(llm.model, llm.device, llm.dtype, 1, llm.max_seq_len,
-                          HybridConfig(deferred=2))
+    runner = ModelRunner(llm.model, llm.device, llm.dtype, 1, llm.max_seq_len,
+                         EngineConfig(deferred=2))
     runner.overlap.detach()
     _, static_window = greedy(runner, 2)
     for moe in runner.overlap.layers:
@@ -91,5 +93,5 @@ def test_last_moe_layer_defers_nothing(tiny_dir: Callable[..., object]) -> None:
 def test_hybrid_runner_refuses_too_much_deferral(engine: Callable[[str, str], LLM]) -> None:
     llm = engine("deepseek_v2", "cpu")  # top-3
     with pytest.raises(ValueError, match="deferred=2 leaves 1 immediate experts"):
-        HybridRunner(llm.model, llm.device, llm.dtype, 1, llm.max_seq_len,
-                     HybridConfig(deferred=2))
+        ModelRunner(llm.model, llm.device, llm.dtype, 1, llm.max_seq_len,
+                    EngineConfig(deferred=2))

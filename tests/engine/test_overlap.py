@@ -10,8 +10,10 @@ import torch
 from decode_steps import SAME_BACKEND_ATOL, greedy
 
 from hetmoe import LLM
-from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
+from hetmoe.config import EngineConfig
 from hetmoe.engine.overlap import cpu_moe_of
+from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.step import StepPlan
 from hetmoe.ops.deferral import moe_layers
 
 # The CPU kernels round activations to bf16: fp32 baby logits agree with torch's to ~3e-2, except
@@ -19,9 +21,9 @@ from hetmoe.ops.deferral import moe_layers
 # or without overlap); so decode steps are compared with the plain runner on the same backend.
 LOGIT_ATOL = 0.08
 
-def hybrid(llm: LLM, deferred: int = 0) -> HybridRunner:
-    return HybridRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len,
-                        HybridConfig(deferred=deferred))
+def hybrid(llm: LLM, deferred: int = 0) -> ModelRunner:
+    return ModelRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len,
+                       EngineConfig(deferred=deferred))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "mixtral", "qwen2_moe"])
@@ -57,13 +59,16 @@ def test_deferred_zero_is_bit_identical_to_no_overlap(engine: Callable[[str, str
         assert torch.equal(a, b), f"step {step}: d=0 differs from no overlap"
 
 
-def test_overlap_refuses_a_model_without_cpu_experts(engine: Callable[[str, str], LLM]) -> None:
+def test_torch_experts_get_no_overlap_and_refuse_deferral(
+    engine: Callable[[str, str], LLM]
+) -> None:
     llm = engine("qwen3_moe", "torch")
-    with pytest.raises(ValueError, match="overlap needs routed experts in the `cpu` backend; "
-                       "found TorchExperts"):
-        hybrid(llm)
+    assert hybrid(llm).overlap is None  # the HF layers, each MoE layer on its plain step
+    with pytest.raises(ValueError, match="deferred=1 needs every MoE layer's routed experts in "
+                       "the cpu backend"):
+        hybrid(llm, deferred=1)
     for moe in moe_layers(llm.model):
-        assert moe.runtime is None
+        assert moe.step is None
 
 
 def test_cpu_moe_of_finds_the_backend_engine(engine: Callable[[str, str], LLM]) -> None:
@@ -92,7 +97,7 @@ def test_a_step_starting_more_cpu_jobs_than_the_pool_queues_is_refused(
 
 def test_graph_options_are_checked() -> None:
     with pytest.raises(ValueError, match=r"graph_batch_sizes must be positive integers, got \(0,"):
-        HybridConfig(graph_batch_sizes=(0, 2))
+        EngineConfig(graph_batch_sizes=(0, 2))
 
 
 def test_cuda_graphs_fall_back_to_eager_on_cpu(engine: Callable[[str, str], LLM]) -> None:
@@ -120,35 +125,37 @@ def test_graph_and_eager_tokens_equal_on_cuda(tiny_dir: Callable[..., object]) -
 
 
 class FakeSteps:
-    """Stands in for `HybridRunner._launch_greedy` / `_finish_ahead` (CUDA only): step n's token
-    is 100 + n; records launches and reads, so the scheduling of steps launched ahead is seen."""
+    """Stands in for `ModelRunner._launch` / `_read` (CUDA only): step n's token is 100 + n;
+    records launches and reads, so the scheduling of steps launched ahead is seen."""
 
-    def __init__(self, runner: HybridRunner, fail_at: int | None = None) -> None:
+    def __init__(self, runner: ModelRunner, fail_at: int | None = None) -> None:
         self.runner, self.fail_at = runner, fail_at
         self.events: list[str] = []
         self.launched = 0
 
-    def launch(self, slot: int, ids: object) -> SimpleNamespace:
+    def launch(self, slots: tuple[int, ...], ids: object) -> SimpleNamespace:
         n, self.launched = self.launched, self.launched + 1
         self.events.append(f"launch {n}")
-        self.runner.lengths[slot] += 1
-        return SimpleNamespace(n=n, token=n, jobs=[f"jobs of {n}"])
+        for slot in slots:
+            self.runner.lengths[slot] += 1
+        return SimpleNamespace(n=n, slots=slots, token=n, jobs=[f"jobs of {n}"])
 
-    def finish(self, step: SimpleNamespace) -> int:
+    def read(self, step: SimpleNamespace) -> tuple[int, ...]:
         self.events.append(f"read {step.n}")
+        step.jobs = []  # as `_read`: a step's jobs are waited even when one fails
         if step.n == self.fail_at:
             raise RuntimeError("CPU experts of MoE layer 0: injected")
-        return 100 + step.n
+        return (100 + step.n,)
 
 
-def fake_greedy(runner: HybridRunner, fail_at: int | None = None) -> tuple[FakeSteps, int]:
+def fake_greedy(runner: ModelRunner, fail_at: int | None = None) -> tuple[FakeSteps, int]:
     """The stand-ins installed on `runner`, and a slot prefilled with 3 tokens."""
     slot = runner.cache.allocate()
     runner.prefill(slot, [3, 4, 5])
     fake = FakeSteps(runner, fail_at)
     runner.use_graphs = True  # the greedy loop's scheduling, without a GPU
-    runner._launch_greedy = fake.launch  # type: ignore[method-assign,assignment]
-    runner._finish_ahead = fake.finish  # type: ignore[method-assign,assignment]
+    runner._launch = fake.launch  # type: ignore[method-assign,assignment]
+    runner._read = fake.read  # type: ignore[method-assign,assignment]
     return fake, slot
 
 
@@ -173,6 +180,22 @@ def test_greedy_steps_are_launched_one_ahead_and_the_unread_one_is_dropped(
         runner.overlap.detach()
 
 
+def test_a_plan_that_does_not_continue_the_step_ahead_discards_it(
+    engine: Callable[[str, str], LLM]
+) -> None:
+    runner = hybrid(engine("qwen3_moe", "cpu"))
+    try:
+        fake, slot = fake_greedy(runner)
+        assert runner.step(StepPlan((slot,), (7,), greedy=True, ahead=True)).tokens == (100,)
+        assert runner.committed(slot) == 3 + 1 and runner.lengths[slot] == 3 + 2
+        # Another input than the token read: the step ahead is waited, rolled back, relaunched.
+        assert runner.step(StepPlan((slot,), (9,), greedy=True)).tokens == (102,)
+        assert fake.events == ["launch 0", "launch 1", "read 0", "read 1", "launch 2", "read 2"]
+        assert runner.lengths[slot] == 3 + 2
+    finally:
+        runner.overlap.detach()
+
+
 def test_a_failed_greedy_step_releases_the_step_launched_ahead(
     engine: Callable[[str, str], LLM]
 ) -> None:
@@ -186,7 +209,7 @@ def test_a_failed_greedy_step_releases_the_step_launched_ahead(
         with pytest.raises(RuntimeError, match="injected"):
             next(steps)
         assert aborted == [["jobs of 2"]]  # the step launched ahead is released with the rest
-        assert runner.lengths[slot] == 3 + 2  # and rolled back
+        assert runner.lengths[slot] == 3 + 1  # the failed step and the one ahead rolled back
     finally:
         runner.overlap.detach()
 
@@ -198,7 +221,7 @@ def test_a_step_queues_its_cpu_jobs_before_a_launch_that_could_block(
     """A step captured as one graph queues its CPU jobs before the launch (a long launch blocks
     once the GPU waits on a done word whose job is not queued: a deadlock); a split step launches
     its short first part, queues the jobs, then launches the rest. CUDA calls stood in for."""
-    from hetmoe.engine.cuda_graph import _Graph
+    from hetmoe.engine.graphs import GraphCache, _Graph
     from hetmoe.ops.kv_batch import KVBatch, window_bucket
 
     runner = hybrid(engine("qwen3_moe", "cpu"))
@@ -212,8 +235,11 @@ def test_a_step_queues_its_cpu_jobs_before_a_launch_that_could_block(
             events.append(f"launch {self.n}")
 
     try:
+        assert runner.overlap is not None
+        # The graph branch; nothing here touches a GPU.
+        runner.graph_cache = GraphCache(runner.config, torch.device("cuda"), runner.overlap,
+                                        runner._step_forward)
         runner.use_graphs = True
-        runner.device = torch.device("cuda")  # the graph branch; nothing here touches a GPU
         width = window_bucket(6, runner.config.smallest_window, runner.max_seq_len)
         ids, pos, slots = torch.zeros(1, 1, dtype=torch.int64), torch.full((1, 1), 5), \
             torch.zeros(1, dtype=torch.int64)
@@ -221,7 +247,7 @@ def test_a_step_queues_its_cpu_jobs_before_a_launch_that_could_block(
                                          pos.clone(), slots.clone(), torch.zeros(1, 1, 8), [])
         runner.overlap.submit_recorded = lambda jobs: events.append("queue jobs")  # type: ignore[method-assign]
         with runner.overlap.phase(decoding=True):
-            runner._forward(ids, KVBatch(slots, pos, 6))
+            runner._decode_forward(ids, KVBatch(slots, pos, 6))
         want = ["queue jobs", "launch 0"] if parts == 1 else ["launch 0", "queue jobs", "launch 1"]
         assert events == want
     finally:

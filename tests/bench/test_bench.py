@@ -16,8 +16,9 @@ from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import SHAPES, routed_expert_shape, shape_config
 from hetmoe.bench.trace import TraceRecorder
 from hetmoe.cli import app
-from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner
+from hetmoe.config import EngineConfig
 from hetmoe.engine.overlap import cpu_moe_of
+from hetmoe.engine.runner import ModelRunner
 from hetmoe.experts.torch_backend import TorchExperts
 from hetmoe.ops.deferral import moe_layers
 from hetmoe.presets.tiny import tiny_config
@@ -86,8 +87,8 @@ def test_random_model_refuses_quantized_torch_experts() -> None:
 def test_trace_has_gpu_and_cpu_spans_per_layer(engine: Callable[[str, str], LLM],
                                                tmp_path: Path) -> None:
     llm = engine("qwen3_moe", "cpu")
-    runner = HybridRunner(llm.model, llm.device, llm.dtype, 1, llm.max_seq_len,
-                          HybridConfig(deferred=1))
+    runner = ModelRunner(llm.model, llm.device, llm.dtype, 1, llm.max_seq_len,
+                         EngineConfig(deferred=1))
     recorder = TraceRecorder(cuda=False)
     try:
         runner.lengths[0] = 0

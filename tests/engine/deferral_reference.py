@@ -1,0 +1,66 @@
+"""Expert Deferral's formula in plain torch: the oracle of the runtime's deferral."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from hetmoe.ops.deferral import check_deferred, moe_layers
+from hetmoe.ops.moe import HybridMoE
+
+
+class DeferralReference:
+    """The formula above in plain torch: synchronous `experts.forward` calls, no overlap.
+
+    Installed on every `HybridMoE` of a model (`with DeferralReference(model, d).decoding():`),
+    it computes each layer's output with column slices of the router's top-K, holding the
+    deferred output of the previous MoE layer in a Python variable.
+    """
+
+    def __init__(self, model: nn.Module, deferred: int) -> None:
+        self.layers = moe_layers(model)
+        if not self.layers:
+            raise ValueError("DeferralReference: the model has no hybrid_moe layer")
+        self.deferred = deferred
+        self.index = {id(m): i for i, m in enumerate(self.layers)}
+        self.carry: torch.Tensor | None = None  # R^def_{k-1}(I_{k-1}) [T, H]
+
+    @contextmanager
+    def decoding(self) -> Iterator[None]:
+        """Routes every MoE layer through `forward` while inside (decode steps only)."""
+        for moe in self.layers:
+            moe.step = self
+        try:
+            yield
+        finally:
+            for moe in self.layers:
+                moe.step = None
+            self.carry = None
+
+    def forward(self, moe: HybridMoE, hidden_states: torch.Tensor) -> torch.Tensor:
+        """O_k − I_k for MoE layer `moe` (see the module docstring)."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])  # [T, H]
+        ids, weights = moe.gate(x)  # [T, K]
+        last = self.index[id(moe)] == len(self.layers) - 1
+        d = 0 if last else self.deferred
+        k = ids.shape[1]
+        check_deferred(d, k)
+        experts = moe.experts
+        where = experts.device
+        xs = x.to(where)
+        out = experts.forward(xs, ids[:, : k - d].to(where), weights[:, : k - d].to(where))
+        out = out.to(x.device)
+        if self.carry is not None:
+            out = out + self.carry
+        shared = moe.shared(x)
+        if shared is not None:
+            out = out + shared
+        self.carry = None
+        if d:
+            late = experts.forward(xs, ids[:, k - d:].to(where), weights[:, k - d:].to(where))
+            self.carry = late.to(x.device)
+        return out.reshape(shape)
