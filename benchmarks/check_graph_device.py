@@ -70,7 +70,7 @@ def decode(runner: ModelRunner, batch: int, reference: DeferralReference | None 
         return tokens, logits
     finally:
         for s in slots:
-            runner.cache.free(s)
+            runner.free(s)
 
 
 def greedy_ahead(runner: ModelRunner) -> list[int]:
@@ -87,7 +87,7 @@ def greedy_ahead(runner: ModelRunner) -> list[int]:
         if runner.lengths[slot] != len(PROMPTS[0]) + STEPS:
             return []
     finally:
-        runner.cache.free(slot)
+        runner.free(slot)
     slot = runner.cache.allocate()
     try:
         steps = runner.greedy(slot, int(runner.prefill(slot, PROMPTS[0]).argmax()))
@@ -96,14 +96,14 @@ def greedy_ahead(runner: ModelRunner) -> list[int]:
         if early != tokens[1:4] or runner.lengths[slot] != len(PROMPTS[0]) + 3:
             return []
     finally:
-        runner.cache.free(slot)
+        runner.free(slot)
     slot = runner.cache.allocate()
     try:  # with a limit the generator ends by itself, no step launched beyond it
         steps = runner.greedy(slot, int(runner.prefill(slot, PROMPTS[0]).argmax()), limit=5)
         if list(steps) != tokens[1:6] or runner.lengths[slot] != len(PROMPTS[0]) + 5:
             return []
     finally:
-        runner.cache.free(slot)
+        runner.free(slot)
     return tokens
 
 
@@ -133,12 +133,15 @@ def check_family(family: str, root: Path) -> dict[str, object]:
               max_seq_len=64, max_batch=4)
     top_k = int(cpu.model.config.num_experts_per_tok)
     row: dict[str, object] = {"family": family, "top_k": top_k}
-    # LLM on a GPU with CPU experts runs the hybrid runner (overlap + graphs) end to end.
-    row["llm_runner"] = type(cpu.runner).__name__
+    # LLM on a GPU with CPU experts runs overlap + graphs + fused decode end to end.
+    row["llm_uses_graphs_and_fused"] = cpu.runner.use_graphs and cpu.runner.fused is not None
     row["llm_generate_tokens"] = cpu.generate(PROMPTS[0], max_new_tokens=STEPS + 1).token_ids
-    if isinstance(cpu.runner, ModelRunner):
-        cpu.runner.overlap.detach()
-    plain = ModelRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len)
+    # The plain path: HF layers, each MoE layer's own step (backend submit/sync), no graphs.
+    plain = ModelRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len,
+                        EngineConfig(cuda_graphs=False, fused_decode=False))
+    assert plain.overlap is not None
+    plain.overlap.detach()
+    plain.overlap = None
     ref_tokens, ref_logits = decode(ref.runner, 1)
     plain_tokens, plain_logits = decode(plain, 1)
     generated = row["llm_generate_tokens"]
@@ -280,7 +283,7 @@ def check_abort(llm: LLM) -> bool:
         released = not runner.overlap.pending and all(
             link.flags.ready == 0 and link.flags.done == 0 for link in runner.overlap.host)
     finally:
-        runner.cache.free(slot)
+        runner.free(slot)
     again, _ = decode(runner, 1)
     runner.overlap.detach()
     return released and again == want
