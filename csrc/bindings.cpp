@@ -337,8 +337,6 @@ NB_MODULE(_cpu, m) {
       .def("set_decode_cols", &MoELayer::set_decode_cols, nb::arg("cols"),
            "Widest gate/up task of decode calls (32, 64 or 128 columns).")
       .def_prop_ro("decode_cols", [](MoELayer& l) { return l.config().decode_cols; })
-      .def("set_decode_one_phase", &MoELayer::set_decode_one_phase, nb::arg("on"),
-           "Decode gate/up and down as one phase (default) or two with a barrier between.")
       .def("set_profile", &MoELayer::set_profile, nb::arg("on"))
       .def("phase_us", &MoELayer::phase_us,
            "Per-phase microseconds of the latest profiled call (see moe_job.cpp).")

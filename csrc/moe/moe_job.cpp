@@ -500,7 +500,7 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
   st->gate_up_phase = job.size();
   st->cols = cols;
   st->gate_up_tasks = gu_max;
-  const bool merged = fold && cfg_.decode_one_phase;
+  const bool merged = fold;
   if (merged) {
     st->expert_stride = rt.experts.size();
     st->gate_up_done.reset(new std::atomic<int>[size_t(G) * st->expert_stride]);

@@ -27,9 +27,6 @@ struct MoEConfig {
   // Widest gate/up task of a decode call (columns); a wider quantization group is split into
   // parts of this width so the cores get enough tasks. 32, 64 or 128.
   int decode_cols = 32;
-  // Decode runs gate/up and down as one phase (down tasks wait for their expert's gate/up
-  // tasks); false: two phases with a barrier between them (kept for comparison).
-  bool decode_one_phase = true;
 };
 
 // Raw pointers of one call; they must stay valid until the call's job is done.
@@ -78,7 +75,6 @@ class MoELayer {
   void set_amx_min_tokens(int tokens) { cfg_.amx_min_tokens = tokens; }
   // Applies to calls submitted afterwards; std::invalid_argument unless 32, 64 or 128.
   void set_decode_cols(int cols);
-  void set_decode_one_phase(bool on) { cfg_.decode_one_phase = on; }
   // With profiling on, each call records every phase's first-task start and last-task end;
   // phase_us() gives the durations of the latest profiled call (after it is waited for).
   void set_profile(bool on) { profile_ = on; }
