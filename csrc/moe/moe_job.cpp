@@ -252,10 +252,10 @@ struct FlaggedParts {
 JobHandle MoELayer::submit_flagged(StreamFlags& flags, int deferred, StreamFlags* late_flags,
                                    void* late_out) {
   auto fp = std::make_shared<FlaggedParts>();
-  fp->calls = {host_call_};
+  fp->calls = {bound_call_};
   fp->done = {&flags};
   if (deferred != 0) {
-    const MoECall& c = host_call_;
+    const MoECall& c = bound_call_;
     if (deferred < 0 || deferred >= c.k)
       throw std::invalid_argument("submit_flagged: deferred must be in [0, k = " +
                                   std::to_string(c.k) + "), got " + std::to_string(deferred));
