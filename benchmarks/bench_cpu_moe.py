@@ -77,7 +77,7 @@ def raw_cycle(layers: list[CpuMoE], x: torch.Tensor,
 
 def with_setting(layers: list[CpuMoE], setter: str, value, fn):
     """`fn` (call i runs layer i % len(layers)) with that layer's `_layer.<setter>(value)` called
-    first (e.g. set_decode_cols, set_decode_one_phase): one setting per timed call."""
+    first (e.g. set_decode_cols): one setting per timed call."""
     def run(i: int) -> None:
         getattr(layers[i % len(layers)]._layer, setter)(value)
         fn(i)
@@ -201,9 +201,6 @@ def main() -> None:
     parser.add_argument("--decode-cols", default="",
                         help="comma-separated decode gate/up task widths to time against each "
                              "other at q <= 4 (e.g. 64,32), alternating in this process")
-    parser.add_argument("--two-phase", action="store_true",
-                        help="also time decode (q <= 4) with gate/up and down as two phases (a "
-                             "barrier between), alternating with the default in this process")
     parser.add_argument("--no-torch", action="store_true",
                         help="skip the plain-torch baseline (it keeps a bf16 copy of every layer)")
     parser.add_argument("--git", default="",
@@ -271,15 +268,9 @@ def main() -> None:
                 for width in widths:
                     fns[f"cols{width}_ms"] = with_setting(layers, "set_decode_cols", width,
                                                           cycle(layers, x, routes))
-            if q <= 4 and args.two_phase:
-                fns = {name: with_setting(layers, "set_decode_one_phase", True, fn)
-                       for name, fn in fns.items()}
-                fns["two_phase_ms"] = with_setting(layers, "set_decode_one_phase", False,
-                                                   cycle(layers, x, routes))
             sec_of = timed_alternating(fns, calls, len(layers))
             for moe in layers:
                 moe._layer.set_decode_cols(default_cols)
-                moe._layer.set_decode_one_phase(True)
             sec = sec_of["ms"]
             phase_us, profiled_ms = phases(
                 layers, x, [routing(q, E, K, seed=1000 * q + 500 + r) for r in range(9)])
@@ -294,7 +285,7 @@ def main() -> None:
                    "phase_us": phase_us, "profiled_ms": profiled_ms}
             if "raw_ms" in sec_of:
                 row["raw_ms"] = 1e3 * sec_of["raw_ms"]
-            for name in (n for n in sec_of if n.startswith(("cols", "two_phase"))):
+            for name in (n for n in sec_of if n.startswith("cols")):
                 row[name] = 1e3 * sec_of[name]
             if fmt == "bf16" and baseline:
                 plain = [TorchLayer(w) for w in baseline]
@@ -326,7 +317,7 @@ def main() -> None:
               f"{r.get('torch_ms', float('nan')):>9.3f} {r.get('speedup_vs_torch', 0):>7.2f}  "
               f"{' '.join(f'{v:.0f}' for v in r['phase_us'])}  "
               + " ".join(f"{n[:-3]} {v:.3f}" for n, v in r.items()
-                         if n.startswith(("cols", "two_phase"))))
+                         if n.startswith("cols")))
 
 
 if __name__ == "__main__":

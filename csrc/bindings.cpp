@@ -12,7 +12,6 @@
 #include "dispatch.h"
 #include "moe/moe_layer.h"
 #include "moe/stream_read.h"
-#include "runtime/cuda_host.h"
 #include "runtime/loaded_library.h"
 #include "runtime/pool_probe.h"
 #include "runtime/stream_flags.h"
@@ -157,34 +156,6 @@ NB_MODULE(_cpu, m) {
     return out;
   }, nb::arg("bytes"), nb::arg("node") = 0, nb::arg("alignment") = 64,
      "Allocate on a node, write, report where the first/middle/last pages landed, free.");
-  m.def("cuda_host_available", &hetmoe::cuda_host_available,
-        "True when a loaded CUDA runtime provides cudaLaunchHostFunc.");
-  m.def("cuda_runtime_path", &hetmoe::cuda_runtime_path,
-        "The loaded CUDA runtime library used for host functions ('' when none).");
-  using hetmoe::CountingHostJob;
-  nb::class_<CountingHostJob>(m, "CountingHostJob",
-                              "A pool job driven through the C host-function entry points.")
-      .def("__init__", [pick](CountingHostJob* self, int tasks_per_group, ThreadPool* pool) {
-        new (self) CountingHostJob(pick(pool), tasks_per_group);
-      }, nb::arg("tasks_per_group"), nb::arg("pool").none() = nb::none(),
-         nb::keep_alive<1, 3>())  // the pool outlives the job
-      .def_prop_ro("count", [](CountingHostJob& j) { return j.count.load(); })
-      .def_prop_rw("fail", [](CountingHostJob& j) { return j.fail.load(); },
-                   [](CountingHostJob& j, bool v) { j.fail.store(v); })
-      .def_prop_ro("submit_fn", [](CountingHostJob&) {
-        return reinterpret_cast<uintptr_t>(&hetmoe::HostJob::submit_host_fn);
-      })
-      .def_prop_ro("wait_fn", [](CountingHostJob&) {
-        return reinterpret_cast<uintptr_t>(&hetmoe::HostJob::wait_host_fn);
-      })
-      .def_prop_ro("user_data", [](CountingHostJob& j) {
-        return reinterpret_cast<uintptr_t>(&j.host);
-      })
-      .def("launch", [](CountingHostJob& j, uintptr_t stream) {
-        j.host.launch_submit(reinterpret_cast<void*>(stream));
-        j.host.launch_wait(reinterpret_cast<void*>(stream));
-      }, nb::arg("stream"), "Enqueue submit + wait host functions on a cudaStream_t.")
-      .def("take_error", [](CountingHostJob& j) { return j.host.take_error(); });
   using hetmoe::StreamFlags;
   m.attr("POOL_QUEUE_CAPACITY") = hetmoe::kPoolQueueCapacity;
   m.def("stream_memops_available", &hetmoe::stream_memops_available,
@@ -197,7 +168,7 @@ NB_MODULE(_cpu, m) {
     }).path;
   }, nb::arg("name_part"), nb::arg("symbol"),
      "Path of an already-loaded library whose path contains name_part and that exports symbol "
-     "('' when none): the lookup the CUDA bindings use.");
+     "('' when none): the lookup the CUDA driver binding uses.");
   nb::class_<StreamFlags>(m, "StreamFlags",
                           "Ready/done words in pinned memory between a GPU stream and CPU jobs "
                           "(see runtime/stream_flags.h).")
@@ -300,33 +271,17 @@ NB_MODULE(_cpu, m) {
         nb::gil_scoped_release release;
         l.wait(handle);
       }, nb::arg("handle"))
-      .def("set_host_call", [make_call](MoELayer& l, uintptr_t x, int x_dtype, uintptr_t ids,
-                                        uintptr_t weights, int q, int k, uintptr_t out,
-                                        int out_dtype) {
-        l.set_host_call(make_call(x, x_dtype, ids, weights, q, k, out, out_dtype));
-      })
-      .def_prop_ro("host_submit_fn", [](MoELayer&) {
-        return reinterpret_cast<uintptr_t>(&hetmoe::HostJob::submit_host_fn);
-      })
-      .def_prop_ro("host_wait_fn", [](MoELayer&) {
-        return reinterpret_cast<uintptr_t>(&hetmoe::HostJob::wait_host_fn);
-      })
-      .def_prop_ro("host_user_data", [](MoELayer& l) {
-        return reinterpret_cast<uintptr_t>(&l.host_job());
-      })
-      .def("launch_submit", [](MoELayer& l, uintptr_t stream) {
-        l.host_job().launch_submit(reinterpret_cast<void*>(stream));
-      }, nb::arg("stream"))
-      .def("launch_wait", [](MoELayer& l, uintptr_t stream) {
-        l.host_job().launch_wait(reinterpret_cast<void*>(stream));
-      }, nb::arg("stream"))
-      .def("take_host_error", [](MoELayer& l) { return l.host_job().take_error(); })
+      .def("bind_call", [make_call](MoELayer& l, uintptr_t x, int x_dtype, uintptr_t ids,
+                                    uintptr_t weights, int q, int k, uintptr_t out,
+                                    int out_dtype) {
+        l.bind_call(make_call(x, x_dtype, ids, weights, q, k, out, out_dtype));
+      }, "Fix the buffers (e.g. pinned) that submit_flagged jobs read and write.")
       .def("submit_flagged", [](MoELayer& l, hetmoe::StreamFlags& flags, int deferred,
                                 hetmoe::StreamFlags* late_flags, uintptr_t late_out) {
         return l.submit_flagged(flags, deferred, late_flags, reinterpret_cast<void*>(late_out));
       }, nb::arg("flags"), nb::arg("deferred") = 0, nb::arg("late_flags").none() = nb::none(),
          nb::arg("late_out") = 0,
-         "Queue the host call, started/awaited through StreamFlags; with deferred > 0 the last "
+         "Queue the bound call, started/awaited through StreamFlags; with deferred > 0 the last "
          "`deferred` slots follow in the same job, into late_out, done on late_flags.")
       .def_prop_ro("num_groups", &MoELayer::num_groups)
       .def_prop_ro("isa", [](MoELayer& l) {
@@ -337,8 +292,6 @@ NB_MODULE(_cpu, m) {
       .def("set_decode_cols", &MoELayer::set_decode_cols, nb::arg("cols"),
            "Widest gate/up task of decode calls (32, 64 or 128 columns).")
       .def_prop_ro("decode_cols", [](MoELayer& l) { return l.config().decode_cols; })
-      .def("set_decode_one_phase", &MoELayer::set_decode_one_phase, nb::arg("on"),
-           "Decode gate/up and down as one phase (default) or two with a barrier between.")
       .def("set_profile", &MoELayer::set_profile, nb::arg("on"))
       .def("phase_us", &MoELayer::phase_us,
            "Per-phase microseconds of the latest profiled call (see moe_job.cpp).")

@@ -252,10 +252,10 @@ struct FlaggedParts {
 JobHandle MoELayer::submit_flagged(StreamFlags& flags, int deferred, StreamFlags* late_flags,
                                    void* late_out) {
   auto fp = std::make_shared<FlaggedParts>();
-  fp->calls = {host_call_};
+  fp->calls = {bound_call_};
   fp->done = {&flags};
   if (deferred != 0) {
-    const MoECall& c = host_call_;
+    const MoECall& c = bound_call_;
     if (deferred < 0 || deferred >= c.k)
       throw std::invalid_argument("submit_flagged: deferred must be in [0, k = " +
                                   std::to_string(c.k) + "), got " + std::to_string(deferred));
@@ -500,7 +500,7 @@ Job MoELayer::make_job(const MoECall& call, std::shared_ptr<MoECallState>* plann
   st->gate_up_phase = job.size();
   st->cols = cols;
   st->gate_up_tasks = gu_max;
-  const bool merged = fold && cfg_.decode_one_phase;
+  const bool merged = fold;
   if (merged) {
     st->expert_stride = rt.experts.size();
     st->gate_up_done.reset(new std::atomic<int>[size_t(G) * st->expert_stride]);

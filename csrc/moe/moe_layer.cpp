@@ -25,7 +25,7 @@ ThreadPool& pool_for_threads(int threads) {
 }
 
 MoELayer::MoELayer(const MoEConfig& cfg, ThreadPool& pool)
-    : cfg_(cfg), pool_(pool), host_job_(pool, [this] { return make_job(host_call_); }) {
+    : cfg_(cfg), pool_(pool) {
   const bool quantized = cfg.format != WeightFormat::kBF16;
   if (cfg.num_experts < 1 || cfg.hidden < 32 || cfg.hidden % 32 || cfg.intermediate < 32 ||
       cfg.intermediate % 32)

@@ -8,7 +8,6 @@
 
 #include "dispatch.h"
 #include "layout/packed_matrix.h"
-#include "runtime/host_job.h"
 #include "runtime/pool.h"
 #include "runtime/stream_flags.h"
 
@@ -27,9 +26,6 @@ struct MoEConfig {
   // Widest gate/up task of a decode call (columns); a wider quantization group is split into
   // parts of this width so the cores get enough tasks. 32, 64 or 128.
   int decode_cols = 32;
-  // Decode runs gate/up and down as one phase (down tasks wait for their expert's gate/up
-  // tasks); false: two phases with a barrier between them (kept for comparison).
-  bool decode_one_phase = true;
 };
 
 // Raw pointers of one call; they must stay valid until the call's job is done.
@@ -60,10 +56,10 @@ class MoELayer {
   JobHandle submit(const MoECall& call);
   void wait(JobHandle handle) { pool_.wait(handle); }
 
-  // CUDA host functions run the call set here (buffers at fixed addresses, e.g. pinned).
-  void set_host_call(const MoECall& call) { host_call_ = call; }
-  HostJob& host_job() { return host_job_; }
-  // Queues the call set by set_host_call as a job a GPU stream starts and awaits through `flags`
+  // The call that submit_flagged jobs run (buffers at fixed addresses, e.g. pinned, that a GPU
+  // stream fills before it sets the ready word).
+  void bind_call(const MoECall& call) { bound_call_ = call; }
+  // Queues the call set by bind_call as a job a GPU stream starts and awaits through `flags`
   // (runtime/stream_flags.h): built on the pool once the ready word is set, done word set after
   // (also on failure). `flags` and this layer must outlive the job.
   // With `deferred` > 0 (Expert Deferral), the job computes each token's first k - deferred slots
@@ -78,7 +74,6 @@ class MoELayer {
   void set_amx_min_tokens(int tokens) { cfg_.amx_min_tokens = tokens; }
   // Applies to calls submitted afterwards; std::invalid_argument unless 32, 64 or 128.
   void set_decode_cols(int cols);
-  void set_decode_one_phase(bool on) { cfg_.decode_one_phase = on; }
   // With profiling on, each call records every phase's first-task start and last-task end;
   // phase_us() gives the durations of the latest profiled call (after it is waited for).
   void set_profile(bool on) { profile_ = on; }
@@ -120,8 +115,7 @@ class MoELayer {
   bool profile_ = false;
   mutable std::shared_ptr<struct PhaseClock> last_clock_;
   mutable std::vector<std::shared_ptr<struct PhaseClock>> timeline_;  // profiled calls
-  MoECall host_call_;
-  HostJob host_job_;
+  MoECall bound_call_;
 };
 
 // The pool for `threads` workers: 0 = the process-wide pool (from the environment); other counts

@@ -1,5 +1,5 @@
-// Binding to a shared library the process already loaded (e.g. torch's CUDA runtime and driver),
-// without linking or loading it ourselves.
+// Binding to a shared library the process already loaded (torch's CUDA driver, for
+// runtime/stream_flags.h), without linking or loading it ourselves.
 #pragma once
 
 #include <functional>

@@ -147,21 +147,6 @@ NumaAllocReport check_numa_alloc(size_t bytes, int node, size_t alignment) {
   return report;
 }
 
-CountingHostJob::CountingHostJob(ThreadPool& pool, int tasks)
-    : tasks_per_group(tasks), host(pool, [this] {
-        return Job{{static_cast<size_t>(tasks_per_group), [this](size_t task, int group, int) {
-          if (task == 0 && group == 0 && fail.load()) {
-            throw std::runtime_error("injected host-job failure");
-          }
-          count.fetch_add(1);
-        }}};
-      }) {
-  if (tasks < 0) {
-    throw std::invalid_argument("CountingHostJob: tasks_per_group must be >= 0, got " +
-                                std::to_string(tasks));
-  }
-}
-
 FlagCountJob::FlagCountJob(ThreadPool& pool, StreamFlags& flags, int tasks)
     : pool(pool), flags(flags), tasks_per_group(tasks) {
   if (tasks < 0) {

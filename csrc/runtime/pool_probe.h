@@ -5,7 +5,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "runtime/host_job.h"
 #include "runtime/pool.h"
 #include "runtime/stream_flags.h"
 #include "runtime/topology.h"
@@ -55,16 +54,6 @@ struct NumaAllocReport {
 // numa_alloc(bytes, node, alignment), write every byte, ask the kernel where the pages landed,
 // numa_free. bytes == 0 gives a null pointer and no pages.
 NumaAllocReport check_numa_alloc(size_t bytes, int node, size_t alignment);
-
-// A HostJob whose every run adds one per task and group to `count`, and whose task 0 of group 0
-// throws while `fail` is set: checks the host-function path through its C entry points.
-struct CountingHostJob {
-  CountingHostJob(ThreadPool& pool, int tasks_per_group);
-  std::atomic<int64_t> count{0};
-  std::atomic<bool> fail{false};
-  const int tasks_per_group;
-  HostJob host;
-};
 
 // A job gated by StreamFlags (ThreadPool::submit_built): each run's prepare step adds one to
 // `prepared` (throws while `fail_prepare` is set), its build step waits for the ready word (and

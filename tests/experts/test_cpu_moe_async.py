@@ -1,13 +1,13 @@
-"""submit/sync from several threads, deep queues, and the C host-function entry points."""
+"""submit/sync from several threads, deep queues, and flag-started jobs on bound buffers."""
 
 from __future__ import annotations
 
-import ctypes
 import threading
 
 import torch
 from moe_oracle import make_experts
 
+from hetmoe import _cpu
 from hetmoe.experts import CpuMoE
 
 
@@ -63,19 +63,20 @@ def test_threads_submit_and_sync_concurrently() -> None:
         assert torch.equal(out, expected[i])
 
 
-def test_host_function_pointers_run_the_bound_call() -> None:
-    """The entry points cudaLaunchHostFunc would call, invoked directly as C functions."""
+def test_flagged_jobs_read_the_bound_buffers_when_started() -> None:
+    """`bind` fixes the buffers; each flag-started job computes on what they hold once its ready
+    word is set (the test writes the words a GPU stream would)."""
     moe, calls = _layer()
     x, ids, wts = calls[5]
     out = torch.full_like(x, float("nan"))
-    fns = moe.host_functions(x, ids, wts, out)
-    host_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-    host_fn(fns.submit_fn)(fns.user_data)
-    host_fn(fns.wait_fn)(fns.user_data)
-    assert moe.take_host_error() == ""
-    assert torch.equal(out, moe.forward(x, ids, wts))
-    # New inputs written into the same buffers (as a GPU would) are picked up at the next submit.
-    x.copy_(calls[6][0][: x.shape[0]] if calls[6][0].shape[0] >= x.shape[0] else x * 2)
-    host_fn(fns.submit_fn)(fns.user_data)
-    host_fn(fns.wait_fn)(fns.user_data)
-    assert torch.equal(out, moe.forward(x, ids, wts))
+    words = torch.zeros(2, 16, dtype=torch.int32)  # ready, done: a cache line each
+    flags = _cpu.StreamFlags(words[0].data_ptr(), words[1].data_ptr())
+    moe.bind(x, ids, wts, out)
+    for scale in (1.0, 2.0):
+        handle = moe.submit_flagged(flags)
+        x.mul_(scale)  # written after the submit, before the ready word: this is computed
+        words[0, 0] = 1
+        moe.wait_flagged(handle)
+        assert int(words[1, 0]) == 1
+        words[1, 0] = 0
+        assert torch.equal(out, moe.forward(x, ids, wts))

@@ -90,8 +90,14 @@ def test_forward_errors(layer: CpuMoE) -> None:
         layer.set_gpu_experts(torch.zeros(2, dtype=torch.bool))
     with pytest.raises(RuntimeError, match=r"no submitted call is pending"):
         layer.sync()
-    with pytest.raises(RuntimeError, match=r"call host_functions\(x, ids, weights, out\) first"):
-        CpuMoE(3, 64, 96).launch(0)
+    with pytest.raises(RuntimeError, match=r"submit_flagged: call bind\(x, ids, weights, out\) "
+                                         r"first"):
+        CpuMoE(3, 64, 96).submit_flagged(object())
+    with pytest.raises(ValueError, match=r"CpuMoE.bind: x must have at least one token"):
+        layer.bind(torch.empty(0, 64), torch.empty(0, 2, dtype=torch.int64), torch.empty(0, 2),
+                   torch.empty(0, 64))
+    with pytest.raises(ValueError, match=r"out must be a contiguous CPU tensor \[4, 64\]"):
+        layer.bind(x, ids, wts, torch.empty(4, 32))
 
 
 def test_empty_batch_and_all_skipped(layer: CpuMoE) -> None:

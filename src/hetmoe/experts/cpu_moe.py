@@ -35,15 +35,6 @@ class PendingCall:
     layer: object  # the C++ layer, alive until the job is done
 
 
-@dataclass(frozen=True)
-class HostFunctions:
-    """C entry points for `cudaLaunchHostFunc(stream, fn, user_data)`: submit, then wait."""
-
-    submit_fn: int
-    wait_fn: int
-    user_data: int
-
-
 class CpuMoE:
     """Routed experts of one layer on the CPU (see the module docstring).
 
@@ -114,7 +105,7 @@ class CpuMoE:
         self._gpu_mask: torch.Tensor | None = None
         self._pending: deque[PendingCall] = deque()
         self._lock = threading.Lock()
-        self._host_inputs: tuple[torch.Tensor, ...] = ()
+        self._bound: tuple[torch.Tensor, ...] = ()  # bind's buffers, kept alive
         self._late_out: torch.Tensor | None = None  # submit_flagged's deferred output
 
     @property
@@ -231,42 +222,32 @@ class CpuMoE:
             self._layer.wait(call.handle)
         return call.out
 
-    def host_functions(self, x: torch.Tensor, expert_ids: torch.Tensor,
-                       expert_weights: torch.Tensor, out: torch.Tensor) -> HostFunctions:
-        """Binds fixed (pinned) CPU buffers and returns the C functions that run `forward` on
-        them from a CUDA stream: `cudaLaunchHostFunc(s, submit_fn, user_data)`, GPU work, then
-        `cudaLaunchHostFunc(s, wait_fn, user_data)` (also inside CUDA graph capture)."""
+    def bind(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+             out: torch.Tensor) -> None:
+        """Binds fixed (pinned) CPU buffers, checked as in `forward`: every later
+        `submit_flagged` job computes `forward` on what they hold when its ready word is set
+        (a GPU stream writes them first)."""
         out, args = self._check_call(x, expert_ids, expert_weights, out)
         if args[4] == 0:
-            raise ValueError("CpuMoE.host_functions: x must have at least one token")
-        self._layer.set_host_call(*args)
-        self._host_inputs = (x, expert_ids, expert_weights, out)
-        layer = self._layer
-        return HostFunctions(layer.host_submit_fn, layer.host_wait_fn, layer.host_user_data)
-
-    def launch(self, stream: int) -> None:
-        """Enqueues submit + wait host functions of the bound buffers on a cudaStream_t."""
-        if not self._host_inputs:
-            raise RuntimeError("CpuMoE.launch: call host_functions(x, ids, weights, out) first")
-        self._layer.launch_submit(stream)
-        self._layer.launch_wait(stream)
+            raise ValueError("CpuMoE.bind: x must have at least one token")
+        self._layer.bind_call(*args)
+        self._bound = (x, expert_ids, expert_weights, out)
 
     def submit_flagged(self, flags: object, deferred: int = 0, late_flags: object = None,
                        late_out: torch.Tensor | None = None) -> int:
-        """Queues `forward` on the buffers bound by `host_functions` as a job that a GPU stream
+        """Queues `forward` on the buffers bound by `bind` as a job that a GPU stream
         starts and awaits through `flags` (a `hetmoe._cpu.StreamFlags`): it waits in the pool
         for the ready word, then sets the done word. Returns the handle for `wait_flagged`.
 
         With `deferred` > 0 (Expert Deferral) that job computes each token's first k - deferred
         slots only; the same job then computes the last `deferred` slots into `late_out` (shaped
         like the bound out) and sets `late_flags`' done word."""
-        if not self._host_inputs:
-            raise RuntimeError("CpuMoE.submit_flagged: call host_functions(x, ids, weights, out) "
-                               "first")
+        if not self._bound:
+            raise RuntimeError("CpuMoE.submit_flagged: call bind(x, ids, weights, out) first")
         if not deferred:
             return int(self._layer.submit_flagged(flags))
-        out = self._host_inputs[3]
-        k = self._host_inputs[1].shape[1]
+        out = self._bound[3]
+        k = self._bound[1].shape[1]
         if not 0 < deferred < k:
             raise ValueError(f"CpuMoE.submit_flagged: deferred must be in [0, {k}) (the bound "
                              f"ids' slots), got {deferred}")
@@ -284,10 +265,6 @@ class CpuMoE:
     def wait_flagged(self, handle: int) -> None:
         """Waits for a `submit_flagged` job; raises the error its routing or a task hit."""
         self._layer.wait(handle)
-
-    def take_host_error(self) -> str:
-        """The first error a host function hit since the last call ("" when none)."""
-        return str(self._layer.take_host_error())
 
     def _call_args(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                    out: torch.Tensor) -> tuple[int, ...]:
