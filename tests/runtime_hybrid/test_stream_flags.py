@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from hetmoe import _cpu
+from hetmoe import _cpu, _cpu_testing
 from hetmoe.engine.cuda_graph import HybridConfig
 from hetmoe.experts.cpu_moe import CpuMoE
 
@@ -39,7 +39,7 @@ class Words:
 
 def test_job_waits_for_ready_then_sets_done_and_replays_without_reset(pool) -> None:
     words = Words()
-    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    job = _cpu_testing.FlagCountJob(words.flags, TASKS, pool=pool)
     for round_ in range(1, 4):
         handle = job.submit()
         time.sleep(0.05)
@@ -54,7 +54,7 @@ def test_job_waits_for_ready_then_sets_done_and_replays_without_reset(pool) -> N
 
 def test_jobs_queued_ahead_run_in_order_one_ready_each(pool) -> None:
     words = Words()
-    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    job = _cpu_testing.FlagCountJob(words.flags, TASKS, pool=pool)
     handles = [job.submit() for _ in range(3)]  # a step's jobs, queued before it starts
     for i, handle in enumerate(handles, start=1):
         words.gpu_ready()
@@ -66,7 +66,7 @@ def test_jobs_queued_ahead_run_in_order_one_ready_each(pool) -> None:
 
 def test_abort_releases_a_waiting_job_and_reset_clears_the_words(pool) -> None:
     words = Words()
-    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    job = _cpu_testing.FlagCountJob(words.flags, TASKS, pool=pool)
     handle = job.submit()
     time.sleep(0.02)
     words.flags.abort()
@@ -83,7 +83,7 @@ def test_abort_releases_a_waiting_job_and_reset_clears_the_words(pool) -> None:
 
 def test_failed_job_still_sets_done_and_wait_reports_it(pool) -> None:
     words = Words()
-    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    job = _cpu_testing.FlagCountJob(words.flags, TASKS, pool=pool)
     job.fail = True
     handle = job.submit()
     words.gpu_ready()
@@ -98,8 +98,8 @@ def test_prepare_runs_before_build_and_during_the_job_ahead(pool) -> None:
     job ahead prepares it while that job's tasks still run (here: a task of the job ahead waits
     until it has)."""
     ahead, behind = Words(), Words()
-    first = _cpu.FlagCountJob(ahead.flags, TASKS, pool=pool)
-    second = _cpu.FlagCountJob(behind.flags, TASKS, pool=pool)
+    first = _cpu_testing.FlagCountJob(ahead.flags, TASKS, pool=pool)
+    second = _cpu_testing.FlagCountJob(behind.flags, TASKS, pool=pool)
     first.watch(second)
     handles = [first.submit(), second.submit()]
     time.sleep(0.02)
@@ -115,7 +115,7 @@ def test_prepare_runs_before_build_and_during_the_job_ahead(pool) -> None:
 
 def test_failed_prepare_skips_the_job_but_sets_done(pool) -> None:
     words = Words()
-    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    job = _cpu_testing.FlagCountJob(words.flags, TASKS, pool=pool)
     job.fail_prepare = True
     handle = job.submit()
     with pytest.raises(RuntimeError, match=r"failed in its prepare step: injected prepare "
@@ -271,7 +271,7 @@ def test_signal_is_checked() -> None:
 def test_loaded_library_lookup_binds_only_what_is_loaded() -> None:
     """The lookup behind the CUDA bindings: an already-loaded library exporting the symbol is
     found (libc with malloc); a missing symbol or library gives ''."""
-    path = _cpu.loaded_library_path("libc.so", "malloc")
+    path = _cpu_testing.loaded_library_path("libc.so", "malloc")
     assert "libc.so" in path
-    assert _cpu.loaded_library_path("libc.so", "hetmoe_no_such_symbol") == ""
-    assert _cpu.loaded_library_path("libhetmoe-not-loaded", "malloc") == ""
+    assert _cpu_testing.loaded_library_path("libc.so", "hetmoe_no_such_symbol") == ""
+    assert _cpu_testing.loaded_library_path("libhetmoe-not-loaded", "malloc") == ""
