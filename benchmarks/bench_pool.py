@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from hetmoe import _cpu
+from hetmoe import _cpu, _cpu_testing
 from hetmoe.machine import machine_report
 
 
@@ -54,7 +54,7 @@ def woken_job(rounds: int) -> dict[str, float]:
     samples = []
     for _ in range(rounds):
         time.sleep(idle_s * 2)
-        samples.append(_cpu.pool_overhead_us(1, 0, warmup=0)["median_us"])
+        samples.append(_cpu_testing.pool_overhead_us(1, 0, warmup=0)["median_us"])
     samples.sort()
     return summarize(samples)
 
@@ -89,8 +89,8 @@ def main() -> None:
     info = _cpu.pool_info()
     tasks_per_group = args.tasks * max(info["group_sizes"])
     rows = {
-        "empty job": _cpu.pool_overhead_us(args.iters, 0),
-        f"small job ({tasks_per_group} tasks/group)": _cpu.pool_overhead_us(
+        "empty job": _cpu_testing.pool_overhead_us(args.iters, 0),
+        f"small job ({tasks_per_group} tasks/group)": _cpu_testing.pool_overhead_us(
             args.iters, tasks_per_group
         ),
         "woken job (after park)": woken_job(args.woken),

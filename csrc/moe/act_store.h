@@ -1,5 +1,5 @@
 // Activations of the rows of one MoE call in the kernels' input form (bf16, or u8 with per-group
-// scale / bias / sum arrays), as the phases of moe_job.cpp write and read them.
+// scale / bias / sum arrays), as a call's phases write and read them (call_plan.h).
 // Rows are row-major, or, for experts on AMX tiles, in tile order per 16-row block (the block
 // keeps its place and size; within it [k bytes / step][16 rows][step bytes], ActView::tile_step),
 // so the AMX kernels read A tiles in place. Tiled rows must start 16-row blocks of their own

@@ -1,4 +1,4 @@
-// MoELayer construction, NUMA slicing and parallel packing (the forward job is in moe_job.cpp).
+// MoELayer construction, NUMA slicing and parallel packing (a call's job: moe_job.cpp).
 #include "moe/moe_layer.h"
 
 #include <algorithm>

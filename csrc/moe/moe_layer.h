@@ -15,6 +15,12 @@ namespace hetmoe {
 
 enum class DType : int { kBF16 = 0, kFP32 = 1 };
 
+struct MoECallState;  // call_state.h
+struct LayerRef;      // call_state.h
+struct PhaseList;     // call_job.h
+struct FlaggedParts;  // flagged_job.cpp
+struct PhaseClock;    // phase_clock.h
+
 struct MoEConfig {
   int num_experts = 0;
   int hidden = 0;        // H, a multiple of 32
@@ -74,8 +80,9 @@ class MoELayer {
   void set_amx_min_tokens(int tokens) { cfg_.amx_min_tokens = tokens; }
   // Applies to calls submitted afterwards; std::invalid_argument unless 32, 64 or 128.
   void set_decode_cols(int cols);
-  // With profiling on, each call records every phase's first-task start and last-task end;
-  // phase_us() gives the durations of the latest profiled call (after it is waited for).
+  // With profiling on, each call records every phase slot's first-task start and last-task end;
+  // phase_us() gives the durations of the latest profiled call (after it is waited for): convert,
+  // gather, gate/up, down, combine (0 for a phase the call did not run).
   void set_profile(bool on) { profile_ = on; }
   std::vector<double> phase_us() const;
   // The profiled calls since the last take_timeline() (the first 4096), oldest first, in
@@ -92,12 +99,19 @@ class MoELayer {
   size_t packed_bytes() const;  // weight + scale bytes of the loaded experts
 
  private:
-  // The job of `call`. With `planned` (decode calls, q <= 4, whose ids and x are not written
-  // yet), it is made for the most experts the call can route to and *planned gets its state;
-  // bind_job() then routes it, converts the tokens and (given the job) sets the task counts of
-  // its gate/up and down phases to the routed experts'.
-  Job make_job(const MoECall& call, std::shared_ptr<struct MoECallState>* planned = nullptr) const;
+  // The job of `call` (moe_job.cpp). With `planned` (decode calls, q <= 4, whose ids and x are
+  // not written yet), it is made for the most experts the call can route to and *planned gets
+  // its state; bind_job() then routes it, converts the tokens and (given the job) sets the task
+  // count of its gate/up + down phase to the routed experts'.
+  Job make_job(const MoECall& call, std::shared_ptr<MoECallState>* planned = nullptr) const;
   void bind_job(Job* job, MoECallState& st) const;
+  LayerRef layer_ref() const;
+  void clock_phases(PhaseList& phases, const std::shared_ptr<MoECallState>& st) const;
+  // The steps of a submit_flagged job (flagged_job.cpp).
+  void prepare_flagged(FlaggedParts& fp) const;
+  Job build_flagged(const std::shared_ptr<FlaggedParts>& fp) const;
+  void chain_deferred(Job& job, const std::shared_ptr<FlaggedParts>& fp) const;
+  void finish_flagged(FlaggedParts& fp) const;
   int slice(int g) const { return slice_begin_[g + 1] - slice_begin_[g]; }
   // The fields of group g's gate/up and down matrices of one expert (not their memory).
   void shape_expert(int g, PackedMatrix& gu, PackedMatrix& dn) const;
@@ -113,8 +127,8 @@ class MoELayer {
   std::vector<size_t> expert_bytes_;      // [G]: one expert's gate/up + down in it
   std::vector<uint8_t> loaded_, gpu_mask_;
   bool profile_ = false;
-  mutable std::shared_ptr<struct PhaseClock> last_clock_;
-  mutable std::vector<std::shared_ptr<struct PhaseClock>> timeline_;  // profiled calls
+  mutable std::shared_ptr<PhaseClock> last_clock_;
+  mutable std::vector<std::shared_ptr<PhaseClock>> timeline_;  // profiled calls
   MoECall bound_call_;
 };
 

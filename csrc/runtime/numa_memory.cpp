@@ -99,4 +99,12 @@ void numa_free(void* ptr, size_t bytes) {
   if (ptr != nullptr) munmap(ptr, bytes);
 }
 
+const char* numa_memory_placement() {
+#ifdef HETMOE_HAVE_LIBNUMA
+  return "libnuma";
+#else
+  return "mbind";
+#endif
+}
+
 }  // namespace hetmoe

@@ -101,5 +101,7 @@ inline constexpr size_t kHugePageBytes = size_t(2) << 20;
 // numa_free(ptr, same bytes).
 void* numa_alloc(size_t bytes, int node, size_t alignment = 64);
 void numa_free(void* ptr, size_t bytes);
+// How numa_alloc places memory: "libnuma" or "mbind" (this build's choice).
+const char* numa_memory_placement();
 
 }  // namespace hetmoe

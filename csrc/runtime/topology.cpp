@@ -103,8 +103,11 @@ std::vector<CpuInfo> allowed_cpus() {
   return cpus;
 }
 
-WorkerPlan plan_workers(const std::vector<CpuInfo>& cpus, int num_threads, int num_groups) {
-  const int allowed = static_cast<int>(cpus.size());
+namespace {
+
+// The worker and group counts: the arguments, else the environment, else the defaults; checked
+// against the `allowed` CPUs.
+void resolve_counts(int allowed, int& num_threads, int& num_groups) {
   std::string threads_src = "ThreadPool(num_threads=" + std::to_string(num_threads) + ")";
   if (num_threads <= 0 && (num_threads = env_positive("HETMOE_THREADS")) > 0) {
     threads_src = "HETMOE_THREADS=" + std::to_string(num_threads);
@@ -112,14 +115,6 @@ WorkerPlan plan_workers(const std::vector<CpuInfo>& cpus, int num_threads, int n
   std::string groups_src = "ThreadPool(num_groups=" + std::to_string(num_groups) + ")";
   if (num_groups <= 0 && (num_groups = env_positive("HETMOE_NUMA_GROUPS")) > 0) {
     groups_src = "HETMOE_NUMA_GROUPS=" + std::to_string(num_groups);
-  }
-
-  // Per node: one CPU per physical core first, SMT siblings after.
-  std::map<int, std::vector<int>> primary, secondary;
-  std::map<int, bool> core_seen;
-  for (const CpuInfo& c : cpus) {
-    (core_seen[c.core] ? secondary : primary)[c.node].push_back(c.cpu);
-    core_seen[c.core] = true;
   }
   if (num_threads <= 0) {
     num_threads = std::max(allowed - 1, 1);
@@ -135,18 +130,33 @@ WorkerPlan plan_workers(const std::vector<CpuInfo>& cpus, int num_threads, int n
                                 " worker threads, the pool has " + std::to_string(num_threads) +
                                 " (set HETMOE_THREADS)");
   }
+}
 
-  std::map<int, std::vector<int>> order;  // node -> CPUs in the order workers take them
+// Node -> CPUs in the order workers take them: one CPU per physical core first, SMT siblings
+// after; with `leave_caller`, without the lowest allowed CPU (the caller keeps its whole core).
+std::map<int, std::vector<int>> cpu_order(const std::vector<CpuInfo>& cpus, bool leave_caller) {
+  std::map<int, std::vector<int>> primary, secondary;
+  std::map<int, bool> core_seen;
+  for (const CpuInfo& c : cpus) {
+    (core_seen[c.core] ? secondary : primary)[c.node].push_back(c.cpu);
+    core_seen[c.core] = true;
+  }
+  std::map<int, std::vector<int>> order;
   for (auto& [node, list] : primary) order[node] = list;
   for (auto& [node, list] : secondary) {
     order[node].insert(order[node].end(), list.begin(), list.end());
   }
-  if (num_threads < allowed) {  // the caller keeps the lowest allowed CPU (and its whole core)
+  if (leave_caller) {
     auto& first = order[cpus.front().node];
     first.erase(std::find(first.begin(), first.end(), cpus.front().cpu));
   }
+  return order;
+}
 
-  std::map<int, std::vector<int>> taken;  // node -> CPUs chosen, round-robin over nodes
+// Node -> CPUs chosen, round-robin over the nodes (every node of `order` gets an entry).
+std::map<int, std::vector<int>> take_round_robin(const std::map<int, std::vector<int>>& order,
+                                                 int num_threads) {
+  std::map<int, std::vector<int>> taken;
   for (int picked = 0; picked < num_threads;) {
     for (auto& [node, list] : order) {
       size_t next = taken[node].size();
@@ -156,6 +166,51 @@ WorkerPlan plan_workers(const std::vector<CpuInfo>& cpus, int num_threads, int n
       }
     }
   }
+  return taken;
+}
+
+// Forced groups: each node's workers are split when the groups divide evenly over the nodes (and
+// each node has enough workers), so no group straddles two nodes; else all workers as one range.
+void split_virtual_groups(WorkerPlan& plan, const std::map<int, std::vector<int>>& taken,
+                          const std::vector<int>& node_of_worker, int num_groups,
+                          int num_threads) {
+  plan.virtual_groups = true;
+  std::vector<std::pair<int, int>> ranges;  // (first worker, count)
+  const int nodes = static_cast<int>(taken.size());
+  bool per_node = num_groups % nodes == 0;
+  for (auto& [node, list] : taken) {
+    per_node = per_node && static_cast<int>(list.size()) >= num_groups / nodes;
+  }
+  if (per_node) {
+    int first = 0;
+    for (auto& [node, list] : taken) {
+      ranges.push_back({first, static_cast<int>(list.size())});
+      first += static_cast<int>(list.size());
+    }
+  } else {
+    ranges.push_back({0, num_threads});
+  }
+  const int per_range = num_groups / static_cast<int>(ranges.size());
+  for (auto [first, count] : ranges) {
+    for (int g = 0; g < per_range; ++g) {  // chunks whose sizes differ by at most one
+      int size = count / per_range + (g < count % per_range ? 1 : 0);
+      int node = node_of_worker[first];
+      for (int w = first; w < first + size; ++w) {
+        if (node_of_worker[w] != node) node = -1;
+      }
+      plan.groups.push_back({node, first, size});
+      first += size;
+    }
+  }
+}
+
+}  // namespace
+
+WorkerPlan plan_workers(const std::vector<CpuInfo>& cpus, int num_threads, int num_groups) {
+  const int allowed = static_cast<int>(cpus.size());
+  resolve_counts(allowed, num_threads, num_groups);
+  const std::map<int, std::vector<int>> order = cpu_order(cpus, num_threads < allowed);
+  const std::map<int, std::vector<int>> taken = take_round_robin(order, num_threads);
 
   WorkerPlan plan;
   plan.allowed_cpus = allowed;
@@ -171,38 +226,7 @@ WorkerPlan plan_workers(const std::vector<CpuInfo>& cpus, int num_threads, int n
       node_of_worker.push_back(node);
     }
   }
-  if (num_groups > 0) {
-    plan.virtual_groups = true;
-    // Split each node's workers when the groups divide evenly over the nodes (and each node has
-    // enough workers), so no group straddles two nodes; else split all workers as one range.
-    std::vector<std::pair<int, int>> ranges;  // (first worker, count)
-    const int nodes = static_cast<int>(taken.size());
-    bool per_node = num_groups % nodes == 0;
-    for (auto& [node, list] : taken) {
-      per_node = per_node && static_cast<int>(list.size()) >= num_groups / nodes;
-    }
-    if (per_node) {
-      int first = 0;
-      for (auto& [node, list] : taken) {
-        ranges.push_back({first, static_cast<int>(list.size())});
-        first += static_cast<int>(list.size());
-      }
-    } else {
-      ranges.push_back({0, num_threads});
-    }
-    const int per_range = num_groups / static_cast<int>(ranges.size());
-    for (auto [first, count] : ranges) {
-      for (int g = 0; g < per_range; ++g) {  // chunks whose sizes differ by at most one
-        int size = count / per_range + (g < count % per_range ? 1 : 0);
-        int node = node_of_worker[first];
-        for (int w = first; w < first + size; ++w) {
-          if (node_of_worker[w] != node) node = -1;
-        }
-        plan.groups.push_back({node, first, size});
-        first += size;
-      }
-    }
-  }
+  if (num_groups > 0) split_virtual_groups(plan, taken, node_of_worker, num_groups, num_threads);
   return plan;
 }
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from hetmoe import _cpu
+from hetmoe import _cpu, _cpu_testing
 from hetmoe.experts.cpu_moe import CpuMoE
 
 TASKS = 3
@@ -38,7 +38,7 @@ class Words:
 
 def test_job_waits_for_ready_then_sets_done_and_replays_without_reset(pool) -> None:
     words = Words()
-    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    job = _cpu_testing.FlagCountJob(words.flags, TASKS, pool=pool)
     for round_ in range(1, 4):
         handle = job.submit()
         time.sleep(0.05)
@@ -53,7 +53,7 @@ def test_job_waits_for_ready_then_sets_done_and_replays_without_reset(pool) -> N
 
 def test_jobs_queued_ahead_run_in_order_one_ready_each(pool) -> None:
     words = Words()
-    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    job = _cpu_testing.FlagCountJob(words.flags, TASKS, pool=pool)
     handles = [job.submit() for _ in range(3)]  # a step's jobs, queued before it starts
     for i, handle in enumerate(handles, start=1):
         words.gpu_ready()
@@ -65,7 +65,7 @@ def test_jobs_queued_ahead_run_in_order_one_ready_each(pool) -> None:
 
 def test_abort_releases_a_waiting_job_and_reset_clears_the_words(pool) -> None:
     words = Words()
-    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    job = _cpu_testing.FlagCountJob(words.flags, TASKS, pool=pool)
     handle = job.submit()
     time.sleep(0.02)
     words.flags.abort()
@@ -82,7 +82,7 @@ def test_abort_releases_a_waiting_job_and_reset_clears_the_words(pool) -> None:
 
 def test_failed_job_still_sets_done_and_wait_reports_it(pool) -> None:
     words = Words()
-    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    job = _cpu_testing.FlagCountJob(words.flags, TASKS, pool=pool)
     job.fail = True
     handle = job.submit()
     words.gpu_ready()
@@ -97,8 +97,8 @@ def test_prepare_runs_before_build_and_during_the_job_ahead(pool) -> None:
     job ahead prepares it while that job's tasks still run (here: a task of the job ahead waits
     until it has)."""
     ahead, behind = Words(), Words()
-    first = _cpu.FlagCountJob(ahead.flags, TASKS, pool=pool)
-    second = _cpu.FlagCountJob(behind.flags, TASKS, pool=pool)
+    first = _cpu_testing.FlagCountJob(ahead.flags, TASKS, pool=pool)
+    second = _cpu_testing.FlagCountJob(behind.flags, TASKS, pool=pool)
     first.watch(second)
     handles = [first.submit(), second.submit()]
     time.sleep(0.02)
@@ -114,7 +114,7 @@ def test_prepare_runs_before_build_and_during_the_job_ahead(pool) -> None:
 
 def test_failed_prepare_skips_the_job_but_sets_done(pool) -> None:
     words = Words()
-    job = _cpu.FlagCountJob(words.flags, TASKS, pool=pool)
+    job = _cpu_testing.FlagCountJob(words.flags, TASKS, pool=pool)
     job.fail_prepare = True
     handle = job.submit()
     with pytest.raises(RuntimeError, match=r"failed in its prepare step: injected prepare "
@@ -155,7 +155,7 @@ def test_cpu_moe_flag_job_matches_forward_and_reports_routing_errors() -> None:
     weights = torch.rand(q, k)
     want = moe.forward(x, ids, weights)
     words = Words()
-    moe.host_functions(x, ids, weights, out)
+    moe.bind(x, ids, weights, out)
     handle = moe.submit_flagged(words.flags)
     words.gpu_ready()
     moe.wait_flagged(handle)
@@ -183,7 +183,7 @@ def test_flag_job_reads_inputs_written_after_submit(fmt: str, group: int | None,
     x, out = torch.zeros(q, h), torch.full((q, h), float("nan"))
     ids, weights = torch.zeros(q, k, dtype=torch.int64), torch.zeros(q, k)
     words = Words()
-    moe.host_functions(x, ids, weights, out)
+    moe.bind(x, ids, weights, out)
     for step in range(3):
         handle = moe.submit_flagged(words.flags)
         time.sleep(0.01)  # the job is made and waits for its ready word
@@ -212,7 +212,7 @@ def test_deferred_flag_job_chains_the_late_slots(fmt: str, group: int | None, q:
     ids, weights = torch.zeros(q, k, dtype=torch.int64), torch.zeros(q, k)
     words = Words()
     mem, flags, late_flags = words.mem, words.flags, words.late_flags
-    moe.host_functions(x, ids, weights, out)
+    moe.bind(x, ids, weights, out)
     for _ in range(2):
         handle = moe.submit_flagged(flags, d, late_flags, late)
         x.copy_(torch.randn(q, h))
@@ -242,7 +242,7 @@ def test_deferred_flag_job_errors_set_both_done_words() -> None:
     ids, weights = torch.tensor([[0, 1, 7]]), torch.rand(1, 3)  # 7: a broken late slot
     words = Words()
     mem, flags, late_flags = words.mem, words.flags, words.late_flags
-    moe.host_functions(x, ids, weights, out)
+    moe.bind(x, ids, weights, out)
     handle = moe.submit_flagged(flags, 1, late_flags, late)
     mem[0, 0] = 1
     with pytest.raises(RuntimeError, match=r"expert_ids\[0, 2\] = 7 is out of range \[0, 4\)"):
@@ -258,14 +258,14 @@ def test_deferred_flag_job_errors_set_both_done_words() -> None:
 
 def test_flag_job_needs_bound_buffers() -> None:
     moe = CpuMoE(2, 32, 32, threads=2)
-    with pytest.raises(RuntimeError, match=r"submit_flagged: call host_functions\(x, ids, "):
+    with pytest.raises(RuntimeError, match=r"submit_flagged: call bind\(x, ids, "):
         moe.submit_flagged(Words().flags)
 
 
 def test_loaded_library_lookup_binds_only_what_is_loaded() -> None:
     """The lookup behind the CUDA bindings: an already-loaded library exporting the symbol is
     found (libc with malloc); a missing symbol or library gives ''."""
-    path = _cpu.loaded_library_path("libc.so", "malloc")
+    path = _cpu_testing.loaded_library_path("libc.so", "malloc")
     assert "libc.so" in path
-    assert _cpu.loaded_library_path("libc.so", "hetmoe_no_such_symbol") == ""
-    assert _cpu.loaded_library_path("libhetmoe-not-loaded", "malloc") == ""
+    assert _cpu_testing.loaded_library_path("libc.so", "hetmoe_no_such_symbol") == ""
+    assert _cpu_testing.loaded_library_path("libhetmoe-not-loaded", "malloc") == ""

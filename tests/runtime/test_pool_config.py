@@ -87,8 +87,8 @@ def test_arguments_override_environment(monkeypatch) -> None:
 @needs_two
 def test_global_pool_reads_environment_in_a_fresh_process() -> None:
     code = (
-        "import json; from hetmoe import _cpu; info = _cpu.pool_info(); "
-        "report = _cpu.pool_run_test(2, 3); "
+        "import json; from hetmoe import _cpu, _cpu_testing; info = _cpu.pool_info(); "
+        "report = _cpu_testing.pool_run_test(2, 3); "
         "print(json.dumps({'info': info, 'counts': report['counts'], 'shape': report['shape']}))"
     )
     env = {**os.environ, "HETMOE_NUMA_GROUPS": "2", "HETMOE_THREADS": "2"}

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hetmoe import _cpu
+from hetmoe import _cpu, _cpu_testing
 
 ALLOWED = len(os.sched_getaffinity(0))
 
@@ -31,7 +31,7 @@ def pool(request: pytest.FixtureRequest) -> _cpu.ThreadPool | None:
 @pytest.mark.parametrize("num_phases,tasks", [(1, 1), (3, 7), (4, 0), (2, 33), (0, 5)])
 def test_every_task_runs_once_per_group_per_phase(pool, num_phases: int, tasks: int) -> None:
     groups = _cpu.pool_info(pool)["groups"]
-    report = _cpu.pool_run_test(num_phases, tasks, pool=pool)
+    report = _cpu_testing.pool_run_test(num_phases, tasks, pool=pool)
     assert report["shape"] == (num_phases, groups, tasks)
     assert report["counts"] == [1] * (num_phases * groups * tasks)
     assert report["phases_ordered"] is True
@@ -70,7 +70,7 @@ def test_queued_submits_from_several_threads(pool) -> None:
 
     def caller() -> None:
         try:
-            results.append(_cpu.pool_stress(100, 2, 3, pool=pool))
+            results.append(_cpu_testing.pool_stress(100, 2, 3, pool=pool))
         except BaseException as exc:  # surfaced below, a thread cannot raise into the test
             errors.append(exc)
 
@@ -86,21 +86,21 @@ def test_queued_submits_from_several_threads(pool) -> None:
 def test_task_exception_propagates_with_context_and_pool_survives(pool) -> None:
     pattern = r"CPU pool job \d+ failed in phase 1, group 0, task 2: injected test failure"
     with pytest.raises(RuntimeError, match=pattern):
-        _cpu.pool_run_test(3, 4, fail_phase=1, fail_task=2, pool=pool)
-    report = _cpu.pool_run_test(2, 4, pool=pool)
+        _cpu_testing.pool_run_test(3, 4, fail_phase=1, fail_task=2, pool=pool)
+    report = _cpu_testing.pool_run_test(2, 4, pool=pool)
     assert report["counts"] == [1] * (2 * report["shape"][1] * 4)
 
 
 def test_bad_arguments_are_reported() -> None:
     with pytest.raises(ValueError, match="phases and tasks must be >= 0, got -1 and 2"):
-        _cpu.pool_run_test(-1, 2)
+        _cpu_testing.pool_run_test(-1, 2)
     expected = "need iters >= 1, tasks_per_group >= 0 and warmup >= 0, got 0, 0 and 200"
     with pytest.raises(ValueError, match=expected):
-        _cpu.pool_overhead_us(0)
+        _cpu_testing.pool_overhead_us(0)
 
 
 def test_overhead_report_is_consistent(pool) -> None:
-    report = _cpu.pool_overhead_us(50, 2, pool=pool)
+    report = _cpu_testing.pool_overhead_us(50, 2, pool=pool)
     assert report["iters"] == 50
     assert 0 < report["min_us"] <= report["median_us"] <= report["p90_us"]
 
@@ -111,7 +111,7 @@ def test_forked_child_gets_its_own_global_pool() -> None:
     pid = os.fork()
     if pid == 0:  # child: the parent's workers are gone; a fresh pool must serve this job
         try:
-            report = _cpu.pool_run_test(2, 3)
+            report = _cpu_testing.pool_run_test(2, 3)
             ok = report["counts"] == [1] * (2 * report["shape"][1] * 3)
             os._exit(0 if ok and _cpu.pool_info()["threads"] == parent_info["threads"] else 1)
         finally:
@@ -129,12 +129,12 @@ def test_forked_child_gets_its_own_global_pool() -> None:
 
 
 def test_idle_workers_park_and_wake_for_the_next_job(two_groups: _cpu.ThreadPool) -> None:
-    _cpu.pool_run_test(1, 1, pool=two_groups)
+    _cpu_testing.pool_run_test(1, 1, pool=two_groups)
     idle_s = _cpu.pool_info(two_groups)["idle_before_park_us"] * 1e-6
     deadline = time.monotonic() + 20 * idle_s
     while _cpu.pool_info(two_groups)["parked_threads"] < 2 and time.monotonic() < deadline:
         time.sleep(idle_s)
     assert _cpu.pool_info(two_groups)["parked_threads"] == 2
-    report = _cpu.pool_run_test(2, 3, pool=two_groups)  # the futex wake path
+    report = _cpu_testing.pool_run_test(2, 3, pool=two_groups)  # the futex wake path
     assert report["counts"] == [1] * 12
     assert _cpu.pool_info(two_groups)["parked_threads"] == 0

@@ -1,7 +1,4 @@
-#include "runtime/pool_probe.h"
-
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "testing/pool_probe.h"
 
 #include <algorithm>
 #include <atomic>
@@ -10,8 +7,6 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
-
-#include "runtime/spin.h"
 
 namespace hetmoe {
 namespace {
@@ -129,56 +124,6 @@ OverheadReport measure_overhead(ThreadPool& pool, int iters, int tasks_per_group
   report.p90_us = samples[std::min(samples.size() - 1, samples.size() * 9 / 10)];
   report.min_us = samples.front();
   return report;
-}
-
-NumaAllocReport check_numa_alloc(size_t bytes, int node, size_t alignment) {
-  NumaAllocReport report;
-  auto* ptr = static_cast<unsigned char*>(numa_alloc(bytes, node, alignment));
-  report.aligned = reinterpret_cast<uintptr_t>(ptr) % alignment == 0;
-  report.huge_page_aligned = reinterpret_cast<uintptr_t>(ptr) % kHugePageBytes == 0;
-  if (ptr == nullptr) return report;
-  std::fill(ptr, ptr + bytes, static_cast<unsigned char>(0x5a));
-  void* pages[3] = {ptr, ptr + bytes / 2, ptr + bytes - 1};
-  int status[3] = {0, 0, 0};
-  // move_pages with no target nodes only reports where each page lives.
-  syscall(SYS_move_pages, 0, 3UL, pages, nullptr, status, 0);
-  report.page_nodes.assign(status, status + 3);
-  numa_free(ptr, bytes);
-  return report;
-}
-
-FlagCountJob::FlagCountJob(ThreadPool& pool, StreamFlags& flags, int tasks)
-    : pool(pool), flags(flags), tasks_per_group(tasks) {
-  if (tasks < 0) {
-    throw std::invalid_argument("FlagCountJob: tasks_per_group must be >= 0, got " +
-                                std::to_string(tasks));
-  }
-}
-
-JobHandle FlagCountJob::submit() {
-  return pool.submit_built(
-      [this] {
-        if (prepared.load() <= builds.fetch_add(1)) unprepared_builds.fetch_add(1);
-        if (!flags.wait_ready()) return Job{};
-        return Job{{static_cast<size_t>(tasks_per_group), [this](size_t task, int group, int) {
-          if (task == 0 && group == 0 && fail.load()) {
-            throw std::runtime_error("injected flag-job failure");
-          }
-          if (task == 0 && group == 0 && watch != nullptr) {
-            const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-            while (watch->prepared.load() == 0 && std::chrono::steady_clock::now() < until) {
-              cpu_pause();
-            }
-            saw_watch_prepared.store(watch->prepared.load() > 0);
-          }
-          count.fetch_add(1);
-        }}};
-      },
-      [this] { flags.signal_done(); },
-      [this] {
-        if (fail_prepare.load()) throw std::runtime_error("injected prepare failure");
-        prepared.fetch_add(1);
-      });
 }
 
 }  // namespace hetmoe
