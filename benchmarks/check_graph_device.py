@@ -38,6 +38,7 @@ import torch
 from hetmoe import LLM
 from hetmoe.bench.measure import count_launches
 from hetmoe.config import EngineConfig
+from hetmoe.engine.layer_plan import fits_fused
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.presets.tiny import FAMILIES, build_tiny_model
 
@@ -134,7 +135,8 @@ def check_family(family: str, root: Path) -> dict[str, object]:
     top_k = int(cpu.model.config.num_experts_per_tok)
     row: dict[str, object] = {"family": family, "top_k": top_k}
     # LLM on a GPU with CPU experts runs overlap + graphs + fused decode end to end.
-    row["llm_uses_graphs_and_fused"] = cpu.runner.use_graphs and cpu.runner.fused is not None
+    row["llm_uses_graphs"] = cpu.runner.use_graphs
+    row["llm_fused_as_planned"] = (cpu.runner.fused is not None) == fits_fused(cpu.model)
     row["llm_generate_tokens"] = cpu.generate(PROMPTS[0], max_new_tokens=STEPS + 1).token_ids
     # The plain path: HF layers, each MoE layer's own step (backend submit/sync), no graphs.
     plain = ModelRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len,

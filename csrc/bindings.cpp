@@ -146,7 +146,15 @@ void bind_moe_weights(nb::class_<MoELayer>& layer) {
       .def_prop_ro("isa", [](MoELayer& l) {
         return std::string(hetmoe::isa_name(l.config().max_isa));
       })
-      .def_prop_ro("packed_bytes", &MoELayer::packed_bytes);
+      .def_prop_ro("packed_bytes", &MoELayer::packed_bytes)
+      .def("group_memory", [](MoELayer& l, int g) {
+        if (g < 0 || g >= l.num_groups()) throw nb::index_error("group_memory: no such group");
+        return nb::make_tuple(reinterpret_cast<uintptr_t>(l.group_memory(g)), l.group_bytes(g),
+                              l.group_expert_bytes(g), l.group_down_offset(g), l.slice_begin(g),
+                              l.slice_begin(g + 1));
+      }, nb::arg("group"),
+         "(address, bytes, bytes per expert, down matrix offset in an expert, slice begin, "
+         "slice end) of group g's packed experts.");
 }
 
 void bind_moe_calls(nb::class_<MoELayer>& layer) {

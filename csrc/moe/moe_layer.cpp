@@ -89,6 +89,12 @@ size_t MoELayer::packed_bytes() const {
   return total;
 }
 
+size_t MoELayer::group_down_offset(int g) const {
+  PackedMatrix gu, dn;
+  shape_expert(g, gu, dn);
+  return round_up(packed_memory_bytes(gu), 4096);
+}
+
 void MoELayer::set_gpu_mask(const uint8_t* mask) {
   if (!mask) {
     gpu_mask_.clear();
@@ -111,7 +117,7 @@ void MoELayer::load_expert(int e, const void* gate, const void* up, const void* 
     shape_expert(g, gu, dn);
     uint8_t* memory = memory_[g] + size_t(e) * expert_bytes_[g];
     place_packed(gu, memory);
-    place_packed(dn, memory + round_up(packed_memory_bytes(gu), 4096));
+    place_packed(dn, memory + group_down_offset(g));
   }
   auto bytes = [elem](const void* p, long elements) {
     return static_cast<const uint8_t*>(p) + elements * long(elem);

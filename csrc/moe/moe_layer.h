@@ -97,6 +97,12 @@ class MoELayer {
   int num_groups() const { return int(slice_begin_.size()) - 1; }
   int slice_begin(int g) const { return slice_begin_[g]; }
   size_t packed_bytes() const;  // weight + scale bytes of the loaded experts
+  // Group g's mapping: expert e's packed gate/up matrix at e * group_expert_bytes(g), its down
+  // matrix group_down_offset(g) bytes after that (GPU prefill copies and unpacks it as is).
+  const uint8_t* group_memory(int g) const { return memory_[g]; }
+  size_t group_bytes(int g) const { return memory_bytes_[g]; }
+  size_t group_expert_bytes(int g) const { return expert_bytes_[g]; }
+  size_t group_down_offset(int g) const;
 
  private:
   // The job of `call` (moe_job.cpp). With `planned` (decode calls, q <= 4, whose ids and x are

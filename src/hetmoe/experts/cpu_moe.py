@@ -17,6 +17,7 @@ import torch
 
 from hetmoe import env
 from hetmoe.experts.expert_weights import WEIGHT_FORMATS, ExpertWeights, check_group_size
+from hetmoe.experts.packed_layout import PackedGroup
 
 AMX_MIN_TOKENS = {"bf16": 2, "int8": 32, "int4": 32}
 """Tokens per expert from which AMX tiles beat AVX-512, per format (measured by
@@ -133,6 +134,11 @@ class CpuMoE:
     def packed_bytes(self) -> int:
         """Bytes of packed weights and scales of the loaded experts."""
         return int(self._layer.packed_bytes)
+
+    def packed_groups(self) -> list[PackedGroup]:
+        """Where each NUMA group's packed experts lie in host memory (experts/packed_layout.py
+        reads them; GPU prefill copies them as they are)."""
+        return [PackedGroup(*self._layer.group_memory(g)) for g in range(self.num_groups)]
 
     def load(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
              gate_scale: torch.Tensor | None = None, up_scale: torch.Tensor | None = None,

@@ -1,0 +1,83 @@
+"""The CPU backend's packed expert layout, read with torch ops on any device.
+
+GPU prefill copies a layer's packed experts to the GPU as they lie in host memory (one copy of
+the weights, in their packed bytes: INT8 moves half of BF16) and unpacks them there with the
+functions below; the layout is csrc/layout/packed_matrix.h's:
+
+- A matrix [N, K] is n-blocks of 16 rows; each n-block is its K chunks in order ("k-blocks"):
+  bf16 16 x 32 (element (n, k) at [k/2][n][k%2]), int8 16 x 64 ([k/4][n][k%4]); K is padded to a
+  multiple of 64 with zeros. Int8 then holds two fp32 arrays, each 64-byte aligned after what
+  precedes it: scale [N/16][K/group][16] (w = scale * q) and scale * sum(q) (unused here).
+- An expert in NUMA group g is its gate/up matrix (N = 2 * slice, n-block 2j = gate rows
+  16j.., 2j+1 = the same up rows; K = hidden padded to 64), then, `down_offset` bytes on, its
+  down matrix (N = hidden, K = the group's slice of the intermediate dimension).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_BLOCK_N = 16
+_K_BLOCK = {"bf16": 32, "int8": 64}
+_VNNI = {"bf16": 2, "int8": 4}  # k values per 4-byte lane of a block row
+
+
+@dataclass(frozen=True)
+class PackedGroup:
+    """One NUMA group's mapping of a layer's packed experts (csrc/moe/moe_layer.h)."""
+
+    address: int
+    """First byte of the mapping (expert e's gate/up matrix at e * expert_bytes)."""
+    bytes: int
+    """Bytes of the mapping (num_experts * expert_bytes)."""
+    expert_bytes: int
+    """Bytes of one expert: its gate/up matrix, then its down matrix at down_offset."""
+    down_offset: int
+    """Offset of an expert's down matrix from its gate/up matrix."""
+    begin: int
+    """First intermediate row of the group's slice (padded units)."""
+    end: int
+    """End of the slice."""
+
+
+def _round_up(v: int, m: int) -> int:
+    return (v + m - 1) // m * m
+
+
+def unpack_matrix(raw: torch.Tensor, fmt: str, n: int, k: int, group: int | None) -> torch.Tensor:
+    """raw [E, >= matrix bytes] uint8 (each row one expert's matrix) -> [E, n, k] bf16."""
+    if fmt not in _K_BLOCK:
+        raise ValueError(f"unpack_matrix: format {fmt!r} is not unpacked here (bf16, int8)")
+    e, kb, lanes = raw.shape[0], _K_BLOCK[fmt], _VNNI[fmt]
+    nb = n // _BLOCK_N
+    block_bytes = nb * (k // kb) * 1024
+    blocks = raw[:, :block_bytes]
+    if fmt == "bf16":
+        values = blocks.view(torch.bfloat16)
+    else:
+        values = blocks.view(torch.int8)
+    # [E, nb, k/kb, kb/lanes, 16, lanes] -> [E, nb, 16, k/kb, kb/lanes, lanes] = [E, n, k]
+    tiles = values.unflatten(1, (nb, k // kb, kb // lanes, _BLOCK_N, lanes))
+    w = tiles.permute(0, 1, 4, 2, 3, 5).reshape(e, n, k)
+    if fmt == "bf16":
+        return w
+    assert group is not None
+    start = _round_up(block_bytes, 64)
+    scale = raw[:, start:start + nb * (k // group) * _BLOCK_N * 4].view(torch.float32)
+    scale = scale.unflatten(1, (nb, k // group, _BLOCK_N)).permute(0, 1, 3, 2)  # [E, nb, 16, G]
+    scale = scale.reshape(e, n, k // group, 1)
+    return (w.view(e, n, k // group, group).float() * scale).reshape(e, n, k).to(torch.bfloat16)
+
+
+def unpack_group(raw: torch.Tensor, part: PackedGroup, fmt: str, hidden: int,
+                 group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """raw [E, expert_bytes] uint8 of one group -> (gate_up [E, 2 S, Hp] with the S gate rows
+    first, down [E, H, S]) in bf16; S = the group's slice, Hp = hidden padded to 64."""
+    e, s = raw.shape[0], part.end - part.begin
+    hp = _round_up(hidden, 64)
+    gu = unpack_matrix(raw, fmt, 2 * s, hp, group)  # n-blocks: gate j, up j, gate j+1, ...
+    gu = gu.view(e, s // _BLOCK_N, 2, _BLOCK_N, hp).transpose(1, 2).reshape(e, 2 * s, hp)
+    down = unpack_matrix(raw[:, part.down_offset:], fmt, hidden, s, group)
+    return gu, down
