@@ -42,6 +42,10 @@ class EngineConfig:
     smallest_window: int = 256
     """Smallest attention window bucket of a decode step with CPU experts (engine/graphs.py);
     at least 2; >= the context window: always the whole window."""
+    gpu_prefill_min_tokens: int | None = 512
+    """GPU with CPU experts: prompts of at least this many tokens compute their routed experts
+    on the GPU, each layer's packed experts streamed from host memory (bf16 or int8 experts;
+    engine/layer_stream.py); shorter ones on the CPU. None: prefill always on the CPU."""
     graph_split_layer: int = 4
     """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond
     the last layer: one graph), so the GPU starts while the CPU still launches the rest."""
@@ -64,6 +68,9 @@ class EngineConfig:
         sizes = self.graph_batch_sizes
         if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
             raise ValueError(f"option graph_batch_sizes must be positive integers, got {sizes!r}")
+        if self.gpu_prefill_min_tokens is not None and self.gpu_prefill_min_tokens < 1:
+            raise ValueError(f"option gpu_prefill_min_tokens must be None or positive, got "
+                             f"{self.gpu_prefill_min_tokens}")
         if not isinstance(self.graph_split_layer, int) or self.graph_split_layer < 0:
             raise ValueError(f"option graph_split_layer must be an integer >= 0, got "
                              f"{self.graph_split_layer!r}")

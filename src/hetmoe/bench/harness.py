@@ -18,12 +18,14 @@ each timed graph decode also gets the pool's reads just before and after it (`re
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import os
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -197,14 +199,44 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
             f"no CPU work {decode['graph_d0_no_cpu_work_module_path']['tok_s']} tok/s")
     if cfg.trace:
         result["trace"] = _trace(runner, prompt, cfg.trace)
-    result["prefill_tok_s"] = {}
-    for n in cfg.prefill_lengths:
-        result["prefill_tok_s"][str(n)] = round(measure.prefill_speed(runner, n,
-                                                config.vocab_size), 1)
-        log(f"prefill {n}: {result['prefill_tok_s'][str(n)]} tok/s")
+    result.update(_prefill(runner, cfg, config.vocab_size, log))
     del runner, model
     gc.collect()
     return result
+
+
+def _prefill(runner: ModelRunner, cfg: BenchConfig, vocab: int,
+             log: Callable[[str], None]) -> dict[str, Any]:
+    """Prefill tok/s per length as the engine chooses (`prefill_tok_s`), and per strategy: the
+    routed experts on the CPU, or streamed to the GPU layer by layer, with the PCIe floor of
+    the latter (packed bytes per pass over the pinned host-to-device bandwidth)."""
+    overlap = runner.overlap
+    streams = overlap is not None and overlap.can_stream()
+    out: dict[str, Any] = {"prefill_tok_s": {}, "prefill_cpu_tok_s": {}}
+    if streams:
+        out.update(prefill_gpu_tok_s={}, prefill_gpu_floor_tok_s={},
+                   h2d_gb_s=round(measure.h2d_bandwidth(runner.device) / 1e9, 1))
+    auto = runner.config
+    for n in cfg.prefill_lengths:
+        key = str(n)
+        out["prefill_tok_s"][key] = round(measure.prefill_speed(runner, n, vocab), 1)
+        runner.config = dataclasses.replace(auto, gpu_prefill_min_tokens=None)
+        out["prefill_cpu_tok_s"][key] = round(measure.prefill_speed(runner, n, vocab), 1)
+        cpu = out["prefill_cpu_tok_s"][key]
+        line = f"prefill {n}: {out['prefill_tok_s'][key]} tok/s (cpu {cpu}"
+        if streams:
+            runner.config = dataclasses.replace(auto, gpu_prefill_min_tokens=1)
+            out["prefill_gpu_tok_s"][key] = round(measure.prefill_speed(runner, n, vocab), 1)
+            assert overlap is not None and overlap.streamer is not None
+            floor = n * out["h2d_gb_s"] * 1e9 / overlap.streamer.bytes_per_pass()
+            out["prefill_gpu_floor_tok_s"][key] = round(floor, 1)
+            line += f", gpu {out['prefill_gpu_tok_s'][key]}, PCIe floor {floor:.0f}"
+        runner.config = auto
+        log(line + ")")
+    if streams and overlap is not None and overlap.streamer is not None:
+        out["gpu_prefill_bytes_per_pass"] = overlap.streamer.bytes_per_pass()
+        out["gpu_prefill_grouped_gemm"] = overlap.streamer.grouped
+    return out
 
 
 def _windows(runner: ModelRunner) -> dict[str, Any]:

@@ -127,6 +127,20 @@ def prefill_speed(runner: ModelRunner, length: int, vocab: int, repeats: int = 2
     return length / best
 
 
+def h2d_bandwidth(device: torch.device, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second of a pinned host-to-device copy of `gib` GiB (best of `repeats`)."""
+    host = torch.empty(int(gib * 2**30), dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return host.numel() / best
+
+
 def count_launches(runner: ModelRunner, prompt: list[int], steps: int) -> dict[str, float]:
     """CUDA runtime launches, GPU kernels and host syncs per decoded token (torch.profiler over
     `steps` decode steps after two warm-up steps)."""

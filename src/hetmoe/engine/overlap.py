@@ -12,12 +12,14 @@ launched (recorded at capture, queued as each replay is launched) and waits them
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from hetmoe.engine.host_link import HostLink, check_stream_memops
+from hetmoe.engine.layer_stream import STREAM_FORMATS, LayerStreamer
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.ops.deferral import moe_layers
 from hetmoe.ops.moe_step import BackendLink, Link, MoEStep, backend_link
@@ -70,10 +72,35 @@ class MoEOverlap(MoEStep):
         self.recorded: list[tuple[HostLink, int]] | None = None  # flag jobs (link, deferred)
         # of a step being captured
         self.pending: list[tuple[HostLink, int]] = []  # flag jobs submitted for this step
+        self.streamer: LayerStreamer | None = None  # GPU prefill (made at its first pass)
+        self.streaming = False
         self.attach()
 
     def _link(self, i: int) -> Link:
-        return self.host[i] if self.decoding and self.host else self.direct[i]
+        if self.decoding and self.host:
+            return self.host[i]
+        if self.streamer is not None and self.streaming:
+            return self.streamer.links[i]
+        return self.direct[i]
+
+    def can_stream(self) -> bool:
+        """Whether prefill can stream these experts to the GPU (a GPU, bf16 or int8 experts)."""
+        return bool(self.host) and all(cpu_moe_of(m.experts).weight_format in STREAM_FORMATS
+                                       for m in self.layers)
+
+    @contextmanager
+    def streamed(self) -> Iterator[None]:
+        """A prefill pass whose routed experts run on the GPU, streamed layer by layer (the
+        streamer is made, and the experts' host memory registered, at the first such pass)."""
+        if self.streamer is None:
+            self.streamer = LayerStreamer([cpu_moe_of(m.experts) for m in self.layers],
+                                          self.device)
+        self.streaming = True
+        self.streamer.begin()
+        try:
+            yield
+        finally:
+            self.streaming = False
 
     def _queue(self, link: HostLink, deferred: int) -> None:
         """Submits `link`'s flag-gated CPU job (with `deferred` chained slots) now, or records it

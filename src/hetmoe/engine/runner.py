@@ -2,25 +2,22 @@
 
 The one runner for prefill and decode, single-threaded (one owner at a time):
 
-- `prefill(slot, token_ids, start=0) -> [V]`: runs a sequence's tokens into `slot` from position
-  `start` (0 = a new sequence) and returns the last position's logits; `prefill_logits` -> [T, V].
+- `prefill(slot, token_ids, start=0) -> [V]`: a sequence's tokens into `slot` from `start`; the
+  last position's logits (`prefill_logits` -> [T, V]); long prompts stream experts to the GPU.
 - `step(StepPlan) -> StepOutput`: one new token for each of B slots, each at its own position,
-  in ONE forward pass (one MoE call per layer for the batch). Greedy plans get tokens; with CUDA
-  graphs a plan with `ahead` also launches the next step of the same slots, its input the argmax
-  on the GPU, before this step's tokens are read, so the host's work between steps overlaps
-  the CPU experts. A step launched ahead that the next plan does not continue is waited for and
+  in ONE forward pass. Greedy plans get tokens; with CUDA graphs a plan with `ahead` also
+  launches the next step of the same slots (its input the argmax on the GPU) before this one's
+  tokens are read. A step launched ahead that the next plan does not continue is waited for and
   rolled back (`settle`), as is any before another call touches the cache.
 - `decode(slots, token_ids) -> [B, V]`: a step's logits; `greedy(slot, token, limit)`: a slot's
   greedy tokens, step by step (benchmarks).
 - `max_batch`, `max_seq_len`, `vocab_size`, `lengths[slot]`, `cache.allocate()`, `free(slot)`.
 
-It composes, when every MoE layer's routed experts are in the CPU backend: `MoEOverlap` (the MoE
-step over Python or stream-ordered links, engine/overlap.py), `FusedDecoder` (a decode step as
-one function per layer) and `GraphCache` (CUDA graphs per batch size and window). Such decode
-steps attend over a window bucket W of the cache (ops/kv_batch.py `window_bucket`), in graphs and
-eagerly alike; masked entries weigh exactly 0, so W changes summation order only.
-Logits are float32. The HF decoder layers run unchanged on the module path; the runner owns
-embedding, rotary positions, the final norm and `lm_head`, and passes a `KVBatch` down.
+With every MoE layer's experts in the CPU backend it composes `MoEOverlap` (the MoE step over
+Python, GPU-streamed or stream-ordered links), `FusedDecoder` and `GraphCache`; their decode
+steps attend over a window bucket of the cache (ops/kv_batch.py). Logits are float32. The HF
+decoder layers run unchanged on the module path; the runner owns embedding, rotary positions,
+the final norm and `lm_head`, and passes a `KVBatch` down.
 """
 
 from __future__ import annotations
@@ -315,20 +312,27 @@ class ModelRunner:
         ids = torch.tensor([list(token_ids)], device=self.device)  # [1, T]
         positions = torch.arange(start, start + n, device=self.device)[None]  # [1, T]
         kv = KVBatch(torch.tensor([slot], device=self.device), positions, start + n)
-        with self._phase(decoding=False):
+        with self._phase(decoding=False), self._prefill_experts(n):
             hidden = self._forward(ids, kv)[0]  # [T, H]
         self.lengths[slot] = start + n
         return self.model.lm_head(hidden if every_position else hidden[-1:]).float()
+
+    def _prefill_experts(self, tokens: int) -> contextlib.AbstractContextManager[None]:
+        """Where a prefill of `tokens` computes its routed experts: streamed to the GPU from
+        `EngineConfig.gpu_prefill_min_tokens` on, else on the CPU."""
+        least = self.config.gpu_prefill_min_tokens
+        overlap = self.overlap
+        if overlap is None or least is None or tokens < least or not overlap.can_stream():
+            return contextlib.nullcontext()
+        return overlap.streamed()
 
     def _forward(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
         """ids [B, S] -> final hidden states [B, S, H] (after the last norm), HF layers."""
         hidden = self.base.embed_tokens(ids)
         rotary = self.base.rotary_emb(hidden, kv.positions)
         for layer in self.base.layers:
-            hidden = layer(
-                hidden, attention_mask=None, position_ids=kv.positions,
-                position_embeddings=rotary, kv=kv,
-            )
+            hidden = layer(hidden, attention_mask=None, position_ids=kv.positions,
+                           position_embeddings=rotary, kv=kv)
         return self.base.norm(hidden)
 
     def _check_ids(self, token_ids: Sequence[int]) -> None:

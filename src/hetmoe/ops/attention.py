@@ -144,7 +144,7 @@ class StaticKVAttention(nn.Module):
                 raise RuntimeError(f"attention layer {self.layer_idx}: KV cache not allocated")
             keys = kv.write(self.k_cache, k.transpose(1, 2)).transpose(1, 2)  # [B, h_kv, L, D]
             values = kv.write(self.v_cache, v).transpose(1, 2)
-            out = attend(q, keys, values, self.scaling, kv.mask(self.sliding_window))
+            out = attend(q, keys, values, self.scaling, kv.mask_or_causal(self.sliding_window))
         return self.o_proj(out.reshape(b, s, -1)), None
 
 

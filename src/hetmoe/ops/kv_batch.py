@@ -33,6 +33,15 @@ class KVBatch:
         cache[self.slots[:, None], self.positions] = new.to(cache.dtype)
         return cache[:, : self.kv_len].index_select(0, self.slots)
 
+    def mask_or_causal(self, window: int | None = None) -> torch.Tensor | None:
+        """`mask(window)`, or None when plain causal attention is the same: one sequence whose
+        queries are all of its kv_len entries (a prefill from position 0) and no window shorter
+        than it. None lets attention run a flash kernel, with no [S, S] mask in memory."""
+        b, s = self.positions.shape
+        if b == 1 and s == self.kv_len and (window is None or window >= s):
+            return None
+        return self.mask(window)
+
     def mask(self, window: int | None = None) -> torch.Tensor:
         """[B, 1, S, L] bool, True where a query may attend: causal, optionally sliding-window."""
         keys = torch.arange(self.kv_len, device=self.positions.device)  # [L]

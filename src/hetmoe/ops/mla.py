@@ -92,10 +92,10 @@ class MLAttention(nn.Module):
                 raise RuntimeError(f"MLA layer {self.layer_idx}: KV cache not allocated")
             latent = kv.write(self.latent_cache, latent)  # [B, L, r]
             k_rot = kv.write(self.rope_cache, k_rot)  # [B, L, d]
-            mask = kv.mask()
+            mask = kv.mask_or_causal()
             weight = self._plain_kv_b_weight()
             if s == 1 and weight is not None:
-                out = self._absorbed(q_pass, q_rot, latent, k_rot, mask, weight)
+                out = self._absorbed(q_pass, q_rot, latent, k_rot, kv.mask(), weight)
                 return self.o_proj(out.reshape(b, s, -1)), None
         length = latent.shape[1]
         expanded = self.kv_b_proj(latent).view(b, length, self.num_heads, -1).transpose(1, 2)

@@ -1,0 +1,61 @@
+"""Layer-wise GPU prefill (engine/layer_stream.py) against the CPU experts: device tests
+(`pytest -m device` on a GPU host)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetmoe import LLM
+from hetmoe.engine.runner import ModelRunner
+from hetmoe.presets.tiny import FAMILIES
+
+pytestmark = [
+    pytest.mark.device,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)"),
+]
+CROSS_BACKEND_ATOL = 0.08
+"""fp32 baby models: the CPU kernels and the GPU both round expert inputs to bf16, each its own
+way; tokens must still agree."""
+
+
+def prefill_both(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill logits [T, V] with the experts on the GPU (streamed), then on the CPU."""
+    out = []
+    for least in (1, None):
+        runner.config = dataclasses.replace(runner.config, gpu_prefill_min_tokens=least)
+        slot = runner.cache.allocate()
+        try:
+            out.append(runner.prefill_logits(slot, ids).cpu())
+        finally:
+            runner.free(slot)
+    assert runner.overlap is not None and runner.overlap.streamer is not None
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_prefill_equals_cpu_prefill(family: str, tiny_dir: Callable[..., Path]) -> None:
+    llm = LLM(tiny_dir(family), device="cuda", dtype="float32", experts="cpu", progress=False,
+              max_seq_len=512)
+    ids = torch.randint(0, llm.runner.vocab_size, (300,),
+                        generator=torch.Generator().manual_seed(1)).tolist()
+    gpu, cpu = prefill_both(llm.runner, ids)
+    assert (gpu - cpu).abs().max() <= CROSS_BACKEND_ATOL
+    assert (gpu.argmax(-1) == cpu.argmax(-1)).float().mean() > 0.97
+
+
+def test_a_16k_token_prompt(tiny_dir: Callable[..., Path]) -> None:
+    """Layer-major over the whole prompt, flash attention (no [S, S] mask): 16K tokens fit."""
+    llm = LLM(tiny_dir("qwen3_moe"), device="cuda", dtype="float32", experts="cpu",
+              progress=False, max_seq_len=16384 + 64)
+    ids = torch.randint(0, llm.runner.vocab_size, (16384,),
+                        generator=torch.Generator().manual_seed(2)).tolist()
+    runner = llm.runner
+    gpu, cpu = (torch.stack([row[0], row[-1]]) for row in prefill_both(runner, ids))
+    assert (gpu - cpu).abs().max() <= CROSS_BACKEND_ATOL
+    out = llm.generate(ids, max_new_tokens=4)  # decode goes on from the long prompt
+    assert len(out.token_ids) == 4
