@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import weakref
 from collections.abc import Sequence
 
 import torch
 
 from hetmoe.experts.cpu_moe import CpuMoE
-from hetmoe.experts.packed_layout import PackedGroup, unpack_group
+from hetmoe.experts.packed_layout import unpack_group
 from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
 
 log = logging.getLogger(__name__)
@@ -28,14 +29,38 @@ STREAM_FORMATS = ("bf16", "int8")
 """Packed formats GPU prefill unpacks (int4 prefill stays on the CPU)."""
 
 
-def _register(part: PackedGroup) -> torch.Tensor:
-    """The mapping as a uint8 host tensor, registered as pinned memory for async copies."""
-    code = torch.cuda.cudart().cudaHostRegister(part.address, part.bytes, 0)
-    if int(code) != 0:
-        raise RuntimeError(f"GPU prefill: cudaHostRegister of {part.bytes} bytes of packed "
-                           f"experts failed with CUDA error {int(code)}")
-    buffer = (ctypes.c_uint8 * part.bytes).from_address(part.address)
-    return torch.frombuffer(buffer, dtype=torch.uint8)
+_PINNED: weakref.WeakKeyDictionary[CpuMoE, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+"""Each layer's registered mappings as host tensors; unregistered when its `CpuMoE` goes (before
+the memory is unmapped, so a later mapping at the same address can be registered again)."""
+
+
+def pinned_groups(moe: CpuMoE) -> list[torch.Tensor]:
+    """`moe`'s packed group mappings as uint8 host tensors, registered with the CUDA driver as
+    pinned memory (once per layer, shared by every streamer) so copies from them are DMA."""
+    known = _PINNED.get(moe)
+    if known is not None:
+        return known
+    cudart = torch.cuda.cudart()
+    tensors: list[torch.Tensor] = []
+    addresses: list[int] = []
+    for part in moe.packed_groups():
+        code = int(cudart.cudaHostRegister(part.address, part.bytes, 0))
+        if code != 0:
+            _unregister(addresses)
+            raise RuntimeError(f"GPU prefill: cudaHostRegister of {part.bytes} bytes of packed "
+                               f"experts failed with CUDA error {code}")
+        addresses.append(part.address)
+        buffer = (ctypes.c_uint8 * part.bytes).from_address(part.address)
+        tensors.append(torch.frombuffer(buffer, dtype=torch.uint8))
+    weakref.finalize(moe, _unregister, addresses)
+    _PINNED[moe] = tensors
+    return tensors
+
+
+def _unregister(addresses: list[int]) -> None:
+    cudart = torch.cuda.cudart()
+    for address in addresses:
+        cudart.cudaHostUnregister(address)
 
 
 class LayerStreamer:
@@ -48,7 +73,7 @@ class LayerStreamer:
                              f"{', '.join(sorted(formats - set(STREAM_FORMATS)))}")
         self.cpu, self.device = list(cpu), device
         self.parts = [m.packed_groups() for m in cpu]
-        self.host = [[_register(p) for p in parts] for parts in self.parts]
+        self.host = [pinned_groups(m) for m in cpu]
         self.layer_bytes = [sum(p.bytes for p in parts) for parts in self.parts]
         size = max(self.layer_bytes)
         self.staging = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]

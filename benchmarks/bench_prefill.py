@@ -1,0 +1,211 @@
+"""Prefill sweep of one real shape with random weights: where the routed experts run, and how fast.
+
+For each prompt length: the engine's choice (`auto`), the experts on the CPU (AMX / AVX-512), and
+streamed to the GPU layer by layer (engine/layer_stream.py), each with time-to-first-token and
+tok/s, beside two floors measured in the same run: PCIe (packed expert bytes per pass over the
+pinned host-to-device bandwidth) and the GPU's expert compute of the same pass with the weights
+already resident (unpack + grouped GEMM of one layer, times the layers; attention excluded).
+Also the distinct experts each layer's router picks per 512-token chunk (llama.cpp copies only
+those at its default ubatch). Prints a table, writes JSON and a PNG of tok/s against prompt
+length (with llama.cpp's rows when given).
+
+    python benchmarks/bench_prefill.py --shape qwen3-30b-a3b --weight-format int8 --out DIR \
+        [--lengths 128,512,...] [--cpu-max 4096] [--llamacpp FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetmoe.bench import measure
+from hetmoe.bench.random_model import build_random_model
+from hetmoe.bench.shapes import shape_config
+from hetmoe.config import EngineConfig
+from hetmoe.engine.layer_stream import LayerStreamer
+from hetmoe.engine.runner import ModelRunner
+from hetmoe.experts.packed_layout import unpack_group
+from hetmoe.experts.routed_mlp import routed_mlp
+from hetmoe.machine import machine_report
+from hetmoe.ops.deferral import moe_layers
+
+
+def timed_prefill(runner: ModelRunner, ids: list[int], repeats: int) -> float:
+    """Best wall time of `repeats` prefills of `ids` into a fresh slot (GPU synced)."""
+    best = float("inf")
+    for _ in range(repeats):
+        slot = runner.cache.allocate()
+        try:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            runner.prefill(slot, ids)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        finally:
+            runner.free(slot)
+    return best
+
+
+def distinct_experts(runner: ModelRunner, ids: list[int], chunk: int = 512) -> list[float]:
+    """Per MoE layer, the mean count of distinct experts its router picks per `chunk` tokens."""
+    picked: list[list[torch.Tensor]] = []
+    hooks = []
+    for moe in moe_layers(runner.model):
+        picked.append([])
+        sink = picked[-1]
+        hooks.append(moe.gate.register_forward_hook(
+            lambda mod, args, out, sink=sink: sink.append(out[0].detach().cpu())))
+    try:
+        slot = runner.cache.allocate()
+        runner.prefill(slot, ids)
+        runner.free(slot)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    out = []
+    for layer in picked:
+        chosen = torch.cat(layer)  # [T, K]
+        counts = [chosen[i:i + chunk].unique().numel() for i in range(0, len(chosen), chunk)]
+        out.append(sum(counts) / len(counts))
+    return out
+
+
+def resident_compute_s(streamer: LayerStreamer, tokens: int, top_k: int, hidden: int) -> float:
+    """GPU seconds of a pass's expert work with the weights already on the GPU: layer 0's
+    unpack + grouped GEMM on `tokens` random rows, median of 5, times the MoE layers."""
+    streamer.begin()
+    torch.cuda.current_stream().wait_event(streamer.copied[0])
+    moe, raw_all = streamer.cpu[0], streamer.staging[0]
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.randint(0, moe.num_experts, (tokens, top_k), device="cuda", generator=g)
+    weights = torch.rand(tokens, top_k, device="cuda", generator=g)
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        at, parts = 0, []
+        for part in streamer.parts[0]:
+            raw = raw_all[at:at + part.bytes].view(moe.num_experts, part.expert_bytes)
+            parts.append(unpack_group(raw, part, moe.weight_format, moe.hidden, moe.group_size))
+            at += part.bytes
+        routed_mlp(x, ids, weights, parts, streamer.grouped)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    torch.cuda.synchronize()
+    return sorted(times[1:])[2] * len(streamer.cpu)
+
+
+def plot(rows: list[dict[str, Any]], peer: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lengths = [r["tokens"] for r in rows]
+    for key, label in (("auto_tok_s", "hetmoe (auto)"), ("gpu_tok_s", "hetmoe GPU stream"),
+                       ("cpu_tok_s", "hetmoe CPU"), ("pcie_floor_tok_s", "PCIe floor")):
+        points = [(n, r[key]) for n, r in zip(lengths, rows, strict=True) if r.get(key)]
+        if points:
+            style = "--" if key == "pcie_floor_tok_s" else "-o"
+            ax.plot(*zip(*points, strict=True), style, label=label)
+    for series in peer:
+        ax.plot(series["tokens"], series["tok_s"], "-s", label=series["label"])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prefill tok/s")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-30b-a3b")
+    parser.add_argument("--weight-format", default="int8")
+    parser.add_argument("--num-layers", type=int)
+    parser.add_argument("--lengths", default="128,512,1024,2048,4096,8192,16384")
+    parser.add_argument("--cpu-max", type=int, default=4096, help="longest prompt timed on CPU")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--llamacpp", type=Path, help="JSON rows [{label, tokens, tok_s}]")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    device = torch.device("cuda")
+    config = shape_config(args.shape, args.num_layers)
+    start = time.perf_counter()
+    model = build_random_model(config, device, torch.bfloat16, "cpu", args.weight_format)
+    build_s = time.perf_counter() - start
+    window = max(lengths) + 64
+    runner = ModelRunner(model, device, torch.bfloat16, 1, window, EngineConfig())
+    overlap = runner.overlap
+    assert overlap is not None and overlap.can_stream(), "GPU prefill needs bf16/int8 experts"
+    h2d = measure.h2d_bandwidth(device)
+    gen = torch.Generator().manual_seed(0)
+    auto = runner.config
+    rows = []
+    for n in lengths:
+        ids = torch.randint(0, config.vocab_size, (n,), generator=gen).tolist()
+        row: dict[str, Any] = {"tokens": n}
+        for name, least in (("auto", auto.gpu_prefill_min_tokens), ("gpu", 1), ("cpu", None)):
+            if name == "cpu" and n > args.cpu_max:
+                continue
+            runner.config = dataclasses.replace(auto, gpu_prefill_min_tokens=least)
+            seconds = timed_prefill(runner, ids, args.repeats)
+            row[f"{name}_ttft_s"], row[f"{name}_tok_s"] = round(seconds, 4), round(n / seconds, 1)
+        runner.config = auto
+        assert overlap.streamer is not None
+        pass_bytes = overlap.streamer.bytes_per_pass()
+        row["pcie_floor_tok_s"] = round(n * h2d / pass_bytes, 1)
+        top_k = int(config.num_experts_per_tok)
+        compute = resident_compute_s(overlap.streamer, n, top_k, config.hidden_size)
+        row["resident_compute_s"] = round(compute, 4)
+        row["floor_s"] = round(max(pass_bytes / h2d, compute), 4)
+        row["gpu_of_floor"] = round(row["floor_s"] / row["gpu_ttft_s"], 3)
+        row["of_pcie_floor"] = round(row["gpu_tok_s"] / row["pcie_floor_tok_s"], 3)
+        if "cpu_tok_s" in row:
+            row["gpu_over_cpu"] = round(row["gpu_tok_s"] / row["cpu_tok_s"], 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    chunk_ids = torch.randint(0, config.vocab_size, (4096,), generator=gen).tolist()
+    distinct = distinct_experts(runner, chunk_ids)
+    result = {
+        "shape": args.shape, "weight_format": args.weight_format,
+        "layers": config.num_hidden_layers, "experts": int(config.num_experts),
+        "build_s": round(build_s, 1), "h2d_gb_s": round(h2d / 1e9, 1),
+        "packed_bytes_per_pass": overlap.streamer.bytes_per_pass(),
+        "grouped_gemm": overlap.streamer.grouped,
+        "distinct_experts_per_512": {"mean": round(sum(distinct) / len(distinct), 1),
+                                     "min": round(min(distinct), 1),
+                                     "max": round(max(distinct), 1)},
+        "rows": rows, "machine": machine_report(),
+    }
+    peer = json.loads(args.llamacpp.read_text()) if args.llamacpp else []
+    result["llamacpp"] = peer
+    (args.out / f"prefill_{args.shape}_{args.weight_format}.json").write_text(
+        json.dumps(result, indent=1))
+    plot(rows, peer, args.out / f"prefill_{args.shape}_{args.weight_format}.png",
+         f"{args.shape} {args.weight_format} prefill")
+    print(f"| tokens | auto tok/s | GPU stream | CPU | PCIe floor tok/s | resident compute s "
+          f"| floor / GPU time | "
+          f"(H2D {result['h2d_gb_s']} GB/s, {result['packed_bytes_per_pass'] / 1e9:.1f} GB/pass)")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['tokens']} | {r['auto_tok_s']} | {r['gpu_tok_s']} | {r.get('cpu_tok_s', '')}"
+              f" | {r['pcie_floor_tok_s']} | {r['resident_compute_s']} | {r['gpu_of_floor']} |")
+    print("distinct experts per layer per 512 tokens:", result["distinct_experts_per_512"])
+
+
+if __name__ == "__main__":
+    main()
