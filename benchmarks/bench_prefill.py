@@ -76,6 +76,7 @@ def distinct_experts(runner: ModelRunner, ids: list[int], chunk: int = 512) -> l
     return out
 
 
+@torch.inference_mode()
 def resident_compute_s(streamer: LayerStreamer, tokens: int, top_k: int, hidden: int) -> float:
     """GPU seconds of a pass's expert work with the weights already on the GPU: layer 0's
     unpack + grouped GEMM on `tokens` random rows, median of 5, times the MoE layers."""

@@ -42,10 +42,12 @@ class EngineConfig:
     smallest_window: int = 256
     """Smallest attention window bucket of a decode step with CPU experts (engine/graphs.py);
     at least 2; >= the context window: always the whole window."""
-    gpu_prefill_min_tokens: int | None = 512
+    gpu_prefill_min_tokens: int | None = 640
     """GPU with CPU experts: prompts of at least this many tokens compute their routed experts
     on the GPU, each layer's packed experts streamed from host memory (bf16 or int8 experts;
-    engine/layer_stream.py); shorter ones on the CPU. None: prefill always on the CPU."""
+    engine/layer_stream.py); shorter ones on the CPU. The default is the crossover measured on
+    an H100 host (docs/benchmarks/prefill.md: CPU faster at 512, GPU 1.7x at 1024). None:
+    prefill always on the CPU."""
     graph_split_layer: int = 4
     """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond
     the last layer: one graph), so the GPU starts while the CPU still launches the rest."""

@@ -76,7 +76,9 @@ class LayerStreamer:
         self.host = [pinned_groups(m) for m in cpu]
         self.layer_bytes = [sum(p.bytes for p in parts) for parts in self.parts]
         size = max(self.layer_bytes)
-        self.staging = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        with torch.inference_mode(False):  # written in place by every pass, in or out of it
+            self.staging = [torch.empty(size, dtype=torch.uint8, device=device)
+                            for _ in range(2)]
         self.copy_stream = torch.cuda.Stream(device)
         self.copied = [torch.cuda.Event() for _ in cpu]  # layer i's experts are on the GPU
         self.freed = [torch.cuda.Event() for _ in range(2)]  # a buffer's layer is computed

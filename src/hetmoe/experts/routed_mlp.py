@@ -32,13 +32,16 @@ def routed_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     counts = torch.bincount(flat, minlength=e)  # [E]
     xs = F.pad(x[token].to(torch.bfloat16), (0, hp - x.shape[1]))  # [T K, Hp]
     y = torch.zeros(t * k, x.shape[1], device=x.device, dtype=torch.float32)
+    # As the CPU kernels: bf16 inputs, fp32 accumulation and SiLU, one rounding of the
+    # intermediate to bf16 before the down projection.
     if grouped:
         ends = counts.cumsum(0).to(torch.int32)  # [E]
         for gate_up, down in parts:
             s = down.shape[2]
-            h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends)  # [T K, 2S]
-            a = F.silu(h[:, :s]) * h[:, s:]
-            y += torch._grouped_mm(a, down.transpose(1, 2), offs=ends).float()
+            h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends,
+                                  out_dtype=torch.float32)  # [T K, 2S]
+            a = (F.silu(h[:, :s]) * h[:, s:]).to(torch.bfloat16)
+            y += torch._grouped_mm(a, down.transpose(1, 2), offs=ends, out_dtype=torch.float32)
     else:
         bounds = [0, *counts.cumsum(0).tolist()]
         for gate_up, down in parts:
@@ -47,9 +50,9 @@ def routed_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 rows = slice(bounds[expert], bounds[expert + 1])
                 if rows.start == rows.stop:
                     continue
-                h = xs[rows] @ gate_up[expert].T  # [m, 2S]
-                a = F.silu(h[:, :s]) * h[:, s:]
-                y[rows] += (a @ down[expert].T).float()
+                h = xs[rows].float() @ gate_up[expert].float().T  # [m, 2S]
+                a = (F.silu(h[:, :s]) * h[:, s:]).to(torch.bfloat16)
+                y[rows] += a.float() @ down[expert].float().T
     scaled = y * weights.reshape(-1)[order, None].float()
     out = torch.zeros(t, x.shape[1], device=x.device, dtype=torch.float32)
     return out.index_add_(0, token, scaled).to(x.dtype)
