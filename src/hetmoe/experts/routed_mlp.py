@@ -38,10 +38,10 @@ def routed_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         ends = counts.cumsum(0).to(torch.int32)  # [E]
         for gate_up, down in parts:
             s = down.shape[2]
-            h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends,
-                                  out_dtype=torch.float32)  # [T K, 2S]
+            # The grouped GEMM accumulates in fp32 and writes bf16 (its only output dtype).
+            h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends).float()  # [T K, 2S]
             a = (F.silu(h[:, :s]) * h[:, s:]).to(torch.bfloat16)
-            y += torch._grouped_mm(a, down.transpose(1, 2), offs=ends, out_dtype=torch.float32)
+            y += torch._grouped_mm(a, down.transpose(1, 2), offs=ends).float()
     else:
         bounds = [0, *counts.cumsum(0).tolist()]
         for gate_up, down in parts:
