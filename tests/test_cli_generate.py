@@ -100,3 +100,10 @@ def test_deferral_without_a_gpu_is_refused(cache: Path) -> None:
                                  "--deferred", "2"])
     assert result.exit_code == 1
     assert "error: option deferred=2 needs GPU decode" in result.output
+
+
+def test_gpu_prefill_threshold_is_checked(cache: Path) -> None:
+    result = runner.invoke(app, ["generate", "tiny-qwen3-moe", "Hi", "--gpu-prefill-min-tokens",
+                                 "-3"])
+    assert result.exit_code == 1
+    assert "option gpu_prefill_min_tokens must be None or positive, got -3" in result.output

@@ -29,6 +29,9 @@ ExpertsOpt = Annotated[str | None, typer.Option(help="Routed-expert backend: tor
 DeferredOpt = Annotated[int, typer.Option(
     help="GPU decode with CPU experts: experts per token deferred to the next layer (0 = exact)")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Print the injection report")]
+GpuPrefillOpt = Annotated[int, typer.Option(
+    help="GPU with CPU experts: prompts of this many tokens or more stream the experts to the "
+         "GPU for prefill (0 = always prefill on the CPU)")]
 MaxNewOpt = Annotated[int, typer.Option(help="Tokens to generate at most")]
 TemperatureOpt = Annotated[float, typer.Option(help="0 = greedy")]
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off)")]
@@ -74,6 +77,7 @@ def generate(
     max_seq_len: MaxSeqLenOpt = None,
     experts: ExpertsOpt = None,
     deferred: DeferredOpt = _DEFAULTS.deferred,
+    gpu_prefill_min_tokens: GpuPrefillOpt = _DEFAULTS.gpu_prefill_min_tokens or 0,
     verbose: VerboseOpt = False,
     raw: Annotated[bool, typer.Option(
         "--raw", help="Send PROMPT as plain text, not as a user message in the chat template")
@@ -85,7 +89,8 @@ def generate(
     one (what instruct models expect); with --raw, or without a template, it is continued as text.
     """
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
-                   deferred=deferred, verbose=verbose)
+                   deferred=deferred, verbose=verbose,
+                   gpu_prefill_min_tokens=gpu_prefill_min_tokens or None)
     sampling: dict[str, Any] = dict(max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_p=top_p, top_k=top_k, seed=seed, stop=stop)
     try:
@@ -115,6 +120,7 @@ def chat(
     max_seq_len: MaxSeqLenOpt = None,
     experts: ExpertsOpt = None,
     deferred: DeferredOpt = _DEFAULTS.deferred,
+    gpu_prefill_min_tokens: GpuPrefillOpt = _DEFAULTS.gpu_prefill_min_tokens or 0,
     verbose: VerboseOpt = False,
     url: Annotated[str | None, typer.Option(
         help="Chat with a running server (http://host:port) that serves MODEL")] = None,
@@ -137,7 +143,8 @@ def chat(
             fail(exc)
         return
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
-                   deferred=deferred, verbose=verbose)
+                   deferred=deferred, verbose=verbose,
+                   gpu_prefill_min_tokens=gpu_prefill_min_tokens or None)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     typer.echo("chat: type a message; /exit quits")
     while True:
@@ -184,6 +191,7 @@ def serve(
     max_seq_len: MaxSeqLenOpt = None,
     experts: ExpertsOpt = None,
     deferred: DeferredOpt = _DEFAULTS.deferred,
+    gpu_prefill_min_tokens: GpuPrefillOpt = _DEFAULTS.gpu_prefill_min_tokens or 0,
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve MODEL over an OpenAI-style API.
@@ -200,7 +208,8 @@ def serve(
     except ValueError as exc:
         fail(exc)
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
-                   deferred=deferred, verbose=verbose, max_batch=max_batch)
+                   deferred=deferred, verbose=verbose,
+                   gpu_prefill_min_tokens=gpu_prefill_min_tokens or None, max_batch=max_batch)
     serve_app(llm, config.model_name or model, config)
 
 

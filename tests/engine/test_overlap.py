@@ -111,9 +111,8 @@ def test_cuda_graphs_fall_back_to_eager_on_cpu(engine: Callable[[str, str], LLM]
         runner.overlap.detach()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="CUDA graphs need a GPU; benchmarks/check_graph_device.py checks "
-                           "graph = eager tokens on the device machine")
+@pytest.mark.device
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graph_and_eager_tokens_equal_on_cuda(tiny_dir: Callable[..., object]) -> None:
     llm = LLM(tiny_dir("qwen3_moe"), device="cuda", dtype="float32", experts="cpu",
               progress=False, max_seq_len=64)
