@@ -56,9 +56,36 @@ def test_unpacked_weights_equal_the_loaded_ones(fmt: str, hidden: int, inter: in
     assert not gate_up[:, :, hidden:].any() and not down[:, :, inter:].any()
 
 
-def test_unpack_refuses_int4() -> None:
-    with pytest.raises(ValueError, match="format 'int4' is not unpacked here"):
-        unpack_matrix(torch.zeros(1, 1024, dtype=torch.uint8), "int4", 16, 64, 32)
+def test_unpack_refuses_an_unknown_format() -> None:
+    with pytest.raises(ValueError, match="format 'fp4' is not unpacked here"):
+        unpack_matrix(torch.zeros(1, 1024, dtype=torch.uint8), "fp4", 16, 64, 32)
+
+
+@pytest.mark.parametrize(("hidden", "inter", "group"),
+                         [(96, 160, None), (128, 384, 128), (128, 256, 64), (64, 96, 32)])
+def test_int4_unpacked_equals_what_the_cpu_kernels_compute(hidden: int, inter: int,
+                                                           group: int | None) -> None:
+    """Int4 is asymmetric with a least-squares fit, so the weights are not recovered exactly:
+    the MLP on the unpacked weights must match the CPU backend on the same packed bytes (which
+    also quantizes its activations to u8) and be as close to the float64 oracle as it is."""
+    w = make_experts(5, hidden, inter, seed=3)
+    moe = CpuMoE(5, hidden, inter, "int4", group_size=group)
+    moe.load(w.gate, w.up, w.down)
+    parts = [unpack_group(raw, part, "int4", hidden, moe.group_size)
+             for part, raw in zip(moe.packed_groups(), host_bytes(moe), strict=True)]
+    gate_up, down = parts[0]
+    s = moe.packed_groups()[0].end - moe.packed_groups()[0].begin
+    for got, want in ((gate_up[:, :inter, :hidden], w.gate), (gate_up[:, s:s + inter, :hidden],
+                      w.up), (down[:, :, :inter], w.down)):
+        assert rel_error(got, want.double()) < 0.1  # int4 at these groups: 0.07-0.095
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20, hidden, generator=g)
+    ids = torch.stack([torch.randperm(5, generator=g)[:3] for _ in range(20)])
+    weights = torch.rand(20, 3, generator=g)
+    ref = w.reference(x, ids, weights)
+    out, cpu = routed_mlp(x, ids, weights, parts, grouped=False), moe.forward(x, ids, weights)
+    assert rel_error(out, cpu.double()) < 0.06
+    assert rel_error(out, ref) <= 1.05 * rel_error(cpu, ref)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])

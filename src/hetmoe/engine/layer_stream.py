@@ -2,8 +2,8 @@
 
 For a long prompt the routed experts run on the GPU instead of the CPU: the prompt passes the
 layers in order, so each layer's packed experts cross PCIe once per pass, in their packed bytes
-(INT8 half of BF16), straight from the CPU backend's mappings (registered with the CUDA driver,
-so the copy is DMA with no second host copy). Copies run on a stream of their own into two GPU
+(INT8 half of BF16, INT4 a quarter), straight from the CPU backend's mappings (registered with
+the CUDA driver, so the copy is DMA with no second host copy). Copies run on a stream of their own into two GPU
 staging buffers: layer i+2 is copied into layer i's buffer as soon as layer i's compute is done,
 so copies overlap compute and the pass is bound by PCIe, not by the GPU. A layer's experts are
 unpacked on the GPU (experts/packed_layout.py) and computed as a grouped GEMM over the rows
@@ -25,8 +25,8 @@ from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
 
 log = logging.getLogger(__name__)
 
-STREAM_FORMATS = ("bf16", "int8")
-"""Packed formats GPU prefill unpacks (int4 prefill stays on the CPU)."""
+STREAM_FORMATS = ("bf16", "int8", "int4")
+"""Packed formats GPU prefill unpacks."""
 
 
 _PINNED: weakref.WeakKeyDictionary[CpuMoE, list[torch.Tensor]] = weakref.WeakKeyDictionary()

@@ -84,7 +84,7 @@ class MoEOverlap(MoEStep):
         return self.direct[i]
 
     def can_stream(self) -> bool:
-        """Whether prefill can stream these experts to the GPU (a GPU, bf16 or int8 experts)."""
+        """Whether prefill can stream these experts to the GPU (a GPU; bf16, int8, int4)."""
         return bool(self.host) and all(cpu_moe_of(m.experts).weight_format in STREAM_FORMATS
                                        for m in self.layers)
 

@@ -1,13 +1,14 @@
 """The CPU backend's packed expert layout, read with torch ops on any device.
 
 GPU prefill copies a layer's packed experts to the GPU as they lie in host memory (one copy of
-the weights, in their packed bytes: INT8 moves half of BF16) and unpacks them there with the
-functions below; the layout is csrc/layout/packed_matrix.h's:
+the weights, in their packed bytes: INT8 moves half of BF16, INT4 a quarter) and unpacks them
+there with the functions below; the layout is csrc/layout/packed_matrix.h's:
 
 - A matrix [N, K] is n-blocks of 16 rows; each n-block is its K chunks in order ("k-blocks"):
   bf16 16 x 32 (element (n, k) at [k/2][n][k%2]), int8 16 x 64 ([k/4][n][k%4]); K is padded to a
   multiple of 64 with zeros. Int8 then holds two fp32 arrays, each 64-byte aligned after what
   precedes it: scale [N/16][K/group][16] (w = scale * q) and scale * sum(q) (unused here).
+  Int4 is laid out in runs with inline bf16 metadata (`_unpack_int4`).
 - An expert in NUMA group g is its gate/up matrix (N = 2 * slice, n-block 2j = gate rows
   16j.., 2j+1 = the same up rows; K = hidden padded to 64), then, `down_offset` bytes on, its
   down matrix (N = hidden, K = the group's slice of the intermediate dimension).
@@ -46,10 +47,35 @@ def _round_up(v: int, m: int) -> int:
     return (v + m - 1) // m * m
 
 
+def _unpack_int4(raw: torch.Tensor, n: int, k: int, group: int) -> torch.Tensor:
+    """Int4 runs (packed_matrix.h): per n-block, runs of max(64, group) k, each its 512-byte
+    blocks (the int8 block's rows r and r + 8 in the low and high nibble of byte row r, value =
+    nibble - 8) then per group bf16 scale[16], scale * sum(q)[16], bias[16]; w = scale q + bias."""
+    e, nb = raw.shape[0], n // _BLOCK_N
+    run_k = max(64, group)
+    per_run, groups_per_run, runs = run_k // 64, run_k // group, k // run_k
+    blocks_bytes = per_run * 512
+    run_bytes = blocks_bytes + _round_up(96 * groups_per_run, 64)
+    runs_view = raw[:, :nb * runs * run_bytes].unflatten(1, (nb, runs, run_bytes))
+    nibbles = runs_view[..., :blocks_bytes].unflatten(-1, (per_run, 8, _BLOCK_N, 4))
+    low, high = (nibbles & 0xF), (nibbles >> 4)
+    q = torch.cat((low, high), dim=4).to(torch.int8) - 8  # [E, nb, runs, per_run, 16, 16, 4]
+    q = q.permute(0, 1, 5, 2, 3, 4, 6).reshape(e, n, k)  # k = (run, block, row, lane)
+    meta = runs_view[..., blocks_bytes:blocks_bytes + 96 * groups_per_run]
+    meta = meta.contiguous().view(torch.bfloat16).unflatten(-1, (groups_per_run, 3, _BLOCK_N))
+    meta = meta.permute(0, 1, 5, 2, 3, 4).reshape(e, n, k // group, 3).float()  # [.., G, 3]
+    w = q.view(e, n, k // group, group).float() * meta[..., 0:1] + meta[..., 2:3]
+    return w.reshape(e, n, k).to(torch.bfloat16)
+
+
 def unpack_matrix(raw: torch.Tensor, fmt: str, n: int, k: int, group: int | None) -> torch.Tensor:
     """raw [E, >= matrix bytes] uint8 (each row one expert's matrix) -> [E, n, k] bf16."""
+    if fmt == "int4":
+        assert group is not None
+        return _unpack_int4(raw, n, k, group)
     if fmt not in _K_BLOCK:
-        raise ValueError(f"unpack_matrix: format {fmt!r} is not unpacked here (bf16, int8)")
+        raise ValueError(f"unpack_matrix: format {fmt!r} is not unpacked here (bf16, int8, "
+                         "int4)")
     e, kb, lanes = raw.shape[0], _K_BLOCK[fmt], _VNNI[fmt]
     nb = n // _BLOCK_N
     block_bytes = nb * (k // kb) * 1024
