@@ -3,11 +3,12 @@
 For a long prompt the routed experts run on the GPU instead of the CPU: the prompt passes the
 layers in order, so each layer's packed experts cross PCIe once per pass, in their packed bytes
 (INT8 half of BF16, INT4 a quarter), straight from the CPU backend's mappings (registered with
-the CUDA driver, so the copy is DMA with no second host copy). Copies run on a stream of their own into two GPU
-staging buffers: layer i+2 is copied into layer i's buffer as soon as layer i's compute is done,
-so copies overlap compute and the pass is bound by PCIe, not by the GPU. A layer's experts are
-unpacked on the GPU (experts/packed_layout.py) and computed as a grouped GEMM over the rows
-routed to each expert (experts/routed_mlp.py). `GpuLink` is the layer's `ops.moe_step.Link`.
+the CUDA driver, so the copy is DMA with no second host copy). Copies run on a stream of their
+own into two GPU staging buffers: layer i+2 is copied into layer i's buffer as soon as layer i's
+compute is done, so copies overlap compute and the pass is bound by PCIe, not by the GPU. A
+layer's experts are unpacked on the GPU (experts/packed_layout.py) and computed as a grouped
+GEMM over the rows routed to each expert (experts/routed_mlp.py). `GpuLink` is the layer's
+`ops.moe_step.Link`.
 """
 
 from __future__ import annotations
