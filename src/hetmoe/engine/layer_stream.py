@@ -64,14 +64,33 @@ def _unregister(addresses: list[int]) -> None:
         cudart.cudaHostUnregister(address)
 
 
+def streaming_bytes(cpu: Sequence[CpuMoE]) -> int:
+    """GPU bytes a streamed pass needs beyond activations: two staging buffers of the largest
+    layer's packed experts, and that layer unpacked to bf16 (gate/up and down)."""
+    staging = max(sum(p.bytes for p in m.packed_groups()) for m in cpu)
+    unpacked = max(m.num_experts * 3 * m.hidden * m.intermediate * 2 for m in cpu)
+    return 2 * staging + unpacked
+
+
+def streaming_refusal(cpu: Sequence[CpuMoE], free_bytes: int) -> str:
+    """Why prefill cannot stream these experts to a GPU with `free_bytes` free ("" if it can)."""
+    formats = {m.weight_format for m in cpu}
+    if not formats <= set(STREAM_FORMATS):
+        return (f"GPU prefill unpacks {', '.join(STREAM_FORMATS)} experts, not "
+                f"{', '.join(sorted(formats - set(STREAM_FORMATS)))}")
+    need = streaming_bytes(cpu)
+    if need > 0.8 * free_bytes:  # the rest is the pass's activations
+        return (f"GPU prefill needs {need / 2**30:.1f} GiB of GPU memory for one layer's "
+                f"experts (staged twice and unpacked), {free_bytes / 2**30:.1f} GiB are free")
+    return ""
+
+
 class LayerStreamer:
     """Staging buffers, the copy stream and the per-layer copies of a model's MoE layers."""
 
     def __init__(self, cpu: Sequence[CpuMoE], device: torch.device) -> None:
-        formats = {m.weight_format for m in cpu}
-        if not formats <= set(STREAM_FORMATS):
-            raise ValueError(f"GPU prefill unpacks {', '.join(STREAM_FORMATS)} experts, not "
-                             f"{', '.join(sorted(formats - set(STREAM_FORMATS)))}")
+        if any(m.weight_format not in STREAM_FORMATS for m in cpu):
+            raise ValueError(streaming_refusal(cpu, 2**62))
         self.cpu, self.device = list(cpu), device
         self.parts = [m.packed_groups() for m in cpu]
         self.host = [pinned_groups(m) for m in cpu]

@@ -11,6 +11,7 @@ launched (recorded at capture, queued as each replay is launched) and waits them
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -19,10 +20,12 @@ import torch
 from torch import nn
 
 from hetmoe.engine.host_link import HostLink, check_stream_memops
-from hetmoe.engine.layer_stream import STREAM_FORMATS, LayerStreamer
+from hetmoe.engine.layer_stream import LayerStreamer, streaming_refusal
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.ops.deferral import moe_layers
 from hetmoe.ops.moe_step import BackendLink, Link, MoEStep, backend_link
+
+log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 30.0
 """Seconds a failed step's stream gets to drain (done words held set) before giving up."""
@@ -73,6 +76,7 @@ class MoEOverlap(MoEStep):
         # of a step being captured
         self.pending: list[tuple[HostLink, int]] = []  # flag jobs submitted for this step
         self.streamer: LayerStreamer | None = None  # GPU prefill (made at its first pass)
+        self.stream_refusal: str | None = None  # why it cannot ("" if it can; None: unchecked)
         self.streaming = False
         self.attach()
 
@@ -84,9 +88,18 @@ class MoEOverlap(MoEStep):
         return self.direct[i]
 
     def can_stream(self) -> bool:
-        """Whether prefill can stream these experts to the GPU (a GPU; bf16, int8, int4)."""
-        return bool(self.host) and all(cpu_moe_of(m.experts).weight_format in STREAM_FORMATS
-                                       for m in self.layers)
+        """Whether prefill can stream these experts to the GPU: a GPU, bf16/int8/int4 experts,
+        and room for a layer on it (checked once; a refusal is logged as a warning, and
+        prefill stays on the CPU)."""
+        if not self.host:
+            return False
+        if self.stream_refusal is None:
+            free = torch.cuda.mem_get_info(self.device)[0]
+            self.stream_refusal = streaming_refusal(
+                [cpu_moe_of(m.experts) for m in self.layers], free)
+            if self.stream_refusal:
+                log.warning("%s: long prompts prefill on the CPU", self.stream_refusal)
+        return not self.stream_refusal
 
     @contextmanager
     def streamed(self) -> Iterator[None]:
