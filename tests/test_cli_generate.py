@@ -107,3 +107,22 @@ def test_gpu_prefill_threshold_is_checked(cache: Path) -> None:
                                  "-3"])
     assert result.exit_code == 1
     assert "option gpu_prefill_min_tokens must be None or positive, got -3" in result.output
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    (["--temperature", "-1"], "temperature must be >= 0, got -1.0"),
+    (["--top-k", "-3"], "top_k must be >= 0, got -3"),
+    (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+    (["--device", "tpu"], "device 'tpu' is not a device name torch knows"),
+])
+def test_bad_options_fail_before_loading(option: list[str], message: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was resolved before the options were checked")
+
+    monkeypatch.setattr("hetmoe.presets.resolve_model", never)
+    for command in ("generate", "chat"):
+        args = [command, "tiny-qwen3-moe", *(["Hi"] if command == "generate" else []), *option]
+        result = runner.invoke(app, args)
+        assert result.exit_code == 1, result.output
+        assert f"error: {message}" in result.output

@@ -55,6 +55,21 @@ def load_llm(model: str, device: str | None, rules: Path | None, **options: Any)
         fail(exc)
 
 
+def checked_sampling(**sampling: Any) -> dict[str, Any]:
+    """`sampling` (LLM.generate keywords), checked before any model loads: a bad value ends the
+    command with a one-line message instead of after minutes of loading."""
+    from hetmoe.engine.sampler import SamplingParams
+
+    stop = sampling.get("stop")
+    try:
+        SamplingParams(sampling["max_new_tokens"], float(sampling["temperature"]),
+                       float(sampling["top_p"]), int(sampling["top_k"]), sampling.get("seed"),
+                       (stop,) if isinstance(stop, str) else tuple(stop or ()))
+    except ValueError as exc:
+        fail(exc)
+    return sampling
+
+
 def fail(exc: BaseException) -> NoReturn:
     """Prints `error: ...` on stderr and exits with status 1."""
     typer.echo(f"error: {exc}", err=True)
@@ -88,11 +103,11 @@ def generate(
     PROMPT goes to the model as one user message through its chat template when the tokenizer has
     one (what instruct models expect); with --raw, or without a template, it is continued as text.
     """
+    sampling = checked_sampling(max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=top_p, top_k=top_k, seed=seed, stop=stop)
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
                    deferred=deferred, verbose=verbose,
                    gpu_prefill_min_tokens=gpu_prefill_min_tokens or None)
-    sampling: dict[str, Any] = dict(max_new_tokens=max_new_tokens, temperature=temperature,
-                                    top_p=top_p, top_k=top_k, seed=seed, stop=stop)
     try:
         if raw or not llm.has_chat_template:
             pieces = llm.stream(prompt, **sampling)
@@ -130,6 +145,8 @@ def chat(
 
     Answers stream as they are generated; /exit or Ctrl-D quits.
     """
+    checked_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                     top_k=top_k, seed=seed)
     if url is not None:
         from hetmoe.server.client import ChatClient, ServerError, remote_chat
 

@@ -133,3 +133,35 @@ def test_unsupported_model_type(tiny_dir, tmp_path: Path) -> None:
         LLM(path, device="cpu", progress=False)
     with pytest.raises(ValueError, match="model_type 'llama' is not supported"):  # the loader's
         LLM(path, device="cpu", progress=False, rules=RULES_DIR / "qwen3_moe.yaml")
+
+
+def test_a_list_of_prompts_is_generated_together(llm_of) -> None:
+    llm = llm_of("qwen3_moe")
+    prompts = ["The quick brown fox", "Once upon a time", "Hello"]
+    alone = [llm.generate(p, max_new_tokens=6) for p in prompts]
+    steps = llm.scheduler.decode_steps
+    together = llm.generate(prompts, max_tokens=6)  # the OpenAI name of max_new_tokens
+    assert together == alone
+    assert llm.scheduler.decode_steps - steps <= 6  # one batched step per token, not per prompt
+    ids = [llm.encode(p) for p in prompts[:2]]
+    assert llm.generate(ids, max_new_tokens=6) == alone[:2]  # lists of token ids too
+    assert llm(prompts[2], max_new_tokens=6) == alone[2]  # calling the LLM generates
+
+
+def test_generate_arguments_are_checked(llm_of) -> None:
+    llm = llm_of("qwen3_moe")
+    with pytest.raises(ValueError, match="give max_new_tokens or max_tokens, not both"):
+        llm.generate("Hi", max_new_tokens=3, max_tokens=4)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        llm.generate(["Hi", []])
+    assert llm.scheduler.num_running == llm.scheduler.num_waiting == 0  # nothing was submitted
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("tpu", "device 'tpu' is not a device name torch knows; use cpu, cuda or cuda:N"),
+    ("meta", "device 'meta': hetmoe runs on cpu or cuda"),
+])
+def test_unusable_devices_are_refused_before_loading(device: str, message: str,
+                                                     tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(tmp_path / "no-model-here", device=device)  # refused before the path is read

@@ -3,31 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import os
 import queue
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 
 from hetmoe.config import EngineConfig
+from hetmoe.engine.model_setup import (
+    check_device,
+    check_experts_loaded,
+    eos_ids,
+    read_config,
+    resolve_dtype,
+    share_cores,
+)
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.engine.sampler import GenerationOutput, SamplingParams
 from hetmoe.engine.scheduler import Event, Scheduler
-from hetmoe.experts.backend import ExpertBackend, get_backend
+from hetmoe.experts.backend import get_backend
 from hetmoe.inject.apply import InjectionReport, apply_rules
 from hetmoe.inject.registry import OpContext
 from hetmoe.inject.rules import Rule, load_rules, shipped_rules_path
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_MAX_SEQ_LEN = 4096
-
-
-def default_device() -> torch.device:
-    """cuda when a GPU is visible, else cpu."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class LLM:
@@ -48,17 +49,15 @@ class LLM:
         from hetmoe.presets import resolve_model
 
         self.options = EngineConfig.from_options(**options)
-        self.device = torch.device(device) if device is not None else default_device()
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {str(self.device)!r} requested but no CUDA GPU is available")
+        self.device = check_device(device)
         if self.options.experts is not None:
             get_backend(self.options.experts)  # unknown or unusable here: say so before loading
         self.path = resolve_model(model_path)
-        raw = _read_config(self.path)
+        raw = read_config(self.path)
         self.rules: list[Rule] = load_rules(
             rules if rules is not None else shipped_rules_path(str(raw.get("model_type")))
         )
-        self.dtype = _resolve_dtype(self.options.dtype, raw)
+        self.dtype = resolve_dtype(self.options.dtype, raw)
         self.injection = InjectionReport()
 
         def inject(model: torch.nn.Module) -> InjectionReport:
@@ -71,8 +70,8 @@ class LLM:
             progress=self.options.progress,
         )
         self.model = loaded.model.eval()
-        _check_experts_loaded(self.model, self.path)
-        _share_cores(self.model, self.device, self.options.torch_threads)
+        check_experts_loaded(self.model, self.path)
+        share_cores(self.model, self.device, self.options.torch_threads)
         self.tokenizer = loaded.tokenizer
         self.family = loaded.family
         if self.options.verbose:
@@ -98,8 +97,8 @@ class LLM:
                 f"option deferred={self.options.deferred} needs every MoE layer's routed experts "
                 "in the cpu backend (use deferred=0)"
             )
-        self.eos_token_ids = _eos_ids(self.path, config, self.tokenizer)
-        self.scheduler = Scheduler(self.runner, self.decode, self.eos_token_ids, threaded=False)
+        self.eos_token_ids = eos_ids(self.path, config, self.tokenizer)
+        self.scheduler = self._local_loop()
 
     @property
     def max_seq_len(self) -> int:
@@ -120,35 +119,59 @@ class LLM:
             return "".join(f"<{t}>" for t in token_ids)
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    @overload
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 max_tokens: int | None = None) -> GenerationOutput: ...
+
+    @overload
+    def generate(self, prompt: list[str] | list[list[int]], max_new_tokens: int | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 max_tokens: int | None = None) -> list[GenerationOutput]: ...
+
     def generate(
         self,
-        prompt: str | Sequence[int],
-        max_new_tokens: int = 128,
+        prompt: str | Sequence[int] | list[str] | list[list[int]],
+        max_new_tokens: int | None = None,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
-    ) -> GenerationOutput:
-        """Generates a continuation of `prompt` (text or token ids)."""
-        params = _params(max_new_tokens, temperature, top_p, top_k, seed, stop)
+        max_tokens: int | None = None,
+    ) -> GenerationOutput | list[GenerationOutput]:
+        """Generates a continuation of `prompt` (text or token ids; `max_new_tokens` or its
+        OpenAI name `max_tokens`, 128 by default). A list of prompts (texts, or lists of token
+        ids) is generated together, sharing the scheduler's batches: one output per prompt, in
+        order."""
+        params = _params(_new_tokens(max_new_tokens, max_tokens), temperature, top_p, top_k,
+                         seed, stop)
+        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
+            return self._run_all([self._checked_prompt(self.encode(p)) for p in prompt], params)
         result: list[GenerationOutput] = []
-        for _ in self._run(self.encode(prompt), params, result):
+        for _ in self._run(self.encode(prompt), params, result):  # type: ignore[arg-type]
             pass
         return result[0]
+
+    __call__ = generate
 
     def stream(
         self,
         prompt: str | Sequence[int],
-        max_new_tokens: int = 128,
+        max_new_tokens: int | None = None,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        max_tokens: int | None = None,
     ) -> Iterator[str]:
-        """Like `generate`, yielding text pieces as they become final (UTF-8 and stop safe)."""
-        params = _params(max_new_tokens, temperature, top_p, top_k, seed, stop)
+        """Like `generate` (one prompt), yielding text pieces as they become final (UTF-8 and
+        stop safe)."""
+        params = _params(_new_tokens(max_new_tokens, max_tokens), temperature, top_p, top_k,
+                         seed, stop)
         yield from self._run(self.encode(prompt), params, [])
 
     def chat(self, messages: Sequence[dict[str, str]], **sampling: Any) -> GenerationOutput:
@@ -197,6 +220,11 @@ class LLM:
             raise ValueError(f"token ids {bad[:5]} out of the vocabulary [0, {vocab})")
         return ids
 
+    def _local_loop(self) -> Scheduler:
+        # No server: the caller's own requests only, so no queue limit (a batch may be large).
+        return Scheduler(self.runner, self.decode, self.eos_token_ids, max_queue=2**31,
+                         threaded=False)
+
     def start_loop(self, max_queue: int = 64,
                    decode: Callable[[list[int]], str] | None = None) -> Scheduler:
         """Runs the scheduler on a thread of its own (a server); `generate` / `stream` then
@@ -211,45 +239,90 @@ class LLM:
         """Stops the loop's thread (requests in flight end as cancelled); `generate` runs the
         loop in the caller's thread again."""
         self.scheduler.stop()
-        self.scheduler = Scheduler(self.runner, self.decode, self.eos_token_ids, threaded=False)
+        self.scheduler = self._local_loop()
+
+    def _events(self, prompts: list[list[int]],
+                params: SamplingParams) -> Iterator[tuple[int, Event]]:
+        """Submits the requests and yields (request index, event) until each has ended, driving
+        the loop in this thread when no server runs it; a consumer that stops early cancels the
+        rest and their slots are freed before this returns."""
+        scheduler = self.scheduler
+        events: queue.SimpleQueue[tuple[int, Event]] = queue.SimpleQueue()
+        handles = [scheduler.submit(ids, params, functools.partial(_put, events, i),
+                                    fit_window=False) for i, ids in enumerate(prompts)]
+        running = set(range(len(prompts)))
+
+        def take() -> tuple[int, Event]:
+            while not scheduler.threaded and events.empty():
+                scheduler.run_once()
+            i, event = events.get()
+            if event.finish_reason is not None:
+                running.discard(i)
+            return i, event
+
+        try:
+            while running:
+                yield take()
+        finally:
+            for i in running:
+                handles[i].cancel()
+            while running:
+                take()
 
     def _run(
         self, prompt_ids: list[int], params: SamplingParams, result: list[GenerationOutput]
     ) -> Iterator[str]:
-        """Submits the request to the scheduler and waits for its events (driving the loop in
-        this thread when no server runs it), yielding text pieces as they become final."""
-        prompt_ids = self._checked_prompt(prompt_ids)
-        scheduler = self.scheduler
-        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        handle = scheduler.submit(prompt_ids, params, events.put, fit_window=False)
-        text: list[str] = []
-        tokens: list[int] = []
-        last: Event | None = None
-        try:
-            while last is None:
-                if not scheduler.threaded and events.empty():
-                    scheduler.run_once()
-                    continue
-                event = events.get()
-                tokens.extend(event.token_ids)
-                if event.text:
-                    text.append(event.text)
-                    yield event.text
-                if event.finish_reason is not None:
-                    last = event
-        finally:
-            if last is None:  # the consumer stopped early: free the slot before returning
-                handle.cancel()
-                while not scheduler.threaded and (scheduler.num_running
-                                                  or scheduler.num_waiting):
-                    scheduler.run_once()
-                while scheduler.threaded and events.get().finish_reason is None:
-                    pass
-        assert last.finish_reason is not None
+        """One request's text pieces as they become final; its output appended to `result`."""
+        out = _Collected(self._checked_prompt(prompt_ids))
+        for _, event in self._events([out.prompt], params):
+            out.add(event)
+            if event.text:
+                yield event.text
+        result.append(out.output())
+
+    def _run_all(self, prompts: list[list[int]],
+                 params: SamplingParams) -> list[GenerationOutput]:
+        outs = [_Collected(ids) for ids in prompts]
+        for i, event in self._events(prompts, params):
+            outs[i].add(event)
+        return [out.output() for out in outs]
+
+
+def _put(events: queue.SimpleQueue[tuple[int, Event]], i: int, event: Event) -> None:
+    events.put((i, event))
+
+
+class _Collected:
+    """One request's events gathered into its `GenerationOutput`."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt = prompt
+        self.text: list[str] = []
+        self.tokens: list[int] = []
+        self.last: Event | None = None
+
+    def add(self, event: Event) -> None:
+        self.text.append(event.text)
+        self.tokens.extend(event.token_ids)
+        if event.finish_reason is not None:
+            self.last = event
+
+    def output(self) -> GenerationOutput:
+        last = self.last
+        assert last is not None and last.finish_reason is not None
         if last.finish_reason == "error":
             raise RuntimeError(f"generation failed: {last.error}")
-        result.append(GenerationOutput("".join(text), tokens, last.finish_reason,
-                                       len(prompt_ids)))
+        return GenerationOutput("".join(self.text), self.tokens, last.finish_reason,
+                                len(self.prompt))
+
+
+def _new_tokens(max_new_tokens: int | None, max_tokens: int | None) -> int:
+    """`max_new_tokens`, or its OpenAI name `max_tokens`, or 128; both given is an error."""
+    if max_new_tokens is not None and max_tokens is not None:
+        raise ValueError(f"give max_new_tokens or max_tokens, not both (got {max_new_tokens} "
+                         f"and {max_tokens})")
+    chosen = max_new_tokens if max_new_tokens is not None else max_tokens
+    return 128 if chosen is None else chosen
 
 
 def _params(
@@ -258,70 +331,3 @@ def _params(
 ) -> SamplingParams:
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     return SamplingParams(max_new_tokens, float(temperature), float(top_p), int(top_k), seed, stops)
-
-
-def _check_experts_loaded(model: torch.nn.Module, path: Path) -> None:
-    """Every routed expert must have received its three matrices from the checkpoint."""
-    missing = [
-        f"{name}.{tensor}"
-        for name, module in model.named_modules()
-        if isinstance(module, ExpertBackend)
-        for tensor in module.missing()
-    ]
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ValueError(
-            f"{path}: the checkpoint lacks {len(missing)} routed-expert tensors: "
-            f"{', '.join(missing[:5])}{more}"
-        )
-
-
-def _share_cores(model: torch.nn.Module, device: torch.device, requested: int | None) -> None:
-    """On the CPU device, gives torch the cores the CPU expert pool leaves free.
-
-    The pool's workers spin between layers, so torch threads on the same cores would be
-    preempted by them and every torch op would wait for its slowest thread.
-    """
-    from hetmoe.experts.cpu_backend import CpuExperts
-
-    if device.type != "cpu" or not any(isinstance(m, CpuExperts) for m in model.modules()):
-        return
-    if requested is None:
-        from hetmoe._cpu import pool_info
-
-        info = pool_info()
-        requested = max(1, int(info["allowed_cpus"]) - int(info["threads"]))
-    torch.set_num_threads(requested)
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    config_path = path / "config.json"
-    try:
-        return json.loads(config_path.read_text())
-    except OSError as exc:
-        raise FileNotFoundError(f"{config_path}: cannot read it ({exc.strerror})") from exc
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{config_path}: not valid JSON: {exc}") from exc
-
-
-def _resolve_dtype(option: str, raw: dict[str, Any]) -> torch.dtype:
-    if option != "auto":
-        return _DTYPES[option]
-    if (raw.get("quantization_config") or {}).get("quant_method") == "fp8":
-        return torch.bfloat16  # FP8 weights are dequantized at load, to bf16 by default
-    stored = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    return _DTYPES.get(str(stored), torch.float32)
-
-
-def _eos_ids(path: Path, config: Any, tokenizer: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    sources = [config.eos_token_id, getattr(tokenizer, "eos_token_id", None)]
-    generation = path / "generation_config.json"
-    if generation.exists():
-        sources.append(json.loads(generation.read_text()).get("eos_token_id"))
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(int(v) for v in value)
-    return frozenset(ids)
