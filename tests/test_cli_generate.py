@@ -126,3 +126,28 @@ def test_bad_options_fail_before_loading(option: list[str], message: str,
         result = runner.invoke(app, args)
         assert result.exit_code == 1, result.output
         assert f"error: {message}" in result.output
+
+
+def test_ctrl_c_stops_the_answer_not_the_chat(cache: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import typer
+
+    echo = typer.echo
+    calls = []
+
+    def interrupted_once(message: object = None, *args: object, **kwargs: object) -> None:
+        calls.append(message)
+        if len(calls) == 2:  # the first piece of the first answer: Ctrl-C arrives
+            raise KeyboardInterrupt
+        echo(message, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(typer, "echo", interrupted_once)
+    result = runner.invoke(app, ["chat", "tiny-mixtral", "--max-new-tokens", "6"],
+                           input="Hi there\nHow are you?\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert " [stopped]" in result.stdout
+    # The session went on, the cut answer (nothing shown of it) kept in the history.
+    llm = LLM("tiny-mixtral", progress=False)
+    second = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": ""},
+              {"role": "user", "content": "How are you?"}]
+    assert llm.chat(second, max_new_tokens=6).text + "\n" in result.stdout

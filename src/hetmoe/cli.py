@@ -175,17 +175,21 @@ def chat(
             continue
         history.append({"role": "user", "content": line})
         pieces: list[str] = []
+        stream = llm.stream_chat(history, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 top_p=top_p, top_k=top_k, seed=seed)
         try:
-            for piece in llm.stream_chat(history, max_new_tokens=max_new_tokens,
-                                         temperature=temperature, top_p=top_p, top_k=top_k,
-                                         seed=seed):
+            for piece in stream:
                 typer.echo(piece, nl=False)
                 pieces.append(piece)
         except ValueError as exc:  # e.g. the history outgrew the context window
             history.pop()
             typer.echo(f"error: {exc}", err=True)
             continue
-        typer.echo()
+        except KeyboardInterrupt:  # Ctrl-C stops this answer; the session and history go on
+            stream.close()  # cancels the request and frees its slot
+            typer.echo(" [stopped]")
+        else:
+            typer.echo()
         history.append({"role": "assistant", "content": "".join(pieces)})
 
 

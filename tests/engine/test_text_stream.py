@@ -59,3 +59,11 @@ def test_context_keeps_the_first_words_space() -> None:
     stream = TextStream(sentencepiece_like, context=[1])
     assert [stream.push(2), stream.push(3), stream.finish()] == [" world", " again", ""]
     assert stream.text == " world again"
+
+
+def test_a_character_cut_by_the_end_is_dropped_not_shown_as_a_replacement() -> None:
+    stream = TextStream(byte_decode)
+    cut = "ok 世".encode()[:-1]  # generation ended after two of the three bytes of 世
+    pieces = [stream.push(b) for b in cut] + [stream.finish()]
+    assert "".join(pieces) == "ok " and stream.text == "ok "
+    assert not any("\ufffd" in p for p in pieces)

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import os
 import queue
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, overload
 
 import torch
@@ -167,7 +167,7 @@ class LLM:
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         max_tokens: int | None = None,
-    ) -> Iterator[str]:
+    ) -> Generator[str, None, None]:
         """Like `generate` (one prompt), yielding text pieces as they become final (UTF-8 and
         stop safe)."""
         params = _params(_new_tokens(max_new_tokens, max_tokens), temperature, top_p, top_k,
@@ -178,8 +178,9 @@ class LLM:
         """Generates the assistant's reply to `messages` with the tokenizer's chat template."""
         return self.generate(self.chat_prompt(messages), **sampling)
 
-    def stream_chat(self, messages: Sequence[dict[str, str]], **sampling: Any) -> Iterator[str]:
-        """Like `chat`, yielding text pieces."""
+    def stream_chat(self, messages: Sequence[dict[str, str]],
+                    **sampling: Any) -> Generator[str, None, None]:
+        """Like `chat`, yielding text pieces (`close()` stops the answer and frees its slot)."""
         return self.stream(self.chat_prompt(messages), **sampling)
 
     @property

@@ -50,10 +50,12 @@ class TextStream:
         return self._release(final=False)
 
     def finish(self) -> str:
-        """Ends the stream: returns the held-back rest (incomplete bytes decoded as they are)."""
+        """Ends the stream: returns the held-back rest. A character whose bytes were cut off
+        (generation ended inside it) is dropped, not shown as U+FFFD."""
         if not self.stopped:
             settled = self._decode(self._ids[self._prefix : self._read])
-            self.text += self._decode(self._ids[self._prefix :])[len(settled) :]
+            rest = self._decode(self._ids[self._prefix :])[len(settled) :]
+            self.text += rest.rstrip("\ufffd")
             self._prefix = self._read = len(self._ids)
         return self._release(final=True)
 
