@@ -52,7 +52,8 @@ def test_family_equals_transformers(tiny_family: tuple[str, Path]) -> None:
     else:
         assert out.finish_reason == "length"
     assert out.prompt_tokens == len(prompt)
-    assert out.text == llm.decode(out.token_ids)
+    # The text is the tokens' text, less a character cut off by the end (dropped, not "�").
+    assert out.text == llm.decode(out.token_ids).rstrip("\ufffd")
 
     # Still a HF model: transformers' own generate (with its cache) gives the same tokens.
     assert reference_greedy(llm.model, prompt, 8) == reference_greedy(ref, prompt, 8)

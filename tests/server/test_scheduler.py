@@ -254,3 +254,27 @@ def test_llm_generate_shares_the_servers_loop(llm: LLM) -> None:
         live.close()
     assert not llm.scheduler.threaded
     assert llm.generate(*REQUESTS[0][:1], **REQUESTS[0][1]) == alone[0]
+
+
+def test_requests_without_sampling_fields_take_the_models_defaults(
+    tiny_qwen3_moe: Path, tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    path = Path(shutil.copytree(tiny_qwen3_moe, tmp_path / "greedy-model"))
+    config = path / "generation_config.json"
+    fields = json.loads(config.read_text()) if config.exists() else {}
+    config.write_text(json.dumps({**fields, "do_sample": False}))  # the model says: greedy
+    llm = tiny_llm(path, max_seq_len=64)
+    assert llm.sampling_defaults == {"temperature": 0.0}
+    want = llm.chat([{"role": "user", "content": "Hi"}], max_new_tokens=8).text
+    live = LiveServer(llm, ServerConfig())
+    try:
+        client = live.openai()
+        answers = [client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+        ).choices[0].message.content for _ in range(2)]  # no temperature: not OpenAI's 1.0
+    finally:
+        live.close()
+    assert answers == [want, want]

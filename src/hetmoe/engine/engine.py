@@ -18,6 +18,7 @@ from hetmoe.engine.model_setup import (
     eos_ids,
     read_config,
     resolve_dtype,
+    sampling_defaults,
     share_cores,
 )
 from hetmoe.engine.runner import ModelRunner
@@ -54,6 +55,9 @@ class LLM:
             get_backend(self.options.experts)  # unknown or unusable here: say so before loading
         self.path = resolve_model(model_path)
         raw = read_config(self.path)
+        self.sampling_defaults = sampling_defaults(self.path)
+        """What the checkpoint's generation_config.json recommends (the server's defaults for
+        fields a request leaves out)."""
         self.rules: list[Rule] = load_rules(
             rules if rules is not None else shipped_rules_path(str(raw.get("model_type")))
         )

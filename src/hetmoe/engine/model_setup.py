@@ -100,3 +100,26 @@ def eos_ids(path: Path, config: Any, tokenizer: Any) -> frozenset[int]:
         elif isinstance(value, list):
             ids.update(int(v) for v in value)
     return frozenset(ids)
+
+
+def sampling_defaults(path: Path) -> dict[str, float | int]:
+    """The sampling the checkpoint's `generation_config.json` recommends (temperature, top_p,
+    top_k; `do_sample: false` means greedy), as far as it says; {} without the file. A bad file
+    is named, not skipped."""
+    generation = path / "generation_config.json"
+    if not generation.exists():
+        return {}
+    try:
+        raw = json.loads(generation.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{generation}: not valid JSON: {exc}") from exc
+    if raw.get("do_sample") is False:
+        return {"temperature": 0.0}
+    out: dict[str, float | int] = {}
+    for key, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
+        value = raw.get(key)
+        if value is not None:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{generation}: field {key!r} must be a number, got {value!r}")
+            out[key] = kind(value)
+    return out

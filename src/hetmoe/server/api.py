@@ -156,11 +156,15 @@ def _submit(
             f"{context} tokens",
             budget_field,
         )
+    # Fields the request leaves out: the model's generation_config.json, else OpenAI's.
+    model = service.llm.sampling_defaults
+    top_k = body.top_k if body.top_k is not None else int(model.get("top_k", 0))
     params = SamplingParams(
         max_new_tokens=max_tokens,
-        temperature=_temperature(body.temperature),
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(body.top_k or 0, 0),
+        temperature=_temperature(body.temperature if body.temperature is not None
+                                 else model.get("temperature")),
+        top_p=float(body.top_p if body.top_p is not None else model.get("top_p", 1.0)),
+        top_k=max(top_k, 0),
         seed=body.seed,
         stop=tuple(body.stops),
     )
