@@ -30,26 +30,9 @@ from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
 from hetmoe.engine.layer_stream import LayerStreamer
 from hetmoe.engine.runner import ModelRunner
-from hetmoe.experts.packed_layout import unpack_group
 from hetmoe.experts.routed_mlp import routed_mlp
 from hetmoe.machine import machine_report
 from hetmoe.ops.deferral import moe_layers
-
-
-def timed_prefill(runner: ModelRunner, ids: list[int], repeats: int) -> float:
-    """Best wall time of `repeats` prefills of `ids` into a fresh slot (GPU synced)."""
-    best = float("inf")
-    for _ in range(repeats):
-        slot = runner.cache.allocate()
-        try:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            runner.prefill(slot, ids)
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        finally:
-            runner.free(slot)
-    return best
 
 
 def distinct_experts(runner: ModelRunner, ids: list[int], chunk: int = 512) -> list[float]:
@@ -82,7 +65,7 @@ def resident_compute_s(streamer: LayerStreamer, tokens: int, top_k: int, hidden:
     unpack + grouped GEMM on `tokens` random rows, median of 5, times the MoE layers."""
     streamer.begin()
     torch.cuda.current_stream().wait_event(streamer.copied[0])
-    moe, raw_all = streamer.cpu[0], streamer.staging[0]
+    moe = streamer.cpu[0]
     g = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
     ids = torch.randint(0, moe.num_experts, (tokens, top_k), device="cuda", generator=g)
@@ -91,12 +74,7 @@ def resident_compute_s(streamer: LayerStreamer, tokens: int, top_k: int, hidden:
     for _ in range(6):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        at, parts = 0, []
-        for part in streamer.parts[0]:
-            raw = raw_all[at:at + part.bytes].view(moe.num_experts, part.expert_bytes)
-            parts.append(unpack_group(raw, part, moe.weight_format, moe.hidden, moe.group_size))
-            at += part.bytes
-        routed_mlp(x, ids, weights, parts, streamer.grouped)
+        routed_mlp(x, ids, weights, streamer.unpacked(0), streamer.grouped)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
@@ -157,14 +135,13 @@ def main() -> None:
     auto = runner.config
     rows = []
     for n in lengths:
-        ids = torch.randint(0, config.vocab_size, (n,), generator=gen).tolist()
         row: dict[str, Any] = {"tokens": n}
         for name, least in (("auto", auto.gpu_prefill_min_tokens), ("gpu", 1), ("cpu", None)):
             if name == "cpu" and n > args.cpu_max:
                 continue
             runner.config = dataclasses.replace(auto, gpu_prefill_min_tokens=least)
-            seconds = timed_prefill(runner, ids, args.repeats)
-            row[f"{name}_ttft_s"], row[f"{name}_tok_s"] = round(seconds, 4), round(n / seconds, 1)
+            tok_s = measure.prefill_speed(runner, n, config.vocab_size, args.repeats)
+            row[f"{name}_ttft_s"], row[f"{name}_tok_s"] = round(n / tok_s, 4), round(tok_s, 1)
         runner.config = auto
         assert overlap.streamer is not None
         pass_bytes = overlap.streamer.bytes_per_pass()

@@ -58,13 +58,10 @@ def load_llm(model: str, device: str | None, rules: Path | None, **options: Any)
 def checked_sampling(**sampling: Any) -> dict[str, Any]:
     """`sampling` (LLM.generate keywords), checked before any model loads: a bad value ends the
     command with a one-line message instead of after minutes of loading."""
-    from hetmoe.engine.sampler import SamplingParams
+    from hetmoe.engine.sampler import sampling_params
 
-    stop = sampling.get("stop")
     try:
-        SamplingParams(sampling["max_new_tokens"], float(sampling["temperature"]),
-                       float(sampling["top_p"]), int(sampling["top_k"]), sampling.get("seed"),
-                       (stop,) if isinstance(stop, str) else tuple(stop or ()))
+        sampling_params(**{"stop": None, **sampling})
     except ValueError as exc:
         fail(exc)
     return sampling

@@ -3,7 +3,6 @@ routed MLP computed on it, against the float64 oracle: odd sizes, formats, 1 and
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
@@ -15,17 +14,13 @@ import torch
 from moe_oracle import make_experts, rel_error
 
 from hetmoe.experts.cpu_moe import CpuMoE
-from hetmoe.experts.packed_layout import unpack_group, unpack_matrix
+from hetmoe.experts.packed_layout import host_tensor, unpack_group, unpack_matrix
 from hetmoe.experts.routed_mlp import routed_mlp
 
 
 def host_bytes(moe: CpuMoE) -> list[torch.Tensor]:
     """Each group's mapping as a uint8 tensor [E, expert_bytes] (shares the memory)."""
-    out = []
-    for part in moe.packed_groups():
-        buf = (ctypes.c_uint8 * part.bytes).from_address(part.address)
-        out.append(torch.frombuffer(buf, dtype=torch.uint8).view(-1, part.expert_bytes))
-    return out
+    return [host_tensor(part).view(-1, part.expert_bytes) for part in moe.packed_groups()]
 
 
 @pytest.mark.parametrize(("fmt", "hidden", "inter", "group"), [

@@ -123,7 +123,7 @@ def prefill_speed(runner: ModelRunner, length: int, vocab: int, repeats: int = 2
             sync(runner.device)
             best = min(best, time.perf_counter() - start)
         finally:
-            runner.cache.free(slot)
+            runner.free(slot)
     return length / best
 
 

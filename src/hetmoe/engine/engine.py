@@ -22,7 +22,7 @@ from hetmoe.engine.model_setup import (
     share_cores,
 )
 from hetmoe.engine.runner import ModelRunner
-from hetmoe.engine.sampler import GenerationOutput, SamplingParams
+from hetmoe.engine.sampler import GenerationOutput, SamplingParams, sampling_params
 from hetmoe.engine.scheduler import Event, Scheduler
 from hetmoe.experts.backend import get_backend
 from hetmoe.inject.apply import InjectionReport, apply_rules
@@ -150,8 +150,8 @@ class LLM:
         OpenAI name `max_tokens`, 128 by default). A list of prompts (texts, or lists of token
         ids) is generated together, sharing the scheduler's batches: one output per prompt, in
         order."""
-        params = _params(_new_tokens(max_new_tokens, max_tokens), temperature, top_p, top_k,
-                         seed, stop)
+        params = sampling_params(_new_tokens(max_new_tokens, max_tokens), temperature, top_p,
+                                 top_k, seed, stop)
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
             return self._run_all([self._checked_prompt(self.encode(p)) for p in prompt], params)
         result: list[GenerationOutput] = []
@@ -174,8 +174,8 @@ class LLM:
     ) -> Generator[str, None, None]:
         """Like `generate` (one prompt), yielding text pieces as they become final (UTF-8 and
         stop safe)."""
-        params = _params(_new_tokens(max_new_tokens, max_tokens), temperature, top_p, top_k,
-                         seed, stop)
+        params = sampling_params(_new_tokens(max_new_tokens, max_tokens), temperature, top_p,
+                                 top_k, seed, stop)
         yield from self._run(self.encode(prompt), params, [])
 
     def chat(self, messages: Sequence[dict[str, str]], **sampling: Any) -> GenerationOutput:
@@ -328,11 +328,3 @@ def _new_tokens(max_new_tokens: int | None, max_tokens: int | None) -> int:
                          f"and {max_tokens})")
     chosen = max_new_tokens if max_new_tokens is not None else max_tokens
     return 128 if chosen is None else chosen
-
-
-def _params(
-    max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
-    stop: str | Sequence[str] | None,
-) -> SamplingParams:
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    return SamplingParams(max_new_tokens, float(temperature), float(top_p), int(top_k), seed, stops)

@@ -13,7 +13,6 @@ GEMM over the rows routed to each expert (experts/routed_mlp.py). `GpuLink` is t
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import weakref
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from hetmoe.experts.cpu_moe import CpuMoE
-from hetmoe.experts.packed_layout import unpack_group
+from hetmoe.experts.packed_layout import host_tensor, unpack_group
 from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
 
 log = logging.getLogger(__name__)
@@ -51,8 +50,7 @@ def pinned_groups(moe: CpuMoE) -> list[torch.Tensor]:
             raise RuntimeError(f"GPU prefill: cudaHostRegister of {part.bytes} bytes of packed "
                                f"experts failed with CUDA error {code}")
         addresses.append(part.address)
-        buffer = (ctypes.c_uint8 * part.bytes).from_address(part.address)
-        tensors.append(torch.frombuffer(buffer, dtype=torch.uint8))
+        tensors.append(host_tensor(part))
     weakref.finalize(moe, _unregister, addresses)
     _PINNED[moe] = tensors
     return tensors
@@ -127,20 +125,25 @@ class LayerStreamer:
                 at += host.numel()
             self.copied[i].record(self.copy_stream)
 
+    def unpacked(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer i's experts from its staging buffer (copied there), per NUMA group (gate_up,
+        down) in bf16 (`packed_layout.unpack_group`)."""
+        buffer, moe, at = self.staging[i % 2], self.cpu[i], 0
+        groups = []
+        for part in self.parts[i]:
+            raw = buffer[at:at + part.bytes].view(moe.num_experts, part.expert_bytes)
+            groups.append(unpack_group(raw, part, moe.weight_format, moe.hidden,
+                                       moe.group_size))
+            at += part.bytes
+        return groups
+
     def compute(self, i: int, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
         """Layer i's routed experts on x [T, H] (current stream, after its copy); then the
         copy of layer i + 2 into the freed buffer is queued."""
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(self.copied[i])
-        buffer, moe, at = self.staging[i % 2], self.cpu[i], 0
-        weights_of_groups = []
-        for part in self.parts[i]:
-            raw = buffer[at:at + part.bytes].view(moe.num_experts, part.expert_bytes)
-            weights_of_groups.append(unpack_group(raw, part, moe.weight_format, moe.hidden,
-                                                  moe.group_size))
-            at += part.bytes
-        out = routed_mlp(x, ids, weights, weights_of_groups, self.grouped)
+        out = routed_mlp(x, ids, weights, self.unpacked(i), self.grouped)
         self.freed[i % 2].record(stream)
         if i + 2 < len(self.cpu):
             self._copy(i + 2)

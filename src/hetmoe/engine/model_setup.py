@@ -88,12 +88,27 @@ def resolve_dtype(option: str, raw: dict[str, Any]) -> torch.dtype:
     return DTYPES.get(str(stored), torch.float32)
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def generation_config(path: Path) -> dict[str, Any]:
+    """The checkpoint's generation_config.json ({} without one); invalid JSON is named."""
+    generation = path / GENERATION_CONFIG
+    if not generation.exists():
+        return {}
+    try:
+        raw = json.loads(generation.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{generation}: not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{generation}: expected a JSON object, found {type(raw).__name__}")
+    return raw
+
+
 def eos_ids(path: Path, config: Any, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
     sources = [config.eos_token_id, getattr(tokenizer, "eos_token_id", None)]
-    generation = path / "generation_config.json"
-    if generation.exists():
-        sources.append(json.loads(generation.read_text()).get("eos_token_id"))
+    sources.append(generation_config(path).get("eos_token_id"))
     for value in sources:
         if isinstance(value, int):
             ids.add(value)
@@ -106,13 +121,8 @@ def sampling_defaults(path: Path) -> dict[str, float | int]:
     """The sampling the checkpoint's `generation_config.json` recommends (temperature, top_p,
     top_k; `do_sample: false` means greedy), as far as it says; {} without the file. A bad file
     is named, not skipped."""
-    generation = path / "generation_config.json"
-    if not generation.exists():
-        return {}
-    try:
-        raw = json.loads(generation.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{generation}: not valid JSON: {exc}") from exc
+    generation = path / GENERATION_CONFIG
+    raw = generation_config(path)
     if raw.get("do_sample") is False:
         return {"temperature": 0.0}
     out: dict[str, float | int] = {}

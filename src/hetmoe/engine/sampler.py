@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {list(self.stop)!r}")
+
+
+def sampling_params(max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                    seed: int | None, stop: str | Sequence[str] | None) -> SamplingParams:
+    """`SamplingParams` from `LLM.generate`'s keywords (one stop string or several)."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    return SamplingParams(max_new_tokens, float(temperature), float(top_p), int(top_k), seed, stops)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ there with the functions below; the layout is csrc/layout/packed_matrix.h's:
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,12 @@ class PackedGroup:
     """First intermediate row of the group's slice (padded units)."""
     end: int
     """End of the slice."""
+
+
+def host_tensor(part: PackedGroup) -> torch.Tensor:
+    """The group's mapping as a flat uint8 host tensor sharing its memory (no copy)."""
+    buffer = (ctypes.c_uint8 * part.bytes).from_address(part.address)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 def _round_up(v: int, m: int) -> int:
