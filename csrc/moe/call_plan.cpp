@@ -37,6 +37,7 @@ void plan_shape(CallPlan& p, const MoEConfig& cfg, int groups, int hidden_padded
   p.q = q;
   p.hidden = cfg.hidden;
   p.hidden_padded = hidden_padded;
+  p.hidden_rows = int(round_up(cfg.hidden, kBlockN));
   p.groups = groups;
   p.group_size = cfg.group_size;
   p.elem = quantized ? 1 : 2;
@@ -90,7 +91,7 @@ void plan_gate_up(CallPlan& p, const MoEConfig& cfg, const std::vector<int>& sli
 // Down and combine. By row: decode runs are as long as leaves the phase's last round of tasks
 // little idle, prefill runs are kRowOutBlocks; else one n-block of outputs per task.
 void plan_down(CallPlan& p, size_t experts, int workers) {
-  const int nbs = p.hidden / kBlockN, token_tasks = (p.q + kTokensPerTask - 1) / kTokensPerTask;
+  const int nbs = p.hidden_rows / kBlockN, token_tasks = (p.q + kTokensPerTask - 1) / kTokensPerTask;
   if (!p.by_row) {
     p.down_tasks = size_t(nbs);
     p.combine_tasks = p.store_in_down ? 0 : per_group(token_tasks, p.groups);
@@ -104,7 +105,8 @@ void plan_down(CallPlan& p, size_t experts, int workers) {
 }
 
 std::array<size_t, kNumRegions> workspace_bytes(const CallPlan& p, size_t inter_padded) {
-  const size_t q = size_t(p.q), R = p.rows, Hp = size_t(p.hidden_padded), H = size_t(p.hidden);
+  const size_t q = size_t(p.q), R = p.rows, Hp = size_t(p.hidden_padded);
+  const size_t Hn = size_t(p.hidden_rows);
   const size_t G = size_t(p.groups);
   const bool quantized = p.format != WeightFormat::kBF16;
   std::array<size_t, kNumRegions> need{};
@@ -114,8 +116,8 @@ std::array<size_t, kNumRegions> workspace_bytes(const CallPlan& p, size_t inter_
   need[kRowGroups] = 3 * R * p.token_groups * 4;
   need[kHidden] = R * inter_padded * p.elem;
   need[kHiddenGroups] = quantized ? 3 * R * (inter_padded / p.group_size) * 4 : 0;
-  need[kAccum] = p.by_row ? 0 : G * q * H * 4;
-  need[kRowOut] = p.by_row ? G * R * H * 4 : 0;
+  need[kAccum] = p.by_row ? 0 : G * q * Hn * 4;
+  need[kRowOut] = p.by_row ? G * R * Hn * 4 : 0;
   need[kHiddenFloat] = p.split_groups ? R * inter_padded * 4 : 0;
   return need;
 }

@@ -55,7 +55,9 @@ struct CallPlan {
   // Sizes.
   int q = 0;                     // tokens
   int hidden = 0;                // H
-  int hidden_padded = 0;         // Hp: H padded to whole k-blocks
+  int hidden_padded = 0;         // Hp: H padded to whole k-blocks and groups (x's columns)
+  int hidden_rows = 0;           // Hn: H padded to whole n-blocks (down's rows, the stride of
+                                 // per-row and per-group outputs; out keeps H columns)
   int groups = 0;                // G: NUMA groups
   int group_size = 0;            // quantization group (0: bf16)
   size_t elem = 2;               // bytes per activation: 2 (bf16) or 1 (u8)

@@ -32,8 +32,8 @@ void view_workspace(MoECallState& st) {
                                              : nullptr);
     hf_off += ig;
     st.accum.push_back(p.by_row ? nullptr
-                                : ws.at<float>(kAccum, size_t(g) * p.q * p.hidden * 4));
-    st.row_out.push_back(p.by_row ? ws.at<float>(kRowOut, size_t(g) * R * p.hidden * 4)
+                                : ws.at<float>(kAccum, size_t(g) * p.q * p.hidden_rows * 4));
+    st.row_out.push_back(p.by_row ? ws.at<float>(kRowOut, size_t(g) * R * p.hidden_rows * 4)
                                   : nullptr);
     h_off += R * ig * elem;
     hg_off += 3 * R * ngh * 4;

@@ -11,11 +11,11 @@ namespace {
 void weigh_rows(const MoECallState& st, int gg, int t, int c0, int width, float* acc) {
   const Routing& r = st.routing;
   const Epilogue& ep = st.plan.epilogue();
-  const int H = st.plan.hidden;
+  const int Hn = st.plan.hidden_rows;
   for (size_t a = 0; st.layer.slice(gg) > 0 && a < r.experts.size(); ++a)
     for (long row = r.first_row[a]; row < r.first_row[a] + r.rows[a]; ++row)
       if (r.row_token[row] == t)
-        ep.axpy(r.row_weight[row], st.row_out[gg] + size_t(row) * H + c0, width, acc);
+        ep.axpy(r.row_weight[row], st.row_out[gg] + size_t(row) * Hn + c0, width, acc);
 }
 
 // 5: per (token, column chunk): each group's rows weighted in expert order, then the groups

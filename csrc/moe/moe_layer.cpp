@@ -27,18 +27,17 @@ ThreadPool& pool_for_threads(int threads) {
 MoELayer::MoELayer(const MoEConfig& cfg, ThreadPool& pool)
     : cfg_(cfg), pool_(pool) {
   const bool quantized = cfg.format != WeightFormat::kBF16;
-  if (cfg.num_experts < 1 || cfg.hidden < 32 || cfg.hidden % 32 || cfg.intermediate < 32 ||
-      cfg.intermediate % 32)
-    throw std::invalid_argument("MoELayer: need num_experts >= 1 and hidden, intermediate "
-                                "positive multiples of 32");
+  if (cfg.num_experts < 1 || cfg.hidden < 1 || cfg.intermediate < 1)
+    throw std::invalid_argument("MoELayer: need num_experts, hidden and intermediate >= 1");
   if (quantized && (cfg.group_size < 32 || cfg.group_size > 256 ||
-                    (cfg.group_size & (cfg.group_size - 1)) || cfg.hidden % cfg.group_size ||
-                    cfg.intermediate % cfg.group_size))
-    throw std::invalid_argument("MoELayer: group_size must be 32, 64, 128 or 256 and divide "
-                                "hidden and intermediate");
-  hidden_padded_ = int(round_up(cfg.hidden, kPadK));
-  // Slices are whole quantization groups and whole 64-k blocks; the tail is zero padding.
+                    (cfg.group_size & (cfg.group_size - 1))))
+    throw std::invalid_argument("MoELayer: group_size must be 32, 64, 128 or 256");
+  // Any size: both input dims are zero-padded to whole 64-k blocks and quantization groups, the
+  // down projection's outputs to whole n-blocks (zero weights: exact). x and out keep H columns.
   const int unit = quantized ? std::max(kPadK, cfg.group_size) : kPadK;
+  hidden_padded_ = int(round_up(cfg.hidden, unit));
+  hidden_rows_ = int(round_up(cfg.hidden, kBlockN));
+  // Slices are whole quantization groups and whole 64-k blocks; the tail is zero padding.
   const int units = int(round_up(cfg.intermediate, unit) / unit), groups = pool.num_groups();
   for (int g = 0; g <= groups; ++g) slice_begin_.push_back(int(long(g) * units / groups) * unit);
   gate_up_.resize(size_t(groups) * cfg.num_experts);
@@ -72,7 +71,7 @@ void MoELayer::shape_expert(int g, PackedMatrix& gu, PackedMatrix& dn) const {
   }
   gu.n = 2 * slice(g);
   gu.k = hidden_padded_;
-  dn.n = cfg_.hidden;
+  dn.n = hidden_rows_;
   dn.k = slice(g);
 }
 
@@ -124,7 +123,7 @@ void MoELayer::load_expert(int e, const void* gate, const void* up, const void* 
   };
   const int max_j = *std::max_element(slice_begin_.begin() + 1, slice_begin_.end()) / kBlockN;
   const int j_tasks = (max_j + kPackBlocksPerTask - 1) / kPackBlocksPerTask;
-  const int d_tasks = (H / kBlockN + kPackBlocksPerTask - 1) / kPackBlocksPerTask;
+  const int d_tasks = (hidden_rows_ / kBlockN + kPackBlocksPerTask - 1) / kPackBlocksPerTask;
   Job job{Phase{size_t(j_tasks + d_tasks), [&, e](size_t task, int g, int) {
     const size_t at = size_t(g) * cfg_.num_experts + e;
     const int s0 = slice_begin_[g];
@@ -140,9 +139,9 @@ void MoELayer::load_expert(int e, const void* gate, const void* up, const void* 
     }
     const int nb0 = (int(task) - j_tasks) * kPackBlocksPerTask;
     if (slice(g) == 0) return;
-    const int count = std::min(kPackBlocksPerTask, H / kBlockN - nb0);
+    const int count = std::min(kPackBlocksPerTask, hidden_rows_ / kBlockN - nb0);
     pack_rows(down_[at], nb0, count, bytes(down, long(nb0) * kBlockN * I + s0), type, I,
-              kBlockN * count, long(I) - s0);
+              std::min(kBlockN * count, H - nb0 * kBlockN), long(I) - s0);
   }}};
   pool_.run(std::move(job));
   loaded_[e] = 1;

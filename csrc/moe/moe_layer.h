@@ -23,10 +23,10 @@ struct PhaseClock;    // phase_clock.h
 
 struct MoEConfig {
   int num_experts = 0;
-  int hidden = 0;        // H, a multiple of 32
-  int intermediate = 0;  // I, a multiple of 32
+  int hidden = 0;        // H, any size (zero-padded inside)
+  int intermediate = 0;  // I, any size (zero-padded inside)
   WeightFormat format = WeightFormat::kBF16;
-  int group_size = 0;    // int formats: 32, 64, 128 or 256, dividing H and I
+  int group_size = 0;    // int formats: 32, 64, 128 or 256 (groups of the padded dims)
   Isa max_isa = Isa::kScalar;
   int amx_min_tokens = 0;  // tokens per expert from which AMX kernels are used
   // Widest gate/up task of a decode call (columns); a wider quantization group is split into
@@ -124,10 +124,11 @@ class MoELayer {
 
   MoEConfig cfg_;
   ThreadPool& pool_;
-  int hidden_padded_ = 0;
+  int hidden_padded_ = 0;                 // Hp: gate/up's K, H padded to 64-k blocks and groups
+  int hidden_rows_ = 0;                   // down's N, H padded to whole n-blocks
   std::vector<int> slice_begin_;          // G + 1 boundaries over the padded intermediate dim
   std::vector<PackedMatrix> gate_up_;     // [G * E]: gate/up n-blocks interleaved, K = Hp
-  std::vector<PackedMatrix> down_;        // [G * E]: N = H, K = the group's slice
+  std::vector<PackedMatrix> down_;        // [G * E]: N = H padded to 16, K = the group's slice
   std::vector<uint8_t*> memory_;          // [G]: one mapping on the group's node for all experts
   std::vector<size_t> memory_bytes_;      // [G]
   std::vector<size_t> expert_bytes_;      // [G]: one expert's gate/up + down in it

@@ -66,11 +66,11 @@ void gather_task(const MoECallState& st, size_t task, int g) {
 void down_cols_task(const MoECallState& st, size_t task, int g) {
   const CallPlan& p = st.plan;
   const Routing& r = st.routing;
-  const int H = p.hidden, nb0 = int(task), col0 = nb0 * kBlockN;
+  const int H = p.hidden, Hn = p.hidden_rows, nb0 = int(task), col0 = nb0 * kBlockN;
   const bool lead = p.format != WeightFormat::kINT8;
   const Epilogue& ep = p.epilogue();
   float* acc = st.accum[g];
-  for (int t = 0; t < st.call.q; ++t) std::fill_n(acc + size_t(t) * H + col0, kBlockN, 0.0f);
+  for (int t = 0; t < st.call.q; ++t) std::fill_n(acc + size_t(t) * Hn + col0, kBlockN, 0.0f);
   if (st.layer.slice(g) == 0) return;
   float* c = scratch(round_up(r.max_rows, 16) * kBlockN);
   for (size_t a = 0; a < r.experts.size(); ++a) {
@@ -85,21 +85,23 @@ void down_cols_task(const MoECallState& st, size_t task, int g) {
                                    kBlockN);
     for (int t = 0; t < m; ++t)
       ep.axpy(r.row_weight[row0 + t], c + t * kBlockN, kBlockN,
-              acc + size_t(r.row_token[row0 + t]) * H + col0);
+              acc + size_t(r.row_token[row0 + t]) * Hn + col0);
   }
+  const int width = std::min(kBlockN, H - col0);  // the last n-block's padding rows stay here
   for (int t = 0; p.store_in_down && t < st.call.q; ++t)
-    store_cols(st.call, H, t, col0, kBlockN, acc + size_t(t) * H + col0);
+    store_cols(st.call, H, t, col0, width, acc + size_t(t) * Hn + col0);
 }
 
 // 5 after a column down: the sum of the groups' partial outputs, written once in the output dtype.
 void combine_groups_task(const MoECallState& st, size_t task, int g) {
-  const int G = st.plan.groups, H = st.plan.hidden, chunk = int(task) * G + g;
+  const int G = st.plan.groups, H = st.plan.hidden, Hn = st.plan.hidden_rows;
+  const int chunk = int(task) * G + g;
   for (int t = chunk * kTokensPerTask; t < std::min(st.call.q, (chunk + 1) * kTokensPerTask);
        ++t) {
-    float* row = st.accum[0] + size_t(t) * H;
+    float* row = st.accum[0] + size_t(t) * Hn;
     for (int gg = 1; gg < G; ++gg) {
       if (st.layer.slice(gg) == 0) continue;
-      const float* part = st.accum[gg] + size_t(t) * H;
+      const float* part = st.accum[gg] + size_t(t) * Hn;
       for (int i = 0; i < H; ++i) row[i] += part[i];
     }
     store_row(st.call, H, t, row);
@@ -109,7 +111,8 @@ void combine_groups_task(const MoECallState& st, size_t task, int g) {
 // 5 after a down by row: each token's weighted rows over the NUMA groups, written once in the
 // output dtype.
 void combine_rows_task(const MoECallState& st, size_t task, int g) {
-  const int G = st.plan.groups, H = st.plan.hidden, chunk = int(task) * G + g;
+  const int G = st.plan.groups, H = st.plan.hidden, Hn = st.plan.hidden_rows;
+  const int chunk = int(task) * G + g;
   const MoECall& c = st.call;
   const Routing& r = st.routing;
   float* row = scratch(H);
@@ -119,7 +122,7 @@ void combine_rows_task(const MoECallState& st, size_t task, int g) {
       const long src = r.slot_row[size_t(t) * c.k + j];
       for (int gg = 0; gg < G && src >= 0; ++gg)
         if (st.layer.slice(gg) > 0)
-          add_scaled(r.row_weight[src], st.row_out[gg] + size_t(src) * H, H, row);
+          add_scaled(r.row_weight[src], st.row_out[gg] + size_t(src) * Hn, H, row);
     }
     store_row(c, H, t, row);
   }

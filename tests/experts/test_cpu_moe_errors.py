@@ -13,12 +13,15 @@ from hetmoe.experts import CpuMoE
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"hidden": 100}, r"hidden must be a multiple of 32 .* got 100; pad"),
-        ({"intermediate": 48}, r"intermediate must be a multiple of 32 .* got 48"),
+        ({"hidden": 0}, r"hidden must be a positive integer, got 0"),
+        ({"intermediate": 48.0}, r"intermediate must be a positive integer, got 48.0"),
         ({"num_experts": 0}, r"num_experts must be a positive integer, got 0"),
         ({"weight_format": "fp4"}, r"weight_format must be one of \['bf16', 'int4', 'int8'\]"),
         ({"weight_format": "int4", "group_size": 48}, r"group_size must be 32, 64, 128 or 256"),
         ({"weight_format": "int8", "group_size": 256}, r"divide hidden \(64\) and intermediate"),
+        ({"weight_format": "int8", "group_size": 64, "hidden": 40, "intermediate": 72},
+         r"divide hidden \(40\) and intermediate \(72\) rounded up to multiples of 32 "
+         r"\(padded: 64, 96\), got 64"),
         ({"group_size": 32}, r"group_size applies to int8/int4 only"),
         ({"activation": "gelu"}, r"activation must be 'silu', got 'gelu'"),
         ({"threads": 0}, r"threads must be None or a positive integer, got 0"),

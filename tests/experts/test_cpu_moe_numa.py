@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-# (name, format, intermediate, group size): int8 with 128-wide groups over 384 = 128 + 256
+# (name, format, hidden, intermediate, group size): int8 with 128-wide groups over 384 = 128 + 256
 # columns per NUMA group, which decode computes in 64-column parts.
-CASES = [("bf16", "bf16", 320, None), ("int8", "int8", 320, None), ("int4", "int4", 320, None),
-         ("int8-128", "int8", 384, 128)]
+# Odd sizes (H = 72, I = 200: zero-padded inside) in every format.
+CASES = [("bf16", "bf16", 128, 320, None), ("int8", "int8", 128, 320, None),
+         ("int4", "int4", 128, 320, None), ("int8-128", "int8", 128, 384, 128),
+         ("bf16-odd", "bf16", 72, 200, None), ("int8-odd", "int8", 72, 200, None),
+         ("int4-odd", "int4", 72, 200, None)]
 
 SCRIPT = """
 import sys, torch
@@ -22,12 +25,12 @@ from moe_oracle import make_experts
 from hetmoe.experts import CpuMoE
 CASES = {cases!r}
 out = {{}}
-for name, fmt, inter, group in CASES:
-    w = make_experts(5, 128, inter, seed=31)
-    moe = CpuMoE(5, 128, inter, fmt, group_size=group, amx_min_tokens=8)
+for name, fmt, hidden, inter, group in CASES:
+    w = make_experts(5, hidden, inter, seed=31)
+    moe = CpuMoE(5, hidden, inter, fmt, group_size=group, amx_min_tokens=8)
     moe.load(w.gate, w.up, w.down)
     g = torch.Generator().manual_seed(32)
-    x = torch.randn({q}, 128, generator=g)
+    x = torch.randn({q}, hidden, generator=g)
     ids = torch.randint(-1, 5, ({q}, 4), generator=g)
     out[name] = (moe.num_groups, moe.forward(x, ids, torch.rand({q}, 4, generator=g)))
 torch.save(out, sys.argv[1])

@@ -25,7 +25,8 @@ def host_bytes(moe: CpuMoE) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(("fmt", "hidden", "inter", "group"), [
     ("bf16", 96, 160, None), ("bf16", 64, 32, None), ("int8", 96, 160, None),
-    ("int8", 128, 384, 128), ("int8", 64, 96, 32)])
+    ("int8", 128, 384, 128), ("int8", 64, 96, 32), ("bf16", 40, 48, None), ("int8", 72, 200, None),
+    ("int8", 100, 48, 64)])
 def test_unpacked_weights_equal_the_loaded_ones(fmt: str, hidden: int, inter: int,
                                                 group: int | None) -> None:
     w = make_experts(3, hidden, inter, seed=hidden + inter)
@@ -34,21 +35,23 @@ def test_unpacked_weights_equal_the_loaded_ones(fmt: str, hidden: int, inter: in
     (part,), (raw,) = moe.packed_groups(), host_bytes(moe)
     gate_up, down = unpack_group(raw, part, fmt, hidden, moe.group_size)
     s = part.end - part.begin
-    hp = gate_up.shape[2]
-    assert gate_up.shape == (3, 2 * s, hp) and down.shape == (3, hidden, s) and hp % 64 == 0
+    hp, hn = gate_up.shape[2], -(-hidden // 16) * 16
+    assert gate_up.shape == (3, 2 * s, hp) and down.shape == (3, hn, s) and hp % 64 == 0
     pairs = [(gate_up[:, :inter, :hidden], w.gate), (gate_up[:, s:s + inter, :hidden], w.up),
-             (down[:, :, :inter], w.down)]
+             (down[:, :hidden, :inter], w.down)]
     for got, want in pairs:
         if fmt == "bf16":
             assert torch.equal(got, want.to(torch.bfloat16))
         else:  # symmetric absmax int8 per (row, group): |error| <= half a step, then bf16
-            g = moe.group_size
-            step = want.unflatten(-1, (-1, g)).abs().amax(-1, keepdim=True) / 127
-            bound = (step / 2 * 1.001).expand(*step.shape[:-1], g).flatten(-2)
+            g, cols = moe.group_size, want.shape[-1]
+            padded = torch.nn.functional.pad(want, (0, -cols % g))  # groups of the padded dims
+            step = padded.unflatten(-1, (-1, g)).abs().amax(-1, keepdim=True) / 127
+            bound = (step / 2 * 1.001).expand(*step.shape[:-1], g).flatten(-2)[..., :cols]
             assert ((got.float() - want).abs() <= bound + want.abs() / 128).all()
     # Padding rows and columns are zero weights.
     assert not gate_up[:, inter:s].any() and not gate_up[:, s + inter:].any()
     assert not gate_up[:, :, hidden:].any() and not down[:, :, inter:].any()
+    assert not down[:, hidden:].any()
 
 
 def test_unpack_refuses_an_unknown_format() -> None:
@@ -57,7 +60,8 @@ def test_unpack_refuses_an_unknown_format() -> None:
 
 
 @pytest.mark.parametrize(("hidden", "inter", "group"),
-                         [(96, 160, None), (128, 384, 128), (128, 256, 64), (64, 96, 32)])
+                         [(96, 160, None), (128, 384, 128), (128, 256, 64), (64, 96, 32),
+                          (40, 48, None), (100, 200, 32)])
 def test_int4_unpacked_equals_what_the_cpu_kernels_compute(hidden: int, inter: int,
                                                            group: int | None) -> None:
     """Int4 is asymmetric with a least-squares fit, so the weights are not recovered exactly:
@@ -71,7 +75,7 @@ def test_int4_unpacked_equals_what_the_cpu_kernels_compute(hidden: int, inter: i
     gate_up, down = parts[0]
     s = moe.packed_groups()[0].end - moe.packed_groups()[0].begin
     for got, want in ((gate_up[:, :inter, :hidden], w.gate), (gate_up[:, s:s + inter, :hidden],
-                      w.up), (down[:, :, :inter], w.down)):
+                      w.up), (down[:, :hidden, :inter], w.down)):
         assert rel_error(got, want.double()) < 0.1  # int4 at these groups: 0.07-0.095
     g = torch.Generator().manual_seed(1)
     x = torch.randn(20, hidden, generator=g)
@@ -85,14 +89,16 @@ def test_int4_unpacked_equals_what_the_cpu_kernels_compute(hidden: int, inter: i
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
 @pytest.mark.parametrize("tokens", [1, 7, 40])
-def test_routed_mlp_on_unpacked_weights_equals_the_oracle(fmt: str, tokens: int) -> None:
-    w = make_experts(5, 96, 160, seed=tokens)
-    moe = CpuMoE(5, 96, 160, fmt)
+@pytest.mark.parametrize(("hidden", "inter"), [(96, 160), (40, 48), (100, 200)])
+def test_routed_mlp_on_unpacked_weights_equals_the_oracle(fmt: str, tokens: int, hidden: int,
+                                                          inter: int) -> None:
+    w = make_experts(5, hidden, inter, seed=tokens)
+    moe = CpuMoE(5, hidden, inter, fmt)
     moe.load(w.gate, w.up, w.down)
-    parts = [unpack_group(raw, part, fmt, 96, moe.group_size)
+    parts = [unpack_group(raw, part, fmt, hidden, moe.group_size)
              for part, raw in zip(moe.packed_groups(), host_bytes(moe), strict=True)]
     g = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, 96, generator=g)
+    x = torch.randn(tokens, hidden, generator=g)
     ids = torch.stack([torch.randperm(5, generator=g)[:3] for _ in range(tokens)])
     weights = torch.rand(tokens, 3, generator=g)
     out = routed_mlp(x, ids, weights, parts, grouped=False)

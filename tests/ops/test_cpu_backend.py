@@ -85,3 +85,25 @@ def test_family_logits_cpu_vs_torch(family: str, tiny_dir: Callable[..., Path]) 
     assert per_position.median() < 0.05, per_position
     assert (per_position < 0.1).float().mean() >= 0.9, per_position
     assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize(("family", "sizes"), [
+    ("qwen3_moe", {"hidden_size": 40, "moe_intermediate_size": 48}),
+    ("deepseek_v2", {"moe_intermediate_size": 48}),
+    ("mixtral", {"intermediate_size": 72}),
+])
+def test_odd_expert_sizes_end_to_end(family: str, sizes: dict, tiny_dir: Callable[..., Path]
+                                     ) -> None:
+    """Expert sizes that are not multiples of 32 load into the cpu backend (zero-padded inside)
+    and the whole model equals the torch experts within bf16 rounding, greedy tokens too."""
+    path = tiny_dir(family, dtype=torch.bfloat16, **sizes)
+    cpu = LLM(path, device="cpu", dtype="float32", progress=False)
+    ref = LLM(path, device="cpu", dtype="float32", experts="torch", progress=False)
+    moe = cpu.model.model.layers[-1].mlp.experts.moe
+    width = sizes.get("moe_intermediate_size", sizes.get("intermediate_size"))
+    assert (moe.hidden, moe.intermediate) == (sizes.get("hidden_size", 64), width)
+    ids = ref.encode("The quick brown fox jumps over the lazy dog.")
+    per_position = (cpu.logits(ids) - ref.logits(ids)).abs().amax(dim=-1)  # [T]
+    assert per_position.median() < 0.05, per_position
+    assert cpu.generate(ids, max_new_tokens=8).token_ids[:4] == \
+        ref.generate(ids, max_new_tokens=8).token_ids[:4]

@@ -41,12 +41,14 @@ class CpuMoE:
 
     Args:
         num_experts: experts in the layer (E).
-        hidden: model width H, a multiple of 32.
-        intermediate: expert width I, a multiple of 32.
+        hidden: model width H, any size: the packed weights are zero-padded inside (exact; x
+            and out keep H columns, no copy per call).
+        intermediate: expert width I, any size (zero-padded at load, exact).
         weight_format: "bf16", "int8" (symmetric groups) or "int4" (asymmetric groups).
-        group_size: quantization group along the input dim (32, 64, 128 or 256, dividing H and I);
-            default 128 for int8 (64 or 32 where 128 does not divide), 32 for int4; must be None for
-            bf16. Larger groups cost accuracy: int4 stays under 0.15 only up to 64.
+        group_size: quantization group along the input dim (32, 64, 128 or 256, dividing H and I
+            each rounded up to a multiple of 32); default 128 for int8 (64 or 32 where 128 does
+            not divide), 32 for int4; must be None for bf16. Larger groups cost accuracy: int4
+            stays under 0.15 only up to 64.
         activation: only "silu".
         threads: pool workers; None = the process-wide pool (HETMOE_THREADS, else all cores
             but one). Layers with the same count share one pool.
@@ -74,12 +76,6 @@ class CpuMoE:
                             ("intermediate", intermediate)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"CpuMoE: {name} must be a positive integer, got {value!r}")
-        for name, value in (("hidden", hidden), ("intermediate", intermediate)):
-            if value % 32:
-                raise ValueError(
-                    f"CpuMoE: {name} must be a multiple of 32 (the kernels' block width), got "
-                    f"{value}; pad the weights with zero rows/columns to the next multiple of 32"
-                )
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(
                 f"CpuMoE: weight_format must be one of {sorted(WEIGHT_FORMATS)}, "

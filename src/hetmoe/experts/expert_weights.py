@@ -13,26 +13,32 @@ DEFAULT_GROUP_SIZE = {"int8": 128, "int4": 32}
 """Groups that keep the layer error under the targets (int8 <= 2e-2: 0.0176 with 128 on a
 Gaussian Qwen3-30B-A3B layer, 0.0154 with 64, 0.0199 with 256; int4 <= 0.15). Int8 takes 128 for
 prefill speed (AMX: one fp32 fix-up per 128 inputs instead of 64) and 6 % fewer bytes per expert;
-where it does not divide hidden and intermediate, the largest of 64 and 32 that does."""
+where it does not divide hidden and intermediate (each rounded up to a multiple of 32), the
+largest of 64 and 32 that does."""
 
 _SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, *FP8_DTYPES)
 
 
 def check_group_size(weight_format: str, group_size: int | None, hidden: int,
                      intermediate: int) -> int | None:
-    """The group size to use, or ValueError saying which value is wrong and why."""
+    """The group size to use, or ValueError saying which value is wrong and why.
+
+    Groups are of the zero-padded dims; a group must divide H and I rounded up to a multiple of
+    32, so padding never grows a dim past that by more than the 64-wide blocks already do."""
     if weight_format == "bf16":
         if group_size is not None:
             raise ValueError(f"CpuMoE: group_size applies to int8/int4 only, got {group_size} "
                              "with weight_format='bf16'")
         return None
+    h32, i32 = -(-hidden // 32) * 32, -(-intermediate // 32) * 32
     size = DEFAULT_GROUP_SIZE[weight_format] if group_size is None else group_size
-    while group_size is None and size > 32 and (hidden % size or intermediate % size):
+    while group_size is None and size > 32 and (h32 % size or i32 % size):
         size //= 2
-    if size not in (32, 64, 128, 256) or hidden % size or intermediate % size:
+    if size not in (32, 64, 128, 256) or h32 % size or i32 % size:
+        padded = "" if (h32, i32) == (hidden, intermediate) else f" (padded: {h32}, {i32})"
         raise ValueError(
             f"CpuMoE: group_size must be 32, 64, 128 or 256 and divide hidden ({hidden}) and "
-            f"intermediate ({intermediate}), got {size}"
+            f"intermediate ({intermediate}) rounded up to multiples of 32{padded}, got {size}"
         )
     return size
 

@@ -4,14 +4,15 @@ GPU prefill copies a layer's packed experts to the GPU as they lie in host memor
 the weights, in their packed bytes: INT8 moves half of BF16, INT4 a quarter) and unpacks them
 there with the functions below; the layout is csrc/layout/packed_matrix.h's:
 
-- A matrix [N, K] is n-blocks of 16 rows; each n-block is its K chunks in order ("k-blocks"):
-  bf16 16 x 32 (element (n, k) at [k/2][n][k%2]), int8 16 x 64 ([k/4][n][k%4]); K is padded to a
-  multiple of 64 with zeros. Int8 then holds two fp32 arrays, each 64-byte aligned after what
-  precedes it: scale [N/16][K/group][16] (w = scale * q) and scale * sum(q) (unused here).
+- A matrix [N, K] is n-blocks of 16 rows (N padded to 16 with zero rows); each n-block is its K
+  chunks in order ("k-blocks"): bf16 16 x 32 (element (n, k) at [k/2][n][k%2]), int8 16 x 64
+  ([k/4][n][k%4]); K is padded with zeros to a multiple of 64 and of the quantization group.
+  Int8 then holds two fp32 arrays, each 64-byte aligned after what precedes it: scale
+  [N/16][K/group][16] (w = scale * q) and scale * sum(q) (unused here).
   Int4 is laid out in runs with inline bf16 metadata (`_unpack_int4`).
 - An expert in NUMA group g is its gate/up matrix (N = 2 * slice, n-block 2j = gate rows
-  16j.., 2j+1 = the same up rows; K = hidden padded to 64), then, `down_offset` bytes on, its
-  down matrix (N = hidden, K = the group's slice of the intermediate dimension).
+  16j.., 2j+1 = the same up rows; K = `padded_hidden`), then, `down_offset` bytes on, its
+  down matrix (N = hidden padded to 16, K = the group's slice of the intermediate dimension).
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ def host_tensor(part: PackedGroup) -> torch.Tensor:
 
 def _round_up(v: int, m: int) -> int:
     return (v + m - 1) // m * m
+
+
+def padded_hidden(hidden: int, group: int | None) -> int:
+    """Hp: the gate/up matrices' K, hidden zero-padded to whole 64-k blocks and groups."""
+    return _round_up(hidden, max(64, group or 0))
 
 
 def _unpack_int4(raw: torch.Tensor, n: int, k: int, group: int) -> torch.Tensor:
@@ -107,10 +113,11 @@ def unpack_matrix(raw: torch.Tensor, fmt: str, n: int, k: int, group: int | None
 def unpack_group(raw: torch.Tensor, part: PackedGroup, fmt: str, hidden: int,
                  group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """raw [E, expert_bytes] uint8 of one group -> (gate_up [E, 2 S, Hp] with the S gate rows
-    first, down [E, H, S]) in bf16; S = the group's slice, Hp = hidden padded to 64."""
+    first, down [E, Hn, S]) in bf16; S = the group's slice, Hp = `padded_hidden`, Hn = hidden
+    padded to 16 (rows past H are zero)."""
     e, s = raw.shape[0], part.end - part.begin
-    hp = _round_up(hidden, 64)
+    hp = padded_hidden(hidden, group)
     gu = unpack_matrix(raw, fmt, 2 * s, hp, group)  # n-blocks: gate j, up j, gate j+1, ...
     gu = gu.view(e, s // _BLOCK_N, 2, _BLOCK_N, hp).transpose(1, 2).reshape(e, 2 * s, hp)
-    down = unpack_matrix(raw[:, part.down_offset:], fmt, hidden, s, group)
+    down = unpack_matrix(raw[:, part.down_offset:], fmt, _round_up(hidden, _BLOCK_N), s, group)
     return gu, down

@@ -23,15 +23,17 @@ def grouped_mm_available(device: torch.device) -> bool:
 def routed_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                parts: list[tuple[torch.Tensor, torch.Tensor]], grouped: bool) -> torch.Tensor:
     """x [T, H], ids [T, K] int64 in [0, E), weights [T, K]; parts: per NUMA group (gate_up
-    [E, 2S, Hp] gate rows first, down [E, H, S]) bf16 -> [T, H] in x's dtype."""
+    [E, 2S, Hp] gate rows first, down [E, Hn, S]; Hp, Hn >= H, zero-padded) bf16 -> [T, H] in
+    x's dtype."""
     t, k = ids.shape
     e, _, hp = parts[0][0].shape
+    hn = parts[0][1].shape[1]
     flat = ids.reshape(-1)  # [T K]
     order = torch.argsort(flat, stable=True)
     token = order // k  # [T K], rows grouped by expert
     counts = torch.bincount(flat, minlength=e)  # [E]
     xs = F.pad(x[token].to(torch.bfloat16), (0, hp - x.shape[1]))  # [T K, Hp]
-    y = torch.zeros(t * k, x.shape[1], device=x.device, dtype=torch.float32)
+    y = torch.zeros(t * k, hn, device=x.device, dtype=torch.float32)
     # As the CPU kernels: bf16 inputs, fp32 accumulation and SiLU, one rounding of the
     # intermediate to bf16 before the down projection.
     if grouped:
@@ -53,6 +55,6 @@ def routed_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 h = xs[rows].float() @ gate_up[expert].float().T  # [m, 2S]
                 a = (F.silu(h[:, :s]) * h[:, s:]).to(torch.bfloat16)
                 y[rows] += a.float() @ down[expert].float().T
-    scaled = y * weights.reshape(-1)[order, None].float()
+    scaled = y[:, :x.shape[1]] * weights.reshape(-1)[order, None].float()
     out = torch.zeros(t, x.shape[1], device=x.device, dtype=torch.float32)
     return out.index_add_(0, token, scaled).to(x.dtype)
