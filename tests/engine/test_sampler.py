@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
+from sampling_reference import penalized_reference
 
-from hetmoe.engine.sampler import Sampler, SamplingParams
+from hetmoe.engine.sampler import Sampler, SamplingParams, sampling_params
 
 LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
 
@@ -57,3 +58,81 @@ def test_seeds_reproduce_per_request() -> None:
 def test_bad_parameters_are_named(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("presence", "frequency", "repetition"),
+    [(0.5, 0.0, 1.0), (0.0, 0.7, 1.0), (0.0, 0.0, 1.3), (-0.4, 0.3, 0.8), (1.5, -1.0, 2.0)],
+)
+def test_penalties_equal_a_float64_reference(presence: float, frequency: float,
+                                             repetition: float) -> None:
+    logits = torch.tensor([1.5, -0.5, 0.25, -2.0, 3.0, 0.0, 0.75, -1.25])
+    prompt, output = [1, 2, 2], [4, 4, 4, 6, 1]
+    sampler = Sampler(SamplingParams(presence_penalty=presence, frequency_penalty=frequency,
+                                     repetition_penalty=repetition), prompt)
+    for token in output:
+        sampler.observe(token)
+    want = penalized_reference(logits.tolist(), prompt, output, presence, frequency, repetition)
+    torch.testing.assert_close(sampler.penalize(logits).double(), want, rtol=0, atol=1e-6)
+    assert sampler(logits) == int(want.argmax())  # greedy takes the penalized argmax
+
+
+def test_penalties_change_greedy_output_and_need_logits() -> None:
+    logits = torch.tensor([2.0, 1.9, 0.0, -1.0])
+    plain = Sampler(SamplingParams())
+    assert not plain.needs_logits and plain(logits) == 0
+    sampler = Sampler(SamplingParams(frequency_penalty=0.2))
+    assert sampler.needs_logits
+    picks = []
+    for _ in range(4):
+        picks.append(sampler(logits))
+        sampler.observe(picks[-1])
+    # 2.0 - 0.2 = 1.8 < 1.9: token 1 next, then 1.9 - 0.2 = 1.7 < 1.8: token 0 again ...
+    assert picks == [0, 1, 0, 1]
+    assert Sampler(SamplingParams(logprobs=0)).needs_logits
+
+
+def test_penalties_shift_the_sampled_distribution() -> None:
+    params = SamplingParams(temperature=1.0, presence_penalty=1.0, seed=3)
+    sampler = Sampler(params)
+    sampler.observe(0)
+    counts = torch.zeros(4)
+    for _ in range(3000):
+        counts[sampler(LOGITS)] += 1
+    want = torch.softmax(LOGITS - torch.tensor([1.0, 0.0, 0.0, 0.0]), dim=-1)
+    torch.testing.assert_close(counts / 3000, want, rtol=0, atol=0.03)
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top() -> None:
+    # Top probability 0.5: min_p 0.4 keeps tokens >= 0.2 (0.5 and 0.3), renormalized.
+    freq = draws(SamplingParams(temperature=1.0, min_p=0.4, seed=4), 3000)
+    assert freq[2:].sum() == 0
+    assert math.isclose(float(freq[0]), 0.5 / 0.8, abs_tol=0.03)
+    assert draws(SamplingParams(temperature=1.0, min_p=1.0, seed=5), 50)[0] == 1.0
+
+
+def test_choices_take_consecutive_seeds() -> None:
+    params = SamplingParams(temperature=1.0, seed=10)
+    assert [params.for_choice(i).seed for i in range(3)] == [10, 11, 12]
+    assert SamplingParams(temperature=1.0).for_choice(2).seed is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\], got 1.5"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\], got 2.5"),
+        ({"frequency_penalty": -3.0}, r"frequency_penalty must be in \[-2, 2\], got -3.0"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0, got 0.0"),
+        ({"logprobs": 21}, r"logprobs must be None or in \[0, 20\], got 21"),
+        ({"prompt_logprobs": -1}, r"prompt_logprobs must be None or in \[0, 20\], got -1"),
+    ],
+)
+def test_bad_new_parameters_are_named(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_keyword_is_named() -> None:
+    with pytest.raises(TypeError, match="unknown sampling option.s. top_q; known: .*min_p"):
+        sampling_params(top_q=0.5)

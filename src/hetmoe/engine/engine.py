@@ -12,6 +12,7 @@ from typing import Any, overload
 import torch
 
 from hetmoe.config import EngineConfig
+from hetmoe.engine.logprobs import TokenLogprob
 from hetmoe.engine.model_setup import (
     check_device,
     check_experts_loaded,
@@ -21,9 +22,10 @@ from hetmoe.engine.model_setup import (
     sampling_defaults,
     share_cores,
 )
+from hetmoe.engine.request import Event
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.engine.sampler import GenerationOutput, SamplingParams, sampling_params
-from hetmoe.engine.scheduler import Event, Scheduler
+from hetmoe.engine.scheduler import Scheduler
 from hetmoe.experts.backend import get_backend
 from hetmoe.inject.apply import InjectionReport, apply_rules
 from hetmoe.inject.registry import OpContext
@@ -124,34 +126,25 @@ class LLM:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     @overload
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int | None = None,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None, stop: str | Sequence[str] | None = None,
-                 max_tokens: int | None = None) -> GenerationOutput: ...
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                 **sampling: Any) -> GenerationOutput: ...
 
     @overload
-    def generate(self, prompt: list[str] | list[list[int]], max_new_tokens: int | None = None,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None, stop: str | Sequence[str] | None = None,
-                 max_tokens: int | None = None) -> list[GenerationOutput]: ...
+    def generate(self, prompt: list[str] | list[list[int]], params: SamplingParams | None = None,
+                 **sampling: Any) -> list[GenerationOutput]: ...
 
     def generate(
         self,
         prompt: str | Sequence[int] | list[str] | list[list[int]],
-        max_new_tokens: int | None = None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        max_tokens: int | None = None,
+        params: SamplingParams | None = None,
+        **sampling: Any,
     ) -> GenerationOutput | list[GenerationOutput]:
-        """Generates a continuation of `prompt` (text or token ids; `max_new_tokens` or its
-        OpenAI name `max_tokens`, 128 by default). A list of prompts (texts, or lists of token
-        ids) is generated together, sharing the scheduler's batches: one output per prompt, in
-        order."""
-        params = sampling_params(_new_tokens(max_new_tokens, max_tokens), temperature, top_p,
-                                 top_k, seed, stop)
+        """Generates a continuation of `prompt` (text or token ids) with `params`, or with
+        `SamplingParams` fields as keywords (`max_tokens` is the OpenAI name of
+        `max_new_tokens`, 128 by default). A list of prompts (texts, or lists of token ids) is
+        generated together, sharing the scheduler's batches: one output per prompt, in order.
+        With `logprobs` / `prompt_logprobs` set, the outputs carry them."""
+        params = _params(params, sampling)
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
             return self._run_all([self._checked_prompt(self.encode(p)) for p in prompt], params)
         result: list[GenerationOutput] = []
@@ -161,22 +154,11 @@ class LLM:
 
     __call__ = generate
 
-    def stream(
-        self,
-        prompt: str | Sequence[int],
-        max_new_tokens: int | None = None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        max_tokens: int | None = None,
-    ) -> Generator[str, None, None]:
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               **sampling: Any) -> Generator[str, None, None]:
         """Like `generate` (one prompt), yielding text pieces as they become final (UTF-8 and
         stop safe)."""
-        params = sampling_params(_new_tokens(max_new_tokens, max_tokens), temperature, top_p,
-                                 top_k, seed, stop)
-        yield from self._run(self.encode(prompt), params, [])
+        yield from self._run(self.encode(prompt), _params(params, sampling), [])
 
     def chat(self, messages: Sequence[dict[str, str]], **sampling: Any) -> GenerationOutput:
         """Generates the assistant's reply to `messages` with the tokenizer's chat template."""
@@ -283,14 +265,14 @@ class LLM:
             out.add(event)
             if event.text:
                 yield event.text
-        result.append(out.output())
+        result.append(out.output(params))
 
     def _run_all(self, prompts: list[list[int]],
                  params: SamplingParams) -> list[GenerationOutput]:
         outs = [_Collected(ids) for ids in prompts]
         for i, event in self._events(prompts, params):
             outs[i].add(event)
-        return [out.output() for out in outs]
+        return [out.output(params) for out in outs]
 
 
 def _put(events: queue.SimpleQueue[tuple[int, Event]], i: int, event: Event) -> None:
@@ -306,19 +288,42 @@ class _Collected:
         self.tokens: list[int] = []
         self.last: Event | None = None
 
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+
     def add(self, event: Event) -> None:
         self.text.append(event.text)
         self.tokens.extend(event.token_ids)
+        self.logprobs.extend(event.logprobs)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = list(event.prompt_logprobs)
         if event.finish_reason is not None:
             self.last = event
 
-    def output(self) -> GenerationOutput:
+    def output(self, params: SamplingParams) -> GenerationOutput:
         last = self.last
         assert last is not None and last.finish_reason is not None
         if last.finish_reason == "error":
             raise RuntimeError(f"generation failed: {last.error}")
+        logprobs = self.logprobs if params.logprobs is not None else None
         return GenerationOutput("".join(self.text), self.tokens, last.finish_reason,
-                                len(self.prompt))
+                                len(self.prompt), logprobs, self.prompt_logprobs)
+
+
+def _params(params: SamplingParams | None, sampling: dict[str, Any]) -> SamplingParams:
+    """`params`, or `SamplingParams` from keywords (`max_tokens` an alias of `max_new_tokens`,
+    128 by default); both, or params that are not `SamplingParams`, are a TypeError."""
+    if params is not None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams (sampling options go as keywords), "
+                            f"got {type(params).__name__}")
+        if sampling:
+            raise TypeError(f"give SamplingParams or keywords, not both (got {sorted(sampling)})")
+        return params
+    sampling = dict(sampling)
+    sampling["max_new_tokens"] = _new_tokens(sampling.pop("max_new_tokens", None),
+                                             sampling.pop("max_tokens", None))
+    return sampling_params(**sampling)
 
 
 def _new_tokens(max_new_tokens: int | None, max_tokens: int | None) -> int:

@@ -46,6 +46,18 @@ class StaticKVCache:
             raise RuntimeError(f"KV-cache slot {slot} is freed twice")
         self._free.append(slot)
 
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Copies the first `length` cached tokens of slot `src` into slot `dst` (every layer);
+        `dst` then holds `length` tokens."""
+        self.check_slot(src)
+        self.check_slot(dst)
+        if not 0 <= length <= self.lengths[src]:
+            raise ValueError(f"slot {src} holds {self.lengths[src]} tokens, cannot copy {length}")
+        for layer in self.layers:
+            for cache in layer.kv_tensors():  # [slots, len, ...]
+                cache[dst, :length] = cache[src, :length]
+        self.lengths[dst] = length
+
     def check_slot(self, slot: int) -> None:
         """ValueError unless 0 <= slot < max_batch."""
         if not 0 <= slot < self.max_batch:

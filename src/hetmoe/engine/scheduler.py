@@ -4,11 +4,13 @@ The only loop of the engine: `LLM.generate / stream / chat` run it synchronously
 thread (`run_once` until their request ends), the server on a thread of its own. Each step it
 admits waiting requests into free slots (one prefill each), then decodes every other active
 sequence in ONE batched step (`runner.step(StepPlan)`), so each expert's weights are read once
-per step for the whole batch; a batch of greedy requests gets tokens, with the next step launched
-ahead by the runner. Each request keeps its own sampler (seed) and stop strings; EOS, stop
-strings, `max_new_tokens` and a full context window end it here and nowhere else. Outputs leave
-through each request's `sink` callback (on the loop's thread); `cancel()` frees the slot at the
-next step.
+per step for the whole batch; a batch of greedy requests that want no logits (no logprobs, no
+penalty) gets tokens, with the next step launched ahead by the runner. Each request keeps its
+own sampler (seed, penalties) and stop strings; EOS, stop strings, `max_new_tokens` and a full
+context window end it here and nowhere else. A request of `n` choices is prefilled once and its
+KV copied into the other choices' slots. Log-probabilities come from the step's logits (one
+log_softmax for the rows that asked). Outputs leave through each request's `sink` callback (on
+the loop's thread); `cancel()` frees the slots at the next step.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import collections
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from hetmoe.engine.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
+from hetmoe.engine.request import Event, QueueFull, Request, RequestHandle
 from hetmoe.engine.sampler import Sampler, SamplingParams
 from hetmoe.engine.step import StepPlan
 from hetmoe.engine.text_stream import CONTEXT_TOKENS, TextStream
@@ -30,54 +33,6 @@ if TYPE_CHECKING:
     from hetmoe.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Event:
-    """What a request produced in one step; the last one has `finish_reason` set."""
-
-    text: str
-    """New answer text since the previous event (may be empty)."""
-    token_ids: tuple[int, ...]
-    """Tokens sampled since the previous event."""
-    prompt_tokens: int
-    """Tokens in the prompt."""
-    completion_tokens: int
-    """Tokens sampled so far, end-of-sequence included."""
-    finish_reason: str | None = None
-    """`stop`, `length` (max_new_tokens or a full context window), `cancelled` or `error`;
-    None while generating."""
-    error: str | None = None
-    """What went wrong when `finish_reason == "error"`."""
-
-
-class QueueFull(Exception):
-    """Raised by `submit` when the waiting queue is at its limit."""
-
-
-@dataclass(eq=False)
-class _Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    sink: Callable[[Event], None]
-    sampler: Sampler
-    text: TextStream
-    ignore_eos: bool = False
-    slot: int = -1
-    output_ids: list[int] = field(default_factory=list)
-    cancelled: bool = False
-
-
-class RequestHandle:
-    """The caller's side of a submitted request."""
-
-    def __init__(self, request: _Request, scheduler: Scheduler) -> None:
-        self._request = request
-        self._scheduler = scheduler
-
-    def cancel(self) -> None:
-        """Stops generation; the slot and its KV cache are freed at the next step."""
-        self._scheduler._cancel(self._request)
 
 
 class Scheduler:
@@ -100,8 +55,8 @@ class Scheduler:
         self.max_queue = max_queue
         self._decode_text = decode_text
         self._eos = frozenset(eos_token_ids)
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._running: list[_Request] = []
+        self._waiting: collections.deque[Request] = collections.deque()  # first choices
+        self._running: list[Request] = []
         self._wake = threading.Condition()
         self._stopped = False
         self.decode_steps = 0
@@ -121,8 +76,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Requests submitted but not yet admitted to a slot."""
-        return len(self._waiting)
+        """Requests (choices) submitted but not yet admitted to a slot."""
+        return sum(len(r.group) for r in self._waiting)
 
     @property
     def num_running(self) -> int:
@@ -142,9 +97,11 @@ class Scheduler:
         sink: Callable[[Event], None],
         ignore_eos: bool = False,
         fit_window: bool = True,
+        n: int = 1,
     ) -> RequestHandle:
-        """Queues a request; QueueFull at the queue limit, ValueError for an empty prompt or one
-        beyond the context window.
+        """Queues a request of `n` choices (each its own event stream, `Event.index`);
+        QueueFull at the queue limit, ValueError for an empty prompt, one beyond the context
+        window, or more choices than KV slots.
 
         `fit_window`: refuse a request whose prompt + max_new_tokens exceed the window (the
         API's contract); False lets it end with `length` when the window is full (`LLM`).
@@ -157,21 +114,30 @@ class Scheduler:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
                 f"{total} exceeds the context window of {window} tokens"
             )
-        text = TextStream(self._decode_text, params.stop, list(prompt_ids)[-CONTEXT_TOKENS:])
-        request = _Request(list(prompt_ids), params, sink, Sampler(params), text, ignore_eos)
+        if not 1 <= n <= self.runner.max_batch:
+            raise ValueError(f"n={n} choices need as many KV slots; there are "
+                             f"{self.runner.max_batch} (max_batch)")
+        ids = list(prompt_ids)
+        group = []
+        for index in range(n):
+            choice = params.for_choice(index)
+            text = TextStream(self._decode_text, params.stop, ids[-CONTEXT_TOKENS:])
+            group.append(Request(ids, choice, sink, Sampler(choice, ids), text, ignore_eos,
+                                 index))
+        group[0].siblings = group[1:]
         with self._wake:
             if self._stopped:
                 raise RuntimeError("the scheduler is stopped")
             # Requests that will have to wait for a slot: the queue proper.
-            queued = len(self._waiting) + len(self._running) - self.runner.max_batch
+            queued = self.num_waiting + len(self._running) - self.runner.max_batch
             if queued >= self.max_queue:
                 raise QueueFull(
                     f"all {self.runner.max_batch} slots are busy and {queued} requests wait "
                     f"already (max_queue={self.max_queue})"
                 )
-            self._waiting.append(request)
+            self._waiting.append(group[0])
             self._wake.notify()
-        return RequestHandle(request, self)
+        return RequestHandle(group, self)
 
     def stop(self) -> None:
         """Ends the loop; waiting and running requests finish as `cancelled`."""
@@ -183,9 +149,10 @@ class Scheduler:
         else:
             self._drain()
 
-    def _cancel(self, request: _Request) -> None:
+    def _cancel(self, requests: list[Request]) -> None:
         with self._wake:
-            request.cancelled = True
+            for request in requests:
+                request.cancelled = True
             self._wake.notify()
 
     def _loop(self) -> None:
@@ -203,11 +170,13 @@ class Scheduler:
         with self._wake:
             for request in [r for r in self._waiting if r.cancelled]:
                 self._waiting.remove(request)
-                self._finish(request, "cancelled")
-            admitted: list[_Request] = []
-            while self._waiting and len(self._running) < self.runner.max_batch:
+                for choice in request.group:
+                    self._finish(choice, "cancelled")
+            admitted: list[Request] = []
+            slots = self.runner.max_batch
+            while self._waiting and len(self._running) + len(self._waiting[0].group) <= slots:
                 admitted.append(self._waiting.popleft())
-                self._running.append(admitted[-1])
+                self._running.extend(admitted[-1].group)
         try:
             self._step(admitted)
         except Exception as exc:  # a failed batched decode fails its rows, never the loop
@@ -221,52 +190,84 @@ class Scheduler:
             self._release(request)
             self._finish(request, "cancelled")
         for request in self._waiting:
-            self._finish(request, "cancelled")
+            for choice in request.group:
+                self._finish(choice, "cancelled")
         self._waiting.clear()
 
-    def _step(self, admitted: list[_Request]) -> None:
+    def _step(self, admitted: list[Request]) -> None:
         for request in [r for r in self._running if r.cancelled]:
             self._release(request)
             self._finish(request, "cancelled")
         batch = [r for r in self._running if r.output_ids]  # sequences past their prefill
         for request in admitted:
             if request in self._running:  # not cancelled meanwhile
-                try:
-                    request.slot = self.runner.cache.allocate()
-                    logits = self.runner.prefill(request.slot, request.prompt_ids)  # [V]
-                except Exception as exc:  # this prompt's failure is its own, not the batch's
-                    self._release(request)
-                    self._finish(request, "error", f"{type(exc).__name__}: {exc}")
-                    continue
-                self._advance(request, logits)
+                self._prefill(request)
         if batch:
             self._decode(batch)
 
-    def _decode(self, batch: list[_Request]) -> None:
-        """One decode step of `batch`; greedy batches get tokens (and the next step launched
-        ahead when every row wants more and no admission is pending)."""
-        greedy = all(r.sampler.greedy for r in batch)
+    def _prefill(self, first: Request) -> None:
+        """Prefills a request once into its first choice's slot, copies the prompt's KV into
+        the other choices' slots, and samples each choice's first token."""
+        group = [r for r in first.group if r in self._running]
+        ids = first.prompt_ids
+        scored: tuple[TokenLogprob | None, ...] | None = None
+        try:
+            for request in group:
+                request.slot = self.runner.cache.allocate()
+            top = first.params.prompt_logprobs
+            if top is None:
+                logits = self.runner.prefill(group[0].slot, ids)  # [V]
+            else:
+                every = self.runner.prefill_logits(group[0].slot, ids)  # [T, V]
+                scored = tuple(prompt_logprobs(every, ids, top))
+                logits = every[-1]
+            for request in group[1:]:  # the prefill settled any step launched ahead
+                self.runner.cache.copy(group[0].slot, request.slot, len(ids))
+        except Exception as exc:  # this prompt's failure is its own, not the batch's
+            for request in group:
+                self._release(request)
+                self._finish(request, "error", f"{type(exc).__name__}: {exc}")
+            return
+        rows = logits[None].expand(len(group), -1)  # [n, V], a view
+        self._sample(group, rows, None, scored)
+
+    def _decode(self, batch: list[Request]) -> None:
+        """One decode step of `batch`; batches that need no logits get tokens (and the next
+        step launched ahead when every row wants more and no admission is pending)."""
+        greedy = not any(r.sampler.needs_logits for r in batch)
         more = all(r.params.max_new_tokens - len(r.output_ids) > 1 for r in batch)
-        admitting = bool(self._waiting) and len(self._running) < self.runner.max_batch
+        admitting = bool(self._waiting) and (
+            len(self._running) + len(self._waiting[0].group) <= self.runner.max_batch)
         plan = StepPlan(tuple(r.slot for r in batch), tuple(r.output_ids[-1] for r in batch),
                         greedy=greedy, ahead=greedy and more and not admitting)
         out = self.runner.step(plan)
         self.decode_steps += 1
         self.decode_rows += len(batch)
-        for row, request in enumerate(batch):
-            if out.tokens is not None:
-                self._advance(request, token=out.tokens[row])
-            else:
-                assert out.logits is not None
-                self._advance(request, out.logits[row])
+        self._sample(batch, out.logits, out.tokens)
 
-    def _advance(self, request: _Request, logits: torch.Tensor | None = None,
-                 token: int | None = None) -> None:
-        """Takes `token` (or samples one from `logits`) for `request`, emits its text, and
-        finishes it when it stops."""
-        if token is None:
+    def _sample(self, batch: list[Request], logits: torch.Tensor | None,
+                tokens: Sequence[int] | None,
+                scored: tuple[TokenLogprob | None, ...] | None = None) -> None:
+        """Each row's token (the step's, or drawn from logits [B, V]), its log-probability for
+        the rows that asked (one log_softmax over them), then `_advance`."""
+        if tokens is None:
             assert logits is not None
-            token = request.sampler(logits)
+            tokens = [r.sampler(logits[row]) for row, r in enumerate(batch)]
+        asked = [row for row, r in enumerate(batch) if r.params.logprobs is not None]
+        found: dict[int, TokenLogprob] = {}
+        if asked:
+            assert logits is not None
+            picked = logits if len(asked) == len(batch) else logits[asked]
+            tops = [batch[row].params.logprobs or 0 for row in asked]
+            computed = token_logprobs(picked, [tokens[row] for row in asked], tops)
+            found = dict(zip(asked, computed, strict=True))
+        for row, request in enumerate(batch):
+            self._advance(request, tokens[row], found.get(row), scored)
+
+    def _advance(self, request: Request, token: int, logprob: TokenLogprob | None = None,
+                 scored: tuple[TokenLogprob | None, ...] | None = None) -> None:
+        """Takes `token` for `request`, emits its text, and finishes it when it stops."""
+        request.sampler.observe(token)
         request.output_ids.append(token)
         reason = None
         if token in self._eos and not request.ignore_eos:
@@ -280,23 +281,26 @@ class Scheduler:
                   or self.runner.committed(request.slot) >= self.runner.max_seq_len):
                 reason = "length"
                 piece += request.text.finish()
-        event = Event(piece, (token,), len(request.prompt_ids), len(request.output_ids), reason)
+        event = Event(piece, (token,), len(request.prompt_ids), len(request.output_ids), reason,
+                      index=request.index, logprobs=(logprob,) if logprob is not None else (),
+                      prompt_logprobs=scored, cached_tokens=request.cached_tokens)
         if reason is not None:
             self._release(request)
         self._emit(request, event)
 
-    def _release(self, request: _Request) -> None:
+    def _release(self, request: Request) -> None:
         with self._wake:
             self._running.remove(request)
         if request.slot >= 0:
             self.runner.free(request.slot)
             request.slot = -1
 
-    def _finish(self, request: _Request, reason: str, error: str | None = None) -> None:
-        event = Event("", (), len(request.prompt_ids), len(request.output_ids), reason, error)
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        event = Event("", (), len(request.prompt_ids), len(request.output_ids), reason, error,
+                      index=request.index, cached_tokens=request.cached_tokens)
         self._emit(request, event)
 
-    def _emit(self, request: _Request, event: Event) -> None:
+    def _emit(self, request: Request, event: Event) -> None:
         try:
             request.sink(event)
         except Exception:  # a broken consumer loses its request, not the loop

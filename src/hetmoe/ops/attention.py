@@ -92,6 +92,12 @@ class StaticKVAttention(nn.Module):
         self.k_cache, self.v_cache = self.kv_cache[:, :, 0], self.kv_cache[:, :, 1]
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
+    def kv_tensors(self) -> tuple[torch.Tensor, ...]:
+        """This layer's caches, slot first (for copying a slot's tokens)."""
+        if self.kv_cache is None:
+            raise RuntimeError(f"attention layer {self.layer_idx} has no cache (allocate_kv)")
+        return (self.kv_cache,)
+
     def fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight [(h + 2 h_kv) D, H], bias or None) of q/k/v as one projection (one GEMV per
         decode step). The first call moves the three weights into one tensor and leaves the

@@ -59,6 +59,12 @@ class MLAttention(nn.Module):
         per_entry = self.latent_cache.element_size()
         return (self.latent_cache.numel() + self.rope_cache.numel()) * per_entry
 
+    def kv_tensors(self) -> tuple[torch.Tensor, ...]:
+        """This layer's caches, slot first (for copying a slot's tokens)."""
+        if self.latent_cache is None or self.rope_cache is None:
+            raise RuntimeError("an MLA layer has no cache (allocate_kv)")
+        return (self.latent_cache, self.rope_cache)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
