@@ -12,9 +12,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
+from hetmoe.engine.request import Event, QueueFull
 from hetmoe.engine.sampler import SamplingParams
-from hetmoe.engine.scheduler import Event, QueueFull
-from hetmoe.server import protocol
+from hetmoe.server import protocol, responses
 from hetmoe.server.errors import APIError, from_validation
 from hetmoe.server.metrics import Metrics
 from hetmoe.server.service import EventStream, ModelService
@@ -76,41 +76,48 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
         message = f"field 'messages': the chat template cannot render them: {exc}"
         raise APIError(400, message, "messages") from None
     budget = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    stream = _submit(request, body, prompt_ids, "messages", budget)
+    stream = _submit(request, body, [prompt_ids], "messages", budget)
     rid = protocol.new_id("chatcmpl")
     observe = _observer(_metrics(request), started)
     if body.stream:
-        return _sse(_chat_chunks(rid, body, stream, observe), stream)
-    text, last = await _collect(request, stream, observe)
-    use = protocol.usage(last.prompt_tokens, last.completion_tokens)
-    return JSONResponse(
-        protocol.chat_response(rid, service.name, text, str(last.finish_reason), use)
-    )
+        return _sse(responses.chat_chunks(rid, body, stream, observe, service.token_text,
+                                          body.n), stream)
+    choices = await _collect(request, stream, observe, body.n)
+    return JSONResponse(responses.chat_body(rid, service.name, choices, bool(body.logprobs),
+                                            service.token_text))
 
 
 @router.post("/v1/completions", response_model=None)
 async def completions(request: Request) -> JSONResponse | StreamingResponse:
-    """OpenAI text completions of one prompt (text or token ids)."""
+    """OpenAI text completions of one prompt or several (text or token ids)."""
     started = time.perf_counter()
     body = await _parse(request, protocol.CompletionRequest)
     service = _check_model(request, body.model)
-    if isinstance(body.prompt, str):
-        prompt_ids = service.text_ids(body.prompt)
-    else:
-        vocab = service.runner.vocab_size
-        if any(not 0 <= t < vocab for t in body.prompt):
-            raise APIError(400, f"field 'prompt': token ids must be in [0, {vocab})", "prompt")
-        prompt_ids = list(body.prompt)
-    stream = _submit(request, body, prompt_ids, "prompt", "max_tokens")
+    vocab = service.runner.vocab_size
+    prompts: list[list[int]] = []
+    for index, prompt in enumerate(body.prompts):
+        if isinstance(prompt, str):
+            prompts.append(service.text_ids(prompt))
+        elif any(not 0 <= t < vocab for t in prompt):
+            where = "prompt" if isinstance(body.prompt[0], int) else f"prompt[{index}]"
+            raise APIError(400, f"field '{where}': token ids must be in [0, {vocab})", where)
+        else:
+            prompts.append(list(prompt))
+    stream = _submit(request, body, prompts, "prompt", "max_tokens")
+    echo = None
+    if body.echo:
+        echo = [(p if isinstance(p, str) else service.text(ids), ids)
+                for p, ids in zip(body.prompts, prompts, strict=True)]
     rid = protocol.new_id("cmpl")
     observe = _observer(_metrics(request), started)
+    count = len(prompts) * body.n
     if body.stream:
-        return _sse(_completion_chunks(rid, body, stream, observe), stream)
-    text, last = await _collect(request, stream, observe)
-    use = protocol.usage(last.prompt_tokens, last.completion_tokens)
-    return JSONResponse(
-        protocol.completion_object(rid, service.name, text, last.finish_reason, use)
-    )
+        return _sse(responses.completion_chunks(rid, body, stream, observe, service.token_text,
+                                                count, echo), stream)
+    choices = await _collect(request, stream, observe, body.n, count)
+    return JSONResponse(responses.completion_body(rid, service.name, choices,
+                                                  body.logprobs is not None, echo,
+                                                  service.token_text))
 
 
 async def _parse(request: Request, model: type[protocol._Sampling]) -> Any:
@@ -134,48 +141,68 @@ def _check_model(request: Request, name: str) -> ModelService:
     return service
 
 
-def _submit(
-    request: Request, body: Body, prompt_ids: list[int], prompt_field: str, budget_field: str
-) -> EventStream:
-    """Checks the context window, then queues the request (429 when the queue is full)."""
+def _submit(request: Request, body: Body, prompts: list[list[int]], prompt_field: str,
+            budget_field: str) -> EventStream:
+    """Checks the context window and `n`, then queues each prompt's n choices (429 when the
+    queue is full)."""
     service = _service(request)
     context = service.context_len
-    if len(prompt_ids) >= context:
+    longest = max(len(ids) for ids in prompts)
+    if longest >= context:
         raise APIError(
             400,
-            f"field '{prompt_field}': the prompt has {len(prompt_ids)} tokens, the context window "
+            f"field '{prompt_field}': the prompt has {longest} tokens, the context window "
             f"is {context} tokens (at least one must be left to generate)",
             prompt_field,
         )
-    max_tokens = body.token_budget or context - len(prompt_ids)
-    if len(prompt_ids) + max_tokens > context:
+    max_tokens = body.token_budget or context - longest
+    if longest + max_tokens > context:
         raise APIError(
             400,
-            f"field '{budget_field}': prompt ({len(prompt_ids)} tokens) + {budget_field} "
-            f"({max_tokens}) = {len(prompt_ids) + max_tokens} exceeds the context window of "
+            f"field '{budget_field}': prompt ({longest} tokens) + {budget_field} "
+            f"({max_tokens}) = {longest + max_tokens} exceeds the context window of "
             f"{context} tokens",
             budget_field,
         )
-    # Fields the request leaves out: the model's generation_config.json, else OpenAI's.
-    model = service.llm.sampling_defaults
-    top_k = body.top_k if body.top_k is not None else int(model.get("top_k", 0))
-    params = SamplingParams(
-        max_new_tokens=max_tokens,
-        temperature=_temperature(body.temperature if body.temperature is not None
-                                 else model.get("temperature")),
-        top_p=float(body.top_p if body.top_p is not None else model.get("top_p", 1.0)),
-        top_k=max(top_k, 0),
-        seed=body.seed,
-        stop=tuple(body.stops),
-    )
+    if body.n > service.slots:
+        raise APIError(400, f"field 'n': {body.n} choices need as many KV slots; this server "
+                       f"has {service.slots} (--max-batch)", "n")
     try:
-        stream = service.submit(prompt_ids, params, body.ignore_eos)
+        stream = service.submit(prompts, _params(service, body, max_tokens), body.ignore_eos,
+                                body.n)
     except QueueFull as exc:
         raise APIError(429, f"server busy: {exc}; retry later") from None
     except RuntimeError as exc:
         raise APIError(503, f"server unavailable: {exc}") from None
-    _metrics(request).prompt(len(prompt_ids))
+    for ids in prompts:
+        _metrics(request).prompt(len(ids))
     return stream
+
+
+def _params(service: ModelService, body: Body, max_tokens: int) -> SamplingParams:
+    """The request's sampling; fields it leaves out take the model's generation_config.json,
+    else OpenAI's defaults."""
+    model = service.llm.sampling_defaults
+
+    def pick(value: float | None, name: str, default: float) -> float:
+        return float(value if value is not None else model.get(name, default))
+
+    top_k = body.top_k if body.top_k is not None else int(model.get("top_k", 0))
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=_temperature(body.temperature if body.temperature is not None
+                                 else model.get("temperature")),
+        top_p=pick(body.top_p, "top_p", 1.0),
+        top_k=max(top_k, 0),
+        seed=body.seed,
+        stop=tuple(body.stops),
+        min_p=pick(body.min_p, "min_p", 0.0),
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=pick(body.repetition_penalty, "repetition_penalty", 1.0),
+        logprobs=body.token_logprobs,
+        prompt_logprobs=body.prompt_logprobs,
+    )
 
 
 def _temperature(value: float | None) -> float:
@@ -199,14 +226,14 @@ def _observer(metrics: Metrics, started: float) -> Callable[[Event], None]:
     return observe
 
 
-async def _collect(
-    request: Request, stream: EventStream, observe: Callable[[Event], None]
-) -> tuple[str, Event]:
-    """The whole answer; cancels the request if the client goes away while waiting."""
-    parts: list[str] = []
+async def _collect(request: Request, stream: EventStream, observe: Callable[[Event], None],
+                   n: int, count: int | None = None) -> responses.Choices:
+    """Every choice's whole answer; cancels the request if the client goes away while
+    waiting, or when a choice fails."""
+    choices = responses.Choices(count or n, n)
     check_at = time.monotonic() + DISCONNECT_POLL_S
     try:
-        while True:
+        while not stream.finished:
             try:
                 event = await stream.next(DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
@@ -218,13 +245,11 @@ async def _collect(
             if event is None:
                 continue
             observe(event)
-            parts.append(event.text)
-            if event.finish_reason is not None:
-                break
+            choices.add(event)
+            _raise_for_failure(event)
     finally:
         stream.cancel()
-    _raise_for_failure(event)
-    return "".join(parts), event
+    return choices
 
 
 def _raise_for_failure(event: Event) -> None:
@@ -245,44 +270,3 @@ def _sse(chunks: AsyncIterator[dict[str, Any]], stream: EventStream) -> Streamin
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(lines(), media_type="text/event-stream", headers=headers)
-
-
-def _stream_error(event: Event) -> dict[str, Any]:
-    status = 500 if event.finish_reason == "error" else 503
-    message = f"generation failed: {event.error}" if status == 500 else "server shutting down"
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": status}}
-
-
-async def _chat_chunks(
-    rid: str, body: Body, stream: EventStream, observe: Callable[[Event], None]
-) -> AsyncIterator[dict[str, Any]]:
-    yield protocol.chat_chunk(rid, body.model, {"role": "assistant", "content": ""})
-    async for event in stream:
-        observe(event)
-        if event.finish_reason in ("error", "cancelled"):
-            yield _stream_error(event)
-            return
-        if event.text:
-            yield protocol.chat_chunk(rid, body.model, {"content": event.text})
-        if event.finish_reason is not None:
-            yield protocol.chat_chunk(rid, body.model, {}, event.finish_reason)
-            if body.include_usage:
-                use = protocol.usage(event.prompt_tokens, event.completion_tokens)
-                yield protocol.chat_chunk(rid, body.model, {}, use=use, with_choice=False)
-
-
-async def _completion_chunks(
-    rid: str, body: Body, stream: EventStream, observe: Callable[[Event], None]
-) -> AsyncIterator[dict[str, Any]]:
-    async for event in stream:
-        observe(event)
-        if event.finish_reason in ("error", "cancelled"):
-            yield _stream_error(event)
-            return
-        if event.text:
-            yield protocol.completion_object(rid, body.model, event.text, None)
-        if event.finish_reason is not None:
-            yield protocol.completion_object(rid, body.model, "", event.finish_reason)
-            if body.include_usage:
-                use = protocol.usage(event.prompt_tokens, event.completion_tokens)
-                yield protocol.completion_object(rid, body.model, "", None, use, with_choice=False)

@@ -10,13 +10,19 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # Hard ceilings that catch absurd values before they reach the engine's own context check.
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 SEED_LIMIT = (1 << 63) - 1
+MAX_CHOICES = 128
+"""`n` at most (the engine's KV slots are the tighter limit, checked per server)."""
+MAX_PROMPTS = 256
+"""Prompts of one completions request at most."""
+MAX_CHAT_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 
 
 class _Request(BaseModel):
@@ -61,8 +67,13 @@ class _Sampling(_Request):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
-    logprobs: Literal[False] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    """Extension (as in vLLM): > 1 discourages tokens of the prompt and the output."""
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    """Extension (as in vLLM)."""
     ignore_eos: bool = False
     """Extension (as in vLLM): generate exactly the token budget; for benchmarks."""
 
@@ -94,6 +105,25 @@ class ChatCompletionRequest(_Sampling):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_LOGPROBS)] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return value
+
+    @property
+    def token_logprobs(self) -> int | None:
+        """Alternatives per generated token (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Chat never scores the prompt."""
+        return None
 
     @property
     def token_budget(self) -> int | None:
@@ -104,26 +134,57 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """POST /v1/completions: one prompt, as text or token ids."""
 
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
-    echo: Literal[False] = False
+    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[Annotated[list[int], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)])
+    """One prompt (text or token ids) or several (choice index = prompt index x n + i)."""
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: bool = False
 
     @property
     def token_budget(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts as a list (one or several)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [prompt]
+        return prompt  # type: ignore[return-value]
+
+    @property
+    def token_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Echo with logprobs scores the prompt from the prefill's logits."""
+        return self.logprobs if self.echo else None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    """The usage block of a response."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    """The usage block of a response (`cached_tokens`: prompt tokens the prefix cache held)."""
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 
@@ -132,25 +193,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def chat_response(
-    rid: str, model: str, text: str, finish_reason: str, use: Usage
-) -> dict[str, Any]:
+def chat_choice(index: int, text: str, finish_reason: str,
+                logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    """One choice of a chat.completion."""
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def chat_response(rid: str, model: str, choices: list[dict[str, Any]],
+                  use: Usage) -> dict[str, Any]:
     """A complete (non-streamed) chat.completion object."""
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason,
-                "logprobs": None,
-            }
-        ],
-        "usage": use.model_dump(),
-    }
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": use.model_dump()}
 
 
 def chat_chunk(
@@ -160,46 +214,31 @@ def chat_chunk(
     finish_reason: str | None = None,
     use: Usage | None = None,
     with_choice: bool = True,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One chat.completion.chunk of a stream; the usage chunk has no choices."""
-    choices = (
-        [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
-        if with_choice
-        else []
-    )
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
+    choices = [{"index": index, "delta": delta, "finish_reason": finish_reason,
+                "logprobs": logprobs}] if with_choice else []
+    chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk",
+                             "created": int(time.time()), "model": model, "choices": choices}
     if use is not None or not with_choice:
         chunk["usage"] = use.model_dump() if use is not None else None
     return chunk
 
 
-def completion_object(
-    rid: str,
-    model: str,
-    text: str,
-    finish_reason: str | None,
-    use: Usage | None = None,
-    with_choice: bool = True,
-) -> dict[str, Any]:
-    """A text_completion object: the whole answer, or one chunk of a stream."""
-    choices = (
-        [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]
-        if with_choice
-        else []
-    )
-    body: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
+def completion_choice(index: int, text: str, finish_reason: str | None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a text_completion (or of one of its chunks)."""
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def completion_object(rid: str, model: str, choices: list[dict[str, Any]],
+                      use: Usage | None = None) -> dict[str, Any]:
+    """A text_completion object: the whole answer, or one chunk of a stream (no choices: the
+    usage chunk)."""
+    body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": int(time.time()),
+                            "model": model, "choices": choices}
     if use is not None:
         body["usage"] = use.model_dump()
     return body

@@ -3,35 +3,46 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
+from hetmoe.engine.request import Event, RequestHandle
 from hetmoe.engine.sampler import SamplingParams
-from hetmoe.engine.scheduler import Event, RequestHandle, Scheduler
+from hetmoe.engine.scheduler import Scheduler
+from hetmoe.server.logprobs import TokenText
 
 if TYPE_CHECKING:
     from hetmoe.engine.engine import LLM
 
 
 class EventStream:
-    """One request's events, delivered from the scheduler thread into the event loop."""
+    """The events of one API request's `choices` choices (its prompts x n), delivered from the
+    scheduler thread into the event loop, each with its choice index."""
 
-    def __init__(self) -> None:
+    def __init__(self, choices: int = 1) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.handle: RequestHandle | None = None
+        self.handles: list[RequestHandle] = []
+        self._left = choices
         self.finished = False
+        """True once every choice has ended."""
 
-    def sink(self, event: Event) -> None:
-        """Called on the scheduler thread."""
+    def sink(self, event: Event, base: int = 0) -> None:
+        """Called on the scheduler thread; `base` + the event's index is the choice index."""
+        if base:
+            event = dataclasses.replace(event, index=base + event.index)
         self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
     async def next(self, timeout: float | None = None) -> Event:
         """The next event (asyncio.TimeoutError after `timeout` seconds)."""
         event = await asyncio.wait_for(self._queue.get(), timeout)
-        self.finished = event.finish_reason is not None
+        if event.finish_reason is not None:
+            self._left -= 1
+            self.finished = self._left <= 0
         return event
 
     async def __aiter__(self) -> AsyncIterator[Event]:
@@ -39,9 +50,10 @@ class EventStream:
             yield await self.next()
 
     def cancel(self) -> None:
-        """Frees the request's slot unless it already finished."""
-        if self.handle is not None and not self.finished:
-            self.handle.cancel()
+        """Frees the requests' slots unless they already finished."""
+        if not self.finished:
+            for handle in self.handles:
+                handle.cancel()
 
 
 class ModelService:
@@ -55,6 +67,8 @@ class ModelService:
         self.runner = llm.runner
         # The tokenizer is used from the event loop (encode) and the scheduler thread (decode).
         self._tokenizer_lock = threading.Lock()
+        self.token_text = TokenText(llm.tokenizer, llm.decode, self._tokenizer_lock)
+        """Token id -> (text, bytes), for log-probabilities."""
         # The LLM's one loop, now on a thread: `llm.generate` shares its batches.
         self.scheduler: Scheduler = llm.start_loop(max_queue, self._decode)
 
@@ -79,13 +93,24 @@ class ModelService:
         with self._tokenizer_lock:
             return list(self.llm.encode(prompt))
 
-    def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams, ignore_eos: bool = False
-    ) -> EventStream:
-        """Queues a request (QueueFull, ValueError and RuntimeError pass through)."""
-        stream = EventStream()
-        stream.handle = self.scheduler.submit(prompt_ids, params, stream.sink, ignore_eos)
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+               ignore_eos: bool = False, n: int = 1) -> EventStream:
+        """Queues `n` choices of each prompt (choice index = prompt index x n + i); if one
+        cannot be queued, those queued before it are cancelled (QueueFull, ValueError and
+        RuntimeError pass through)."""
+        stream = EventStream(len(prompts) * n)
+        try:
+            for p, ids in enumerate(prompts):
+                sink = functools.partial(stream.sink, base=p * n)
+                stream.handles.append(self.scheduler.submit(ids, params, sink, ignore_eos, n=n))
+        except BaseException:
+            stream.cancel()
+            raise
         return stream
+
+    def text(self, token_ids: Sequence[int]) -> str:
+        """Text of token ids (an echoed prompt given as ids)."""
+        return self._decode(list(token_ids))
 
     def close(self) -> None:
         """Stops the scheduler thread (requests in flight end as cancelled)."""
