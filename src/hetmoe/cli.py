@@ -210,6 +210,9 @@ def serve(
     experts: ExpertsOpt = None,
     deferred: DeferredOpt = _DEFAULTS.deferred,
     gpu_prefill_min_tokens: GpuPrefillOpt = _DEFAULTS.gpu_prefill_min_tokens or 0,
+    prefix_cache: Annotated[bool, typer.Option(
+        "--prefix-cache/--no-prefix-cache",
+        help="Reuse earlier requests' KV for prompts that start alike")] = _DEFAULTS.prefix_cache,
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve MODEL over an OpenAI-style API.
@@ -227,7 +230,8 @@ def serve(
         fail(exc)
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
                    deferred=deferred, verbose=verbose,
-                   gpu_prefill_min_tokens=gpu_prefill_min_tokens or None, max_batch=max_batch)
+                   gpu_prefill_min_tokens=gpu_prefill_min_tokens or None, max_batch=max_batch,
+                   prefix_cache=prefix_cache)
     serve_app(llm, config.model_name or model, config)
 
 

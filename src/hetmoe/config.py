@@ -51,6 +51,9 @@ class EngineConfig:
     graph_split_layer: int = 4
     """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond
     the last layer: one graph), so the GPU starts while the CPU still launches the rest."""
+    prefix_cache: bool = True
+    """Reuse the KV cache of earlier requests (kept in their slots) for a new prompt that starts
+    with the same tokens; exact (engine/prefix_cache.py)."""
     verbose: bool = False
     """Print the injection report (what was replaced, on which device) after loading."""
     progress: bool = True

@@ -99,3 +99,25 @@ def test_stop_list_ends_every_choice(server: LiveServer) -> None:
             assert choice.text == whole.text[: min(hits)] and choice.finish_reason == "stop"
         else:
             assert choice.text == whole.text
+
+
+def test_second_turn_hits_the_prefix_cache_with_identical_output(server: LiveServer,
+                                                                 oracle: LLM) -> None:
+    client = server.openai()
+    first = [{"role": "user", "content": "Where do the gulls go when it storms?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=first, max_tokens=10,
+                                           temperature=0)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "And the fishermen?"}]
+    answer = client.chat.completions.create(model=MODEL, messages=second, max_tokens=12,
+                                            temperature=0)
+    prompt = server.service.chat_ids([(m["role"], m["content"]) for m in second])
+    assert answer.usage.prompt_tokens == len(prompt)
+    cached = answer.usage.prompt_tokens_details.cached_tokens
+    assert len(server.service.chat_ids([("user", first[0]["content"])])) <= cached < len(prompt)
+    oracle.scheduler.prefix.enabled = False
+    try:
+        fresh = oracle.generate(prompt, max_new_tokens=12)
+    finally:
+        oracle.scheduler.prefix.enabled = True
+    assert answer.choices[0].message.content == fresh.text

@@ -189,9 +189,10 @@ def test_each_decode_step_is_one_moe_call_per_layer_for_the_whole_batch(llm: LLM
 
     hooks = [m.register_forward_hook(count) for m in moe_layers]
     # Driven in this thread: both requests are queued before the first step (a loop thread
-    # could start decoding the first one alone).
+    # could start decoding the first one alone). Whole prompts prefilled (no prefix cache):
+    # prefill calls are told apart by their size.
     scheduler = Scheduler(llm.runner, llm.decode, llm.eos_token_ids, max_queue=2,
-                          threaded=False)
+                          threaded=False, prefix_cache=False)
     try:
         sinks = [Collector(), Collector()]
         for sink, prompt in zip(sinks, ["Hello there", "What is your name?"], strict=True):

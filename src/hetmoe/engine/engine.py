@@ -210,7 +210,7 @@ class LLM:
     def _local_loop(self) -> Scheduler:
         # No server: the caller's own requests only, so no queue limit (a batch may be large).
         return Scheduler(self.runner, self.decode, self.eos_token_ids, max_queue=2**31,
-                         threaded=False)
+                         threaded=False, prefix_cache=self.options.prefix_cache)
 
     def start_loop(self, max_queue: int = 64,
                    decode: Callable[[list[int]], str] | None = None) -> Scheduler:
@@ -219,7 +219,8 @@ class LLM:
         that thread (default: `self.decode`)."""
         self.scheduler.stop()
         self.scheduler = Scheduler(self.runner, decode or self.decode, self.eos_token_ids,
-                                   max_queue, threaded=True)
+                                   max_queue, threaded=True,
+                                   prefix_cache=self.options.prefix_cache)
         return self.scheduler
 
     def stop_loop(self) -> None:
@@ -307,7 +308,8 @@ class _Collected:
             raise RuntimeError(f"generation failed: {last.error}")
         logprobs = self.logprobs if params.logprobs is not None else None
         return GenerationOutput("".join(self.text), self.tokens, last.finish_reason,
-                                len(self.prompt), logprobs, self.prompt_logprobs)
+                                len(self.prompt), logprobs, self.prompt_logprobs,
+                                last.cached_tokens)
 
 
 def _params(params: SamplingParams | None, sampling: dict[str, Any]) -> SamplingParams:

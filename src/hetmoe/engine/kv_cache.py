@@ -30,13 +30,28 @@ class StaticKVCache:
         self.lengths = [0] * max_batch
         """Tokens cached per slot."""
         self._free = list(range(max_batch - 1, -1, -1))
+        self.allocations = [0] * max_batch
+        """Times each slot was allocated: a prefix cache entry is valid while it is unchanged."""
 
-    def allocate(self) -> int:
-        """A free slot (its length reset to 0); RuntimeError when all are in use."""
+    @property
+    def free_slots(self) -> list[int]:
+        """Slots not in use (their cache still holds what their last user left)."""
+        return list(self._free)
+
+    def allocate(self, slot: int | None = None, keep: int = 0) -> int:
+        """A free slot (`slot` if given) holding its first `keep` cached tokens (0: empty);
+        RuntimeError when all are in use, ValueError when `slot` is not free."""
         if not self._free:
             raise RuntimeError(f"all {self.max_batch} KV-cache slots are in use (max_batch)")
-        slot = self._free.pop()
-        self.lengths[slot] = 0
+        if slot is None:
+            slot = self._free[-1]
+        if slot not in self._free:
+            raise ValueError(f"KV-cache slot {slot} is not free")
+        if not 0 <= keep <= self.lengths[slot]:
+            raise ValueError(f"slot {slot} holds {self.lengths[slot]} tokens, cannot keep {keep}")
+        self._free.remove(slot)
+        self.allocations[slot] += 1
+        self.lengths[slot] = keep
         return slot
 
     def free(self, slot: int) -> None:

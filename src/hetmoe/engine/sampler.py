@@ -124,6 +124,9 @@ class GenerationOutput:
     """One per generated token, when `logprobs` was asked for."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """One per prompt token (None for the first), when `prompt_logprobs` was asked for."""
+    cached_tokens: int = dataclasses.field(default=0, compare=False)
+    """Prompt tokens whose KV the prefix cache held (not prefilled again; not compared: the
+    same output comes with or without the cache)."""
 
 
 class Sampler:

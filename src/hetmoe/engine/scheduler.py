@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from hetmoe.engine.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
+from hetmoe.engine.prefix_cache import PrefixCache
 from hetmoe.engine.request import Event, QueueFull, Request, RequestHandle
 from hetmoe.engine.sampler import Sampler, SamplingParams
 from hetmoe.engine.step import StepPlan
@@ -48,10 +49,12 @@ class Scheduler:
         eos_token_ids: Sequence[int] | frozenset[int],
         max_queue: int = 64,
         threaded: bool = True,
+        prefix_cache: bool = True,
     ) -> None:
         """`threaded`: run the loop on a thread of its own (a server); else the caller drives it
-        with `run_once`."""
+        with `run_once`. `prefix_cache`: reuse earlier requests' KV (engine/prefix_cache.py)."""
         self.runner = runner
+        self.prefix = PrefixCache(runner.cache, prefix_cache)
         self.max_queue = max_queue
         self._decode_text = decode_text
         self._eos = frozenset(eos_token_ids)
@@ -182,7 +185,7 @@ class Scheduler:
         except Exception as exc:  # a failed batched decode fails its rows, never the loop
             log.exception("a decode step failed")
             for request in list(self._running):
-                self._release(request)
+                self._release(request, failed=True)
                 self._finish(request, "error", f"{type(exc).__name__}: {exc}")
 
     def _drain(self) -> None:
@@ -206,26 +209,35 @@ class Scheduler:
             self._decode(batch)
 
     def _prefill(self, first: Request) -> None:
-        """Prefills a request once into its first choice's slot, copies the prompt's KV into
-        the other choices' slots, and samples each choice's first token."""
+        """Prefills a request once into its first choice's slot (after the prefix the cache
+        holds), copies the prompt's KV into the other choices' slots, and samples each choice's
+        first token."""
         group = [r for r in first.group if r in self._running]
         ids = first.prompt_ids
         scored: tuple[TokenLogprob | None, ...] | None = None
+        cache, top = self.runner.cache, first.params.prompt_logprobs
         try:
+            place = self.prefix.place(ids, reuse=top is None)  # echo scores every position
+            slot = first.slot = cache.allocate(place.slot, place.kept)
+            if place.copied:
+                self.runner.settle()
+                cache.copy(place.source, slot, place.copied)
             for request in group:
-                request.slot = self.runner.cache.allocate()
-            top = first.params.prompt_logprobs
+                request.cached_tokens = place.cached
             if top is None:
-                logits = self.runner.prefill(group[0].slot, ids)  # [V]
+                logits = self.runner.prefill(slot, ids[place.cached:], place.cached)  # [V]
             else:
-                every = self.runner.prefill_logits(group[0].slot, ids)  # [T, V]
+                every = self.runner.prefill_logits(slot, ids)  # [T, V]
                 scored = tuple(prompt_logprobs(every, ids, top))
                 logits = every[-1]
+            self.prefix.hold(slot, ids)
             for request in group[1:]:  # the prefill settled any step launched ahead
-                self.runner.cache.copy(group[0].slot, request.slot, len(ids))
+                request.slot = cache.allocate(self.prefix.place(ids, reuse=False).slot)
+                cache.copy(slot, request.slot, len(ids))
+                self.prefix.hold(request.slot, ids)
         except Exception as exc:  # this prompt's failure is its own, not the batch's
             for request in group:
-                self._release(request)
+                self._release(request, failed=True)
                 self._finish(request, "error", f"{type(exc).__name__}: {exc}")
             return
         rows = logits[None].expand(len(group), -1)  # [n, V], a view
@@ -288,11 +300,14 @@ class Scheduler:
             self._release(request)
         self._emit(request, event)
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, failed: bool = False) -> None:
+        """Frees the request's slot; its KV stays for the prefix cache unless it `failed`."""
         with self._wake:
             self._running.remove(request)
         if request.slot >= 0:
             self.runner.free(request.slot)
+            held = None if failed else request.prompt_ids + request.output_ids
+            self.prefix.release(request.slot, held)
             request.slot = -1
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
