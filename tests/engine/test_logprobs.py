@@ -10,6 +10,7 @@ from sampling_reference import penalized_reference
 from hetmoe import LLM
 from hetmoe.engine.logprobs import prompt_logprobs, token_logprobs
 from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.step import StepOutput, StepPlan
 
 PROMPT = "Hello! The harbour town woke slowly that morning."
 
@@ -103,3 +104,23 @@ def test_params_and_keywords_are_checked(llm_of) -> None:
         llm.generate(PROMPT, SamplingParams(), top_k=3)
     with pytest.raises(TypeError, match="params must be a SamplingParams .* got int"):
         llm.generate(PROMPT, 8)  # type: ignore[call-overload]
+
+
+def test_only_requests_that_need_logits_leave_the_greedy_fast_path(
+    llm_of, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm: LLM = llm_of("qwen3_moe")
+    greedy_flags: list[bool] = []
+    step = llm.runner.step
+
+    def recorded(plan: StepPlan) -> StepOutput:
+        greedy_flags.append(plan.greedy)
+        return step(plan)
+
+    monkeypatch.setattr(llm.runner, "step", recorded)
+    llm.generate(PROMPT, max_new_tokens=4)
+    assert greedy_flags == [True] * 3  # argmax tokens only
+    for asks in ({"logprobs": 0}, {"presence_penalty": 0.5}, {"temperature": 1.0}):
+        greedy_flags.clear()
+        llm.generate(PROMPT, max_new_tokens=4, **asks)
+        assert greedy_flags == [False] * 3, asks  # logits for the sampler / log_softmax
