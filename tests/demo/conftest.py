@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from hetmoe.loading.gguf import GGUFLlama, open_gguf
+from hetmoe.loading.gguf import GGUFFile, open_gguf
 from hetmoe.presets.demo import build_demo, smollm2_gguf
 
 
@@ -29,7 +29,7 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2(gguf_path: Path) -> GGUFLlama:
+def smollm2(gguf_path: Path) -> GGUFFile:
     """The GGUF opened by our reader (metadata decoded once per session)."""
     return open_gguf(gguf_path)
 

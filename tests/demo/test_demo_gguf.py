@@ -15,7 +15,7 @@ pytest.importorskip("gguf", reason="the GGUF reader needs the gguf package: pip 
 
 
 def test_tensors_equal_transformers_gguf_loader(smollm2, dense):
-    mine = dict(smollm2.tensors())
+    mine = dict(smollm2.llama_tensors())
     ref = dense.state_dict()
     # SmolLM2 ties lm_head to the embeddings: the GGUF has no `output` tensor.
     assert dense.config.tie_word_embeddings
@@ -96,7 +96,7 @@ def test_unknown_tensor_names_are_refused(tmp_path):
     tensors = {"blk.0.ffn_gate_exps.weight": np.zeros((16, 8), np.float32)}
     path = _write_gguf(tmp_path / "m.gguf", "llama", tensors, **_tiny_llama_fields())
     with pytest.raises(ValueError, match=r"tensor 'blk\.0\.ffn_gate_exps\.weight' has no HF name"):
-        list(open_gguf(path).tensors())
+        list(open_gguf(path).llama_tensors())
 
 
 def test_missing_fields_and_unsupported_tokenizers_are_named(tmp_path):

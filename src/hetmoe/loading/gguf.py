@@ -1,8 +1,8 @@
-"""GGUF reader for llama-architecture checkpoints: metadata, dequantized tensors under HF names, and
-the tokenizer rebuilt as a HF `tokenizers` object.
+"""A GGUF file opened for reading: metadata, tensors dequantized by the `gguf` package, and (for
+dense llama files, the demo's source) HF names, config and the tokenizer as a `tokenizers` object.
 
-Only what a llama GGUF needs is covered; anything else fails with a message naming the file and
-the field, never with a silently wrong model.
+MoE architectures are mapped to their HF family in `gguf_families.py`. Anything unsupported fails
+with a message naming the file and the field or tensor, never with a silently wrong model.
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from hetmoe.loading.errors import CheckpointError
+
+ARCHITECTURES = ("deepseek2", "llama", "qwen2moe", "qwen3moe")
+"""`general.architecture` values read here (llama with `expert_count`: Mixtral)."""
 
 # GGUF tensor name (after `blk.N.`) -> HF module path (after `model.layers.N.`).
 _LAYER_NAMES = {
@@ -42,8 +47,8 @@ _DIGIT_SPLITTING_PRE = ("smollm",)
 
 
 @dataclass(frozen=True)
-class GGUFLlama:
-    """A llama-architecture GGUF file opened for reading (tensors stay memory-mapped)."""
+class GGUFFile:
+    """A GGUF file opened for reading (tensors stay memory-mapped until read)."""
 
     path: Path
     """The .gguf file."""
@@ -57,6 +62,33 @@ class GGUFLlama:
         if key not in self.metadata:
             raise KeyError(f"{self.path}: GGUF field {key!r} is missing")
         return self.metadata[key]
+
+    @property
+    def arch(self) -> str:
+        """`general.architecture`."""
+        return str(self.field("general.architecture"))
+
+    def arch_field(self, key: str, default: Any = KeyError) -> Any:
+        """The field `<arch>.<key>`; `default` when absent, else a KeyError naming the file."""
+        full = f"{self.arch}.{key}"
+        if full not in self.metadata and default is not KeyError:
+            return default
+        return self.field(full)
+
+    def read(self, tensor: Any) -> torch.Tensor:
+        """One `reader.tensors` entry as an fp32 tensor in HF (row-major, numpy) order: quantized
+        blocks dequantized by `gguf.quants.dequantize`; a type it lacks is named with the file."""
+        from gguf.quants import dequantize
+
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise CheckpointError(
+                f"{self.path}: tensor {tensor.name!r} has quantization type "
+                f"{tensor.tensor_type.name}, which the gguf package cannot dequantize ({exc})"
+            ) from None
+        # A copy: F32 tensors come back as read-only views of the memory map.
+        return torch.from_numpy(np.array(array, dtype=np.float32))
 
     def llama_config(self) -> dict[str, Any]:
         """HF `LlamaConfig` fields equivalent to the GGUF hyper-parameters."""
@@ -84,22 +116,18 @@ class GGUFLlama:
             "pad_token_id": self.metadata.get("tokenizer.ggml.padding_token_id"),
         }
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, fp32 tensor in HF layout) for every tensor; quantized blocks are dequantized
-        and llama.cpp's rotary row order of q/k is undone."""
-        from gguf.quants import dequantize
-
+    def llama_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, fp32 tensor in HF layout) for every tensor of a dense llama file; quantized
+        blocks are dequantized and llama.cpp's rotary row order of q/k is undone."""
         config = self.llama_config()
         heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         for tensor in self.reader.tensors:
             name = _hf_name(self.path, tensor.name)
-            # A copy: F32 tensors come back as read-only views of the memory map.
-            array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-            weight = torch.from_numpy(array)  # [out, in], HF order
+            weight = self.read(tensor)  # [out, in], HF order
             if name.endswith("q_proj.weight"):
-                weight = _unpermute_rotary_rows(weight, heads)
+                weight = unpermute_rotary_rows(weight, heads)
             elif name.endswith("k_proj.weight"):
-                weight = _unpermute_rotary_rows(weight, kv_heads)
+                weight = unpermute_rotary_rows(weight, kv_heads)
             yield name, weight
 
     def tokenizer(self) -> Tokenizer:
@@ -127,17 +155,21 @@ class GGUFLlama:
         return tok
 
 
-def open_gguf(path: str | Path) -> GGUFLlama:
-    """Reads the metadata of a llama-architecture GGUF file (tensors are read lazily)."""
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Reads the metadata of a GGUF file of one of `ARCHITECTURES` (tensors are read lazily)."""
     from gguf import GGUFReader
 
     path = Path(path)
-    reader = GGUFReader(path)
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({exc})") from None
     metadata = {key: value.contents() for key, value in reader.fields.items()}
     arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: general.architecture is {arch!r}, expected 'llama'")
-    return GGUFLlama(path=path, metadata=metadata, reader=reader)
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: general.architecture is {arch!r}, expected one of "
+                              f"{', '.join(repr(a) for a in ARCHITECTURES)}")
+    return GGUFFile(path=path, metadata=metadata, reader=reader)
 
 
 def _hf_name(path: Path, gguf_name: str) -> str:
@@ -153,7 +185,7 @@ def _hf_name(path: Path, gguf_name: str) -> str:
     raise ValueError(f"{path}: tensor {gguf_name!r} has no HF name in the llama name map")
 
 
-def _unpermute_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+def unpermute_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp stores each head's q/k rows interleaved (pairs for its rotary kernel); HF keeps
     the two rotary halves apart. [heads*D, H] -> same shape, rows reordered per head."""
     rows, cols = weight.shape

