@@ -81,6 +81,9 @@ def gguf_config(g: GGUFFile) -> Any:
 
 def _config_fields(g: GGUFFile) -> tuple[str, dict[str, Any]]:
     arch, names = g.arch, {t.name for t in g.reader.tensors}
+    if arch == "llama" and "llama.expert_count" not in g.metadata:
+        raise CheckpointError(f"{g.path}: a llama GGUF without field 'llama.expert_count' is a "
+                              "dense model; hetmoe runs MoE models (llama with experts: Mixtral)")
     if "token_embd.weight" not in names:
         raise CheckpointError(f"{g.path}: tensor 'token_embd.weight' is missing")
     heads = int(g.arch_field("attention.head_count"))
@@ -101,10 +104,6 @@ def _config_fields(g: GGUFFile) -> tuple[str, dict[str, Any]]:
            for t in ("bos", "eos", "pad") if f"tokenizer.ggml.{t}_token_id" in g.metadata},
     }
     if arch == "llama":
-        if f"{arch}.expert_count" not in g.metadata:
-            raise CheckpointError(f"{g.path}: a llama GGUF without field 'llama.expert_count' "
-                                  "is a dense model; hetmoe runs MoE models (llama with "
-                                  "experts: Mixtral)")
         head_dim = int(g.arch_field("rope.dimension_count", common["hidden_size"] // heads))
         return "mixtral", {**common, "head_dim": head_dim, "sliding_window": None,
                            "num_local_experts": int(g.arch_field("expert_count"))}

@@ -1,0 +1,71 @@
+"""MoE GGUF files written by llama.cpp's own converter from baby HF models of every family: our
+engine on the GGUF gives transformers' logits on the HF weights (F32: to rounding; Q8_0: within
+8-bit quantization error), and every weight is the original, dequantized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from baby import assert_logits_close, reference_logits, reference_model
+from llama_converter import convert, converter_dir
+
+from hetmoe import LLM
+from hetmoe.loading import Checkpoint
+from hetmoe.loading.gguf import open_gguf
+from hetmoe.loading.gguf_checkpoint import write_checkpoint
+from hetmoe.presets.tiny import FAMILIES
+
+pytestmark = [
+    pytest.mark.skipif(not (converter_dir() / "convert_hf_to_gguf.py").is_file(),
+                       reason=f"llama.cpp's converter is not unpacked at {converter_dir()} "
+                              "(.ci/run does it; or set HETMOE_LLAMA_CPP_SRC)"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "deepseek_v2": "deepseek2",
+        "deepseek_v3": "deepseek2", "mixtral": "llama"}
+IDS = [0, 7, 42, 99, 123, 200, 301, 17, 64, 88, 250, 400, 3, 511, 256, 128]
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_logits_equal_transformers(family: str, outtype: str, tiny_dir, tmp_path: Path
+                                        ) -> None:
+    source = tiny_dir(family)
+    gguf = convert(source, tmp_path / "model.gguf", outtype)
+    assert open_gguf(gguf).arch == ARCH[family]
+    out = write_checkpoint(gguf, tmp_path / "checkpoint", progress=False)
+    assert Checkpoint.open(out).family.model_type == family
+    _assert_weights_close(_weights(out), _weights(source), exact=outtype == "f32")
+    llm = LLM(out, device="cpu", dtype="float32", experts="torch", progress=False)
+    ours, original = llm.logits(IDS), reference_logits(reference_model(source), IDS)  # [T, V]
+    if outtype == "f32":
+        assert_logits_close(ours, original, atol=1e-4)
+        return
+    # Q8_0: transformers on the same dequantized weights is the oracle; the original model's
+    # top-1 stays mostly the same.
+    assert_logits_close(ours, reference_logits(reference_model(out), IDS), atol=1e-4)
+    assert (ours.argmax(-1) == original.argmax(-1)).float().mean() >= 0.75
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                          exact: bool) -> None:
+    """Every HF tensor back from the GGUF: equal (F32), or within half a Q8_0 step of the original
+    (step = absmax of its block of 32 along the row / 127, stored in fp16: 0.57 steps)."""
+    # A tied lm_head is left out of the GGUF (and of what we write): transformers re-ties it.
+    assert set(got) == set(want) - ({"lm_head.weight"} - set(got)), set(got) ^ set(want)
+    for name, tensor in got.items():
+        ref = want[name].float()
+        if exact or tensor.dim() < 2 or torch.equal(tensor, ref):
+            assert torch.equal(tensor, ref), name
+            continue
+        blocks = ref.reshape(-1, 32)
+        bound = blocks.abs().amax(-1, keepdim=True) / 127 * 0.57 + 1e-7
+        assert ((tensor.reshape(-1, 32) - blocks).abs() <= bound).all(), name
