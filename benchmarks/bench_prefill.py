@@ -63,7 +63,7 @@ def distinct_experts(runner: ModelRunner, ids: list[int], chunk: int = 512) -> l
 def resident_compute_s(streamer: LayerStreamer, tokens: int, top_k: int, hidden: int) -> float:
     """GPU seconds of a pass's expert work with the weights already on the GPU: layer 0's
     unpack + grouped GEMM on `tokens` random rows, median of 5, times the MoE layers."""
-    streamer.begin()
+    streamer.begin(tokens, top_k, split=False)
     torch.cuda.current_stream().wait_event(streamer.copied[0])
     moe = streamer.cpu[0]
     g = torch.Generator(device="cuda").manual_seed(tokens)
@@ -91,7 +91,8 @@ def plot(rows: list[dict[str, Any]], peer: list[dict[str, Any]], path: Path, tit
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lengths = [r["tokens"] for r in rows]
     for key, label in (("auto_tok_s", "hetmoe (auto)"), ("gpu_tok_s", "hetmoe GPU stream"),
-                       ("cpu_tok_s", "hetmoe CPU"), ("pcie_floor_tok_s", "PCIe floor")):
+                       ("split_tok_s", "hetmoe CPU+GPU split"), ("cpu_tok_s", "hetmoe CPU"),
+                       ("pcie_floor_tok_s", "PCIe floor")):
         points = [(n, r[key]) for n, r in zip(lengths, rows, strict=True) if r.get(key)]
         if points:
             style = "--" if key == "pcie_floor_tok_s" else "-o"
@@ -115,6 +116,8 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--lengths", default="128,512,1024,2048,4096,8192,16384")
     parser.add_argument("--cpu-max", type=int, default=4096, help="longest prompt timed on CPU")
+    parser.add_argument("--split-max", type=int, default=8192,
+                        help="longest prompt timed with every layer split between CPU and GPU")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--llamacpp", type=Path, help="JSON rows [{label, tokens, tok_s}]")
     parser.add_argument("--out", type=Path, required=True)
@@ -136,10 +139,12 @@ def main() -> None:
     rows = []
     for n in lengths:
         row: dict[str, Any] = {"tokens": n}
-        for name, least in (("auto", auto.gpu_prefill_min_tokens), ("gpu", 1), ("cpu", None)):
-            if name == "cpu" and n > args.cpu_max:
+        for name, least, split in (("auto", auto.gpu_prefill_min_tokens, auto.prefill_split),
+                                   ("gpu", 1, False), ("split", 1, True), ("cpu", None, None)):
+            if (name == "cpu" and n > args.cpu_max) or (name == "split" and n > args.split_max):
                 continue
-            runner.config = dataclasses.replace(auto, gpu_prefill_min_tokens=least)
+            runner.config = dataclasses.replace(auto, gpu_prefill_min_tokens=least,
+                                                prefill_split=split)
             tok_s = measure.prefill_speed(runner, n, config.vocab_size, args.repeats)
             row[f"{name}_ttft_s"], row[f"{name}_tok_s"] = round(n / tok_s, 4), round(tok_s, 1)
         runner.config = auto
@@ -154,6 +159,8 @@ def main() -> None:
         row["of_pcie_floor"] = round(row["gpu_tok_s"] / row["pcie_floor_tok_s"], 3)
         if "cpu_tok_s" in row:
             row["gpu_over_cpu"] = round(row["gpu_tok_s"] / row["cpu_tok_s"], 2)
+        if "split_tok_s" in row:
+            row["split_over_stream"] = round(row["split_tok_s"] / row["gpu_tok_s"], 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
     chunk_ids = torch.randint(0, config.vocab_size, (4096,), generator=gen).tolist()
@@ -164,6 +171,7 @@ def main() -> None:
         "build_s": round(build_s, 1), "h2d_gb_s": round(h2d / 1e9, 1),
         "packed_bytes_per_pass": overlap.streamer.bytes_per_pass(),
         "grouped_gemm": overlap.streamer.grouped,
+        "split_costs": dataclasses.asdict(overlap.streamer.split_costs()),
         "distinct_experts_per_512": {"mean": round(sum(distinct) / len(distinct), 1),
                                      "min": round(min(distinct), 1),
                                      "max": round(max(distinct), 1)},
@@ -175,13 +183,15 @@ def main() -> None:
         json.dumps(result, indent=1))
     plot(rows, peer, args.out / f"prefill_{args.shape}_{args.weight_format}.png",
          f"{args.shape} {args.weight_format} prefill")
-    print(f"| tokens | auto tok/s | GPU stream | CPU | PCIe floor tok/s | resident compute s "
-          f"| floor / GPU time | "
+    print(f"| tokens | auto tok/s | GPU stream | CPU+GPU split | CPU | PCIe floor tok/s "
+          f"| resident compute s | floor / GPU time | "
           f"(H2D {result['h2d_gb_s']} GB/s, {result['packed_bytes_per_pass'] / 1e9:.1f} GB/pass)")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['tokens']} | {r['auto_tok_s']} | {r['gpu_tok_s']} | {r.get('cpu_tok_s', '')}"
-              f" | {r['pcie_floor_tok_s']} | {r['resident_compute_s']} | {r['gpu_of_floor']} |")
+        print(f"| {r['tokens']} | {r['auto_tok_s']} | {r['gpu_tok_s']} | "
+              f"{r.get('split_tok_s', '')} | {r.get('cpu_tok_s', '')} | {r['pcie_floor_tok_s']} "
+              f"| {r['resident_compute_s']} | {r['gpu_of_floor']} |")
+    print("split costs (s per expert):", result["split_costs"])
     print("distinct experts per layer per 512 tokens:", result["distinct_experts_per_512"])
 
 

@@ -48,6 +48,11 @@ class EngineConfig:
     engine/layer_stream.py); shorter ones on the CPU. The default is the crossover measured on
     an H100 host (docs/benchmarks/prefill.md: CPU faster at 512, GPU 1.7x at 1024). None:
     prefill always on the CPU."""
+    prefill_split: bool | None = None
+    """GPU prefill: split each layer's experts between the CPU (the lightest) and the GPU (the
+    rest, copied once the router has run) instead of streaming every expert ahead
+    (engine/expert_split.py). None: when the costs measured at the first GPU prefill favour
+    it; True: always; False: never."""
     graph_split_layer: int = 4
     """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond
     the last layer: one graph), so the GPU starts while the CPU still launches the rest."""
@@ -76,6 +81,9 @@ class EngineConfig:
         if self.gpu_prefill_min_tokens is not None and self.gpu_prefill_min_tokens < 1:
             raise ValueError(f"option gpu_prefill_min_tokens must be None or positive, got "
                              f"{self.gpu_prefill_min_tokens}")
+        if self.prefill_split not in (None, True, False):
+            raise ValueError(f"option prefill_split must be None (by measured costs), True or "
+                             f"False, got {self.prefill_split!r}")
         if not isinstance(self.graph_split_layer, int) or self.graph_split_layer < 0:
             raise ValueError(f"option graph_split_layer must be an integer >= 0, got "
                              f"{self.graph_split_layer!r}")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hetmoe import LLM
+from hetmoe.engine.expert_split import SplitCosts
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.presets.tiny import FAMILIES
 
@@ -23,11 +24,14 @@ CROSS_BACKEND_ATOL = 0.08
 way; tokens must still agree."""
 
 
-def prefill_both(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill logits [T, V] with the experts on the GPU (streamed), then on the CPU."""
+def prefill_both(runner: ModelRunner, ids: list[int],
+                 split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill logits [T, V] with the experts on the GPU (streamed, or `split` with the CPU),
+    then on the CPU."""
     out = []
     for least in (1, None):
-        runner.config = dataclasses.replace(runner.config, gpu_prefill_min_tokens=least)
+        runner.config = dataclasses.replace(runner.config, gpu_prefill_min_tokens=least,
+                                            prefill_split=split)
         slot = runner.cache.allocate()
         try:
             out.append(runner.prefill_logits(slot, ids).cpu())
@@ -37,13 +41,22 @@ def prefill_both(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, tor
     return out[0], out[1]
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_gpu_prefill_equals_cpu_prefill(family: str, tiny_dir: Callable[..., Path]) -> None:
+def test_gpu_prefill_equals_cpu_prefill(family: str, split: bool,
+                                        tiny_dir: Callable[..., Path]) -> None:
     llm = LLM(tiny_dir(family), device="cuda", dtype="float32", experts="cpu", progress=False,
               max_seq_len=512)
     ids = torch.randint(0, llm.runner.vocab_size, (300,),
                         generator=torch.Generator().manual_seed(1)).tolist()
-    gpu, cpu = prefill_both(llm.runner, ids)
+    if split:  # costs that put experts on both sides
+        overlap = llm.runner.overlap
+        assert overlap is not None and overlap.can_stream()
+        with overlap.streamed(1, split=False):
+            pass  # makes the streamer
+        assert overlap.streamer is not None
+        overlap.streamer.costs = SplitCosts(cpu_fixed=1e-6, cpu_token=2e-7, gpu_expert=3e-6)
+    gpu, cpu = prefill_both(llm.runner, ids, split)
     worst = (gpu - cpu).abs().amax(-1)  # [T]: per position
     # A position where bf16 rounding flips a near-tie of some router differs by more; a wrong
     # layout, expert or weight would move every position.

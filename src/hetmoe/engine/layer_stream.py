@@ -9,16 +9,23 @@ compute is done, so copies overlap compute and the pass is bound by PCIe, not by
 layer's experts are unpacked on the GPU (experts/packed_layout.py) and computed as a grouped
 GEMM over the rows routed to each expert (experts/routed_mlp.py). `GpuLink` is the layer's
 `ops.moe_step.Link`.
+
+A pass of fewer tokens *splits* each layer instead (engine/expert_split.py): once its router has
+run, its lightest experts run on the CPU (through the layer's CPU link, the other ids masked to
+-1) while the rest are copied, packed side by side, and computed on the GPU; experts no token
+chose are neither copied nor computed. The copies then wait for the router, so a pass splits
+only when the costs measured at its first use say that beats streaming every expert ahead.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from hetmoe.engine.expert_split import SplitCosts, measure_cpu_costs, plan_split, prefer_split
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.packed_layout import host_tensor, unpack_group
 from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
@@ -90,6 +97,8 @@ class LayerStreamer:
         if any(m.weight_format not in STREAM_FORMATS for m in cpu):
             raise ValueError(streaming_refusal(cpu, 2**62))
         self.cpu, self.device = list(cpu), device
+        self.costs: SplitCosts | None = None  # measured at the first pass that may split
+        self.split = False  # this pass splits its layers (`begin`)
         self.parts = [m.packed_groups() for m in cpu]
         self.host = [pinned_groups(m) for m in cpu]
         self.layer_bytes = [sum(p.bytes for p in parts) for parts in self.parts]
@@ -109,10 +118,37 @@ class LayerStreamer:
         """Packed expert bytes a prefill pass moves to the GPU."""
         return sum(self.layer_bytes)
 
-    def begin(self) -> None:
-        """Starts a pass: the first two layers' copies."""
-        for i in range(min(2, len(self.cpu))):
-            self._copy(i)
+    def begin(self, tokens: int, top_k: int, split: bool | None = None) -> None:
+        """Starts a pass of `tokens` tokens routed to `top_k` experts each: splits its layers
+        (`split` True, or None and the costs favour it), else queues the first two layers'
+        copies."""
+        if split is None:
+            split = prefer_split(tokens, top_k, self.cpu[0].num_experts, self.split_costs())
+        self.split = split
+        if not self.split:
+            for i in range(min(2, len(self.cpu))):
+                self._copy(i)
+
+    def split_costs(self) -> SplitCosts:
+        """Per-expert costs of each side, measured once: the CPU experts of layer 0, and a copy
+        of its packed experts."""
+        if self.costs is None:
+            fixed, token = measure_cpu_costs(self.cpu[0])
+            self.costs = SplitCosts(fixed, token, self.measure_copy() / self.cpu[0].num_experts)
+            log.info("GPU prefill split costs: %s", self.costs)
+        return self.costs
+
+    def measure_copy(self, repeats: int = 2) -> float:
+        """Seconds to copy layer 0's packed experts to the GPU (best of `repeats`)."""
+        best = float("inf")
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self.copy_stream)
+            self._copy(0)
+            end.record(self.copy_stream)
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        return best
 
     def _copy(self, i: int) -> None:
         """Copies layer i into buffer i % 2 on the copy stream, after that buffer's last use."""
@@ -125,16 +161,19 @@ class LayerStreamer:
                 at += host.numel()
             self.copied[i].record(self.copy_stream)
 
-    def unpacked(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def unpacked(self, i: int, experts: int | None = None) -> list[tuple[torch.Tensor,
+                                                                        torch.Tensor]]:
         """Layer i's experts from its staging buffer (copied there), per NUMA group (gate_up,
-        down) in bf16 (`packed_layout.unpack_group`)."""
+        down) in bf16 (`packed_layout.unpack_group`); `experts`: only the first that many of
+        each group (a split's copies, packed side by side)."""
         buffer, moe, at = self.staging[i % 2], self.cpu[i], 0
+        count = moe.num_experts if experts is None else experts
         groups = []
         for part in self.parts[i]:
-            raw = buffer[at:at + part.bytes].view(moe.num_experts, part.expert_bytes)
+            raw = buffer[at:at + count * part.expert_bytes].view(count, part.expert_bytes)
             groups.append(unpack_group(raw, part, moe.weight_format, moe.hidden,
                                        moe.group_size))
-            at += part.bytes
+            at += count * part.expert_bytes
         return groups
 
     def compute(self, i: int, x: torch.Tensor, ids: torch.Tensor,
@@ -150,23 +189,89 @@ class LayerStreamer:
         return out
 
 
+    def start_split(self, i: int, x: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Splits layer i's experts (see the module docstring): starts the CPU's share and the
+        copies of the GPU's; the returned function queues the GPU's products (after whatever
+        the caller queued meanwhile, e.g. the shared experts), waits for the CPU and returns
+        the layer's routed output [T, H]."""
+        moe = self.cpu[i]
+        counts = torch.bincount(ids.reshape(-1), minlength=moe.num_experts).cpu()  # waits
+        # for the router
+        on_gpu = plan_split(counts, self.split_costs())
+        on_cpu = (counts > 0) & ~on_gpu
+        call = None
+        if on_cpu.any():
+            host_ids = ids.cpu()
+            host_x = x.to("cpu", torch.float32 if x.dtype == torch.float16 else x.dtype)
+            call = moe.submit(host_x, torch.where(on_cpu[host_ids], host_ids, -1),
+                              weights.to("cpu", torch.float32))
+        gpu = on_gpu.nonzero().squeeze(1)  # [G], ascending
+        if len(gpu):
+            self._copy_experts(i, gpu.tolist())
+
+        def finish() -> torch.Tensor:
+            out = None
+            if len(gpu):
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(self.copied[i])
+                local = torch.full((moe.num_experts,), -1, dtype=torch.int64)
+                local[gpu] = torch.arange(len(gpu))
+                out = routed_mlp(x, ids, weights, self.unpacked(i, len(gpu)), self.grouped,
+                                 local.to(self.device, non_blocking=True))
+                self.freed[i % 2].record(stream)
+            if call is not None:
+                cpu_out = moe.sync(call).to(x.device, x.dtype)
+                out = cpu_out if out is None else out + cpu_out
+            return out if out is not None else torch.zeros_like(x)
+
+        return finish
+
+    def _copy_experts(self, i: int, experts: list[int]) -> None:
+        """Copies the packed `experts` (ascending) of layer i side by side into buffer i % 2,
+        each group's after the previous group's, one copy per run of consecutive experts."""
+        runs: list[list[int]] = []
+        for e in experts:
+            if runs and runs[-1][1] == e:
+                runs[-1][1] = e + 1
+            else:
+                runs.append([e, e + 1])
+        buffer, at = self.staging[i % 2], 0
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.freed[i % 2])
+            for part, host in zip(self.parts[i], self.host[i], strict=True):
+                size = part.expert_bytes
+                for first, end in runs:
+                    n = (end - first) * size
+                    buffer[at:at + n].copy_(host[first * size:end * size], non_blocking=True)
+                    at += n
+            self.copied[i].record(self.copy_stream)
+
+
 class GpuLink:
     """`ops.moe_step.Link` of MoE layer i in a GPU prefill pass (no deferral in prefill)."""
 
     def __init__(self, streamer: LayerStreamer, i: int) -> None:
         self.streamer, self.i = streamer, i
         self.out: torch.Tensor | None = None
+        self.pending: Callable[[], torch.Tensor] | None = None  # a split layer's rest
 
     def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               deferred: int = 0) -> None:
         if deferred:
             raise ValueError("GPU prefill does not defer experts")
-        self.out = self.streamer.compute(self.i, x, ids, weights)
+        if self.streamer.split:
+            self.pending = self.streamer.start_split(self.i, x, ids, weights)
+        else:
+            self.out = self.streamer.compute(self.i, x, ids, weights)
 
     def start_packed(self, stage: torch.Tensor, rows: int, deferred: int = 0) -> None:
         raise RuntimeError("GPU prefill runs the HF layers, not the fused decode step")
 
     def finish(self) -> torch.Tensor:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            return pending()
         out, self.out = self.out, None
         if out is None:
             raise RuntimeError("GpuLink.finish without start")

@@ -102,14 +102,16 @@ class MoEOverlap(MoEStep):
         return not self.stream_refusal
 
     @contextmanager
-    def streamed(self) -> Iterator[None]:
-        """A prefill pass whose routed experts run on the GPU, streamed layer by layer (the
-        streamer is made, and the experts' host memory registered, at the first such pass)."""
+    def streamed(self, tokens: int, split: bool | None = None) -> Iterator[None]:
+        """A prefill pass of `tokens` tokens whose routed experts run on the GPU, streamed layer
+        by layer, or split between CPU and GPU (`split`: True, False, None where the costs
+        favour it; `LayerStreamer.begin`). The streamer is made, the experts' host memory
+        registered and the costs measured at the first such pass."""
         if self.streamer is None:
             self.streamer = LayerStreamer([cpu_moe_of(m.experts) for m in self.layers],
                                           self.device)
         self.streaming = True
-        self.streamer.begin()
+        self.streamer.begin(tokens, self.top_k, split)
         try:
             yield
         finally:

@@ -318,13 +318,13 @@ class ModelRunner:
         return self.model.lm_head(hidden if every_position else hidden[-1:]).float()
 
     def _prefill_experts(self, tokens: int) -> contextlib.AbstractContextManager[None]:
-        """Where a prefill of `tokens` computes its routed experts: streamed to the GPU from
-        `EngineConfig.gpu_prefill_min_tokens` on, else on the CPU."""
+        """Where a prefill of `tokens` computes its routed experts: on the GPU (streamed, or
+        split with the CPU) from `EngineConfig.gpu_prefill_min_tokens` on, else on the CPU."""
         least = self.config.gpu_prefill_min_tokens
         overlap = self.overlap
         if overlap is None or least is None or tokens < least or not overlap.can_stream():
             return contextlib.nullcontext()
-        return overlap.streamed()
+        return overlap.streamed(tokens, self.config.prefill_split)
 
     def _forward(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
         """ids [B, S] -> final hidden states [B, S, H] (after the last norm), HF layers."""

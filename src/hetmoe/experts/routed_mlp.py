@@ -21,19 +21,27 @@ def grouped_mm_available(device: torch.device) -> bool:
 
 
 def routed_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-               parts: list[tuple[torch.Tensor, torch.Tensor]], grouped: bool) -> torch.Tensor:
+               parts: list[tuple[torch.Tensor, torch.Tensor]], grouped: bool,
+               local: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], ids [T, K] int64 in [0, E), weights [T, K]; parts: per NUMA group (gate_up
-    [E, 2S, Hp] gate rows first, down [E, Hn, S]; Hp, Hn >= H, zero-padded) bf16 -> [T, H] in
-    x's dtype."""
+    [P, 2S, Hp] gate rows first, down [P, Hn, S]; Hp, Hn >= H, zero-padded) bf16 -> [T, H] in
+    x's dtype. `local` [E] int64: each expert's index in parts, -1 for an expert computed
+    elsewhere (its pairs are left out); None: parts hold every expert (P = E)."""
     t, k = ids.shape
     e, _, hp = parts[0][0].shape
     hn = parts[0][1].shape[1]
     flat = ids.reshape(-1)  # [T K]
+    pairs: torch.Tensor | None = None  # the (token, slot) pairs computed here, if not all
+    if local is not None:
+        flat = local[flat]
+        pairs = (flat >= 0).nonzero().squeeze(1)  # [R]
+        flat = flat[pairs]
     order = torch.argsort(flat, stable=True)
-    token = order // k  # [T K], rows grouped by expert
-    counts = torch.bincount(flat, minlength=e)  # [E]
-    xs = F.pad(x[token].to(torch.bfloat16), (0, hp - x.shape[1]))  # [T K, Hp]
-    y = torch.zeros(t * k, hn, device=x.device, dtype=torch.float32)
+    pair = order if pairs is None else pairs[order]  # [R] into [T K], grouped by expert
+    token = pair // k
+    counts = torch.bincount(flat, minlength=e)  # [P]
+    xs = F.pad(x[token].to(torch.bfloat16), (0, hp - x.shape[1]))  # [R, Hp]
+    y = torch.zeros(flat.shape[0], hn, device=x.device, dtype=torch.float32)
     # As the CPU kernels: bf16 inputs, fp32 accumulation and SiLU, one rounding of the
     # intermediate to bf16 before the down projection.
     if grouped:
@@ -41,7 +49,7 @@ def routed_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         for gate_up, down in parts:
             s = down.shape[2]
             # The grouped GEMM accumulates in fp32 and writes bf16 (its only output dtype).
-            h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends).float()  # [T K, 2S]
+            h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends).float()  # [R, 2S]
             a = (F.silu(h[:, :s]) * h[:, s:]).to(torch.bfloat16)
             y += torch._grouped_mm(a, down.transpose(1, 2), offs=ends).float()
     else:
@@ -55,6 +63,6 @@ def routed_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 h = xs[rows].float() @ gate_up[expert].float().T  # [m, 2S]
                 a = (F.silu(h[:, :s]) * h[:, s:]).to(torch.bfloat16)
                 y[rows] += a.float() @ down[expert].float().T
-    scaled = y[:, :x.shape[1]] * weights.reshape(-1)[order, None].float()
+    scaled = y[:, :x.shape[1]] * weights.reshape(-1)[pair, None].float()
     out = torch.zeros(t, x.shape[1], device=x.device, dtype=torch.float32)
     return out.index_add_(0, token, scaled).to(x.dtype)
