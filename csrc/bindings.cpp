@@ -9,6 +9,7 @@
 #include <string>
 
 #include "dispatch.h"
+#include "moe/backward_job.h"
 #include "moe/moe_layer.h"
 #include "moe/stream_read.h"
 #include "runtime/pool.h"
@@ -200,12 +201,36 @@ void bind_moe_settings(nb::class_<MoELayer>& layer) {
            "slot] in steady-clock ns (see moe_layer.h).");
 }
 
+void bind_moe_backward(nb::class_<MoELayer>& layer) {
+  layer.def("backward", [](MoELayer& l, uintptr_t x, int x_dtype, uintptr_t ids,
+                           uintptr_t weights, int q, int k, uintptr_t dy, uintptr_t dx,
+                           uintptr_t dweights, uintptr_t gpu_mask, uintptr_t loaded,
+                           int threads) {
+    hetmoe::MoEGradCall c;
+    c.x = reinterpret_cast<const void*>(x);
+    c.x_type = hetmoe::DType(x_dtype);
+    c.ids = reinterpret_cast<const int64_t*>(ids);
+    c.weights = reinterpret_cast<const float*>(weights);
+    c.q = q;
+    c.k = k;
+    c.dy = reinterpret_cast<const float*>(dy);
+    c.dx = reinterpret_cast<float*>(dx);
+    c.dweights = reinterpret_cast<float*>(dweights);
+    c.gpu_mask = reinterpret_cast<const uint8_t*>(gpu_mask);
+    c.loaded = reinterpret_cast<const uint8_t*>(loaded);
+    nb::gil_scoped_release release;
+    hetmoe::moe_backward(l, hetmoe::pool_for_threads(threads), c);
+  }, "Routed experts' backward (moe/backward_job.h): dx [q, H] and dweights [q, k] (fp32) "
+     "from x, ids, weights and dy [q, H] fp32; gpu_mask 0 = none, loaded: E uint8 flags.");
+}
+
 void bind_moe(nb::module_& m) {
   nb::class_<MoELayer> layer(m, "MoELayer",
                              "Packed routed experts of one layer and their fused op.");
   bind_moe_weights(layer);
   bind_moe_calls(layer);
   bind_moe_settings(layer);
+  bind_moe_backward(layer);
   m.def("read_bandwidth", [](size_t bytes, int repeats, int threads) {
     nb::gil_scoped_release release;
     return hetmoe::read_bandwidth(hetmoe::pool_for_threads(threads), bytes, repeats);

@@ -1,0 +1,34 @@
+// Backward of the routed experts for training with frozen (packed) weights: given dY of
+// out[q, H] = sum_j w_j * down_e(silu(gate_e x) * up_e x), computes
+//   dx[t]        = sum_j  J_e(x_t)^T (w_j dY_t)     (through down, the SiLU gate and gate/up)
+//   dweights[t,j] = <dY_t, down_e(silu(gate_e x_t) * up_e x_t)>
+// on the layer's packed n-blocks (transposed products, kernels/grad.h). The activations are
+// recomputed from x in fp32 on the same weights, dequantized exactly (no activation rounding).
+#pragma once
+
+#include <cstdint>
+
+#include "moe/moe_layer.h"
+#include "runtime/pool.h"
+
+namespace hetmoe {
+
+struct MoEGradCall {
+  const void* x = nullptr;  // [q, H]
+  DType x_type = DType::kFP32;
+  const int64_t* ids = nullptr;     // [q, k], -1 = skipped
+  const float* weights = nullptr;   // [q, k]
+  int q = 0, k = 0;
+  const float* dy = nullptr;        // [q, H] fp32
+  float* dx = nullptr;              // [q, H] fp32, written
+  float* dweights = nullptr;        // [q, k] fp32, written (0 for skipped slots)
+  const uint8_t* gpu_mask = nullptr;  // num_experts flags (nullable): skipped like -1
+  const uint8_t* loaded = nullptr;    // num_experts flags: a routed expert must be loaded
+};
+
+// Runs on `pool` and returns when done. Kernel family: the layer's max_isa (AMX layers use the
+// AVX-512 kernels: there is no AMX backward yet). Throws std::out_of_range for an id outside
+// [-1, num_experts), std::runtime_error for a routed expert never loaded.
+void moe_backward(const MoELayer& layer, ThreadPool& pool, const MoEGradCall& call);
+
+}  // namespace hetmoe

@@ -1,0 +1,65 @@
+"""The routed experts' backward on the CPU backend's packed weights (csrc/moe/backward_job.h).
+
+Experts are frozen: only the input and the routing weights get gradients. For out[q, H] =
+sum_j w_j * expert_{ids_j}(x), given dY = d loss / d out:
+    dx[t]          = sum_j w_j * J_{e_j}(x_t)^T dY_t   (down, SiLU gate, gate/up transposed)
+    dweights[t, j] = <dY_t, expert_{e_j}(x_t)>
+The C++ job recomputes each expert's activations from x in fp32 on the exactly dequantized
+weights (no activation rounding, unlike the int forward kernels), so both gradients are those of
+the dequantized model. Runs on the process-wide pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hetmoe.experts.cpu_moe import CpuMoE
+
+_X_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+
+
+def expert_backward(moe: CpuMoE, x: torch.Tensor, expert_ids: torch.Tensor,
+                    expert_weights: torch.Tensor,
+                    grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [q, H] float32, dweights [q, k] float32) of `moe.forward(x, ids, weights)` for
+    grad_out [q, H] (any float dtype). Ids of -1 and GPU-marked experts get dweights 0."""
+    where = "expert_backward"
+    for name, t in (("x", x), ("expert_ids", expert_ids), ("expert_weights", expert_weights),
+                    ("grad_out", grad_out)):
+        if not isinstance(t, torch.Tensor) or not t.is_cpu or t.ndim != 2:
+            found = (f"{tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                     else type(t).__name__)
+            raise ValueError(f"{where}: {name} must be a 2-D CPU tensor, found {found}")
+    q, h = x.shape
+    if x.dtype not in _X_DTYPES or h != moe.hidden:
+        raise ValueError(f"{where}: x must be [q, {moe.hidden}] bfloat16 or float32, found "
+                         f"{list(x.shape)} {x.dtype}")
+    if expert_ids.dtype != torch.int64 or expert_ids.shape[0] != q or expert_ids.shape[1] < 1:
+        raise ValueError(f"{where}: expert_ids must be [{q}, k] int64 with k >= 1, found "
+                         f"{list(expert_ids.shape)} {expert_ids.dtype}")
+    if expert_weights.shape != expert_ids.shape or not expert_weights.is_floating_point():
+        raise ValueError(f"{where}: expert_weights must be float of the shape of expert_ids "
+                         f"{list(expert_ids.shape)}, found {list(expert_weights.shape)} "
+                         f"{expert_weights.dtype}")
+    if grad_out.shape != x.shape or not grad_out.is_floating_point():
+        raise ValueError(f"{where}: grad_out must be float {list(x.shape)}, found "
+                         f"{list(grad_out.shape)} {grad_out.dtype}")
+    k = expert_ids.shape[1]
+    dx = torch.empty(q, h, dtype=torch.float32)
+    dweights = torch.empty(q, k, dtype=torch.float32)
+    if q == 0:
+        return dx, dweights
+    x, ids = x.contiguous(), expert_ids.contiguous()
+    weights = expert_weights.to(torch.float32).contiguous()
+    dy = grad_out.to(torch.float32).contiguous()
+    loaded = moe._loaded.to(torch.uint8)
+    mask = moe._gpu_mask
+    try:
+        moe._layer.backward(x.data_ptr(), _X_DTYPES[x.dtype], ids.data_ptr(),
+                            weights.data_ptr(), q, k, dy.data_ptr(), dx.data_ptr(),
+                            dweights.data_ptr(), 0 if mask is None else mask.data_ptr(),
+                            loaded.data_ptr(), 0)
+    except IndexError:
+        moe._check_ids(ids)  # names the first bad id as CpuMoE.forward does
+        raise
+    return dx, dweights
