@@ -140,6 +140,13 @@ void bind_moe_weights(nb::class_<MoELayer>& layer) {
         l.load_expert(e, reinterpret_cast<const void*>(gate), reinterpret_cast<const void*>(up),
                       reinterpret_cast<const void*>(down), hetmoe::SourceType(src_type));
       }, nb::arg("expert"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("src_type"))
+      .def("map_file", [](MoELayer& l, const std::string& path, std::vector<size_t> offsets,
+                          bool populate) {
+        nb::gil_scoped_release release;
+        l.map_file(path, offsets, populate);
+      }, nb::arg("path"), nb::arg("offsets"), nb::arg("populate"),
+         "Serve the experts from read-only mappings of the file (group g at offsets[g]).")
+      .def_prop_ro("mapped", &MoELayer::mapped)
       .def("set_gpu_mask", [](MoELayer& l, uintptr_t mask) {
         l.set_gpu_mask(reinterpret_cast<const uint8_t*>(mask));
       }, nb::arg("mask"), "num_experts uint8 flags (0 clears the mask).")

@@ -1,7 +1,14 @@
 // MoELayer construction, NUMA slicing and parallel packing (a call's job: moe_job.cpp).
 #include "moe/moe_layer.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -75,8 +82,77 @@ void MoELayer::shape_expert(int g, PackedMatrix& gu, PackedMatrix& dn) const {
   dn.k = slice(g);
 }
 
-MoELayer::~MoELayer() {
-  for (size_t g = 0; g < memory_.size(); ++g) numa_free(memory_[g], memory_bytes_[g]);
+MoELayer::~MoELayer() { release_memory(); }
+
+void MoELayer::release_memory() {
+  for (size_t g = 0; g < memory_.size(); ++g) {
+    if (memory_[g] && mapped_) munmap(memory_[g], memory_bytes_[g]);
+    if (memory_[g] && !mapped_) numa_free(memory_[g], memory_bytes_[g]);
+    memory_[g] = nullptr;
+  }
+}
+
+void MoELayer::place_expert(int g, int e) {
+  PackedMatrix& gu = gate_up_[size_t(g) * cfg_.num_experts + e];
+  PackedMatrix& dn = down_[size_t(g) * cfg_.num_experts + e];
+  shape_expert(g, gu, dn);
+  uint8_t* memory = memory_[g] + size_t(e) * expert_bytes_[g];
+  place_packed(gu, memory);
+  place_packed(dn, memory + group_down_offset(g));
+}
+
+namespace {
+
+// Group g's bytes of the open file `fd` at `offset`, mapped read-only (checked against its size).
+uint8_t* map_group(int fd, const std::string& path, int g, size_t offset, size_t bytes,
+                   bool populate) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0)
+    throw std::runtime_error(path + ": cannot stat (" + std::strerror(errno) + ")");
+  const size_t page = size_t(sysconf(_SC_PAGESIZE)), size = size_t(st.st_size);
+  if (offset % page != 0)
+    throw std::invalid_argument(path + ": group " + std::to_string(g) + " offset " +
+                                std::to_string(offset) + " is not page aligned");
+  if (offset + bytes > size)
+    throw std::runtime_error(path + ": group " + std::to_string(g) + " needs bytes [" +
+                             std::to_string(offset) + ", " + std::to_string(offset + bytes) +
+                             "), the file has " + std::to_string(size) + " (truncated?)");
+  void* p = mmap(nullptr, bytes, PROT_READ, MAP_SHARED | (populate ? MAP_POPULATE : 0), fd,
+                 off_t(offset));
+  if (p == MAP_FAILED)
+    throw std::runtime_error(path + ": mmap of group " + std::to_string(g) + " failed (" +
+                             std::strerror(errno) + ")");
+  madvise(p, bytes, MADV_HUGEPAGE);  // best effort: file THP only where the kernel has it
+  return static_cast<uint8_t*>(p);
+}
+
+}  // namespace
+
+void MoELayer::map_file(const std::string& path, const std::vector<size_t>& offsets,
+                        bool populate) {
+  const int G = num_groups();
+  if (int(offsets.size()) != G)
+    throw std::invalid_argument(path + ": " + std::to_string(offsets.size()) +
+                                " group offsets for a layer of " + std::to_string(G) + " groups");
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error(path + ": cannot open (" + std::strerror(errno) + ")");
+  std::vector<uint8_t*> maps(G, nullptr);
+  try {
+    for (int g = 0; g < G; ++g)
+      if (memory_bytes_[g]) maps[g] = map_group(fd, path, g, offsets[g], memory_bytes_[g], populate);
+  } catch (...) {
+    for (int g = 0; g < G; ++g)
+      if (maps[g]) munmap(maps[g], memory_bytes_[g]);
+    close(fd);
+    throw;
+  }
+  close(fd);  // the mappings keep the file
+  release_memory();
+  memory_ = maps;
+  mapped_ = true;
+  for (int g = 0; g < G; ++g)
+    for (int e = 0; slice(g) && e < cfg_.num_experts; ++e) place_expert(g, e);
+  loaded_.assign(cfg_.num_experts, 1);
 }
 
 size_t MoELayer::packed_bytes() const {
@@ -107,16 +183,13 @@ void MoELayer::load_expert(int e, const void* gate, const void* up, const void* 
   if (e < 0 || e >= cfg_.num_experts)
     throw std::out_of_range("load_expert: expert " + std::to_string(e) + " is out of range [0, " +
                             std::to_string(cfg_.num_experts) + ")");
+  if (mapped_)
+    throw std::logic_error("load_expert: this layer's experts are mapped read-only from a file");
   const int H = cfg_.hidden, I = cfg_.intermediate, G = num_groups();
   const size_t elem = type == SourceType::kBF16 ? 2 : 4;
   for (int g = 0; g < G; ++g) {
-    PackedMatrix& gu = gate_up_[size_t(g) * cfg_.num_experts + e];
-    PackedMatrix& dn = down_[size_t(g) * cfg_.num_experts + e];
-    if (gu.blocks || slice(g) == 0) continue;
-    shape_expert(g, gu, dn);
-    uint8_t* memory = memory_[g] + size_t(e) * expert_bytes_[g];
-    place_packed(gu, memory);
-    place_packed(dn, memory + group_down_offset(g));
+    if (gate_up_[size_t(g) * cfg_.num_experts + e].blocks || slice(g) == 0) continue;
+    place_expert(g, e);
   }
   auto bytes = [elem](const void* p, long elements) {
     return static_cast<const uint8_t*>(p) + elements * long(elem);

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "dispatch.h"
@@ -56,6 +57,12 @@ class MoELayer {
   // gate/up: [I, H], down: [H, I], row-major. Packs (and quantizes) on the pool, each NUMA
   // group its own slice on its own node. Reloading an expert overwrites it.
   void load_expert(int e, const void* gate, const void* up, const void* down, SourceType type);
+  // Serves every expert from the file at `path` (written by `hetmoe convert` from
+  // group_memory): group g's mapping is its group_bytes(g) bytes at offsets[g] (page aligned),
+  // mapped read-only in place of the layer's own memory, no copy; with `populate` the pages are
+  // read in now. The mappings live as long as the layer; load_expert is refused afterwards.
+  void map_file(const std::string& path, const std::vector<size_t>& offsets, bool populate);
+  bool mapped() const { return mapped_; }
   // num_experts bytes, nonzero = the expert lives on the GPU (skipped here); nullptr clears.
   void set_gpu_mask(const uint8_t* mask);
 
@@ -121,6 +128,9 @@ class MoELayer {
   int slice(int g) const { return slice_begin_[g + 1] - slice_begin_[g]; }
   // The fields of group g's gate/up and down matrices of one expert (not their memory).
   void shape_expert(int g, PackedMatrix& gu, PackedMatrix& dn) const;
+  // Points group g's matrices of expert e into the group's mapping.
+  void place_expert(int g, int e);
+  void release_memory();
 
   MoEConfig cfg_;
   ThreadPool& pool_;
@@ -133,6 +143,7 @@ class MoELayer {
   std::vector<size_t> memory_bytes_;      // [G]
   std::vector<size_t> expert_bytes_;      // [G]: one expert's gate/up + down in it
   std::vector<uint8_t> loaded_, gpu_mask_;
+  bool mapped_ = false;                   // memory_ are read-only file mappings (map_file)
   bool profile_ = false;
   mutable std::shared_ptr<PhaseClock> last_clock_;
   mutable std::vector<std::shared_ptr<PhaseClock>> timeline_;  // profiled calls

@@ -22,6 +22,7 @@ from hetmoe.engine.model_setup import (
     sampling_defaults,
     share_cores,
 )
+from hetmoe.engine.model_source import check_fits, open_model
 from hetmoe.engine.request import Event
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.engine.sampler import GenerationOutput, SamplingParams, sampling_params
@@ -37,8 +38,10 @@ _DEFAULT_MAX_SEQ_LEN = 4096
 class LLM:
     """A MoE model ready to generate: `generate`, `stream`, `chat`, `logits`.
 
-    `model_path` is a checkpoint directory or a preset name (`tiny-qwen3-moe`, ...); `rules` a
-    YAML rule file (default: the family's shipped rules); `options` are `EngineConfig` fields.
+    `model_path` is a checkpoint directory, a converted directory (`hetmoe convert`: experts
+    mapped, `verify` checks every checksum), a GGUF file (converted once into the cache) or a
+    preset name (`tiny-qwen3-moe`, ...); `rules` a YAML rule file (default: the family's
+    shipped rules); `options` are `EngineConfig` fields.
     """
 
     def __init__(
@@ -46,16 +49,16 @@ class LLM:
         model_path: str | os.PathLike[str],
         device: str | torch.device | None = None,
         rules: str | os.PathLike[str] | None = None,
+        verify: bool = False,
         **options: Any,
     ) -> None:
         from hetmoe.loading import load_model
-        from hetmoe.presets import resolve_model
 
         self.options = EngineConfig.from_options(**options)
         self.device = check_device(device)
         if self.options.experts is not None:
             get_backend(self.options.experts)  # unknown or unusable here: say so before loading
-        self.path = resolve_model(model_path)
+        self.path, converted = open_model(model_path, verify, self.options.progress)
         raw = read_config(self.path)
         self.sampling_defaults = sampling_defaults(self.path)
         """What the checkpoint's generation_config.json recommends (the server's defaults for
@@ -69,6 +72,7 @@ class LLM:
         def inject(model: torch.nn.Module) -> InjectionReport:
             ctx = OpContext(self.device, self.dtype, model.config, self.options.experts)
             self.injection = apply_rules(model, self.rules, ctx)
+            check_fits(model, self.device, self.dtype, self.options, converted)
             return self.injection
 
         loaded = load_model(
@@ -76,6 +80,8 @@ class LLM:
             progress=self.options.progress,
         )
         self.model = loaded.model.eval()
+        if converted is not None:
+            converted.map_experts(self.model)
         check_experts_loaded(self.model, self.path)
         share_cores(self.model, self.device, self.options.torch_threads)
         self.tokenizer = loaded.tokenizer
@@ -174,13 +180,16 @@ class LLM:
         """Whether the tokenizer carries a chat template (`chat` and `chat_prompt` need one)."""
         return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` rendered by the chat template, ready for the reply."""
+    def chat_prompt(self, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of `messages` rendered by the chat template, ready for the reply; `tools`
+        (JSON-schema function definitions) go to the template as its `tools`."""
         tokenizer = self.tokenizer
         if tokenizer is None or not self.has_chat_template:
             raise ValueError(f"the tokenizer of {self.path} has no chat template")
         text = tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
+            list(messages), tools=list(tools) if tools else None, tokenize=False,
+            add_generation_prompt=True,
         )
         return list(tokenizer.encode(text, add_special_tokens=False))
 

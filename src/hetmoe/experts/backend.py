@@ -137,6 +137,11 @@ class ExpertBackend(nn.Module, metaclass=ABCMeta):
                         if p not in have]
         return out
 
+    def mark_loaded(self) -> None:
+        """Every expert is in place (e.g. mapped from a converted model's layer file)."""
+        self._parts.clear()
+        self._loaded = set(range(self.spec.num_experts))
+
     def _add_part(self, expert: int, part: str, tensor: torch.Tensor) -> None:
         parts = self._parts.setdefault(expert, {})
         parts[part] = tensor

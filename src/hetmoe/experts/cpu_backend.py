@@ -25,12 +25,14 @@ class CpuExperts(ExpertBackend):
         device: torch.device,
         dtype: torch.dtype,
         weight_format: str | None = None,
+        group_size: int | None = None,
     ) -> None:
         # The experts live in CPU memory whatever the op's device; the op moves activations.
         super().__init__(spec, torch.device("cpu"), dtype)
         self.moe = CpuMoE(
             spec.num_experts, spec.hidden_size, spec.intermediate_size,
-            weight_format=weight_format or "bf16", activation=spec.activation,
+            weight_format=weight_format or "bf16", group_size=group_size,
+            activation=spec.activation,
         )
         self._call: PendingCall | None = None
         self._out_dtype = dtype

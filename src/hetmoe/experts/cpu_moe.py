@@ -134,7 +134,15 @@ class CpuMoE:
     def packed_groups(self) -> list[PackedGroup]:
         """Where each NUMA group's packed experts lie in host memory (experts/packed_layout.py
         reads them; GPU prefill copies them as they are)."""
-        return [PackedGroup(*self._layer.group_memory(g)) for g in range(self.num_groups)]
+        mapped = bool(self._layer.mapped)
+        return [PackedGroup(*self._layer.group_memory(g), read_only=mapped)  # type: ignore[misc]
+                for g in range(self.num_groups)]
+
+    def map_file(self, path: str, offsets: list[int], populate: bool = False) -> None:
+        """Serves every expert from read-only mappings of `path` (group g's `packed_groups()`
+        bytes at offsets[g], as `hetmoe convert` wrote them): no packing, no copy."""
+        self._layer.map_file(str(path), [int(o) for o in offsets], populate)
+        self._loaded[:] = True
 
     def load(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
              gate_scale: torch.Tensor | None = None, up_scale: torch.Tensor | None = None,

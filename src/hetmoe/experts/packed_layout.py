@@ -43,6 +43,9 @@ class PackedGroup:
     """First intermediate row of the group's slice (padded units)."""
     end: int
     """End of the slice."""
+    read_only: bool = False
+    """A read-only file mapping (a converted model's layer file): never written; registered
+    with the CUDA driver as read-only."""
 
 
 def host_tensor(part: PackedGroup) -> torch.Tensor:

@@ -1,0 +1,45 @@
+"""What `LLM` does with its model argument before loading: GGUF files converted once into the
+cache, converted directories checked, and the memory plan checked against this machine."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetmoe.loading.converted import ConvertedModel, is_converted, open_converted
+
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+def open_model(model: str | os.PathLike[str], verify: bool,
+               progress: bool) -> tuple[Path, ConvertedModel | None]:
+    """The checkpoint directory of `model` (a GGUF file becomes its cached conversion) and,
+    for a converted directory, its checked manifest (`verify`: full checksums too). Bad files
+    are refused here, before any GPU work."""
+    from hetmoe.loading.convert_source import cached_conversion, is_gguf
+    from hetmoe.presets import resolve_model
+
+    path = resolve_model(model)
+    if is_gguf(path):
+        path = cached_conversion(path, progress)
+    return path, open_converted(path, verify) if is_converted(path) else None
+
+
+def check_fits(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+               options: Any, converted: ConvertedModel | None) -> None:
+    """Refuses, before any weight is read, a model whose memory plan exceeds what this machine
+    has free (the numbers in the message); converted experts count in their packed format."""
+    from hetmoe.loading.memory_plan import memory_plan
+
+    config = model.config
+    window = options.max_seq_len or min(
+        int(getattr(config, "max_position_embeddings", DEFAULT_MAX_SEQ_LEN)), DEFAULT_MAX_SEQ_LEN)
+    fmt = converted.weight_format if converted is not None else None
+    group = converted.group_size if converted is not None else None
+    plan = memory_plan(model, device, dtype, config, options.max_batch * window, fmt, group)
+    refusal = plan.refusal()
+    if refusal:
+        raise ValueError(refusal)

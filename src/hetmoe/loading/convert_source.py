@@ -1,0 +1,91 @@
+"""What `convert` and `LLM` accept as a model: a checkpoint directory, a preset, or a GGUF file.
+
+A GGUF file is first written as a float32 HF checkpoint (`gguf_checkpoint.write_checkpoint`,
+exact for every quant type the `gguf` package dequantizes) in `OUT/.gguf-source`, converted from
+there, and the staging removed. `LLM("model.gguf")` converts once into the hetmoe cache dir
+(`cached_conversion`) and then maps that directory like any converted model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+from pathlib import Path
+
+from hetmoe import env
+from hetmoe.loading.convert import ConvertOptions, check_disk, convert
+from hetmoe.loading.converted import MANIFEST
+
+STAGING = ".gguf-source"
+_LOSSLESS = {"F32": "bf16", "F16": "bf16", "BF16": "bf16"}
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` is a file that starts with the GGUF magic."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def default_format(path: Path) -> tuple[str, int | None, str]:
+    """The packed format for a GGUF's routed experts: (format, group, why). F32/F16/BF16 become
+    bf16; Q8_0 int8 in its own 32-wide groups; every other quant type int8 with 32-groups too
+    (a re-quantization of 8 bits over a grid of 6 or fewer: the smallest loss on offer)."""
+    from hetmoe.loading.gguf import open_gguf
+
+    g = open_gguf(path)
+    types = sorted({t.tensor_type.name for t in g.reader.tensors if "_exps" in t.name
+                    or ".ffn_gate." in t.name})
+    if types and all(t in _LOSSLESS for t in types):
+        return "bf16", None, f"{'/'.join(types)} experts: bf16 keeps them"
+    if types == ["Q8_0"]:
+        return "int8", 32, "Q8_0 experts: int8 with 32-wide groups, the same grid"
+    return "int8", 32, f"{'/'.join(types)} experts: int8 with 32-wide groups, nearest on offer"
+
+
+def convert_source(source: str, out: Path, options: ConvertOptions) -> Path:
+    """Converts `source` (directory, preset or GGUF file) into `out`; returns `out`."""
+    from hetmoe.presets import resolve_model
+
+    path = resolve_model(source)
+    if not is_gguf(path):
+        return convert(path, out, options)
+    if (out / MANIFEST).is_file():
+        return out
+    staging = out / STAGING
+    if not (staging / ".complete").is_file():
+        from hetmoe.loading.gguf_checkpoint import write_checkpoint
+
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        check_disk(out, 2 * staging_bytes(path))
+        write_checkpoint(path, staging, progress=options.progress)
+        (staging / ".complete").touch()
+    convert(staging, out, options)
+    shutil.rmtree(staging)
+    return out
+
+
+def staging_bytes(path: Path) -> int:
+    """Bytes of a GGUF's tensors in float32 (the staging checkpoint)."""
+    from hetmoe.loading.gguf import open_gguf
+
+    return sum(int(t.n_elements) * 4 for t in open_gguf(path).reader.tensors)
+
+
+def cached_conversion(path: Path, progress: bool = True) -> Path:
+    """The converted directory of the GGUF at `path` in the cache dir, converted on first use
+    (in the format `default_format` picks, said on stderr)."""
+    stat = path.stat()
+    key = hashlib.blake2b(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode(),
+                          digest_size=6).hexdigest()
+    out = env.cache_dir() / "converted" / f"{path.stem}-{key}"
+    if (out / MANIFEST).is_file():
+        return out
+    fmt, group, why = default_format(path)
+    print(f"hetmoe: converting {path.name} into {out} with {fmt} experts"
+          f"{f', group {group}' if group else ''} ({why}); first use only",
+          file=sys.stderr, flush=True)
+    return convert_source(str(path), out, ConvertOptions(fmt, group, progress))
