@@ -41,6 +41,9 @@ _PINNED: weakref.WeakKeyDictionary[CpuMoE, list[torch.Tensor]] = weakref.WeakKey
 the memory is unmapped, so a later mapping at the same address can be registered again)."""
 
 
+_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
+
+
 def pinned_groups(moe: CpuMoE) -> list[torch.Tensor]:
     """`moe`'s packed group mappings as uint8 host tensors, registered with the CUDA driver as
     pinned memory (once per layer, shared by every streamer) so copies from them are DMA."""
@@ -51,7 +54,9 @@ def pinned_groups(moe: CpuMoE) -> list[torch.Tensor]:
     tensors: list[torch.Tensor] = []
     addresses: list[int] = []
     for part in moe.packed_groups():
-        code = int(cudart.cudaHostRegister(part.address, part.bytes, 0))
+        # A converted model's layer file is mapped read-only: the driver must not ask to write.
+        flags = _REGISTER_READ_ONLY if part.read_only else 0
+        code = int(cudart.cudaHostRegister(part.address, part.bytes, flags))
         if code != 0:
             _unregister(addresses)
             raise RuntimeError(f"GPU prefill: cudaHostRegister of {part.bytes} bytes of packed "
