@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from hetmoe.engine.request import Event, QueueFull
 from hetmoe.engine.sampler import SamplingParams
-from hetmoe.server import protocol, responses
+from hetmoe.server import protocol, responses, tools
 from hetmoe.server.errors import APIError, from_validation
 from hetmoe.server.metrics import Metrics
 from hetmoe.server.service import EventStream, ModelService
@@ -69,22 +69,36 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
     started = time.perf_counter()
     body = await _parse(request, protocol.ChatCompletionRequest)
     service = _check_model(request, body.model)
-    messages = [(m.role, m.text()) for m in body.messages]
-    try:
-        prompt_ids = service.chat_ids(messages)
-    except Exception as exc:  # a template may reject a role order; that is the client's input
-        message = f"field 'messages': the chat template cannot render them: {exc}"
-        raise APIError(400, message, "messages") from None
+    plan = tools.plan_tools(body, service.chat_template)
+    prompt_ids = _chat_prompt(service, body, plan)
     budget = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     stream = _submit(request, body, [prompt_ids], "messages", budget)
     rid = protocol.new_id("chatcmpl")
     observe = _observer(_metrics(request), started)
     if body.stream:
         return _sse(responses.chat_chunks(rid, body, stream, observe, service.token_text,
-                                          body.n), stream)
+                                          body.n, plan), stream)
     choices = await _collect(request, stream, observe, body.n)
     return JSONResponse(responses.chat_body(rid, service.name, choices, bool(body.logprobs),
-                                            service.token_text))
+                                            service.token_text, plan))
+
+
+def _chat_prompt(service: ModelService, body: protocol.ChatCompletionRequest,
+                 plan: tools.ToolPlan | None) -> list[int]:
+    """The messages (and the plan's tools) through the chat template; earlier calls' arguments
+    go as objects, or as JSON text to a template that cannot take objects."""
+    rendered = plan.tools if plan is not None else None
+    calls = any(m.tool_calls for m in body.messages)
+    try:
+        try:
+            return service.render(tools.template_messages(body.messages), rendered)
+        except Exception:
+            if not calls:
+                raise
+            return service.render(tools.template_messages(body.messages, True), rendered)
+    except Exception as exc:  # a template may reject a role order; that is the client's input
+        message = f"field 'messages': the chat template cannot render them: {exc}"
+        raise APIError(400, message, "messages") from None
 
 
 @router.post("/v1/completions", response_model=None)

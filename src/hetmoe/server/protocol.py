@@ -10,7 +10,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from hetmoe.server.tool_protocol import ResponseFormat, ToolCallIn, ToolChoice, ToolDef
 
 # Hard ceilings that catch absurd values before they reach the engine's own context check.
 MAX_TOKENS_LIMIT = 1 << 20
@@ -23,6 +25,7 @@ MAX_PROMPTS = 256
 """Prompts of one completions request at most."""
 MAX_CHAT_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+MAX_TOOLS = 128
 
 
 class _Request(BaseModel):
@@ -41,6 +44,19 @@ class ChatMessage(_Request):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    """An assistant turn's calls."""
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    """The call a tool turn answers."""
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role}")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str:
         """The message text, with content parts joined."""
@@ -107,6 +123,14 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_LOGPROBS)] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    """False: at most the first call of an answer is returned."""
+    response_format: ResponseFormat | None = None
+    functions: list[Any] | None = None
+    """Deprecated by OpenAI for `tools`; refused by name."""
+    function_call: Any = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -193,11 +217,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def chat_choice(index: int, text: str, finish_reason: str,
-                logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    """One choice of a chat.completion."""
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "finish_reason": finish_reason, "logprobs": logprobs}
+def chat_choice(index: int, text: str | None, finish_reason: str,
+                logprobs: dict[str, Any] | None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One choice of a chat.completion (with `tool_calls` when the answer made calls)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "finish_reason": finish_reason,
+            "logprobs": logprobs}
 
 
 def chat_response(rid: str, model: str, choices: list[dict[str, Any]],
@@ -210,7 +238,7 @@ def chat_response(rid: str, model: str, choices: list[dict[str, Any]],
 def chat_chunk(
     rid: str,
     model: str,
-    delta: dict[str, str],
+    delta: dict[str, Any],
     finish_reason: str | None = None,
     use: Usage | None = None,
     with_choice: bool = True,

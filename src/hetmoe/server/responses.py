@@ -10,8 +10,11 @@ from typing import Any
 from hetmoe.engine.logprobs import TokenLogprob
 from hetmoe.engine.request import Event
 from hetmoe.server import protocol
+from hetmoe.server.errors import APIError
 from hetmoe.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from hetmoe.server.service import EventStream
+from hetmoe.server.tool_parsers import ToolCall
+from hetmoe.server.tools import ToolPlan, ToolStream, tool_calls_json
 
 
 @dataclass
@@ -63,11 +66,23 @@ class Choices:
 
 
 def chat_body(rid: str, model: str, choices: Choices, logprobs: bool,
-              text: TokenText) -> dict[str, Any]:
-    """The chat.completion object of a finished request."""
-    out = [protocol.chat_choice(i, "".join(c.text), c.finish_reason,
-                                chat_logprobs(c.logprobs, text) if logprobs else None)
-           for i, c in enumerate(choices.all)]
+              text: TokenText, plan: ToolPlan | None = None) -> dict[str, Any]:
+    """The chat.completion object of a finished request (its answers' tool calls parsed when
+    the request offered tools)."""
+    out = []
+    for i, c in enumerate(choices.all):
+        answer: str | None = "".join(c.text)
+        finish, calls = c.finish_reason, None
+        parsed = plan.parse(answer) if plan is not None and answer else None
+        if plan is not None and parsed is not None:
+            answer = parsed.content.strip() or None
+            calls = tool_calls_json(parsed.calls, plan.ids(len(parsed.calls)))
+            finish = "tool_calls"
+        elif plan is not None and plan.choice != "auto":
+            raise plan.missing_call(answer or "")
+        out.append(protocol.chat_choice(i, answer, finish,
+                                        chat_logprobs(c.logprobs, text) if logprobs else None,
+                                        calls))
     return protocol.chat_response(rid, model, out, choices.usage())
 
 
@@ -89,6 +104,23 @@ def completion_body(rid: str, model: str, choices: Choices, logprobs: bool,
     return protocol.completion_object(rid, model, out, choices.usage())
 
 
+def _call_deltas(plan: ToolPlan, calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """Each call as OpenAI streams it: a delta with its index, id, type, name and empty
+    arguments, then a delta with its arguments."""
+    deltas: list[dict[str, Any]] = []
+    for index, (call, call_id) in enumerate(zip(calls, plan.ids(len(calls)), strict=True)):
+        deltas.append({"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                       "function": {"name": call.name, "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": index,
+                                       "function": {"arguments": call.arguments}}]})
+    return deltas
+
+
+def _error_body(error: APIError) -> dict[str, Any]:
+    return {"error": {"message": error.message, "type": "invalid_request_error",
+                      "param": error.param, "code": error.status}}
+
+
 def _stream_error(event: Event) -> dict[str, Any]:
     status = 500 if event.finish_reason == "error" else 503
     message = f"generation failed: {event.error}" if status == 500 else "server shutting down"
@@ -97,10 +129,12 @@ def _stream_error(event: Event) -> dict[str, Any]:
 
 async def chat_chunks(rid: str, body: protocol.ChatCompletionRequest, stream: EventStream,
                       observe: Callable[[Event], None], text: TokenText,
-                      count: int) -> AsyncIterator[dict[str, Any]]:
-    """A chat stream: each choice's role chunk, its content (and logprobs) chunks, its finish
-    chunk; the usage chunk last when asked for."""
+                      count: int, plan: ToolPlan | None = None) -> AsyncIterator[dict[str, Any]]:
+    """A chat stream: each choice's role chunk, its content (and logprobs) chunks, its tool
+    calls (when the request offered tools), its finish chunk; the usage chunk last when asked
+    for."""
     choices = Choices(count, body.n)
+    calls = [ToolStream(plan) for _ in range(count)] if plan is not None else None
     for index in range(count):
         yield protocol.chat_chunk(rid, body.model, {"role": "assistant", "content": ""},
                                   index=index)
@@ -111,11 +145,26 @@ async def chat_chunks(rid: str, body: protocol.ChatCompletionRequest, stream: Ev
             yield _stream_error(event)
             return
         shown = chat_logprobs(event.logprobs, text) if body.logprobs and event.logprobs else None
-        if event.text or shown is not None:
-            yield protocol.chat_chunk(rid, body.model, {"content": event.text},
+        piece = calls[event.index].feed(event.text) if calls is not None else event.text
+        if piece or shown is not None:
+            yield protocol.chat_chunk(rid, body.model, {"content": piece},
                                       index=event.index, logprobs=shown)
-        if event.finish_reason is not None:
-            yield protocol.chat_chunk(rid, body.model, {}, event.finish_reason, index=event.index)
+        if event.finish_reason is None:
+            continue
+        finish = event.finish_reason
+        if calls is not None:
+            tool_stream = calls[event.index]
+            rest, parsed = tool_stream.finish()
+            if rest:
+                yield protocol.chat_chunk(rid, body.model, {"content": rest}, index=event.index)
+            if parsed is None and tool_stream.plan.choice != "auto":
+                yield _error_body(tool_stream.plan.missing_call(tool_stream.text))
+                return
+            if parsed is not None:
+                finish = "tool_calls"
+                for chunk in _call_deltas(tool_stream.plan, parsed.calls):
+                    yield protocol.chat_chunk(rid, body.model, chunk, index=event.index)
+        yield protocol.chat_chunk(rid, body.model, {}, finish, index=event.index)
     if body.include_usage:
         yield protocol.chat_chunk(rid, body.model, {}, use=choices.usage(), with_choice=False)
 

@@ -8,12 +8,13 @@ import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hetmoe.engine.request import Event, RequestHandle
 from hetmoe.engine.sampler import SamplingParams
 from hetmoe.engine.scheduler import Scheduler
 from hetmoe.server.logprobs import TokenText
+from hetmoe.server.tool_parsers import ToolFormat, detect
 
 if TYPE_CHECKING:
     from hetmoe.engine.engine import LLM
@@ -65,6 +66,10 @@ class ModelService:
         self.created = int(time.time())
         self.tokenizer = llm.tokenizer
         self.runner = llm.runner
+        self.chat_template: str | None = getattr(llm.tokenizer, "chat_template", None)
+        """The tokenizer's chat template text (tools are parsed by the format it writes)."""
+        self.tool_format: ToolFormat | None = detect(self.chat_template or "")
+        self._kept_ids = self._marker_ids(self.tool_format)
         # The tokenizer is used from the event loop (encode) and the scheduler thread (decode).
         self._tokenizer_lock = threading.Lock()
         self.token_text = TokenText(llm.tokenizer, llm.decode, self._tokenizer_lock)
@@ -84,9 +89,13 @@ class ModelService:
 
     def chat_ids(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """Token ids of `messages` [(role, text)] through the model's chat template."""
-        turns = [{"role": r, "content": t} for r, t in messages]
+        return self.render([{"role": r, "content": t} for r, t in messages])
+
+    def render(self, turns: Sequence[dict[str, Any]],
+               tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of chat turns (and tools) through the model's chat template."""
         with self._tokenizer_lock:
-            return list(self.llm.chat_prompt(turns))
+            return list(self.llm.chat_prompt(turns, tools))
 
     def text_ids(self, prompt: str) -> list[int]:
         """Token ids of a raw completion prompt (with the tokenizer's usual special tokens)."""
@@ -116,6 +125,27 @@ class ModelService:
         """Stops the scheduler thread (requests in flight end as cancelled)."""
         self.llm.stop_loop()
 
+    def _marker_ids(self, form: ToolFormat | None) -> dict[int, str]:
+        """Special tokens that spell the tool-call syntax: decoding keeps them."""
+        tokenizer = self.tokenizer
+        if form is None or tokenizer is None:
+            return {}
+        special = set(tokenizer.all_special_ids)
+        for token in getattr(tokenizer, "added_tokens_decoder", {}).values():
+            if getattr(token, "special", False):
+                special.add(tokenizer.convert_tokens_to_ids(token.content))
+        ids = {tokenizer.convert_tokens_to_ids(m): m for m in form.markers}
+        return {i: m for i, m in ids.items() if isinstance(i, int) and i in special}
+
     def _decode(self, token_ids: list[int]) -> str:
         with self._tokenizer_lock:
-            return self.llm.decode(token_ids)
+            if not self._kept_ids or not any(t in self._kept_ids for t in token_ids):
+                return self.llm.decode(token_ids)
+            parts, run = [], list[int]()
+            for token in token_ids:
+                if token in self._kept_ids:
+                    parts += [self.llm.decode(run), self._kept_ids[token]]
+                    run = []
+                else:
+                    run.append(token)
+            return "".join([*parts, self.llm.decode(run)])

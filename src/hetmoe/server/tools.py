@@ -1,0 +1,173 @@
+"""Tool calling for chat completions: which tools the chat template renders, the history as the
+template takes it, and the model's text turned into OpenAI `tool_calls` (whole or streamed).
+
+`tool_choice`: `none` renders no tools and parses nothing; `auto` renders every tool and parses
+the answer; a named function renders only that tool; `required` and a named function answer
+422 when the model produced no valid call (of that function), streamed as an error chunk.
+`parallel_tool_calls: false` returns an answer's first call only. A call that does not parse
+leaves the answer as text (`finish_reason` from generation); parsed calls end it with
+`tool_calls`. Streamed calls come when the answer ends (one chunk naming the call, one with its
+arguments); the content before them streams as it is generated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hetmoe.server.errors import APIError
+from hetmoe.server.tool_parsers import ParsedOutput, ToolCall, ToolFormat, detect
+
+if TYPE_CHECKING:
+    from hetmoe.server.protocol import ChatCompletionRequest, ChatMessage
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """A request's tools as rendered and parsed."""
+
+    form: ToolFormat
+    tools: list[dict[str, Any]]
+    """The tools given to the chat template."""
+    choice: str
+    """`auto`, `required` or the name of the one function to call."""
+    parallel: bool
+
+    def parse(self, text: str) -> ParsedOutput | None:
+        """The answer's calls (None: the answer stays text)."""
+        offered = {tool["function"]["name"] for tool in self.tools}
+        parsed = self.form.parse(text, offered)
+        if parsed is not None and not self.parallel:
+            parsed = ParsedOutput(parsed.content, parsed.calls[:1])
+        return parsed
+
+    def missing_call(self, text: str) -> APIError:
+        """The 422 of a `required` or named choice the answer did not follow."""
+        wanted = "a tool call" if self.choice == "required" else f"a call of {self.choice!r}"
+        shown = text if len(text) <= 200 else text[:197] + "..."
+        return APIError(422, f"tool_choice {self.choice!r}: the model answered without "
+                        f"{wanted}; its answer was {shown!r}", "tool_choice")
+
+    def ids(self, count: int) -> list[str]:
+        """Fresh ids for `count` calls."""
+        return [self.form.new_id() for _ in range(count)]
+
+
+def refuse_unserved(body: ChatCompletionRequest) -> None:
+    """400s naming fields this server does not serve rather than ignoring them."""
+    if body.functions is not None or body.function_call is not None:
+        field = "functions" if body.functions is not None else "function_call"
+        raise APIError(400, f"field '{field}': deprecated by OpenAI and not served; send "
+                       "'tools' and 'tool_choice' instead", field)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, f"field 'response_format': type {body.response_format.type!r} needs "
+                       "constrained decoding, which this server does not do; only 'text' is "
+                       "served", "response_format")
+
+
+def plan_tools(body: ChatCompletionRequest, template: str | None) -> ToolPlan | None:
+    """The request's tool plan (None: a plain chat), or a 400 naming the field at fault."""
+    refuse_unserved(body)
+    choice = body.tool_choice
+    if not body.tools:
+        if choice is not None and choice != "none":
+            raise APIError(400, "field 'tool_choice': needs 'tools' to choose from", "tool_choice")
+        return None
+    names = [tool.function.name for tool in body.tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "field 'tools': function names must be unique", "tools")
+    if choice == "none":
+        return None
+    if not template or "tools" not in template:
+        raise APIError(400, "field 'tools': the chat template of this model does not render "
+                       "tools", "tools")
+    form = detect(template)
+    if form is None:
+        raise APIError(400, "field 'tools': no tool-call parser knows this model's chat "
+                       "template (known: Qwen/Hermes <tool_call>, Mistral [TOOL_CALLS], "
+                       "DeepSeek-V3 tool-call tokens)", "tools")
+    tools = [tool.template_dict() for tool in body.tools]
+    if choice is None or isinstance(choice, str):
+        return ToolPlan(form, tools, choice or "auto", body.parallel_tool_calls is not False)
+    name = choice.function.name
+    if name not in names:
+        raise APIError(400, f"field 'tool_choice': function {name!r} is not among 'tools' "
+                       f"({', '.join(names)})", "tool_choice")
+    return ToolPlan(form, [t for t in tools if t["function"]["name"] == name], name, False)
+
+
+def template_messages(messages: Sequence[ChatMessage],
+                      text_arguments: bool = False) -> list[dict[str, Any]]:
+    """The history as chat templates take it. Arguments of earlier calls go as objects (the
+    transformers convention), or as JSON text with `text_arguments` (DeepSeek's templates join
+    them as strings)."""
+    import json
+
+    turns: list[dict[str, Any]] = []
+    for m in messages:
+        turn: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            calls = []
+            for call in m.tool_calls:
+                arguments: Any = call.function.arguments
+                if not text_arguments:
+                    try:
+                        arguments = json.loads(arguments)
+                    except json.JSONDecodeError:
+                        pass  # not JSON: the template gets the text the client sent
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": arguments}})
+            turn["tool_calls"] = calls
+        if m.tool_call_id is not None:
+            turn["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            turn["name"] = m.name
+        turns.append(turn)
+    return turns
+
+
+def tool_calls_json(calls: Sequence[ToolCall], ids: Sequence[str]) -> list[dict[str, Any]]:
+    """`message.tool_calls` of a chat.completion."""
+    return [{"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c, i in zip(calls, ids, strict=True)]
+
+
+class ToolStream:
+    """One streamed choice: content is released as it comes until the format's opening marker
+    may have begun; from there the text is held and parsed when the answer ends."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        """The whole answer so far."""
+        self._sent = 0  # characters of `text` released as content
+        self._held = False  # the opening marker was seen
+
+    def feed(self, piece: str) -> str:
+        """Adds text; returns the content that is safe to release now."""
+        self.text += piece
+        if self._held:
+            return ""
+        start = self.plan.form.start
+        at = self.text.find(start, self._sent)
+        if at >= 0:
+            self._held = True
+            return self._release(at)
+        keep = next((k for k in range(min(len(start) - 1, len(self.text)), 0, -1)
+                     if self.text.endswith(start[:k])), 0)
+        return self._release(len(self.text) - keep)
+
+    def finish(self) -> tuple[str, ParsedOutput | None]:
+        """At the answer's end: (content still to release, the parsed calls or None)."""
+        parsed = self.plan.parse(self.text)
+        if parsed is None:
+            return self._release(len(self.text)), None
+        rest = parsed.content[self._sent:] if len(parsed.content) > self._sent else ""
+        self._sent = len(self.text)
+        return rest, parsed
+
+    def _release(self, end: int) -> str:
+        piece = self.text[self._sent:end]
+        self._sent = max(self._sent, end)
+        return piece
