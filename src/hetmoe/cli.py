@@ -1,4 +1,4 @@
-"""Command line: generate, chat, serve, bench, info.
+"""Command line: generate, chat, serve, bench, convert, info.
 
 Help is rendered in click's plain style: typer's rich style labels every flag `<bool>`.
 """
@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
+from hetmoe import cli_convert
 from hetmoe.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -288,16 +289,8 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
             f"--{option} takes comma-separated integers, got {text!r}") from None
 
 
-@app.command()
-def info() -> None:
-    """Print CPU, ISA, NUMA, GPU, versions.
-
-    The ISA line says whether AMX is there and allowed by the OS (hetmoe's fast prefill).
-    """
-    from hetmoe.machine import machine_report
-
-    for key, value in machine_report().items():
-        typer.echo(f"{key:<16} {value}")
+app.command()(cli_convert.convert)
+app.command()(cli_convert.info)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-from hetmoe.loading.converted import ConvertedModel, is_converted, open_converted
+from hetmoe.loading.convert import STATE
+from hetmoe.loading.converted import MANIFEST, ConvertedModel, is_converted, open_converted
+from hetmoe.loading.errors import CheckpointError
 
 DEFAULT_MAX_SEQ_LEN = 4096
 
@@ -25,6 +27,9 @@ def open_model(model: str | os.PathLike[str], verify: bool,
     path = resolve_model(model)
     if is_gguf(path):
         path = cached_conversion(path, progress)
+    if (path / STATE).is_file() and not is_converted(path):
+        raise CheckpointError(f"{path}: an unfinished conversion (no {MANIFEST} yet); run "
+                              "`hetmoe convert` with the same arguments again to finish it")
     return path, open_converted(path, verify) if is_converted(path) else None
 
 

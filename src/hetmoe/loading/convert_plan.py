@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from hetmoe.loading.checkpoint import Checkpoint, CheckpointTensor
 from hetmoe.loading.converted import ALIGN
@@ -74,6 +75,8 @@ class ConvertPlan:
     """Non-expert tensors and the dtype each is stored in."""
     header: bytes
     """The non-expert safetensors header (length prefix included)."""
+    skeleton: nn.Module
+    """The injected meta skeleton the plan was read from (for `memory_plan`)."""
 
     @property
     def weights_bytes(self) -> int:
@@ -131,7 +134,7 @@ def plan_convert(checkpoint: Checkpoint, weight_format: str,
     weights = tuple((t, _stored_dtype(t, dtype)) for key, t in checkpoint.tensors.items()
                     if key not in owned)
     return ConvertPlan(checkpoint, dtype, weight_format, chosen,
-                       tuple(layers), weights, safetensors_header(weights))
+                       tuple(layers), weights, safetensors_header(weights), model)
 
 
 def safetensors_header(weights: tuple[tuple[CheckpointTensor, torch.dtype], ...]) -> bytes:

@@ -1,0 +1,119 @@
+"""`hetmoe convert` and `hetmoe info MODEL`: converted directories and memory plans (cli.py
+registers these commands)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hetmoe.config import EngineConfig
+
+_DEFAULTS = EngineConfig()
+ExpertFormatOpt = Annotated[str | None, typer.Option(
+    "--experts", help="Packed expert format: bf16, int8 or int4 (default: bf16; for a GGUF the "
+                      "nearest to its quant type)")]
+GroupOpt = Annotated[int | None, typer.Option(
+    "--group", help="int8/int4 quantization group: 32, 64, 128 or 256 (default: the format's)")]
+
+
+def convert(
+    source: Annotated[str, typer.Argument(help="Checkpoint directory, GGUF file or preset")],
+    out: Annotated[Path, typer.Argument(help="Converted directory to write (resumable)")],
+    experts: ExpertFormatOpt = None,
+    group: GroupOpt = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the files and memory plan; write nothing")] = False,
+) -> None:
+    """Convert SOURCE into OUT for instant start.
+
+    OUT holds the packed experts in the CPU backend's layout (one file per MoE layer), the other
+    weights, config, tokenizer and a manifest; `hetmoe generate OUT ...` maps it. A rerun
+    finishes an interrupted conversion.
+    """
+    from hetmoe.cli import fail
+    from hetmoe.loading.convert import ConvertOptions
+    from hetmoe.loading.convert_source import convert_source, default_format, is_gguf
+    from hetmoe.presets import resolve_model
+
+    try:
+        path = resolve_model(source)
+        fmt, why = experts or "bf16", "as asked" if experts else "the default"
+        if is_gguf(path) and experts is None:
+            fmt, group, why = default_format(path)
+        typer.echo(f"experts: {fmt}{f', group {group}' if group else ''} ({why})", err=True)
+        if dry_run:
+            print_plan(path, fmt, group, None, files=True)
+            return
+        convert_source(source, out, ConvertOptions(fmt, group))
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        fail(exc)
+    typer.echo(f"converted {source} into {out}")
+
+
+def info(
+    model: Annotated[str | None, typer.Argument(
+        help="Checkpoint, converted directory or preset: print its memory plan")] = None,
+    experts: ExpertFormatOpt = None,
+    group: GroupOpt = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:N")] = None,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Converted directory: check every file's full checksum")] = False,
+) -> None:
+    """Print CPU, ISA, NUMA, GPU, versions; with MODEL, its memory plan.
+
+    The ISA line says whether AMX is there and allowed by the OS (hetmoe's fast prefill). With
+    MODEL: host and GPU bytes per component in the chosen expert format, and whether they fit.
+    """
+    from hetmoe.cli import fail
+    from hetmoe.machine import machine_report
+
+    if model is None:
+        for key, value in machine_report().items():
+            typer.echo(f"{key:<16} {value}")
+        return
+    from hetmoe.engine.model_setup import check_device
+    from hetmoe.loading.convert_source import is_gguf
+    from hetmoe.loading.converted import is_converted, open_converted
+    from hetmoe.presets import resolve_model
+
+    try:
+        path = resolve_model(model)
+        if is_gguf(path):
+            raise ValueError(f"{path}: a GGUF file; `hetmoe convert --dry-run {model} OUT` "
+                             "prints its format choice, `hetmoe info OUT` the plan")
+        if is_converted(path):
+            converted = open_converted(path, verify)
+            experts, group = converted.weight_format, converted.group_size
+            typer.echo(f"{path}: converted, files checked{' (full checksums)' if verify else ''}")
+        print_plan(path, experts or "bf16", group, check_device(device), files=False)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        fail(exc)
+
+
+def print_plan(path: Path, fmt: str, group: int | None, device: object,
+               files: bool) -> None:
+    """The memory plan of `path` with `fmt` experts (and with `files`, what convert writes)."""
+    import torch
+
+    from hetmoe.engine.model_setup import default_device
+    from hetmoe.engine.model_source import DEFAULT_MAX_SEQ_LEN
+    from hetmoe.loading.checkpoint import Checkpoint
+    from hetmoe.loading.convert_plan import plan_convert
+    from hetmoe.loading.memory_plan import memory_plan
+
+    plan = plan_convert(Checkpoint.open(path), fmt, group)
+    if files:
+        for name, size in plan.file_sizes().items():
+            typer.echo(f"{name:<36} {size / 1e9:10.3f} GB  ({size} bytes)")
+        total = sum(plan.file_sizes().values())
+        typer.echo(f"{'total on disk':<36} {total / 1e9:10.3f} GB  ({total} bytes)")
+    config = plan.checkpoint.config
+    window = min(int(getattr(config, "max_position_embeddings", DEFAULT_MAX_SEQ_LEN)),
+                 DEFAULT_MAX_SEQ_LEN)
+    chosen = device if isinstance(device, torch.device) else default_device()
+    typer.echo(f"memory on {chosen} ({_DEFAULTS.max_batch} slots x {window} tokens of KV):")
+    mem = memory_plan(plan.skeleton, chosen, plan.dtype, config, _DEFAULTS.max_batch * window,
+                      fmt, plan.group_size)
+    typer.echo(mem.table())
