@@ -48,11 +48,12 @@ class EngineConfig:
     engine/layer_stream.py); shorter ones on the CPU. The default is the crossover measured on
     an H100 host (docs/benchmarks/prefill.md: CPU faster at 512, GPU 1.7x at 1024). None:
     prefill always on the CPU."""
-    prefill_split: bool | None = None
+    prefill_split: bool | None = False
     """GPU prefill: split each layer's experts between the CPU (the lightest) and the GPU (the
     rest, copied once the router has run) instead of streaming every expert ahead
-    (engine/expert_split.py). None: when the costs measured at the first GPU prefill favour
-    it; True: always; False: never."""
+    (engine/expert_split.py). False: never (the default: measured slower than streaming or the
+    CPU at every length so far, docs/benchmarks/prefill.md round 2); True: always; None: when
+    the costs measured at the first GPU prefill favour it."""
     graph_split_layer: int = 4
     """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond
     the last layer: one graph), so the GPU starts while the CPU still launches the rest."""
