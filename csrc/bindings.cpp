@@ -211,8 +211,8 @@ void bind_moe_settings(nb::class_<MoELayer>& layer) {
 void bind_moe_backward(nb::class_<MoELayer>& layer) {
   layer.def("backward", [](MoELayer& l, uintptr_t x, int x_dtype, uintptr_t ids,
                            uintptr_t weights, int q, int k, uintptr_t dy, uintptr_t dx,
-                           uintptr_t dweights, uintptr_t gpu_mask, uintptr_t loaded,
-                           int threads) {
+                           uintptr_t dweights, uintptr_t out, uintptr_t gpu_mask,
+                           uintptr_t loaded, int threads) {
     hetmoe::MoEGradCall c;
     c.x = reinterpret_cast<const void*>(x);
     c.x_type = hetmoe::DType(x_dtype);
@@ -223,12 +223,14 @@ void bind_moe_backward(nb::class_<MoELayer>& layer) {
     c.dy = reinterpret_cast<const float*>(dy);
     c.dx = reinterpret_cast<float*>(dx);
     c.dweights = reinterpret_cast<float*>(dweights);
+    c.out = reinterpret_cast<float*>(out);
     c.gpu_mask = reinterpret_cast<const uint8_t*>(gpu_mask);
     c.loaded = reinterpret_cast<const uint8_t*>(loaded);
     nb::gil_scoped_release release;
     hetmoe::moe_backward(l, hetmoe::pool_for_threads(threads), c);
   }, "Routed experts' backward (moe/backward_job.h): dx [q, H] and dweights [q, k] (fp32) "
-     "from x, ids, weights and dy [q, H] fp32; gpu_mask 0 = none, loaded: E uint8 flags.");
+     "from x, ids, weights and dy [q, H] fp32 (0: none); out [q, H] fp32 (0: none) the fp32 "
+     "forward; gpu_mask 0 = none, loaded: E uint8 flags.");
 }
 
 void bind_moe(nb::module_& m) {

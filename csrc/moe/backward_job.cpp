@@ -42,8 +42,9 @@ void expert_matrices(const MoELayer& l, int g, int e, PackedMatrix& gu, PackedMa
 
 // Per-task buffers, reused by each worker's later tasks.
 struct Scratch {
-  std::vector<float> x, dy, c, h, dh, dx, w;
-  void size(int m, int hp, int hn, int s) {
+  std::vector<float> x, dy, c, h, dh, dx, w, y;
+  void size(int m, int hp, int hn, int s, bool want_y) {
+    y.assign(want_y ? size_t(m) * hn : 0, 0.0f);
     x.assign(size_t(m) * hp, 0.0f);
     dy.assign(size_t(m) * hn, 0.0f);
     c.resize(size_t(m) * 2 * s);
@@ -66,10 +67,12 @@ void rows_times_wt(const GradKernels& kern, const PackedMatrix& w, const float* 
   }
 }
 
-// Down: y_i = h_i W^T (only its dot with dY_i is kept: dweights) and dh_i = (w_i dY_i) W.
+// Down: y_i = h_i W^T (kept in s.y when asked; with dY its dot with dY_i: dweights) and
+// dh_i = (w_i dY_i) W.
 void down_pass(const GradKernels& kern, const PackedMatrix& dn, Scratch& s, int m,
-               const float* row_w, float* dws) {
+               const float* row_w, bool grad, float* dws) {
   const int hn = dn.n, sl = dn.k;
+  const bool want_y = !s.y.empty();
   for (int nb = 0; nb < hn / kBlockN; ++nb) {
     kern.unpack(dn, nb, s.w.data(), size_t(sl));
     for (int i = 0; i < m; ++i) {
@@ -77,10 +80,13 @@ void down_pass(const GradKernels& kern, const PackedMatrix& dn, Scratch& s, int 
       float* dh = s.dh.data() + size_t(i) * sl;
       float acc = 0.0f;
       for (int n = 0; n < kBlockN; ++n) {
-        const float d = s.dy[size_t(i) * hn + nb * kBlockN + n];
-        if (d == 0.0f) continue;  // padded rows past H, or a zero gradient
+        const float d = grad ? s.dy[size_t(i) * hn + nb * kBlockN + n] : 0.0f;
+        if (d == 0.0f && !want_y) continue;  // padded rows past H, or a zero gradient
         const float* wn = s.w.data() + size_t(n) * sl;
-        acc += d * kern.dot(h, wn, sl);
+        const float y = kern.dot(h, wn, sl);
+        if (want_y) s.y[size_t(i) * hn + nb * kBlockN + n] = y;
+        if (d == 0.0f) continue;
+        acc += d * y;
         kern.axpy(row_w[i] * d, wn, sl, dh);
       }
       dws[i] += acc;
@@ -131,6 +137,7 @@ struct GradPlan {
   int groups = 0, hidden = 0;
   std::vector<float> dx_slots;  // [G][q k][H]
   std::vector<float> dw_slots;  // [G][q k]
+  std::vector<float> y_slots;   // [G][q k][H] with call.out: each slot's expert output
 };
 
 // Gathers expert a's rows (x, dY) into s: x zero-padded to gate/up's K, dY to down's N.
@@ -147,7 +154,7 @@ void gather(const GradPlan& p, int a, int hp, int hn, Scratch& s) {
       const uint16_t* xb = static_cast<const uint16_t*>(c.x) + size_t(t) * H;
       for (int j = 0; j < H; ++j) xr[j] = bf16_to_float(xb[j]);
     }
-    std::memcpy(s.dy.data() + size_t(i) * hn, c.dy + size_t(t) * H, sizeof(float) * H);
+    if (c.dy) std::memcpy(s.dy.data() + size_t(i) * hn, c.dy + size_t(t) * H, sizeof(float) * H);
   }
 }
 
@@ -156,40 +163,52 @@ void expert_task(GradPlan& p, int g, int a, std::vector<long>& row_slot) {
   expert_matrices(*p.layer, g, p.routing.experts[a], gu, dn);
   const int m = p.routing.rows[a], sl = dn.k, H = p.hidden;
   const long first = p.routing.first_row[a];
+  const bool grad = p.call->dy != nullptr, want_y = p.call->out != nullptr;
   thread_local Scratch s;
-  s.size(m, gu.k, dn.n, sl);
+  s.size(m, gu.k, dn.n, sl, want_y);
   gather(p, a, gu.k, dn.n, s);
   rows_times_wt(*p.kern, gu, s.x.data(), m, s.c.data(), s.w.data());
   silu_forward(s, m, sl);
   std::vector<float> dw(m, 0.0f);
-  down_pass(*p.kern, dn, s, m, p.routing.row_weight.data() + first, dw.data());
-  silu_backward(s, m, sl);
-  rows_times_w(*p.kern, gu, s.c.data(), m, s.dx.data(), s.w.data());
+  down_pass(*p.kern, dn, s, m, p.routing.row_weight.data() + first, grad, dw.data());
+  if (grad) {
+    silu_backward(s, m, sl);
+    rows_times_w(*p.kern, gu, s.c.data(), m, s.dx.data(), s.w.data());
+  }
   const size_t slots = size_t(p.call->q) * p.call->k;
   for (int i = 0; i < m; ++i) {
-    const long slot = row_slot[first + i];
-    std::memcpy(p.dx_slots.data() + (size_t(g) * slots + slot) * H,
-                s.dx.data() + size_t(i) * gu.k, sizeof(float) * H);
-    p.dw_slots[size_t(g) * slots + slot] = dw[i];
+    const size_t at = size_t(g) * slots + row_slot[first + i];
+    if (grad) {
+      std::memcpy(p.dx_slots.data() + at * H, s.dx.data() + size_t(i) * gu.k, sizeof(float) * H);
+      p.dw_slots[at] = dw[i];
+    }
+    if (want_y)
+      std::memcpy(p.y_slots.data() + at * H, s.y.data() + size_t(i) * dn.n, sizeof(float) * H);
   }
 }
 
-// dx[t] = sum over groups and routed slots; dweights[t, j] = sum over groups.
+// dx[t] = sum over groups and routed slots; dweights[t, j] = sum over groups; out[t] = sum
+// over slots of w_j * (sum over groups of y).
 void combine_token(const GradPlan& p, int t) {
   const MoEGradCall& c = *p.call;
   const size_t slots = size_t(c.q) * c.k, H = size_t(p.hidden);
-  float* dx = c.dx + size_t(t) * H;
-  std::fill(dx, dx + H, 0.0f);
+  float* dx = c.dy ? c.dx + size_t(t) * H : nullptr;
+  float* out = c.out ? c.out + size_t(t) * H : nullptr;
+  if (dx) std::fill(dx, dx + H, 0.0f);
+  if (out) std::fill(out, out + H, 0.0f);
   for (int j = 0; j < c.k; ++j) {
     const size_t slot = size_t(t) * c.k + j;
     float dw = 0.0f;
     if (p.routing.slot_row[slot] >= 0)
       for (int g = 0; g < p.groups; ++g) {
-        const float* part = p.dx_slots.data() + (size_t(g) * slots + slot) * H;
-        for (size_t h = 0; h < H; ++h) dx[h] += part[h];
-        dw += p.dw_slots[size_t(g) * slots + slot];
+        const size_t at = size_t(g) * slots + slot;
+        if (dx)
+          for (size_t h = 0; h < H; ++h) dx[h] += p.dx_slots[at * H + h];
+        if (out)
+          for (size_t h = 0; h < H; ++h) out[h] += c.weights[slot] * p.y_slots[at * H + h];
+        if (dx) dw += p.dw_slots[at];
       }
-    c.dweights[slot] = dw;
+    if (dx) c.dweights[slot] = dw;
   }
 }
 
@@ -205,8 +224,9 @@ void moe_backward(const MoELayer& layer, ThreadPool& pool, const MoEGradCall& ca
   p.groups = layer.num_groups();
   p.hidden = cfg.hidden;
   const size_t slots = size_t(call.q) * call.k;
-  p.dx_slots.assign(size_t(p.groups) * slots * cfg.hidden, 0.0f);
-  p.dw_slots.assign(size_t(p.groups) * slots, 0.0f);
+  if (call.dy) p.dx_slots.assign(size_t(p.groups) * slots * cfg.hidden, 0.0f);
+  if (call.dy) p.dw_slots.assign(size_t(p.groups) * slots, 0.0f);
+  if (call.out) p.y_slots.assign(size_t(p.groups) * slots * cfg.hidden, 0.0f);
   std::vector<long> row_slot(p.routing.total_rows, -1);
   for (size_t i = 0; i < slots; ++i)
     if (p.routing.slot_row[i] >= 0) row_slot[p.routing.slot_row[i]] = long(i);

@@ -19,9 +19,11 @@ struct MoEGradCall {
   const int64_t* ids = nullptr;     // [q, k], -1 = skipped
   const float* weights = nullptr;   // [q, k]
   int q = 0, k = 0;
-  const float* dy = nullptr;        // [q, H] fp32
-  float* dx = nullptr;              // [q, H] fp32, written
-  float* dweights = nullptr;        // [q, k] fp32, written (0 for skipped slots)
+  const float* dy = nullptr;        // [q, H] fp32; nullptr: no backward (out only)
+  float* dx = nullptr;              // [q, H] fp32, written with dy
+  float* dweights = nullptr;        // [q, k] fp32, written with dy (0 for skipped slots)
+  float* out = nullptr;             // [q, H] fp32 (nullable): the forward itself, recomputed in
+                                    // fp32 (the exact forward of fp32 training)
   const uint8_t* gpu_mask = nullptr;  // num_experts flags (nullable): skipped like -1
   const uint8_t* loaded = nullptr;    // num_experts flags: a routed expert must be loaded
 };

@@ -15,7 +15,7 @@ from grad_oracle import dequantized, make_call, reference_grads, rel_error
 
 from hetmoe import _cpu
 from hetmoe.experts.cpu_moe import CpuMoE
-from hetmoe.train.expert_grad import expert_backward
+from hetmoe.train.expert_grad import expert_backward, expert_forward_fp32
 
 ISA_ORDER = ("scalar", "avx2", "avx512", "amx")
 ISAS = ISA_ORDER[: ISA_ORDER.index(_cpu.best_isa()) + 1]
@@ -48,6 +48,16 @@ def test_backward_equals_float64_autograd(isa: str, fmt: str, group: int | None,
     assert rel_error(dx, ref_dx) < 2e-6 * h**0.5, (isa, fmt)
     assert rel_error(dw, ref_dw) < 2e-6 * h**0.5, (isa, fmt)
     assert torch.all(dw[ids < 0] == 0)
+    gate, up, down = dequantized(moe)
+    ref_out = torch.zeros(q, h, dtype=torch.float64)
+    for t in range(q):
+        for j in range(k):
+            if ids[t, j] >= 0:
+                ex = ids[t, j]
+                hid = torch.nn.functional.silu(gate[ex] @ x[t].double()) * (up[ex] @ x[t].double())
+                ref_out[t] += weights[t, j].double() * (down[ex] @ hid)
+    out = expert_forward_fp32(moe, x, ids, weights)
+    assert rel_error(out, ref_out) < 2e-6 * h**0.5, (isa, fmt)
 
 
 def test_bf16_input_and_gpu_experts_skipped() -> None:
@@ -67,11 +77,12 @@ def test_bf16_input_and_gpu_experts_skipped() -> None:
 
 def test_two_numa_groups() -> None:
     # The pool's groups are fixed when it is built: a fresh process with two virtual groups.
-    code = ("import sys; sys.path.insert(0, %r); import test_expert_grad as t; "
+    here = str(Path(__file__).parent)
+    code = (f"import sys; sys.path.insert(0, {here!r}); import test_expert_grad as t; "
             "t.test_backward_equals_float64_autograd('auto', 'int4', 32, (4, 100, 200, 37, 3)); "
             "t.test_backward_equals_float64_autograd('auto', 'bf16', None, (5, 72, 40, 1, 1)); "
             "from hetmoe.experts.cpu_moe import CpuMoE; "
-            "assert CpuMoE(2, 64, 200).num_groups == 2" % str(Path(__file__).parent))
+            "assert CpuMoE(2, 64, 200).num_groups == 2")
     env = dict(os.environ, HETMOE_NUMA_GROUPS="2", HETMOE_THREADS="2")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from hetmoe.experts.cpu_backend import CpuExperts
 from hetmoe.ops.deferral import check_deferred, split_ids
 from hetmoe.ops.fused import unpack_moe_inputs
+from hetmoe.train.expert_function import fp32_experts, needs_grad, routed_experts
 
 if TYPE_CHECKING:
     from hetmoe.experts.backend import ExpertBackend
@@ -62,6 +64,9 @@ class BackendLink:
         self.hidden, self.top_k = hidden, top_k
         self.device = torch.device("cpu")
         self._late: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # Training (train/expert_function.py): the call's inputs, for the autograd op.
+        self._grad: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._fp32 = False
 
     def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               deferred: int = 0) -> None:
@@ -70,6 +75,11 @@ class BackendLink:
         x, weights = x.to(where), weights.to(where)
         immediate, late = split_ids(ids, deferred) if deferred else (ids, None)
         self._late = (x, late.to(where), weights) if late is not None else None
+        self._grad = None
+        if needs_grad(self.experts, x, weights):
+            self._grad, self._fp32 = (x, immediate, weights), fp32_experts(x)
+            if self._fp32:
+                return  # computed in fp32 at finish
         self.experts.submit(x, immediate.to(where), weights)
 
     def start_packed(self, stage: torch.Tensor, rows: int, deferred: int = 0) -> None:
@@ -77,7 +87,12 @@ class BackendLink:
         self.start(x, ids, weights, deferred)
 
     def finish(self) -> torch.Tensor:
-        out = self.experts.sync().to(self.device)
+        if self._grad is not None:
+            assert isinstance(self.experts, CpuExperts)
+            done = None if self._fp32 else self.experts.sync()
+            out = routed_experts(self.experts, *self._grad, done).to(self.device)
+        else:
+            out = self.experts.sync().to(self.device)
         if self._late is not None:
             self.experts.submit(*self._late)
             self._late = None

@@ -23,9 +23,31 @@ def expert_backward(moe: CpuMoE, x: torch.Tensor, expert_ids: torch.Tensor,
                     grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [q, H] float32, dweights [q, k] float32) of `moe.forward(x, ids, weights)` for
     grad_out [q, H] (any float dtype). Ids of -1 and GPU-marked experts get dweights 0."""
-    where = "expert_backward"
-    for name, t in (("x", x), ("expert_ids", expert_ids), ("expert_weights", expert_weights),
-                    ("grad_out", grad_out)):
+    _check(moe, "expert_backward", x, expert_ids, expert_weights, grad_out)
+    q, k = expert_ids.shape
+    dx = torch.empty(q, moe.hidden, dtype=torch.float32)
+    dweights = torch.empty(q, k, dtype=torch.float32)
+    _run(moe, x, expert_ids, expert_weights, grad_out.to(torch.float32).contiguous(), dx,
+         dweights, None)
+    return dx, dweights
+
+
+def expert_forward_fp32(moe: CpuMoE, x: torch.Tensor, expert_ids: torch.Tensor,
+                        expert_weights: torch.Tensor) -> torch.Tensor:
+    """`moe.forward` in fp32 throughout ([q, H] float32): the activations are not rounded to
+    bf16 / u8 as the inference kernels round them (fp32 training; slower, no AMX)."""
+    _check(moe, "expert_forward_fp32", x, expert_ids, expert_weights, None)
+    out = torch.empty(x.shape[0], moe.hidden, dtype=torch.float32)
+    _run(moe, x, expert_ids, expert_weights, None, None, None, out)
+    return out
+
+
+def _check(moe: CpuMoE, where: str, x: torch.Tensor, expert_ids: torch.Tensor,
+           expert_weights: torch.Tensor, grad_out: torch.Tensor | None) -> None:
+    tensors = [("x", x), ("expert_ids", expert_ids), ("expert_weights", expert_weights)]
+    if grad_out is not None:
+        tensors.append(("grad_out", grad_out))
+    for name, t in tensors:
         if not isinstance(t, torch.Tensor) or not t.is_cpu or t.ndim != 2:
             found = (f"{tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
                      else type(t).__name__)
@@ -41,25 +63,29 @@ def expert_backward(moe: CpuMoE, x: torch.Tensor, expert_ids: torch.Tensor,
         raise ValueError(f"{where}: expert_weights must be float of the shape of expert_ids "
                          f"{list(expert_ids.shape)}, found {list(expert_weights.shape)} "
                          f"{expert_weights.dtype}")
-    if grad_out.shape != x.shape or not grad_out.is_floating_point():
+    if grad_out is not None and (grad_out.shape != x.shape or not grad_out.is_floating_point()):
         raise ValueError(f"{where}: grad_out must be float {list(x.shape)}, found "
                          f"{list(grad_out.shape)} {grad_out.dtype}")
-    k = expert_ids.shape[1]
-    dx = torch.empty(q, h, dtype=torch.float32)
-    dweights = torch.empty(q, k, dtype=torch.float32)
+
+
+def _run(moe: CpuMoE, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
+         dy: torch.Tensor | None, dx: torch.Tensor | None, dweights: torch.Tensor | None,
+         out: torch.Tensor | None) -> None:
+    q, k = expert_ids.shape
     if q == 0:
-        return dx, dweights
+        return
     x, ids = x.contiguous(), expert_ids.contiguous()
     weights = expert_weights.to(torch.float32).contiguous()
-    dy = grad_out.to(torch.float32).contiguous()
     loaded = moe._loaded.to(torch.uint8)
     mask = moe._gpu_mask
+
+    def ptr(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.data_ptr()
+
     try:
         moe._layer.backward(x.data_ptr(), _X_DTYPES[x.dtype], ids.data_ptr(),
-                            weights.data_ptr(), q, k, dy.data_ptr(), dx.data_ptr(),
-                            dweights.data_ptr(), 0 if mask is None else mask.data_ptr(),
-                            loaded.data_ptr(), 0)
+                            weights.data_ptr(), q, k, ptr(dy), ptr(dx), ptr(dweights), ptr(out),
+                            ptr(mask), loaded.data_ptr(), 0)
     except IndexError:
         moe._check_ids(ids)  # names the first bad id as CpuMoE.forward does
         raise
-    return dx, dweights
