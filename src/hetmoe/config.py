@@ -57,6 +57,9 @@ class EngineConfig:
     graph_split_layer: int = 4
     """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond
     the last layer: one graph), so the GPU starts while the CPU still launches the rest."""
+    prefill_chunk: int | None = 4096
+    """Prompt tokens prefilled per step while other requests decode (a decode step runs between
+    chunks, so a long prompt stalls them one chunk at a time); None: a prompt at once."""
     prefix_cache: bool = True
     """Reuse the KV cache of earlier requests (kept in their slots) for a new prompt that starts
     with the same tokens; exact (engine/prefix_cache.py)."""
@@ -82,6 +85,10 @@ class EngineConfig:
         if self.gpu_prefill_min_tokens is not None and self.gpu_prefill_min_tokens < 1:
             raise ValueError(f"option gpu_prefill_min_tokens must be None or positive, got "
                              f"{self.gpu_prefill_min_tokens}")
+        if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int)
+                                               or self.prefill_chunk < 1):
+            raise ValueError(f"option prefill_chunk must be None or a positive integer, got "
+                             f"{self.prefill_chunk!r}")
         if self.prefill_split not in (None, True, False):
             raise ValueError(f"option prefill_split must be None (by measured costs), True or "
                              f"False, got {self.prefill_split!r}")

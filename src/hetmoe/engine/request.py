@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from hetmoe.engine.logprobs import TokenLogprob
 from hetmoe.engine.sampler import Sampler, SamplingParams
-from hetmoe.engine.text_stream import TextStream
+from hetmoe.engine.text_stream import CONTEXT_TOKENS, TextStream
 
 if TYPE_CHECKING:
     from hetmoe.engine.scheduler import Scheduler
@@ -70,11 +70,25 @@ class Request:
     cancelled: bool = False
     cached_tokens: int = 0
     """Prompt tokens the prefill found cached."""
+    filled: int = 0
+    """Prompt tokens in the slot's KV cache (all of them once the prefill is done)."""
 
     @property
     def group(self) -> list[Request]:
         """This choice and its siblings: the requests admitted together."""
         return [self, *self.siblings]
+
+
+def choices(ids: list[int], params: SamplingParams, sink: Callable[[Event], None],
+            decode_text: Callable[[list[int]], str], ignore_eos: bool, n: int) -> list[Request]:
+    """The `n` choices of a request for prompt `ids` (the first carries the others)."""
+    group = []
+    for index in range(n):
+        choice = params.for_choice(index)
+        text = TextStream(decode_text, params.stop, ids[-CONTEXT_TOKENS:])
+        group.append(Request(ids, choice, sink, Sampler(choice, ids), text, ignore_eos, index))
+    group[0].siblings = group[1:]
+    return group
 
 
 class RequestHandle:

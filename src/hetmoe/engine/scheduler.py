@@ -2,7 +2,9 @@
 
 The only loop of the engine: `LLM.generate / stream / chat` run it synchronously in the caller's
 thread (`run_once` until their request ends), the server on a thread of its own. Each step it
-admits waiting requests into free slots (one prefill each), then decodes every other active
+admits waiting requests into free slots and prefills them (while others decode, at most
+`EngineConfig.prefill_chunk` prompt tokens per step: a long prompt stalls the running streams one
+chunk at a time, not for its whole prefill), then decodes every other active
 sequence in ONE batched step (`runner.step(StepPlan)`), so each expert's weights are read once
 per step for the whole batch; a batch of greedy requests that want no logits (no logprobs, no
 penalty) gets tokens, with the next step launched ahead by the runner. Each request keeps its
@@ -23,10 +25,9 @@ from typing import TYPE_CHECKING
 
 from hetmoe.engine.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from hetmoe.engine.prefix_cache import PrefixCache
-from hetmoe.engine.request import Event, QueueFull, Request, RequestHandle
-from hetmoe.engine.sampler import Sampler, SamplingParams
+from hetmoe.engine.request import Event, QueueFull, Request, RequestHandle, choices
+from hetmoe.engine.sampler import SamplingParams
 from hetmoe.engine.step import StepPlan
-from hetmoe.engine.text_stream import CONTEXT_TOKENS, TextStream
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +61,7 @@ class Scheduler:
         self._eos = frozenset(eos_token_ids)
         self._waiting: collections.deque[Request] = collections.deque()  # first choices
         self._running: list[Request] = []
+        self._filling: list[Request] = []  # first choices whose prompt is being prefilled
         self._wake = threading.Condition()
         self._stopped = False
         self.decode_steps = 0
@@ -120,14 +122,7 @@ class Scheduler:
         if not 1 <= n <= self.runner.max_batch:
             raise ValueError(f"n={n} choices need as many KV slots; there are "
                              f"{self.runner.max_batch} (max_batch)")
-        ids = list(prompt_ids)
-        group = []
-        for index in range(n):
-            choice = params.for_choice(index)
-            text = TextStream(self._decode_text, params.stop, ids[-CONTEXT_TOKENS:])
-            group.append(Request(ids, choice, sink, Sampler(choice, ids), text, ignore_eos,
-                                 index))
-        group[0].siblings = group[1:]
+        group = choices(list(prompt_ids), params, sink, self._decode_text, ignore_eos, n)
         with self._wake:
             if self._stopped:
                 raise RuntimeError("the scheduler is stopped")
@@ -169,7 +164,7 @@ class Scheduler:
         self._drain()
 
     def run_once(self) -> None:
-        """One step of the loop: admissions (one prefill each), then one batched decode step."""
+        """One step of the loop: admissions and prefills, then one batched decode step."""
         with self._wake:
             for request in [r for r in self._waiting if r.cancelled]:
                 self._waiting.remove(request)
@@ -204,44 +199,76 @@ class Scheduler:
         batch = [r for r in self._running if r.output_ids]  # sequences past their prefill
         for request in admitted:
             if request in self._running:  # not cancelled meanwhile
-                self._prefill(request)
+                self._place(request)
+        chunk = self.runner.config.prefill_chunk
+        budget = chunk if batch and chunk else None  # prompt tokens this step (None: all)
+        for first in list(self._filling):
+            if budget == 0:
+                break
+            budget = self._prefill(first, budget)
         if batch:
             self._decode(batch)
 
-    def _prefill(self, first: Request) -> None:
-        """Prefills a request once into its first choice's slot (after the prefix the cache
-        holds), copies the prompt's KV into the other choices' slots, and samples each choice's
-        first token."""
-        group = [r for r in first.group if r in self._running]
-        ids = first.prompt_ids
-        scored: tuple[TokenLogprob | None, ...] | None = None
-        cache, top = self.runner.cache, first.params.prompt_logprobs
+    def _place(self, first: Request) -> None:
+        """Gives a request's first choice a slot holding the longest cached prefix of its
+        prompt (engine/prefix_cache.py); its prefill starts after that prefix."""
+        ids, cache = first.prompt_ids, self.runner.cache
         try:
-            place = self.prefix.place(ids, reuse=top is None)  # echo scores every position
-            slot = first.slot = cache.allocate(place.slot, place.kept)
+            echo = first.params.prompt_logprobs is not None  # scores every position
+            place = self.prefix.place(ids, reuse=not echo)
+            first.slot = cache.allocate(place.slot, place.kept)
             if place.copied:
                 self.runner.settle()
-                cache.copy(place.source, slot, place.copied)
-            for request in group:
-                request.cached_tokens = place.cached
+                cache.copy(place.source, first.slot, place.copied)
+        except Exception as exc:
+            self._fail(first.group, exc)
+            return
+        for request in first.group:
+            request.cached_tokens = first.filled = place.cached
+        self._filling.append(first)
+
+    def _prefill(self, first: Request, budget: int | None) -> int | None:
+        """Prefills up to `budget` more prompt tokens of a placed request (None: the rest);
+        once its prompt is in, copies the KV into the other choices' slots and samples each
+        choice's first token. Returns the budget left."""
+        group = [r for r in first.group if r in self._running]
+        ids, top = first.prompt_ids, first.params.prompt_logprobs
+        if first not in group:  # cancelled or failed meanwhile
+            self._filling.remove(first)
+            return budget
+        scored: tuple[TokenLogprob | None, ...] | None = None
+        start = first.filled
+        end = len(ids) if budget is None or top is not None else min(len(ids), start + budget)
+        try:
             if top is None:
-                logits = self.runner.prefill(slot, ids[place.cached:], place.cached)  # [V]
+                logits = self.runner.prefill(first.slot, ids[start:end], start)  # [V]
             else:
-                every = self.runner.prefill_logits(slot, ids)  # [T, V]
+                every = self.runner.prefill_logits(first.slot, ids)  # [T, V]
                 scored = tuple(prompt_logprobs(every, ids, top))
                 logits = every[-1]
-            self.prefix.hold(slot, ids)
+            first.filled = end
+            if end < len(ids):
+                return 0
+            self._filling.remove(first)
+            self.prefix.hold(first.slot, ids)
+            cache = self.runner.cache
             for request in group[1:]:  # the prefill settled any step launched ahead
                 request.slot = cache.allocate(self.prefix.place(ids, reuse=False).slot)
-                cache.copy(slot, request.slot, len(ids))
+                cache.copy(first.slot, request.slot, len(ids))
+                request.filled = len(ids)
                 self.prefix.hold(request.slot, ids)
         except Exception as exc:  # this prompt's failure is its own, not the batch's
-            for request in group:
-                self._release(request, failed=True)
-                self._finish(request, "error", f"{type(exc).__name__}: {exc}")
-            return
+            self._filling.remove(first)
+            self._fail(group, exc)
+            return budget
         rows = logits[None].expand(len(group), -1)  # [n, V], a view
         self._sample(group, rows, None, scored)
+        return None if budget is None else max(0, budget - (end - start))
+
+    def _fail(self, group: list[Request], exc: Exception) -> None:
+        for request in group:
+            self._release(request, failed=True)
+            self._finish(request, "error", f"{type(exc).__name__}: {exc}")
 
     def _decode(self, batch: list[Request]) -> None:
         """One decode step of `batch`; batches that need no logits get tokens (and the next
@@ -251,7 +278,8 @@ class Scheduler:
         admitting = bool(self._waiting) and (
             len(self._running) + len(self._waiting[0].group) <= self.runner.max_batch)
         plan = StepPlan(tuple(r.slot for r in batch), tuple(r.output_ids[-1] for r in batch),
-                        greedy=greedy, ahead=greedy and more and not admitting)
+                        greedy=greedy, ahead=greedy and more and not admitting
+                        and not self._filling)
         out = self.runner.step(plan)
         self.decode_steps += 1
         self.decode_rows += len(batch)
@@ -306,7 +334,7 @@ class Scheduler:
             self._running.remove(request)
         if request.slot >= 0:
             self.runner.free(request.slot)
-            held = None if failed else request.prompt_ids + request.output_ids
+            held = None if failed else request.prompt_ids[:request.filled] + request.output_ids
             self.prefix.release(request.slot, held)
             request.slot = -1
 

@@ -1,0 +1,88 @@
+"""A long prompt admitted while others decode is prefilled a chunk per step, a decode step of
+the running requests between chunks; outputs equal the whole-prompt prefill."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+from live_server import tiny_llm
+from test_scheduler import Collector
+
+from hetmoe import LLM
+from hetmoe.config import EngineConfig
+from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.scheduler import Scheduler
+
+LONG = list(range(5, 45))  # 40 prompt tokens
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3_moe: Path, one_torch_thread: None) -> LLM:
+    return tiny_llm(tiny_qwen3_moe, max_batch=2, max_seq_len=96)
+
+
+def run(llm: LLM, chunk: int | None) -> tuple[list[list[int]], list[tuple[str, int]]]:
+    """A short request decoding, then LONG admitted; both greedy. Returns both token lists and
+    the runner calls in order: ("prefill", tokens) or ("decode", rows)."""
+    runner = llm.runner
+    before = runner.config
+    runner.config = dataclasses.replace(before, prefill_chunk=chunk)
+    calls: list[tuple[str, int]] = []
+    prefill, step = runner.prefill, runner.step
+
+    def counted_prefill(slot: int, ids: Any, start: int = 0) -> Any:
+        calls.append(("prefill", len(ids)))
+        return prefill(slot, ids, start)
+
+    def counted_step(plan: Any) -> Any:
+        calls.append(("decode", len(plan.slots)))
+        return step(plan)
+
+    runner.prefill, runner.step = counted_prefill, counted_step  # type: ignore[method-assign]
+    scheduler = Scheduler(runner, llm.decode, llm.eos_token_ids, threaded=False,
+                          prefix_cache=False)
+    try:
+        sinks = [Collector(), Collector()]
+        scheduler.submit([3, 4, 5], SamplingParams(20), sinks[0], ignore_eos=True)
+        for _ in range(3):
+            scheduler.run_once()  # the short request decodes alone
+        scheduler.submit(LONG, SamplingParams(6), sinks[1], ignore_eos=True)
+        while scheduler.num_running or scheduler.num_waiting:
+            scheduler.run_once()
+        return [s.token_ids for s in sinks], calls
+    finally:
+        scheduler.stop()
+        del runner.prefill, runner.step
+        runner.config = before
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps(llm: LLM) -> None:
+    whole_tokens, whole_calls = run(llm, None)
+    tokens, calls = run(llm, 16)
+    assert tokens == whole_tokens  # chunks attend to what earlier chunks cached: exact
+    assert ("prefill", 40) in whole_calls
+    long_chunks = [i for i, c in enumerate(calls) if c[0] == "prefill" and c[1] != 3]
+    assert [calls[i][1] for i in long_chunks] == [16, 16, 8]
+    # A decode step of the running request follows each chunk, before the next one.
+    for i in long_chunks[:-1]:
+        assert calls[i + 1] == ("decode", 1)
+    assert len(tokens[0]) == 20 and len(tokens[1]) == 6
+
+
+def test_a_prompt_with_nothing_decoding_is_prefilled_at_once(llm: LLM) -> None:
+    out = llm.generate(LONG, max_new_tokens=3)
+    runner = llm.runner
+    runner.config = dataclasses.replace(runner.config, prefill_chunk=8)
+    try:
+        assert llm.generate(LONG, max_new_tokens=3).token_ids == out.token_ids
+    finally:
+        runner.config = dataclasses.replace(runner.config, prefill_chunk=4096)
+
+
+def test_prefill_chunk_is_checked() -> None:
+    assert EngineConfig(prefill_chunk=None).prefill_chunk is None
+    with pytest.raises(ValueError, match="prefill_chunk must be None or a positive integer"):
+        EngineConfig(prefill_chunk=0)
