@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import pytest
 from live_server import API_KEY, LiveServer, tiny_llm
 
 from hetmoe.server.config import ServerConfig
+
+TEMPLATES = Path(__file__).parent / "templates"
 
 
 @pytest.fixture(scope="module")
@@ -18,5 +21,19 @@ def server(tiny_qwen3_moe: Path, one_torch_thread: None) -> Iterator[LiveServer]
         tiny_llm(tiny_qwen3_moe, max_batch=8, max_seq_len=256),
         ServerConfig(api_key=API_KEY, max_queue=4, max_body_bytes=64 * 1024),
     )
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def qwen_server(tiny_qwen3_moe: Path, tmp_path_factory: pytest.TempPathFactory,
+                one_torch_thread: None) -> Iterator[LiveServer]:
+    """The baby model with Qwen3's chat template (its tool prompt is ~470 tokens)."""
+    path = tmp_path_factory.mktemp("tiny-qwen3-tools")
+    for item in tiny_qwen3_moe.iterdir():
+        shutil.copy(item, path / item.name)
+    shutil.copy(TEMPLATES / "qwen3.jinja", path / "chat_template.jinja")
+    live = LiveServer(tiny_llm(path, max_batch=4, max_seq_len=1024),
+                      ServerConfig(api_key=API_KEY, max_queue=4))
     yield live
     live.close()

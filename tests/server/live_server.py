@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from anthropic import Anthropic
 from openai import OpenAI
 
 from hetmoe import LLM
@@ -43,6 +44,7 @@ class LiveServer:
         self.api = self.http()
         """Plain HTTP client with the key (raw bodies, headers, streams)."""
         self._openai = OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0)
+        self._anthropic = Anthropic(base_url=self.url, api_key=API_KEY, max_retries=0)
 
     def http(self, key: str | None = API_KEY) -> httpx.Client:
         """A new plain HTTP client sending `key` (None: no Authorization header)."""
@@ -52,6 +54,10 @@ class LiveServer:
     def openai(self) -> OpenAI:
         """The official client pointed at this server (thread-safe, shared)."""
         return self._openai
+
+    def anthropic(self) -> Anthropic:
+        """The official Anthropic client pointed at this server (sends `x-api-key`)."""
+        return self._anthropic
 
     def metric(self, name: str) -> float:
         """One unlabelled sample from /metrics."""
@@ -72,6 +78,7 @@ class LiveServer:
     def close(self) -> None:
         self.api.close()
         self._openai.close()
+        self._anthropic.close()
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self.service.close()

@@ -5,20 +5,14 @@ the tool's result, `tool_choice`, and the fields refused by name."""
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from live_server import API_KEY, MODEL, LiveServer, tiny_llm
+from live_server import MODEL, LiveServer
 from openai.types.chat.chat_completion_chunk import ChoiceDeltaToolCall
 from scripted import scripted
 
-from hetmoe.server.config import ServerConfig
-
-TEMPLATES = Path(__file__).parent / "templates"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -26,20 +20,6 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def qwen_server(tiny_qwen3_moe: Path, tmp_path_factory: pytest.TempPathFactory,
-                one_torch_thread: None) -> Iterator[LiveServer]:
-    """The baby model with Qwen3's chat template (its tool prompt is ~470 tokens)."""
-    path = tmp_path_factory.mktemp("tiny-qwen3-tools")
-    for item in tiny_qwen3_moe.iterdir():
-        shutil.copy(item, path / item.name)
-    shutil.copy(TEMPLATES / "qwen3.jinja", path / "chat_template.jinja")
-    live = LiveServer(tiny_llm(path, max_batch=4, max_seq_len=1024),
-                      ServerConfig(api_key=API_KEY, max_queue=4))
-    yield live
-    live.close()
 
 
 def _chat(server: LiveServer, **options: Any) -> Any:

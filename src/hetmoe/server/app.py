@@ -11,6 +11,7 @@ from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
+from hetmoe.server.anthropic_api import router as anthropic_router
 from hetmoe.server.api import router
 from hetmoe.server.config import ServerConfig
 from hetmoe.server.errors import APIError, error_response
@@ -37,20 +38,22 @@ def build_app(service: ModelService, config: ServerConfig) -> ASGIApp:
     app.state.service = service
     app.state.metrics = metrics = Metrics()
     app.include_router(router)
+    app.include_router(anthropic_router)
     _add_page(app)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> Response:
-        return exc.response()
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return exc.response(request.url.path)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> Response:
-        return error_response(exc.status_code, str(exc.detail))
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail), path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> Response:
+    async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("request failed")  # the server keeps serving; the client gets a 500
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}",
+                              path=request.url.path)
 
     loopback = config.host in LOOPBACK_HOSTS
     return Guard(

@@ -18,6 +18,18 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
 }
+# Anthropic's error types by status (its API answers `{"type": "error", "error": {...}}`).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATHS = frozenset({"/v1/messages"})
+"""Routes whose errors take Anthropic's shape."""
 # Union members and validator wrappers that pydantic puts in an error's location.
 _LOC_TAGS = {"str", "int", "float", "bool", "none"}
 
@@ -31,13 +43,18 @@ class APIError(Exception):
         self.message = message
         self.param = param
 
-    def response(self) -> JSONResponse:
-        """The JSON response OpenAI clients parse into their own exception types."""
-        return error_response(self.status, self.message, self.param)
+    def response(self, path: str = "") -> JSONResponse:
+        """The JSON response the clients of the route at `path` parse into their own
+        exception types."""
+        return error_response(self.status, self.message, self.param, path)
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    """`{"error": {"message", "type", "param", "code"}}` with the given status."""
+def error_response(status: int, message: str, param: str | None = None,
+                   path: str = "") -> JSONResponse:
+    """`{"error": {"message", "type", "param", "code"}}` with the given status; on Anthropic's
+    routes `{"type": "error", "error": {"type", "message"}}`."""
+    if path in ANTHROPIC_PATHS:
+        return JSONResponse(anthropic_error(status, message), status_code=status)
     body: dict[str, Any] = {
         "error": {
             "message": message,
@@ -47,6 +64,12 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
         }
     }
     return JSONResponse(body, status_code=status)
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body (also the data of a stream's `error` event)."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def _field_path(loc: tuple[int | str, ...]) -> str:

@@ -6,7 +6,7 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hetmoe.server.errors import error_response
+from hetmoe.server.errors import ANTHROPIC_PATHS, error_response
 from hetmoe.server.metrics import Metrics
 
 # Routes open without a key: liveness for orchestrators, and the static chat page (it holds no
@@ -17,7 +17,8 @@ PUBLIC_PATHS = frozenset({"/health", "/", "/static/app.js", "/static/style.css"}
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
 # Routes counted under their own label; anything else is "other" (clients choose paths).
 KNOWN_ROUTES = frozenset(
-    {"/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics", "/"}
+    {"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/health",
+     "/metrics", "/"}
 )
 
 
@@ -60,26 +61,30 @@ class Guard:
             self.metrics.request_done(route, status_seen[0] if status_seen else 499)
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
         if self.allowed_hosts is not None:
             host = _host_name(_header(scope, b"host") or "")
             if host not in self.allowed_hosts:
                 reply = error_response(
                     400, f"Host {host!r} is not served here: this server answers to "
-                    f"{', '.join(sorted(self.allowed_hosts))}"
+                    f"{', '.join(sorted(self.allowed_hosts))}", path=path
                 )
                 await reply(scope, receive, send)
                 return
         if self.api_key is not None and scope["path"] not in PUBLIC_PATHS:
             if not _authorized(scope, self.api_key):
+                header = "x-api-key: <key>" if path in ANTHROPIC_PATHS else \
+                    "Authorization: Bearer <key>"
                 reply = error_response(
-                    401, "missing or invalid API key: send 'Authorization: Bearer <key>'"
+                    401, f"missing or invalid API key: send '{header}'", path=path
                 )
                 reply.headers["www-authenticate"] = "Bearer"
                 await reply(scope, receive, send)
                 return
         declared = _header(scope, b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            await error_response(413, self._too_large(declared))(scope, receive, send)
+            reply = error_response(413, self._too_large(declared), path=path)
+            await reply(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -90,7 +95,7 @@ class Guard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                reply = error_response(413, self._too_large(f"more than {size}"))
+                reply = error_response(413, self._too_large(f"more than {size}"), path=path)
                 await reply(scope, receive, send)
                 return
             chunks.append(chunk)
@@ -128,7 +133,11 @@ def _host_name(value: str) -> str:
 
 
 def _authorized(scope: Scope, api_key: str) -> bool:
+    """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
     scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
     # Constant-time comparison: the key must not leak through response timing.
-    given = token.strip().encode()
-    return scheme.lower() == "bearer" and hmac.compare_digest(given, api_key.encode())
+    expected = api_key.encode()
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected):
+        return True
+    other = _header(scope, b"x-api-key")
+    return other is not None and hmac.compare_digest(other.strip().encode(), expected)

@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from hetmoe.server.errors import APIError
 from hetmoe.server.tool_parsers import ParsedOutput, ToolCall, ToolFormat, detect
+from hetmoe.server.tool_protocol import ToolChoice, ToolDef
 
 if TYPE_CHECKING:
     from hetmoe.server.protocol import ChatCompletionRequest, ChatMessage
+    from hetmoe.server.service import ModelService
 
 
 @dataclass(frozen=True)
@@ -67,14 +69,21 @@ def refuse_unserved(body: ChatCompletionRequest) -> None:
 
 
 def plan_tools(body: ChatCompletionRequest, template: str | None) -> ToolPlan | None:
-    """The request's tool plan (None: a plain chat), or a 400 naming the field at fault."""
+    """A chat completion's tool plan (None: a plain chat), or a 400 naming the field at fault."""
     refuse_unserved(body)
-    choice = body.tool_choice
-    if not body.tools:
+    return make_plan(body.tools, body.tool_choice, body.parallel_tool_calls is not False,
+                     template)
+
+
+def make_plan(offered: Sequence[ToolDef] | None, choice: ToolChoice | None, parallel: bool,
+              template: str | None) -> ToolPlan | None:
+    """The plan of `offered` tools under `choice` for a model with chat `template` (None: no
+    tools), or a 400 naming the field at fault."""
+    if not offered:
         if choice is not None and choice != "none":
             raise APIError(400, "field 'tool_choice': needs 'tools' to choose from", "tool_choice")
         return None
-    names = [tool.function.name for tool in body.tools]
+    names = [tool.function.name for tool in offered]
     if len(set(names)) != len(names):
         raise APIError(400, "field 'tools': function names must be unique", "tools")
     if choice == "none":
@@ -87,14 +96,31 @@ def plan_tools(body: ChatCompletionRequest, template: str | None) -> ToolPlan | 
         raise APIError(400, "field 'tools': no tool-call parser knows this model's chat "
                        "template (known: Qwen/Hermes <tool_call>, Mistral [TOOL_CALLS], "
                        "DeepSeek-V3 tool-call tokens)", "tools")
-    tools = [tool.template_dict() for tool in body.tools]
+    tools = [tool.template_dict() for tool in offered]
     if choice is None or isinstance(choice, str):
-        return ToolPlan(form, tools, choice or "auto", body.parallel_tool_calls is not False)
+        return ToolPlan(form, tools, choice or "auto", parallel)
     name = choice.function.name
     if name not in names:
         raise APIError(400, f"field 'tool_choice': function {name!r} is not among 'tools' "
                        f"({', '.join(names)})", "tool_choice")
     return ToolPlan(form, [t for t in tools if t["function"]["name"] == name], name, False)
+
+
+def render_chat(service: ModelService, messages: Sequence[ChatMessage],
+                plan: ToolPlan | None) -> list[int]:
+    """Prompt ids of the messages (and the plan's tools) through the chat template; earlier
+    calls' arguments go as objects, or as JSON text to a template that cannot take objects."""
+    rendered = plan.tools if plan is not None else None
+    try:
+        try:
+            return service.render(template_messages(messages), rendered)
+        except Exception:
+            if not any(m.tool_calls for m in messages):
+                raise
+            return service.render(template_messages(messages, True), rendered)
+    except Exception as exc:  # a template may reject a role order; that is the client's input
+        message = f"field 'messages': the chat template cannot render them: {exc}"
+        raise APIError(400, message, "messages") from None
 
 
 def template_messages(messages: Sequence[ChatMessage],

@@ -1,0 +1,165 @@
+"""Route: Anthropic's POST /v1/messages (streamed as its named SSE events) over the same scheduler,
+chat template, tool parsing, validation and sampling defaults as the OpenAI routes; errors in
+Anthropic's shape (`errors.ANTHROPIC_PATHS`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hetmoe.engine.request import Event, QueueFull
+from hetmoe.server import api, tools
+from hetmoe.server.anthropic_protocol import (
+    MessagesRequest,
+    content_blocks,
+    new_message_id,
+    stop_reason,
+    usage,
+)
+from hetmoe.server.errors import APIError, anthropic_error
+from hetmoe.server.sampling import request_sampling
+from hetmoe.server.service import EventStream, ModelService
+
+router = APIRouter()
+
+
+@router.post("/v1/messages", response_model=None)
+async def messages(request: Request) -> JSONResponse | StreamingResponse:
+    """Anthropic Messages: system prompt, stop_sequences, temperature / top_p / top_k, tools."""
+    started = time.perf_counter()
+    body: MessagesRequest = await api.parse_body(request, MessagesRequest)
+    service = api.check_model(request, body.model)
+    plan = tools.make_plan(*body.openai_tools(), service.chat_template)
+    chat = body.chat_messages()
+    if chat[-1].role == "assistant":
+        raise APIError(400, "field 'messages': the last message must be the user's "
+                       "(continuing an assistant turn is not served)", "messages")
+    prompt_ids = tools.render_chat(service, chat, plan)
+    max_tokens = api.check_window(service, len(prompt_ids), body.max_tokens, "messages",
+                                  "max_tokens")
+    params = request_sampling(service.llm.sampling_defaults, max_tokens,
+                              temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                              stop=body.stop_sequences or ())
+    try:
+        stream = service.submit([prompt_ids], params)
+    except QueueFull as exc:
+        raise APIError(429, f"server busy: {exc}; retry later") from None
+    except RuntimeError as exc:
+        raise APIError(503, f"server unavailable: {exc}") from None
+    metrics = request.app.state.metrics
+    metrics.prompt(len(prompt_ids))
+    observe = api.observer(metrics, started)
+    if body.stream:
+        return _sse(_events(new_message_id(), body, stream, observe, plan, service), stream)
+    choice = (await api.collect(request, stream, observe, 1)).all[0]
+    assert choice.last is not None
+    text = "".join(choice.text)
+    parsed = plan.parse(text) if plan is not None and text else None
+    if plan is not None and parsed is None and plan.choice != "auto":
+        raise plan.missing_call(text)
+    ids = plan.ids(len(parsed.calls)) if plan is not None and parsed is not None else []
+    stop = None if parsed else _matched_stop(service, choice.token_ids, body.stop_sequences)
+    return JSONResponse({
+        "id": new_message_id(), "type": "message", "role": "assistant", "model": body.model,
+        "content": content_blocks(text, parsed, ids),
+        "stop_reason": stop_reason(choice.finish_reason, stop, parsed is not None),
+        "stop_sequence": stop,
+        "usage": usage(choice.last.prompt_tokens, choice.last.completion_tokens,
+                       choice.last.cached_tokens),
+    })
+
+
+def _matched_stop(service: ModelService, token_ids: Sequence[int],
+                  stops: Sequence[str] | None) -> str | None:
+    """The stop sequence that ended the answer: the first one in its tokens' text (generation
+    stops at the first), None when it ended otherwise."""
+    if not stops:
+        return None
+    full = service.text(token_ids)
+    found = [(full.find(s), s) for s in stops if s in full]
+    return min(found)[1] if found else None
+
+
+async def _events(mid: str, body: MessagesRequest, stream: EventStream,
+                  observe: Callable[[Event], None], plan: tools.ToolPlan | None,
+                  service: ModelService) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """message_start, the text block's start / deltas / stop, each tool use's block,
+    message_delta (stop reason, output tokens), message_stop; `error` if generation fails."""
+    calls = tools.ToolStream(plan) if plan is not None else None
+    last: Event | None = None
+    token_ids: list[int] = []
+    opened = False
+    async for event in stream:
+        observe(event)
+        if event.finish_reason in ("error", "cancelled"):
+            failed = event.finish_reason == "error"
+            yield "error", anthropic_error(500 if failed else 503, f"generation failed: "
+                                           f"{event.error}" if failed else "server shutting down")
+            return
+        if last is None:
+            message: dict[str, Any] = {
+                "id": mid, "type": "message", "role": "assistant", "model": body.model,
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": usage(event.prompt_tokens, 0, event.cached_tokens)}
+            yield "message_start", {"type": "message_start", "message": message}
+        last = event
+        token_ids.extend(event.token_ids)
+        piece = calls.feed(event.text) if calls is not None else event.text
+        if piece:
+            if not opened:
+                opened = True
+                yield _block_start(0, {"type": "text", "text": ""})
+            yield _delta(0, {"type": "text_delta", "text": piece})
+    assert last is not None and last.finish_reason is not None
+    rest, parsed = calls.finish() if calls is not None else ("", None)
+    if plan is not None and parsed is None and plan.choice != "auto":
+        yield "error", anthropic_error(422, plan.missing_call(calls.text if calls else "").message)
+        return
+    if rest or not (opened or parsed):
+        if not opened:
+            opened = True
+            yield _block_start(0, {"type": "text", "text": ""})
+        if rest:
+            yield _delta(0, {"type": "text_delta", "text": rest})
+    if opened:
+        yield "content_block_stop", {"type": "content_block_stop", "index": 0}
+    if plan is not None and parsed is not None:
+        for index, (call, call_id) in enumerate(zip(parsed.calls, plan.ids(len(parsed.calls)),
+                                                    strict=True), start=int(opened)):
+            yield _block_start(index, {"type": "tool_use", "id": call_id, "name": call.name,
+                                       "input": {}})
+            yield _delta(index, {"type": "input_json_delta", "partial_json": call.arguments})
+            yield "content_block_stop", {"type": "content_block_stop", "index": index}
+    stop = None if parsed else _matched_stop(service, token_ids, body.stop_sequences)
+    reason = stop_reason(last.finish_reason, stop, parsed is not None)
+    yield "message_delta", {"type": "message_delta",
+                            "delta": {"stop_reason": reason, "stop_sequence": stop},
+                            "usage": {"output_tokens": last.completion_tokens}}
+    yield "message_stop", {"type": "message_stop"}
+
+
+def _block_start(index: int, block: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    return "content_block_start", {"type": "content_block_start", "index": index,
+                                   "content_block": block}
+
+
+def _delta(index: int, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+
+
+def _sse(events: AsyncIterator[tuple[str, dict[str, Any]]],
+         stream: EventStream) -> StreamingResponse:
+    async def lines() -> AsyncIterator[str]:
+        try:
+            async for name, data in events:
+                yield f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        finally:
+            stream.cancel()  # the client disconnected (or the stream ended): free the slot
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(lines(), media_type="text/event-stream", headers=headers)
