@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from hetmoe import cli_convert
+from hetmoe.chat_session import ChatSession
 from hetmoe.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -141,16 +142,19 @@ def chat(
 ) -> None:
     """Chat with MODEL in the terminal.
 
-    Answers stream as they are generated; /exit or Ctrl-D quits.
+    Answers stream as they are generated; Ctrl-C stops one, /exit or Ctrl-D quits. /clear
+    forgets the conversation, /save FILE writes it as JSON; end a line with \\ to continue it,
+    or write a message between two lines of three double quotes.
     """
     checked_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                      top_k=top_k, seed=seed)
     if url is not None:
         from hetmoe.server.client import ChatClient, ServerError, remote_chat
 
-        typer.echo(f"chat with {model} at {url}: type a message; /exit quits")
+        typer.echo(f"chat with {model} at {url}: type a message; /help lists the commands, "
+                   "/exit quits")
         try:
-            remote_chat(ChatClient(url, api_key), model, lambda: input("> "),
+            remote_chat(ChatClient(url, api_key), model, input,
                         lambda text: typer.echo(text, nl=False), system,
                         max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                         top_k=top_k, seed=seed)
@@ -160,18 +164,9 @@ def chat(
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
                    deferred=deferred, verbose=verbose,
                    gpu_prefill_min_tokens=gpu_prefill_min_tokens or None)
-    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    typer.echo("chat: type a message; /exit quits")
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            break
-        if line.strip() in ("/exit", "/quit"):
-            break
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
+    typer.echo("chat: type a message; /help lists the commands, /exit quits")
+
+    def answer(history: list[dict[str, str]]) -> str | None:
         pieces: list[str] = []
         stream = llm.stream_chat(history, max_new_tokens=max_new_tokens, temperature=temperature,
                                  top_p=top_p, top_k=top_k, seed=seed)
@@ -180,15 +175,16 @@ def chat(
                 typer.echo(piece, nl=False)
                 pieces.append(piece)
         except ValueError as exc:  # e.g. the history outgrew the context window
-            history.pop()
             typer.echo(f"error: {exc}", err=True)
-            continue
+            return None
         except KeyboardInterrupt:  # Ctrl-C stops this answer; the session and history go on
             stream.close()  # cancels the request and frees its slot
             typer.echo(" [stopped]")
         else:
             typer.echo()
-        history.append({"role": "assistant", "content": "".join(pieces)})
+        return "".join(pieces)
+
+    ChatSession(input, lambda text: typer.echo(text, nl=False), system).run(answer)
 
 
 @app.command()

@@ -74,7 +74,8 @@ def test_chat_url_streams_the_servers_answer(served: str) -> None:
     )
     assert result.exit_code == 0, result.output
     assert result.output == (
-        f"chat with tiny at {served}: type a message; /exit quits\n> {first}\n> {second}\n> "
+        f"chat with tiny at {served}: type a message; /help lists the commands, /exit quits\n"
+        f"> {first}\n> {second}\n> "
     )
 
 

@@ -11,6 +11,8 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from hetmoe.chat_session import ChatSession
+
 
 class ServerError(Exception):
     """The server answered an error (its message is shown as is) or could not be reached."""
@@ -69,34 +71,26 @@ def _message(exc: urllib.error.HTTPError) -> str:
 def remote_chat(
     client: ChatClient,
     model: str,
-    read: Callable[[], str],
+    read: Callable[[str], str],
     write: Callable[[str], None],
     system: str | None = None,
     **sampling: Any,
 ) -> None:
-    """The `chat --url` loop: read a line, stream the answer, keep the turns; EOF or /exit ends.
+    """The `chat --url` loop (`ChatSession`: commands, multi-line input); EOF or /exit ends.
 
     A failed turn (e.g. the history outgrew the context window) is reported and dropped.
     """
-    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    while True:
-        try:
-            line = read()
-        except EOFError:
-            return
-        if line.strip() in ("/exit", "/quit"):
-            return
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        answer = []
+
+    def answer(history: list[dict[str, str]]) -> str | None:
+        pieces = []
         try:
             for piece in client.stream(history, model, **sampling):
-                answer.append(piece)
+                pieces.append(piece)
                 write(piece)
         except ServerError as exc:
-            history.pop()
             write(f"[error: {exc}]\n")
-            continue
+            return None
         write("\n")
-        history.append({"role": "assistant", "content": "".join(answer)})
+        return "".join(pieces)
+
+    ChatSession(read, write, system).run(answer)
