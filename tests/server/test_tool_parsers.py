@@ -119,3 +119,28 @@ def test_mistral_v11_calls_and_ids() -> None:
 
 def test_detect_names_no_format_for_other_templates() -> None:
     assert detect("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+
+
+def test_decoding_keeps_the_special_tokens_of_the_call_syntax(tiny_qwen3_moe: Path) -> None:
+    """Mistral's [TOOL_CALLS] is a special token, which decoding would skip."""
+    import threading
+    from types import SimpleNamespace
+
+    from hetmoe.server.service import ModelService
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_moe)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    marker = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    service = ModelService.__new__(ModelService)  # only the tokenizer side
+    service.tokenizer = tokenizer
+    service.llm = SimpleNamespace(  # type: ignore[assignment]
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    service._tokenizer_lock = threading.Lock()
+    service._kept_ids = service._marker_ids(next(f for f in FORMATS if f.name == "mistral"))
+    assert service._kept_ids == {marker: "[TOOL_CALLS]"}
+    ids = [*tokenizer.encode("Hi", add_special_tokens=False), marker,
+           *tokenizer.encode(' [{"name": "get_time", "arguments": {}}]', add_special_tokens=False),
+           tokenizer.eos_token_id]
+    text = service._decode(ids)
+    assert text == 'Hi[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]'
+    assert _plan("mistral").parse(text).calls == (ToolCall("get_time", "{}"),)  # type: ignore[union-attr]
