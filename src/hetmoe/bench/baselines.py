@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hetmoe.bench.random_model import random_tensor
+from hetmoe.bench.random_model import random_tensor, weight_std
 from hetmoe.loading.materialize import _rebuild_computed_buffers
 from hetmoe.loading.skeleton import build_skeleton
 
@@ -49,7 +49,8 @@ def build_offloaded_hf_model(config: Any, dtype: torch.dtype = torch.bfloat16,
                     continue
                 if table is module._buffers and key in module._non_persistent_buffers_set:
                     continue
-                value = random_tensor(key, t, generator, gpu).to("cpu" if on_cpu else gpu)
+                std = weight_std(name, int(model.config.num_hidden_layers))
+                value = random_tensor(key, t, generator, gpu, std).to("cpu" if on_cpu else gpu)
                 table[key] = nn.Parameter(value, False) if isinstance(t, nn.Parameter) else value
     _rebuild_computed_buffers(model, gpu)
     return dispatch_model(model.eval(), device_map=device_map, main_device=0)

@@ -6,7 +6,8 @@ experts layer by layer through the expert backend's `load_tensor` (`gate_up_proj
 `down_proj [E, H, I]`). A layer's experts are drawn on the GPU when there is one (fast), copied to
 one reusable pinned staging buffer and packed by the backend from there, so host memory holds the
 packed experts plus one layer's staging, never a second copy of the model. Weights are N(0, 0.02)
-like HF's initializer; norms are 1, biases 0.
+like HF's initializer, except the token embeddings and the residual projections (`weight_std`:
+so routers spread tokens over the experts as trained ones do); norms are 1, biases 0.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def _fill_dense(model: nn.Module, device: torch.device, generator: torch.Generat
                 gen_device: torch.device) -> None:
     """Random values for every parameter/persistent buffer on meta outside expert backends."""
     owners = [name for name, m in model.named_modules() if isinstance(m, ExpertBackend)]
+    num_layers = int(model.config.num_hidden_layers)
     for module_name, module in model.named_modules():
         if any(module_name == o or module_name.startswith(o + ".") for o in owners):
             continue
@@ -94,16 +96,32 @@ def _fill_dense(model: nn.Module, device: torch.device, generator: torch.Generat
                     continue
                 if table is module._buffers and name in module._non_persistent_buffers_set:
                     continue  # computed at construction (rotary inv_freq): rebuilt afterwards
-                value = random_tensor(name, t, generator, gen_device).to(device)
+                std = weight_std(module_name, num_layers)
+                value = random_tensor(name, t, generator, gen_device, std).to(device)
                 table[name] = nn.Parameter(value, False) if isinstance(t, nn.Parameter) else value
 
 
+def weight_std(module: str, num_layers: int) -> float:
+    """Standard deviation of `module`'s random weight matrix. Token embeddings N(0, 1) and the
+    projections that write into the residual stream N(0, STD / sqrt(2 layers)) (GPT-2's scaled
+    init) keep each token's residual its own through depth: with STD everywhere, attention over
+    random weights (near-uniform) soon adds the same vector to every position, and every
+    token's router then picks the same few experts (16.7 distinct experts per layer per 512
+    tokens on the Qwen3-30B-A3B shape; a trained router spreads them)."""
+    last = module.rsplit(".", 1)[-1]
+    if last == "embed_tokens":
+        return 1.0
+    if last in ("o_proj", "down_proj"):
+        return STD / (2 * num_layers) ** 0.5
+    return STD
+
+
 def random_tensor(name: str, t: torch.Tensor, generator: torch.Generator,
-                  gen_device: torch.device) -> torch.Tensor:
-    """Random values for meta tensor `t` named `name`: N(0, STD) matrices, unit norms, zero bias."""
+                  gen_device: torch.device, std: float = STD) -> torch.Tensor:
+    """Random values for meta tensor `t` named `name`: N(0, std) matrices, unit norms, zero bias."""
     if t.dim() >= 2 and t.is_floating_point():
         out = torch.empty(t.shape, dtype=torch.float32, device=gen_device)
-        return out.normal_(0.0, STD, generator=generator).to(t.dtype)
+        return out.normal_(0.0, std, generator=generator).to(t.dtype)
     if name == "weight" and t.is_floating_point():
         return torch.ones(t.shape, dtype=t.dtype, device=gen_device)  # norms
     return torch.zeros(t.shape, dtype=t.dtype, device=gen_device)  # biases, correction bias
