@@ -210,6 +210,12 @@ def serve(
     prefix_cache: Annotated[bool, typer.Option(
         "--prefix-cache/--no-prefix-cache",
         help="Reuse earlier requests' KV for prompts that start alike")] = _DEFAULTS.prefix_cache,
+    prefill_chunk: Annotated[int, typer.Option(
+        help="Prompt tokens prefilled per step while other requests decode (0 = a prompt at "
+             "once)")] = _DEFAULTS.prefill_chunk or 0,
+    prefill_split: Annotated[str, typer.Option(
+        help="GPU prefill: split each layer's experts between CPU and GPU: on, off, or auto "
+             "(by costs measured at the first GPU prefill)")] = "off",
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve MODEL over an OpenAI-style API.
@@ -225,10 +231,14 @@ def serve(
         config = ServerConfig(**{k: v for k, v in given.items() if v is not None})
     except ValueError as exc:
         fail(exc)
+    splits = {"on": True, "off": False, "auto": None}
+    if prefill_split not in splits:
+        fail(ValueError(f"--prefill-split must be on, off or auto, got {prefill_split!r}"))
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
                    deferred=deferred, verbose=verbose,
                    gpu_prefill_min_tokens=gpu_prefill_min_tokens or None, max_batch=max_batch,
-                   prefix_cache=prefix_cache)
+                   prefix_cache=prefix_cache, prefill_chunk=prefill_chunk or None,
+                   prefill_split=splits[prefill_split])
     serve_app(llm, config.model_name or model, config)
 
 

@@ -91,3 +91,27 @@ def test_chat_url_reports_server_errors_and_goes_on(served: str) -> None:
     unknown = CliRunner().invoke(app, ["chat", "other", "--url", served, "--api-key", KEY],
                                  input="Hi\n")
     assert "[error: 404 from" in unknown.output and "model 'other' does not exist" in unknown.output
+
+
+def test_serve_passes_prefill_options_and_checks_them_before_loading(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from hetmoe import cli
+    from hetmoe.server import app as server_app
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(cli, "load_llm", lambda model, device, rules, **o: seen.update(o))
+    monkeypatch.setattr(server_app, "serve", lambda llm, name, config: None)
+    runner = CliRunner()
+    done = runner.invoke(cli.app, ["serve", "m", "--prefill-chunk", "512",
+                                   "--prefill-split", "auto"])
+    assert done.exit_code == 0, done.output
+    assert seen["prefill_chunk"] == 512 and seen["prefill_split"] is None
+    seen.clear()
+    done = runner.invoke(cli.app, ["serve", "m", "--prefill-chunk", "0"])
+    assert seen["prefill_chunk"] is None and seen["prefill_split"] is False
+    seen.clear()
+    done = runner.invoke(cli.app, ["serve", "m", "--prefill-split", "maybe"])
+    assert done.exit_code == 1 and "--prefill-split must be on, off or auto" in done.output
+    assert seen == {}  # refused before loading
