@@ -1,4 +1,4 @@
-"""Command line: generate, chat, serve, bench, convert, info.
+"""Command line: generate, chat, serve, bench, convert, info, sft.
 
 Help is rendered in click's plain style: typer's rich style labels every flag `<bool>`.
 """
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from hetmoe import cli_convert
+from hetmoe import cli_convert, cli_train
 from hetmoe.chat_session import ChatSession
 from hetmoe.config import EngineConfig
 
@@ -297,6 +297,7 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 
 app.command()(cli_convert.convert)
 app.command()(cli_convert.info)
+app.command()(cli_train.sft)
 
 
 if __name__ == "__main__":
