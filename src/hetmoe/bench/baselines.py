@@ -36,6 +36,7 @@ def build_offloaded_hf_model(config: Any, dtype: torch.dtype = torch.bfloat16,
     generator = torch.Generator(gpu).manual_seed(seed)
     experts = [name for name, _ in model.named_modules() if _is_routed_experts(name)]
     device_map: dict[str, str | int] = {}
+    layers = int(config.num_hidden_layers)
     for name, module in model.named_modules():
         owned = [k for k, t in (*module._parameters.items(), *module._buffers.items())
                  if t is not None]
@@ -49,7 +50,7 @@ def build_offloaded_hf_model(config: Any, dtype: torch.dtype = torch.bfloat16,
                     continue
                 if table is module._buffers and key in module._non_persistent_buffers_set:
                     continue
-                std = weight_std(name, int(model.config.num_hidden_layers))
+                std = weight_std(name, layers)
                 value = random_tensor(key, t, generator, gpu, std).to("cpu" if on_cpu else gpu)
                 table[key] = nn.Parameter(value, False) if isinstance(t, nn.Parameter) else value
     _rebuild_computed_buffers(model, gpu)

@@ -86,7 +86,8 @@ def _fill_dense(model: nn.Module, device: torch.device, generator: torch.Generat
                 gen_device: torch.device) -> None:
     """Random values for every parameter/persistent buffer on meta outside expert backends."""
     owners = [name for name, m in model.named_modules() if isinstance(m, ExpertBackend)]
-    num_layers = int(model.config.num_hidden_layers)
+    config: Any = model.config
+    num_layers = int(config.num_hidden_layers)
     for module_name, module in model.named_modules():
         if any(module_name == o or module_name.startswith(o + ".") for o in owners):
             continue
