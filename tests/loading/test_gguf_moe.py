@@ -69,3 +69,27 @@ def _assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Te
         blocks = ref.reshape(-1, 32)
         bound = blocks.abs().amax(-1, keepdim=True) / 127 * 0.57 + 1e-7
         assert ((tensor.reshape(-1, 32) - blocks).abs() <= bound).all(), name
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+def test_llm_on_a_gguf_file_converts_once_then_maps(family: str, tiny_dir, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capfd: pytest.CaptureFixture[str]) -> None:
+    """`LLM("model.gguf")`: converted into the cache dir on first use (Q8_0 experts -> int8 in
+    32-groups, the same grid), mapped from there the next time; logits as transformers' on
+    the GGUF's dequantized weights, within the CPU backend's int8 rounding."""
+    source = tiny_dir(family)
+    gguf = convert(source, tmp_path / "model.gguf", "q8_0")
+    monkeypatch.setenv("HETMOE_CACHE_DIR", str(tmp_path / "cache"))
+    llm = LLM(gguf, device="cpu", dtype="float32", progress=False)
+    assert "with int8 experts, group 32" in capfd.readouterr().err
+    dequantized = write_checkpoint(gguf, tmp_path / "checkpoint", progress=False)
+    want = reference_logits(reference_model(dequantized), IDS)
+    ours = llm.logits(IDS)
+    assert (ours.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    assert (ours - want).abs().max() < 0.1  # bf16 activations into the int8 CPU kernels
+    converted = list((tmp_path / "cache" / "converted").iterdir())
+    assert len(converted) == 1 and (converted[0] / "manifest.json").is_file()
+    again = LLM(gguf, device="cpu", dtype="float32", progress=False)  # no second conversion
+    assert "converting" not in capfd.readouterr().err
+    torch.testing.assert_close(again.logits(IDS), ours)
