@@ -1,6 +1,7 @@
 // The one place that knows Python (hetmoe._cpu; test-only hooks are in testing/, module
 // hetmoe._cpu_testing). Everything else in csrc/ takes raw pointers and sizes.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -140,6 +141,20 @@ void bind_moe_weights(nb::class_<MoELayer>& layer) {
         l.load_expert(e, reinterpret_cast<const void*>(gate), reinterpret_cast<const void*>(up),
                       reinterpret_cast<const void*>(down), hetmoe::SourceType(src_type));
       }, nb::arg("expert"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("src_type"))
+      .def("load_expert_fp8", [](MoELayer& l, int e, uintptr_t gate, uintptr_t up, uintptr_t down,
+                                 std::array<uintptr_t, 3> scales, int block_n, int block_k) {
+        // Contiguous e4m3 codes and fp32 scales [ceil(rows / block_n), ceil(cols / block_k)].
+        nb::gil_scoped_release release;
+        const int H = l.config().hidden, I = l.config().intermediate;
+        const int cols[3] = {H, H, I};
+        hetmoe::BlockScales s[3];
+        for (int i = 0; i < 3; ++i)
+          s[i] = {reinterpret_cast<const float*>(scales[i]), block_n, block_k,
+                  size_t((cols[i] + block_k - 1) / block_k)};
+        l.load_expert(e, reinterpret_cast<const void*>(gate), reinterpret_cast<const void*>(up),
+                      reinterpret_cast<const void*>(down), hetmoe::SourceType::kFP8, s);
+      }, nb::arg("expert"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("scales"),
+         nb::arg("block_n"), nb::arg("block_k"))
       .def("map_file", [](MoELayer& l, const std::string& path, std::vector<size_t> offsets,
                           bool populate) {
         nb::gil_scoped_release release;

@@ -14,79 +14,12 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/amx_tiles.h"
 #include "kernels/epilogue.h"
 #include "kernels/gemm.h"
 
 namespace hetmoe {
 namespace {
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tmm0-3: C (token tile i, n-block j) at 2 * i + j; tmm4-5: A; tmm6-7: B. k_bytes per step.
-void configure(int k_bytes) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  cfg.colsb[4] = cfg.colsb[5] = uint16_t(k_bytes);
-  cfg.rows[6] = cfg.rows[7] = uint8_t(k_bytes / 4);
-  _tile_loadconfig(&cfg);
-}
-
-// 64-byte aligned per-thread scratch; `slot` keeps separate buffers apart (0: C or int4 widened
-// weights, 1: A in tile order, 2: int accumulators, 3: activation group terms by group).
-uint8_t* aligned_scratch(size_t bytes, int slot) {
-  thread_local std::vector<uint8_t> buf[4];
-  if (buf[slot].size() < bytes + 64) buf[slot].resize(bytes + 64);
-  const uintptr_t base = reinterpret_cast<uintptr_t>(buf[slot].data());
-  return reinterpret_cast<uint8_t*>((base + 63) & ~uintptr_t(63));
-}
-
-// Rows [0, round_up(m, 16)) of row-major A (`row_bytes` used per row, `ld_bytes` apart) in tile
-// order: [m / 16][row_bytes / step][16 rows][step bytes], so A tile (t, s) is 16 * step bytes.
-// A view already in tile order (with tile row `step`) is returned as it lies.
-const uint8_t* tile_order(const uint8_t* a, size_t ld_bytes, int m, size_t row_bytes, int step,
-                          int tile_step) {
-  if (tile_step == step) return a;
-  const int mp = int(round_up(m, 16)), steps = int(row_bytes / step);
-  uint8_t* out = aligned_scratch(size_t(mp) * row_bytes, 1);
-  for (int tb = 0; tb < mp / 16; ++tb)
-    for (int r = 0; r < 16; ++r) {
-      const uint8_t* src = a + (size_t(tb) * 16 + r) * ld_bytes;
-      uint8_t* dst = out + size_t(tb) * steps * 16 * step + size_t(r) * step;
-      for (int s = 0; s < steps; ++s)
-        std::memcpy(dst + size_t(s) * 16 * step, src + s * step, step);
-    }
-  return out;
-}
-
-// Software prefetch into L2 of the next n-block pair's weights, spread evenly over the steps of
-// the current pair, so the DRAM stream runs under the tile work instead of stalling its first
-// pass (the hardware streamer alone runs only a little ahead of the loads).
-struct Prefetch {
-  const uint8_t* p = nullptr;
-  const uint8_t* end = nullptr;
-  size_t lines_per_step = 0;
-  Prefetch(const uint8_t* begin, const uint8_t* stop, size_t steps)
-      : p(begin), end(stop), lines_per_step((size_t(stop - begin) / 64 + steps - 1) / steps) {}
-  void step() {
-    for (size_t i = 0; i < lines_per_step && p < end; ++i, p += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
-  }
-};
-
-// The next pair of n-blocks after [nb, nb + 2) within [.., nb_end) as one byte range.
-Prefetch next_pair(const PackedMatrix& w, int nb, int nb_end, size_t steps) {
-  const int first = std::min(nb + 2, nb_end), last = std::min(nb + 4, nb_end);
-  return Prefetch(w.n_block(first), w.n_block(last), steps);
-}
 
 // k-steps (32 k each) per K chunk when a pair of n-blocks meets more than one token-tile pair: the
 // chunk's B tiles (2 x 8 KB) stay in L1 while every token pair passes over them, so only A comes
@@ -391,6 +324,7 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
 
 const IsaKernels& amx_kernels() {
   static const IsaKernels k{"amx", gemm_bf16, gemm_int<false>, gemm_int<true>,
+                            amx_gemm_fp8,
                             {silu_mul_row, to_bf16_row, to_u8_row, axpy_row}};
   return k;
 }

@@ -156,6 +156,7 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
 
 const IsaKernels& avx2_kernels() {
   static const IsaKernels k{"avx2", gemm_bf16, gemm_int<false>, gemm_int<true>,
+                            avx2_gemm_fp8,
                             {silu_mul_row, to_bf16_row, to_u8_row, axpy_row}};
   return k;
 }

@@ -1,6 +1,7 @@
 // Per-ISA kernels: C[m, 16 * (nb_end - nb_begin)] = A[m, K] x W[n-blocks]^T on packed weights.
 //
-// Activations come prepared once per call (layout/activation.h): bf16 rows for the bf16 format;
+// Activations come prepared once per call (layout/activation.h): bf16 rows for the bf16 and fp8
+// formats;
 // for int formats u8 rows quantized per (row, group) as x = scale * u + bias, so that
 //   dot_group(x, w) = sw * sx * sum(u * q) + sw_qsum * bx + bias_w * xsum
 // with sum(u * q) an exact int32 product (VNNI / AMX), and the rest a per-group fix-up.
@@ -46,11 +47,27 @@ struct IsaKernels {
   GemmFn bf16;
   GemmFn int8;
   GemmFn int4;
+  GemmFn fp8;  // bf16 activations; per group: (e4m3 codes widened to bf16) . x, times the scale
   Epilogue epilogue;
   GemmFn get(WeightFormat f) const {
-    return f == WeightFormat::kBF16 ? bf16 : f == WeightFormat::kINT8 ? int8 : int4;
+    switch (f) {
+      case WeightFormat::kBF16: return bf16;
+      case WeightFormat::kINT8: return int8;
+      case WeightFormat::kINT4: return int4;
+      default: return fp8;
+    }
   }
 };
+
+// The fp8 kernels, one file per ISA (reference.cpp, avx2_fp8.cpp, avx512_fp8.cpp, amx_fp8.cpp).
+void reference_gemm_fp8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
+                        float* c, size_t ldc);
+void avx2_gemm_fp8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
+                   size_t ldc);
+void avx512_gemm_fp8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
+                     size_t ldc);
+void amx_gemm_fp8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
+                  size_t ldc);
 
 const IsaKernels& reference_kernels();
 const IsaKernels& avx2_kernels();

@@ -14,7 +14,7 @@ namespace hetmoe {
 struct GradKernels {
   const char* name;
   // out[n * ld + k] = W[16 nb + n, k] for n < 16, k < w.k (int formats dequantized in fp32:
-  // int8 scale * q, int4 scale * q + bias).
+  // int8 scale * q, int4 scale * q + bias; fp8 scale * e4m3).
   void (*unpack)(const PackedMatrix& w, int nb, float* out, size_t ld);
   float (*dot)(const float* a, const float* b, int n);
   // dst[j] += w * src[j]

@@ -6,6 +6,7 @@
 #include "kernels/epilogue.h"
 #include "kernels/gemm.h"
 #include "layout/bf16.h"
+#include "layout/fp8.h"
 
 namespace hetmoe {
 namespace {
@@ -73,8 +74,33 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
 
 }  // namespace
 
+// Per group of k: the exact e4m3 values times bf16 x summed in fp32, then times the group's
+// per-row scale (the ISA kernels' order; their sums run in other orders).
+void reference_gemm_fp8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
+                        float* c, size_t ldc) {
+  const int groups = w.num_groups(), gs = w.group_size;
+  for (int nb = nb_begin; nb < nb_end; ++nb) {
+    const uint8_t* codes = w.n_block(nb);  // [K/2][16][2]
+    for (int t = 0; t < a.m; ++t) {
+      const uint16_t* x = a.bf16 + size_t(t) * a.ld;
+      float acc[kBlockN] = {};
+      for (int g = 0; g < groups; ++g) {
+        float dot[kBlockN] = {};
+        for (int kk = g * gs; kk < (g + 1) * gs; ++kk)
+          for (int n = 0; n < kBlockN; ++n)
+            dot[n] += fp8_e4m3_to_float(codes[(kk / 2) * 32 + n * 2 + kk % 2]) *
+                      bf16_to_float(x[kk]);
+        const float* scale = w.scale + (size_t(nb) * groups + g) * kBlockN;
+        for (int n = 0; n < kBlockN; ++n) acc[n] = std::fma(dot[n], scale[n], acc[n]);
+      }
+      for (int n = 0; n < kBlockN; ++n) c[size_t(t) * ldc + (nb - nb_begin) * 16 + n] = acc[n];
+    }
+  }
+}
+
 const IsaKernels& reference_kernels() {
   static const IsaKernels k{"scalar", gemm_bf16, gemm_int<false>, gemm_int<true>,
+                            reference_gemm_fp8,
                             {silu_mul_row, to_bf16_row, to_u8_row, axpy_row}};
   return k;
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "layout/fp8.h"
 #include "layout/packed_matrix.h"
 
 namespace hetmoe {
@@ -61,9 +62,24 @@ inline void unpack_rows_int(const PackedMatrix& w, int nb, float* out, size_t ld
   }
 }
 
+// Fp8 n-block: codes [K/2][16][2]; per (group, n) w = scale * e4m3.
+inline void unpack_rows_fp8(const PackedMatrix& w, int nb, float* out, size_t ld) {
+  const uint8_t* codes = w.n_block(nb);
+  const int gs = w.group_size, groups = w.num_groups();
+  for (int k = 0; k < w.k; k += 2)
+    for (int n = 0; n < kBlockN; ++n) {
+      const float scale = w.scale[(size_t(nb) * groups + k / gs) * kBlockN + n];
+      float* o = out + size_t(n) * ld + k;
+      o[0] = scale * fp8_e4m3_to_float(codes[(k / 2) * 32 + n * 2]);
+      o[1] = scale * fp8_e4m3_to_float(codes[(k / 2) * 32 + n * 2 + 1]);
+    }
+}
+
 inline void unpack_rows(const PackedMatrix& w, int nb, float* out, size_t ld) {
   if (w.format == WeightFormat::kBF16)
     unpack_rows_bf16(w, nb, out, ld);
+  else if (w.fp8())
+    unpack_rows_fp8(w, nb, out, ld);
   else
     unpack_rows_int(w, nb, out, ld);
 }

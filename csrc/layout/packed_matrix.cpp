@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "layout/bf16.h"
@@ -121,15 +122,16 @@ size_t scale_bytes(const PackedMatrix& m) { return round_up(m.group_floats() * s
 
 }  // namespace
 
-size_t packed_memory_bytes(const PackedMatrix& m) { return scales_offset(m) + 2 * scale_bytes(m); }
+size_t packed_memory_bytes(const PackedMatrix& m) {
+  return scales_offset(m) + m.scale_arrays() * scale_bytes(m);
+}
 
 void place_packed(PackedMatrix& m, uint8_t* memory) {
   m.blocks = memory;
   m.scale = m.scale_qsum = nullptr;
-  if (m.format == WeightFormat::kINT8) {
-    m.scale = reinterpret_cast<float*>(m.blocks + scales_offset(m));
+  if (m.scale_arrays() > 0) m.scale = reinterpret_cast<float*>(m.blocks + scales_offset(m));
+  if (m.scale_arrays() > 1)
     m.scale_qsum = reinterpret_cast<float*>(m.blocks + scales_offset(m) + scale_bytes(m));
-  }
 }
 
 void pack_rows(PackedMatrix& m, int nb_begin, int num_blocks, const void* src, SourceType type,
@@ -174,6 +176,23 @@ void pack_rows(PackedMatrix& m, int nb_begin, int num_blocks, const void* src, S
     }
     place_int(m, nb, q);
   }
+}
+
+// fp8_pack.cpp: the FP8 branch of pack_source.
+void pack_fp8_rows(PackedMatrix& m, int nb_begin, int num_blocks, const SourceMatrix& src,
+                   long row0, long col0);
+
+void pack_source(PackedMatrix& m, int nb_begin, int num_blocks, const SourceMatrix& src,
+                 long row0, long col0) {
+  if ((src.type == SourceType::kFP8) != m.fp8())
+    throw std::invalid_argument("pack_source: FP8 sources pack into the fp8 format only, and the "
+                                "fp8 format takes FP8 sources only");
+  if (m.fp8()) return pack_fp8_rows(m, nb_begin, num_blocks, src, row0, col0);
+  const size_t elem = src.type == SourceType::kBF16 ? 2 : 4;
+  const uint8_t* first = static_cast<const uint8_t*>(src.data) +
+                         (size_t(row0) * size_t(src.cols) + size_t(col0)) * elem;
+  pack_rows(m, nb_begin, num_blocks, first, src.type, size_t(src.cols), src.rows - row0,
+            src.cols - col0);
 }
 
 }  // namespace hetmoe

@@ -33,13 +33,15 @@ int down_run_blocks(size_t experts, int nbs, int workers) {
 // Sizes, mode and the derived choices.
 void plan_shape(CallPlan& p, const MoEConfig& cfg, int groups, int hidden_padded, int q,
                 const Routing& routing) {
-  const bool quantized = cfg.format != WeightFormat::kBF16;
+  // u8 activations are quantized per group; bf16 and fp8 weights take bf16 rows (fp8's weight
+  // groups are the kernels' business only).
+  const bool quantized = u8_activations(cfg.format);
   p.q = q;
   p.hidden = cfg.hidden;
   p.hidden_padded = hidden_padded;
   p.hidden_rows = int(round_up(cfg.hidden, kBlockN));
   p.groups = groups;
-  p.group_size = cfg.group_size;
+  p.group_size = quantized ? cfg.group_size : 0;
   p.elem = quantized ? 1 : 2;
   p.rows = size_t(routing.total_rows);
   p.token_groups = quantized ? hidden_padded / cfg.group_size : 0;
@@ -50,7 +52,7 @@ void plan_shape(CallPlan& p, const MoEConfig& cfg, int groups, int hidden_padded
   p.mode = q <= kDecodeMaxTokens && !p.row_out ? CallMode::kDecode : CallMode::kPrefill;
   p.by_row = p.row_out || p.decode();
   // Decode tasks narrower than a group write fp32 values; the last part quantizes the group.
-  p.split_groups = p.decode() && cfg.group_size > cfg.decode_cols;
+  p.split_groups = p.decode() && p.group_size > cfg.decode_cols;
   p.store_in_down = groups == 1 && !p.by_row;
 }
 
@@ -108,7 +110,7 @@ std::array<size_t, kNumRegions> workspace_bytes(const CallPlan& p, size_t inter_
   const size_t q = size_t(p.q), R = p.rows, Hp = size_t(p.hidden_padded);
   const size_t Hn = size_t(p.hidden_rows);
   const size_t G = size_t(p.groups);
-  const bool quantized = p.format != WeightFormat::kBF16;
+  const bool quantized = u8_activations(p.format);
   std::array<size_t, kNumRegions> need{};
   need[kTokenAct] = q * Hp * p.elem;
   need[kTokenGroups] = 3 * q * p.token_groups * 4;

@@ -59,7 +59,7 @@ struct CallPlan {
   int hidden_rows = 0;           // Hn: H padded to whole n-blocks (down's rows, the stride of
                                  // per-row and per-group outputs; out keeps H columns)
   int groups = 0;                // G: NUMA groups
-  int group_size = 0;            // quantization group (0: bf16)
+  int group_size = 0;            // activations' u8 group (0: bf16 rows, for bf16 and fp8)
   size_t elem = 2;               // bytes per activation: 2 (bf16) or 1 (u8)
   size_t rows = 0;               // R: routed rows, each expert's padded to 16
   size_t token_groups = 0;       // quantization groups per activation row (Hp / group_size)

@@ -18,7 +18,7 @@ std::unique_ptr<std::atomic<int>[]> zeroed_counters(size_t n) {
 void view_workspace(MoECallState& st) {
   const CallPlan& p = st.plan;
   const size_t Hp = size_t(p.hidden_padded), R = p.rows, ngx = p.token_groups, elem = p.elem;
-  const bool quantized = p.format != WeightFormat::kBF16;
+  const bool quantized = u8_activations(p.format);
   st.ws = acquire_workspace(p.workspace);
   const Workspace& ws = *st.ws;
   st.tokens = {ws.at<uint8_t>(kTokenAct), ws.at<float>(kTokenGroups), Hp, size_t(p.q), ngx, elem};

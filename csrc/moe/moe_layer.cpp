@@ -179,21 +179,23 @@ void MoELayer::set_gpu_mask(const uint8_t* mask) {
 }
 
 void MoELayer::load_expert(int e, const void* gate, const void* up, const void* down,
-                           SourceType type) {
+                           SourceType type, const BlockScales* scales) {
   if (e < 0 || e >= cfg_.num_experts)
     throw std::out_of_range("load_expert: expert " + std::to_string(e) + " is out of range [0, " +
                             std::to_string(cfg_.num_experts) + ")");
   if (mapped_)
     throw std::logic_error("load_expert: this layer's experts are mapped read-only from a file");
+  if ((type == SourceType::kFP8) != (scales != nullptr))
+    throw std::invalid_argument("load_expert: FP8 weights come with block scales, others without");
   const int H = cfg_.hidden, I = cfg_.intermediate, G = num_groups();
-  const size_t elem = type == SourceType::kBF16 ? 2 : 4;
   for (int g = 0; g < G; ++g) {
     if (gate_up_[size_t(g) * cfg_.num_experts + e].blocks || slice(g) == 0) continue;
     place_expert(g, e);
   }
-  auto bytes = [elem](const void* p, long elements) {
-    return static_cast<const uint8_t*>(p) + elements * long(elem);
-  };
+  const BlockScales none;
+  const SourceMatrix gate_src{gate, type, I, H, scales ? scales[0] : none};
+  const SourceMatrix up_src{up, type, I, H, scales ? scales[1] : none};
+  const SourceMatrix down_src{down, type, H, I, scales ? scales[2] : none};
   const int max_j = *std::max_element(slice_begin_.begin() + 1, slice_begin_.end()) / kBlockN;
   const int j_tasks = (max_j + kPackBlocksPerTask - 1) / kPackBlocksPerTask;
   const int d_tasks = (hidden_rows_ / kBlockN + kPackBlocksPerTask - 1) / kPackBlocksPerTask;
@@ -205,16 +207,15 @@ void MoELayer::load_expert(int e, const void* gate, const void* up, const void* 
       const int j_end = std::min<int>((int(task) + 1) * kPackBlocksPerTask, slice(g) / kBlockN);
       for (int j = int(task) * kPackBlocksPerTask; j < j_end; ++j) {
         const long row = s0 + long(j) * kBlockN;
-        pack_rows(gate_up_[at], 2 * j, 1, bytes(gate, row * H), type, H, I - row, H);
-        pack_rows(gate_up_[at], 2 * j + 1, 1, bytes(up, row * H), type, H, I - row, H);
+        pack_source(gate_up_[at], 2 * j, 1, gate_src, row, 0);
+        pack_source(gate_up_[at], 2 * j + 1, 1, up_src, row, 0);
       }
       return;
     }
     const int nb0 = (int(task) - j_tasks) * kPackBlocksPerTask;
     if (slice(g) == 0) return;
     const int count = std::min(kPackBlocksPerTask, hidden_rows_ / kBlockN - nb0);
-    pack_rows(down_[at], nb0, count, bytes(down, long(nb0) * kBlockN * I + s0), type, I,
-              std::min(kBlockN * count, H - nb0 * kBlockN), long(I) - s0);
+    pack_source(down_[at], nb0, count, down_src, long(nb0) * kBlockN, s0);
   }}};
   pool_.run(std::move(job));
   loaded_[e] = 1;

@@ -27,7 +27,7 @@ struct MoEConfig {
   int hidden = 0;        // H, any size (zero-padded inside)
   int intermediate = 0;  // I, any size (zero-padded inside)
   WeightFormat format = WeightFormat::kBF16;
-  int group_size = 0;    // int formats: 32, 64, 128 or 256 (groups of the padded dims)
+  int group_size = 0;    // int and fp8 formats: 32, 64, 128 or 256 (groups of the padded dims)
   Isa max_isa = Isa::kScalar;
   int amx_min_tokens = 0;  // tokens per expert from which AMX kernels are used
   // Widest gate/up task of a decode call (columns); a wider quantization group is split into
@@ -55,8 +55,10 @@ class MoELayer {
   MoELayer& operator=(const MoELayer&) = delete;
 
   // gate/up: [I, H], down: [H, I], row-major. Packs (and quantizes) on the pool, each NUMA
-  // group its own slice on its own node. Reloading an expert overwrites it.
-  void load_expert(int e, const void* gate, const void* up, const void* down, SourceType type);
+  // group its own slice on its own node. Reloading an expert overwrites it. FP8 sources (fp8
+  // format only) come with `scales`: gate's, up's and down's block scales.
+  void load_expert(int e, const void* gate, const void* up, const void* down, SourceType type,
+                   const BlockScales* scales = nullptr);
   // Serves every expert from the file at `path` (written by `hetmoe convert` from
   // group_memory): group g's mapping is its group_bytes(g) bytes at offsets[g] (page aligned),
   // mapped read-only in place of the layer's own memory, no copy; with `populate` the pages are

@@ -32,7 +32,7 @@ from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
 
 log = logging.getLogger(__name__)
 
-STREAM_FORMATS = ("bf16", "int8", "int4")
+STREAM_FORMATS = ("bf16", "int8", "int4", "fp8")
 """Packed formats GPU prefill unpacks."""
 
 

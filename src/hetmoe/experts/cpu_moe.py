@@ -19,9 +19,10 @@ from hetmoe import env
 from hetmoe.experts.expert_weights import WEIGHT_FORMATS, ExpertWeights, check_group_size
 from hetmoe.experts.packed_layout import PackedGroup
 
-AMX_MIN_TOKENS = {"bf16": 2, "int8": 32, "int4": 32}
+AMX_MIN_TOKENS = {"bf16": 2, "int8": 32, "int4": 32, "fp8": 16}
 """Tokens per expert from which AMX tiles beat AVX-512, per format (measured by
-benchmarks/bench_cpu_moe.py on a 16-core Xeon with AMX: docs/benchmarks/cpu_moe.md)."""
+benchmarks/bench_cpu_moe.py on a 16-core Xeon with AMX: docs/benchmarks/cpu_moe.md; fp8 not
+measured yet: between bf16's and int8's, as its tiles are widened per call)."""
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
 
@@ -44,11 +45,14 @@ class CpuMoE:
         hidden: model width H, any size: the packed weights are zero-padded inside (exact; x
             and out keep H columns, no copy per call).
         intermediate: expert width I, any size (zero-padded at load, exact).
-        weight_format: "bf16", "int8" (symmetric groups) or "int4" (asymmetric groups).
+        weight_format: "bf16", "int8" (symmetric groups), "int4" (asymmetric groups) or "fp8"
+            (FP8 checkpoints' e4m3 weights and block scales as they are: loaded from
+            float8_e4m3fn weights only).
         group_size: quantization group along the input dim (32, 64, 128 or 256, dividing H and I
-            each rounded up to a multiple of 32); default 128 for int8 (64 or 32 where 128 does
-            not divide), 32 for int4; must be None for bf16. Larger groups cost accuracy: int4
-            stays under 0.15 only up to 64.
+            each rounded up to a multiple of 32); default 128 for int8 and fp8 (64 or 32 where
+            128 does not divide), 32 for int4; must be None for bf16. Larger groups cost
+            accuracy: int4 stays under 0.15 only up to 64. Fp8 groups must divide the
+            checkpoint's scale blocks (128 for DeepSeek-V3).
         activation: only "silu".
         threads: pool workers; None = the process-wide pool (HETMOE_THREADS, else all cores
             but one). Layers with the same count share one pool.
@@ -140,7 +144,8 @@ class CpuMoE:
 
     def map_file(self, path: str, offsets: list[int], populate: bool = False) -> None:
         """Serves every expert from read-only mappings of `path` (group g's `packed_groups()`
-        bytes at offsets[g], as `hetmoe convert` wrote them): no packing, no copy."""
+        bytes at offsets[g], as `hetmoe convert` wrote them): no packing, no copy. Not while
+        a submitted call of this layer is in flight (the layer's own memory is released)."""
         self._layer.map_file(str(path), [int(o) for o in offsets], populate)
         self._loaded[:] = True
 
@@ -149,7 +154,8 @@ class CpuMoE:
              down_scale: torch.Tensor | None = None,
              fp8_block: tuple[int, int] = (128, 128)) -> None:
         """Packs all experts: gate/up [E, I, H], down [E, H, I] (bf16/fp16/fp32, or FP8 e4m3
-        with block scales `*_scale` [E, ceil(rows/B0), ceil(cols/B1)])."""
+        with block scales `*_scale` [E, ceil(rows/B0), ceil(cols/B1)], B = `fp8_block`; the fp8
+        format keeps them as they are, other formats dequantize them first)."""
         self._weights.check_stacked(gate, up, down, gate_scale, up_scale, down_scale)
         for e in range(self.num_experts):
             gs, us, ds = (s[e] if s is not None else None for s in (gate_scale, up_scale,
@@ -166,10 +172,17 @@ class CpuMoE:
             raise ValueError(
                 f"CpuMoE.load_expert: expert must be in [0, {self.num_experts}), got {expert!r}"
             )
-        src = self._weights.prepare(expert, (gate, up, down), (gate_scale, up_scale, down_scale),
-                                    fp8_block)
-        code = 0 if src[0].dtype == torch.bfloat16 else 1
-        self._layer.load_expert(expert, *(t.data_ptr() for t in src), code)
+        weights, scales = (gate, up, down), (gate_scale, up_scale, down_scale)
+        if self.weight_format == "fp8":
+            assert self.group_size is not None
+            codes, block_scales = self._weights.prepare_fp8(expert, weights, scales, fp8_block,
+                                                            self.group_size)
+            self._layer.load_expert_fp8(expert, *(t.data_ptr() for t in codes),
+                                        [s.data_ptr() for s in block_scales], *fp8_block)
+        else:
+            src = self._weights.prepare(expert, weights, scales, fp8_block)
+            code = 0 if src[0].dtype == torch.bfloat16 else 1
+            self._layer.load_expert(expert, *(t.data_ptr() for t in src), code)
         self._loaded[expert] = True
 
     def set_gpu_experts(self, mask: torch.Tensor | None) -> None:

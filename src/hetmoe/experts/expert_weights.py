@@ -6,15 +6,17 @@ import torch
 
 from hetmoe.loading.fp8 import FP8_DTYPES, Fp8Scheme
 
-WEIGHT_FORMATS = {"bf16": 0, "int8": 1, "int4": 2}
-"""Packed formats and their codes in `hetmoe._cpu`."""
+WEIGHT_FORMATS = {"bf16": 0, "int8": 1, "int4": 2, "fp8": 3}
+"""Packed formats and their codes in `hetmoe._cpu` (fp8: a checkpoint's e4m3 codes and block
+scales as they are, packed only from FP8 weights)."""
 
-DEFAULT_GROUP_SIZE = {"int8": 128, "int4": 32}
+DEFAULT_GROUP_SIZE = {"int8": 128, "int4": 32, "fp8": 128}
 """Groups that keep the layer error under the targets (int8 <= 2e-2: 0.0176 with 128 on a
 Gaussian Qwen3-30B-A3B layer, 0.0154 with 64, 0.0199 with 256; int4 <= 0.15). Int8 takes 128 for
 prefill speed (AMX: one fp32 fix-up per 128 inputs instead of 64) and 6 % fewer bytes per expert;
 where it does not divide hidden and intermediate (each rounded up to a multiple of 32), the
-largest of 64 and 32 that does."""
+largest of 64 and 32 that does. Fp8 groups carry the checkpoint's block scales: 128 as
+DeepSeek-V3's blocks (a smaller group repeats a block's scale, exact); it must divide the block."""
 
 _SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, *FP8_DTYPES)
 
@@ -27,7 +29,7 @@ def check_group_size(weight_format: str, group_size: int | None, hidden: int,
     32, so padding never grows a dim past that by more than the 64-wide blocks already do."""
     if weight_format == "bf16":
         if group_size is not None:
-            raise ValueError(f"CpuMoE: group_size applies to int8/int4 only, got {group_size} "
+            raise ValueError(f"CpuMoE: group_size applies to int8/int4/fp8 only, got {group_size} "
                              "with weight_format='bf16'")
         return None
     h32, i32 = -(-hidden // 32) * 32, -(-intermediate // 32) * 32
@@ -63,6 +65,39 @@ class ExpertWeights:
                                   or s.shape[0] != self.num_experts):
                 raise ValueError(f"CpuMoE.load: {name}_scale must be [{self.num_experts}, rows, "
                                  f"cols], found {_describe(s)}")
+
+    def prepare_fp8(self, expert: int, weights: tuple[torch.Tensor, ...],
+                    scales: tuple[torch.Tensor | None, ...], fp8_block: tuple[int, int],
+                    group_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The fp8 format's inputs: the e4m3 codes of `expert`'s three weights as contiguous
+        uint8 and their block scales as contiguous float32, each checked and named when wrong
+        (dtype, scale shape, block vs group, NaN codes, non-finite scales)."""
+        where = f"CpuMoE.load_expert(expert={expert})"
+        block_rows, block_cols = fp8_block
+        if block_rows < 1 or block_cols % group_size:
+            raise ValueError(f"{where}: fp8 blocks {list(fp8_block)} must have rows >= 1 and "
+                             f"columns a multiple of group_size {group_size}")
+        scheme = Fp8Scheme(block_rows, block_cols)
+        codes, out_scales = [], []
+        for (name, shape), t, s in zip(self._shapes().items(), weights, scales, strict=True):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{where}: {name} must be float8_e4m3fn (with {name}_scale) for "
+                                 f"weight_format='fp8', found {_describe(t)}")
+            _check_tensor(f"{where}: {name}", t, shape)
+            want = scheme.scale_shape(shape)
+            if (not isinstance(s, torch.Tensor) or tuple(s.shape) != want
+                    or not s.dtype.is_floating_point):
+                raise ValueError(f"{where}: FP8 {name} needs a float {name}_scale of shape "
+                                 f"{list(want)} (blocks {list(fp8_block)}), found {_describe(s)}")
+            raw = t.detach().cpu().contiguous().view(torch.uint8)
+            if bool(((raw & 0x7F) == 0x7F).any()):
+                raise ValueError(f"{where}: {name} holds NaN codes (e4m3 0x7F/0xFF)")
+            scale = s.detach().cpu().float().contiguous()
+            if not bool(scale.isfinite().all()):
+                raise ValueError(f"{where}: {name}_scale holds non-finite values")
+            codes.append(raw)
+            out_scales.append(scale)
+        return codes, out_scales
 
     def prepare(self, expert: int, weights: tuple[torch.Tensor, ...],
                 scales: tuple[torch.Tensor | None, ...],

@@ -6,9 +6,10 @@ there with the functions below; the layout is csrc/layout/packed_matrix.h's:
 
 - A matrix [N, K] is n-blocks of 16 rows (N padded to 16 with zero rows); each n-block is its K
   chunks in order ("k-blocks"): bf16 16 x 32 (element (n, k) at [k/2][n][k%2]), int8 16 x 64
-  ([k/4][n][k%4]); K is padded with zeros to a multiple of 64 and of the quantization group.
-  Int8 then holds two fp32 arrays, each 64-byte aligned after what precedes it: scale
-  [N/16][K/group][16] (w = scale * q) and scale * sum(q) (unused here).
+  ([k/4][n][k%4]), fp8 16 x 64 e4m3 codes ([k/2][n][k%2]); K is padded with zeros to a
+  multiple of 64 and of the quantization group. Int8 then holds two fp32 arrays, each 64-byte
+  aligned after what precedes it: scale [N/16][K/group][16] (w = scale * q) and scale * sum(q)
+  (unused here); fp8 the first only (w = scale * e4m3, the checkpoint's block scales).
   Int4 is laid out in runs with inline bf16 metadata (`_unpack_int4`).
 - An expert in NUMA group g is its gate/up matrix (N = 2 * slice, n-block 2j = gate rows
   16j.., 2j+1 = the same up rows; K = `padded_hidden`), then, `down_offset` bytes on, its
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 _BLOCK_N = 16
-_K_BLOCK = {"bf16": 32, "int8": 64}
-_VNNI = {"bf16": 2, "int8": 4}  # k values per 4-byte lane of a block row
+_K_BLOCK = {"bf16": 32, "int8": 64, "fp8": 64}
+_VNNI = {"bf16": 2, "int8": 4, "fp8": 2}  # k values per lane (4-byte; fp8: 2-byte) of a row
 
 
 @dataclass(frozen=True)
@@ -91,13 +92,15 @@ def unpack_matrix(raw: torch.Tensor, fmt: str, n: int, k: int, group: int | None
         return _unpack_int4(raw, n, k, group)
     if fmt not in _K_BLOCK:
         raise ValueError(f"unpack_matrix: format {fmt!r} is not unpacked here (bf16, int8, "
-                         "int4)")
+                         "int4, fp8)")
     e, kb, lanes = raw.shape[0], _K_BLOCK[fmt], _VNNI[fmt]
     nb = n // _BLOCK_N
     block_bytes = nb * (k // kb) * 1024
     blocks = raw[:, :block_bytes]
     if fmt == "bf16":
         values = blocks.view(torch.bfloat16)
+    elif fmt == "fp8":
+        values = blocks.view(torch.float8_e4m3fn)
     else:
         values = blocks.view(torch.int8)
     # [E, nb, k/kb, kb/lanes, 16, lanes] -> [E, nb, 16, k/kb, kb/lanes, lanes] = [E, n, k]

@@ -109,6 +109,7 @@ def build_tiny_model(
     num_layers: int | None = None,
     dtype: torch.dtype = torch.float32,
     fp8: bool = False,
+    fp8_block: int = FP8_BLOCK,
     sharded: bool = False,
     mtp_layer: bool = False,
     **config_overrides: Any,
@@ -116,7 +117,7 @@ def build_tiny_model(
     """Writes a tiny random checkpoint of `family` into `path` and returns `path`.
 
     `fp8` stores every projection weight as float8_e4m3fn with a per-block `weight_scale_inv`
-    (block `FP8_BLOCK`) and a `quantization_config` like real DeepSeek-V3; `sharded` splits the
+    (blocks of `fp8_block`) and a `quantization_config` like real DeepSeek-V3; `sharded` splits the
     weights into at least two files with `model.safetensors.index.json`; `mtp_layer` adds tensors of
     a layer numbered `num_hidden_layers`, as DeepSeek-V3's multi-token-prediction layer.
     """
@@ -140,11 +141,11 @@ def build_tiny_model(
     if fp8:
         _edit_config(path, quantization_config=dict(
             quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
-            weight_block_size=[FP8_BLOCK, FP8_BLOCK],
+            weight_block_size=[fp8_block, fp8_block],
         ))
     if fp8 or mtp_layer:
         extra = _mtp_tensors(config, seed) if mtp_layer else {}
-        _rewrite_safetensors(path, extra=extra, fp8=fp8)
+        _rewrite_safetensors(path, extra=extra, fp8_block=fp8_block if fp8 else 0)
     return path
 
 
@@ -185,7 +186,7 @@ def _keep_router_bias_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
         setattr(model.get_submodule(owner), attr, value)
 
 
-def _quantize_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _quantize_fp8(tensors: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
     """Projection weights → float8_e4m3fn + `weight_scale_inv` [ceil(O/B), ceil(I/B)] per block."""
     out: dict[str, torch.Tensor] = {}
     for name, weight in tensors.items():
@@ -193,10 +194,10 @@ def _quantize_fp8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[name] = weight
             continue
         rows, cols = weight.shape  # [O, I]
-        grid = (math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK))
-        padded = torch.zeros(grid[0] * FP8_BLOCK, grid[1] * FP8_BLOCK)
+        grid = (math.ceil(rows / block), math.ceil(cols / block))
+        padded = torch.zeros(grid[0] * block, grid[1] * block)
         padded[:rows, :cols] = weight.float()
-        blocks = padded.view(grid[0], FP8_BLOCK, grid[1], FP8_BLOCK)
+        blocks = padded.view(grid[0], block, grid[1], block)
         scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / _FP8_MAX  # [O/B, I/B]
         quant = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols]
         out[name] = quant.to(torch.float8_e4m3fn).contiguous()
@@ -216,8 +217,9 @@ def _mtp_tensors(config: Any, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _rewrite_safetensors(path: Path, *, extra: dict[str, torch.Tensor], fp8: bool) -> None:
-    """Adds `extra` to the last file and FP8-quantizes every file if asked, keeping the index."""
+def _rewrite_safetensors(path: Path, *, extra: dict[str, torch.Tensor], fp8_block: int) -> None:
+    """Adds `extra` to the last file and FP8-quantizes every file in blocks of `fp8_block` (0:
+    not), keeping the index."""
     index_path = path / "model.safetensors.index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else None
     files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
@@ -227,8 +229,8 @@ def _rewrite_safetensors(path: Path, *, extra: dict[str, torch.Tensor], fp8: boo
         tensors = load_file(path / file)
         if file == files[-1]:
             tensors.update(extra)
-        if fp8:
-            tensors = _quantize_fp8(tensors)
+        if fp8_block:
+            tensors = _quantize_fp8(tensors, fp8_block)
         save_file(tensors, path / file, metadata={"format": "pt"})
         weight_map.update({name: file for name in tensors})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
