@@ -1,14 +1,20 @@
-"""submit/sync from several threads, deep queues, and flag-started jobs on bound buffers."""
+"""submit/sync from several threads, deep queues, flag-started jobs on bound buffers, and the
+sync of a process's first pool job."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import torch
 from moe_oracle import make_experts
 
 from hetmoe import _cpu
 from hetmoe.experts import CpuMoE
+from hetmoe.experts.packed_layout import host_tensor
 
 
 def _layer() -> tuple[CpuMoE, list[tuple[torch.Tensor, ...]]]:
@@ -80,3 +86,38 @@ def test_flagged_jobs_read_the_bound_buffers_when_started() -> None:
         assert int(words[1, 0]) == 1
         words[1, 0] = 0
         assert torch.equal(out, moe.forward(x, ids, wts))
+
+
+_FIRST_JOB = """
+import json, sys, torch
+from hetmoe.experts import CpuMoE
+moe = CpuMoE(8, 256, 256)
+moe.map_file(sys.argv[1], json.loads(sys.argv[2]))  # no pool job: nothing to pack
+g = torch.Generator().manual_seed(5)
+x = torch.randn(256, 256, generator=g).bfloat16()
+ids = torch.stack([torch.randperm(8, generator=g) for _ in range(256)])
+w = torch.rand(256, 8, generator=g)
+call = moe.submit(x, ids, w)
+got = moe.sync(call).clone()  # must be the finished output, taken before anything else runs
+print(json.dumps({"handle": call.handle, "equal": torch.equal(got, moe.forward(x, ids, w))}))
+"""
+
+
+def test_sync_waits_for_the_pools_first_job(tmp_path: Path) -> None:
+    # A layer mapped from a file runs no pool job to pack, so in a fresh process its first
+    # submit is the pool's job 0; sync once took handle 0 for "nothing submitted" and returned
+    # while the job still wrote its output (a converted model's heap corruption).
+    w = make_experts(8, 256, 256, seed=4)
+    moe = CpuMoE(8, 256, 256)
+    moe.load(w.gate, w.up, w.down)
+    path, offsets, at = tmp_path / "layer.bin", [], 0
+    with open(path, "wb") as f:
+        for part in moe.packed_groups():
+            offsets.append(at)
+            f.seek(at)
+            f.write(host_tensor(part).numpy().data)
+            at += -(-part.bytes // (2 << 20)) * (2 << 20)
+    run = subprocess.run([sys.executable, "-c", _FIRST_JOB, str(path), json.dumps(offsets)],
+                         capture_output=True, text=True, check=True)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == {"handle": 0, "equal": True}

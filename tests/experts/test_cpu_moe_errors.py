@@ -107,5 +107,8 @@ def test_empty_batch_and_all_skipped(layer: CpuMoE) -> None:
     no_ids = torch.empty(0, 2, dtype=torch.int64)
     empty = layer.forward(torch.empty(0, 64), no_ids, torch.empty(0, 2))
     assert empty.shape == (0, 64)
+    call = layer.submit(torch.empty(0, 64), no_ids, torch.empty(0, 2))
+    assert call.handle is None  # nothing submitted, nothing to wait for
+    assert layer.sync(call).shape == (0, 64)
     out = layer.forward(torch.randn(2, 64), torch.full((2, 3), -1), torch.rand(2, 3))
     assert torch.equal(out, torch.zeros(2, 64))

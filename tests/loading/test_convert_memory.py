@@ -26,6 +26,11 @@ def rss():
             return int(line.split()[1]) * 1024
 import torch, hetmoe.engine.engine
 from hetmoe import LLM
+# Modules LLM() imports on first use (config, modeling, tokenizer: over 100 MB) are in the
+# baseline: the bound is about the experts' memory.
+from transformers import AutoConfig, AutoTokenizer
+import transformers.models.qwen3_moe.modeling_qwen3_moe
+AutoConfig.from_pretrained(sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[1])
 before = rss()
 llm = LLM(sys.argv[1], device='cpu', progress=False)
 llm.logits([1, 2, 3])
@@ -43,9 +48,6 @@ def big(tiny_dir, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
     return source, out
 
 
-@pytest.mark.xfail(reason="open bug: the forward of this converted model (64 experts, H = I = 512, "
-                   "bf16, AVX-512) aborts with glibc heap corruption in about half the runs; "
-                   "the tiny models and scalar kernels pass", strict=False)
 def test_rss_after_start_is_the_mapped_bytes(big: tuple[Path, Path]) -> None:
     _, out = big
     manifest = json.loads((out / MANIFEST).read_text())

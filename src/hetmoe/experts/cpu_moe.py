@@ -31,7 +31,9 @@ _DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
 class PendingCall:
     """A submitted call: keeps its tensors alive until `CpuMoE.sync` returns the output."""
 
-    handle: int
+    handle: int | None
+    """The pool job's handle; None for a call of no tokens (nothing submitted). The pool's
+    first job has handle 0, so 0 is a job like any other."""
     out: torch.Tensor
     inputs: tuple[torch.Tensor, ...]
     layer: object  # the C++ layer, alive until the job is done
@@ -221,7 +223,7 @@ class CpuMoE:
         """Starts `forward` on the pool and returns at once; `sync` returns the output."""
         out, args = self._check_call(x, expert_ids, expert_weights, out)
         try:
-            handle = self._layer.submit(*args) if args[4] else 0
+            handle = self._layer.submit(*args) if args[4] else None
         except IndexError:  # the routing pass refused an id (see forward)
             self._check_ids(expert_ids)
             raise
@@ -241,7 +243,7 @@ class CpuMoE:
                 self._pending.remove(call)
             else:
                 raise RuntimeError("CpuMoE.sync: this call was already synced or is not ours")
-        if call.handle:
+        if call.handle is not None:
             self._layer.wait(call.handle)
         return call.out
 
