@@ -40,6 +40,7 @@ TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off)")]
 TopKOpt = Annotated[int, typer.Option(help="Sample among the k most likely (0 = off)")]
 SeedOpt = Annotated[int | None, typer.Option(help="Sampling seed")]
 StopOpt = Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")]
+LoraOpt = Annotated[Path | None, typer.Option(help="PEFT LoRA adapter directory to apply")]
 
 
 @app.callback()
@@ -96,6 +97,7 @@ def generate(
     raw: Annotated[bool, typer.Option(
         "--raw", help="Send PROMPT as plain text, not as a user message in the chat template")
     ] = False,
+    lora: LoraOpt = None,
 ) -> None:
     """Answer PROMPT, streamed to stdout.
 
@@ -105,7 +107,7 @@ def generate(
     sampling = checked_sampling(max_new_tokens=max_new_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, seed=seed, stop=stop)
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
-                   deferred=deferred, verbose=verbose,
+                   deferred=deferred, verbose=verbose, lora=lora,
                    gpu_prefill_min_tokens=gpu_prefill_min_tokens or None)
     try:
         if raw or not llm.has_chat_template:
@@ -139,6 +141,7 @@ def chat(
     url: Annotated[str | None, typer.Option(
         help="Chat with a running server (http://host:port) that serves MODEL")] = None,
     api_key: Annotated[str | None, typer.Option(help="Bearer key of the server at --url")] = None,
+    lora: LoraOpt = None,
 ) -> None:
     """Chat with MODEL in the terminal.
 
@@ -162,7 +165,7 @@ def chat(
             fail(exc)
         return
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
-                   deferred=deferred, verbose=verbose,
+                   deferred=deferred, verbose=verbose, lora=lora,
                    gpu_prefill_min_tokens=gpu_prefill_min_tokens or None)
     typer.echo("chat: type a message; /help lists the commands, /exit quits")
 

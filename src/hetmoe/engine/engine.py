@@ -6,12 +6,13 @@ import dataclasses
 import functools
 import os
 import queue
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import torch
 
 from hetmoe.config import EngineConfig
+from hetmoe.engine.adapters import LoraAdapters, assign_adapter, with_lora
 from hetmoe.engine.logprobs import TokenLogprob
 from hetmoe.engine.model_setup import (
     check_device,
@@ -40,8 +41,9 @@ class LLM:
 
     `model_path` is a checkpoint directory, a converted directory (`hetmoe convert`: experts
     mapped, `verify` checks every checksum), a GGUF file (converted once into the cache) or a
-    preset name (`tiny-qwen3-moe`, ...); `rules` a YAML rule file (default: the family's
-    shipped rules); `options` are `EngineConfig` fields.
+    preset name (`tiny-qwen3-moe`, ...); `rules` a YAML rule file (default: the family's shipped
+    rules); `lora` a PEFT adapter directory (used by default) or {name: directory} (a request
+    picks one by `adapter=NAME`); `options` are `EngineConfig` fields.
     """
 
     def __init__(
@@ -50,11 +52,12 @@ class LLM:
         device: str | torch.device | None = None,
         rules: str | os.PathLike[str] | None = None,
         verify: bool = False,
+        lora: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
         **options: Any,
     ) -> None:
         from hetmoe.loading import load_model
 
-        self.options = EngineConfig.from_options(**options)
+        self.options, adapters = with_lora(EngineConfig.from_options(**options), lora)
         self.device = check_device(device)
         if self.options.experts is not None:
             get_backend(self.options.experts)  # unknown or unusable here: say so before loading
@@ -104,6 +107,7 @@ class LLM:
             self.options, fused_decode=self.options.fused_decode and self.device.type == "cuda")
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.options.max_batch,
                                   window, runner_options)
+        self.runner.adapters = LoraAdapters.load(self.model, adapters, lora)
         if self.options.deferred and self.runner.overlap is None:
             raise ValueError(
                 f"option deferred={self.options.deferred} needs every MoE layer's routed experts "
@@ -197,7 +201,8 @@ class LLM:
         """Prefill logits [len, vocab] float32 of `token_ids` (on the CPU)."""
         ids = self._checked_prompt(self.encode(token_ids))
         slot = self.runner.cache.allocate()
-        try:
+        try:  # with LLM(lora=PATH), that adapter's logits
+            assign_adapter(self.runner, slot, None)
             return self.runner.prefill_logits(slot, ids).cpu()
         finally:
             self.runner.free(slot)

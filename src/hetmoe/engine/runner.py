@@ -4,20 +4,20 @@ The one runner for prefill and decode, single-threaded (one owner at a time):
 
 - `prefill(slot, token_ids, start=0) -> [V]`: a sequence's tokens into `slot` from `start`; the
   last position's logits (`prefill_logits` -> [T, V]); long prompts stream experts to the GPU.
-- `step(StepPlan) -> StepOutput`: one new token for each of B slots, each at its own position,
-  in ONE forward pass. Greedy plans get tokens; with CUDA graphs a plan with `ahead` also
-  launches the next step of the same slots (its input the argmax on the GPU) before this one's
-  tokens are read. A step launched ahead that the next plan does not continue is waited for and
-  rolled back (`settle`), as is any before another call touches the cache.
+- `step(StepPlan) -> StepOutput`: one new token for each of B slots, each at its own position, in
+  ONE forward pass. Greedy plans get tokens; with CUDA graphs a plan with `ahead` also launches
+  the next step of the same slots (its input the argmax on the GPU) before this one's tokens are
+  read. A step launched ahead that the next plan does not continue is waited for and rolled back
+  (`settle`), as is any before another call touches the cache.
 - `decode(slots, token_ids) -> [B, V]`: a step's logits; `greedy(slot, token, limit)`: a slot's
-  greedy tokens, step by step (benchmarks).
-- `max_batch`, `max_seq_len`, `vocab_size`, `lengths[slot]`, `cache.allocate()`, `free(slot)`.
+  greedy tokens, step by step (benchmarks). `max_batch`, `max_seq_len`, `vocab_size`,
+  `lengths[slot]`, `cache.allocate()`, `free(slot)`; `adapters`: LoRA adapters per slot.
 
 With every MoE layer's experts in the CPU backend it composes `MoEOverlap` (the MoE step over
-Python, GPU-streamed or stream-ordered links), `FusedDecoder` and `GraphCache`; their decode
-steps attend over a window bucket of the cache (ops/kv_batch.py). Logits are float32. The HF
-decoder layers run unchanged on the module path; the runner owns embedding, rotary positions,
-the final norm and `lm_head`, and passes a `KVBatch` down.
+Python, GPU-streamed or stream-ordered links), `FusedDecoder` and `GraphCache`; their decode steps
+attend over a window bucket of the cache (ops/kv_batch.py). Logits are float32. The HF decoder
+layers run unchanged on the module path; the runner owns embedding, rotary positions, the final
+norm and `lm_head`, and passes a `KVBatch` down.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from hetmoe.config import EngineConfig
+from hetmoe.engine.adapters import LoraAdapters
 from hetmoe.engine.fused_decode import FusedDecoder
 from hetmoe.engine.graphs import GraphCache
 from hetmoe.engine.kv_cache import StaticKVCache
@@ -67,8 +68,7 @@ class ModelRunner:
         self.overlap: MoEOverlap | None = None
         self.fused: FusedDecoder | None = None
         self.graph_cache: GraphCache | None = None
-        self.windows: Counter[int] = Counter()
-        """Decode steps run per window bucket since this runner was made (CPU-expert models)."""
+        self.windows: Counter[int] = Counter()  # decode steps per window bucket (CPU experts)
         if all_on_cpu_backend(model):
             fits = config.fused_decode and fits_fused(model)
             rows = max(max_batch, *config.graph_batch_sizes)
@@ -85,6 +85,7 @@ class ModelRunner:
         """Replay decode steps as CUDA graphs (settable: False launches the same steps)."""
         self.cache = StaticKVCache(model, max_batch, max_seq_len, dtype)
         self.lengths = self.cache.lengths
+        self.adapters: LoraAdapters | None = None  # per slot (LLM(lora=...)); None: as loaded
         self._ahead: _Launched | None = None
         self._ahead_tokens: tuple[int, ...] = ()  # the inputs `_ahead` was launched on
 
@@ -102,6 +103,8 @@ class ModelRunner:
         """Frees `slot` (after settling a step launched ahead, which may write to it)."""
         self.settle()
         self.cache.free(slot)
+        if self.adapters is not None:
+            self.adapters.release(slot)
 
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: Sequence[int], start: int = 0) -> torch.Tensor:
@@ -115,15 +118,14 @@ class ModelRunner:
 
     def decode(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
         """Logits [B, V] after appending token_ids[b] to slots[b] (each at its own position)."""
-        logits = self.step(StepPlan(tuple(slots), tuple(int(t) for t in token_ids))).logits
-        assert logits is not None
-        return logits
+        out = self.step(StepPlan(tuple(slots), tuple(int(t) for t in token_ids))).logits
+        assert out is not None
+        return out
 
     def greedy(self, slot: int, token: int,
                limit: int | None = None) -> Generator[int, None, None]:
-        """Greedy decode of `slot` after `token` (its last sampled token, not yet in the cache):
-        yields the next token of each step until the caller stops, `limit` tokens were yielded
-        or the window is full. Steps are launched ahead as in `step`."""
+        """Greedy decode of `slot` after `token` (its last sampled token, not in the cache yet):
+        each step's token until the caller stops, `limit` tokens or a full window (ahead)."""
         yielded = 0
         try:
             while self.lengths[slot] < self.max_seq_len and (limit is None or yielded < limit):
@@ -164,9 +166,8 @@ class ModelRunner:
             inflight = [s for s in (launched, self._ahead) if s is not None]
             self._ahead = None
             self._abort(inflight)
-            for lost in inflight:  # their tokens never reach the caller
-                for slot in lost.slots:
-                    self.lengths[slot] -= 1
+            for slot in [s for lost in inflight for s in lost.slots]:
+                self.lengths[slot] -= 1  # their tokens never reach the caller
             raise
 
     def settle(self) -> None:
@@ -205,22 +206,23 @@ class ModelRunner:
         for slot in plan.slots:
             self.cache.check_slot(slot)
             if not 0 < self.lengths[slot] < self.max_seq_len:
-                raise ValueError(
-                    f"slot {slot} holds {self.lengths[slot]} tokens; decode needs 1 to "
-                    f"{self.max_seq_len - 1} (prefill first; the context window is full at "
-                    f"{self.max_seq_len})")
+                raise ValueError(f"slot {slot} holds {self.lengths[slot]} tokens; decode needs 1 "
+                                 f"to {self.max_seq_len - 1} (prefill first; the context window "
+                                 f"is full at {self.max_seq_len})")
         self._check_ids(plan.token_ids)
 
-    def _phase(self, decoding: bool) -> contextlib.AbstractContextManager[None]:
-        """The MoE step's phase; re-attaches this runner's step when the model's layers run
-        another runner's (several runners may share a model; a step that is not a runner's,
-        such as a test's reference, is left in place)."""
-        if self.overlap is None:
-            return contextlib.nullcontext()
-        current = self.overlap.layers[0].step
-        if current is None or (isinstance(current, MoEOverlap) and current is not self.overlap):
-            self.overlap.attach()
-        return self.overlap.phase(decoding)
+    def _phase(self, decoding: bool, slots: Sequence[int]) -> contextlib.ExitStack:
+        """The MoE step's phase and the rows' LoRA adapters; re-attaches this runner's step when
+        the model's layers run another's (runners may share a model; a test's step stays)."""
+        stack = contextlib.ExitStack()
+        if self.adapters is not None:
+            stack.enter_context(self.adapters.rows(slots))
+        if self.overlap is not None:
+            current = self.overlap.layers[0].step
+            if current is None or (isinstance(current, MoEOverlap) and current is not self.overlap):
+                self.overlap.attach()
+            stack.enter_context(self.overlap.phase(decoding))
+        return stack
 
     def _run_step(self, plan: StepPlan) -> StepOutput:
         """A step run to its end: logits, or the argmax read on the host."""
@@ -228,7 +230,7 @@ class ModelRunner:
         # One host-to-device copy for the step's three index vectors (each copy waits for it).
         index = torch.tensor([list(plan.token_ids), starts, list(plan.slots)]).to(self.device)
         ids, positions = index[0, :, None], index[1, :, None]  # [B, 1] each
-        with self._phase(decoding=True):
+        with self._phase(decoding=True, slots=plan.slots):
             try:
                 hidden = self._decode_forward(ids, KVBatch(index[2], positions, max(starts) + 1))
                 logits = self.model.lm_head(hidden[:, 0]).float()  # [B, V]
@@ -253,7 +255,7 @@ class ModelRunner:
         index = index.to(self.device, non_blocking=True)
         kv = KVBatch(index[1], index[0][:, None], max(starts) + 1)
         assert self.overlap is not None
-        with self._phase(decoding=True):
+        with self._phase(decoding=True, slots=slots):
             hidden = self._decode_forward(ids, kv)[:, 0]  # [B, H]
         for slot in slots:
             self.lengths[slot] += 1
@@ -294,9 +296,8 @@ class ModelRunner:
             return self.fused.forward(ids, kv, before_layer)
         return self._forward(ids, kv)
 
-    def _prefill(
-        self, slot: int, token_ids: Sequence[int], start: int, every_position: bool = False
-    ) -> torch.Tensor:
+    def _prefill(self, slot: int, token_ids: Sequence[int], start: int,
+                 every_position: bool = False) -> torch.Tensor:
         self.settle()
         self.cache.check_slot(slot)
         n = len(token_ids)
@@ -312,7 +313,7 @@ class ModelRunner:
         ids = torch.tensor([list(token_ids)], device=self.device)  # [1, T]
         positions = torch.arange(start, start + n, device=self.device)[None]  # [1, T]
         kv = KVBatch(torch.tensor([slot], device=self.device), positions, start + n)
-        with self._phase(decoding=False), self._prefill_experts(n):
+        with self._phase(decoding=False, slots=[slot]), self._prefill_experts(n):
             hidden = self._forward(ids, kv)[0]  # [T, H]
         self.lengths[slot] = start + n
         return self.model.lm_head(hidden if every_position else hidden[-1:]).float()
@@ -342,8 +343,7 @@ class ModelRunner:
 
 
 def _sleep_until_done() -> None:
-    """Sleeps, not spins, until the current stream's work is done: a CUDA sync spins by
-    default, and the CPU experts' workers need every core but this one."""
+    """Sleeps until the current stream is done (a CUDA sync spins; the CPU experts need cores)."""
     done = torch.cuda.Event(blocking=True)
     done.record()
     done.synchronize()

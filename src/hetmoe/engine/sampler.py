@@ -52,6 +52,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Report the prompt tokens' log-probabilities (the first has none) and their
     `prompt_logprobs` most likely alternatives, from the prefill's logits."""
+    adapter: str | None = None
+    """The LoRA adapter (its name in `LLM(lora=...)`) that generates; None: the base model."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

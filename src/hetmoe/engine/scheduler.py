@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from hetmoe.engine.adapters import assign_adapter
 from hetmoe.engine.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from hetmoe.engine.prefix_cache import PrefixCache
 from hetmoe.engine.request import Event, QueueFull, Request, RequestHandle, choices
@@ -217,6 +218,7 @@ class Scheduler:
             echo = first.params.prompt_logprobs is not None  # scores every position
             place = self.prefix.place(ids, reuse=not echo)
             first.slot = cache.allocate(place.slot, place.kept)
+            assign_adapter(self.runner, first.slot, first.params.adapter)
             if place.copied:
                 self.runner.settle()
                 cache.copy(place.source, first.slot, place.copied)
@@ -254,6 +256,7 @@ class Scheduler:
             cache = self.runner.cache
             for request in group[1:]:  # the prefill settled any step launched ahead
                 request.slot = cache.allocate(self.prefix.place(ids, reuse=False).slot)
+                assign_adapter(self.runner, request.slot, request.params.adapter)
                 cache.copy(first.slot, request.slot, len(ids))
                 request.filled = len(ids)
                 self.prefix.hold(request.slot, ids)
