@@ -29,8 +29,8 @@ def check_group_size(weight_format: str, group_size: int | None, hidden: int,
     32, so padding never grows a dim past that by more than the 64-wide blocks already do."""
     if weight_format == "bf16":
         if group_size is not None:
-            raise ValueError(f"CpuMoE: group_size applies to int8/int4/fp8 only, got {group_size} "
-                             "with weight_format='bf16'")
+            raise ValueError(f"CpuMoE: group_size applies to int8/int4/fp8 only, got "
+                             f"{group_size} with weight_format='bf16'")
         return None
     h32, i32 = -(-hidden // 32) * 32, -(-intermediate // 32) * 32
     size = DEFAULT_GROUP_SIZE[weight_format] if group_size is None else group_size
