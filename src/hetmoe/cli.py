@@ -219,6 +219,9 @@ def serve(
     prefill_split: Annotated[str, typer.Option(
         help="GPU prefill: split each layer's experts between CPU and GPU: on, off, or auto "
              "(by costs measured at the first GPU prefill)")] = "off",
+    lora: Annotated[list[str] | None, typer.Option(
+        help="NAME=PATH: a PEFT LoRA adapter that requests select with `model: NAME` "
+             "(repeatable; the base model keeps its own name)")] = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve MODEL over an OpenAI-style API.
@@ -237,12 +240,27 @@ def serve(
     splits = {"on": True, "off": False, "auto": None}
     if prefill_split not in splits:
         fail(ValueError(f"--prefill-split must be on, off or auto, got {prefill_split!r}"))
+    adapters = named_adapters(lora or [], config.model_name or model)
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
                    deferred=deferred, verbose=verbose,
                    gpu_prefill_min_tokens=gpu_prefill_min_tokens or None, max_batch=max_batch,
                    prefix_cache=prefix_cache, prefill_chunk=prefill_chunk or None,
-                   prefill_split=splits[prefill_split])
+                   prefill_split=splits[prefill_split], lora=adapters)
     serve_app(llm, config.model_name or model, config)
+
+
+def named_adapters(specs: list[str], base: str) -> dict[str, str] | None:
+    """{name: path} of `--lora NAME=PATH` options (None: none), checked before loading."""
+    named: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            fail(ValueError(f"--lora takes NAME=PATH, got {spec!r}"))
+        if name == base or name in named:
+            fail(ValueError(f"--lora name {name!r} is already the name of the base model or "
+                            "of another adapter"))
+        named[name] = path
+    return named or None
 
 
 @app.command()

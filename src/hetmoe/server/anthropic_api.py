@@ -44,7 +44,8 @@ async def messages(request: Request) -> JSONResponse | StreamingResponse:
                                   "max_tokens")
     params = request_sampling(service.llm.sampling_defaults, max_tokens,
                               temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                              stop=body.stop_sequences or ())
+                              stop=body.stop_sequences or (),
+                              adapter=service.adapter_of(body.model))
     try:
         stream = service.submit([prompt_ids], params)
     except QueueFull as exc:

@@ -58,9 +58,10 @@ async def metrics(request: Request) -> PlainTextResponse:
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    """The one model this server serves."""
+    """The model this server serves, then its LoRA adapters (each a `model` name)."""
     service = _service(request)
-    return {"object": "list", "data": [protocol.model_card(service.name, service.created)]}
+    names = (service.name, *service.adapters)
+    return {"object": "list", "data": [protocol.model_card(n, service.created) for n in names]}
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -130,10 +131,10 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
 
 def check_model(request: Request, name: str) -> ModelService:
     service = _service(request)
-    if name != service.name:
-        raise APIError(
-            404, f"model {name!r} does not exist; this server serves {service.name!r}", "model"
-        )
+    if name != service.name and name not in service.adapters:
+        served = ", ".join(repr(n) for n in (service.name, *service.adapters))
+        raise APIError(404, f"model {name!r} does not exist; this server serves {served}",
+                       "model")
     return service
 
 
@@ -189,7 +190,7 @@ def _params(service: ModelService, body: Body, max_tokens: int) -> SamplingParam
         top_p=body.top_p, top_k=body.top_k, stop=body.stops, seed=body.seed, min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, logprobs=body.token_logprobs,
-        prompt_logprobs=body.prompt_logprobs)
+        prompt_logprobs=body.prompt_logprobs, adapter=service.adapter_of(body.model))
 
 
 def observer(metrics: Metrics, started: float) -> Callable[[Event], None]:

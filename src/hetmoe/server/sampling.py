@@ -28,9 +28,11 @@ def request_sampling(
     repetition_penalty: float | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    adapter: str | None = None,
 ) -> SamplingParams:
     """`SamplingParams` of a request's fields; None takes `model`'s default (the checkpoint's
-    generation_config.json, `LLM.sampling_defaults`), else the API's."""
+    generation_config.json, `LLM.sampling_defaults`), else the API's. `adapter`: the LoRA
+    adapter the request named as its model (None: the base model)."""
 
     def pick(value: float | None, name: str, default: float) -> float:
         return float(value if value is not None else model.get(name, default))
@@ -50,6 +52,7 @@ def request_sampling(
         repetition_penalty=pick(repetition_penalty, "repetition_penalty", 1.0),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        adapter=adapter,
     )
 
 

@@ -78,6 +78,16 @@ class ModelService:
         self.scheduler: Scheduler = llm.start_loop(max_queue, self._decode)
 
     @property
+    def adapters(self) -> tuple[str, ...]:
+        """LoRA adapters a request may name as its `model` (`hetmoe serve --lora NAME=PATH`)."""
+        loaded = self.runner.adapters
+        return tuple(loaded.names) if loaded is not None else ()
+
+    def adapter_of(self, model: str) -> str | None:
+        """The adapter a request naming `model` runs (None: the base model, `name`)."""
+        return model if model != self.name and model in self.adapters else None
+
+    @property
     def context_len(self) -> int:
         """Prompt + generated tokens per sequence at most."""
         return int(self.runner.max_seq_len)
