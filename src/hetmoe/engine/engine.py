@@ -32,6 +32,7 @@ from hetmoe.experts.backend import get_backend
 from hetmoe.inject.apply import InjectionReport, apply_rules
 from hetmoe.inject.registry import OpContext
 from hetmoe.inject.rules import Rule, load_rules, shipped_rules_path
+from hetmoe.loading.fp8 import Fp8Scheme
 
 _DEFAULT_MAX_SEQ_LEN = 4096
 
@@ -73,7 +74,8 @@ class LLM:
         self.injection = InjectionReport()
 
         def inject(model: torch.nn.Module) -> InjectionReport:
-            ctx = OpContext(self.device, self.dtype, model.config, self.options.experts)
+            ctx = OpContext(self.device, self.dtype, model.config, self.options.experts,
+                            Fp8Scheme.of_config(raw, str(self.path / "config.json")))
             self.injection = apply_rules(model, self.rules, ctx)
             check_fits(model, self.device, self.dtype, self.options, converted)
             return self.injection

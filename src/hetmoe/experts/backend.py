@@ -22,9 +22,12 @@ import re
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+from hetmoe.loading.fp8 import Fp8Weight
 
 # Modules whose import registers the shipped backends.
 _BACKEND_MODULES = ("hetmoe.experts.torch_backend", "hetmoe.experts.cpu_backend")
@@ -61,7 +64,7 @@ class ExpertBackend(nn.Module, metaclass=ABCMeta):
         self.spec = spec
         self.device = device
         self.dtype = dtype
-        self._parts: dict[int, dict[str, torch.Tensor]] = {}
+        self._parts: dict[int, dict[str, torch.Tensor | Fp8Weight]] = {}
         self._loaded: set[int] = set()
         self._pending: torch.Tensor | None = None
 
@@ -72,9 +75,10 @@ class ExpertBackend(nn.Module, metaclass=ABCMeta):
 
     @abstractmethod
     def load_expert(
-        self, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+        self, expert: int, gate: Any, up: Any, down: Any
     ) -> None:
-        """Takes one expert's weights: gate [I, H], up [I, H], down [H, I] (any float dtype)."""
+        """Takes one expert's weights: gate [I, H], up [I, H], down [H, I] (any float dtype;
+        `Fp8Weight`s for a backend that `keeps_fp8`)."""
 
     @abstractmethod
     def forward(
@@ -101,11 +105,17 @@ class ExpertBackend(nn.Module, metaclass=ABCMeta):
         out, self._pending = self._pending, None
         return out
 
-    def load_tensor(self, name: str, tensor: torch.Tensor) -> None:
+    keeps_fp8 = False
+    """Whether FP8 checkpoint weights arrive as stored (`Fp8Weight`) instead of dequantized."""
+
+    def load_tensor(self, name: str, tensor: torch.Tensor | Fp8Weight) -> None:
         """Receives one checkpoint tensor named relative to this module (see the module doc)."""
         spec = self.spec
         e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
         if name in ("gate_up_proj", "down_proj"):
+            if isinstance(tensor, Fp8Weight):
+                raise ValueError(f"expert tensor {name!r}: fused FP8 experts are not supported; "
+                                 "FP8 checkpoints store experts one by one")
             expected = (e, 2 * i, h) if name == "gate_up_proj" else (e, h, i)
             self._check_shape(name, tensor, expected)
             for expert in range(e):
@@ -142,7 +152,7 @@ class ExpertBackend(nn.Module, metaclass=ABCMeta):
         self._parts.clear()
         self._loaded = set(range(self.spec.num_experts))
 
-    def _add_part(self, expert: int, part: str, tensor: torch.Tensor) -> None:
+    def _add_part(self, expert: int, part: str, tensor: torch.Tensor | Fp8Weight) -> None:
         parts = self._parts.setdefault(expert, {})
         parts[part] = tensor
         if len(parts) == 3:
@@ -151,12 +161,15 @@ class ExpertBackend(nn.Module, metaclass=ABCMeta):
             self._loaded.add(expert)
 
     @staticmethod
-    def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    def _check_shape(name: str, tensor: torch.Tensor | Fp8Weight,
+                     expected: tuple[int, ...]) -> None:
         if tuple(tensor.shape) != expected:
             raise ValueError(
                 f"expert tensor {name!r}: expected shape {list(expected)}, "
                 f"found {list(tensor.shape)}"
             )
+        if isinstance(tensor, Fp8Weight):
+            return
         if not tensor.is_floating_point():
             raise ValueError(f"expert tensor {name!r}: expected floats, found {tensor.dtype}")
 

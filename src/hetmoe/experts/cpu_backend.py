@@ -13,11 +13,12 @@ import torch
 
 from hetmoe.experts.backend import ExpertBackend, ExpertSpec, register_backend
 from hetmoe.experts.cpu_moe import CpuMoE, PendingCall
+from hetmoe.loading.fp8 import Fp8Weight
 
 
 @register_backend("cpu")
 class CpuExperts(ExpertBackend):
-    """Routed experts on the CPU (bf16, int8 or int4 packed weights), any model device."""
+    """Routed experts on the CPU (bf16, int8, int4 or fp8 packed weights), any model device."""
 
     def __init__(
         self,
@@ -36,6 +37,7 @@ class CpuExperts(ExpertBackend):
         )
         self._call: PendingCall | None = None
         self._out_dtype = dtype
+        self.keeps_fp8 = self.moe.weight_format == "fp8"
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -48,11 +50,18 @@ class CpuExperts(ExpertBackend):
             return "the C++ extension hetmoe._cpu has no MoE kernels (rebuild it)"
         return None
 
-    def load_expert(
-        self, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
-    ) -> None:
-        """Packs one expert into the C++ layout (quantizing if the format asks)."""
-        self.moe.load_expert(expert, gate, up, down)
+    def load_expert(self, expert: int, gate: torch.Tensor | Fp8Weight,
+                    up: torch.Tensor | Fp8Weight, down: torch.Tensor | Fp8Weight) -> None:
+        """Packs one expert into the C++ layout (quantizing if the format asks; FP8 weights as
+        stored for the fp8 format, named by CpuMoE when they are not FP8)."""
+        if isinstance(gate, Fp8Weight) and isinstance(up, Fp8Weight) and isinstance(down,
+                                                                                  Fp8Weight):
+            block = (gate.scheme.block_rows, gate.scheme.block_cols)
+            self.moe.load_expert(expert, gate.weight, up.weight, down.weight, gate.scale_inv,
+                                 up.scale_inv, down.scale_inv, fp8_block=block)
+            return
+        g, u, d = (p.dequantize() if isinstance(p, Fp8Weight) else p for p in (gate, up, down))
+        self.moe.load_expert(expert, g, u, d)
 
     def forward(
         self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetmoe.loading.fp8 import Fp8Scheme
+
 # Modules whose import registers the shipped operators; imported on first lookup.
 _OP_MODULES = ("hetmoe.ops.moe", "hetmoe.ops.attention", "hetmoe.ops.mla")
 
@@ -32,6 +34,9 @@ class OpContext:
     """The model's HF `PretrainedConfig`."""
     experts: str | None = None
     """Engine-wide routed-expert backend override (EngineConfig.experts)."""
+    fp8: Fp8Scheme | None = None
+    """The checkpoint's FP8 block scaling when its weights are FP8 (cpu experts then default to
+    the fp8 format)."""
 
 
 OpFactory = Callable[[nn.Module, torch.device, Any, OpContext], nn.Module]

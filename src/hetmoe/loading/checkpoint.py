@@ -21,7 +21,7 @@ import torch
 
 from hetmoe.loading.errors import CheckpointError
 from hetmoe.loading.families import FAMILIES, Family
-from hetmoe.loading.fp8 import FP8_DTYPES, Fp8Scheme
+from hetmoe.loading.fp8 import FP8_DTYPES, Fp8Scheme, Fp8Weight
 from hetmoe.loading.tensor_file import TensorEntry, read_header, read_tensor
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,14 @@ class Checkpoint:
         if dtype is not None and value.dtype != dtype:
             value = value.to(dtype)
         return value
+
+    def owner_tensor(self, item: CheckpointTensor, dtype: torch.dtype, keep_fp8: bool, *,
+                     f: FileIO | None = None) -> torch.Tensor | Fp8Weight:
+        """What a `load_tensor` owner receives: an `Fp8Weight` as stored when the owner keeps
+        FP8 and `item` is FP8 block-scaled, else `tensor(item, dtype)` (floating data cast)."""
+        if keep_fp8 and item.scale_inv is not None and self.fp8 is not None:
+            return Fp8Weight(read_tensor(item.entry, f=f), read_tensor(item.scale_inv), self.fp8)
+        return self.tensor(item, dtype if item.entry.dtype.is_floating_point else None, f=f)
 
     @property
     def nbytes(self) -> int:

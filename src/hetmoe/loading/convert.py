@@ -117,8 +117,7 @@ def _write_layer(plan: ConvertPlan, layer: LayerPlan, f: Any, *,
                          plan.group_size)
     prefix = len(layer.module) + 1
     for item in layer.tensors:
-        floating = item.entry.dtype.is_floating_point
-        value = plan.checkpoint.tensor(item, plan.dtype if floating else None)
+        value = plan.checkpoint.owner_tensor(item, plan.dtype, experts.keeps_fp8)
         experts.load_tensor(item.name[prefix:], value)
     missing = experts.missing()
     if missing:

@@ -109,7 +109,8 @@ def plan_convert(checkpoint: Checkpoint, weight_format: str,
     dtype = _config_dtype(checkpoint)
     model = build_skeleton(checkpoint.config, dtype)
     rules = load_rules(shipped_rules_path(checkpoint.family.model_type))
-    apply_rules(model, rules, OpContext(torch.device("cpu"), dtype, checkpoint.config, "cpu"))
+    apply_rules(model, rules, OpContext(torch.device("cpu"), dtype, checkpoint.config, "cpu",
+                                        checkpoint.fp8))
     layers: list[LayerPlan] = []
     chosen = group_size
     owned: set[str] = set()

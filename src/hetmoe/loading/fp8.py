@@ -1,4 +1,5 @@
-"""FP8 block-scaled weights (DeepSeek-V3 style), dequantized at load.
+"""FP8 block-scaled weights (DeepSeek-V3 style): dequantized at load, or kept as they are for
+owners that compute on them (the cpu experts' fp8 format: `Fp8Weight`).
 
 A weight [O, I] is stored as float8 with a `weight_scale_inv` [ceil(O/B), ceil(I/B)] in float32:
 every B×B block of the weight is multiplied by its one scale (edge blocks are partial).
@@ -43,6 +44,12 @@ class Fp8Scheme:
             )
         return cls(int(block[0]), int(block[1]))
 
+    @classmethod
+    def of_config(cls, config: dict[str, Any], where: str) -> Fp8Scheme | None:
+        """The scheme of a raw config.json with a `quantization_config`, else None."""
+        quantization = config.get("quantization_config")
+        return None if quantization is None else cls.from_config(quantization, where)
+
     def scale_shape(self, weight_shape: tuple[int, ...]) -> tuple[int, int]:
         """Shape of the `weight_scale_inv` that goes with a weight of `weight_shape`."""
         rows, cols = weight_shape
@@ -54,3 +61,24 @@ class Fp8Scheme:
         scale = scale_inv.float().repeat_interleave(self.block_rows, 0)[:rows]
         scale = scale.repeat_interleave(self.block_cols, 1)[:, :cols]  # [O, I]
         return weight.float() * scale
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """An FP8 weight as stored, handed to a `load_tensor` owner that keeps FP8 (`keeps_fp8`)."""
+
+    weight: torch.Tensor
+    """The float8 codes [O, I]."""
+    scale_inv: torch.Tensor
+    """Its block scales [ceil(O/B0), ceil(I/B1)] (float32)."""
+    scheme: Fp8Scheme
+    """The block shape."""
+
+    @property
+    def shape(self) -> torch.Size:
+        """The weight's shape."""
+        return self.weight.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [O, I]."""
+        return self.scheme.dequantize(self.weight, self.scale_inv)

@@ -3,7 +3,8 @@
 For a module-space name, the owner is, in order:
 1. the deepest module on the name's path with a `load_tensor(name_relative_to_module, tensor)`
    method (set by injection, e.g. an expert backend receives `3.gate_proj.weight`); it gets a CPU
-   tensor, FP8 already dequantized, floating data in the load dtype;
+   tensor, FP8 already dequantized (kept as stored, an `Fp8Weight`, for an owner whose
+   `keeps_fp8` is true), floating data in the load dtype;
 2. the parameter or buffer of that name, allocated in the skeleton's dtype on the device of the
    nearest module on the path with a `device` attribute (an instance attribute set by injection),
    else the load device;
@@ -27,6 +28,7 @@ from torch import nn
 
 from hetmoe.loading.checkpoint import Checkpoint, CheckpointTensor
 from hetmoe.loading.errors import CheckpointError
+from hetmoe.loading.fp8 import Fp8Weight
 from hetmoe.loading.progress import byte_progress
 from hetmoe.loading.tensor_file import read_tensor
 
@@ -39,9 +41,10 @@ _SHOWN = 5  # names listed in an error before "and N more"
 class TensorOwner(Protocol):
     """A module that takes the checkpoint tensors below it itself (e.g. an expert backend)."""
 
-    def load_tensor(self, name: str, tensor: torch.Tensor) -> None:
+    def load_tensor(self, name: str, tensor: torch.Tensor | Fp8Weight) -> None:
         """Receives `name` (relative to this module, e.g. `3.gate_proj.weight`) once: a CPU tensor,
-        FP8 dequantized, floating data in the load dtype; the module may keep it."""
+        FP8 dequantized, floating data in the load dtype; the module may keep it. An owner with
+        a true `keeps_fp8` attribute gets FP8 block-scaled weights as stored (`Fp8Weight`)."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,8 @@ def materialize(
             if slot.expert >= 0:
                 _fill_fused(checkpoint, item, slot, f, fused_filled)
             elif hasattr(slot.module, "load_tensor"):
-                floating = item.entry.dtype.is_floating_point
-                value = checkpoint.tensor(item, dtype if floating else None, f=f)
+                keep_fp8 = bool(getattr(slot.module, "keeps_fp8", False))
+                value = checkpoint.owner_tensor(item, dtype, keep_fp8, f=f)
                 cast(TensorOwner, slot.module).load_tensor(slot.name, value)
             else:
                 _fill_tensor(checkpoint, item, slot, f)

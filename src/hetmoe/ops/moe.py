@@ -27,12 +27,14 @@ class HybridMoEOptions:
     experts: str = "auto"
     """Routed-expert backend: a registered name (`torch`, `cpu`) or `auto` (cpu when built)."""
     weight_format: str | None = None
-    """Packed expert weights for the cpu backend: bf16, int8 or int4 (None: bf16)."""
+    """Packed expert weights for the cpu backend: bf16, int8, int4 or fp8 (FP8 checkpoints'
+    e4m3 weights and block scales as stored). None: fp8 for an FP8 checkpoint whose scale blocks
+    are whole 32-column groups, else bf16."""
 
     def __post_init__(self) -> None:
-        if self.weight_format not in (None, "bf16", "int8", "int4"):
+        if self.weight_format not in (None, "bf16", "int8", "int4", "fp8"):
             raise ValueError(
-                f"weight_format must be bf16, int8 or int4, got {self.weight_format!r}"
+                f"weight_format must be bf16, int8, int4 or fp8, got {self.weight_format!r}"
             )
         known = backends()
         if self.experts != "auto" and self.experts not in known:
@@ -94,6 +96,19 @@ def _backend_name(options: HybridMoEOptions, ctx: OpContext) -> str:
     return name
 
 
+def _weight_format(options: HybridMoEOptions, ctx: OpContext,
+                   backend: str) -> tuple[str | None, int | None]:
+    """The cpu experts' format and, for fp8, a group that divides the checkpoint's scale blocks
+    (None: the format's default). FP8 checkpoints keep their experts in FP8 unless the rules
+    ask for another format (or the blocks are narrower than a 32-column group)."""
+    fmt = options.weight_format
+    if fmt is None and ctx.fp8 is not None and backend == "cpu" and ctx.fp8.block_cols % 32 == 0:
+        fmt = "fp8"
+    if fmt != "fp8" or ctx.fp8 is None or ctx.fp8.block_cols % 128 == 0:
+        return fmt, None
+    return fmt, next((g for g in (64, 32) if ctx.fp8.block_cols % g == 0), 32)
+
+
 @register_op("hybrid_moe", HybridMoEOptions)
 def build_hybrid_moe(
     module: nn.Module, device: torch.device, options: HybridMoEOptions, ctx: OpContext
@@ -110,8 +125,11 @@ def build_hybrid_moe(
         activation=config.hidden_act,
     )
     router = Router(RouterConfig.from_hf(config), spec.hidden_size, ctx.dtype)
-    backend = get_backend(_backend_name(options, ctx))
-    experts = backend(spec, device, ctx.dtype, options.weight_format)
+    name = _backend_name(options, ctx)
+    backend = get_backend(name)
+    weight_format, group = _weight_format(options, ctx, name)
+    extra = {"group_size": group} if group is not None else {}
+    experts = backend(spec, device, ctx.dtype, weight_format, **extra)
     return HybridMoE(
         router,
         experts,
