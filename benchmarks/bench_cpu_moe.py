@@ -1,5 +1,5 @@
 """CpuMoE speed at a real model's layer shape (default Qwen3-30B-A3B: E=128, H=2048, I=768,
-top-8), BF16/INT8/INT4.
+top-8), BF16/INT8/INT4, and FP8 (e4m3 with 128x128 block scales, as DeepSeek-V3 stores experts).
 
 Per format and q: the median time of one layer call (public `CpuMoE.forward`, layers cycled so
 weights come from DRAM), weight bytes read / time against the read bandwidth measured in this run
@@ -7,7 +7,7 @@ weights come from DRAM), weight bytes read / time against the read bandwidth mea
 First it measures the AVX-512/AMX crossover (tokens per expert) per format and uses it.
 
 Usage: python benchmarks/bench_cpu_moe.py [--shape deepseek-v2-lite] [--layers 6]
-           [--formats bf16,int8,int4] [--json out.json] [--quick]
+           [--formats bf16,int8,int4 | --weight-format fp8] [--json out.json] [--quick]
            [--no-crossover] [--git SHA] [--warmup-s 1.0]
 """
 
@@ -28,6 +28,7 @@ from hetmoe.experts import CpuMoE
 from hetmoe.machine import huge_page_bytes, machine_report
 
 FORMATS = ("bf16", "int8", "int4")
+FP8_BLOCK = (128, 128)
 CROSSOVER_M = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96)
 
 
@@ -180,6 +181,22 @@ def warm_up(layers: list[CpuMoE], seconds: float) -> None:
         i += 1
 
 
+def fp8_source(src: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The bf16 weights as an FP8 checkpoint stores them: e4m3 codes, then per 128x128 block
+    scales amax / 448 (weight_scale_inv), [E, ceil(rows/128), ceil(cols/128)]."""
+    codes, scales = [], []
+    for w in src:  # [E, rows, cols]
+        e, rows, cols = w.shape
+        b0, b1 = FP8_BLOCK
+        padded = torch.nn.functional.pad(w.float(), (0, -cols % b1, 0, -rows % b0))
+        blocks = padded.unflatten(1, (-1, b0)).unflatten(3, (-1, b1))  # [E, R, b0, C, b1]
+        scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
+        quant = (blocks / scale[:, :, None, :, None]).flatten(3, 4).flatten(1, 2)
+        codes.append(quant[:, :rows, :cols].to(torch.float8_e4m3fn).contiguous())
+        scales.append(scale.contiguous())
+    return (*codes, *scales)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
@@ -190,6 +207,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("bench_cpu_moe.json"))
     parser.add_argument("--formats", default=",".join(FORMATS),
                         help="comma-separated FORMAT or FORMAT:GROUP_SIZE (e.g. int8:128)")
+    parser.add_argument("--weight-format", default="",
+                        help="one FORMAT or FORMAT:GROUP_SIZE, in place of --formats (fp8: "
+                             "the weights as e4m3 with 128x128 block scales)")
     parser.add_argument("--quick", action="store_true", help="few calls (a smoke run)")
     parser.add_argument("--no-crossover", action="store_true",
                         help="skip the AVX-512/AMX crossover runs; use AMX_MIN_TOKENS")
@@ -232,13 +252,15 @@ def main() -> None:
               "rows": []}
     amx = _cpu.best_isa() == "amx"
     baseline = [] if args.no_torch else [tuple(t.clone() for t in src) for _ in range(args.layers)]
-    for spec in args.formats.split(","):
+    for spec in (args.weight_format or args.formats).split(","):
         fmt, _, group = spec.partition(":")  # e.g. int8:128, an int format's group size
         layers = []
+        weights = fp8_source(src) if fmt == "fp8" else src
         for _ in range(args.layers):
             moe = CpuMoE(E, H, I, fmt, group_size=int(group) if group else None)
-            moe.load(*src)
+            moe.load(*weights)
             layers.append(moe)
+        del weights
         # Share of the packed weights on huge pages (the rest costs a TLB walk per 4 KiB read).
         packed = sum(moe.packed_bytes for moe in layers)
         report.setdefault("huge_page_share", {})[spec] = round(
