@@ -18,6 +18,7 @@ from hetmoe.server.errors import APIError, error_response
 from hetmoe.server.guard import LOOPBACK_HOSTS, Guard
 from hetmoe.server.metrics import Metrics
 from hetmoe.server.service import ModelService
+from hetmoe.server.tokenize_api import router as tokenize_router
 
 if TYPE_CHECKING:
     from hetmoe.engine.engine import LLM
@@ -39,6 +40,7 @@ def build_app(service: ModelService, config: ServerConfig) -> ASGIApp:
     app.state.metrics = metrics = Metrics()
     app.include_router(router)
     app.include_router(anthropic_router)
+    app.include_router(tokenize_router)
     _add_page(app)
 
     @app.exception_handler(APIError)

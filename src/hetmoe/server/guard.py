@@ -18,7 +18,7 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
 # Routes counted under their own label; anything else is "other" (clients choose paths).
 KNOWN_ROUTES = frozenset(
     {"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/health",
-     "/metrics", "/"}
+     "/metrics", "/", "/tokenize", "/detokenize", "/tokenizer_info"}
 )
 
 

@@ -107,10 +107,13 @@ class ModelService:
         with self._tokenizer_lock:
             return list(self.llm.chat_prompt(turns, tools))
 
-    def text_ids(self, prompt: str) -> list[int]:
-        """Token ids of a raw completion prompt (with the tokenizer's usual special tokens)."""
+    def text_ids(self, prompt: str, special_tokens: bool = True) -> list[int]:
+        """Token ids of a raw completion prompt (with the tokenizer's usual special tokens, or
+        without them)."""
         with self._tokenizer_lock:
-            return list(self.llm.encode(prompt))
+            if special_tokens or self.tokenizer is None:
+                return list(self.llm.encode(prompt))
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                ignore_eos: bool = False, n: int = 1) -> EventStream:
