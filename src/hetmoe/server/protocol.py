@@ -16,7 +16,8 @@ from hetmoe.server.tool_protocol import ResponseFormat, ToolCallIn, ToolChoice, 
 
 # Hard ceilings that catch absurd values before they reach the engine's own context check.
 MAX_TOKENS_LIMIT = 1 << 20
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 16
+"""OpenAI takes 4; evaluators send more (lm-eval's code tasks: 5 and the EOS text)."""
 MAX_STOP_CHARS = 256
 SEED_LIMIT = (1 << 63) - 1
 MAX_CHOICES = 128
