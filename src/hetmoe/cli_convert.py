@@ -12,8 +12,8 @@ from hetmoe.config import EngineConfig
 
 _DEFAULTS = EngineConfig()
 ExpertFormatOpt = Annotated[str | None, typer.Option(
-    "--experts", help="Packed expert format: bf16, int8 or int4 (default: bf16; for a GGUF the "
-                      "nearest to its quant type)")]
+    "--experts", help="Packed expert format: bf16, int8, int4 or fp8 (default: bf16; fp8 for an "
+                      "FP8 checkpoint; for a GGUF the nearest to its quant type)")]
 GroupOpt = Annotated[int | None, typer.Option(
     "--group", help="int8/int4 quantization group: 32, 64, 128 or 256 (default: the format's)")]
 
@@ -42,6 +42,8 @@ def convert(
         fmt, why = experts or "bf16", "as asked" if experts else "the default"
         if is_gguf(path) and experts is None:
             fmt, group, why = default_format(path)
+        elif experts is None:
+            fmt, group, why = checkpoint_format(path, group)
         typer.echo(f"experts: {fmt}{f', group {group}' if group else ''} ({why})", err=True)
         if dry_run:
             print_plan(path, fmt, group, None, files=True)
@@ -50,6 +52,22 @@ def convert(
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         fail(exc)
     typer.echo(f"converted {source} into {out}")
+
+
+def checkpoint_format(path: Path, group: int | None) -> tuple[str, int | None, str]:
+    """The packed format for a checkpoint directory's experts when none is asked: fp8 for an FP8
+    checkpoint whose blocks are at least a 32-wide group (its e4m3 codes and block scales kept
+    as stored, groups as wide as a block), else bf16."""
+    import json
+
+    from hetmoe.loading.fp8 import Fp8Scheme
+
+    config = path / "config.json"
+    raw = json.loads(config.read_text()) if config.is_file() else {}
+    scheme = Fp8Scheme.of_config(raw, str(config))
+    if scheme is None or scheme.block_cols < 32:
+        return "bf16", group, "the default"
+    return "fp8", group or scheme.block_cols, "an FP8 checkpoint: its codes and scales as stored"
 
 
 def info(

@@ -207,3 +207,26 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(
     with pytest.raises(ValueError, match=r"does not fit: host memory: needs 0\.\d+ GB, 0\.00 GB "
                                          r"available \[routed experts \(bf16, packed\)"):
         LLM(tiny_dir("qwen3_moe", dtype=torch.bfloat16), device="cpu", progress=False)
+
+
+def test_an_fp8_checkpoint_converts_to_fp8_experts_by_default(tiny_dir, tmp_path: Path) -> None:
+    """`hetmoe convert` of an FP8 checkpoint keeps its experts FP8 (as `LLM` does directly):
+    mapped equals direct load, logits and packed bytes."""
+    from typer.testing import CliRunner
+
+    from hetmoe.cli import app
+
+    source = tiny_dir("deepseek_v3", fp8=True, fp8_block=32)
+    out = tmp_path / "out"
+    done = CliRunner().invoke(app, ["convert", str(source), str(out)])
+    assert done.exit_code == 0, done.output
+    assert "experts: fp8, group 32 (an FP8 checkpoint" in done.output
+    # The other FP8 weights are stored dequantized in the load dtype (bf16), which the converted
+    # config names, so both load alike.
+    direct = LLM(source, device="cpu", progress=False)
+    mapped = LLM(out, device="cpu", progress=False)
+    assert next(mapped.model.parameters()).dtype == torch.bfloat16
+    moe = next(m for m in mapped.model.modules() if isinstance(m, CpuExperts)).moe
+    assert moe.weight_format == "fp8" and moe.group_size == 32
+    assert torch.equal(mapped.logits(IDS), direct.logits(IDS))
+    assert all(torch.equal(a, b) for a, b in zip(_packed(mapped), _packed(direct), strict=True))

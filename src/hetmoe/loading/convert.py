@@ -71,7 +71,9 @@ def convert(source: Path, out: Path, options: ConvertOptions) -> Path:
         _write_once(out, WEIGHTS_FILE, done, state, options,
                     functools.partial(_write_weights, plan, advance=advance))
     config = json.loads((source / "config.json").read_text())
-    config.pop("quantization_config", None)  # FP8 weights are stored dequantized
+    if config.pop("quantization_config", None) is not None:  # FP8 weights are stored
+        config["dtype"] = str(plan.dtype).removeprefix("torch.")  # dequantized in this dtype,
+        # which "auto" must load them in again
     _write_once(out, "config.json", done, state, options,
                 lambda f: f.write(json.dumps(config, indent=2).encode() + b"\n"))
     for name in copied_files(source):
