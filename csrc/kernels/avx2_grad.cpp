@@ -1,37 +1,60 @@
-// AVX2 backward kernels: fp32 dot in four 8-lane FMA accumulators; the unpack and axpy loops
+// AVX2 backward kernels: a 6-row x 16-column fp32 FMA register tile (12 accumulators) walked
+// over each 16 columns of the panel; the panels unpacked by the scalar loops of grad_unpack.h,
 // vectorized by the compiler for AVX2.
 #include <immintrin.h>
 
-#include "kernels/epilogue.h"
+#include "kernels/grad_silu.h"
 #include "kernels/grad.h"
-#include "kernels/unpack_rows.h"
+#include "kernels/grad_unpack.h"
 
 namespace hetmoe {
 namespace {
 
-float dot_avx2(const float* a, const float* b, int n) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
-  int i = 0;
-  for (; i + 32 <= n; i += 32)
-    for (int u = 0; u < 4; ++u)
-      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), _mm256_loadu_ps(b + i + 8 * u),
-                               acc[u]);
-  for (; i + 8 <= n; i += 8)
-    acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc[0]);
-  const __m256 s8 = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-  float s = _mm_cvtss_f32(s4);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+constexpr int kTileRows = 6;
+
+// c[MR rows][16] (+)= a[MR rows][depth] . b[depth][16 of cols]
+template <int MR>
+void tile(int depth, const float* a, size_t lda, const float* b, int cols, float* c, size_t ldc,
+          bool accumulate) {
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < 2; ++v)
+      acc[i][v] = accumulate ? _mm256_loadu_ps(c + size_t(i) * ldc + 8 * v) : _mm256_setzero_ps();
+  for (int r = 0; r < depth; ++r) {
+    const __m256 b0 = _mm256_loadu_ps(b + size_t(r) * cols);
+    const __m256 b1 = _mm256_loadu_ps(b + size_t(r) * cols + 8);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 ai = _mm256_broadcast_ss(a + size_t(i) * lda + r);
+      acc[i][0] = _mm256_fmadd_ps(ai, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(ai, b1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < 2; ++v) _mm256_storeu_ps(c + size_t(i) * ldc + 8 * v, acc[i][v]);
+}
+
+void gemm_avx2(int m, int depth, const float* a, size_t lda, const float* b, int cols, float* c,
+               size_t ldc, bool accumulate) {
+  for (int j = 0; j < cols; j += 16)
+    for (int i = 0; i < m; i += kTileRows) {
+      const float* ai = a + size_t(i) * lda;
+      float* ci = c + size_t(i) * ldc + j;
+      switch (m - i >= kTileRows ? kTileRows : m - i) {
+        case 1: tile<1>(depth, ai, lda, b + j, cols, ci, ldc, accumulate); break;
+        case 2: tile<2>(depth, ai, lda, b + j, cols, ci, ldc, accumulate); break;
+        case 3: tile<3>(depth, ai, lda, b + j, cols, ci, ldc, accumulate); break;
+        case 4: tile<4>(depth, ai, lda, b + j, cols, ci, ldc, accumulate); break;
+        case 5: tile<5>(depth, ai, lda, b + j, cols, ci, ldc, accumulate); break;
+        default: tile<6>(depth, ai, lda, b + j, cols, ci, ldc, accumulate); break;
+      }
+    }
 }
 
 }  // namespace
 
 const GradKernels& avx2_grad_kernels() {
-  static const GradKernels k{"avx2", unpack_rows, dot_avx2, axpy_row};
+  static const GradKernels k{"avx2", unpack_cols_scalar, unpack_rows_scalar, gemm_avx2,
+                             silu_sig_row};
   return k;
 }
 

@@ -1,57 +1,176 @@
-// AVX-512 backward kernels: fp32 dot in four 16-lane FMA accumulators (masked tail); bf16
-// n-blocks unpacked a 64-byte block row at a time; the int unpack and axpy loops vectorized by
-// the compiler for AVX-512.
+// AVX-512 backward kernels: a 12-row x 32-column fp32 FMA register tile (24 accumulators, two
+// panel loads and 12 broadcasts per k); n-block columns unpacked in registers a block row at a
+// time (bf16 shifted, int8 / int4 sign-extended or masked, fp8 widened through bf16, each times
+// its group's scale), rows by 16 x 16 register transposes of those columns.
 #include <immintrin.h>
 
-#include "kernels/epilogue.h"
+#include "kernels/grad_silu.h"
+#include "kernels/fp8_avx512.h"
 #include "kernels/grad.h"
-#include "kernels/unpack_rows.h"
 
 namespace hetmoe {
 namespace {
 
-float dot_avx512(const float* a, const float* b, int n) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                   _mm512_setzero_ps()};
-  int i = 0;
-  for (; i + 64 <= n; i += 64)
-    for (int u = 0; u < 4; ++u)
-      acc[u] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16 * u),
-                               _mm512_loadu_ps(b + i + 16 * u), acc[u]);
-  for (; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    acc[0] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i),
-                             acc[0]);
-  }
-  return _mm512_reduce_add_ps(
-      _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+constexpr int kTileRows = 12;
+
+inline __m512 bf16_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline __m512 bf16_odd(__m512i v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u))));
 }
 
-// A block row (16 n x 2 k bf16) widened to fp32: the even-k words shifted up, the odd-k words
-// masked, each pair stored at its row's k.
-void unpack_avx512(const PackedMatrix& w, int nb, float* out, size_t ld) {
-  if (w.format != WeightFormat::kBF16) return unpack_rows(w, nb, out, ld);
-  const __m512i hi_mask = _mm512_set1_epi32(int(0xFFFF0000u));
-  alignas(64) float even[16], odd[16];
-  for (int kb = 0; kb < w.num_k_blocks(); ++kb) {
-    const uint8_t* blk = w.k_block(nb, kb);
-    for (int r = 0; r < 16; ++r) {
-      const __m512i v = _mm512_loadu_si512(blk + r * 64);
-      _mm512_store_ps(even, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-      _mm512_store_ps(odd, _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)));
-      for (int n = 0; n < kBlockN; ++n) {
-        float* o = out + size_t(n) * ld + kb * 32 + 2 * r;
-        o[0] = even[n];
-        o[1] = odd[n];
-      }
+// 16 lanes of int4 metadata (bf16) as floats.
+inline __m512 bf16x16(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// A bf16 or fp8 block row holds k and k + 1 of the 16 n in its even and odd 16-bit lanes.
+void cols_pairs(const PackedMatrix& w, int nb, int k0, int k1, float* out, size_t ld) {
+  const bool fp8 = w.fp8();
+  const __m512i subnormals = fp8 ? fp8_subnormal_table() : _mm512_setzero_si512();
+  for (int k = k0; k < k1; k += 2) {
+    __m512i v;
+    __m512 scale = _mm512_set1_ps(1.0f);
+    if (fp8) {
+      v = fp8x32_to_bf16(w.n_block(nb) + size_t(k / 2) * 32, subnormals);
+      scale = _mm512_loadu_ps(w.scale + (size_t(nb) * w.num_groups() + k / w.group_size) * 16);
+    } else {
+      v = _mm512_loadu_si512(w.k_block(nb, k / 32) + (k % 32) * 32);
+    }
+    float* o = out + size_t(k - k0) * ld;
+    _mm512_storeu_ps(o, _mm512_mul_ps(scale, bf16_even(v)));
+    _mm512_storeu_ps(o + ld, _mm512_mul_ps(scale, bf16_odd(v)));
+  }
+}
+
+// An int block row (16 n x 4 k, a byte per (n, k); int4 the low or high nibbles of row r % 8).
+template <bool kInt4>
+void cols_int(const PackedMatrix& w, int nb, int k0, int k1, float* out, size_t ld) {
+  for (int k = k0; k < k1; k += 4) {
+    const uint8_t* blk = w.k_block(nb, k / 64);
+    const int r = (k % 64) / 4, g = k / w.group_size;
+    __m512i v;
+    __m512 scale, bias = _mm512_setzero_ps();
+    if (kInt4) {
+      v = _mm512_loadu_si512(blk + (r % 8) * 64);
+      if (r >= 8) v = _mm512_srli_epi32(v, 4);
+      const uint16_t* meta = w.meta(nb, g);
+      scale = bf16x16(meta);
+      bias = bf16x16(meta + 32);
+    } else {
+      v = _mm512_loadu_si512(blk + r * 64);
+      scale = _mm512_loadu_ps(w.scale + (size_t(nb) * w.num_groups() + g) * 16);
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m128i shift = _mm_cvtsi32_si128(kInt4 ? 8 * c : 24 - 8 * c);
+      __m512i q;
+      if (kInt4)
+        q = _mm512_sub_epi32(
+            _mm512_and_si512(_mm512_srl_epi32(v, shift), _mm512_set1_epi32(0xF)),
+            _mm512_set1_epi32(8));
+      else
+        q = _mm512_srai_epi32(_mm512_sll_epi32(v, shift), 24);
+      const __m512 f = _mm512_cvtepi32_ps(q);
+      _mm512_storeu_ps(out + size_t(k - k0 + c) * ld,
+                       kInt4 ? _mm512_fmadd_ps(scale, f, bias) : _mm512_mul_ps(scale, f));
     }
   }
+}
+
+void unpack_cols_avx512(const PackedMatrix& w, int nb, int k0, int k1, float* out, size_t ld) {
+  if (w.format == WeightFormat::kINT8) return cols_int<false>(w, nb, k0, k1, out, ld);
+  if (w.format == WeightFormat::kINT4) return cols_int<true>(w, nb, k0, k1, out, ld);
+  cols_pairs(w, nb, k0, k1, out, ld);
+}
+
+// in [16][16] -> out[n * ld + k] = in[k][n]
+inline void transpose16(const float* in, float* out, size_t ld) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + 16 * i);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + i * ld, r[i]);
+}
+
+void unpack_rows_avx512(const PackedMatrix& w, int nb, int k0, int k1, float* out, size_t ld) {
+  alignas(64) float cols[16 * 16];
+  for (int k = k0; k < k1; k += 16) {
+    unpack_cols_avx512(w, nb, k, k + 16, cols, 16);
+    transpose16(cols, out + (k - k0), ld);
+  }
+}
+
+// c[MR rows][16 NV] (+)= a[MR rows][depth] . b[depth][16 NV]
+template <int MR, int NV>
+void tile(int depth, const float* a, size_t lda, const float* b, float* c, size_t ldc,
+          bool accumulate) {
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v)
+      acc[i][v] = accumulate ? _mm512_loadu_ps(c + size_t(i) * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int r = 0; r < depth; ++r) {
+    __m512 bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + size_t(r) * 16 * NV + 16 * v);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 ai = _mm512_set1_ps(a[size_t(i) * lda + r]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(ai, bv[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + size_t(i) * ldc + 16 * v, acc[i][v]);
+}
+
+template <int NV>
+void gemm_cols(int m, int depth, const float* a, size_t lda, const float* b, float* c,
+               size_t ldc, bool acc) {
+  for (int i = 0; i < m; i += kTileRows) {
+    const float* ai = a + size_t(i) * lda;
+    float* ci = c + size_t(i) * ldc;
+    switch (m - i >= kTileRows ? kTileRows : m - i) {
+      case 1: tile<1, NV>(depth, ai, lda, b, ci, ldc, acc); break;
+      case 2: tile<2, NV>(depth, ai, lda, b, ci, ldc, acc); break;
+      case 3: tile<3, NV>(depth, ai, lda, b, ci, ldc, acc); break;
+      case 4: tile<4, NV>(depth, ai, lda, b, ci, ldc, acc); break;
+      case 5: tile<5, NV>(depth, ai, lda, b, ci, ldc, acc); break;
+      case 6: tile<6, NV>(depth, ai, lda, b, ci, ldc, acc); break;
+      case 7: tile<7, NV>(depth, ai, lda, b, ci, ldc, acc); break;
+      case 8: tile<8, NV>(depth, ai, lda, b, ci, ldc, acc); break;
+      case 9: tile<9, NV>(depth, ai, lda, b, ci, ldc, acc); break;
+      case 10: tile<10, NV>(depth, ai, lda, b, ci, ldc, acc); break;
+      case 11: tile<11, NV>(depth, ai, lda, b, ci, ldc, acc); break;
+      default: tile<12, NV>(depth, ai, lda, b, ci, ldc, acc); break;
+    }
+  }
+}
+
+void gemm_avx512(int m, int depth, const float* a, size_t lda, const float* b, int cols,
+                 float* c, size_t ldc, bool accumulate) {
+  if (cols == 32) gemm_cols<2>(m, depth, a, lda, b, c, ldc, accumulate);
+  else gemm_cols<1>(m, depth, a, lda, b, c, ldc, accumulate);
 }
 
 }  // namespace
 
 const GradKernels& avx512_grad_kernels() {
-  static const GradKernels k{"avx512", unpack_avx512, dot_avx512, axpy_row};
+  static const GradKernels k{"avx512", unpack_cols_avx512, unpack_rows_avx512, gemm_avx512,
+                             silu_sig_row};
   return k;
 }
 

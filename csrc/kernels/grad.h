@@ -1,7 +1,9 @@
-// Backward kernels of the frozen experts (moe/backward_job.cpp): an n-block of a packed matrix
-// read back as 16 fp32 rows, and the two row products that both directions build on it:
-//   forward  c[n]  = dot(x, W[n])      (x W^T, the recomputed activations)
-//   backward dx   += a[n] * W[n]       (a W, the transposed product)
+// Backward kernels of the frozen experts (moe/backward_job.cpp): register-blocked fp32 GEMMs over
+// all of an expert's rows, fed by weight panels unpacked once per pass from the packed n-blocks
+// (dequantized exactly: int8 scale q, int4 scale q + bias, fp8 scale e4m3):
+//   recompute  c  = x W^T   panels of 2 n-blocks' columns, k-major   (unpack_cols)
+//   transposed dx = a W     panels of 32 columns over many rows     (unpack_rows)
+// and the SiLU between them.
 // One file per ISA beside a scalar reference, like the forward kernels (gemm.h).
 #pragma once
 
@@ -13,12 +15,17 @@ namespace hetmoe {
 
 struct GradKernels {
   const char* name;
-  // out[n * ld + k] = W[16 nb + n, k] for n < 16, k < w.k (int formats dequantized in fp32:
-  // int8 scale * q, int4 scale * q + bias; fp8 scale * e4m3).
-  void (*unpack)(const PackedMatrix& w, int nb, float* out, size_t ld);
-  float (*dot)(const float* a, const float* b, int n);
-  // dst[j] += w * src[j]
-  void (*axpy)(float w, const float* src, int n, float* dst);
+  // out[(k - k0) * ld + n] = W[16 nb + n, k] for n < 16, k0 <= k < k1 (multiples of 16).
+  void (*unpack_cols)(const PackedMatrix& w, int nb, int k0, int k1, float* out, size_t ld);
+  // The same values row-major: out[n * ld + (k - k0)].
+  void (*unpack_rows)(const PackedMatrix& w, int nb, int k0, int k1, float* out, size_t ld);
+  // c[i * ldc + j] (+= with accumulate) sum_r a[i * lda + r] * b[r * cols + j] for i < m,
+  // r < depth, j < cols (16 or 32).
+  void (*gemm)(int m, int depth, const float* a, size_t lda, const float* b, int cols, float* c,
+               size_t ldc, bool accumulate);
+  // One row of c ([gate 16, up 16] column pairs, cols gate columns): sig = sigmoid(gate),
+  // h = gate * sig * up (the forward's SiLU, exp to ~2 ulp; sig kept for the backward).
+  void (*silu)(const float* c, int cols, float* h, float* sig);
 };
 
 const GradKernels& reference_grad_kernels();

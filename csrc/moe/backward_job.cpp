@@ -1,10 +1,10 @@
-// The routed experts' backward (backward_job.h): one task per (NUMA group, expert) recomputes
-// the expert's activations for its rows and writes per-slot partial dx and dweights; a second
-// phase sums each token's slots and groups.
+// The routed experts' backward (backward_job.h): one task per (NUMA group, expert) gathers the
+// expert's rows and runs fp32 GEMMs over all of them (gate/up recomputed, dA = dY W_down,
+// dx = [dg, du] W_gate_up) on weight panels unpacked once per pass, writing per-slot partial dx
+// and dweights; a second phase sums each token's slots and groups.
 #include "moe/backward_job.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -14,6 +14,9 @@
 
 namespace hetmoe {
 namespace {
+
+// Depth of a weight panel: 2 n-blocks x 256 k (or 256 rows x 32 k) fp32 = 32 KiB, in L1.
+constexpr int kPanelDepth = 256;
 
 const GradKernels& grad_kernels(Isa isa) {
   if (isa >= Isa::kAvx512) return avx512_grad_kernels();
@@ -40,92 +43,79 @@ void expert_matrices(const MoELayer& l, int g, int e, PackedMatrix& gu, PackedMa
   place_packed(dn, mem + l.group_down_offset(g));
 }
 
-// Per-task buffers, reused by each worker's later tasks.
+// Per-task buffers, reused by each worker's later tasks: rows of m tokens, each row padded by 16
+// floats past its width (row strides of a multiple of 4 KiB would map the tile's rows onto one
+// L1 set).
 struct Scratch {
-  std::vector<float> x, dy, c, h, dh, dx, w, y;
-  void size(int m, int hp, int hn, int s, bool want_y) {
-    y.assign(want_y ? size_t(m) * hn : 0, 0.0f);
-    x.assign(size_t(m) * hp, 0.0f);
-    dy.assign(size_t(m) * hn, 0.0f);
-    c.resize(size_t(m) * 2 * s);
-    h.resize(size_t(m) * s);
-    dh.assign(size_t(m) * s, 0.0f);
-    dx.assign(size_t(m) * hp, 0.0f);
-    w.resize(size_t(kBlockN) * std::max(hp, s));
+  size_t ldx = 0, ldy = 0, ldc = 0, ldh = 0;
+  std::vector<float> x, dy, c, h, sig, da, dx, y, panel;
+  void size(int m, int hp, int hn, int s, bool grad, bool want_y) {
+    ldx = hp + 16, ldy = hn + 16, ldc = 2 * s + 16, ldh = s + 16;
+    x.resize(size_t(m) * ldx);
+    c.resize(size_t(m) * ldc);
+    h.resize(size_t(m) * ldh);
+    sig.resize(size_t(m) * ldh);
+    dy.resize(grad ? size_t(m) * ldy : 0);
+    da.resize(grad ? size_t(m) * ldh : 0);
+    dx.resize(grad ? size_t(m) * ldx : 0);
+    y.resize(want_y ? size_t(m) * ldy : 0);
+    panel.resize(size_t(kPanelDepth) * 2 * kBlockN);
   }
 };
 
-// c[i][16 nb + n] = dot(x_i, W[16 nb + n]) over every n-block of w (x rows ld = w.k).
-void rows_times_wt(const GradKernels& kern, const PackedMatrix& w, const float* x, int m,
-                   float* c, float* wbuf) {
-  for (int nb = 0; nb < w.n / kBlockN; ++nb) {
-    kern.unpack(w, nb, wbuf, size_t(w.k));
-    for (int i = 0; i < m; ++i)
-      for (int n = 0; n < kBlockN; ++n)
-        c[size_t(i) * w.n + nb * kBlockN + n] =
-            kern.dot(x + size_t(i) * w.k, wbuf + size_t(n) * w.k, w.k);
-  }
-}
-
-// Down: y_i = h_i W^T (kept in s.y when asked; with dY its dot with dY_i: dweights) and
-// dh_i = (w_i dY_i) W.
-void down_pass(const GradKernels& kern, const PackedMatrix& dn, Scratch& s, int m,
-               const float* row_w, bool grad, float* dws) {
-  const int hn = dn.n, sl = dn.k;
-  const bool want_y = !s.y.empty();
-  for (int nb = 0; nb < hn / kBlockN; ++nb) {
-    kern.unpack(dn, nb, s.w.data(), size_t(sl));
-    for (int i = 0; i < m; ++i) {
-      const float* h = s.h.data() + size_t(i) * sl;
-      float* dh = s.dh.data() + size_t(i) * sl;
-      float acc = 0.0f;
-      for (int n = 0; n < kBlockN; ++n) {
-        const float d = grad ? s.dy[size_t(i) * hn + nb * kBlockN + n] : 0.0f;
-        if (d == 0.0f && !want_y) continue;  // padded rows past H, or a zero gradient
-        const float* wn = s.w.data() + size_t(n) * sl;
-        const float y = kern.dot(h, wn, sl);
-        if (want_y) s.y[size_t(i) * hn + nb * kBlockN + n] = y;
-        if (d == 0.0f) continue;
-        acc += d * y;
-        kern.axpy(row_w[i] * d, wn, sl, dh);
-      }
-      dws[i] += acc;
+// c[i][n] = a_i . W[n] for every n of w (a rows of w.k, lda apart): panels of two n-blocks'
+// columns over kPanelDepth k, each unpacked once and run over all m rows.
+void times_wt(const GradKernels& kern, const PackedMatrix& w, const float* a, size_t lda, int m,
+              float* c, size_t ldc, float* panel) {
+  const int nblocks = w.n / kBlockN;
+  for (int nb = 0; nb < nblocks; nb += 2) {
+    const int cols = std::min(2, nblocks - nb) * kBlockN;
+    for (int k0 = 0; k0 < w.k; k0 += kPanelDepth) {
+      const int k1 = std::min(w.k, k0 + kPanelDepth);
+      for (int j = 0; j < cols / kBlockN; ++j)
+        kern.unpack_cols(w, nb + j, k0, k1, panel + j * kBlockN, size_t(cols));
+      kern.gemm(m, k1 - k0, a + k0, lda, panel, cols, c + nb * kBlockN, ldc, k0 > 0);
     }
   }
 }
 
-// c holds [gate block b, up block b] pairs of 16 columns; h = silu(g) * u. After dh is known,
-// c becomes the gradient of those columns: dg = dh * u * silu'(g), du = dh * silu(g).
-void silu_forward(Scratch& s, int m, int sl) {
-  for (int i = 0; i < m; ++i)
-    for (int j = 0; j < sl; ++j) {
-      const float* c = s.c.data() + size_t(i) * 2 * sl + (j / 16) * 32 + j % 16;
-      const float g = c[0], u = c[16];
-      s.h[size_t(i) * sl + j] = g / (1.0f + std::exp(-g)) * u;
+// c[i][k] = sum_n a_i[n] W[n, k] for every k of w (a rows of w.n, lda apart): panels of 32 k
+// over kPanelDepth rows of W.
+void times_w(const GradKernels& kern, const PackedMatrix& w, const float* a, size_t lda, int m,
+             float* c, size_t ldc, float* panel) {
+  constexpr int kCols = 2 * kBlockN;
+  for (int k0 = 0; k0 < w.k; k0 += kCols)
+    for (int r0 = 0; r0 < w.n; r0 += kPanelDepth) {
+      const int r1 = std::min(w.n, r0 + kPanelDepth);
+      for (int nb = r0 / kBlockN; nb < r1 / kBlockN; ++nb)
+        kern.unpack_rows(w, nb, k0, k0 + kCols, panel + size_t(nb * kBlockN - r0) * kCols,
+                         kCols);
+      kern.gemm(m, r1 - r0, a + r0, lda, panel, kCols, c + k0, ldc, r0 > 0);
     }
 }
 
-void silu_backward(Scratch& s, int m, int sl) {
-  for (int i = 0; i < m; ++i)
-    for (int j = 0; j < sl; ++j) {
-      float* c = s.c.data() + size_t(i) * 2 * sl + (j / 16) * 32 + j % 16;
-      const float g = c[0], u = c[16], dh = s.dh[size_t(i) * sl + j];
-      const float sig = 1.0f / (1.0f + std::exp(-g));
-      c[0] = dh * u * sig * (1.0f + g * (1.0f - sig));
-      c[16] = dh * g * sig;
-    }
-}
-
-// dx_i += sum_n a_i[n] W[n] over every n-block of w (a rows ld = w.n, dx rows ld = w.k).
-void rows_times_w(const GradKernels& kern, const PackedMatrix& w, const float* a, int m,
-                  float* dx, float* wbuf) {
-  for (int nb = 0; nb < w.n / kBlockN; ++nb) {
-    kern.unpack(w, nb, wbuf, size_t(w.k));
-    for (int i = 0; i < m; ++i)
-      for (int n = 0; n < kBlockN; ++n) {
-        const float an = a[size_t(i) * w.n + nb * kBlockN + n];
-        if (an != 0.0f) kern.axpy(an, wbuf + size_t(n) * w.k, w.k, dx + size_t(i) * w.k);
+// c holds [gate block b, up block b] pairs of 16 columns. Forward: h = silu(g) * u, sig =
+// sigmoid(g). dA = dY W_down is d loss / d h before the routing weight: dh = w dA, and
+// dweights = <dY, W_down h> = <dA, h>. Then c becomes the gradient of its columns:
+// dg = dh * u * sig * (1 + g (1 - sig)), du = dh * g * sig.
+void silu_backward(Scratch& s, int m, int sl, const float* row_w, float* dws) {
+  for (int i = 0; i < m; ++i) {
+    const float* da = s.da.data() + size_t(i) * s.ldh;
+    const float* h = s.h.data() + size_t(i) * s.ldh;
+    const float* sig = s.sig.data() + size_t(i) * s.ldh;
+    float dw = 0.0f;
+    for (int j = 0; j < sl; ++j) dw += da[j] * h[j];
+    dws[i] = dw;
+    for (int b = 0; b < sl / 16; ++b) {
+      float* gate = s.c.data() + size_t(i) * s.ldc + b * 32;
+      float* up = gate + 16;
+      for (int l = 0; l < 16; ++l) {
+        const int j = b * 16 + l;
+        const float g = gate[l], u = up[l], dh = row_w[i] * da[j];
+        gate[l] = dh * u * sig[j] * (1.0f + g * (1.0f - sig[j]));
+        up[l] = dh * g * sig[j];
       }
+    }
   }
 }
 
@@ -147,14 +137,18 @@ void gather(const GradPlan& p, int a, int hp, int hn, Scratch& s) {
   const long first = p.routing.first_row[a];
   for (int i = 0; i < m; ++i) {
     const int t = p.routing.row_token[first + i];
-    float* xr = s.x.data() + size_t(i) * hp;
+    float* xr = s.x.data() + size_t(i) * s.ldx;
     if (c.x_type == DType::kFP32) {
       std::memcpy(xr, static_cast<const float*>(c.x) + size_t(t) * H, sizeof(float) * H);
     } else {
       const uint16_t* xb = static_cast<const uint16_t*>(c.x) + size_t(t) * H;
       for (int j = 0; j < H; ++j) xr[j] = bf16_to_float(xb[j]);
     }
-    if (c.dy) std::memcpy(s.dy.data() + size_t(i) * hn, c.dy + size_t(t) * H, sizeof(float) * H);
+    std::fill(xr + H, xr + hp, 0.0f);
+    if (!c.dy) continue;
+    float* dyr = s.dy.data() + size_t(i) * s.ldy;
+    std::memcpy(dyr, c.dy + size_t(t) * H, sizeof(float) * H);
+    std::fill(dyr + H, dyr + hn, 0.0f);
   }
 }
 
@@ -164,26 +158,29 @@ void expert_task(GradPlan& p, int g, int a, std::vector<long>& row_slot) {
   const int m = p.routing.rows[a], sl = dn.k, H = p.hidden;
   const long first = p.routing.first_row[a];
   const bool grad = p.call->dy != nullptr, want_y = p.call->out != nullptr;
+  const GradKernels& kern = *p.kern;
   thread_local Scratch s;
-  s.size(m, gu.k, dn.n, sl, want_y);
+  s.size(m, gu.k, dn.n, sl, grad, want_y);
   gather(p, a, gu.k, dn.n, s);
-  rows_times_wt(*p.kern, gu, s.x.data(), m, s.c.data(), s.w.data());
-  silu_forward(s, m, sl);
+  times_wt(kern, gu, s.x.data(), s.ldx, m, s.c.data(), s.ldc, s.panel.data());  // [m, 2S]
+  for (int i = 0; i < m; ++i)
+    kern.silu(s.c.data() + i * s.ldc, sl, s.h.data() + i * s.ldh, s.sig.data() + i * s.ldh);
+  if (want_y) times_wt(kern, dn, s.h.data(), s.ldh, m, s.y.data(), s.ldy, s.panel.data());
   std::vector<float> dw(m, 0.0f);
-  down_pass(*p.kern, dn, s, m, p.routing.row_weight.data() + first, grad, dw.data());
   if (grad) {
-    silu_backward(s, m, sl);
-    rows_times_w(*p.kern, gu, s.c.data(), m, s.dx.data(), s.w.data());
+    times_w(kern, dn, s.dy.data(), s.ldy, m, s.da.data(), s.ldh, s.panel.data());  // [m, S]
+    silu_backward(s, m, sl, p.routing.row_weight.data() + first, dw.data());
+    times_w(kern, gu, s.c.data(), s.ldc, m, s.dx.data(), s.ldx, s.panel.data());  // [m, Hp]
   }
   const size_t slots = size_t(p.call->q) * p.call->k;
   for (int i = 0; i < m; ++i) {
     const size_t at = size_t(g) * slots + row_slot[first + i];
     if (grad) {
-      std::memcpy(p.dx_slots.data() + at * H, s.dx.data() + size_t(i) * gu.k, sizeof(float) * H);
+      std::memcpy(p.dx_slots.data() + at * H, s.dx.data() + size_t(i) * s.ldx, sizeof(float) * H);
       p.dw_slots[at] = dw[i];
     }
     if (want_y)
-      std::memcpy(p.y_slots.data() + at * H, s.y.data() + size_t(i) * dn.n, sizeof(float) * H);
+      std::memcpy(p.y_slots.data() + at * H, s.y.data() + size_t(i) * s.ldy, sizeof(float) * H);
   }
 }
 

@@ -2,8 +2,9 @@
 // out[q, H] = sum_j w_j * down_e(silu(gate_e x) * up_e x), computes
 //   dx[t]        = sum_j  J_e(x_t)^T (w_j dY_t)     (through down, the SiLU gate and gate/up)
 //   dweights[t,j] = <dY_t, down_e(silu(gate_e x_t) * up_e x_t)>
-// on the layer's packed n-blocks (transposed products, kernels/grad.h). The activations are
-// recomputed from x in fp32 on the same weights, dequantized exactly (no activation rounding).
+// as fp32 GEMMs over each expert's rows on panels unpacked from the layer's packed n-blocks
+// (kernels/grad.h). The activations are recomputed from x in fp32 on the same weights,
+// dequantized exactly (no activation rounding).
 #pragma once
 
 #include <cstdint>

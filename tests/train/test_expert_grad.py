@@ -21,8 +21,11 @@ ISA_ORDER = ("scalar", "avx2", "avx512", "amx")
 ISAS = ISA_ORDER[: ISA_ORDER.index(_cpu.best_isa()) + 1]
 ODD_SHAPES = [(5, 72, 40, 1, 1), (4, 100, 200, 37, 3), (6, 64, 96, 9, 4), (3, 130, 24, 5, 2)]
 WIDE = (3, 256, 250, 7, 2)  # room for the wide groups
+# Past one 256-deep weight panel along H and 2I (partial sums carried between panels), full
+# 12-row register tiles and a tail, an odd count of down n-blocks.
+DEEP = (2, 520, 200, 30, 2)
 CASES = ([(fmt, group, shape) for fmt, group in (("bf16", None), ("int8", 32), ("int4", 32))
-          for shape in ODD_SHAPES]
+          for shape in (*ODD_SHAPES, DEEP)]
          + [(fmt, group, WIDE) for fmt, group in (("int8", 128), ("int8", 256), ("int4", 64),
                                                   ("int4", 128))])
 
