@@ -133,7 +133,8 @@ def test_the_model_itself_with_tools(qwen_server: LiveServer) -> None:
     ({"tools": [WEATHER, WEATHER]}, "tools", "names must be unique"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
      "tools[0].function.name", "should match pattern"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "constrained decoding"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format", "cannot be the tool call that tool_choice 'required' demands"),
     ({"functions": [WEATHER["function"]]}, "functions", "send 'tools'"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "needs the tool_call_id"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [

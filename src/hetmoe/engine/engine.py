@@ -13,6 +13,7 @@ import torch
 
 from hetmoe.config import EngineConfig
 from hetmoe.engine.adapters import LoraAdapters, assign_adapter, with_lora
+from hetmoe.engine.constrained import Constraints
 from hetmoe.engine.logprobs import TokenLogprob
 from hetmoe.engine.model_setup import (
     check_device,
@@ -26,7 +27,7 @@ from hetmoe.engine.model_setup import (
 from hetmoe.engine.model_source import check_fits, open_model
 from hetmoe.engine.request import Event
 from hetmoe.engine.runner import ModelRunner
-from hetmoe.engine.sampler import GenerationOutput, SamplingParams, sampling_params
+from hetmoe.engine.sampler import GenerationOutput, SamplingParams, request_params
 from hetmoe.engine.scheduler import Scheduler
 from hetmoe.experts.backend import get_backend
 from hetmoe.inject.apply import InjectionReport, apply_rules
@@ -116,6 +117,9 @@ class LLM:
                 "in the cpu backend (use deferred=0)"
             )
         self.eos_token_ids = eos_ids(self.path, config, self.tokenizer)
+        self.constraints = Constraints(self.tokenizer, self.eos_token_ids, self.runner.vocab_size,
+                                       str(self.path))
+        """`response_format` indexes over this tokenizer's vocabulary (built at first use)."""
         self.scheduler = self._local_loop()
 
     @property
@@ -155,8 +159,10 @@ class LLM:
         `SamplingParams` fields as keywords (`max_tokens` is the OpenAI name of
         `max_new_tokens`, 128 by default). A list of prompts (texts, or lists of token ids) is
         generated together, sharing the scheduler's batches: one output per prompt, in order.
-        With `logprobs` / `prompt_logprobs` set, the outputs carry them."""
-        params = _params(params, sampling)
+        With `logprobs` / `prompt_logprobs` set, the outputs carry them; `response_format`
+        ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}})
+        constrains the text to JSON."""
+        params = request_params(params, sampling)
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
             return self._run_all([self._checked_prompt(self.encode(p)) for p in prompt], params)
         result: list[GenerationOutput] = []
@@ -170,7 +176,7 @@ class LLM:
                **sampling: Any) -> Generator[str, None, None]:
         """Like `generate` (one prompt), yielding text pieces as they become final (UTF-8 and
         stop safe)."""
-        yield from self._run(self.encode(prompt), _params(params, sampling), [])
+        yield from self._run(self.encode(prompt), request_params(params, sampling), [])
 
     def chat(self, messages: Sequence[dict[str, str]], **sampling: Any) -> GenerationOutput:
         """Generates the assistant's reply to `messages` with the tokenizer's chat template."""
@@ -226,7 +232,8 @@ class LLM:
     def _local_loop(self) -> Scheduler:
         # No server: the caller's own requests only, so no queue limit (a batch may be large).
         return Scheduler(self.runner, self.decode, self.eos_token_ids, max_queue=2**31,
-                         threaded=False, prefix_cache=self.options.prefix_cache)
+                         threaded=False, prefix_cache=self.options.prefix_cache,
+                         constraints=self.constraints)
 
     def start_loop(self, max_queue: int = 64,
                    decode: Callable[[list[int]], str] | None = None) -> Scheduler:
@@ -235,7 +242,7 @@ class LLM:
         that thread (default: `self.decode`)."""
         self.scheduler.stop()
         self.scheduler = Scheduler(self.runner, decode or self.decode, self.eos_token_ids,
-                                   max_queue, threaded=True,
+                                   max_queue, threaded=True, constraints=self.constraints,
                                    prefix_cache=self.options.prefix_cache)
         return self.scheduler
 
@@ -327,27 +334,3 @@ class _Collected:
                                 len(self.prompt), logprobs, self.prompt_logprobs,
                                 last.cached_tokens)
 
-
-def _params(params: SamplingParams | None, sampling: dict[str, Any]) -> SamplingParams:
-    """`params`, or `SamplingParams` from keywords (`max_tokens` an alias of `max_new_tokens`,
-    128 by default); both, or params that are not `SamplingParams`, are a TypeError."""
-    if params is not None:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams (sampling options go as keywords), "
-                            f"got {type(params).__name__}")
-        if sampling:
-            raise TypeError(f"give SamplingParams or keywords, not both (got {sorted(sampling)})")
-        return params
-    sampling = dict(sampling)
-    sampling["max_new_tokens"] = _new_tokens(sampling.pop("max_new_tokens", None),
-                                             sampling.pop("max_tokens", None))
-    return sampling_params(**sampling)
-
-
-def _new_tokens(max_new_tokens: int | None, max_tokens: int | None) -> int:
-    """`max_new_tokens`, or its OpenAI name `max_tokens`, or 128; both given is an error."""
-    if max_new_tokens is not None and max_tokens is not None:
-        raise ValueError(f"give max_new_tokens or max_tokens, not both (got {max_new_tokens} "
-                         f"and {max_tokens})")
-    chosen = max_new_tokens if max_new_tokens is not None else max_tokens
-    return 128 if chosen is None else chosen

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from hetmoe.engine.constrained import CompiledFormat
 from hetmoe.engine.logprobs import TokenLogprob
 from hetmoe.engine.sampler import Sampler, SamplingParams
 from hetmoe.engine.text_stream import CONTEXT_TOKENS, TextStream
@@ -80,13 +81,16 @@ class Request:
 
 
 def choices(ids: list[int], params: SamplingParams, sink: Callable[[Event], None],
-            decode_text: Callable[[list[int]], str], ignore_eos: bool, n: int) -> list[Request]:
-    """The `n` choices of a request for prompt `ids` (the first carries the others)."""
+            decode_text: Callable[[list[int]], str], ignore_eos: bool, n: int,
+            fmt: CompiledFormat | None = None) -> list[Request]:
+    """The `n` choices of a request for prompt `ids` (the first carries the others), each
+    with its own walk over the compiled response format `fmt`."""
     group = []
     for index in range(n):
         choice = params.for_choice(index)
         text = TextStream(decode_text, params.stop, ids[-CONTEXT_TOKENS:])
-        group.append(Request(ids, choice, sink, Sampler(choice, ids), text, ignore_eos, index))
+        sampler = Sampler(choice, ids, fmt.start() if fmt is not None else None)
+        group.append(Request(ids, choice, sink, sampler, text, ignore_eos, index))
     group[0].siblings = group[1:]
     return group
 

@@ -1,8 +1,9 @@
 """Sampling: per-request parameters, the token sampler, and what a generation returns.
 
-A request's logits go through, in order: repetition / frequency / presence penalties (over the
-tokens seen so far), temperature (0 or top_k 1: the argmax of the penalized logits), top_k,
-min_p, top_p, then one draw from the request's own seeded generator.
+A request's logits go through, in order: its `response_format`'s mask (engine/constrained.py:
+tokens that would leave the format at -inf, on the logits' device), repetition / frequency /
+presence penalties (over the tokens seen so far), temperature (0 or top_k 1: the argmax of the
+penalized logits), top_k, min_p, top_p, then one draw from the request's own seeded generator.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from hetmoe.engine.constrained import JsonConstraint, ResponseFormat
 from hetmoe.engine.logprobs import TokenLogprob
 
 MAX_LOGPROBS = 20
@@ -54,8 +56,13 @@ class SamplingParams:
     `prompt_logprobs` most likely alternatives, from the prefill's logits."""
     adapter: str | None = None
     """The LoRA adapter (its name in `LLM(lora=...)`) that generates; None: the base model."""
+    response_format: ResponseFormat | None = None
+    """What the answer must be: JSON (`ResponseFormat`, or OpenAI's dict such as
+    {"type": "json_object"}); None: free text."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.response_format, ResponseFormat | None):
+            object.__setattr__(self, "response_format", ResponseFormat.of(self.response_format))
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.temperature >= 0.0:
@@ -110,6 +117,31 @@ def sampling_params(**sampling: Any) -> SamplingParams:
     return SamplingParams(**sampling)
 
 
+def request_params(params: SamplingParams | None, sampling: dict[str, Any]) -> SamplingParams:
+    """`params`, or `SamplingParams` from keywords (`max_tokens` an alias of `max_new_tokens`,
+    128 by default); both, or params that are not `SamplingParams`, are a TypeError."""
+    if params is not None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams (sampling options go as keywords), "
+                            f"got {type(params).__name__}")
+        if sampling:
+            raise TypeError(f"give SamplingParams or keywords, not both (got {sorted(sampling)})")
+        return params
+    sampling = dict(sampling)
+    sampling["max_new_tokens"] = _new_tokens(sampling.pop("max_new_tokens", None),
+                                             sampling.pop("max_tokens", None))
+    return sampling_params(**sampling)
+
+
+def _new_tokens(max_new_tokens: int | None, max_tokens: int | None) -> int:
+    """`max_new_tokens`, or its OpenAI name `max_tokens`, or 128; both given is an error."""
+    if max_new_tokens is not None and max_tokens is not None:
+        raise ValueError(f"give max_new_tokens or max_tokens, not both (got {max_new_tokens} "
+                         f"and {max_tokens})")
+    chosen = max_new_tokens if max_new_tokens is not None else max_tokens
+    return 128 if chosen is None else chosen
+
+
 @dataclass(frozen=True)
 class GenerationOutput:
     """The result of `LLM.generate` / `LLM.chat`."""
@@ -134,8 +166,11 @@ class GenerationOutput:
 class Sampler:
     """Draws tokens for one request from its own seeded CPU generator (reproducible anywhere)."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (),
+                 constraint: JsonConstraint | None = None) -> None:
+        """`constraint`: the request's walk over its `response_format` (masks every draw)."""
         self.params = params
+        self.constraint = constraint
         self.generator = torch.Generator()
         if params.seed is None:
             self.generator.seed()
@@ -151,13 +186,17 @@ class Sampler:
 
     @property
     def needs_logits(self) -> bool:
-        """Whether this request needs its logits each step: sampled, penalized or reporting
-        log-probabilities (else the runner's argmax is its token)."""
+        """Whether this request needs its logits each step: sampled, penalized, constrained or
+        reporting log-probabilities (else the runner's argmax is its token)."""
         p = self.params
-        return not self.greedy or p.penalized or p.logprobs is not None
+        return (not self.greedy or p.penalized or p.logprobs is not None
+                or self.constraint is not None)
 
     def observe(self, token: int) -> None:
-        """Counts a token the request generated (for the penalties)."""
+        """Takes a token the request generated: the constraint's next state, the penalties'
+        counts."""
+        if self.constraint is not None:
+            self.constraint.advance(token)
         if self.params.penalized:
             self._counts[token] += 1
 
@@ -181,6 +220,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """One token id from logits [V]."""
         p = self.params
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits)
         if self.greedy and not p.penalized:
             return int(torch.argmax(logits))
         logits = self.penalize(logits.float().cpu())  # [V]

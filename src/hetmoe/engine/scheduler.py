@@ -4,15 +4,16 @@ The only loop of the engine: `LLM.generate / stream / chat` run it synchronously
 thread (`run_once` until their request ends), the server on a thread of its own. Each step it
 admits waiting requests into free slots and prefills them (while others decode, at most
 `EngineConfig.prefill_chunk` prompt tokens per step: a long prompt stalls the running streams one
-chunk at a time, not for its whole prefill), then decodes every other active
-sequence in ONE batched step (`runner.step(StepPlan)`), so each expert's weights are read once
-per step for the whole batch; a batch of greedy requests that want no logits (no logprobs, no
-penalty) gets tokens, with the next step launched ahead by the runner. Each request keeps its
-own sampler (seed, penalties) and stop strings; EOS, stop strings, `max_new_tokens` and a full
-context window end it here and nowhere else. A request of `n` choices is prefilled once and its
-KV copied into the other choices' slots. Log-probabilities come from the step's logits (one
-log_softmax for the rows that asked). Outputs leave through each request's `sink` callback (on
-the loop's thread); `cancel()` frees the slots at the next step.
+chunk at a time, not for its whole prefill), then decodes every other active sequence in ONE
+batched step (`runner.step(StepPlan)`), so each expert's weights are read once per step for the
+whole batch; a batch of greedy requests that want no logits (no logprobs, penalty or
+`response_format`) gets tokens, with the next step launched ahead by the runner. Each request
+keeps its own sampler (seed, penalties, format constraint) and stop strings; EOS, stop strings,
+`max_new_tokens` and a full context window end it here and nowhere else. A request of `n`
+choices is prefilled once and its KV copied into the other choices' slots. Log-probabilities
+come from the step's logits (one log_softmax for the rows that asked). Outputs leave through
+each request's `sink` callback (on the loop's thread); `cancel()` frees the slots at the next
+step.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from hetmoe.engine.adapters import assign_adapter
+from hetmoe.engine.constrained import Constraints, compile_format
 from hetmoe.engine.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from hetmoe.engine.prefix_cache import PrefixCache
 from hetmoe.engine.request import Event, QueueFull, Request, RequestHandle, choices
@@ -44,18 +46,15 @@ class Scheduler:
     While a scheduler runs, it is the only user of the runner and its KV-cache slots.
     """
 
-    def __init__(
-        self,
-        runner: ModelRunner,
-        decode_text: Callable[[list[int]], str],
-        eos_token_ids: Sequence[int] | frozenset[int],
-        max_queue: int = 64,
-        threaded: bool = True,
-        prefix_cache: bool = True,
-    ) -> None:
+    def __init__(self, runner: ModelRunner, decode_text: Callable[[list[int]], str],
+                 eos_token_ids: Sequence[int] | frozenset[int], max_queue: int = 64,
+                 threaded: bool = True, prefix_cache: bool = True,
+                 constraints: Constraints | None = None) -> None:
         """`threaded`: run the loop on a thread of its own (a server); else the caller drives it
-        with `run_once`. `prefix_cache`: reuse earlier requests' KV (engine/prefix_cache.py)."""
+        with `run_once`. `prefix_cache`: reuse earlier requests' KV (engine/prefix_cache.py).
+        `constraints`: compiles requests' `response_format` (None: such requests are refused)."""
         self.runner = runner
+        self.constraints = constraints
         self.prefix = PrefixCache(runner.cache, prefix_cache)
         self.max_queue = max_queue
         self._decode_text = decode_text
@@ -96,18 +95,12 @@ class Scheduler:
         running = self._thread is None or self._thread.is_alive()
         return running and not self._stopped
 
-    def submit(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        sink: Callable[[Event], None],
-        ignore_eos: bool = False,
-        fit_window: bool = True,
-        n: int = 1,
-    ) -> RequestHandle:
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+               sink: Callable[[Event], None], ignore_eos: bool = False, fit_window: bool = True,
+               n: int = 1) -> RequestHandle:
         """Queues a request of `n` choices (each its own event stream, `Event.index`);
         QueueFull at the queue limit, ValueError for an empty prompt, one beyond the context
-        window, or more choices than KV slots.
+        window, more choices than KV slots, or a `response_format` that cannot be followed.
 
         `fit_window`: refuse a request whose prompt + max_new_tokens exceed the window (the
         API's contract); False lets it end with `length` when the window is full (`LLM`).
@@ -123,7 +116,8 @@ class Scheduler:
         if not 1 <= n <= self.runner.max_batch:
             raise ValueError(f"n={n} choices need as many KV slots; there are "
                              f"{self.runner.max_batch} (max_batch)")
-        group = choices(list(prompt_ids), params, sink, self._decode_text, ignore_eos, n)
+        fmt = compile_format(self.constraints, params.response_format)
+        group = choices(list(prompt_ids), params, sink, self._decode_text, ignore_eos, n, fmt)
         with self._wake:
             if self._stopped:
                 raise RuntimeError("the scheduler is stopped")

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from hetmoe.engine.constrained import ResponseFormat
 from hetmoe.engine.request import Event, QueueFull
 from hetmoe.engine.sampler import SamplingParams
 from hetmoe.server import protocol, responses, tools
@@ -73,7 +74,8 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
     plan = tools.plan_tools(body, service.chat_template)
     prompt_ids = tools.render_chat(service, body.messages, plan)
     budget = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    stream = _submit(request, body, [prompt_ids], "messages", budget)
+    fmt = await response_format(service, body)
+    stream = _submit(request, body, [prompt_ids], "messages", budget, fmt)
     rid = protocol.new_id("chatcmpl")
     observe = observer(_metrics(request), started)
     if body.stream:
@@ -138,10 +140,27 @@ def check_model(request: Request, name: str) -> ModelService:
     return service
 
 
+async def response_format(service: ModelService,
+                          body: protocol.ChatCompletionRequest) -> ResponseFormat | None:
+    """The request's `response_format` with its index built (in a worker thread: a large
+    schema takes seconds) and cached for the scheduler; a 400 naming the field when the format
+    is not JSON the library can follow."""
+    if body.response_format is None:
+        return None
+    try:
+        fmt = ResponseFormat.of(body.response_format.model_dump(exclude_none=True))
+        if fmt is not None:
+            await asyncio.to_thread(service.llm.constraints.compile, fmt)
+    except ValueError as exc:
+        message = str(exc).removeprefix("response_format: ")
+        raise APIError(400, f"field 'response_format': {message}", "response_format") from None
+    return fmt
+
+
 def _submit(request: Request, body: Body, prompts: list[list[int]], prompt_field: str,
-            budget_field: str) -> EventStream:
-    """Checks the context window and `n`, then queues each prompt's n choices (429 when the
-    queue is full)."""
+            budget_field: str, fmt: ResponseFormat | None = None) -> EventStream:
+    """Checks the context window and `n`, then queues each prompt's n choices, answering in
+    `fmt` (429 when the queue is full)."""
     service = _service(request)
     max_tokens = check_window(service, max(len(ids) for ids in prompts), body.token_budget,
                               prompt_field, budget_field)
@@ -149,8 +168,8 @@ def _submit(request: Request, body: Body, prompts: list[list[int]], prompt_field
         raise APIError(400, f"field 'n': {body.n} choices need as many KV slots; this server "
                        f"has {service.slots} (--max-batch)", "n")
     try:
-        stream = service.submit(prompts, _params(service, body, max_tokens), body.ignore_eos,
-                                body.n)
+        stream = service.submit(prompts, _params(service, body, max_tokens, fmt),
+                                body.ignore_eos, body.n)
     except QueueFull as exc:
         raise APIError(429, f"server busy: {exc}; retry later") from None
     except RuntimeError as exc:
@@ -184,13 +203,15 @@ def check_window(service: ModelService, longest: int, budget: int | None, prompt
     return max_tokens
 
 
-def _params(service: ModelService, body: Body, max_tokens: int) -> SamplingParams:
+def _params(service: ModelService, body: Body, max_tokens: int,
+            fmt: ResponseFormat | None) -> SamplingParams:
     return request_sampling(
         service.llm.sampling_defaults, max_tokens, temperature=body.temperature,
         top_p=body.top_p, top_k=body.top_k, stop=body.stops, seed=body.seed, min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, logprobs=body.token_logprobs,
-        prompt_logprobs=body.prompt_logprobs, adapter=service.adapter_of(body.model))
+        prompt_logprobs=body.prompt_logprobs, adapter=service.adapter_of(body.model),
+        response_format=fmt)
 
 
 def observer(metrics: Metrics, started: float) -> Callable[[Event], None]:

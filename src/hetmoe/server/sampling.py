@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hetmoe.engine.constrained import ResponseFormat
 from hetmoe.engine.sampler import SamplingParams
 
 GREEDY_BELOW = 1e-4
@@ -29,10 +30,12 @@ def request_sampling(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     adapter: str | None = None,
+    response_format: ResponseFormat | None = None,
 ) -> SamplingParams:
     """`SamplingParams` of a request's fields; None takes `model`'s default (the checkpoint's
     generation_config.json, `LLM.sampling_defaults`), else the API's. `adapter`: the LoRA
-    adapter the request named as its model (None: the base model)."""
+    adapter the request named as its model (None: the base model); `response_format`: JSON
+    the answer must be (None: free text)."""
 
     def pick(value: float | None, name: str, default: float) -> float:
         return float(value if value is not None else model.get(name, default))
@@ -53,6 +56,7 @@ def request_sampling(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         adapter=adapter,
+        response_format=response_format,
     )
 
 

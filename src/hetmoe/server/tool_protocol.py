@@ -65,7 +65,8 @@ class ToolCallIn(_Strict):
 
 
 class ResponseFormat(_Strict):
-    """`response_format`: only `text` is served (no constrained decoding here)."""
+    """`response_format`: `text`, or JSON by constrained decoding (engine/constrained.py checks
+    `json_schema`: {"name", "schema", "strict"})."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None

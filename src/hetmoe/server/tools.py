@@ -62,17 +62,20 @@ def refuse_unserved(body: ChatCompletionRequest) -> None:
         field = "functions" if body.functions is not None else "function_call"
         raise APIError(400, f"field '{field}': deprecated by OpenAI and not served; send "
                        "'tools' and 'tool_choice' instead", field)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise APIError(400, f"field 'response_format': type {body.response_format.type!r} needs "
-                       "constrained decoding, which this server does not do; only 'text' is "
-                       "served", "response_format")
 
 
 def plan_tools(body: ChatCompletionRequest, template: str | None) -> ToolPlan | None:
-    """A chat completion's tool plan (None: a plain chat), or a 400 naming the field at fault."""
+    """A chat completion's tool plan (None: a plain chat), or a 400 naming the field at fault;
+    a JSON `response_format` cannot be a tool call, so it refuses `required` / named calls."""
     refuse_unserved(body)
-    return make_plan(body.tools, body.tool_choice, body.parallel_tool_calls is not False,
+    plan = make_plan(body.tools, body.tool_choice, body.parallel_tool_calls is not False,
                      template)
+    fmt = body.response_format
+    if plan is not None and plan.choice != "auto" and fmt is not None and fmt.type != "text":
+        raise APIError(400, f"field 'response_format': a {fmt.type} answer cannot be the tool "
+                       f"call that tool_choice {plan.choice!r} demands; drop one of them",
+                       "response_format")
+    return plan
 
 
 def make_plan(offered: Sequence[ToolDef] | None, choice: ToolChoice | None, parallel: bool,
