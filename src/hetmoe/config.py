@@ -44,7 +44,7 @@ class EngineConfig:
     at least 2; >= the context window: always the whole window."""
     gpu_prefill_min_tokens: int | None = 640
     """GPU with CPU experts: prompts of at least this many tokens compute their routed experts
-    on the GPU, each layer's packed experts streamed from host memory (bf16, int8 or int4 experts;
+    on the GPU, each layer's packed experts streamed from host memory (bf16, int8, int4 or fp8;
     engine/layer_stream.py); shorter ones on the CPU. The default is the crossover measured on
     an H100 host (docs/benchmarks/prefill.md: CPU faster at 512, GPU 1.7x at 1024). None:
     prefill always on the CPU."""

@@ -40,7 +40,7 @@ class ConvertOptions:
     """What `convert` makes of the experts, and how it reports."""
 
     weight_format: str = "bf16"
-    """Packed expert format: bf16, int8 or int4."""
+    """Packed expert format: bf16, int8, int4 or fp8."""
     group_size: int | None = None
     """Quantization group of int8/int4 (None: the format's default)."""
     progress: bool = True
