@@ -271,7 +271,7 @@ def bench(
              "deepseek-v3-few-layers")] = None,
     experts: Annotated[str, typer.Option(
         help="cpu (ours), torch-cpu or accelerate (baselines)")] = "cpu",
-    weight_format: Annotated[str, typer.Option(help="bf16, int8, int4 or fp8 experts")] = "bf16",
+    weight_format: Annotated[str, typer.Option(help="bf16, int8 or int4 experts")] = "bf16",
     deferred: Annotated[str, typer.Option(help="Expert Deferral values, e.g. 0,2,3")] = "0",
     prompt_len: Annotated[int, typer.Option(help="Prompt tokens before decode")] = 32,
     new_tokens: Annotated[int, typer.Option(help="Tokens decoded per run")] = 256,
