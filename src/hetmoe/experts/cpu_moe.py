@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hetmoe import env
+from hetmoe.experts.call_check import check_call, check_ids
 from hetmoe.experts.expert_weights import WEIGHT_FORMATS, ExpertWeights, check_group_size
 from hetmoe.experts.packed_layout import PackedGroup
 
@@ -23,8 +24,6 @@ AMX_MIN_TOKENS = {"bf16": 2, "int8": 32, "int4": 32, "fp8": 16}
 """Tokens per expert from which AMX tiles beat AVX-512, per format (measured by
 benchmarks/bench_cpu_moe.py on a 16-core Xeon with AMX: docs/benchmarks/cpu_moe.md; fp8 not
 measured yet: between bf16's and int8's, as its tiles are widened per call)."""
-
-_DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
 
 
 @dataclass
@@ -298,60 +297,10 @@ class CpuMoE:
 
     def _check_call(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     out: torch.Tensor | None) -> tuple[torch.Tensor, tuple[int, ...]]:
-        # Runs on every decode call of every layer: plain attribute reads only (is_cpu, ndim,
-        # dtype, shape), each read once, no device objects or tensor ops. The id range is checked
-        # by the C++ routing pass, which reads every id anyway; when it refuses one, _check_ids
-        # names it. Returns out and the C++ layer's arguments (x, dtype, ids, weights, q, k, out,
-        # dtype).
-        where = "CpuMoE.forward"
-        for name, t in (("x", x), ("expert_ids", ids), ("expert_weights", weights)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
-            if not t.is_cpu or t.ndim != 2 or not t.is_contiguous():
-                raise ValueError(
-                    f"{where}: {name} must be a contiguous 2-D CPU tensor, found shape "
-                    f"{tuple(t.shape)} on {t.device}, contiguous={t.is_contiguous()}"
-                )
-        x_shape, ids_shape, x_dtype = x.shape, ids.shape, x.dtype
-        code = _DTYPE_CODES.get(x_dtype)
-        if code is None or x_shape[1] != self.hidden:
-            raise ValueError(
-                f"{where}: x must be [q, {self.hidden}] bfloat16 or float32, found "
-                f"{list(x_shape)} {x_dtype}"
-            )
-        q = x_shape[0]
-        if ids.dtype != torch.int64 or ids_shape[0] != q or ids_shape[1] < 1:
-            raise ValueError(
-                f"{where}: expert_ids must be [{q}, k] int64 with k >= 1, found "
-                f"{list(ids_shape)} {ids.dtype}"
-            )
-        if weights.dtype != torch.float32 or weights.shape != ids_shape:
-            raise ValueError(
-                f"{where}: expert_weights must be float32 of the shape of expert_ids "
-                f"{list(ids_shape)}, found {list(weights.shape)} {weights.dtype}"
-            )
-        if out is None:
-            out = torch.empty_like(x)
-        elif (not isinstance(out, torch.Tensor) or out.shape != x_shape or out.dtype != x_dtype
-                or not out.is_cpu or not out.is_contiguous()):
-            found = (f"{list(out.shape)} {out.dtype} on {out.device}"
-                     if isinstance(out, torch.Tensor) else type(out).__name__)
-            raise ValueError(
-                f"{where}: out must be a contiguous CPU tensor {list(x_shape)} {x_dtype}, "
-                f"found {found}"
-            )
-        return out, (x.data_ptr(), code, ids.data_ptr(), weights.data_ptr(), q, ids_shape[1],
-                     out.data_ptr(), code)
+        return check_call(self.hidden, x, ids, weights, out)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
-        # Only after the C++ routing pass refused an id: finds and names the first bad one.
-        lo, hi = torch.aminmax(ids)
-        if int(lo) < -1 or int(hi) >= self.num_experts:
-            bad = ((ids < -1) | (ids >= self.num_experts)).nonzero()[0].tolist()
-            raise ValueError(
-                f"CpuMoE.forward: expert_ids{bad} = {int(ids[bad[0], bad[1]])} is outside "
-                f"[-1, {self.num_experts})"
-            )
+        check_ids(self.num_experts, ids)
 
 
 def _check_amx_min_tokens(tokens: object) -> None:
