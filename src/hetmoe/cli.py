@@ -220,7 +220,8 @@ def serve(
         help="GPU prefill: split each layer's experts between CPU and GPU: on, off, or auto "
              "(by costs measured at the first GPU prefill)")] = "off",
     lora: Annotated[list[str] | None, typer.Option(
-        help="NAME=PATH: a PEFT LoRA adapter that requests select with `model: NAME` "
+        metavar="NAME=PATH",
+        help="A PEFT LoRA adapter that requests select with `model: NAME` "
              "(repeatable; the base model keeps its own name)")] = None,
     verbose: VerboseOpt = False,
 ) -> None:
