@@ -55,9 +55,9 @@ def convert(
 
 
 def checkpoint_format(path: Path, group: int | None) -> tuple[str, int | None, str]:
-    """The packed format for a checkpoint directory's experts when none is asked: fp8 for an FP8
-    checkpoint whose blocks are at least a 32-wide group (its e4m3 codes and block scales kept
-    as stored, groups as wide as a block), else bf16."""
+    """The packed format for a checkpoint directory's experts when none is asked: what a direct
+    load picks (`Fp8Scheme.cpu_expert_format`: fp8 for an FP8 checkpoint whose blocks are whole
+    32-column groups, its e4m3 codes and block scales kept as stored), else bf16."""
     import json
 
     from hetmoe.loading.fp8 import Fp8Scheme
@@ -65,9 +65,10 @@ def checkpoint_format(path: Path, group: int | None) -> tuple[str, int | None, s
     config = path / "config.json"
     raw = json.loads(config.read_text()) if config.is_file() else {}
     scheme = Fp8Scheme.of_config(raw, str(config))
-    if scheme is None or scheme.block_cols < 32:
+    fmt, fp8_group = scheme.cpu_expert_format(None) if scheme else (None, None)
+    if fmt is None:
         return "bf16", group, "the default"
-    return "fp8", group or scheme.block_cols, "an FP8 checkpoint: its codes and scales as stored"
+    return fmt, group or fp8_group, "an FP8 checkpoint: its codes and scales as stored"
 
 
 def info(

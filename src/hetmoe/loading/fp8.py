@@ -50,6 +50,15 @@ class Fp8Scheme:
         quantization = config.get("quantization_config")
         return None if quantization is None else cls.from_config(quantization, where)
 
+    def cpu_expert_format(self, fmt: str | None) -> tuple[str | None, int | None]:
+        """The cpu experts' format (`fmt`, None: fp8 when the blocks are whole 32-column groups)
+        and, for fp8, a group that divides the scale blocks (None: the format's default)."""
+        if fmt is None and self.block_cols % 32 == 0:
+            fmt = "fp8"
+        if fmt != "fp8" or self.block_cols % 128 == 0:
+            return fmt, None
+        return fmt, next((g for g in (64, 32) if self.block_cols % g == 0), 32)
+
     def scale_shape(self, weight_shape: tuple[int, ...]) -> tuple[int, int]:
         """Shape of the `weight_scale_inv` that goes with a weight of `weight_shape`."""
         rows, cols = weight_shape

@@ -102,11 +102,9 @@ def _weight_format(options: HybridMoEOptions, ctx: OpContext,
     (None: the format's default). FP8 checkpoints keep their experts in FP8 unless the rules
     ask for another format (or the blocks are narrower than a 32-column group)."""
     fmt = options.weight_format
-    if fmt is None and ctx.fp8 is not None and backend == "cpu" and ctx.fp8.block_cols % 32 == 0:
-        fmt = "fp8"
-    if fmt != "fp8" or ctx.fp8 is None or ctx.fp8.block_cols % 128 == 0:
+    if ctx.fp8 is None or (fmt is None and backend != "cpu"):
         return fmt, None
-    return fmt, next((g for g in (64, 32) if ctx.fp8.block_cols % g == 0), 32)
+    return ctx.fp8.cpu_expert_format(fmt)
 
 
 @register_op("hybrid_moe", HybridMoEOptions)
