@@ -1,4 +1,4 @@
-"""Command line: generate, chat, serve, bench, convert, info, sft.
+"""Command line: generate, chat, serve, bench, calibrate, convert, info, sft.
 
 Help is rendered in click's plain style: typer's rich style labels every flag `<bool>`.
 """
@@ -307,6 +307,46 @@ def bench(
     if json_out is not None:
         json_out.write_text(json.dumps(result, indent=1))
     typer.echo(table([result]))
+
+
+@app.command()
+def calibrate(
+    formats: Annotated[str, typer.Option(
+        help="CPU expert formats to time: bf16, int8, int4, fp8")] = "bf16,int8,int4",
+    device: Annotated[str | None, typer.Option(
+        help="cuda[:N] also times pinned copies and GPU experts; cpu skips them (default: cuda "
+             "if any)")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="Profile file (default: machine_profile.json in the cache dir)")] = None,
+) -> None:
+    """Measure this machine's rates and store them.
+
+    CPU read bandwidth, CpuMoE call overhead and expert FLOP/s per format (AMX where present),
+    pinned copy bandwidth and the GPU's expert FLOP/s: where GPU prefill and the CPU+GPU split
+    begin. The engine measures once by itself when no profile is stored; `hetmoe info` shows it.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from hetmoe import calibration
+    from hetmoe.engine.model_setup import check_device
+
+    try:
+        chosen = calibration.check_formats([f.strip() for f in formats.split(",") if f.strip()])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--formats'") from None
+    try:
+        on = check_device(device)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--device'") from None
+    profile = calibration.measure(chosen, on, progress=lambda s: typer.echo(f"timing {s}",
+                                                                             err=True))
+    path = calibration.save(profile, out)
+    table = Table("rate", "value", title=f"machine profile: {profile.machine}")
+    for key, value in calibration.summary(profile).items():
+        table.add_row(key, value)
+    Console().print(table)
+    typer.echo(f"saved to {path}")
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:

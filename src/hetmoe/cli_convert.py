@@ -80,16 +80,17 @@ def info(
     verify: Annotated[bool, typer.Option(
         "--verify", help="Converted directory: check every file's full checksum")] = False,
 ) -> None:
-    """Print CPU, ISA, NUMA, GPU, versions; with MODEL, its memory plan.
+    """Print CPU, ISA, NUMA, GPU, versions, measured rates; with MODEL, its memory plan.
 
-    The ISA line says whether AMX is there and allowed by the OS (hetmoe's fast prefill). With
-    MODEL: host and GPU bytes per component in the chosen expert format, and whether they fit.
+    The ISA line says whether AMX is there and allowed by the OS (hetmoe's fast prefill); the
+    rates are the machine profile that `hetmoe calibrate` stores. With MODEL: host and GPU
+    bytes per component in the chosen expert format, and whether they fit.
     """
     from hetmoe.cli import fail
     from hetmoe.machine import machine_report
 
     if model is None:
-        for key, value in machine_report().items():
+        for key, value in {**machine_report(), **profile_report()}.items():
             typer.echo(f"{key:<16} {value}")
         return
     from hetmoe.engine.model_setup import check_device
@@ -109,6 +110,19 @@ def info(
         print_plan(path, experts or "bf16", group, check_device(device), files=False)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         fail(exc)
+
+
+def profile_report() -> dict[str, str]:
+    """The stored machine profile's lines for `hetmoe info` (or why there is none)."""
+    from hetmoe import calibration
+
+    try:
+        profile = calibration.load()
+    except ValueError as exc:
+        return {"profile": f"unreadable ({exc}); `hetmoe calibrate` measures a new one"}
+    if profile is None:
+        return {"profile": "none stored for this machine; `hetmoe calibrate` makes one"}
+    return {"profile": str(calibration.profile_path()), **calibration.summary(profile)}
 
 
 def print_plan(path: Path, fmt: str, group: int | None, device: object,

@@ -7,7 +7,8 @@ import platform
 from pathlib import Path
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -68,7 +69,7 @@ def machine_report() -> dict[str, str]:
     report = {
         "hetmoe": __version__,
         "python": platform.python_version(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": str(os.cpu_count()),
         "isa": " ".join(isa) or "x86-64 baseline only",
         "amx": amx,

@@ -1,0 +1,368 @@
+"""This machine's measured rates (`MachineProfile`): what sets where GPU prefill and the CPU+GPU
+split of a layer's experts begin, instead of constants tuned on one box.
+
+`measure` times the CPU pool's DRAM reads, one small CpuMoE call, the routed-expert kernels per
+packed format at prefill sizes (AMX where the CPU has it) and, with a CUDA device, pinned copies
+both ways and the GPU prefill's unpack + grouped GEMM. `current` returns the profile stored for
+this machine (`profile_path`), measuring and saving it on first use; `hetmoe calibrate` measures
+on demand and `hetmoe info` prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetmoe import env
+from hetmoe.experts.cpu_moe import CpuMoE
+
+log = logging.getLogger(__name__)
+
+PROFILE_VERSION = 1
+"""Bumped when a field's meaning or a measurement changes: older files are measured again."""
+
+FORMATS = ("bf16", "int8", "int4", "fp8")
+"""CPU expert formats `measure` can time."""
+
+DEFAULT_FORMATS = ("bf16", "int8", "int4")
+"""Formats measured unless asked otherwise (fp8 only serves FP8 checkpoints)."""
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """Rates measured on one machine (see the module docstring); FLOPs of one (token, expert)
+    pair are 6 * H * I (gate, up and down products)."""
+
+    machine: str
+    """`fingerprint`: CPU model, logical cores, GPU name (or "no GPU"), torch version; a stored
+    profile of another fingerprint is not used."""
+    measured_at: str
+    """ISO date-time (UTC) of the measurement."""
+    cpu_threads: int
+    """Pool workers that ran the CPU measurements (hetmoe._cpu's pool)."""
+    cpu_read_bytes_s: float
+    """Bytes/s the pool's workers read from DRAM."""
+    cpu_call_s: float
+    """Fixed seconds of one CpuMoE submit + sync beyond its weight reads (job start, barriers):
+    a tiny layer, one token, best of many."""
+    cpu_flops: dict[str, float]
+    """Per CPU expert format: FLOP/s of the routed-expert kernels at prefill sizes, from the
+    slope between two token counts per expert (the weight reads cancel)."""
+    h2d_bytes_s: float | None
+    """Pinned host -> GPU copy bytes/s (None: measured without CUDA)."""
+    d2h_bytes_s: float | None
+    """Pinned GPU -> host copy bytes/s (None: measured without CUDA)."""
+    gpu_flops: dict[str, float] | None
+    """Per format: GPU FLOP/s of unpacking resident packed experts and their grouped GEMM at a
+    large token count, as GPU prefill computes (None: measured without CUDA)."""
+
+
+def fingerprint(device: torch.device | None = None) -> str:
+    """This machine as a profile is valid for: CPU model, logical cores, the GPU (`device`'s,
+    else the first visible one) and the torch version."""
+    from hetmoe.machine import cpu_model
+
+    if device is not None and device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+    elif torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(0)
+    else:
+        gpu = "no GPU"
+    return f"{cpu_model()}; {os.cpu_count()} logical cores; {gpu}; torch {torch.__version__}"
+
+
+def profile_path() -> Path:
+    """Where the profile is stored: machine_profile.json in hetmoe's cache dir (env.cache_dir:
+    HETMOE_CACHE_DIR, else ~/.cache/hetmoe)."""
+    return env.cache_dir() / "machine_profile.json"
+
+
+def check_formats(formats: Sequence[str]) -> tuple[str, ...]:
+    """`formats` as a tuple; ValueError naming any format `measure` cannot time."""
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise ValueError(f"formats must be among {', '.join(FORMATS)} (at least one), got "
+                         f"{', '.join(map(repr, formats)) or 'none'}")
+    return tuple(dict.fromkeys(formats))
+
+
+def save(profile: MachineProfile, path: Path | None = None) -> Path:
+    """Writes `profile` as JSON (to a temporary name, then renamed) and returns the path."""
+    path = path or profile_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"version": PROFILE_VERSION, **asdict(profile)}, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def load(path: Path | None = None, *, device: torch.device | None = None
+         ) -> MachineProfile | None:
+    """The stored profile; None when there is none, it is of an older version or of another
+    machine (`fingerprint(device)`). ValueError naming the file when it cannot be read."""
+    path = path or profile_path()
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable machine profile ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a machine profile is a JSON object, found "
+                         f"{type(raw).__name__}")
+    if raw.get("version") != PROFILE_VERSION:
+        return None
+    profile = _from_json(raw, path)
+    return profile if profile.machine == fingerprint(device) else None
+
+
+def _from_json(raw: dict[str, Any], path: Path) -> MachineProfile:
+    def rates(name: str, value: object) -> dict[str, float]:
+        if not isinstance(value, dict) or not all(
+                isinstance(k, str) and _rate(v) for k, v in value.items()):
+            raise ValueError(f"{path}: field {name} must map formats to positive numbers, "
+                             f"found {value!r}")
+        return {k: float(v) for k, v in value.items()}
+
+    names = [f.name for f in fields(MachineProfile)]
+    missing = [n for n in names if n not in raw]
+    if missing:
+        raise ValueError(f"{path}: machine profile lacks field(s) {', '.join(missing)}")
+    for name in ("machine", "measured_at"):
+        if not isinstance(raw[name], str):
+            raise ValueError(f"{path}: field {name} must be a string, found {raw[name]!r}")
+    if not isinstance(raw["cpu_threads"], int) or raw["cpu_threads"] < 1:
+        raise ValueError(f"{path}: field cpu_threads must be a positive integer, found "
+                         f"{raw['cpu_threads']!r}")
+    for name in ("cpu_read_bytes_s", "cpu_call_s", "h2d_bytes_s", "d2h_bytes_s"):
+        value = raw[name]
+        if not (_rate(value) or (value is None and name in ("h2d_bytes_s", "d2h_bytes_s"))):
+            raise ValueError(f"{path}: field {name} must be a positive number, found {value!r}")
+    gpu = raw["gpu_flops"]
+    return MachineProfile(
+        machine=raw["machine"], measured_at=raw["measured_at"], cpu_threads=raw["cpu_threads"],
+        cpu_read_bytes_s=float(raw["cpu_read_bytes_s"]), cpu_call_s=float(raw["cpu_call_s"]),
+        cpu_flops=rates("cpu_flops", raw["cpu_flops"]),
+        h2d_bytes_s=None if raw["h2d_bytes_s"] is None else float(raw["h2d_bytes_s"]),
+        d2h_bytes_s=None if raw["d2h_bytes_s"] is None else float(raw["d2h_bytes_s"]),
+        gpu_flops=None if gpu is None else rates("gpu_flops", gpu))
+
+
+def _rate(value: object) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
+
+def current(device: torch.device | None = None,
+            formats: Sequence[str] = DEFAULT_FORMATS) -> MachineProfile:
+    """The stored profile when it is this machine's, of this pool size, and covers `formats`
+    (and the GPU parts when `device` is CUDA); else measures once (the formats stored before
+    too), saves and returns it: the first-run default."""
+    from hetmoe import _cpu
+
+    formats = check_formats(formats)
+    cuda = device is not None and device.type == "cuda"
+    try:
+        stored = load(device=device)
+    except ValueError as exc:
+        log.warning("%s; measuring this machine again", exc)
+        stored = None
+    if stored is not None:
+        covered = set(formats) <= set(stored.cpu_flops) and (
+            not cuda or (stored.gpu_flops is not None and set(formats) <= set(stored.gpu_flops)))
+        if covered and stored.cpu_threads == _cpu.pool_info()["threads"]:
+            return stored
+        formats = check_formats([*formats, *(f for f in stored.cpu_flops if f not in formats)])
+    log.info("measuring this machine's rates (%s experts%s), once: no stored profile covers "
+             "them (`hetmoe calibrate` measures again)", ", ".join(formats),
+             ", the GPU" if cuda else "")
+    start = time.perf_counter()
+    profile = measure(formats, device if cuda else None)
+    path = save(profile)
+    log.info("machine profile measured in %.1f s, saved to %s", time.perf_counter() - start, path)
+    return profile
+
+
+def measure(formats: Sequence[str] = DEFAULT_FORMATS, device: torch.device | None = None,
+            progress: Callable[[str], None] | None = None, *, hidden: int = 2048,
+            intermediate: int = 768, experts: int = 16, tokens: tuple[int, int] = (32, 256),
+            gpu_tokens: int = 1024, read_bytes: int = 2**30, copy_bytes: int = 2**28,
+            repeats: int = 3) -> MachineProfile:
+    """Measures this machine (seconds; the GPU parts only when `device` is CUDA). The expert
+    rates are timed on a layer of `experts` experts of hidden x intermediate (default: the
+    Qwen3-30B-A3B expert) with random weights, `tokens` tokens per expert on the CPU (the slope
+    between the two counts) and `gpu_tokens` on the GPU; `progress` gets a line per step."""
+    from hetmoe import _cpu
+
+    formats = check_formats(formats)
+    if not 0 < tokens[0] < tokens[1]:
+        raise ValueError(f"tokens must be two increasing positive counts, got {tokens!r}")
+    say = progress or (lambda line: None)
+    cuda = device is not None and device.type == "cuda"
+    say("CPU read bandwidth")
+    read = _cpu.read_bandwidth(read_bytes, 5)
+    say("CPU call overhead")
+    call = _call_seconds()
+    weights = _random_weights(experts, hidden, intermediate)
+    cpu_flops: dict[str, float] = {}
+    gpu_flops: dict[str, float] = {}
+    for fmt in formats:
+        say(f"{fmt} experts on the CPU")
+        moe = _loaded_moe(fmt, weights)
+        cpu_flops[fmt] = _cpu_flops(moe, tokens, repeats)
+        if cuda:
+            assert device is not None
+            say(f"{fmt} experts on the GPU")
+            gpu_flops[fmt] = _gpu_flops(moe, device, gpu_tokens, repeats)
+    h2d = d2h = None
+    if cuda:
+        assert device is not None
+        say("pinned copies")
+        h2d, d2h = _copy_rates(device, copy_bytes, repeats)
+    return MachineProfile(
+        machine=fingerprint(device), measured_at=datetime.now(timezone.utc).isoformat(
+            timespec="seconds"), cpu_threads=int(_cpu.pool_info()["threads"]),
+        cpu_read_bytes_s=read, cpu_call_s=call, cpu_flops=cpu_flops, h2d_bytes_s=h2d,
+        d2h_bytes_s=d2h, gpu_flops=gpu_flops if cuda else None)
+
+
+def _call_seconds(calls: int = 50) -> float:
+    """Best submit + sync of a 1-token call to one expert of a tiny layer (weights in cache)."""
+    moe = CpuMoE(4, 64, 64)
+    gen = torch.Generator().manual_seed(1)
+    gate, up, down = (torch.randn(4, 64, 64, generator=gen, dtype=torch.bfloat16)
+                      for _ in range(3))
+    moe.load(gate, up, down)
+    x = torch.randn(1, 64, generator=gen, dtype=torch.bfloat16)
+    ids, weights = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
+    best = float("inf")
+    for _ in range(calls + 5):  # the first calls wake the pool and allocate
+        start = time.perf_counter()
+        moe.sync(moe.submit(x, ids, weights))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _random_weights(experts: int, hidden: int, intermediate: int) -> tuple[torch.Tensor, ...]:
+    """gate, up [E, I, H] and down [E, H, I] bf16, N(0, 0.02) as a trained layer's scale."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = ((experts, intermediate, hidden),) * 2 + ((experts, hidden, intermediate),)
+    return tuple((torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for s in shapes)
+
+
+def _loaded_moe(fmt: str, weights: tuple[torch.Tensor, ...]) -> CpuMoE:
+    gate, up, down = weights
+    moe = CpuMoE(gate.shape[0], gate.shape[2], gate.shape[1], fmt)
+    if fmt != "fp8":
+        moe.load(gate, up, down)
+        return moe
+    # An FP8 checkpoint's codes with unit block scales (packed as stored, never requantized).
+    codes = [w.float().mul(64).to(torch.float8_e4m3fn) for w in weights]
+    scales = [torch.full((w.shape[0], -(-w.shape[1] // 128), -(-w.shape[2] // 128)), 1 / 64)
+              for w in weights]
+    moe.load(codes[0], codes[1], codes[2], scales[0], scales[1], scales[2])
+    return moe
+
+
+def _cpu_flops(moe: CpuMoE, tokens: tuple[int, int], repeats: int) -> float:
+    """FLOP/s of `moe`'s experts with tokens[0] then tokens[1] tokens each, from the slope."""
+    e = moe.num_experts
+    seconds = []
+    for n in tokens:
+        x = torch.randn(e * n, moe.hidden, generator=torch.Generator().manual_seed(n))
+        x = x.to(torch.bfloat16)  # [E n, H]
+        ids = torch.arange(e).repeat_interleave(n)[:, None]  # [E n, 1]
+        weights = torch.ones(e * n, 1)
+        moe.forward(x, ids, weights)  # warm-up: workspace, pool awake
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            moe.forward(x, ids, weights)
+            best = min(best, time.perf_counter() - start)
+        seconds.append(best)
+    flops = 6 * moe.hidden * moe.intermediate * e
+    if seconds[1] <= seconds[0]:  # noise swamped the slope (tiny layers): the larger call's rate
+        return flops * tokens[1] / seconds[1]
+    return flops * (tokens[1] - tokens[0]) / (seconds[1] - seconds[0])
+
+
+def _gpu_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Best of `repeats` GPU times of `fn`'s work on the device's current stream (a warm-up
+    first), read from CUDA events."""
+    stream = torch.cuda.current_stream(device)
+    fn()
+    torch.cuda.synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def _gpu_flops(moe: CpuMoE, device: torch.device, tokens: int, repeats: int) -> float:
+    """GPU FLOP/s of `moe`'s packed experts, resident on `device`, unpacked and computed for
+    `tokens` tokens each (engine/layer_stream.py `LayerStreamer.unpacked` and `compute`)."""
+    from hetmoe.experts.packed_layout import host_tensor, unpack_group
+    from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
+
+    e, grouped = moe.num_experts, grouped_mm_available(device)
+    with torch.cuda.device(device):
+        parts = moe.packed_groups()
+        raws = [host_tensor(p).to(device).view(e, p.expert_bytes) for p in parts]
+        gen = torch.Generator(device).manual_seed(2)
+        x = torch.randn(e * tokens, moe.hidden, generator=gen, device=device,
+                        dtype=torch.bfloat16)  # [E n, H]
+        ids = torch.arange(e, device=device).repeat_interleave(tokens)[:, None]  # [E n, 1]
+        weights = torch.ones(e * tokens, 1, device=device)
+
+        def step() -> torch.Tensor:
+            unpacked = [unpack_group(raw, part, moe.weight_format, moe.hidden, moe.group_size)
+                        for raw, part in zip(raws, parts, strict=True)]
+            return routed_mlp(x, ids, weights, unpacked, grouped)
+
+        seconds = _gpu_seconds(step, device, repeats)
+    return 6 * moe.hidden * moe.intermediate * e * tokens / seconds
+
+
+def _copy_rates(device: torch.device, size: int, repeats: int) -> tuple[float, float]:
+    """(host -> GPU, GPU -> host) bytes/s of `size`-byte copies between pinned host memory and
+    the device."""
+    with torch.cuda.device(device):
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        gpu = torch.empty(size, dtype=torch.uint8, device=device)
+        h2d = _gpu_seconds(lambda: gpu.copy_(host, non_blocking=True), device, repeats)
+        d2h = _gpu_seconds(lambda: host.copy_(gpu, non_blocking=True), device, repeats)
+    return size / h2d, size / d2h
+
+
+def summary(profile: MachineProfile) -> dict[str, str]:
+    """The profile's rates as printable strings (`hetmoe calibrate`, `hetmoe info`)."""
+    lines = {
+        "measured_at": f"{profile.measured_at} ({profile.cpu_threads} pool threads)",
+        "cpu_read": f"{profile.cpu_read_bytes_s / 1e9:.1f} GB/s",
+        "cpu_call": f"{profile.cpu_call_s * 1e6:.1f} µs",
+    }
+    for fmt, rate in profile.cpu_flops.items():
+        lines[f"cpu_{fmt}"] = f"{rate / 1e12:.2f} TFLOPS"
+    if profile.h2d_bytes_s is not None and profile.d2h_bytes_s is not None:
+        lines["h2d_pinned"] = f"{profile.h2d_bytes_s / 1e9:.1f} GB/s"
+        lines["d2h_pinned"] = f"{profile.d2h_bytes_s / 1e9:.1f} GB/s"
+    for fmt, rate in (profile.gpu_flops or {}).items():
+        lines[f"gpu_{fmt}"] = f"{rate / 1e12:.1f} TFLOPS"
+    return lines
+
