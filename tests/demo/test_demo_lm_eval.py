@@ -13,19 +13,15 @@ log-likelihoods by up to 0.1, so a few greedy answers with near ties differ.
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from lm_eval_tasks import ANSWER_TASK, CHOICE_TASK, write_tasks
+from served import serve
 
 from hetmoe.presets import presets
 
@@ -37,7 +33,6 @@ CI_EVERY = 8
 POINTS = 0.5
 """Scores agree within half a point (of 100)."""
 LOGPROB_TOL = 1e-3
-START_TIMEOUT_S = 180
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,12 +53,6 @@ def hf_lm(gguf_path: Path) -> Any:
                 device="cpu", batch_size=8)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def serve_demo(demo_dir: Path, tmp: Path, *flags: str) -> Iterator[str]:
     """`hetmoe serve demo FLAGS` in a subprocess (the preset's cache entry is this session's
@@ -73,32 +62,9 @@ def serve_demo(demo_dir: Path, tmp: Path, *flags: str) -> Iterator[str]:
     for file in demo_dir.iterdir():
         (cached / file.name).symlink_to(file)
     (cached / ".complete").write_text("demo\n")
-    port = _free_port()
-    log = (tmp / "serve.log").open("w")
-    command = [str(Path(sys.executable).parent / "hetmoe"), "serve", "demo", "--port", str(port),
-               *flags]
-    env = {**os.environ, "HETMOE_CACHE_DIR": str(tmp / "cache")}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                output = (tmp / "serve.log").read_text()
-                raise RuntimeError(f"hetmoe serve did not start:\n{output}")
-            time.sleep(0.5)
+    with serve("demo", tmp / "serve.log", *flags,
+               env={"HETMOE_CACHE_DIR": str(tmp / "cache")}) as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        log.close()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def evaluate(model: Any, task: str, folder: Path, **options: Any) -> dict[str, Any]:

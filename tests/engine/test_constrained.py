@@ -4,6 +4,7 @@ only in a final state), answers of the baby model that parse and match their sch
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -138,6 +139,23 @@ def test_bad_formats_are_named(llm: LLM, value: object, message: str) -> None:
     with pytest.raises(ValueError, match="response_format") as caught:
         llm.generate("Hello", max_tokens=4, response_format=value)
     assert message in str(caught.value)
+
+
+def test_a_regex_format_is_followed(llm: LLM) -> None:
+    """The kind a forced tool call uses: the whole answer matches the pattern, then EOS."""
+    fmt = ResponseFormat("regex", name="a greeting", pattern=r"(hi|bye) [0-9]{2}!")
+    assert fmt.regex() == fmt.pattern and fmt.label == "a greeting"
+    for seed in range(3):
+        out = llm.generate("Hello", max_tokens=40, temperature=1.0, seed=seed,
+                           response_format=fmt)
+        assert out.finish_reason == "stop" and out.token_ids[-1] in llm.eos_token_ids
+        assert re.fullmatch(r"(hi|bye) [0-9]{2}!", out.text), out.text
+    with pytest.raises(ValueError, match="a pattern goes with type 'regex' only"):
+        ResponseFormat("regex")
+    with pytest.raises(ValueError, match="a pattern goes with type 'regex' only"):
+        ResponseFormat("json_object", pattern="x")
+    with pytest.raises(ValueError, match="a schema goes with type 'json_schema' only"):
+        ResponseFormat("regex", "{}", pattern="x")
 
 
 def test_an_unspellable_format_is_a_clear_error() -> None:

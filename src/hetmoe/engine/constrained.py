@@ -1,13 +1,15 @@
 """Constrained decoding for `response_format`: the output is JSON (any object, or a document that
-matches a JSON schema), through outlines-core's token index.
+matches a JSON schema) or follows a regular expression the server builds (a forced tool call in
+the chat template's format), through outlines-core's token index.
 
 A format becomes a regular expression (outlines-core's `build_regex_from_schema`; `json_object`
-our own, nested `JSON_OBJECT_NESTING` levels), the regex and the tokenizer's vocabulary as bytes
-(engine/token_bytes.py, built once per `Constraints`) an `Index`: for each state of the regex's
-automaton, the tokens that keep the text on a path to a match. Indexes are cached by format
-(least recently used out), so a repeated schema is built once. Each choice of a request walks its
-own `JsonConstraint` over the index: before a draw its allowed tokens become a mask on the logits'
-device (a bitmask of V/32 words copied there and unpacked); each token taken advances the state.
+our own, nested `JSON_OBJECT_NESTING` levels; `regex` is one already), the regex and the
+tokenizer's vocabulary as bytes (engine/token_bytes.py, built once per `Constraints`) an `Index`:
+for each state of the regex's automaton, the tokens that keep the text on a path to a match.
+Indexes are cached by format (least recently used out), so a repeated schema is built once. Each
+choice of a request walks its own `JsonConstraint` over the index: before a draw its allowed
+tokens become a mask on the logits' device (a bitmask of V/32 words copied there and unpacked);
+each token taken advances the state.
 EOS is allowed only in a final state, so a generation that ends with EOS is a whole document.
 """
 
@@ -31,27 +33,33 @@ JSON_OBJECT_NESTING = 2
 INDEX_CACHE = 32
 """Indexes kept per tokenizer (one per distinct format)."""
 
-_KINDS = ("json_object", "json_schema")
+_KINDS = ("json_object", "json_schema", "regex")
 
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """What a request's answer must be: `json_object` (a JSON object) or `json_schema`."""
+    """What a request's answer must be: `json_object` (a JSON object), `json_schema`, or
+    `regex` (text the regular expression `pattern` matches in full)."""
 
     type: str
-    """`json_object` or `json_schema`."""
+    """`json_object`, `json_schema` or `regex`."""
     schema: str | None = None
     """The JSON schema as JSON text (`json_schema` only), key order kept: it orders the
     properties of the answer."""
     name: str = ""
-    """The schema's name (OpenAI's `json_schema.name`), for messages."""
+    """The schema's name (OpenAI's `json_schema.name`) or what the regex stands for, for
+    messages."""
+    pattern: str | None = None
+    """The regular expression (`regex` only), in outlines-core's (Rust regex) syntax."""
 
     def __post_init__(self) -> None:
         if self.type not in _KINDS:
             raise ValueError(f"response_format: type must be 'text', 'json_object' or "
                              f"'json_schema', got {self.type!r}")
-        if (self.schema is None) != (self.type == "json_object"):
+        if (self.schema is None) != (self.type != "json_schema"):
             raise ValueError("response_format: a schema goes with type 'json_schema' only")
+        if (self.pattern is None) != (self.type != "regex"):
+            raise ValueError("response_format: a pattern goes with type 'regex' only")
 
     @classmethod
     def of(cls, value: ResponseFormat | Mapping[str, Any] | None) -> ResponseFormat | None:
@@ -79,6 +87,8 @@ class ResponseFormat:
     @property
     def label(self) -> str:
         """The format as messages name it."""
+        if self.type == "regex":
+            return self.name or "regex"
         return f"json_schema {self.name!r}" if self.name else self.type
 
     def regex(self) -> str:
@@ -86,6 +96,8 @@ class ResponseFormat:
         `response_format` when outlines-core cannot follow the schema)."""
         from outlines_core.json_schema import build_regex_from_schema
 
+        if self.pattern is not None:
+            return self.pattern
         if self.schema is None or json.loads(self.schema) == {"type": "object"}:
             return json_object_regex()  # the library's free-form object: ~10 s per index
         try:

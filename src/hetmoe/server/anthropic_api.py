@@ -42,10 +42,11 @@ async def messages(request: Request) -> JSONResponse | StreamingResponse:
     prompt_ids = tools.render_chat(service, chat, plan)
     max_tokens = api.check_window(service, len(prompt_ids), body.max_tokens, "messages",
                                   "max_tokens")
+    fmt = await api.compiled(service, plan.forced(), "tools") if plan is not None else None
     params = request_sampling(service.llm.sampling_defaults, max_tokens,
                               temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               stop=body.stop_sequences or (),
-                              adapter=service.adapter_of(body.model))
+                              adapter=service.adapter_of(body.model), response_format=fmt)
     try:
         stream = service.submit([prompt_ids], params)
     except QueueFull as exc:

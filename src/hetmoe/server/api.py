@@ -75,6 +75,8 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
     prompt_ids = tools.render_chat(service, body.messages, plan)
     budget = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     fmt = await response_format(service, body)
+    if fmt is None and plan is not None:
+        fmt = await compiled(service, plan.forced(), "tools")
     stream = _submit(request, body, [prompt_ids], "messages", budget, fmt)
     rid = protocol.new_id("chatcmpl")
     observe = observer(_metrics(request), started)
@@ -142,18 +144,29 @@ def check_model(request: Request, name: str) -> ModelService:
 
 async def response_format(service: ModelService,
                           body: protocol.ChatCompletionRequest) -> ResponseFormat | None:
-    """The request's `response_format` with its index built (in a worker thread: a large
-    schema takes seconds) and cached for the scheduler; a 400 naming the field when the format
-    is not JSON the library can follow."""
+    """The request's `response_format` with its index built and cached for the scheduler; a
+    400 naming the field when the format is not JSON the library can follow."""
     if body.response_format is None:
         return None
     try:
         fmt = ResponseFormat.of(body.response_format.model_dump(exclude_none=True))
-        if fmt is not None:
-            await asyncio.to_thread(service.llm.constraints.compile, fmt)
     except ValueError as exc:
         message = str(exc).removeprefix("response_format: ")
         raise APIError(400, f"field 'response_format': {message}", "response_format") from None
+    return await compiled(service, fmt, "response_format")
+
+
+async def compiled(service: ModelService, fmt: ResponseFormat | None,
+                   field: str) -> ResponseFormat | None:
+    """`fmt` with its index built (in a worker thread: a large schema takes seconds) and
+    cached for the scheduler; a 400 naming `field` when it cannot be followed."""
+    if fmt is None:
+        return None
+    try:
+        await asyncio.to_thread(service.llm.constraints.compile, fmt)
+    except ValueError as exc:
+        message = str(exc).removeprefix("response_format: ")
+        raise APIError(400, f"field '{field}': {message}", field) from None
     return fmt
 
 

@@ -17,6 +17,8 @@ import string
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from hetmoe.server.tool_grammar import Grammar, qwen_calls
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -57,6 +59,8 @@ class ToolFormat:
     """Text from `start` on -> (content outside the calls, [(name, arguments)]), or None."""
     new_id: Callable[[], str] = _openai_id
     """A fresh tool call id in the form the family's template accepts."""
+    grammar: Grammar | None = None
+    """The regex of forced calls (tool_grammar.py); None: forced calls are not constrained."""
 
     def parse(self, text: str, offered: Collection[str]) -> ParsedOutput | None:
         """The calls in `text` to functions of `offered`; None when there is no call or any
@@ -162,7 +166,8 @@ FORMATS = (
                 "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"), _split_deepseek),
     ToolFormat("mistral", "[TOOL_CALLS]", ("[TOOL_CALLS]", "[ARGS]"), _split_mistral,
                _mistral_id),
-    ToolFormat("qwen", "<tool_call>", ("<tool_call>", "</tool_call>"), _split_qwen),
+    ToolFormat("qwen", "<tool_call>", ("<tool_call>", "</tool_call>"), _split_qwen,
+               grammar=qwen_calls),
 )
 """Known formats, in the order a template is matched against them."""
 

@@ -1,11 +1,14 @@
 """Tool calling for chat completions: which tools the chat template renders, the history as the
-template takes it, and the model's text turned into OpenAI `tool_calls` (whole or streamed).
+template takes it, the reply a forced choice constrains, and the model's text turned into OpenAI
+`tool_calls` (whole or streamed).
 
 `tool_choice`: `none` renders no tools and parses nothing; `auto` renders every tool and parses
-the answer; a named function renders only that tool; `required` and a named function answer
-422 when the model produced no valid call (of that function), streamed as an error chunk.
-`parallel_tool_calls: false` returns an answer's first call only. A call that does not parse
-leaves the answer as text (`finish_reason` from generation); parsed calls end it with
+the answer; a named function renders only that tool; `required` and a named function constrain
+the reply to calls (of that function) whose arguments match the function's `parameters`
+(tool_grammar.py; Qwen / Hermes formats), as vLLM does; a format without a grammar is not
+constrained, and a reply without a valid call (of that function) is a 422, streamed as an error
+chunk. `parallel_tool_calls: false` returns an answer's first call only. A call that does not
+parse leaves the answer as text (`finish_reason` from generation); parsed calls end it with
 `tool_calls`. Streamed calls come when the answer ends (one chunk naming the call, one with its
 arguments); the content before them streams as it is generated.
 """
@@ -16,7 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hetmoe.engine.constrained import ResponseFormat
 from hetmoe.server.errors import APIError
+from hetmoe.server.tool_grammar import forced_calls
 from hetmoe.server.tool_parsers import ParsedOutput, ToolCall, ToolFormat, detect
 from hetmoe.server.tool_protocol import ToolChoice, ToolDef
 
@@ -54,6 +59,19 @@ class ToolPlan:
     def ids(self, count: int) -> list[str]:
         """Fresh ids for `count` calls."""
         return [self.form.new_id() for _ in range(count)]
+
+    def forced(self) -> ResponseFormat | None:
+        """The format a `required` or named choice constrains the reply to (None: `auto`, or a
+        format without a grammar); a 400 naming `tools` when a function's parameters cannot be
+        followed."""
+        if self.choice == "auto" or self.form.grammar is None:
+            return None
+        label = "a tool call" if self.choice == "required" else f"a call of {self.choice!r}"
+        try:
+            return forced_calls(self.form.grammar, self.tools, self.parallel, label)
+        except ValueError as exc:
+            raise APIError(400, f"field 'tools': tool_choice {self.choice!r} constrains the "
+                           f"reply to the functions' parameters; {exc}", "tools") from None
 
 
 def refuse_unserved(body: ChatCompletionRequest) -> None:
