@@ -91,6 +91,24 @@ def test_tool_use_round_trip(qwen_server: LiveServer) -> None:
     assert '"name": "get_weather", "description": "Weather of a city"' in prompt
 
 
+def test_tool_use_input_streams_as_it_is_generated(qwen_server: LiveServer) -> None:
+    with scripted(qwen_server.service, "Let me look.\n" + CALL):
+        events = list(_create(qwen_server, max_tokens=64, tools=[WEATHER], stream=True,
+                              messages=[{"role": "user", "content": "Weather in Paris?"}]))
+    blocks = [(e.index, e.content_block.type) for e in events if e.type == "content_block_start"]
+    assert blocks == [(0, "text"), (1, "tool_use")]
+    stops = [e.index for e in events if e.type == "content_block_stop"]
+    assert stops == [0, 1]
+    text = "".join(e.delta.text for e in events
+                   if e.type == "content_block_delta" and e.delta.type == "text_delta")
+    assert text.strip() == "Let me look."
+    pieces = [e.delta.partial_json for e in events
+              if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    assert len(pieces) > 3 and json.loads("".join(pieces)) == {"city": "Paris"}
+    (delta,) = [e for e in events if e.type == "message_delta"]
+    assert delta.delta.stop_reason == "tool_use"
+
+
 def test_tool_choice_any_without_a_call(qwen_server: LiveServer) -> None:
     with scripted(qwen_server.service, "No.", "No."):
         with pytest.raises(anthropic.UnprocessableEntityError, match="without a tool call"):

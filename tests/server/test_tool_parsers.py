@@ -11,8 +11,9 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from hetmoe.server.protocol import ChatMessage
-from hetmoe.server.tool_parsers import FORMATS, ToolCall, detect
-from hetmoe.server.tools import ToolPlan, ToolStream, template_messages
+from hetmoe.server.tool_parsers import FORMATS, ParsedOutput, ToolCall, detect
+from hetmoe.server.tool_stream import CallArguments, CallStart, Delta, ToolStream
+from hetmoe.server.tools import ToolPlan, template_messages
 
 TEMPLATES = Path(__file__).parent / "templates"
 WEATHER = {"type": "function", "function": {
@@ -64,6 +65,27 @@ def _plan(form_name: str, parallel: bool = True) -> ToolPlan:
     return ToolPlan(form, [WEATHER, TIME], "auto", parallel)
 
 
+def _stream(plan: ToolPlan, text: str, size: int = 3,
+            ) -> tuple[str, list[ToolCall], list[list[Delta]], ParsedOutput | None]:
+    """`text` fed to a ToolStream in pieces of `size` characters: (content, calls assembled
+    from their deltas, the deltas of each piece and then of the finish, the parse)."""
+    stream = ToolStream(plan)
+    steps = [stream.feed(text[i:i + size]) for i in range(0, len(text), size)]
+    rest, parsed = stream.finish()
+    steps.append(rest)
+    content, names, arguments = "", {}, {}
+    for delta in (d for step in steps for d in step):
+        if isinstance(delta, str):
+            content += delta
+        elif isinstance(delta, CallStart):
+            assert delta.index == len(names) and delta.id
+            names[delta.index], arguments[delta.index] = delta.name, ""
+        else:
+            arguments[delta.index] += delta.text
+    calls = [ToolCall(names[i], arguments[i]) for i in sorted(names)]
+    return content, calls, steps, parsed
+
+
 @pytest.mark.parametrize(("name", "form", "end", "text_arguments"), FAMILIES)
 def test_real_template_calls_parse_back(tokenizer: PreTrainedTokenizerBase, name: str, form: str,
                                         end: str, text_arguments: bool) -> None:
@@ -76,11 +98,17 @@ def test_real_template_calls_parse_back(tokenizer: PreTrainedTokenizerBase, name
         [(c.name, json.loads(c.arguments)) for c in CALLS]
     assert parsed.content.strip() in ("", "<think>\n\n</think>")  # Qwen3 writes an empty think
     # Streamed in pieces of 3 characters: the same content and calls.
-    stream = ToolStream(_plan(form))
-    released = "".join(stream.feed(reply[i:i + 3]) for i in range(0, len(reply), 3))
-    rest, streamed = stream.finish()
-    assert streamed == parsed and released + rest == parsed.content
-    assert _plan(form, parallel=False).parse(reply).calls == parsed.calls[:1]  # type: ignore[union-attr]
+    content, calls, steps, streamed = _stream(_plan(form), reply)
+    assert streamed == parsed and content == parsed.content and tuple(calls) == parsed.calls
+    pieces = [[d for d in step if isinstance(d, CallArguments)] for step in steps]
+    if form == "qwen":  # arguments as they are generated, a piece per fed piece
+        assert sum(1 for step in pieces[:-1] if step) >= len(CALLS[0].arguments) // 3
+        assert not pieces[-1]
+    else:  # whole calls when the answer ends
+        assert not any(pieces[:-1]) and len(pieces[-1]) == len(CALLS)
+    single = _plan(form, parallel=False)
+    assert single.parse(reply).calls == parsed.calls[:1]  # type: ignore[union-attr]
+    assert _stream(single, reply)[1] == list(parsed.calls[:1])
 
 
 @pytest.mark.parametrize(("name", "form", "end", "text_arguments"), FAMILIES)
@@ -90,8 +118,14 @@ def test_broken_calls_stay_text(tokenizer: PreTrainedTokenizerBase, name: str, f
     reply = _reply(tokenizer, template, end, text_arguments)
     cut = reply[: reply.rindex("}") - 2]  # generation stopped inside the arguments
     assert _plan(form).parse(cut) is None
-    stream = ToolStream(_plan(form))
-    assert stream.feed(cut) + stream.finish()[0] == cut
+    content, calls, _, parsed = _stream(_plan(form), cut)
+    assert parsed is None
+    if form == "qwen":  # the calls streamed as far as they got, as OpenAI streams them
+        assert content == cut[:cut.index("<tool_call>")]
+        assert [c.name for c in calls] == [c.name for c in CALLS]
+        assert calls[0] == CALLS[0] and CALLS[1].arguments.startswith(calls[1].arguments)
+    else:  # nothing streamed before the end: the text
+        assert (content, calls) == (cut, [])
     unknown = _reply(tokenizer, template, end, text_arguments,
                      (ToolCall("delete_files", '{"path": "/"}'),))
     assert _plan(form).parse(unknown) is None  # a function that was not offered
@@ -101,9 +135,9 @@ def test_broken_calls_stay_text(tokenizer: PreTrainedTokenizerBase, name: str, f
 
 def test_plain_text_streams_whole_and_marker_prefixes_are_held() -> None:
     stream = ToolStream(_plan("qwen"))
-    assert stream.feed("a < b and <tool") == "a < b and "
-    assert stream.feed("s> are fine") == "<tools> are fine"
-    assert stream.finish() == ("", None)
+    assert stream.feed("a < b and <tool") == ["a < b and "]
+    assert stream.feed("s> are fine") == ["<tools> are fine"]
+    assert stream.finish() == ([], None)
     assert _plan("qwen").parse("no calls here") is None
 
 

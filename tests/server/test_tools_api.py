@@ -63,20 +63,25 @@ def test_streamed_calls_arrive_as_openai_sends_them(qwen_server: LiveServer) -> 
     assert content.strip() == "Let me check." and "<tool" not in content
     deltas: list[ChoiceDeltaToolCall] = [d for c in chunks for d in c.choices[0].delta.tool_calls
                                          or []]
-    # Per call: a delta with index, id, type and name (arguments ""), then its arguments.
-    assert [(d.index, d.type, d.function.name) for d in deltas[::2]] == \
-        [(0, "function", "get_weather"), (1, "function", "get_weather")]
-    assert all(d.id and d.function.arguments == "" for d in deltas[::2])
-    assert all(d.id is None and d.function.name is None for d in deltas[1::2])
-    cities = [json.loads(d.function.arguments)["city"] for d in deltas[1::2]]
-    assert cities == ["Paris", "Oslo"]
+    # Per call: a delta with index, id, type and name (arguments ""), then its arguments in
+    # pieces as they are generated (3 characters per scripted event).
+    firsts = [d for d in deltas if d.id is not None]
+    assert [(d.index, d.type, d.function.name, d.function.arguments) for d in firsts] == \
+        [(0, "function", "get_weather", ""), (1, "function", "get_weather", "")]
+    pieces = {i: [d for d in deltas if d.index == i and d.id is None] for i in (0, 1)}
+    assert all(d.function.name is None and d.type is None for p in pieces.values() for d in p)
+    assert deltas.index(firsts[1]) > deltas.index(pieces[0][-1])  # one call after the other
+    arguments = [call.function.arguments for call in whole.choices[0].message.tool_calls]
+    assert ["".join(d.function.arguments for d in pieces[i]) for i in (0, 1)] == arguments
+    assert len(pieces[0]) >= len(arguments[0]) // 3 - 1
+    assert [json.loads(a) for a in arguments] == [{"city": "Paris"}, {"city": "Oslo"}]
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == \
         ["tool_calls"]
-    assert [json.loads(c.function.arguments) for c in whole.choices[0].message.tool_calls] == \
-        [{"city": "Paris"}, {"city": "Oslo"}]
 
 
-def test_a_broken_call_is_returned_as_text(qwen_server: LiveServer) -> None:
+def test_a_broken_call_is_text_whole_and_a_cut_call_streamed(qwen_server: LiveServer) -> None:
+    """Unstreamed, a call that does not parse leaves the answer as text; streamed, the call
+    went out as it was generated, as OpenAI streams one cut by max_tokens (finish `length`)."""
     broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
     with scripted(qwen_server.service, broken, broken, finish_reason="length"):
         whole = _chat(qwen_server, messages=ASK, tools=[WEATHER], max_tokens=64)
@@ -84,8 +89,16 @@ def test_a_broken_call_is_returned_as_text(qwen_server: LiveServer) -> None:
                             stream=True))
     assert whole.choices[0].message.content == broken
     assert whole.choices[0].finish_reason == "length" and not whole.choices[0].message.tool_calls
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == broken
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments for d in deltas) == '{"city": "Par'
     assert chunks[-1].choices[0].finish_reason == "length"
+    unknown = broken.replace("get_weather", "rm_rf").replace('"Par', '"x"}}\n</tool_call>')
+    with scripted(qwen_server.service, unknown):  # a function that was not offered: text
+        chunks = list(_chat(qwen_server, messages=ASK, tools=[WEATHER], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == unknown
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
 
 
 def test_required_and_named_choices(qwen_server: LiveServer) -> None:

@@ -24,6 +24,7 @@ from hetmoe.server.anthropic_protocol import (
 from hetmoe.server.errors import APIError, anthropic_error
 from hetmoe.server.sampling import request_sampling
 from hetmoe.server.service import EventStream, ModelService
+from hetmoe.server.tool_stream import CallArguments, CallStart, Delta, ToolStream
 
 router = APIRouter()
 
@@ -87,15 +88,49 @@ def _matched_stop(service: ModelService, token_ids: Sequence[int],
     return min(found)[1] if found else None
 
 
+class _Blocks:
+    """A streamed message's content blocks: text and tool uses in order, one open at a time."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.open: str | None = None  # the kind of the open block
+
+    def add(self, piece: Delta) -> list[tuple[str, dict[str, Any]]]:
+        """The events of a content delta or a piece of a call."""
+        events = []
+        if isinstance(piece, CallStart) or (isinstance(piece, str) and self.open != "text"):
+            events += self.close()
+            block: dict[str, Any] = ({"type": "text", "text": ""} if isinstance(piece, str) else
+                                     {"type": "tool_use", "id": piece.id, "name": piece.name,
+                                      "input": {}})
+            events.append(_block_start(self.count, block))
+            self.open = block["type"]
+            self.count += 1
+        if isinstance(piece, str) and piece:
+            events.append(_delta(self.count - 1, {"type": "text_delta", "text": piece}))
+        elif isinstance(piece, CallArguments):
+            events.append(_delta(self.count - 1, {"type": "input_json_delta",
+                                                  "partial_json": piece.text}))
+        return events
+
+    def close(self) -> list[tuple[str, dict[str, Any]]]:
+        """The open block's stop event, if one is open."""
+        if self.open is None:
+            return []
+        self.open = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": self.count - 1})]
+
+
 async def _events(mid: str, body: MessagesRequest, stream: EventStream,
                   observe: Callable[[Event], None], plan: tools.ToolPlan | None,
                   service: ModelService) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-    """message_start, the text block's start / deltas / stop, each tool use's block,
-    message_delta (stop reason, output tokens), message_stop; `error` if generation fails."""
-    calls = tools.ToolStream(plan) if plan is not None else None
+    """message_start, the content blocks (text deltas; each tool use's input as it is
+    generated), message_delta (stop reason, output tokens), message_stop; `error` if
+    generation fails."""
+    calls = ToolStream(plan) if plan is not None else None
+    blocks = _Blocks()
     last: Event | None = None
     token_ids: list[int] = []
-    opened = False
     async for event in stream:
         observe(event)
         if event.finish_reason in ("error", "cancelled"):
@@ -111,32 +146,23 @@ async def _events(mid: str, body: MessagesRequest, stream: EventStream,
             yield "message_start", {"type": "message_start", "message": message}
         last = event
         token_ids.extend(event.token_ids)
-        piece = calls.feed(event.text) if calls is not None else event.text
-        if piece:
-            if not opened:
-                opened = True
-                yield _block_start(0, {"type": "text", "text": ""})
-            yield _delta(0, {"type": "text_delta", "text": piece})
+        pieces = calls.feed(event.text) if calls is not None else [event.text]
+        for piece in pieces:
+            if piece:
+                for item in blocks.add(piece):
+                    yield item
     assert last is not None and last.finish_reason is not None
-    rest, parsed = calls.finish() if calls is not None else ("", None)
+    rest, parsed = calls.finish() if calls is not None else ([], None)
     if plan is not None and parsed is None and plan.choice != "auto":
         yield "error", anthropic_error(422, plan.missing_call(calls.text if calls else "").message)
         return
-    if rest or not (opened or parsed):
-        if not opened:
-            opened = True
-            yield _block_start(0, {"type": "text", "text": ""})
-        if rest:
-            yield _delta(0, {"type": "text_delta", "text": rest})
-    if opened:
-        yield "content_block_stop", {"type": "content_block_stop", "index": 0}
-    if plan is not None and parsed is not None:
-        for index, (call, call_id) in enumerate(zip(parsed.calls, plan.ids(len(parsed.calls)),
-                                                    strict=True), start=int(opened)):
-            yield _block_start(index, {"type": "tool_use", "id": call_id, "name": call.name,
-                                       "input": {}})
-            yield _delta(index, {"type": "input_json_delta", "partial_json": call.arguments})
-            yield "content_block_stop", {"type": "content_block_stop", "index": index}
+    if not blocks.count and not rest:
+        rest = [""]  # an empty answer still has its text block
+    for piece in rest:
+        for item in blocks.add(piece):
+            yield item
+    for item in blocks.close():
+        yield item
     stop = None if parsed else _matched_stop(service, token_ids, body.stop_sequences)
     reason = stop_reason(last.finish_reason, stop, parsed is not None)
     yield "message_delta", {"type": "message_delta",

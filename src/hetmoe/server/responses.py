@@ -13,8 +13,8 @@ from hetmoe.server import protocol
 from hetmoe.server.errors import APIError
 from hetmoe.server.logprobs import TokenText, chat_logprobs, completion_logprobs
 from hetmoe.server.service import EventStream
-from hetmoe.server.tool_parsers import ToolCall
-from hetmoe.server.tools import ToolPlan, ToolStream, tool_calls_json
+from hetmoe.server.tool_stream import CallStart, Delta, ToolStream
+from hetmoe.server.tools import ToolPlan, tool_calls_json
 
 
 @dataclass
@@ -104,16 +104,15 @@ def completion_body(rid: str, model: str, choices: Choices, logprobs: bool,
     return protocol.completion_object(rid, model, out, choices.usage())
 
 
-def _call_deltas(plan: ToolPlan, calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
-    """Each call as OpenAI streams it: a delta with its index, id, type, name and empty
-    arguments, then a delta with its arguments."""
-    deltas: list[dict[str, Any]] = []
-    for index, (call, call_id) in enumerate(zip(calls, plan.ids(len(calls)), strict=True)):
-        deltas.append({"tool_calls": [{"index": index, "id": call_id, "type": "function",
-                                       "function": {"name": call.name, "arguments": ""}}]})
-        deltas.append({"tool_calls": [{"index": index,
-                                       "function": {"arguments": call.arguments}}]})
-    return deltas
+def _delta(piece: Delta) -> dict[str, Any]:
+    """A chat chunk's delta as OpenAI streams calls: a call's first delta has its index, id,
+    type, name and empty arguments; the next ones pieces of its arguments."""
+    if isinstance(piece, str):
+        return {"content": piece}
+    if isinstance(piece, CallStart):
+        return {"tool_calls": [{"index": piece.index, "id": piece.id, "type": "function",
+                                "function": {"name": piece.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.text}}]}
 
 
 def _error_body(error: APIError) -> dict[str, Any]:
@@ -145,25 +144,27 @@ async def chat_chunks(rid: str, body: protocol.ChatCompletionRequest, stream: Ev
             yield _stream_error(event)
             return
         shown = chat_logprobs(event.logprobs, text) if body.logprobs and event.logprobs else None
-        piece = calls[event.index].feed(event.text) if calls is not None else event.text
-        if piece or shown is not None:
-            yield protocol.chat_chunk(rid, body.model, {"content": piece},
-                                      index=event.index, logprobs=shown)
+        pieces: list[Delta] = (calls[event.index].feed(event.text) if calls is not None
+                               else [event.text] if event.text else [])
+        if shown is not None and not pieces:
+            pieces = [""]
+        for piece in pieces:  # the event's logprobs go with its first delta
+            yield protocol.chat_chunk(rid, body.model, _delta(piece), index=event.index,
+                                      logprobs=shown)
+            shown = None
         if event.finish_reason is None:
             continue
         finish = event.finish_reason
         if calls is not None:
             tool_stream = calls[event.index]
             rest, parsed = tool_stream.finish()
-            if rest:
-                yield protocol.chat_chunk(rid, body.model, {"content": rest}, index=event.index)
+            for piece in rest:
+                yield protocol.chat_chunk(rid, body.model, _delta(piece), index=event.index)
             if parsed is None and tool_stream.plan.choice != "auto":
                 yield _error_body(tool_stream.plan.missing_call(tool_stream.text))
                 return
             if parsed is not None:
                 finish = "tool_calls"
-                for chunk in _call_deltas(tool_stream.plan, parsed.calls):
-                    yield protocol.chat_chunk(rid, body.model, chunk, index=event.index)
         yield protocol.chat_chunk(rid, body.model, {}, finish, index=event.index)
     if body.include_usage:
         yield protocol.chat_chunk(rid, body.model, {}, use=choices.usage(), with_choice=False)

@@ -5,7 +5,9 @@ Hermes `<tool_call>{"name", "arguments"}</tool_call>` blocks, Mistral `[TOOL_CAL
 JSON list (or `name[ARGS]{...}` runs), DeepSeek-V3 `<｜tool▁call▁begin｜>` tokens (V3's
 `function<｜tool▁sep｜>name` + fenced JSON, V3.1's `name<｜tool▁sep｜>{...}`). A call whose JSON
 does not parse, whose arguments are not an object, or whose function was not offered makes the
-whole output plain text: `parse` returns None.
+whole output plain text: `parse` returns None. Arguments written as JSON text are returned as the
+model wrote them (stripped), so streamed fragments add up to the same text; Mistral's, parsed
+with their list, are written back as JSON.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ class ToolFormat:
     """Text from `start` on -> (content outside the calls, [(name, arguments)]), or None."""
     new_id: Callable[[], str] = _openai_id
     """A fresh tool call id in the form the family's template accepts."""
+    header: re.Pattern[str] | None = None
+    """From `start` to the first character of a call's arguments, the function's name its
+    group 1: calls stream their arguments as they are generated (None: whole, at the end)."""
+    tail: re.Pattern[str] | None = None
+    """What closes a call after its arguments (with `header`)."""
     grammar: Grammar | None = None
     """The regex of forced calls (tool_grammar.py); None: forced calls are not constrained."""
 
@@ -74,14 +81,15 @@ class ToolFormat:
         rest, raw = found
         calls = []
         for name, arguments in raw:
-            if isinstance(arguments, str):
+            written = arguments.strip() if isinstance(arguments, str) else None
+            if written is not None:
                 try:
-                    arguments = json.loads(arguments)
+                    arguments = json.loads(written)
                 except json.JSONDecodeError:
                     return None
             if not isinstance(name, str) or name not in offered or not isinstance(arguments, dict):
                 return None
-            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+            calls.append(ToolCall(name, written or json.dumps(arguments, ensure_ascii=False)))
         return ParsedOutput(text[:at] + rest, tuple(calls)) if calls else None
 
 
@@ -102,17 +110,35 @@ def _named(value: object) -> tuple[str, object] | None:
 
 
 _QWEN_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+_QWEN_HEADER = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
+_QWEN_TAIL = re.compile(r"\s*\}\s*</tool_call>")
 
 
 def _split_qwen(text: str) -> tuple[str, list[tuple[str, object]]] | None:
     calls: list[tuple[str, object]] = []
     for match in _QWEN_CALL.finditer(text):
-        found = _json_prefix(match.group(1))
-        call = _named(found[0]) if found else None
-        if found is None or call is None or found[1].strip():
-            return None
+        call: tuple[str, object] | None = _qwen_raw(match.group(0))
+        if call is None:
+            found = _json_prefix(match.group(1))
+            call = _named(found[0]) if found else None
+            if found is None or call is None or found[1].strip():
+                return None
         calls.append(call)
     return _QWEN_CALL.sub("", text).strip(), calls
+
+
+def _qwen_raw(block: str) -> tuple[str, str] | None:
+    """(name, arguments as written) of a call block in the template's key order, else None."""
+    header = _QWEN_HEADER.match(block)
+    if header is None:
+        return None
+    try:
+        _, end = json.JSONDecoder().raw_decode(block, header.end())
+    except json.JSONDecodeError:
+        return None
+    if not re.fullmatch(r"\s*\}\s*(</tool_call>)?", block[end:]):
+        return None
+    return header.group(1), block[header.end():end]
 
 
 def _split_mistral(text: str) -> tuple[str, list[tuple[str, object]]] | None:
@@ -167,7 +193,7 @@ FORMATS = (
     ToolFormat("mistral", "[TOOL_CALLS]", ("[TOOL_CALLS]", "[ARGS]"), _split_mistral,
                _mistral_id),
     ToolFormat("qwen", "<tool_call>", ("<tool_call>", "</tool_call>"), _split_qwen,
-               grammar=qwen_calls),
+               header=_QWEN_HEADER, tail=_QWEN_TAIL, grammar=qwen_calls),
 )
 """Known formats, in the order a template is matched against them."""
 

@@ -1,6 +1,6 @@
 """Tool calling for chat completions: which tools the chat template renders, the history as the
 template takes it, the reply a forced choice constrains, and the model's text turned into OpenAI
-`tool_calls` (whole or streamed).
+`tool_calls` (whole; streamed by tool_stream.py).
 
 `tool_choice`: `none` renders no tools and parses nothing; `auto` renders every tool and parses
 the answer; a named function renders only that tool; `required` and a named function constrain
@@ -9,8 +9,7 @@ the reply to calls (of that function) whose arguments match the function's `para
 constrained, and a reply without a valid call (of that function) is a 422, streamed as an error
 chunk. `parallel_tool_calls: false` returns an answer's first call only. A call that does not
 parse leaves the answer as text (`finish_reason` from generation); parsed calls end it with
-`tool_calls`. Streamed calls come when the answer ends (one chunk naming the call, one with its
-arguments); the content before them streams as it is generated.
+`tool_calls`.
 """
 
 from __future__ import annotations
@@ -178,43 +177,3 @@ def tool_calls_json(calls: Sequence[ToolCall], ids: Sequence[str]) -> list[dict[
     """`message.tool_calls` of a chat.completion."""
     return [{"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c, i in zip(calls, ids, strict=True)]
-
-
-class ToolStream:
-    """One streamed choice: content is released as it comes until the format's opening marker
-    may have begun; from there the text is held and parsed when the answer ends."""
-
-    def __init__(self, plan: ToolPlan) -> None:
-        self.plan = plan
-        self.text = ""
-        """The whole answer so far."""
-        self._sent = 0  # characters of `text` released as content
-        self._held = False  # the opening marker was seen
-
-    def feed(self, piece: str) -> str:
-        """Adds text; returns the content that is safe to release now."""
-        self.text += piece
-        if self._held:
-            return ""
-        start = self.plan.form.start
-        at = self.text.find(start, self._sent)
-        if at >= 0:
-            self._held = True
-            return self._release(at)
-        keep = next((k for k in range(min(len(start) - 1, len(self.text)), 0, -1)
-                     if self.text.endswith(start[:k])), 0)
-        return self._release(len(self.text) - keep)
-
-    def finish(self) -> tuple[str, ParsedOutput | None]:
-        """At the answer's end: (content still to release, the parsed calls or None)."""
-        parsed = self.plan.parse(self.text)
-        if parsed is None:
-            return self._release(len(self.text)), None
-        rest = parsed.content[self._sent:] if len(parsed.content) > self._sent else ""
-        self._sent = len(self.text)
-        return rest, parsed
-
-    def _release(self, end: int) -> str:
-        piece = self.text[self._sent:end]
-        self._sent = max(self._sent, end)
-        return piece
