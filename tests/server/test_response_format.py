@@ -1,6 +1,6 @@
 """`response_format` through the official `openai` client: answers of a random baby model that
-parse and match their JSON schema (greedy and sampled, streamed and not, n choices), JSON objects,
-and 400s naming the field for formats that cannot be followed."""
+parse and match their JSON schema (greedy and sampled, streamed and not, n choices; chat and text
+completions), JSON objects, and 400s naming the field for formats that cannot be followed."""
 
 from __future__ import annotations
 
@@ -74,6 +74,35 @@ def test_text_format_is_free_text(server: LiveServer) -> None:
     assert text.choices[0].message.content == free.choices[0].message.content
 
 
+def test_completions_follow_the_format_too(server: LiveServer) -> None:
+    """Several prompts x n choices, greedy and sampled, streamed and not, with echo."""
+    client, fmt = server.openai(), json_schema_format("person")
+    prompts = ["A person as JSON:", "Someone:"]
+    options = dict(model=MODEL, prompt=prompts, max_tokens=200, temperature=1.0, seed=4, n=2,
+                   extra_body={"response_format": fmt})
+    reply = client.completions.create(**options)
+    assert len(reply.choices) == 4
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice.text
+        check(json.loads(choice.text), SCHEMAS["person"])
+    texts = {c.index: "" for c in reply.choices}
+    for chunk in client.completions.create(stream=True, **options):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == {c.index: c.text for c in reply.choices}
+    echoed = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=200,
+                                       temperature=0, echo=True,
+                                       extra_body={"response_format": fmt})
+    assert echoed.choices[0].text.startswith(prompts[0])
+    check(json.loads(echoed.choices[0].text[len(prompts[0]):]), SCHEMAS["person"])
+    free = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8,
+                                     temperature=0)
+    text = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0,
+                                     extra_body={"response_format": {"type": "text"}})
+    assert text.choices[0].text == free.choices[0].text
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
 @pytest.mark.parametrize(("response_format", "message"), [
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},
      "json_schema 'x': outlines-core cannot follow this schema: Unsupported type: foo"),
@@ -84,11 +113,13 @@ def test_text_format_is_free_text(server: LiveServer) -> None:
      "Invalid reference path"),
     ({"type": "xml"}, "response_format.type"),
 ])
-def test_formats_that_cannot_be_followed_are_400s(server: LiveServer,
+def test_formats_that_cannot_be_followed_are_400s(server: LiveServer, route: str,
                                                    response_format: dict[str, Any],
                                                    message: str) -> None:
-    body = {"model": MODEL, "messages": ASK, "response_format": response_format, "stream": True}
-    response = server.api.post("/v1/chat/completions", json=body)
+    prompt = {"messages": ASK} if route == "chat" else {"prompt": "Hello"}
+    body = {"model": MODEL, **prompt, "response_format": response_format, "stream": True}
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    response = server.api.post(path, json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"].startswith("response_format") and message in error["message"]

@@ -90,7 +90,8 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
 
 @router.post("/v1/completions", response_model=None)
 async def completions(request: Request) -> JSONResponse | StreamingResponse:
-    """OpenAI text completions of one prompt or several (text or token ids)."""
+    """OpenAI text completions of one prompt or several (text or token ids), in
+    `response_format` when given."""
     started = time.perf_counter()
     body = await parse_body(request, protocol.CompletionRequest)
     service = check_model(request, body.model)
@@ -104,7 +105,8 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
             raise APIError(400, f"field '{where}': token ids must be in [0, {vocab})", where)
         else:
             prompts.append(list(prompt))
-    stream = _submit(request, body, prompts, "prompt", "max_tokens")
+    fmt = await response_format(service, body)
+    stream = _submit(request, body, prompts, "prompt", "max_tokens", fmt)
     echo = None
     if body.echo:
         echo = [(p if isinstance(p, str) else service.text(ids), ids)
@@ -142,8 +144,7 @@ def check_model(request: Request, name: str) -> ModelService:
     return service
 
 
-async def response_format(service: ModelService,
-                          body: protocol.ChatCompletionRequest) -> ResponseFormat | None:
+async def response_format(service: ModelService, body: Body) -> ResponseFormat | None:
     """The request's `response_format` with its index built and cached for the scheduler; a
     400 naming the field when the format is not JSON the library can follow."""
     if body.response_format is None:

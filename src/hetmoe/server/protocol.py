@@ -93,6 +93,8 @@ class _Sampling(_Request):
     """Extension (as in vLLM)."""
     ignore_eos: bool = False
     """Extension (as in vLLM): generate exactly the token budget; for benchmarks."""
+    response_format: ResponseFormat | None = None
+    """JSON by constrained decoding (engine/constrained.py), on chat and text completions."""
 
     @field_validator("stop")
     @classmethod
@@ -128,7 +130,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     """False: at most the first call of an answer is returned."""
-    response_format: ResponseFormat | None = None
     functions: list[Any] | None = None
     """Deprecated by OpenAI for `tools`; refused by name."""
     function_call: Any = None
