@@ -123,6 +123,46 @@ def test_completions_batch_echo_and_stream(server: LiveServer, oracle: LLM) -> N
         assert merged[choice.index] == choice.logprobs.model_dump()
 
 
+def test_completions_max_tokens_0_with_echo_scores_the_prompt_only(server: LiveServer,
+                                                                   oracle: LLM) -> None:
+    """lm-eval's and vLLM's prompt scoring: the prompt and its logprobs, nothing generated."""
+    ids = oracle.encode("The harbour town woke slowly that morning")
+    client = server.openai()
+    options = dict(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=2)
+    reply = client.completions.create(**options)
+    choice = reply.choices[0]
+    lp = choice.logprobs
+    text = server.service.token_text
+    assert lp.tokens == [text.label(t) for t in ids] and lp.token_logprobs[0] is None
+    full = full_logprobs(oracle, ids)
+    for i, token in enumerate(ids[1:], start=1):
+        assert abs(lp.token_logprobs[i] - float(full[i - 1, token])) <= TOL
+        assert 2 <= len(lp.top_logprobs[i]) <= 3
+    assert choice.text == server.service.text(ids) and choice.finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), 0)
+    # The prompt part of a max_tokens=1 echo, without its generated token.
+    one = client.completions.create(**{**options, "max_tokens": 1}).choices[0].logprobs
+    assert one.tokens[:-1] == lp.tokens and one.token_logprobs[:-1] == lp.token_logprobs
+    merged: dict[str, list] = {}
+    finishes, texts, usage = [], "", None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True},
+                                           **options):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts += c.text
+            finishes.append(c.finish_reason)
+            for key, values in (c.logprobs.model_dump() if c.logprobs else {}).items():
+                merged.setdefault(key, []).extend(values)
+    assert texts == choice.text and merged == lp.model_dump()
+    assert [f for f in finishes if f] == ["length"] and usage.completion_tokens == 0
+    # Several text prompts and n choices: each the same prompt-only answer.
+    prompts = ["The baker opened", "Where do the gulls go"]
+    many = client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, n=2)
+    assert [c.text for c in many.choices] == [p for p in prompts for _ in range(2)]
+    assert all(c.logprobs is None and c.finish_reason == "length" for c in many.choices)
+    assert many.usage.completion_tokens == 0
+
+
 def test_token_bytes_rebuild_the_text(server: LiveServer, oracle: LLM) -> None:
     text = server.service.token_text
     sample = "Héllo wörld — 42 ☕ gulls"

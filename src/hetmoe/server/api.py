@@ -77,7 +77,7 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
     fmt = await response_format(service, body)
     if fmt is None and plan is not None:
         fmt = await compiled(service, plan.forced(), "tools")
-    stream = _submit(request, body, [prompt_ids], "messages", budget, fmt)
+    stream = _submit(request, body, [prompt_ids], "messages", (budget, body.token_budget), fmt)
     rid = protocol.new_id("chatcmpl")
     observe = observer(_metrics(request), started)
     if body.stream:
@@ -91,10 +91,16 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
 @router.post("/v1/completions", response_model=None)
 async def completions(request: Request) -> JSONResponse | StreamingResponse:
     """OpenAI text completions of one prompt or several (text or token ids), in
-    `response_format` when given."""
+    `response_format` when given. `max_tokens: 0` with `echo` scores the prompt only (one token
+    is generated and dropped, as vLLM does)."""
     started = time.perf_counter()
     body = await parse_body(request, protocol.CompletionRequest)
     service = check_model(request, body.model)
+    prompt_only = body.max_tokens == 0
+    if prompt_only and not body.echo:
+        raise APIError(400, "field 'max_tokens': 0 generates nothing; it is served only with "
+                       "echo: true (the prompt and its logprobs, for log-likelihoods)",
+                       "max_tokens")
     vocab = service.runner.vocab_size
     prompts: list[list[int]] = []
     for index, prompt in enumerate(body.prompts):
@@ -106,7 +112,8 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
         else:
             prompts.append(list(prompt))
     fmt = await response_format(service, body)
-    stream = _submit(request, body, prompts, "prompt", "max_tokens", fmt)
+    budget = 1 if prompt_only else body.max_tokens
+    stream = _submit(request, body, prompts, "prompt", ("max_tokens", budget), fmt)
     echo = None
     if body.echo:
         echo = [(p if isinstance(p, str) else service.text(ids), ids)
@@ -116,11 +123,11 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
     count = len(prompts) * body.n
     if body.stream:
         return _sse(responses.completion_chunks(rid, body, stream, observe, service.token_text,
-                                                count, echo), stream)
+                                                count, echo, prompt_only), stream)
     choices = await collect(request, stream, observe, body.n, count)
     return JSONResponse(responses.completion_body(rid, service.name, choices,
                                                   body.logprobs is not None, echo,
-                                                  service.token_text))
+                                                  service.token_text, prompt_only))
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -172,12 +179,14 @@ async def compiled(service: ModelService, fmt: ResponseFormat | None,
 
 
 def _submit(request: Request, body: Body, prompts: list[list[int]], prompt_field: str,
-            budget_field: str, fmt: ResponseFormat | None = None) -> EventStream:
-    """Checks the context window and `n`, then queues each prompt's n choices, answering in
-    `fmt` (429 when the queue is full)."""
+            budget: tuple[str, int | None], fmt: ResponseFormat | None = None) -> EventStream:
+    """Checks the context window against `budget` (the field, tokens or None for all the
+    window left) and `n`, then queues each prompt's n choices, answering in `fmt` (429 when the
+    queue is full)."""
     service = _service(request)
-    max_tokens = check_window(service, max(len(ids) for ids in prompts), body.token_budget,
-                              prompt_field, budget_field)
+    budget_field, tokens = budget
+    max_tokens = check_window(service, max(len(ids) for ids in prompts), tokens, prompt_field,
+                              budget_field)
     if body.n > service.slots:
         raise APIError(400, f"field 'n': {body.n} choices need as many KV slots; this server "
                        f"has {service.slots} (--max-batch)", "n")

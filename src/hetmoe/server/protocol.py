@@ -166,6 +166,8 @@ class CompletionRequest(_Sampling):
              | Annotated[list[Annotated[list[int], Field(min_length=1)]],
                          Field(min_length=1, max_length=MAX_PROMPTS)])
     """One prompt (text or token ids) or several (choice index = prompt index x n + i)."""
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None
+    """0 only with `echo`: the prompt and its logprobs, nothing generated (lm-eval, vLLM)."""
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: bool = False
 

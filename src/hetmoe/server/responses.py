@@ -54,13 +54,14 @@ class Choices:
         choice.add(event)
         return choice
 
-    def usage(self) -> protocol.Usage:
-        """Prompt tokens once per prompt, completion tokens of every choice."""
+    def usage(self, prompt_only: bool = False) -> protocol.Usage:
+        """Prompt tokens once per prompt, completion tokens of every choice (none when the
+        generated token is dropped: `prompt_only`)."""
         lasts = [c.last for c in self.all]
         firsts = lasts[:: self.n]  # one choice per prompt
         return protocol.usage(
             sum(e.prompt_tokens for e in firsts if e is not None),
-            sum(e.completion_tokens for e in lasts if e is not None),
+            0 if prompt_only else sum(e.completion_tokens for e in lasts if e is not None),
             sum(e.cached_tokens for e in firsts if e is not None),
         )
 
@@ -87,21 +88,24 @@ def chat_body(rid: str, model: str, choices: Choices, logprobs: bool,
 
 
 def completion_body(rid: str, model: str, choices: Choices, logprobs: bool,
-                    echo: Sequence[tuple[str, list[int]]] | None,
-                    text: TokenText) -> dict[str, Any]:
-    """The text_completion object of a finished request; `echo`: each prompt's (text, ids)."""
+                    echo: Sequence[tuple[str, list[int]]] | None, text: TokenText,
+                    prompt_only: bool = False) -> dict[str, Any]:
+    """The text_completion object of a finished request; `echo`: each prompt's (text, ids);
+    `prompt_only` (max_tokens 0): the generated token dropped, finish_reason `length`."""
     out = []
     for i, c in enumerate(choices.all):
         prefix, ids, scored = "", list[int](), list[TokenLogprob | None]()
         if echo is not None:
             prefix, ids = echo[i // choices.n]
             scored = list(c.prompt_logprobs or [None] * len(ids))
+        answer, tokens, entries = ("", [], []) if prompt_only else (
+            "".join(c.text), c.token_ids, c.logprobs)
         shown = None
         if logprobs:
-            shown = completion_logprobs([*scored, *c.logprobs], ids + c.token_ids, text)
-        out.append(protocol.completion_choice(i, prefix + "".join(c.text), c.finish_reason,
-                                              shown))
-    return protocol.completion_object(rid, model, out, choices.usage())
+            shown = completion_logprobs([*scored, *entries], ids + tokens, text)
+        finish = "length" if prompt_only else c.finish_reason
+        out.append(protocol.completion_choice(i, prefix + answer, finish, shown))
+    return protocol.completion_object(rid, model, out, choices.usage(prompt_only))
 
 
 def _delta(piece: Delta) -> dict[str, Any]:
@@ -173,9 +177,10 @@ async def chat_chunks(rid: str, body: protocol.ChatCompletionRequest, stream: Ev
 async def completion_chunks(rid: str, body: protocol.CompletionRequest, stream: EventStream,
                             observe: Callable[[Event], None], text: TokenText, count: int,
                             echo: Sequence[tuple[str, list[int]]] | None,
-                            ) -> AsyncIterator[dict[str, Any]]:
+                            prompt_only: bool = False) -> AsyncIterator[dict[str, Any]]:
     """A completions stream: an echoed prompt first (with its logprobs), then each event's text
-    and logprobs, each choice's finish chunk; the usage chunk last when asked for."""
+    and logprobs (none with `prompt_only`), each choice's finish chunk; the usage chunk last
+    when asked for."""
     choices = Choices(count, body.n)
     offsets = [0] * count  # characters shown so far per choice (text_offset)
     logprobs = body.logprobs is not None
@@ -200,9 +205,9 @@ async def completion_chunks(rid: str, body: protocol.CompletionRequest, stream: 
             prompt, ids = echo[event.index // body.n]
             scored = list(event.prompt_logprobs or [None] * len(ids))
             yield chunk(event.index, prompt, None, scored, ids)
-        if event.text or (logprobs and event.token_ids):
+        if not prompt_only and (event.text or (logprobs and event.token_ids)):
             yield chunk(event.index, event.text, None, event.logprobs, list(event.token_ids))
         if event.finish_reason is not None:
-            yield chunk(event.index, "", event.finish_reason, [], [])
+            yield chunk(event.index, "", "length" if prompt_only else event.finish_reason, [], [])
     if body.include_usage:
-        yield protocol.completion_object(rid, body.model, [], choices.usage())
+        yield protocol.completion_object(rid, body.model, [], choices.usage(prompt_only))
