@@ -163,6 +163,51 @@ def test_completions_max_tokens_0_with_echo_scores_the_prompt_only(server: LiveS
     assert many.usage.completion_tokens == 0
 
 
+BOOLEAN = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "boolean"}}}
+"""After `true` / `false` only EOS may come: every answer ends with the model's EOS token."""
+
+
+def test_the_eos_token_that_ends_an_answer_has_its_logprob(server: LiveServer,
+                                                           oracle: LLM) -> None:
+    """As vLLM (its output's token_ids and logprobs keep the EOS token that stopped it) and
+    OpenAI's completions (`<|endoftext|>` last in `tokens`): the EOS token is the answer's last
+    logprobs entry, with the model's own log-probability, and counts in completion_tokens."""
+    client, text = server.openai(), server.service.token_text
+    prompt = server.service.chat_ids([("user", HELLO[0]["content"])])
+    generated = oracle.generate(prompt, max_new_tokens=20, response_format=BOOLEAN).token_ids
+    eos = generated[-1]
+    assert eos in oracle.eos_token_ids and len(generated) < 20
+    full = full_logprobs(oracle, prompt + generated)
+    expected = [float(full[len(prompt) - 1 + j, t]) for j, t in enumerate(generated)]
+    options = dict(model=MODEL, messages=HELLO, max_tokens=20, temperature=0, logprobs=True,
+                   top_logprobs=1, response_format=BOOLEAN)
+    reply = client.chat.completions.create(**options)
+    content = reply.choices[0].logprobs.content
+    assert reply.choices[0].finish_reason == "stop" and reply.choices[0].message.content in (
+        "true", "false")
+    assert [e.bytes for e in content] == [list(text(t)[1]) for t in generated]
+    assert content[-1].token == text(eos)[0] and "<" not in reply.choices[0].message.content
+    assert max(abs(e.logprob - v) for e, v in zip(content, expected, strict=True)) <= TOL
+    assert reply.usage.completion_tokens == len(generated)
+    streamed = [e for chunk in client.chat.completions.create(stream=True, **options)
+                for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [e.bytes for e in streamed] == [e.bytes for e in content]
+    assert max(abs(e.logprob - v) for e, v in zip(streamed, expected, strict=True)) <= TOL
+    # Completions of the same prompt ids: the same last entry, after the text (it adds none).
+    for echo in (False, True):
+        completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
+                                               temperature=0, logprobs=1, echo=echo,
+                                               extra_body={"response_format": BOOLEAN})
+        choice = completion.choices[0]
+        lp = choice.logprobs
+        assert lp.tokens[-len(generated):] == [text.label(t) for t in generated]
+        assert lp.tokens[-1] == text.label(eos) and choice.finish_reason == "stop"
+        assert abs(lp.token_logprobs[-1] - expected[-1]) <= TOL
+        assert text.label(eos) in lp.top_logprobs[-1]
+        if not echo:
+            assert lp.text_offset[-1] == len(choice.text) == len(reply.choices[0].message.content)
+
+
 def test_token_bytes_rebuild_the_text(server: LiveServer, oracle: LLM) -> None:
     text = server.service.token_text
     sample = "Héllo wörld — 42 ☕ gulls"
