@@ -1,10 +1,13 @@
 """Prefill sweep of one real shape with random weights: where the routed experts run, and how fast.
 
-For each prompt length: the engine's choice (`auto`), the experts on the CPU (AMX / AVX-512), and
-streamed to the GPU layer by layer (engine/layer_stream.py), each with time-to-first-token and
-tok/s, beside two floors measured in the same run: PCIe (packed expert bytes per pass over the
-pinned host-to-device bandwidth) and the GPU's expert compute of the same pass with the weights
-already resident (unpack + grouped GEMM of one layer, times the layers; attention excluded).
+For each prompt length: the engine's choice (`auto`, by this machine's measured costs), the
+experts on the CPU (AMX / AVX-512), streamed to the GPU layer by layer (engine/layer_stream.py)
+and split (the first experts of each layer on the GPU, the rest on the CPU at once), each with
+time-to-first-token and tok/s and the GPU's expert count per layer, beside the floors measured
+in the same run: PCIe (packed expert bytes per pass over the pinned host-to-device bandwidth),
+the GPU's expert compute with the weights resident (unpack + grouped GEMM of one layer, times
+the layers; attention excluded) and, with `--resident-pass`, the whole pass (attention
+included) with every layer's packed experts resident on the GPU: the pass without copies.
 Also the distinct experts each layer's router picks per 512-token chunk (llama.cpp copies only
 those at its default ubatch). Prints a table, writes JSON and a PNG of tok/s against prompt
 length (with llama.cpp's rows when given).
@@ -63,7 +66,7 @@ def distinct_experts(runner: ModelRunner, ids: list[int], chunk: int = 512) -> l
 def resident_compute_s(streamer: LayerStreamer, tokens: int, top_k: int, hidden: int) -> float:
     """GPU seconds of a pass's expert work with the weights already on the GPU: layer 0's
     unpack + grouped GEMM on `tokens` random rows, median of 5, times the MoE layers."""
-    streamer.begin(tokens, top_k, split=False)
+    streamer.begin(tokens, top_k)
     torch.cuda.current_stream().wait_event(streamer.copied[0])
     moe = streamer.cpu[0]
     g = torch.Generator(device="cuda").manual_seed(tokens)
@@ -80,6 +83,42 @@ def resident_compute_s(streamer: LayerStreamer, tokens: int, top_k: int, hidden:
         times.append(start.elapsed_time(end) / 1e3)
     torch.cuda.synchronize()
     return sorted(times[1:])[2] * len(streamer.cpu)
+
+
+def resident_pass(runner: ModelRunner, rows: list[dict[str, Any]], vocab: int,
+                  repeats: int) -> None:
+    """Adds each row's `resident_pass_s`: the whole prefill (attention included) with every
+    layer's packed experts resident on the GPU, so nothing is copied (skipped, with a note,
+    when they do not fit)."""
+    overlap = runner.overlap
+    assert overlap is not None and overlap.streamer is not None
+    streamer = overlap.streamer
+    need = sum(streamer.layer_bytes)
+    free = torch.cuda.mem_get_info(runner.device)[0]
+    if need > 0.85 * free:
+        print(f"resident pass skipped: {need / 1e9:.1f} GB of experts, {free / 1e9:.1f} GB "
+              "free", flush=True)
+        return
+    overlap.streamer = None
+    del streamer
+    torch.cuda.empty_cache()
+    overlap.resident_bytes = need
+    auto = runner.config
+    runner.config = dataclasses.replace(auto, prefill_experts="gpu")
+    try:
+        for row in rows:
+            n = row["tokens"]
+            tok_s = measure.prefill_speed(runner, n, vocab, repeats)
+            row["resident_pass_s"] = round(n / tok_s, 4)
+            if "gpu_ttft_s" in row:
+                row["gpu_over_resident"] = round(row["gpu_ttft_s"] / row["resident_pass_s"], 3)
+            print(json.dumps({"tokens": n, "resident_pass_s": row["resident_pass_s"]}),
+                  flush=True)
+    finally:
+        runner.config = auto
+        overlap.streamer = None
+        overlap.resident_bytes = 0
+        torch.cuda.empty_cache()
 
 
 def plot(rows: list[dict[str, Any]], peer: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -119,6 +158,9 @@ def main() -> None:
     parser.add_argument("--split-max", type=int, default=8192,
                         help="longest prompt timed with every layer split between CPU and GPU")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--resident-pass", action="store_true",
+                        help="also time each length with every layer's experts resident on "
+                             "the GPU (needs the packed experts' bytes free on it)")
     parser.add_argument("--llamacpp", type=Path, help="JSON rows [{label, tokens, tok_s}]")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -132,46 +174,58 @@ def main() -> None:
     window = max(lengths) + 64
     runner = ModelRunner(model, device, torch.bfloat16, 1, window, EngineConfig())
     overlap = runner.overlap
-    assert overlap is not None and overlap.can_stream(), "GPU prefill needs bf16/int8 experts"
+    assert overlap is not None and overlap.can_stream(), "GPU prefill needs packed CPU experts"
     h2d = measure.h2d_bandwidth(device)
+    start = time.perf_counter()
+    costs = overlap.split_costs()  # loads or measures this machine's profile
+    print(f"costs per expert ({time.perf_counter() - start:.1f} s): {costs}", flush=True)
     gen = torch.Generator().manual_seed(0)
     auto = runner.config
+    top_k = int(config.num_experts_per_tok)
     rows = []
     for n in lengths:
         row: dict[str, Any] = {"tokens": n}
-        for name, least, split in (("auto", auto.gpu_prefill_min_tokens, auto.prefill_split),
-                                   ("gpu", 1, False), ("split", 1, True), ("cpu", None, None)):
+        for name in ("auto", "gpu", "split", "cpu"):
             if (name == "cpu" and n > args.cpu_max) or (name == "split" and n > args.split_max):
                 continue
-            runner.config = dataclasses.replace(auto, gpu_prefill_min_tokens=least,
-                                                prefill_split=split)
-            tok_s = measure.prefill_speed(runner, n, config.vocab_size, args.repeats)
+            row[f"{name}_gpu_experts"] = overlap.prefill_gpu_experts(n, name)
+            runner.config = dataclasses.replace(auto, prefill_experts=name)
+            try:
+                tok_s = measure.prefill_speed(runner, n, config.vocab_size, args.repeats)
+            except Exception as exc:  # noqa: BLE001 -- one strategy's failure is a row's note
+                row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+                print(f"{name} at {n} tokens failed: {row[f'{name}_error']}", flush=True)
+                continue
             row[f"{name}_ttft_s"], row[f"{name}_tok_s"] = round(n / tok_s, 4), round(tok_s, 1)
         runner.config = auto
         assert overlap.streamer is not None
         pass_bytes = overlap.streamer.bytes_per_pass()
         row["pcie_floor_tok_s"] = round(n * h2d / pass_bytes, 1)
-        top_k = int(config.num_experts_per_tok)
         compute = resident_compute_s(overlap.streamer, n, top_k, config.hidden_size)
         row["resident_compute_s"] = round(compute, 4)
         row["floor_s"] = round(max(pass_bytes / h2d, compute), 4)
-        row["gpu_of_floor"] = round(row["floor_s"] / row["gpu_ttft_s"], 3)
-        row["of_pcie_floor"] = round(row["gpu_tok_s"] / row["pcie_floor_tok_s"], 3)
-        if "cpu_tok_s" in row:
+        if "gpu_ttft_s" in row:
+            row["gpu_of_floor"] = round(row["floor_s"] / row["gpu_ttft_s"], 3)
+            row["of_pcie_floor"] = round(row["gpu_tok_s"] / row["pcie_floor_tok_s"], 3)
+        if "cpu_tok_s" in row and "gpu_tok_s" in row:
             row["gpu_over_cpu"] = round(row["gpu_tok_s"] / row["cpu_tok_s"], 2)
-        if "split_tok_s" in row:
+        if "split_tok_s" in row and "gpu_tok_s" in row:
             row["split_over_stream"] = round(row["split_tok_s"] / row["gpu_tok_s"], 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    chunk_ids = torch.randint(0, config.vocab_size, (4096,), generator=gen).tolist()
+    grouped = bool(overlap.streamer.grouped) if overlap.streamer else None
+    if args.resident_pass:
+        resident_pass(runner, rows, config.vocab_size, args.repeats)
+    chunk_ids = torch.randint(0, config.vocab_size, (min(4096, window - 64),),
+                              generator=gen).tolist()
     distinct = distinct_experts(runner, chunk_ids)
     result = {
         "shape": args.shape, "weight_format": args.weight_format,
         "layers": config.num_hidden_layers, "experts": int(config.num_experts),
         "build_s": round(build_s, 1), "h2d_gb_s": round(h2d / 1e9, 1),
-        "packed_bytes_per_pass": overlap.streamer.bytes_per_pass(),
-        "grouped_gemm": overlap.streamer.grouped,
-        "split_costs": dataclasses.asdict(overlap.streamer.split_costs()),
+        "packed_bytes_per_pass": pass_bytes,
+        "grouped_gemm": grouped,
+        "split_costs": dataclasses.asdict(costs),
         "distinct_experts_per_512": {"mean": round(sum(distinct) / len(distinct), 1),
                                      "min": round(min(distinct), 1),
                                      "max": round(max(distinct), 1)},
@@ -183,14 +237,16 @@ def main() -> None:
         json.dumps(result, indent=1))
     plot(rows, peer, args.out / f"prefill_{args.shape}_{args.weight_format}.png",
          f"{args.shape} {args.weight_format} prefill")
-    print(f"| tokens | auto tok/s | GPU stream | CPU+GPU split | CPU | PCIe floor tok/s "
-          f"| resident compute s | floor / GPU time | "
+    print(f"| tokens | auto tok/s (GPU experts) | GPU stream | CPU+GPU split (GPU experts) | "
+          f"CPU | PCIe floor tok/s | resident compute s | resident pass s | "
           f"(H2D {result['h2d_gb_s']} GB/s, {result['packed_bytes_per_pass'] / 1e9:.1f} GB/pass)")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['tokens']} | {r['auto_tok_s']} | {r['gpu_tok_s']} | "
-              f"{r.get('split_tok_s', '')} | {r.get('cpu_tok_s', '')} | {r['pcie_floor_tok_s']} "
-              f"| {r['resident_compute_s']} | {r['gpu_of_floor']} |")
+        print(f"| {r['tokens']} | {r.get('auto_tok_s', '')} ({r.get('auto_gpu_experts')}) | "
+              f"{r.get('gpu_tok_s', '')} | {r.get('split_tok_s', '')} "
+              f"({r.get('split_gpu_experts', '')}) | {r.get('cpu_tok_s', '')} | "
+              f"{r['pcie_floor_tok_s']} | {r['resident_compute_s']} | "
+              f"{r.get('resident_pass_s', '')} |")
     print("split costs (s per expert):", result["split_costs"])
     print("distinct experts per layer per 512 tokens:", result["distinct_experts_per_512"])
 

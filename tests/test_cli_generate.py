@@ -102,11 +102,11 @@ def test_deferral_without_a_gpu_is_refused(cache: Path) -> None:
     assert "error: option deferred=2 needs GPU decode" in result.output
 
 
-def test_gpu_prefill_threshold_is_checked(cache: Path) -> None:
-    result = runner.invoke(app, ["generate", "tiny-qwen3-moe", "Hi", "--gpu-prefill-min-tokens",
-                                 "-3"])
+def test_prefill_experts_option_is_checked(cache: Path) -> None:
+    result = runner.invoke(app, ["generate", "tiny-qwen3-moe", "Hi", "--prefill-experts", "tpu"])
     assert result.exit_code == 1
-    assert "option gpu_prefill_min_tokens must be None or positive, got -3" in result.output
+    assert "option prefill_experts must be one of auto, cpu, gpu, split, got 'tpu'" in (
+        result.output)
 
 
 @pytest.mark.parametrize(("option", "message"), [

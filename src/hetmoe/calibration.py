@@ -28,7 +28,7 @@ from hetmoe.experts.cpu_moe import CpuMoE
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 3
 """Bumped when a field's meaning or a measurement changes: older files are measured again."""
 
 FORMATS = ("bf16", "int8", "int4", "fp8")
@@ -58,13 +58,23 @@ class MachineProfile:
     cpu_flops: dict[str, float]
     """Per CPU expert format: FLOP/s of the routed-expert kernels at prefill sizes, from the
     slope between two token counts per expert (the weight reads cancel)."""
+    cpu_expert_bytes_s: dict[str, float]
+    """Per format: an expert's packed bytes over the seconds an expert costs beyond its
+    tokens' products (the line's intercept: its weights read, its blocks set up), with the
+    weights coming from DRAM (each repeat on other experts)."""
     h2d_bytes_s: float | None
     """Pinned host -> GPU copy bytes/s (None: measured without CUDA)."""
     d2h_bytes_s: float | None
     """Pinned GPU -> host copy bytes/s (None: measured without CUDA)."""
+    gpu_host_read_bytes_s: float | None
+    """Bytes/s a GPU kernel reads pinned host memory in place (`layer_stream.gpu_view`: how a
+    split layer's CPU sum reaches the GPU; None: measured without CUDA)."""
     gpu_flops: dict[str, float] | None
-    """Per format: GPU FLOP/s of unpacking resident packed experts and their grouped GEMM at a
-    large token count, as GPU prefill computes (None: measured without CUDA)."""
+    """Per format: GPU FLOP/s of the grouped GEMM over resident packed experts as GPU prefill
+    computes them, from the slope between two token counts (None: measured without CUDA)."""
+    gpu_expert_bytes_s: dict[str, float] | None
+    """Per format: an expert's packed bytes over its unpack seconds on the GPU (the line's
+    intercept; None: measured without CUDA)."""
 
 
 def fingerprint(device: torch.device | None = None) -> str:
@@ -144,18 +154,24 @@ def _from_json(raw: dict[str, Any], path: Path) -> MachineProfile:
     if not isinstance(raw["cpu_threads"], int) or raw["cpu_threads"] < 1:
         raise ValueError(f"{path}: field cpu_threads must be a positive integer, found "
                          f"{raw['cpu_threads']!r}")
-    for name in ("cpu_read_bytes_s", "cpu_call_s", "h2d_bytes_s", "d2h_bytes_s"):
+    optional = ("h2d_bytes_s", "d2h_bytes_s", "gpu_host_read_bytes_s")
+    for name in ("cpu_read_bytes_s", "cpu_call_s", *optional):
         value = raw[name]
-        if not (_rate(value) or (value is None and name in ("h2d_bytes_s", "d2h_bytes_s"))):
+        if not (_rate(value) or (value is None and name in optional)):
             raise ValueError(f"{path}: field {name} must be a positive number, found {value!r}")
-    gpu = raw["gpu_flops"]
+    gpu, gpu_bytes = raw["gpu_flops"], raw["gpu_expert_bytes_s"]
     return MachineProfile(
         machine=raw["machine"], measured_at=raw["measured_at"], cpu_threads=raw["cpu_threads"],
         cpu_read_bytes_s=float(raw["cpu_read_bytes_s"]), cpu_call_s=float(raw["cpu_call_s"]),
         cpu_flops=rates("cpu_flops", raw["cpu_flops"]),
+        cpu_expert_bytes_s=rates("cpu_expert_bytes_s", raw["cpu_expert_bytes_s"]),
         h2d_bytes_s=None if raw["h2d_bytes_s"] is None else float(raw["h2d_bytes_s"]),
         d2h_bytes_s=None if raw["d2h_bytes_s"] is None else float(raw["d2h_bytes_s"]),
-        gpu_flops=None if gpu is None else rates("gpu_flops", gpu))
+        gpu_host_read_bytes_s=(None if raw["gpu_host_read_bytes_s"] is None
+                               else float(raw["gpu_host_read_bytes_s"])),
+        gpu_flops=None if gpu is None else rates("gpu_flops", gpu),
+        gpu_expert_bytes_s=None if gpu_bytes is None else rates("gpu_expert_bytes_s",
+                                                                 gpu_bytes))
 
 
 def _rate(value: object) -> bool:
@@ -196,7 +212,8 @@ def current(device: torch.device | None = None,
 def measure(formats: Sequence[str] = DEFAULT_FORMATS, device: torch.device | None = None,
             progress: Callable[[str], None] | None = None, *, hidden: int = 2048,
             intermediate: int = 768, experts: int = 16, tokens: tuple[int, int] = (32, 256),
-            gpu_tokens: int = 1024, read_bytes: int = 2**30, copy_bytes: int = 2**28,
+            gpu_tokens: tuple[int, int] = (64, 1024), read_bytes: int = 2**30,
+            copy_bytes: int = 2**28,
             repeats: int = 3) -> MachineProfile:
     """Measures this machine (seconds; the GPU parts only when `device` is CUDA). The expert
     rates are timed on a layer of `experts` experts of hidden x intermediate (default: the
@@ -213,27 +230,39 @@ def measure(formats: Sequence[str] = DEFAULT_FORMATS, device: torch.device | Non
     read = _cpu.read_bandwidth(read_bytes, 5)
     say("CPU call overhead")
     call = _call_seconds()
-    weights = _random_weights(experts, hidden, intermediate)
+    # (repeats + 1) windows of `experts` experts: each timing reads weights no earlier one read.
+    weights = _random_weights(experts * (repeats + 1), hidden, intermediate)
     cpu_flops: dict[str, float] = {}
+    cpu_bytes: dict[str, float] = {}
     gpu_flops: dict[str, float] = {}
+    gpu_bytes: dict[str, float] = {}
+    pair_flops = 6 * hidden * intermediate
     for fmt in formats:
         say(f"{fmt} experts on the CPU")
         moe = _loaded_moe(fmt, weights)
-        cpu_flops[fmt] = _cpu_flops(moe, tokens, repeats)
+        expert_bytes = sum(p.expert_bytes for p in moe.packed_groups())
+        fixed, pair = _cpu_line(moe, experts, tokens, repeats)
+        cpu_flops[fmt] = pair_flops / pair
+        cpu_bytes[fmt] = expert_bytes / fixed
         if cuda:
             assert device is not None
             say(f"{fmt} experts on the GPU")
-            gpu_flops[fmt] = _gpu_flops(moe, device, gpu_tokens, repeats)
-    h2d = d2h = None
+            fixed, pair = _gpu_line(moe, experts, device, gpu_tokens, repeats)
+            gpu_flops[fmt] = pair_flops / pair
+            gpu_bytes[fmt] = expert_bytes / fixed
+    h2d = d2h = host_read = None
     if cuda:
         assert device is not None
         say("pinned copies")
         h2d, d2h = _copy_rates(device, copy_bytes, repeats)
+        host_read = _host_read_rate(device, copy_bytes // 4, repeats)
     return MachineProfile(
         machine=fingerprint(device), measured_at=datetime.now(timezone.utc).isoformat(
             timespec="seconds"), cpu_threads=int(_cpu.pool_info()["threads"]),
-        cpu_read_bytes_s=read, cpu_call_s=call, cpu_flops=cpu_flops, h2d_bytes_s=h2d,
-        d2h_bytes_s=d2h, gpu_flops=gpu_flops if cuda else None)
+        cpu_read_bytes_s=read, cpu_call_s=call, cpu_flops=cpu_flops,
+        cpu_expert_bytes_s=cpu_bytes, h2d_bytes_s=h2d, d2h_bytes_s=d2h,
+        gpu_host_read_bytes_s=host_read,
+        gpu_flops=gpu_flops if cuda else None, gpu_expert_bytes_s=gpu_bytes if cuda else None)
 
 
 def _call_seconds(calls: int = 50) -> float:
@@ -274,26 +303,34 @@ def _loaded_moe(fmt: str, weights: tuple[torch.Tensor, ...]) -> CpuMoE:
     return moe
 
 
-def _cpu_flops(moe: CpuMoE, tokens: tuple[int, int], repeats: int) -> float:
-    """FLOP/s of `moe`'s experts with tokens[0] then tokens[1] tokens each, from the slope."""
-    e = moe.num_experts
+def _line(seconds: tuple[float, float], tokens: tuple[int, int]) -> tuple[float, float]:
+    """(intercept, slope) of the line through (tokens[i], seconds[i]), both kept positive
+    (noise on tiny layers can flatten or invert it)."""
+    slope = (seconds[1] - seconds[0]) / (tokens[1] - tokens[0])
+    slope = max(slope, 0.05 * seconds[1] / tokens[1])
+    return max(seconds[0] - slope * tokens[0], 0.05 * seconds[0]), slope
+
+
+def _cpu_line(moe: CpuMoE, experts: int, tokens: tuple[int, int],
+              repeats: int) -> tuple[float, float]:
+    """(seconds per expert beyond its products, seconds per (token, expert) pair) of `moe`'s
+    kernels: `experts` experts with tokens[0] then tokens[1] tokens each, each repeat on the
+    next window of experts (weights from DRAM), best of `repeats`."""
     seconds = []
     for n in tokens:
-        x = torch.randn(e * n, moe.hidden, generator=torch.Generator().manual_seed(n))
-        x = x.to(torch.bfloat16)  # [E n, H]
-        ids = torch.arange(e).repeat_interleave(n)[:, None]  # [E n, 1]
-        weights = torch.ones(e * n, 1)
-        moe.forward(x, ids, weights)  # warm-up: workspace, pool awake
+        x = torch.randn(experts * n, moe.hidden, generator=torch.Generator().manual_seed(n))
+        x = x.to(torch.bfloat16)  # [e n, H]
+        weights = torch.ones(experts * n, 1)
+        window = torch.arange(experts).repeat_interleave(n)[:, None]  # [e n, 1]
+        moe.forward(x, window, weights)  # warm-up: workspace, pool awake
         best = float("inf")
-        for _ in range(repeats):
+        for r in range(repeats):
+            ids = window + experts * ((r + 1) % (moe.num_experts // experts))
             start = time.perf_counter()
             moe.forward(x, ids, weights)
             best = min(best, time.perf_counter() - start)
-        seconds.append(best)
-    flops = 6 * moe.hidden * moe.intermediate * e
-    if seconds[1] <= seconds[0]:  # noise swamped the slope (tiny layers): the larger call's rate
-        return flops * tokens[1] / seconds[1]
-    return flops * (tokens[1] - tokens[0]) / (seconds[1] - seconds[0])
+        seconds.append(best / experts)
+    return _line((seconds[0], seconds[1]), tokens)
 
 
 def _gpu_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -314,29 +351,37 @@ def _gpu_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -
     return best
 
 
-def _gpu_flops(moe: CpuMoE, device: torch.device, tokens: int, repeats: int) -> float:
-    """GPU FLOP/s of `moe`'s packed experts, resident on `device`, unpacked and computed for
-    `tokens` tokens each (engine/layer_stream.py `LayerStreamer.unpacked` and `compute`)."""
+def _gpu_line(moe: CpuMoE, experts: int, device: torch.device, tokens: tuple[int, int],
+              repeats: int) -> tuple[float, float]:
+    """(unpack seconds per expert, seconds per (token, expert) pair) on the GPU of `experts` of
+    `moe`'s packed experts, resident on `device`, unpacked and computed for tokens[0] then
+    tokens[1] tokens each (engine/layer_stream.py `LayerStreamer.unpacked` and `start`)."""
     from hetmoe.experts.packed_layout import host_tensor, unpack_group
     from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
 
-    e, grouped = moe.num_experts, grouped_mm_available(device)
+    grouped = grouped_mm_available(device)
+    seconds = []
     with torch.cuda.device(device):
         parts = moe.packed_groups()
-        raws = [host_tensor(p).to(device).view(e, p.expert_bytes) for p in parts]
+        raws = [host_tensor(p)[:experts * p.expert_bytes].to(device).view(experts,
+                                                                         p.expert_bytes)
+                for p in parts]
         gen = torch.Generator(device).manual_seed(2)
-        x = torch.randn(e * tokens, moe.hidden, generator=gen, device=device,
-                        dtype=torch.bfloat16)  # [E n, H]
-        ids = torch.arange(e, device=device).repeat_interleave(tokens)[:, None]  # [E n, 1]
-        weights = torch.ones(e * tokens, 1, device=device)
+        for n in tokens:
+            x = torch.randn(experts * n, moe.hidden, generator=gen, device=device,
+                            dtype=torch.bfloat16)  # [e n, H]
+            ids = torch.arange(experts, device=device).repeat_interleave(n)[:, None]
+            weights = torch.ones(experts * n, 1, device=device)
 
-        def step() -> torch.Tensor:
-            unpacked = [unpack_group(raw, part, moe.weight_format, moe.hidden, moe.group_size)
-                        for raw, part in zip(raws, parts, strict=True)]
-            return routed_mlp(x, ids, weights, unpacked, grouped)
+            def step(x: torch.Tensor = x, ids: torch.Tensor = ids,
+                     weights: torch.Tensor = weights) -> torch.Tensor:
+                unpacked = [unpack_group(raw, part, moe.weight_format, moe.hidden,
+                                         moe.group_size)
+                            for raw, part in zip(raws, parts, strict=True)]
+                return routed_mlp(x, ids, weights, unpacked, grouped)
 
-        seconds = _gpu_seconds(step, device, repeats)
-    return 6 * moe.hidden * moe.intermediate * e * tokens / seconds
+            seconds.append(_gpu_seconds(step, device, repeats) / experts)
+    return _line((seconds[0], seconds[1]), tokens)
 
 
 def _copy_rates(device: torch.device, size: int, repeats: int) -> tuple[float, float]:
@@ -350,6 +395,17 @@ def _copy_rates(device: torch.device, size: int, repeats: int) -> tuple[float, f
     return size / h2d, size / d2h
 
 
+def _host_read_rate(device: torch.device, size: int, repeats: int) -> float:
+    """Bytes/s of a GPU sum over `size` bytes of pinned host memory read in place."""
+    from hetmoe.engine.layer_stream import gpu_view
+
+    with torch.cuda.device(device):
+        host = torch.ones(size // 2, dtype=torch.bfloat16, pin_memory=True)
+        view = gpu_view(host, device)
+        seconds = _gpu_seconds(lambda: view.sum(dtype=torch.float32), device, repeats)
+    return size / seconds
+
+
 def summary(profile: MachineProfile) -> dict[str, str]:
     """The profile's rates as printable strings (`hetmoe calibrate`, `hetmoe info`)."""
     lines = {
@@ -359,10 +415,15 @@ def summary(profile: MachineProfile) -> dict[str, str]:
     }
     for fmt, rate in profile.cpu_flops.items():
         lines[f"cpu_{fmt}"] = f"{rate / 1e12:.2f} TFLOPS"
+        lines[f"cpu_{fmt}_expert"] = f"{profile.cpu_expert_bytes_s[fmt] / 1e9:.1f} GB/s"
     if profile.h2d_bytes_s is not None and profile.d2h_bytes_s is not None:
         lines["h2d_pinned"] = f"{profile.h2d_bytes_s / 1e9:.1f} GB/s"
         lines["d2h_pinned"] = f"{profile.d2h_bytes_s / 1e9:.1f} GB/s"
+    if profile.gpu_host_read_bytes_s is not None:
+        lines["gpu_reads_host"] = f"{profile.gpu_host_read_bytes_s / 1e9:.1f} GB/s"
     for fmt, rate in (profile.gpu_flops or {}).items():
         lines[f"gpu_{fmt}"] = f"{rate / 1e12:.1f} TFLOPS"
+        unpack = (profile.gpu_expert_bytes_s or {}).get(fmt, 0.0)
+        lines[f"gpu_{fmt}_unpack"] = f"{unpack / 1e9:.0f} GB/s"
     return lines
 

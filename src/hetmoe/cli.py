@@ -31,9 +31,9 @@ ExpertsOpt = Annotated[str | None, typer.Option(help="Routed-expert backend: tor
 DeferredOpt = Annotated[int, typer.Option(
     help="GPU decode with CPU experts: experts per token deferred to the next layer (0 = exact)")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Print the injection report")]
-GpuPrefillOpt = Annotated[int, typer.Option(
-    help="GPU with CPU experts: prompts of this many tokens or more stream the experts to the "
-         "GPU for prefill (0 = always prefill on the CPU)")]
+PrefillExpertsOpt = Annotated[str, typer.Option(
+    help="GPU with CPU experts: where prefill runs the routed experts: auto (by this machine's "
+         "measured costs, see hetmoe calibrate), cpu, gpu (streamed) or split (both at once)")]
 MaxNewOpt = Annotated[int, typer.Option(help="Tokens to generate at most")]
 TemperatureOpt = Annotated[float, typer.Option(help="0 = greedy")]
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off)")]
@@ -92,7 +92,7 @@ def generate(
     max_seq_len: MaxSeqLenOpt = None,
     experts: ExpertsOpt = None,
     deferred: DeferredOpt = _DEFAULTS.deferred,
-    gpu_prefill_min_tokens: GpuPrefillOpt = _DEFAULTS.gpu_prefill_min_tokens or 0,
+    prefill_experts: PrefillExpertsOpt = _DEFAULTS.prefill_experts,
     verbose: VerboseOpt = False,
     raw: Annotated[bool, typer.Option(
         "--raw", help="Send PROMPT as plain text, not as a user message in the chat template")
@@ -108,7 +108,7 @@ def generate(
                                 top_p=top_p, top_k=top_k, seed=seed, stop=stop)
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
                    deferred=deferred, verbose=verbose, lora=lora,
-                   gpu_prefill_min_tokens=gpu_prefill_min_tokens or None)
+                   prefill_experts=prefill_experts)
     try:
         if raw or not llm.has_chat_template:
             pieces = llm.stream(prompt, **sampling)
@@ -136,7 +136,7 @@ def chat(
     max_seq_len: MaxSeqLenOpt = None,
     experts: ExpertsOpt = None,
     deferred: DeferredOpt = _DEFAULTS.deferred,
-    gpu_prefill_min_tokens: GpuPrefillOpt = _DEFAULTS.gpu_prefill_min_tokens or 0,
+    prefill_experts: PrefillExpertsOpt = _DEFAULTS.prefill_experts,
     verbose: VerboseOpt = False,
     url: Annotated[str | None, typer.Option(
         help="Chat with a running server (http://host:port) that serves MODEL")] = None,
@@ -166,7 +166,7 @@ def chat(
         return
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
                    deferred=deferred, verbose=verbose, lora=lora,
-                   gpu_prefill_min_tokens=gpu_prefill_min_tokens or None)
+                   prefill_experts=prefill_experts)
     typer.echo("chat: type a message; /help lists the commands, /exit quits")
 
     def answer(history: list[dict[str, str]]) -> str | None:
@@ -209,16 +209,16 @@ def serve(
     max_seq_len: MaxSeqLenOpt = None,
     experts: ExpertsOpt = None,
     deferred: DeferredOpt = _DEFAULTS.deferred,
-    gpu_prefill_min_tokens: GpuPrefillOpt = _DEFAULTS.gpu_prefill_min_tokens or 0,
+    prefill_experts: PrefillExpertsOpt = _DEFAULTS.prefill_experts,
     prefix_cache: Annotated[bool, typer.Option(
         "--prefix-cache/--no-prefix-cache",
         help="Reuse earlier requests' KV for prompts that start alike")] = _DEFAULTS.prefix_cache,
     prefill_chunk: Annotated[int, typer.Option(
         help="Prompt tokens prefilled per step while other requests decode (0 = a prompt at "
              "once)")] = _DEFAULTS.prefill_chunk or 0,
-    prefill_split: Annotated[str, typer.Option(
-        help="GPU prefill: split each layer's experts between CPU and GPU: on, off, or auto "
-             "(by costs measured at the first GPU prefill)")] = "off",
+    prefill_resident_gib: Annotated[float, typer.Option(
+        help="GPU prefill: GiB of GPU memory keeping whole layers' packed experts there for "
+             "good (their copies are skipped)")] = 0.0,
     lora: Annotated[list[str] | None, typer.Option(
         metavar="NAME=PATH",
         help="A PEFT LoRA adapter that requests select with `model: NAME` "
@@ -238,15 +238,14 @@ def serve(
         config = ServerConfig(**{k: v for k, v in given.items() if v is not None})
     except ValueError as exc:
         fail(exc)
-    splits = {"on": True, "off": False, "auto": None}
-    if prefill_split not in splits:
-        fail(ValueError(f"--prefill-split must be on, off or auto, got {prefill_split!r}"))
+    if not prefill_resident_gib >= 0:
+        fail(ValueError(f"--prefill-resident-gib must be >= 0, got {prefill_resident_gib}"))
     adapters = named_adapters(lora or [], config.model_name or model)
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
                    deferred=deferred, verbose=verbose,
-                   gpu_prefill_min_tokens=gpu_prefill_min_tokens or None, max_batch=max_batch,
+                   prefill_experts=prefill_experts, max_batch=max_batch,
                    prefix_cache=prefix_cache, prefill_chunk=prefill_chunk or None,
-                   prefill_split=splits[prefill_split], lora=adapters)
+                   prefill_resident_bytes=int(prefill_resident_gib * 2**30), lora=adapters)
     serve_app(llm, config.model_name or model, config)
 
 

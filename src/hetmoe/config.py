@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+PREFILL_EXPERTS = ("auto", "cpu", "gpu", "split")
 
 
 @dataclass(frozen=True)
@@ -42,18 +43,16 @@ class EngineConfig:
     smallest_window: int = 256
     """Smallest attention window bucket of a decode step with CPU experts (engine/graphs.py);
     at least 2; >= the context window: always the whole window."""
-    gpu_prefill_min_tokens: int | None = 640
-    """GPU with CPU experts: prompts of at least this many tokens compute their routed experts
-    on the GPU, each layer's packed experts streamed from host memory (bf16, int8, int4 or fp8;
-    engine/layer_stream.py); shorter ones on the CPU. The default is the crossover measured on
-    an H100 host (docs/benchmarks/prefill.md: CPU faster at 512, GPU 1.7x at 1024). None:
-    prefill always on the CPU."""
-    prefill_split: bool | None = False
-    """GPU prefill: split each layer's experts between the CPU (the lightest) and the GPU (the
-    rest, copied once the router has run) instead of streaming every expert ahead
-    (engine/expert_split.py). False: never (the default: measured slower than streaming or the
-    CPU at every length so far, docs/benchmarks/prefill.md round 2); True: always; None: when
-    the costs measured at the first GPU prefill favour it."""
+    prefill_experts: str = "auto"
+    """GPU with CPU experts: where a prefill runs each MoE layer's routed experts. "auto": by
+    this machine's measured costs (hetmoe.calibration; measured once and stored), on the CPU,
+    streamed to the GPU layer by layer from the packed host copy (bf16, int8, int4 or fp8;
+    engine/layer_stream.py), or split: the first experts of each layer streamed and computed
+    on the GPU while the CPU computes the rest (engine/expert_split.py); "cpu", "gpu" (every
+    expert streamed) or "split" force one."""
+    prefill_resident_bytes: int = 0
+    """GPU prefill: bytes of GPU memory for packed experts kept there for good (whole layers,
+    the first first): their copies are skipped in every pass."""
     graph_split_layer: int = 4
     """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond
     the last layer: one graph), so the GPU starts while the CPU still launches the rest."""
@@ -82,16 +81,16 @@ class EngineConfig:
         sizes = self.graph_batch_sizes
         if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
             raise ValueError(f"option graph_batch_sizes must be positive integers, got {sizes!r}")
-        if self.gpu_prefill_min_tokens is not None and self.gpu_prefill_min_tokens < 1:
-            raise ValueError(f"option gpu_prefill_min_tokens must be None or positive, got "
-                             f"{self.gpu_prefill_min_tokens}")
+        if self.prefill_experts not in PREFILL_EXPERTS:
+            raise ValueError(f"option prefill_experts must be one of "
+                             f"{', '.join(PREFILL_EXPERTS)}, got {self.prefill_experts!r}")
+        if not isinstance(self.prefill_resident_bytes, int) or self.prefill_resident_bytes < 0:
+            raise ValueError(f"option prefill_resident_bytes must be an integer >= 0, got "
+                             f"{self.prefill_resident_bytes!r}")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int)
                                                or self.prefill_chunk < 1):
             raise ValueError(f"option prefill_chunk must be None or a positive integer, got "
                              f"{self.prefill_chunk!r}")
-        if self.prefill_split not in (None, True, False):
-            raise ValueError(f"option prefill_split must be None (by measured costs), True or "
-                             f"False, got {self.prefill_split!r}")
         if not isinstance(self.graph_split_layer, int) or self.graph_split_layer < 0:
             raise ValueError(f"option graph_split_layer must be an integer >= 0, got "
                              f"{self.graph_split_layer!r}")

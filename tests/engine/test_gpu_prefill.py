@@ -12,6 +12,7 @@ import torch
 
 from hetmoe import LLM
 from hetmoe.engine.expert_split import SplitCosts
+from hetmoe.engine.overlap import cpu_moe_of
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.presets.tiny import FAMILIES
 
@@ -25,13 +26,12 @@ way; tokens must still agree."""
 
 
 def prefill_both(runner: ModelRunner, ids: list[int],
-                 split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill logits [T, V] with the experts on the GPU (streamed, or `split` with the CPU),
-    then on the CPU."""
+                 mode: str = "gpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill logits [T, V] with the experts on the GPU (`mode` "gpu": streamed, "split": with
+    the CPU), then on the CPU."""
     out = []
-    for least in (1, None):
-        runner.config = dataclasses.replace(runner.config, gpu_prefill_min_tokens=least,
-                                            prefill_split=split)
+    for where in (mode, "cpu"):
+        runner.config = dataclasses.replace(runner.config, prefill_experts=where)
         slot = runner.cache.allocate()
         try:
             out.append(runner.prefill_logits(slot, ids).cpu())
@@ -41,22 +41,23 @@ def prefill_both(runner: ModelRunner, ids: list[int],
     return out[0], out[1]
 
 
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("mode", ["gpu", "split"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_gpu_prefill_equals_cpu_prefill(family: str, split: bool,
+def test_gpu_prefill_equals_cpu_prefill(family: str, mode: str,
                                         tiny_dir: Callable[..., Path]) -> None:
     llm = LLM(tiny_dir(family), device="cuda", dtype="float32", experts="cpu", progress=False,
               max_seq_len=512)
     ids = torch.randint(0, llm.runner.vocab_size, (300,),
                         generator=torch.Generator().manual_seed(1)).tolist()
-    if split:  # costs that put experts on both sides
-        overlap = llm.runner.overlap
-        assert overlap is not None and overlap.can_stream()
-        with overlap.streamed(1, split=False):
-            pass  # makes the streamer
-        assert overlap.streamer is not None
-        overlap.streamer.costs = SplitCosts(cpu_fixed=1e-6, cpu_token=2e-7, gpu_expert=3e-6)
-    gpu, cpu = prefill_both(llm.runner, ids, split)
+    overlap = llm.runner.overlap
+    assert overlap is not None and overlap.can_stream()
+    # Costs of equal CPU and GPU work per expert: a split near the middle.
+    overlap.costs = SplitCosts(cpu_fixed=1e-6, cpu_token=1e-7, gpu_expert=2e-6)
+    experts = overlap.prefill_gpu_experts(len(ids), mode)
+    total = cpu_moe_of(overlap.layers[0].experts).num_experts
+    assert 0 < experts <= total and (mode == "gpu") == (experts == total)
+    gpu, cpu = prefill_both(llm.runner, ids, mode)
+    assert overlap.streamer is not None and overlap.streamer.gpu_experts == experts
     worst = (gpu - cpu).abs().amax(-1)  # [T]: per position
     # A position where bf16 rounding flips a near-tie of some router differs by more; a wrong
     # layout, expert or weight would move every position.

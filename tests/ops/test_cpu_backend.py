@@ -67,7 +67,8 @@ def test_rule_kwargs_choose_backend_and_format(tiny_dir: Callable[..., Path], tm
     llm = LLM(tiny_dir("qwen3_moe"), device="cpu", rules=rules, progress=False)
     experts = llm.model.model.layers[0].mlp.experts
     assert isinstance(experts, CpuExperts) and experts.moe.weight_format == "int8"
-    with pytest.raises(ValueError, match="weight_format must be bf16, int8, int4 or fp8, got 'fp4'"):
+    with pytest.raises(ValueError,
+                       match="weight_format must be bf16, int8, int4 or fp8, got 'fp4'"):
         parse_rules("- match: {class: X}\n  replace: {op: hybrid_moe, "
                     "kwargs: {weight_format: fp4}}\n")
 

@@ -105,13 +105,15 @@ def test_serve_passes_prefill_options_and_checks_them_before_loading(
     monkeypatch.setattr(server_app, "serve", lambda llm, name, config: None)
     runner = CliRunner()
     done = runner.invoke(cli.app, ["serve", "m", "--prefill-chunk", "512",
-                                   "--prefill-split", "auto"])
+                                   "--prefill-experts", "split", "--prefill-resident-gib", "1.5"])
     assert done.exit_code == 0, done.output
-    assert seen["prefill_chunk"] == 512 and seen["prefill_split"] is None
+    assert seen["prefill_chunk"] == 512 and seen["prefill_experts"] == "split"
+    assert seen["prefill_resident_bytes"] == 3 * 2**29
     seen.clear()
     done = runner.invoke(cli.app, ["serve", "m", "--prefill-chunk", "0"])
-    assert seen["prefill_chunk"] is None and seen["prefill_split"] is False
+    assert seen["prefill_chunk"] is None and seen["prefill_experts"] == "auto"
+    assert seen["prefill_resident_bytes"] == 0
     seen.clear()
-    done = runner.invoke(cli.app, ["serve", "m", "--prefill-split", "maybe"])
-    assert done.exit_code == 1 and "--prefill-split must be on, off or auto" in done.output
+    done = runner.invoke(cli.app, ["serve", "m", "--prefill-resident-gib", "-1"])
+    assert done.exit_code == 1 and "--prefill-resident-gib must be >= 0" in done.output
     assert seen == {}  # refused before loading

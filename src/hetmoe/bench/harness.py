@@ -220,12 +220,12 @@ def _prefill(runner: ModelRunner, cfg: BenchConfig, vocab: int,
     for n in cfg.prefill_lengths:
         key = str(n)
         out["prefill_tok_s"][key] = round(measure.prefill_speed(runner, n, vocab), 1)
-        runner.config = dataclasses.replace(auto, gpu_prefill_min_tokens=None)
+        runner.config = dataclasses.replace(auto, prefill_experts="cpu")
         out["prefill_cpu_tok_s"][key] = round(measure.prefill_speed(runner, n, vocab), 1)
         cpu = out["prefill_cpu_tok_s"][key]
         line = f"prefill {n}: {out['prefill_tok_s'][key]} tok/s (cpu {cpu}"
         if streams:
-            runner.config = dataclasses.replace(auto, gpu_prefill_min_tokens=1)
+            runner.config = dataclasses.replace(auto, prefill_experts="gpu")
             out["prefill_gpu_tok_s"][key] = round(measure.prefill_speed(runner, n, vocab), 1)
             assert overlap is not None and overlap.streamer is not None
             floor = n * out["h2d_gb_s"] * 1e9 / overlap.streamer.bytes_per_pass()

@@ -1,102 +1,116 @@
-"""Where each routed expert of a GPU prefill layer runs: on the CPU, or streamed to the GPU.
+"""Where a prefill pass runs each MoE layer's routed experts: the CPU, the GPU, or both at once.
 
-Per MoE layer, once the router has run, n_e of the prompt's (token, slot) pairs go to expert e
-(an expert with none runs nowhere and is not copied). Costs, measured on this machine
-(`measure_cpu_costs`, `LayerStreamer.measure_copy`):
+A pass of T tokens gives each layer P = T * top_k (token, slot) pairs. The GPU computes the first
+k experts of every layer (ids 0..k-1), their packed bytes copied over PCIe ahead of use (layer
+i + 2's copy during layer i's compute: the copy does not wait for the router, so both sides work
+from the start of a layer); the CPU computes the other E - k experts of the same layer at the
+same time. k = E streams every expert (the CPU idles), k = 0 is the CPU alone (no copy).
 
-    CPU: cpu_fixed + cpu_token * n_e   (its packed weights read once, then its tokens' products)
-    GPU: gpu_expert + gpu_token * n_e  (its packed bytes over PCIe, then its products)
+Per layer, with an even spread of the pairs (n = P / E per expert; an expert of the CPU's share
+costs its fixed part only if some pair chose it: probability a = 1 - (1 - 1/E)^P):
 
-The lightest experts go to the CPU and the rest to the GPU, at the split that lets the two sides
-finish closest together (min over k of max(CPU(k lightest), GPU(the rest)); SMoE's Algorithm 1
-in spirit). Such a split copies a layer only once its router has run, so a pass splits only when
-that beats streaming every expert of every layer ahead of its use (`prefer_split`).
+    copy(k) = k * gpu_expert                               (the copy engine, ahead of use)
+    GPU(k)  = k * (gpu_fixed + n * gpu_token)              (unpack, grouped GEMM)
+    CPU(k)  = cpu_call + (E - k) * (a * cpu_fixed + n * cpu_token)
+
+    k = E:       max(copy(E), GPU(E))
+    k = 0:       CPU(0)
+    otherwise:   max(copy(k), split_fixed + T * split_token + max(CPU(k), GPU(k)))
+
+(a split layer's round trip, its activations to the host and the CPU's sum back, is serial with
+both sides). `plan_gpu_experts` takes the k of the smallest time. The costs come from this
+machine's measured rates (`costs_from_profile`, hetmoe.calibration), so where the GPU starts to
+pay off is measured, not a constant.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from hetmoe.experts.cpu_moe import CpuMoE
-
-SPLIT_GAIN = 0.8
-"""A pass splits when its expected layer time is below this share of streaming every expert:
-the rest pays for what splitting cannot overlap (the router's result read on the host before
-the copies start, attention and the GPU's products beside the copies)."""
+if TYPE_CHECKING:
+    from hetmoe.calibration import MachineProfile
+    from hetmoe.experts.cpu_moe import CpuMoE
 
 
 @dataclass(frozen=True)
 class SplitCosts:
-    """Seconds per routed expert of one layer on each side (see the module docstring)."""
+    """Seconds of each side's work in one MoE layer (see the module docstring)."""
 
     cpu_fixed: float
-    """CPU: one expert with tokens (its weights read from memory)."""
+    """CPU: one expert's packed weights read from memory."""
     cpu_token: float
-    """CPU: each (token, expert) pair beyond that."""
+    """CPU: each (token, expert) pair's products."""
     gpu_expert: float
-    """GPU: one expert copied over PCIe (its packed bytes)."""
+    """GPU: one expert's packed bytes copied over PCIe."""
     gpu_token: float = 0.0
-    """GPU: each (token, expert) pair (small beside the copy; 0 ignores it)."""
+    """GPU: each (token, expert) pair's products (grouped GEMM)."""
+    gpu_fixed: float = 0.0
+    """GPU: one expert's unpack to bf16."""
+    cpu_call: float = 0.0
+    """CPU: a layer's call beyond its experts (job start, barriers)."""
+    split_fixed: float = 0.0
+    """A split layer: the host's wait for the router before the CPU's share can start."""
+    split_token: float = 0.0
+    """A split layer: each token's activations to the host and the CPU's sum back."""
 
 
-def plan_split(counts: torch.Tensor, costs: SplitCosts) -> torch.Tensor:
-    """counts [E] (pairs routed to each expert) -> on_gpu bool [E]: the experts to stream and run
-    on the GPU; the other experts with pairs run on the CPU."""
-    counts = counts.to("cpu", torch.float64)
-    active = (counts > 0).nonzero().squeeze(1)  # [A]
-    order = active[torch.argsort(counts[active], stable=True)]  # lightest first
-    n = counts[order]
-    zero = torch.zeros(1, dtype=torch.float64)
-    # [A + 1] each, at k = 0..A: the CPU runs the k lightest, the GPU the rest.
-    cpu = torch.cat([zero, (costs.cpu_fixed + costs.cpu_token * n).cumsum(0)])
-    gpu_each = costs.gpu_expert + costs.gpu_token * n
-    gpu = torch.cat([gpu_each.flip(0).cumsum(0).flip(0), zero])
-    k = int(torch.maximum(cpu, gpu).argmin())
-    on_gpu = torch.zeros(counts.shape[0], dtype=torch.bool)
-    on_gpu[order[k:]] = True
-    return on_gpu
+def layer_seconds(k: int, tokens: int, top_k: int, num_experts: int, costs: SplitCosts) -> float:
+    """Expected seconds of one layer whose first `k` experts run on the GPU, the rest on the
+    CPU, for `tokens` tokens spread evenly (the later side)."""
+    if not 0 <= k <= num_experts:
+        raise ValueError(f"k must be in [0, {num_experts}], got {k}")
+    pairs = tokens * top_k
+    n = pairs / num_experts
+    active = 1.0 - (1.0 - 1.0 / num_experts) ** pairs
+    copy = k * costs.gpu_expert
+    gpu = k * (costs.gpu_fixed + n * costs.gpu_token)
+    cpu = costs.cpu_call + (num_experts - k) * (active * costs.cpu_fixed + n * costs.cpu_token)
+    if k == num_experts:
+        return max(copy, gpu)
+    if k == 0:
+        return cpu
+    return max(copy, costs.split_fixed + tokens * costs.split_token + max(cpu, gpu))
 
 
-def split_seconds(counts: torch.Tensor, costs: SplitCosts) -> float:
-    """Expected seconds of a layer split by `plan_split` (the later side)."""
-    counts = counts.to("cpu", torch.float64)
-    on_gpu = plan_split(counts, costs)
-    on_cpu = (counts > 0) & ~on_gpu
-    cpu = float((costs.cpu_fixed + costs.cpu_token * counts[on_cpu]).sum())
-    gpu = float((costs.gpu_expert + costs.gpu_token * counts[on_gpu]).sum())
-    return max(cpu, gpu)
+def plan_gpu_experts(tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
+                     least: int = 0, most: int | None = None) -> int:
+    """The k in [least, most] (default [0, E]) of the fewest expected seconds per layer: how
+    many experts of each layer (its first k) a pass of `tokens` tokens runs on the GPU. Ties
+    go to the smaller k (fewer bytes over PCIe)."""
+    most = num_experts if most is None else most
+    if not 0 <= least <= most <= num_experts:
+        raise ValueError(f"need 0 <= least <= most <= {num_experts}, got {least}, {most}")
+    return min(range(least, most + 1),
+               key=lambda k: (layer_seconds(k, tokens, top_k, num_experts, costs), k))
 
 
-def prefer_split(tokens: int, top_k: int, num_experts: int, costs: SplitCosts) -> bool:
-    """Whether a pass of `tokens` should split each layer between CPU and GPU rather than stream
-    every expert ahead; judged at an even spread of the pairs over the experts (a router that
-    concentrates them favours splitting further)."""
-    even = torch.full((num_experts,), tokens * top_k / num_experts, dtype=torch.float64)
-    stream = num_experts * (costs.gpu_expert + costs.gpu_token * float(even[0]))
-    return split_seconds(even, costs) < SPLIT_GAIN * stream
-
-
-def measure_cpu_costs(moe: CpuMoE, experts: int = 16, small: int = 8,
-                      large: int = 128, repeats: int = 3) -> tuple[float, float]:
-    """(cpu_fixed, cpu_token) of `moe`'s experts on this machine: `experts` experts with `small`
-    then `large` tokens each (each repeat on other experts, so their weights come from memory as
-    in a prefill), best of `repeats`; a line through the two."""
-    experts = min(experts, moe.num_experts)
-    per_expert = {}
-    for n in (small, large):
-        x = torch.randn(experts * n, moe.hidden, generator=torch.Generator().manual_seed(n))
-        x = x.to(torch.bfloat16)
-        weights = torch.ones(experts * n, 1)
-        best = float("inf")
-        for r in range(repeats):
-            first = (r * experts) % max(1, moe.num_experts - experts + 1)
-            ids = torch.arange(first, first + experts).repeat_interleave(n)[:, None]  # [T, 1]
-            start = time.perf_counter()
-            moe.forward(x, ids, weights)
-            best = min(best, time.perf_counter() - start)
-        per_expert[n] = best / experts
-    token = max(0.0, (per_expert[large] - per_expert[small]) / (large - small))
-    return max(0.0, per_expert[small] - small * token), token
+def costs_from_profile(profile: MachineProfile, moe: CpuMoE) -> SplitCosts:
+    """Per-expert costs of `moe`'s layer shape and format from this machine's measured rates.
+    ValueError when the profile has no GPU copy rate or no CPU rate for the format."""
+    fmt = moe.weight_format
+    if profile.h2d_bytes_s is None:
+        raise ValueError("the machine profile has no host-to-GPU copy rate (measured without "
+                         "a GPU): run `hetmoe calibrate --device cuda`")
+    if fmt not in profile.cpu_flops or fmt not in profile.cpu_expert_bytes_s:
+        raise ValueError(f"the machine profile has no CPU rate for {fmt} experts: run "
+                         f"`hetmoe calibrate --formats {fmt}`")
+    expert_bytes = sum(p.expert_bytes for p in moe.packed_groups())
+    flops = 6.0 * moe.hidden * moe.intermediate  # per (token, expert) pair
+    gpu_rate = (profile.gpu_flops or {}).get(fmt)
+    unpack = (profile.gpu_expert_bytes_s or {}).get(fmt)
+    return SplitCosts(
+        cpu_fixed=expert_bytes / profile.cpu_expert_bytes_s[fmt],
+        cpu_token=flops / profile.cpu_flops[fmt],
+        gpu_expert=expert_bytes / profile.h2d_bytes_s,
+        gpu_token=flops / gpu_rate if gpu_rate else 0.0,
+        gpu_fixed=expert_bytes / unpack if unpack else 0.0,
+        cpu_call=profile.cpu_call_s,
+        # The host waits for the router as a pool call waits for its workers (a proxy: one
+        # wake-up each way); activations cross to the host by copy (bf16), the CPU's sum is
+        # read in place by the GPU's add.
+        split_fixed=profile.cpu_call_s,
+        split_token=2 * moe.hidden * (1 / (profile.d2h_bytes_s or profile.h2d_bytes_s)
+                                      + 1 / (profile.gpu_host_read_bytes_s
+                                             or profile.h2d_bytes_s)),
+    )

@@ -10,11 +10,11 @@ layer's experts are unpacked on the GPU (experts/packed_layout.py) and computed 
 GEMM over the rows routed to each expert (experts/routed_mlp.py). `GpuLink` is the layer's
 `ops.moe_step.Link`.
 
-A pass of fewer tokens *splits* each layer instead (engine/expert_split.py): once its router has
-run, its lightest experts run on the CPU (through the layer's CPU link, the other ids masked to
--1) while the rest are copied, packed side by side, and computed on the GPU; experts no token
-chose are neither copied nor computed. The copies then wait for the router, so a pass splits
-only when the costs measured at its first use say that beats streaming every expert ahead.
+A pass may *split* each layer (engine/expert_split.py): only its first k experts are copied (as
+early as a whole layer would be) and computed on the GPU, while the CPU computes the others
+(their ids, the rest masked to -1) at the same time; the activations cross to the host once the
+router has run and the CPU's sum comes back to be added. Layers kept resident on the GPU (a
+budget in bytes, the first layers first) are never copied and run wholly on the GPU.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from hetmoe.engine.expert_split import SplitCosts, measure_cpu_costs, plan_split, prefer_split
-from hetmoe.experts.cpu_moe import CpuMoE
+from hetmoe.experts.cpu_moe import CpuMoE, PendingCall
 from hetmoe.experts.packed_layout import host_tensor, unpack_group
 from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
 
@@ -74,41 +73,76 @@ def _unregister(addresses: list[int]) -> None:
         cudart.cudaHostUnregister(address)
 
 
-def streaming_bytes(cpu: Sequence[CpuMoE]) -> int:
+class _CudaArray:
+    """`__cuda_array_interface__` of device memory at `address` (torch.as_tensor reads it)."""
+
+    def __init__(self, address: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (address, False), "version": 3}
+
+
+def gpu_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Pinned, contiguous host tensor `host` (bf16 or fp32) as a tensor on `device` over the
+    same memory (unified addressing: a pinned page's device address is its host address);
+    GPU kernels read it over PCIe with no copy. Keep `host` alive while the view is used."""
+    if not host.is_pinned() or not host.is_contiguous():
+        raise ValueError("gpu_view needs a pinned, contiguous host tensor")
+    bits = {torch.bfloat16: (torch.int16, "<i2"), torch.float32: (torch.float32, "<f4")}
+    if host.dtype not in bits:
+        raise ValueError(f"gpu_view: {host.dtype} is not bf16 or fp32")
+    as_dtype, typestr = bits[host.dtype]
+    with torch.cuda.device(device):
+        raw = torch.as_tensor(_CudaArray(host.data_ptr(), tuple(host.shape), typestr),
+                              device=device)
+    return raw.view(host.dtype) if as_dtype != host.dtype else raw
+
+
+def streaming_bytes(cpu: Sequence[CpuMoE], resident_bytes: int = 0) -> int:
     """GPU bytes a streamed pass needs beyond activations: two staging buffers of the largest
-    layer's packed experts, and that layer unpacked to bf16 (gate/up and down)."""
+    layer's packed experts, that layer unpacked to bf16 (gate/up and down), and the packed
+    experts kept resident (at most `resident_bytes`)."""
     staging = max(sum(p.bytes for p in m.packed_groups()) for m in cpu)
     unpacked = max(m.num_experts * 3 * m.hidden * m.intermediate * 2 for m in cpu)
-    return 2 * staging + unpacked
+    return 2 * staging + unpacked + resident_bytes
 
 
-def streaming_refusal(cpu: Sequence[CpuMoE], free_bytes: int) -> str:
+def streaming_refusal(cpu: Sequence[CpuMoE], free_bytes: int, resident_bytes: int = 0) -> str:
     """Why prefill cannot stream these experts to a GPU with `free_bytes` free ("" if it can)."""
     formats = {m.weight_format for m in cpu}
     if not formats <= set(STREAM_FORMATS):
         return (f"GPU prefill unpacks {', '.join(STREAM_FORMATS)} experts, not "
                 f"{', '.join(sorted(formats - set(STREAM_FORMATS)))}")
-    need = streaming_bytes(cpu)
+    need = streaming_bytes(cpu, resident_bytes)
     if need > 0.8 * free_bytes:  # the rest is the pass's activations
         return (f"GPU prefill needs {need / 2**30:.1f} GiB of GPU memory for one layer's "
-                f"experts (staged twice and unpacked), {free_bytes / 2**30:.1f} GiB are free")
+                f"experts (staged twice and unpacked) and {resident_bytes / 2**30:.1f} GiB "
+                f"kept resident, {free_bytes / 2**30:.1f} GiB are free")
     return ""
 
 
 class LayerStreamer:
-    """Staging buffers, the copy stream and the per-layer copies of a model's MoE layers."""
+    """Staging buffers, the copy stream and the per-layer copies of a model's MoE layers;
+    `resident_bytes`: the first layers that fit in it keep their packed experts on the GPU."""
 
-    def __init__(self, cpu: Sequence[CpuMoE], device: torch.device) -> None:
+    def __init__(self, cpu: Sequence[CpuMoE], device: torch.device,
+                 resident_bytes: int = 0) -> None:
         if any(m.weight_format not in STREAM_FORMATS for m in cpu):
             raise ValueError(streaming_refusal(cpu, 2**62))
         self.cpu, self.device = list(cpu), device
-        self.costs: SplitCosts | None = None  # measured at the first pass that may split
-        self.split = False  # this pass splits its layers (`begin`)
         self.parts = [m.packed_groups() for m in cpu]
         self.host = [pinned_groups(m) for m in cpu]
         self.layer_bytes = [sum(p.bytes for p in parts) for parts in self.parts]
-        size = max(self.layer_bytes)
+        self.num_experts = cpu[0].num_experts
+        self.gpu_experts = self.num_experts  # of each layer, this pass (`begin`)
         with torch.inference_mode(False):  # written in place by every pass, in or out of it
+            self.resident: list[torch.Tensor | None] = []
+            left = resident_bytes
+            for i, size in enumerate(self.layer_bytes):
+                fits = size <= left and (i == 0 or self.resident[-1] is not None)
+                self.resident.append(self._upload(i) if fits else None)
+                left -= size if fits else 0
+            size = max((b for b, r in zip(self.layer_bytes, self.resident, strict=True)
+                        if r is None), default=0)
             self.staging = [torch.empty(size, dtype=torch.uint8, device=device)
                             for _ in range(2)]
         self.copy_stream = torch.cuda.Stream(device)
@@ -116,141 +150,152 @@ class LayerStreamer:
         self.freed = [torch.cuda.Event() for _ in range(2)]  # a buffer's layer is computed
         self.grouped = grouped_mm_available(device)
         self.links = [GpuLink(self, i) for i in range(len(cpu))]
-        log.info("GPU prefill: %d layers, %.2f GB of packed experts per pass, %s", len(cpu),
-                 sum(self.layer_bytes) / 1e9, "grouped GEMM" if self.grouped else "per expert")
+        self._local: torch.Tensor | None = None  # [E]: expert -> GPU index (split), -1: CPU
+        self._host_in: tuple[torch.Tensor, ...] = ()  # pinned x, ids, weights, out (split)
+        self._out_view = torch.empty(0)  # the pinned out as a GPU tensor (`gpu_view`)
+        log.info("GPU prefill: %d layers, %.2f GB of packed experts per pass (%d layers "
+                 "resident), %s", len(cpu), sum(self.layer_bytes) / 1e9,
+                 self.resident_layers(), "grouped GEMM" if self.grouped else "per expert")
+
+    def _upload(self, i: int) -> torch.Tensor:
+        """Layer i's packed experts copied to the GPU for good (groups side by side)."""
+        out = torch.empty(self.layer_bytes[i], dtype=torch.uint8, device=self.device)
+        at = 0
+        for host in self.host[i]:
+            out[at:at + host.numel()].copy_(host)
+            at += host.numel()
+        return out
+
+    def resident_layers(self) -> int:
+        """How many layers keep their packed experts on the GPU."""
+        return sum(r is not None for r in self.resident)
 
     def bytes_per_pass(self) -> int:
-        """Packed expert bytes a prefill pass moves to the GPU."""
-        return sum(self.layer_bytes)
+        """Packed expert bytes a pass that streams every expert moves to the GPU."""
+        return sum(b for b, r in zip(self.layer_bytes, self.resident, strict=True) if r is None)
 
-    def begin(self, tokens: int, top_k: int, split: bool | None = None) -> None:
-        """Starts a pass of `tokens` tokens routed to `top_k` experts each: splits its layers
-        (`split` True, or None and the costs favour it), else queues the first two layers'
-        copies."""
-        if split is None:
-            split = prefer_split(tokens, top_k, self.cpu[0].num_experts, self.split_costs())
-        self.split = split
-        if not self.split:
-            for i in range(min(2, len(self.cpu))):
-                self._copy(i)
-
-    def split_costs(self) -> SplitCosts:
-        """Per-expert costs of each side, measured once: the CPU experts of layer 0, and a copy
-        of its packed experts."""
-        if self.costs is None:
-            fixed, token = measure_cpu_costs(self.cpu[0])
-            self.costs = SplitCosts(fixed, token, self.measure_copy() / self.cpu[0].num_experts)
-            log.info("GPU prefill split costs: %s", self.costs)
-        return self.costs
+    def begin(self, tokens: int, top_k: int, gpu_experts: int | None = None) -> None:
+        """Starts a pass of `tokens` tokens routed to `top_k` experts each, the first
+        `gpu_experts` experts of each layer on the GPU (None: all) and the rest on the CPU;
+        queues the first two layers' copies."""
+        k = self.num_experts if gpu_experts is None else gpu_experts
+        if not 0 < k <= self.num_experts:
+            raise ValueError(f"gpu_experts must be in [1, {self.num_experts}], got {k}")
+        self.gpu_experts = k
+        self._local = None
+        self._host_in = ()
+        if k < self.num_experts:
+            experts = torch.arange(self.num_experts)
+            self._local = torch.where(experts < k, experts, -1).to(self.device)
+        for i in range(min(2, len(self.cpu))):
+            self._copy(i)
 
     def measure_copy(self, repeats: int = 2) -> float:
         """Seconds to copy layer 0's packed experts to the GPU (best of `repeats`)."""
         best = float("inf")
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(self.copy_stream)
-            self._copy(0)
-            end.record(self.copy_stream)
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
+        k, self.gpu_experts = self.gpu_experts, self.num_experts
+        resident, self.resident[0] = self.resident[0], None
+        try:
+            for _ in range(repeats):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record(self.copy_stream)
+                self._copy(0)
+                end.record(self.copy_stream)
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / 1e3)
+        finally:
+            self.gpu_experts, self.resident[0] = k, resident
         return best
 
+    def _experts_here(self, i: int) -> int:
+        """How many experts (the first) layer i computes on the GPU in this pass."""
+        return self.num_experts if self.resident[i] is not None else self.gpu_experts
+
     def _copy(self, i: int) -> None:
-        """Copies layer i into buffer i % 2 on the copy stream, after that buffer's last use."""
-        buffer = self.staging[i % 2]
+        """Copies layer i's first `_experts_here(i)` experts of each group, side by side, into
+        buffer i % 2 on the copy stream, after that buffer's last use (a resident layer: none)."""
+        if self.resident[i] is not None:
+            return
+        buffer, count = self.staging[i % 2], self._experts_here(i)
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self.freed[i % 2])
             at = 0
-            for host in self.host[i]:
-                buffer[at:at + host.numel()].copy_(host, non_blocking=True)
-                at += host.numel()
+            for part, host in zip(self.parts[i], self.host[i], strict=True):
+                n = count * part.expert_bytes
+                buffer[at:at + n].copy_(host[:n], non_blocking=True)
+                at += n
             self.copied[i].record(self.copy_stream)
 
     def unpacked(self, i: int, experts: int | None = None) -> list[tuple[torch.Tensor,
                                                                         torch.Tensor]]:
-        """Layer i's experts from its staging buffer (copied there), per NUMA group (gate_up,
-        down) in bf16 (`packed_layout.unpack_group`); `experts`: only the first that many of
-        each group (a split's copies, packed side by side)."""
-        buffer, moe, at = self.staging[i % 2], self.cpu[i], 0
+        """Layer i's experts on the GPU (its staging buffer, copied there, or its resident
+        copy), per NUMA group (gate_up, down) in bf16 (`packed_layout.unpack_group`);
+        `experts`: only the first that many of each group (packed side by side)."""
+        moe, at = self.cpu[i], 0
+        resident = self.resident[i]
+        buffer = resident if resident is not None else self.staging[i % 2]
         count = moe.num_experts if experts is None else experts
         groups = []
         for part in self.parts[i]:
             raw = buffer[at:at + count * part.expert_bytes].view(count, part.expert_bytes)
             groups.append(unpack_group(raw, part, moe.weight_format, moe.hidden,
                                        moe.group_size))
-            at += count * part.expert_bytes
+            at += (count if resident is None else moe.num_experts) * part.expert_bytes
         return groups
 
-    def compute(self, i: int, x: torch.Tensor, ids: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
-        """Layer i's routed experts on x [T, H] (current stream, after its copy); then the
-        copy of layer i + 2 into the freed buffer is queued."""
+    def start(self, i: int, x: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Starts layer i's routed experts on x [T, H]: the CPU's share (a split layer) at
+        once, the GPU's queued on the current stream after its copy, then the copy of layer
+        i + 2 into the freed buffer. The returned function (called after whatever the caller
+        queues meanwhile, e.g. the shared experts) waits for the CPU and returns the layer's
+        routed output [T, H]."""
         stream = torch.cuda.current_stream(self.device)
+        k = self._experts_here(i)
+        call = self._start_cpu(i, x, ids, weights, stream) if k < self.num_experts else None
         stream.wait_event(self.copied[i])
-        out = routed_mlp(x, ids, weights, self.unpacked(i), self.grouped)
+        local = self._local if call is not None else None
+        out = routed_mlp(x, ids, weights, self.unpacked(i, k), self.grouped, local)
         self.freed[i % 2].record(stream)
         if i + 2 < len(self.cpu):
             self._copy(i + 2)
-        return out
-
-
-    def start_split(self, i: int, x: torch.Tensor, ids: torch.Tensor,
-                    weights: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Splits layer i's experts (see the module docstring): starts the CPU's share and the
-        copies of the GPU's; the returned function queues the GPU's products (after whatever
-        the caller queued meanwhile, e.g. the shared experts), waits for the CPU and returns
-        the layer's routed output [T, H]."""
-        moe = self.cpu[i]
-        counts = torch.bincount(ids.reshape(-1), minlength=moe.num_experts).cpu()  # waits
-        # for the router
-        on_gpu = plan_split(counts, self.split_costs())
-        on_cpu = (counts > 0) & ~on_gpu
-        call = None
-        if on_cpu.any():
-            host_ids = ids.cpu()
-            host_x = x.to("cpu", torch.float32 if x.dtype == torch.float16 else x.dtype)
-            call = moe.submit(host_x, torch.where(on_cpu[host_ids], host_ids, -1),
-                              weights.to("cpu", torch.float32))
-        gpu = on_gpu.nonzero().squeeze(1)  # [G], ascending
-        if len(gpu):
-            self._copy_experts(i, gpu.tolist())
+        if call is None:
+            return lambda: out
 
         def finish() -> torch.Tensor:
-            out = None
-            if len(gpu):
-                stream = torch.cuda.current_stream(self.device)
-                stream.wait_event(self.copied[i])
-                local = torch.full((moe.num_experts,), -1, dtype=torch.int64)
-                local[gpu] = torch.arange(len(gpu))
-                out = routed_mlp(x, ids, weights, self.unpacked(i, len(gpu)), self.grouped,
-                                 local.to(self.device, non_blocking=True))
-                self.freed[i % 2].record(stream)
-            if call is not None:
-                cpu_out = moe.sync(call).to(x.device, x.dtype)
-                out = cpu_out if out is None else out + cpu_out
-            return out if out is not None else torch.zeros_like(x)
+            self.cpu[i].sync(call)
+            # Read in place over PCIe by the add itself: a copy would queue on the copy engine
+            # behind the next layers' expert copies.
+            t = x.shape[0]
+            return out + self._out_view[:t].to(out.dtype)
 
         return finish
 
-    def _copy_experts(self, i: int, experts: list[int]) -> None:
-        """Copies the packed `experts` (ascending) of layer i side by side into buffer i % 2,
-        each group's after the previous group's, one copy per run of consecutive experts."""
-        runs: list[list[int]] = []
-        for e in experts:
-            if runs and runs[-1][1] == e:
-                runs[-1][1] = e + 1
-            else:
-                runs.append([e, e + 1])
-        buffer, at = self.staging[i % 2], 0
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(self.freed[i % 2])
-            for part, host in zip(self.parts[i], self.host[i], strict=True):
-                size = part.expert_bytes
-                for first, end in runs:
-                    n = (end - first) * size
-                    buffer[at:at + n].copy_(host[first * size:end * size], non_blocking=True)
-                    at += n
-            self.copied[i].record(self.copy_stream)
+    def _start_cpu(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   stream: torch.cuda.Stream) -> PendingCall:
+        """Submits the CPU's share of layer i (experts >= k; the others' ids -1) once the
+        router's output has reached the host (pinned buffers, reused by every layer: the
+        previous layer's CPU call is synced and its output copied before this copy)."""
+        t, top_k = ids.shape
+        dtype = torch.float32 if x.dtype == torch.float16 else x.dtype
+        if not self._host_in or self._host_in[0].shape[0] < t:
+            self._host_in = (
+                torch.empty(t, x.shape[1], dtype=dtype, pin_memory=True),
+                torch.empty(t, top_k, dtype=torch.int64, pin_memory=True),
+                torch.empty(t, top_k, dtype=torch.float32, pin_memory=True),
+                torch.empty(t, x.shape[1], dtype=dtype, pin_memory=True))
+            self._out_view = gpu_view(self._host_in[3], self.device)
+        host_x, host_ids, host_w, host_out = (b[:t] for b in self._host_in)
+        k = self.gpu_experts
+        with torch.cuda.stream(stream):
+            host_x.copy_(x, non_blocking=True)
+            host_ids.copy_(torch.where(ids >= k, ids, -1), non_blocking=True)
+            host_w.copy_(weights, non_blocking=True)
+        ready = torch.cuda.Event(blocking=True)  # sleeps: the pool needs the cores
+        ready.record(stream)
+        ready.synchronize()
+        return self.cpu[i].submit(host_x, host_ids, host_w, host_out)
 
 
 class GpuLink:
@@ -258,29 +303,22 @@ class GpuLink:
 
     def __init__(self, streamer: LayerStreamer, i: int) -> None:
         self.streamer, self.i = streamer, i
-        self.out: torch.Tensor | None = None
-        self.pending: Callable[[], torch.Tensor] | None = None  # a split layer's rest
+        self.pending: Callable[[], torch.Tensor] | None = None
 
     def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               deferred: int = 0) -> None:
         if deferred:
             raise ValueError("GPU prefill does not defer experts")
-        if self.streamer.split:
-            self.pending = self.streamer.start_split(self.i, x, ids, weights)
-        else:
-            self.out = self.streamer.compute(self.i, x, ids, weights)
+        self.pending = self.streamer.start(self.i, x, ids, weights)
 
     def start_packed(self, stage: torch.Tensor, rows: int, deferred: int = 0) -> None:
         raise RuntimeError("GPU prefill runs the HF layers, not the fused decode step")
 
     def finish(self) -> torch.Tensor:
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            return pending()
-        out, self.out = self.out, None
-        if out is None:
+        if self.pending is None:
             raise RuntimeError("GpuLink.finish without start")
-        return out
+        pending, self.pending = self.pending, None
+        return pending()
 
     def finish_late(self) -> torch.Tensor:
         raise RuntimeError("GPU prefill does not defer experts")

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from hetmoe.engine.expert_split import SplitCosts, costs_from_profile, plan_gpu_experts
 from hetmoe.engine.host_link import HostLink, check_stream_memops
 from hetmoe.engine.layer_stream import LayerStreamer, streaming_refusal
 from hetmoe.experts.cpu_moe import CpuMoE
@@ -58,7 +59,7 @@ class MoEOverlap(MoEStep):
     attached at construction. `packed`: decode steps start with `start_packed` (fused decode)."""
 
     def __init__(self, model: nn.Module, device: torch.device, max_batch: int,
-                 deferred: int = 0, packed: bool = False) -> None:
+                 deferred: int = 0, packed: bool = False, resident_bytes: int = 0) -> None:
         layers = moe_layers(model)
         if not layers:
             raise ValueError("MoEOverlap: the model has no hybrid_moe layer")
@@ -77,6 +78,8 @@ class MoEOverlap(MoEStep):
         self.pending: list[tuple[HostLink, int]] = []  # flag jobs submitted for this step
         self.streamer: LayerStreamer | None = None  # GPU prefill (made at its first pass)
         self.stream_refusal: str | None = None  # why it cannot ("" if it can; None: unchecked)
+        self.resident_bytes = resident_bytes  # packed experts kept on the GPU (first layers)
+        self.costs: SplitCosts | None = None  # prefill costs per expert (`split_costs`)
         self.streaming = False
         self.attach()
 
@@ -96,22 +99,48 @@ class MoEOverlap(MoEStep):
         if self.stream_refusal is None:
             free = torch.cuda.mem_get_info(self.device)[0]
             self.stream_refusal = streaming_refusal(
-                [cpu_moe_of(m.experts) for m in self.layers], free)
+                [cpu_moe_of(m.experts) for m in self.layers], free, self.resident_bytes)
             if self.stream_refusal:
                 log.warning("%s: long prompts prefill on the CPU", self.stream_refusal)
         return not self.stream_refusal
 
+    def prefill_gpu_experts(self, tokens: int, mode: str = "auto") -> int:
+        """How many experts of each MoE layer (its first) a prefill of `tokens` tokens runs on
+        the GPU: 0 = all on the CPU, E = every expert streamed, between: split with the CPU.
+        `mode` (EngineConfig.prefill_experts): "cpu", "gpu", "split" (the best k in
+        [1, E - 1]) or "auto" (the best k in [0, E]) by this machine's measured costs
+        (engine/expert_split.py; hetmoe.calibration measures them once per machine)."""
+        experts = cpu_moe_of(self.layers[0].experts).num_experts
+        if mode == "cpu" or not self.can_stream():
+            return 0
+        if mode == "gpu":
+            return experts
+        least, most = (1, experts - 1) if mode == "split" else (0, experts)
+        return plan_gpu_experts(tokens, self.top_k, experts, self.split_costs(), least, most)
+
+    def split_costs(self) -> SplitCosts:
+        """Per-expert costs of this model's layer shape on this machine (measured rates, loaded
+        or measured at the first use)."""
+        if self.costs is None:
+            from hetmoe.calibration import current
+
+            moe = cpu_moe_of(self.layers[0].experts)
+            profile = current(self.device, formats=(moe.weight_format,))
+            self.costs = costs_from_profile(profile, moe)
+            log.info("prefill costs per expert on this machine: %s", self.costs)
+        return self.costs
+
     @contextmanager
-    def streamed(self, tokens: int, split: bool | None = None) -> Iterator[None]:
+    def streamed(self, tokens: int, gpu_experts: int | None = None) -> Iterator[None]:
         """A prefill pass of `tokens` tokens whose routed experts run on the GPU, streamed layer
-        by layer, or split between CPU and GPU (`split`: True, False, None where the costs
-        favour it; `LayerStreamer.begin`). The streamer is made, the experts' host memory
-        registered and the costs measured at the first such pass."""
+        by layer; with `gpu_experts` < E only the first that many of each layer, the rest on
+        the CPU at the same time (`LayerStreamer.begin`). The streamer is made and the
+        experts' host memory registered at the first such pass."""
         if self.streamer is None:
             self.streamer = LayerStreamer([cpu_moe_of(m.experts) for m in self.layers],
-                                          self.device)
+                                          self.device, self.resident_bytes)
         self.streaming = True
-        self.streamer.begin(tokens, self.top_k, split)
+        self.streamer.begin(tokens, self.top_k, gpu_experts)
         try:
             yield
         finally:

@@ -72,7 +72,8 @@ class ModelRunner:
         if all_on_cpu_backend(model):
             fits = config.fused_decode and fits_fused(model)
             rows = max(max_batch, *config.graph_batch_sizes)
-            self.overlap = MoEOverlap(model, device, rows, config.deferred, packed=fits)
+            self.overlap = MoEOverlap(model, device, rows, config.deferred, packed=fits,
+                                      resident_bytes=config.prefill_resident_bytes)
             if fits:
                 compile_ = config.compile_decode and device.type == "cuda"
                 self.fused = FusedDecoder(model, self.overlap, compile_)
@@ -319,13 +320,13 @@ class ModelRunner:
         return self.model.lm_head(hidden if every_position else hidden[-1:]).float()
 
     def _prefill_experts(self, tokens: int) -> contextlib.AbstractContextManager[None]:
-        """Where a prefill of `tokens` computes its routed experts: on the GPU (streamed, or
-        split with the CPU) from `EngineConfig.gpu_prefill_min_tokens` on, else on the CPU."""
-        least = self.config.gpu_prefill_min_tokens
+        """Where a prefill of `tokens` computes its routed experts (`EngineConfig
+        .prefill_experts`): on the CPU, streamed to the GPU, or split between them."""
         overlap = self.overlap
-        if overlap is None or least is None or tokens < least or not overlap.can_stream():
+        if overlap is None or self.config.prefill_experts == "cpu":
             return contextlib.nullcontext()
-        return overlap.streamed(tokens, self.config.prefill_split)
+        k = overlap.prefill_gpu_experts(tokens, self.config.prefill_experts)
+        return overlap.streamed(tokens, k) if k else contextlib.nullcontext()
 
     def _forward(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
         """ids [B, S] -> final hidden states [B, S, H] (after the last norm), HF layers."""
