@@ -185,18 +185,22 @@ def main() -> None:
     rows = []
     for n in lengths:
         row: dict[str, Any] = {"tokens": n}
+        # auto first and with one more pass: its tuner tries the model's pick, then its rival.
         for name in ("auto", "gpu", "split", "cpu"):
             if (name == "cpu" and n > args.cpu_max) or (name == "split" and n > args.split_max):
                 continue
             row[f"{name}_gpu_experts"] = overlap.prefill_gpu_experts(n, name)
             runner.config = dataclasses.replace(auto, prefill_experts=name)
             try:
-                tok_s = measure.prefill_speed(runner, n, config.vocab_size, args.repeats)
+                repeats = args.repeats + (name == "auto")
+                tok_s = measure.prefill_speed(runner, n, config.vocab_size, repeats)
             except Exception as exc:  # noqa: BLE001 -- one strategy's failure is a row's note
                 row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
                 print(f"{name} at {n} tokens failed: {row[f'{name}_error']}", flush=True)
                 continue
             row[f"{name}_ttft_s"], row[f"{name}_tok_s"] = round(n / tok_s, 4), round(tok_s, 1)
+            if name == "auto":  # after its passes: what the tuner settled on
+                row["auto_gpu_experts"] = overlap.prefill_gpu_experts(n, name)
         runner.config = auto
         assert overlap.streamer is not None
         pass_bytes = overlap.streamer.bytes_per_pass()

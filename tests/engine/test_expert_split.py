@@ -10,6 +10,7 @@ import torch
 
 from hetmoe.config import EngineConfig
 from hetmoe.engine.expert_split import (
+    PrefillTuner,
     SplitCosts,
     costs_from_profile,
     layer_seconds,
@@ -146,3 +147,33 @@ def test_prefill_options_are_checked() -> None:
         EngineConfig(prefill_experts="yes")
     with pytest.raises(ValueError, match="prefill_resident_bytes must be an integer >= 0"):
         EngineConfig(prefill_resident_bytes=-1)
+
+
+def test_tuner_tries_the_model_then_its_rival_then_keeps_the_faster() -> None:
+    tuner = PrefillTuner()
+    model = plan_gpu_experts(4096, 8, 128, COSTS)
+    assert 0 < model < 128  # the model splits at 4K with these costs
+    assert tuner.choose(4096, 8, 128, COSTS) == model
+    tuner.record(4096, model, 128, 0.8)
+    assert tuner.choose(4096, 8, 128, COSTS) == 128  # the stream, once
+    tuner.record(4096, 128, 128, 0.6)
+    assert tuner.choose(4096, 8, 128, COSTS) == 128  # measured faster
+    assert tuner.choose(6000, 8, 128, COSTS) == 128  # same bucket (4096-8191), per token
+    tuner.record(8000, 128, 128, 8000 / 4096 * 0.9)  # the stream got slower than the split
+    assert tuner.choose(4096, 8, 128, COSTS) == model
+    assert tuner.choose(2048, 8, 128, COSTS) == plan_gpu_experts(2048, 8, 128, COSTS)
+
+
+def test_tuner_never_tries_a_rival_the_model_finds_far_slower() -> None:
+    tuner = PrefillTuner()
+    for _ in range(3):  # one token: the CPU, or its best split once; never the stream
+        k = tuner.choose(1, 8, 128, COSTS)
+        assert k < 128
+        tuner.record(1, k, 128, 0.02 if k == 0 else 0.03)
+    assert tuner.choose(1, 8, 128, COSTS) == 0
+    assert plan_gpu_experts(16384, 8, 128, COSTS) == 128
+    tuner.record(16384, 128, 128, 1.3)
+    rival = tuner.choose(16384, 8, 128, COSTS)
+    assert rival == plan_gpu_experts(16384, 8, 128, COSTS, 1, 127)  # its best split, once
+    tuner.record(16384, rival, 128, 2.0)
+    assert tuner.choose(16384, 8, 128, COSTS) == 128

@@ -114,3 +114,53 @@ def costs_from_profile(profile: MachineProfile, moe: CpuMoE) -> SplitCosts:
                                       + 1 / (profile.gpu_host_read_bytes_s
                                              or profile.h2d_bytes_s)),
     )
+
+
+EXPLORE_WITHIN = 1.5
+"""`PrefillTuner` times an alternative to the model's choice only when the model predicts it
+within this factor of the choice (its largest measured error so far is 1.3x,
+docs/benchmarks/prefill.md round 3), so a 1-token prompt never tries streaming every expert."""
+
+
+class PrefillTuner:
+    """Measured prefill seconds per token of each strategy (CPU, split, stream) per prompt-length
+    bucket (a power of two): `choose` returns the model's k the first time a bucket is seen,
+    then once its most likely rival of another strategy (the stream if the model split, its best
+    split if it streamed or stayed on the CPU), then the k of whichever strategy ran faster.
+    The cost model ranks; what this machine measured decides."""
+
+    def __init__(self) -> None:
+        self.measured: dict[int, dict[str, float]] = {}
+        """bucket -> {strategy: seconds per token of its latest pass}"""
+
+    @staticmethod
+    def bucket(tokens: int) -> int:
+        return max(1, tokens).bit_length()
+
+    @staticmethod
+    def strategy(k: int, num_experts: int) -> str:
+        return "cpu" if k == 0 else "stream" if k == num_experts else "split"
+
+    def choose(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts) -> int:
+        """The k for a pass of `tokens` tokens (see the class docstring)."""
+        model = plan_gpu_experts(tokens, top_k, num_experts, costs)
+        if 0 < model < num_experts:
+            rival = num_experts
+        else:
+            rival = plan_gpu_experts(tokens, top_k, num_experts, costs, 1, num_experts - 1)
+        times = self.measured.get(self.bucket(tokens), {})
+        mine, theirs = (self.strategy(k, num_experts) for k in (model, rival))
+        if mine not in times:
+            return model
+        predicted = layer_seconds(model, tokens, top_k, num_experts, costs)
+        if layer_seconds(rival, tokens, top_k, num_experts, costs) > EXPLORE_WITHIN * predicted:
+            return model
+        if theirs not in times:
+            return rival
+        return model if times[mine] <= times[theirs] else rival
+
+    def record(self, tokens: int, k: int, num_experts: int, seconds: float) -> None:
+        """A pass of `tokens` tokens with k of `num_experts` experts on the GPU took
+        `seconds`."""
+        strategy = self.strategy(k, num_experts)
+        self.measured.setdefault(self.bucket(tokens), {})[strategy] = seconds / max(1, tokens)

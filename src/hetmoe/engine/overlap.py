@@ -11,6 +11,7 @@ launched (recorded at capture, queued as each replay is launched) and waits them
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -19,7 +20,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from hetmoe.engine.expert_split import SplitCosts, costs_from_profile, plan_gpu_experts
+from hetmoe.engine.expert_split import (
+    PrefillTuner,
+    SplitCosts,
+    costs_from_profile,
+    plan_gpu_experts,
+)
 from hetmoe.engine.host_link import HostLink, check_stream_memops
 from hetmoe.engine.layer_stream import LayerStreamer, streaming_refusal
 from hetmoe.experts.cpu_moe import CpuMoE
@@ -80,6 +86,7 @@ class MoEOverlap(MoEStep):
         self.stream_refusal: str | None = None  # why it cannot ("" if it can; None: unchecked)
         self.resident_bytes = resident_bytes  # packed experts kept on the GPU (first layers)
         self.costs: SplitCosts | None = None  # prefill costs per expert (`split_costs`)
+        self.tuner = PrefillTuner()  # measured prefill passes (auto mode)
         self.streaming = False
         self.attach()
 
@@ -115,8 +122,24 @@ class MoEOverlap(MoEStep):
             return 0
         if mode == "gpu":
             return experts
-        least, most = (1, experts - 1) if mode == "split" else (0, experts)
-        return plan_gpu_experts(tokens, self.top_k, experts, self.split_costs(), least, most)
+        if mode == "split":
+            return plan_gpu_experts(tokens, self.top_k, experts, self.split_costs(), 1,
+                                    experts - 1)
+        return self.tuner.choose(tokens, self.top_k, experts, self.split_costs())
+
+    @contextmanager
+    def prefill_pass(self, tokens: int, mode: str = "auto") -> Iterator[None]:
+        """A prefill pass of `tokens` tokens with its routed experts where
+        `prefill_gpu_experts` puts them; in "auto" mode the pass is timed (to its last GPU
+        work) for `tuner`, which weighs what was measured against the cost model next time."""
+        k = self.prefill_gpu_experts(tokens, mode)
+        start = time.perf_counter()
+        with self.streamed(tokens, k) if k else contextlib.nullcontext():
+            yield
+        if mode == "auto" and self.host:
+            torch.cuda.synchronize(self.device)
+            experts = cpu_moe_of(self.layers[0].experts).num_experts
+            self.tuner.record(tokens, k, experts, time.perf_counter() - start)
 
     def split_costs(self) -> SplitCosts:
         """Per-expert costs of this model's layer shape on this machine (measured rates, loaded

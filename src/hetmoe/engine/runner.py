@@ -321,12 +321,12 @@ class ModelRunner:
 
     def _prefill_experts(self, tokens: int) -> contextlib.AbstractContextManager[None]:
         """Where a prefill of `tokens` computes its routed experts (`EngineConfig
-        .prefill_experts`): on the CPU, streamed to the GPU, or split between them."""
+        .prefill_experts`): on the CPU, streamed to the GPU, or split between them
+        (`MoEOverlap.prefill_pass`)."""
         overlap = self.overlap
         if overlap is None or self.config.prefill_experts == "cpu":
             return contextlib.nullcontext()
-        k = overlap.prefill_gpu_experts(tokens, self.config.prefill_experts)
-        return overlap.streamed(tokens, k) if k else contextlib.nullcontext()
+        return overlap.prefill_pass(tokens, self.config.prefill_experts)
 
     def _forward(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
         """ids [B, S] -> final hidden states [B, S, H] (after the last norm), HF layers."""
