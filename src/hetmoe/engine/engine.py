@@ -63,7 +63,8 @@ class LLM:
         self.device = check_device(device)
         if self.options.experts is not None:
             get_backend(self.options.experts)  # unknown or unusable here: say so before loading
-        self.path, converted = open_model(model_path, verify, self.options.progress)
+        self.path, converted = open_model(model_path, verify, self.options.progress,
+                                          self.options.experts)
         raw = read_config(self.path)
         self.sampling_defaults = sampling_defaults(self.path)
         """What the checkpoint's generation_config.json recommends (the server's defaults for

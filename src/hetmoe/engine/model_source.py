@@ -16,15 +16,23 @@ from hetmoe.loading.errors import CheckpointError
 DEFAULT_MAX_SEQ_LEN = 4096
 
 
-def open_model(model: str | os.PathLike[str], verify: bool,
-               progress: bool) -> tuple[Path, ConvertedModel | None]:
+def open_model(model: str | os.PathLike[str], verify: bool, progress: bool,
+               experts: str | None = None) -> tuple[Path, ConvertedModel | None]:
     """The checkpoint directory of `model` (a GGUF file becomes its cached conversion) and,
     for a converted directory, its checked manifest (`verify`: full checksums too). Bad files
-    are refused here, before any GPU work."""
+    are refused here, before any GPU work; so is an expert backend other than `cpu` for a
+    GGUF file or a converted model (their experts exist only in its packed layout)."""
     from hetmoe.loading.convert_source import cached_conversion, is_gguf
     from hetmoe.presets import resolve_model
 
     path = resolve_model(model)
+    packed = is_gguf(path) or is_converted(path)
+    if packed and experts not in (None, "cpu"):
+        raise ValueError(
+            f"{path}: a {'GGUF file' if is_gguf(path) else 'converted model'} serves its routed "
+            f"experts from the cpu backend's packed layout, not experts={experts!r}; for other "
+            "backends load a checkpoint directory (hetmoe.loading.gguf_checkpoint"
+            ".write_checkpoint writes one from a GGUF)")
     if is_gguf(path):
         path = cached_conversion(path, progress)
     if (path / STATE).is_file() and not is_converted(path):

@@ -203,6 +203,9 @@ def gguf_tensors(g: GGUFFile, config: Any) -> Iterator[tuple[str, torch.Tensor]]
                 if arch.permute_qk and part in heads:
                     value = unpermute_rotary_rows(value.reshape(value.shape[0], -1),
                                                   heads[part]).reshape(value.shape)
+                if part == "ffn_gate_inp_shexp" and value.dim() == 1:
+                    # Linear(H, 1): llama.cpp's quantizer writes it without its unit dim.
+                    value = value[None]
                 suffix = "_bias" if part == "exp_probs_b" else f".{kind}"
                 yield f"{prefix}{arch.parts[part]}{suffix}", value
             else:
