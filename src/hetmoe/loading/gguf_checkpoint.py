@@ -19,6 +19,7 @@ import torch
 from hetmoe.loading.errors import CheckpointError
 from hetmoe.loading.gguf import GGUFFile, open_gguf
 from hetmoe.loading.gguf_families import gguf_config, gguf_tensors
+from hetmoe.loading.gguf_tokenizer import build_tokenizer, why_not
 from hetmoe.loading.progress import byte_progress
 from hetmoe.loading.shards import write_shards
 
@@ -29,7 +30,8 @@ _HF_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCaus
                "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                "mixtral": "MixtralForCausalLM"}
 _HF_TOKENIZER_ARCHS = ("llama", "qwen2moe", "qwen3moe")
-"""Architectures whose GGUF tokenizer transformers converts (it refuses deepseek2)."""
+"""Architectures whose GGUF tokenizer transformers converts; others (deepseek2) are built by
+`gguf_tokenizer` where it knows the file's pre-tokenizer."""
 
 
 def write_checkpoint(path: str | Path, out: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -66,13 +68,18 @@ def _cast(tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
 
 
 def _write_tokenizer(g: GGUFFile, out: Path) -> None:
-    if g.arch not in _HF_TOKENIZER_ARCHS:
-        log.warning("%s: transformers cannot convert the tokenizer of a %s GGUF; %s has no "
-                    "tokenizer (token ids in and out only)", g.path, g.arch, out)
-        return
-    from transformers import AutoTokenizer
+    if g.arch in _HF_TOKENIZER_ARCHS:
+        from transformers import AutoTokenizer
 
-    AutoTokenizer.from_pretrained(str(g.path.parent), gguf_file=g.path.name).save_pretrained(out)
+        tokenizer = AutoTokenizer.from_pretrained(str(g.path.parent), gguf_file=g.path.name)
+    else:
+        problem = why_not(g)
+        if problem:
+            log.warning("%s: no tokenizer for this %s GGUF (%s); %s has none (token ids in "
+                        "and out only)", g.path, g.arch, problem, out)
+            return
+        tokenizer = build_tokenizer(g)
+    tokenizer.save_pretrained(out)
 
 
 def check_complete(g: GGUFFile, config: Any) -> None:
