@@ -122,16 +122,21 @@ within this factor of the choice (its largest measured error so far is 1.3x,
 docs/benchmarks/prefill.md round 3), so a 1-token prompt never tries streaming every expert."""
 
 
+TRIES = 2
+"""Passes each of the two strategies gets in a length bucket before the faster is kept: the
+first pass of a strategy may carry one-time costs (pinned buffers, kernel selection)."""
+
+
 class PrefillTuner:
     """Measured prefill seconds per token of each strategy (CPU, split, stream) per prompt-length
-    bucket (a power of two): `choose` returns the model's k the first time a bucket is seen,
-    then once its most likely rival of another strategy (the stream if the model split, its best
-    split if it streamed or stayed on the CPU), then the k of whichever strategy ran faster.
-    The cost model ranks; what this machine measured decides."""
+    bucket (a power of two): in a new bucket the model's k and its most likely rival of another
+    strategy (the stream if the model split, its best split if it streamed or stayed on the CPU)
+    take turns, `TRIES` passes each, then the k of the strategy with the best pass is kept. The
+    cost model ranks; what this machine measured decides."""
 
     def __init__(self) -> None:
-        self.measured: dict[int, dict[str, float]] = {}
-        """bucket -> {strategy: seconds per token of its latest pass}"""
+        self.measured: dict[int, dict[str, list[float]]] = {}
+        """bucket -> {strategy: seconds per token of each of its passes}"""
 
     @staticmethod
     def bucket(tokens: int) -> int:
@@ -148,19 +153,19 @@ class PrefillTuner:
             rival = num_experts
         else:
             rival = plan_gpu_experts(tokens, top_k, num_experts, costs, 1, num_experts - 1)
-        times = self.measured.get(self.bucket(tokens), {})
-        mine, theirs = (self.strategy(k, num_experts) for k in (model, rival))
-        if mine not in times:
-            return model
         predicted = layer_seconds(model, tokens, top_k, num_experts, costs)
         if layer_seconds(rival, tokens, top_k, num_experts, costs) > EXPLORE_WITHIN * predicted:
             return model
-        if theirs not in times:
-            return rival
-        return model if times[mine] <= times[theirs] else rival
+        times = self.measured.get(self.bucket(tokens), {})
+        mine, theirs = (times.get(self.strategy(k, num_experts), []) for k in (model, rival))
+        if min(len(mine), len(theirs)) < TRIES:
+            return rival if len(theirs) < len(mine) else model
+        return model if min(mine) <= min(theirs) else rival
 
     def record(self, tokens: int, k: int, num_experts: int, seconds: float) -> None:
         """A pass of `tokens` tokens with k of `num_experts` experts on the GPU took
         `seconds`."""
         strategy = self.strategy(k, num_experts)
-        self.measured.setdefault(self.bucket(tokens), {})[strategy] = seconds / max(1, tokens)
+        passes = self.measured.setdefault(self.bucket(tokens), {}).setdefault(strategy, [])
+        passes.append(seconds / max(1, tokens))
+        del passes[:-8]  # the latest few

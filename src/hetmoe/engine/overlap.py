@@ -133,6 +133,8 @@ class MoEOverlap(MoEStep):
         `prefill_gpu_experts` puts them; in "auto" mode the pass is timed (to its last GPU
         work) for `tuner`, which weighs what was measured against the cost model next time."""
         k = self.prefill_gpu_experts(tokens, mode)
+        if k:
+            self._streamer()  # made (host memory registered) before the pass is timed
         start = time.perf_counter()
         with self.streamed(tokens, k) if k else contextlib.nullcontext():
             yield
@@ -153,17 +155,22 @@ class MoEOverlap(MoEStep):
             log.info("prefill costs per expert on this machine: %s", self.costs)
         return self.costs
 
+    def _streamer(self) -> LayerStreamer:
+        """The streamer, made at the first GPU prefill (the experts' host memory registered)."""
+        if self.streamer is None:
+            self.streamer = LayerStreamer([cpu_moe_of(m.experts) for m in self.layers],
+                                          self.device, self.resident_bytes)
+        return self.streamer
+
     @contextmanager
     def streamed(self, tokens: int, gpu_experts: int | None = None) -> Iterator[None]:
         """A prefill pass of `tokens` tokens whose routed experts run on the GPU, streamed layer
         by layer; with `gpu_experts` < E only the first that many of each layer, the rest on
         the CPU at the same time (`LayerStreamer.begin`). The streamer is made and the
         experts' host memory registered at the first such pass."""
-        if self.streamer is None:
-            self.streamer = LayerStreamer([cpu_moe_of(m.experts) for m in self.layers],
-                                          self.device, self.resident_bytes)
+        streamer = self._streamer()
         self.streaming = True
-        self.streamer.begin(tokens, self.top_k, gpu_experts)
+        streamer.begin(tokens, self.top_k, gpu_experts)
         try:
             yield
         finally:
