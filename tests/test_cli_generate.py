@@ -102,6 +102,14 @@ def test_deferral_without_a_gpu_is_refused(cache: Path) -> None:
     assert "error: option deferred=2 needs GPU decode" in result.output
 
 
+def test_gpu_prefill_on_a_cpu_run_is_refused_before_loading(cache: Path) -> None:
+    result = runner.invoke(app, ["generate", "tiny-qwen3-moe", "Hi", "--device", "cpu",
+                                 "--prefill-experts", "split"])
+    assert result.exit_code == 1
+    assert ("option prefill_experts='split' computes experts on a GPU; this run is on cpu "
+            "(use 'auto' or 'cpu')") in result.output
+
+
 def test_prefill_experts_option_is_checked(cache: Path) -> None:
     result = runner.invoke(app, ["generate", "tiny-qwen3-moe", "Hi", "--prefill-experts", "tpu"])
     assert result.exit_code == 1

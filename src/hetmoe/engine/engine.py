@@ -61,6 +61,10 @@ class LLM:
 
         self.options, adapters = with_lora(EngineConfig.from_options(**options), lora)
         self.device = check_device(device)
+        if self.options.prefill_experts in ("gpu", "split") and self.device.type != "cuda":
+            raise ValueError(
+                f"option prefill_experts={self.options.prefill_experts!r} computes experts on "
+                f"a GPU; this run is on {self.device.type} (use 'auto' or 'cpu')")
         if self.options.experts is not None:
             get_backend(self.options.experts)  # unknown or unusable here: say so before loading
         self.path, converted = open_model(model_path, verify, self.options.progress,
