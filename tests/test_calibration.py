@@ -222,3 +222,32 @@ def test_calibrate_refuses_bad_options_before_measuring(cache: Cache, args: list
     assert message in result.output
     assert cache.measured == []
     assert not calibration.profile_path().exists()
+
+
+def test_info_prints_where_prefill_runs_from_the_profile(cache: Cache, profile: MachineProfile,
+                                                          tiny_dir: Any) -> None:
+    from hetmoe.cli_convert import PREFILL_LENGTHS
+    from hetmoe.engine.expert_split import describe_plan, layer_costs, plan_gpu_experts
+    from hetmoe.loading.checkpoint import Checkpoint
+    from hetmoe.loading.convert_plan import plan_convert
+
+    path = tiny_dir("qwen3_moe")
+    done = runner.invoke(app, ["info", str(path), "--device", "cpu"])
+    assert done.exit_code == 0, done.output
+    assert ("prefill plan: needs this machine's profile with its GPU (`hetmoe calibrate "
+            "--device cuda`)") in done.output
+    with_gpu = dataclasses.replace(
+        profile, h2d_bytes_s=50e9, d2h_bytes_s=50e9, gpu_host_read_bytes_s=20e9,
+        gpu_flops={f: 100e12 for f in profile.cpu_flops},
+        gpu_expert_bytes_s={f: 60e9 for f in profile.cpu_flops})
+    calibration.save(with_gpu)
+    done = runner.invoke(app, ["info", str(path), "--device", "cpu"])
+    assert done.exit_code == 0, done.output
+    layer = plan_convert(Checkpoint.open(path), "bf16", None).layers[0]
+    experts, hidden, intermediate = layer.shape
+    costs = layer_costs(with_gpu, "bf16", hidden, intermediate,
+                        sum(g["expert_bytes"] for g in layer.groups))
+    top_k = int(Checkpoint.open(path).config.num_experts_per_tok)
+    for tokens in PREFILL_LENGTHS:
+        k = plan_gpu_experts(tokens, top_k, experts, costs)
+        assert f"{tokens:>6} tokens  {describe_plan(k, experts)}" in done.output

@@ -4,7 +4,7 @@ registers these commands)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -150,3 +150,37 @@ def print_plan(path: Path, fmt: str, group: int | None, device: object,
     mem = memory_plan(plan.skeleton, chosen, plan.dtype, config, _DEFAULTS.max_batch * window,
                       fmt, plan.group_size)
     typer.echo(mem.table())
+    if plan.layers:
+        typer.echo(prefill_plan(plan.layers[0], fmt, config))
+
+
+PREFILL_LENGTHS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def prefill_plan(layer: Any, fmt: str, config: Any) -> str:
+    """Where the cost model puts a prefill's routed experts per prompt length on this machine
+    (the stored profile; `auto` then measures its pick against the rival), or why it cannot
+    say."""
+    from hetmoe import calibration
+    from hetmoe.engine.expert_split import describe_plan, layer_costs, plan_gpu_experts
+
+    try:
+        profile = calibration.load()
+    except ValueError as exc:
+        return f"prefill plan: the machine profile is unreadable ({exc})"
+    if profile is None or profile.h2d_bytes_s is None:
+        return ("prefill plan: needs this machine's profile with its GPU "
+                "(`hetmoe calibrate --device cuda`)")
+    experts, hidden, intermediate = layer.shape
+    expert_bytes = sum(g["expert_bytes"] for g in layer.groups)
+    try:
+        costs = layer_costs(profile, fmt, hidden, intermediate, expert_bytes)
+    except ValueError as exc:
+        return f"prefill plan: {exc}"
+    top_k = int(config.num_experts_per_tok)
+    lines = ["prefill plan (cost model, this machine's profile; auto measures its pick "
+             "against the rival):"]
+    for tokens in PREFILL_LENGTHS:
+        k = plan_gpu_experts(tokens, top_k, experts, costs)
+        lines.append(f"  {tokens:>6} tokens  {describe_plan(k, experts)}")
+    return "\n".join(lines)

@@ -88,15 +88,21 @@ def plan_gpu_experts(tokens: int, top_k: int, num_experts: int, costs: SplitCost
 def costs_from_profile(profile: MachineProfile, moe: CpuMoE) -> SplitCosts:
     """Per-expert costs of `moe`'s layer shape and format from this machine's measured rates.
     ValueError when the profile has no GPU copy rate or no CPU rate for the format."""
-    fmt = moe.weight_format
+    expert_bytes = sum(p.expert_bytes for p in moe.packed_groups())
+    return layer_costs(profile, moe.weight_format, moe.hidden, moe.intermediate, expert_bytes)
+
+
+def layer_costs(profile: MachineProfile, fmt: str, hidden: int, intermediate: int,
+                expert_bytes: int) -> SplitCosts:
+    """`costs_from_profile` for a layer of `fmt` experts of hidden x intermediate taking
+    `expert_bytes` each when packed (`hetmoe info` plans a model it has not loaded)."""
     if profile.h2d_bytes_s is None:
         raise ValueError("the machine profile has no host-to-GPU copy rate (measured without "
                          "a GPU): run `hetmoe calibrate --device cuda`")
     if fmt not in profile.cpu_flops or fmt not in profile.cpu_expert_bytes_s:
         raise ValueError(f"the machine profile has no CPU rate for {fmt} experts: run "
                          f"`hetmoe calibrate --formats {fmt}`")
-    expert_bytes = sum(p.expert_bytes for p in moe.packed_groups())
-    flops = 6.0 * moe.hidden * moe.intermediate  # per (token, expert) pair
+    flops = 6.0 * hidden * intermediate  # per (token, expert) pair
     gpu_rate = (profile.gpu_flops or {}).get(fmt)
     unpack = (profile.gpu_expert_bytes_s or {}).get(fmt)
     return SplitCosts(
@@ -110,10 +116,18 @@ def costs_from_profile(profile: MachineProfile, moe: CpuMoE) -> SplitCosts:
         # wake-up each way); activations cross to the host by copy (bf16), the CPU's sum is
         # read in place by the GPU's add.
         split_fixed=profile.cpu_call_s,
-        split_token=2 * moe.hidden * (1 / (profile.d2h_bytes_s or profile.h2d_bytes_s)
-                                      + 1 / (profile.gpu_host_read_bytes_s
-                                             or profile.h2d_bytes_s)),
+        split_token=2 * hidden * (1 / (profile.d2h_bytes_s or profile.h2d_bytes_s)
+                                  + 1 / (profile.gpu_host_read_bytes_s or profile.h2d_bytes_s)),
     )
+
+
+def describe_plan(k: int, num_experts: int) -> str:
+    """A plan's k in words."""
+    if k == 0:
+        return "CPU"
+    if k == num_experts:
+        return "GPU stream"
+    return f"split ({k} of {num_experts} experts on the GPU)"
 
 
 EXPLORE_WITHIN = 1.5
