@@ -1,19 +1,29 @@
-"""DeepSeek-V3 GGUF tokenizers built from the file (loading/gguf_tokenizer.py): a BPE trained
-here with DeepSeek-V3's pre-tokenizer, written into a deepseek2 GGUF with the gguf package's
-writer, must tokenize as the trained tokenizer does; the llama.cpp oracle (opt-in) checks the
-splits against llama.cpp's own tokenizer on the same file."""
+"""deepseek2 GGUF tokenizers built from the file (loading/gguf_tokenizer.py): a BPE trained here
+with each known pre-tokenizer's split (DeepSeek-V3's, DeepSeek-LLM / V2's, DeepSeek-Coder's),
+written into a deepseek2 GGUF with the gguf package's writer, must tokenize as the trained
+tokenizer does; the llama.cpp oracle (opt-in) checks the splits against llama.cpp's own tokenizer
+on the same file (llama.cpp reads the spaces inside deepseek-llm's and deepseek-coder's classes as
+spaces only: `SPACES_IN_CLASSES`), and on DeepSeek's real vocabularies (llama.cpp's test files)
+against the ids of DeepSeek's own tokenizers."""
 
 from __future__ import annotations
 
 import random
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hetmoe.loading.gguf import open_gguf
-from hetmoe.loading.gguf_tokenizer import PRE_SPLITS, build_tokenizer, why_not
+from hetmoe.loading.gguf_tokenizer import (
+    DIGITS,
+    PRE_SPLITS,
+    build_tokenizer,
+    pre_tokenizer,
+    why_not,
+)
 
 gguf = pytest.importorskip("gguf")
 
@@ -21,7 +31,28 @@ SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<�
 PIECES = ["Hello", " world", "1234567", "3.14159", "日本語", "のテキスト", "カタカナ", "中文字符",
           "!!", "?", "\n", "\n\n", "  ", "\t", "'s", "don't", "foo_bar", "x=1;", "émigré",
           "Ωμέγα", "😀", "—", "$100", "(a)", "<tag>", "#include", "...", "A1B2", " ", "0",
-          "99999", "\r\n", "a\u0301", "/path/to", "https://x.y", "==", "->"]
+          "99999", "\r\n", "a\u0301", "/path/to", "https://x.y", "==", "->",
+          # what the deepseek-llm / deepseek-coder splits tell apart: accented Latin, Greek,
+          # Cyrillic, other cased scripts and letters outside deepseek-llm's cased set (ƻ ʔ ª ˆ),
+          # CJK and Hangul, fullwidth and CJK punctuation, other digits, odd whitespace
+          "Äpfel", " Straße", "ñandú", "Cửa Việt", " ǅemal", "ﬁ", "µ", "ƻ", "ʔ", "ª", "ˆ", "Ϳ",
+          " ΐ", "ᾼ", "Ω", "K", "Привет", " мир", "Ёж", "Ꭰ", "ⰰ", "ა", "\U00010400", "\U0001e900",
+          "한국어", " 텍스트", "ㄱ", "你好，世界！", "。", "、", "「引用」", "！", "？", "（全角）",
+          "ＡＢＣ", "ｘｙｚ", "１２３", "‘quote’", "“dq”", "ภาษาไทย", "हिन्दी", "٣٤٥", "²", "½",
+          "Ⅻ", "©", "€", "±", "→", "👍🏽", "\u00a0", "\u2003", "\u200b", "\x0b", "\x0c",
+          "\u0085", "\r", " \n", "\n ", "\t\t", " \t", "   ", "\n\n\n", "x ", "  \n  ",
+          "\u3000", " \u3000", "。\u3000", "\u2028", "\u202f"]
+SPACES_IN_CLASSES = "".join(c for c in map(chr, range(0x800, 0x4E01)) if c.isspace())
+"""The spaces inside deepseek-llm's and deepseek-coder's CJK range U+0800..U+4E00 (U+3000 is in
+deepseek-llm's punctuation class too). DeepSeek's tokenizers (onig) match them there; llama.cpp
+writes every non-ASCII space as \\v before it runs a regex without \\p{..} categories on
+std::wregex, so it never finds them in a class and reads them as spaces only."""
+
+
+def llama_cpp_reading(steps: tuple[str, ...]) -> tuple[str, ...]:
+    """`steps` as llama.cpp runs them: classes of regexes without categories lose their spaces."""
+    return tuple(step if step == DIGITS or "\\p{" in step else step.replace("]+", "&&\\S]+")
+                 for step in steps)
 
 
 def texts(count: int, seed: int, pieces: list[str] = PIECES) -> list[str]:
@@ -30,12 +61,10 @@ def texts(count: int, seed: int, pieces: list[str] = PIECES) -> list[str]:
             for _ in range(count)]
 
 
-def trained() -> Tokenizer:
-    """A byte-level BPE trained with DeepSeek-V3's pre-tokenizer on text like the tests'."""
+def trained(pre: str = "deepseek-v3") -> Tokenizer:
+    """A byte-level BPE trained with `pre`'s split on text like the tests'."""
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_SPLITS["deepseek-v3"]]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    core.pre_tokenizer = pre_tokenizer(pre)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -74,9 +103,11 @@ def write_gguf(path: Path, core: Tokenizer, pre: str = "deepseek-v3",
     return path
 
 
-def test_the_tokenizer_built_from_the_file_tokenizes_as_the_trained_one(tmp_path: Path) -> None:
-    core = trained()
-    g = open_gguf(write_gguf(tmp_path / "ds.gguf", core))
+@pytest.mark.parametrize("pre", sorted(PRE_SPLITS))
+def test_the_tokenizer_built_from_the_file_tokenizes_as_the_trained_one(tmp_path: Path,
+                                                                         pre: str) -> None:
+    core = trained(pre)
+    g = open_gguf(write_gguf(tmp_path / "ds.gguf", core, pre=pre))
     assert why_not(g) == ""
     built = build_tokenizer(g)
     for text in texts(500, 2):
@@ -98,10 +129,10 @@ def test_the_tokenizer_built_from_the_file_tokenizes_as_the_trained_one(tmp_path
 
 def test_write_checkpoint_saves_it_and_unknown_splits_are_named(tmp_path: Path) -> None:
     core = trained()
-    g = open_gguf(write_gguf(tmp_path / "a.gguf", core, pre="deepseek-llm"))
-    assert why_not(g) == ("tokenizer.ggml.pre is 'deepseek-llm'; hetmoe splits text for "
-                          "deepseek-v3 only")
-    with pytest.raises(ValueError, match=r"a\.gguf: tokenizer\.ggml\.pre is 'deepseek-llm'"):
+    g = open_gguf(write_gguf(tmp_path / "a.gguf", core, pre="qwen2"))
+    assert why_not(g) == ("tokenizer.ggml.pre is 'qwen2'; hetmoe splits text for "
+                          "deepseek-coder, deepseek-llm, deepseek-v3 only")
+    with pytest.raises(ValueError, match=r"a\.gguf: tokenizer\.ggml\.pre is 'qwen2'"):
         build_tokenizer(g)
     g = open_gguf(write_gguf(tmp_path / "b.gguf", core, model="llama"))
     assert why_not(g) == "tokenizer.ggml.model is 'llama', not a byte-level BPE ('gpt2')"
@@ -117,20 +148,103 @@ def test_write_checkpoint_saves_it_and_unknown_splits_are_named(tmp_path: Path) 
             text, add_special_tokens=False).ids
 
 
-@pytest.mark.oracle
-def test_llama_cpp_splits_deepseek_v3_text_as_we_do(tmp_path: Path) -> None:
-    """llama.cpp's tokenizer (vocab only) on the same file: the same ids for 3000 texts."""
+def test_the_deepseek_llm_split_is_deepseeks() -> None:
+    """Pieces where DeepSeek-LLM's split differs from a plain letters / punctuation one: its ASCII
+    punctuation run takes ASCII letters too (the range :-~), so it cuts a word that mixes them
+    with other letters; cased letters only (ʔ is a letter, not cased); trailing whitespace leaves
+    any piece; CJK punctuation is punctuation; every digit alone, fullwidth ones too."""
+    split, text_of = pre_tokenizer("deepseek-llm"), decoders.ByteLevel()
+
+    def pieces(text: str) -> list[str]:
+        return [text_of.decode([piece]) for piece, _ in split.pre_tokenize_str(text)]
+
+    assert pieces("Äpfel") == ["Ä", "pfel"]
+    assert pieces(" Ωμέγα ʔa") == [" Ωμέγα", " ʔ", "a"]
+    assert pieces("x=1;\n") == ["x", "=", "1", ";", "\n"]
+    assert pieces("你好，世界。\u3000") == ["你好", "，", "世界", "。", "\u3000"]
+    assert pieces("a  ") == ["a", "  "]
+    assert pieces("１２3") == ["１", "２", "3"]
+
+
+def _llama_cpp() -> tuple[type, Path]:
+    """llama-cpp-python's `Llama` (built once by the llama.cpp oracle) and the sdist it was built
+    from (llama.cpp's source, its test vocabularies included)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from oracle_llamacpp import ensure_llama_cpp
+    from oracle_llamacpp import LLAMA_CPP_PYTHON, ensure_llama_cpp
 
     from hetmoe import env
 
-    ensure_llama_cpp(env.cache_dir() / "oracle-llamacpp")
+    home = env.cache_dir() / "oracle-llamacpp"
+    ensure_llama_cpp(home)
     from llama_cpp import Llama
 
-    path = write_gguf(tmp_path / "ds.gguf", trained())
+    return Llama, home / "sdist" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+
+
+def _mismatches(path: Path, texts_: list[str]) -> list[str]:
+    """The texts whose ids from llama.cpp (vocab only) and from our tokenizer of `path` differ."""
+    llama, _ = _llama_cpp()
     ours = build_tokenizer(open_gguf(path))
-    theirs = Llama(str(path), vocab_only=True, verbose=False)
-    for text in texts(3000, 4, [*PIECES, "<think>"]):
-        assert theirs.tokenize(text.encode(), add_bos=False, special=False) == ours.encode(
-            text, add_special_tokens=False), text
+    theirs = llama(str(path), vocab_only=True, verbose=False)
+    return [text for text in texts_
+            if theirs.tokenize(text.encode(), add_bos=False, special=False) != ours.encode(
+                text, add_special_tokens=False)]
+
+
+def _comparable(pre: str) -> list[str]:
+    """The pieces whose texts llama.cpp splits as DeepSeek's `pre` tokenizer does."""
+    if pre not in ("deepseek-llm", "deepseek-coder"):
+        return PIECES
+    return [p for p in PIECES if not set(p) & set(SPACES_IN_CLASSES)]
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("pre", sorted(PRE_SPLITS))
+def test_llama_cpp_splits_text_as_we_do(tmp_path: Path, pre: str) -> None:
+    """llama.cpp's tokenizer (vocab only) on the same file: the same ids for 3000 texts (without
+    `SPACES_IN_CLASSES` for deepseek-llm and deepseek-coder)."""
+    path = write_gguf(tmp_path / "ds.gguf", trained(pre), pre=pre)
+    assert _mismatches(path, texts(3000, 4, [*_comparable(pre), "<think>"])) == []
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("pre", ["deepseek-llm", "deepseek-coder"])
+def test_llama_cpp_differs_only_on_the_spaces_inside_classes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pre: str) -> None:
+    """Texts rich in `SPACES_IN_CLASSES` tokenize apart in llama.cpp, and the same once our
+    classes lose their spaces as llama.cpp's do."""
+    path = write_gguf(tmp_path / "ds.gguf", trained(pre), pre=pre)
+    rich = texts(1000, 5, [*PIECES, *SPACES_IN_CLASSES, *SPACES_IN_CLASSES])
+    assert _mismatches(path, rich) != []
+    monkeypatch.setitem(PRE_SPLITS, pre, llama_cpp_reading(PRE_SPLITS[pre]))
+    assert _mismatches(path, rich) == []
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("pre", ["deepseek-llm", "deepseek-coder"])
+def test_deepseeks_own_vocabularies_tokenize_as_deepseeks_tokenizers(tmp_path: Path,
+                                                                      pre: str) -> None:
+    """llama.cpp's test vocabularies of DeepSeek-LLM and DeepSeek-Coder (the real vocabularies,
+    merges and added tokens, with the ids DeepSeek's own tokenizers give for llama.cpp's test
+    texts, as llama.cpp's convert_hf_to_gguf_update.py wrote them): ours gives those ids, and
+    llama.cpp's ids on 3000 random texts."""
+    _, sdist = _llama_cpp()
+    name = f"ggml-vocab-{pre}.gguf"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers()
+                   if m.name.endswith((f"/models/{name}", f"/models/{name}.inp",
+                                       f"/models/{name}.out"))]
+        if len(members) != 3:
+            pytest.skip(f"{sdist.name} has no {name} with its test texts")
+        for member in members:
+            member.name = Path(member.name).name
+            tar.extract(member, tmp_path, filter="data")
+    path = tmp_path / name
+    cases = (tmp_path / f"{name}.inp").read_text(encoding="utf-8").split(
+        "\n__ggml_vocab_test__\n")[:-1]
+    wants = (tmp_path / f"{name}.out").read_text(encoding="utf-8").split("\n")
+    assert len(cases) > 40
+    ours = build_tokenizer(open_gguf(path))
+    for text, want in zip(cases, wants, strict=False):
+        assert ours.encode(text, add_special_tokens=False) == [int(i) for i in want.split()], text
+    assert _mismatches(path, texts(3000, 4, _comparable(pre))) == []
