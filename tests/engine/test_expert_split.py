@@ -169,11 +169,16 @@ def test_tuner_alternates_the_model_and_its_rival_then_keeps_the_faster() -> Non
 
 def test_tuner_never_tries_a_rival_the_model_finds_far_slower() -> None:
     tuner = PrefillTuner()
-    for _ in range(6):  # one token: the CPU, or its best split; never the stream
-        k = tuner.choose(1, 8, 128, COSTS)
-        assert k < 128
-        tuner.record(1, k, 128, 0.02 if k == 0 else 0.03)
-    assert tuner.choose(1, 8, 128, COSTS) == 0
+    for tokens in (1, 15):  # fewer pairs than experts: the model's pick, no rival
+        model = plan_gpu_experts(tokens, 8, 128, COSTS)
+        for k in (model, 0, 128):
+            tuner.record(tokens, k, 128, 0.01 if k != model else 0.02)
+        assert tuner.choose(tokens, 8, 128, COSTS) == model
+    model = plan_gpu_experts(32, 8, 128, COSTS)
+    assert 0 < model < 128  # 32 tokens: a split; the stream would copy every expert
+    for _ in range(4):
+        assert tuner.choose(32, 8, 128, COSTS) == model
+        tuner.record(32, model, 128, 0.03)
     assert plan_gpu_experts(16384, 8, 128, COSTS) == 128
     rival = plan_gpu_experts(16384, 8, 128, COSTS, 1, 127)  # its best split
     for _ in range(4):

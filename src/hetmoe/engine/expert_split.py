@@ -146,7 +146,9 @@ class PrefillTuner:
     bucket (a power of two): in a new bucket the model's k and its most likely rival of another
     strategy (the stream if the model split, its best split if it streamed or stayed on the CPU)
     take turns, `TRIES` passes each, then the k of the strategy with the best pass is kept. The
-    cost model ranks; what this machine measured decides."""
+    cost model ranks; what this machine measured decides. Passes with fewer (token, expert)
+    pairs than experts (a chat turn's few new tokens) keep the model's pick: no rival there
+    could pay for experts copied ahead that no token uses."""
 
     def __init__(self) -> None:
         self.measured: dict[int, dict[str, list[float]]] = {}
@@ -167,6 +169,8 @@ class PrefillTuner:
             rival = num_experts
         else:
             rival = plan_gpu_experts(tokens, top_k, num_experts, costs, 1, num_experts - 1)
+        if tokens * top_k < num_experts:
+            return model  # most experts idle: copying experts ahead moves weights nobody uses
         predicted = layer_seconds(model, tokens, top_k, num_experts, costs)
         if layer_seconds(rival, tokens, top_k, num_experts, costs) > EXPLORE_WITHIN * predicted:
             return model
