@@ -11,7 +11,7 @@ token's latency; `--direct` also times `LLM(checkpoint)` (every expert re-read a
 start, what a start cost before converting). Prints a table and writes JSON.
 
     python benchmarks/bench_start.py --shape qwen3-30b-a3b --num-layers 24 --experts int8 \
-        --work /tmp/start --out DIR [--direct] [--device cuda]
+        --work WORKDIR --out DIR [--direct] [--device cuda]
 """
 
 from __future__ import annotations
