@@ -151,7 +151,8 @@ class LayerStreamer:
         self.grouped = grouped_mm_available(device)
         self.links = [GpuLink(self, i) for i in range(len(cpu))]
         self._local: torch.Tensor | None = None  # [E]: expert -> GPU index (split), -1: CPU
-        self._host_in: tuple[torch.Tensor, ...] = ()  # pinned x, ids, weights, out (split)
+        self._host_in: tuple[torch.Tensor, ...] = ()  # pinned x, ids, weights, out (split;
+        # kept across passes, made again when a pass has more rows, another dtype or top-k)
         self._out_view = torch.empty(0)  # the pinned out as a GPU tensor (`gpu_view`)
         log.info("GPU prefill: %d layers, %.2f GB of packed experts per pass (%d layers "
                  "resident), %s", len(cpu), sum(self.layer_bytes) / 1e9,
@@ -183,30 +184,11 @@ class LayerStreamer:
             raise ValueError(f"gpu_experts must be in [1, {self.num_experts}], got {k}")
         self.gpu_experts = k
         self._local = None
-        self._host_in = ()
         if k < self.num_experts:
             experts = torch.arange(self.num_experts)
             self._local = torch.where(experts < k, experts, -1).to(self.device)
         for i in range(min(2, len(self.cpu))):
             self._copy(i)
-
-    def measure_copy(self, repeats: int = 2) -> float:
-        """Seconds to copy layer 0's packed experts to the GPU (best of `repeats`)."""
-        best = float("inf")
-        k, self.gpu_experts = self.gpu_experts, self.num_experts
-        resident, self.resident[0] = self.resident[0], None
-        try:
-            for _ in range(repeats):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record(self.copy_stream)
-                self._copy(0)
-                end.record(self.copy_stream)
-                end.synchronize()
-                best = min(best, start.elapsed_time(end) / 1e3)
-        finally:
-            self.gpu_experts, self.resident[0] = k, resident
-        return best
 
     def _experts_here(self, i: int) -> int:
         """How many experts (the first) layer i computes on the GPU in this pass."""
@@ -279,7 +261,8 @@ class LayerStreamer:
         previous layer's CPU call is synced and its output copied before this copy)."""
         t, top_k = ids.shape
         dtype = torch.float32 if x.dtype == torch.float16 else x.dtype
-        if not self._host_in or self._host_in[0].shape[0] < t:
+        if (not self._host_in or self._host_in[0].shape[0] < t
+                or self._host_in[0].dtype != dtype or self._host_in[1].shape[1] != top_k):
             self._host_in = (
                 torch.empty(t, x.shape[1], dtype=dtype, pin_memory=True),
                 torch.empty(t, top_k, dtype=torch.int64, pin_memory=True),

@@ -26,14 +26,14 @@ def open_model(model: str | os.PathLike[str], verify: bool, progress: bool,
     from hetmoe.presets import resolve_model
 
     path = resolve_model(model)
-    packed = is_gguf(path) or is_converted(path)
-    if packed and experts not in (None, "cpu"):
+    gguf = is_gguf(path)
+    if (gguf or is_converted(path)) and experts not in (None, "cpu"):
         raise ValueError(
-            f"{path}: a {'GGUF file' if is_gguf(path) else 'converted model'} serves its routed "
+            f"{path}: a {'GGUF file' if gguf else 'converted model'} serves its routed "
             f"experts from the cpu backend's packed layout, not experts={experts!r}; for other "
             "backends load a checkpoint directory (hetmoe.loading.gguf_checkpoint"
             ".write_checkpoint writes one from a GGUF)")
-    if is_gguf(path):
+    if gguf:
         path = cached_conversion(path, progress)
     if (path / STATE).is_file() and not is_converted(path):
         raise CheckpointError(f"{path}: an unfinished conversion (no {MANIFEST} yet); run "

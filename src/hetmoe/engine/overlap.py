@@ -72,7 +72,7 @@ class MoEOverlap(MoEStep):
         super().__init__(layers, self._link, deferred)
         check_stream_memops(device)
         self.device = device
-        cpu = [cpu_moe_of(m.experts) for m in layers]
+        self.cpu = cpu = [cpu_moe_of(m.experts) for m in layers]  # each layer's experts
         self.direct: list[BackendLink] = [backend_link(m) for m in layers]
         self.host: list[HostLink] = []
         if device.type == "cuda":
@@ -105,8 +105,7 @@ class MoEOverlap(MoEStep):
             return False
         if self.stream_refusal is None:
             free = torch.cuda.mem_get_info(self.device)[0]
-            self.stream_refusal = streaming_refusal(
-                [cpu_moe_of(m.experts) for m in self.layers], free, self.resident_bytes)
+            self.stream_refusal = streaming_refusal(self.cpu, free, self.resident_bytes)
             if self.stream_refusal:
                 log.warning("%s: long prompts prefill on the CPU", self.stream_refusal)
         return not self.stream_refusal
@@ -117,7 +116,7 @@ class MoEOverlap(MoEStep):
         `mode` (EngineConfig.prefill_experts): "cpu", "gpu", "split" (the best k in
         [1, E - 1]) or "auto" (the best k in [0, E]) by this machine's measured costs
         (engine/expert_split.py; hetmoe.calibration measures them once per machine)."""
-        experts = cpu_moe_of(self.layers[0].experts).num_experts
+        experts = self.cpu[0].num_experts
         if mode == "cpu" or not self.can_stream():
             return 0
         if mode == "gpu":
@@ -140,8 +139,7 @@ class MoEOverlap(MoEStep):
             yield
         if mode == "auto" and self.host:
             torch.cuda.synchronize(self.device)
-            experts = cpu_moe_of(self.layers[0].experts).num_experts
-            self.tuner.record(tokens, k, experts, time.perf_counter() - start)
+            self.tuner.record(tokens, k, self.cpu[0].num_experts, time.perf_counter() - start)
 
     def split_costs(self) -> SplitCosts:
         """Per-expert costs of this model's layer shape on this machine (measured rates, loaded
@@ -149,7 +147,7 @@ class MoEOverlap(MoEStep):
         if self.costs is None:
             from hetmoe.calibration import current
 
-            moe = cpu_moe_of(self.layers[0].experts)
+            moe = self.cpu[0]
             profile = current(self.device, formats=(moe.weight_format,))
             self.costs = costs_from_profile(profile, moe)
             log.info("prefill costs per expert on this machine: %s", self.costs)
@@ -158,8 +156,7 @@ class MoEOverlap(MoEStep):
     def _streamer(self) -> LayerStreamer:
         """The streamer, made at the first GPU prefill (the experts' host memory registered)."""
         if self.streamer is None:
-            self.streamer = LayerStreamer([cpu_moe_of(m.experts) for m in self.layers],
-                                          self.device, self.resident_bytes)
+            self.streamer = LayerStreamer(self.cpu, self.device, self.resident_bytes)
         return self.streamer
 
     @contextmanager

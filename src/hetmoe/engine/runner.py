@@ -323,10 +323,9 @@ class ModelRunner:
         """Where a prefill of `tokens` computes its routed experts (`EngineConfig
         .prefill_experts`): on the CPU, streamed to the GPU, or split between them
         (`MoEOverlap.prefill_pass`)."""
-        overlap = self.overlap
-        if overlap is None or self.config.prefill_experts == "cpu":
+        if self.overlap is None:
             return contextlib.nullcontext()
-        return overlap.prefill_pass(tokens, self.config.prefill_experts)
+        return self.overlap.prefill_pass(tokens, self.config.prefill_experts)
 
     def _forward(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
         """ids [B, S] -> final hidden states [B, S, H] (after the last norm), HF layers."""
