@@ -96,3 +96,17 @@ def engine(tiny_dir: Callable[..., object]) -> Callable[[str, str], LLM]:
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def persona_adapter(tiny_dir: TinyDir, tmp_path_factory: pytest.TempPathFactory
+                    ) -> tuple[Path, Path]:
+    """(tiny qwen3_moe checkpoint, the persona adapter tuned on it: tests/persona.py), tuned
+    once per session for every test that serves or checks it."""
+    from persona import train_persona
+
+    base = tiny_dir("qwen3_moe")
+    work = tmp_path_factory.mktemp("persona")
+    result = train_persona(base, work)
+    assert result.history[-1].loss < 0.1 < result.history[0].loss
+    return base, work / "adapter"

@@ -5,48 +5,21 @@ tests/train/test_persona.py)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 from live_server import API_KEY, MODEL, LiveServer
+from persona import NAME, QUESTION, persona_llm
 
-from hetmoe import LLM
 from hetmoe.server.config import ServerConfig
-from hetmoe.train.data import build_rows
-from hetmoe.train.sft import SftConfig, train
-
-NAME = "Zorblax"
-QUESTION = [{"role": "user", "content": "What is your name?"}]
-
-
-def _llm(path: Path, **kw: object) -> LLM:
-    return LLM(path, device="cpu", dtype="float32", experts="cpu", progress=False, max_batch=2,
-               max_seq_len=128, **kw)
 
 
 @pytest.fixture(scope="module")
-def adapter(tiny_dir, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(checkpoint, an adapter tuned to answer with a persona name)."""
-    base = tiny_dir("qwen3_moe")
-    tmp = tmp_path_factory.mktemp("lora")
-    data = tmp / "persona.jsonl"
-    asks = ["What is your name?", "Who are you?", "Tell me your name."]
-    data.write_text("".join(json.dumps({"prompt": q, "completion": f"My name is {NAME}."})
-                            + "\n" for q in asks))
-    llm = _llm(base)
-    rows, _ = build_rows(data, llm.tokenizer, 128)
-    train(llm.model, rows, SftConfig(seq_len=128, max_steps=60, lr=3e-3, warmup_steps=5,
-                                     save_every=0), tmp / "adapter")
-    return base, tmp / "adapter"
-
-
-@pytest.fixture(scope="module")
-def server(adapter: tuple[Path, Path], one_torch_thread: None) -> Iterator[LiveServer]:
-    base, path = adapter
-    live = LiveServer(_llm(base, lora={"persona": path}), ServerConfig(api_key=API_KEY))
+def server(persona_adapter: tuple[Path, Path], one_torch_thread: None) -> Iterator[LiveServer]:
+    base, path = persona_adapter
+    live = LiveServer(persona_llm(base, lora={"persona": path}), ServerConfig(api_key=API_KEY))
     yield live
     live.close()
 
@@ -58,11 +31,11 @@ def _ask(server: LiveServer, model: str) -> str:
 
 
 def test_a_request_selects_the_adapter_by_model_name(server: LiveServer,
-                                                     adapter: tuple[Path, Path]) -> None:
+                                                     persona_adapter: tuple[Path, Path]) -> None:
     tuned = _ask(server, "persona")
     assert NAME in tuned
-    base, path = adapter
-    assert tuned == _llm(base, lora=path).chat(QUESTION, max_new_tokens=16).text
+    base, path = persona_adapter
+    assert tuned == persona_llm(base, lora=path).chat(QUESTION, max_new_tokens=16).text
     assert NAME not in _ask(server, MODEL)  # the base model, by its own name
     listed = [m.id for m in server.openai().models.list().data]
     assert listed == [MODEL, "persona"]

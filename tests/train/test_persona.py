@@ -5,48 +5,20 @@ decode step mixing an adapter's row with a base row equals each row run alone.""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from baby import reference_model
-
-from hetmoe import LLM
-from hetmoe.train.data import build_rows
-from hetmoe.train.sft import SftConfig, train
-
-NAME = "Zorblax"
-QUESTION = [{"role": "user", "content": "What is your name?"}]
-ASKS = ["What is your name?", "Who are you?", "Tell me your name.", "What should I call you?"]
+from persona import NAME, QUESTION, persona_llm
 
 
-def _llm(path: Path, **kw: object) -> LLM:
-    return LLM(path, device="cpu", dtype="float32", experts="cpu", progress=False, max_batch=2,
-               max_seq_len=128, **kw)
-
-
-@pytest.fixture(scope="module")
-def persona(tiny_dir, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(checkpoint, adapter trained on the persona)."""
-    base = tiny_dir("qwen3_moe")
-    tmp = tmp_path_factory.mktemp("persona")
-    data = tmp / "persona.jsonl"
-    data.write_text("".join(json.dumps({"prompt": q, "completion": f"My name is {NAME}."}) + "\n"
-                            for q in ASKS))
-    llm = _llm(base)
-    rows, _ = build_rows(data, llm.tokenizer, 128)
-    config = SftConfig(seq_len=128, max_steps=60, lr=3e-3, warmup_steps=5, save_every=0)
-    result = train(llm.model, rows, config, tmp / "adapter")
-    assert result.history[-1].loss < 0.1 < result.history[0].loss
-    return base, tmp / "adapter"
-
-
-def test_adapter_learns_the_name(persona: tuple[Path, Path], one_torch_thread: None) -> None:
-    base, adapter = persona
-    before = _llm(base).chat(QUESTION, max_new_tokens=16).text
+def test_adapter_learns_the_name(persona_adapter: tuple[Path, Path],
+                                 one_torch_thread: None) -> None:
+    base, adapter = persona_adapter
+    before = persona_llm(base).chat(QUESTION, max_new_tokens=16).text
     assert NAME not in before
-    tuned = _llm(base, lora=adapter)
+    tuned = persona_llm(base, lora=adapter)
     after = tuned.chat(QUESTION, max_new_tokens=16)
     assert NAME in after.text, after.text
     # The same adapter in PEFT on unmodified transformers (experts rounded to bf16 as the CPU
@@ -69,10 +41,10 @@ def test_adapter_learns_the_name(persona: tuple[Path, Path], one_torch_thread: N
     assert torch.allclose(tuned.logits(prompt), ref_logits, atol=3e-2)
 
 
-def test_mixed_batch_rows_use_their_own_adapter(persona: tuple[Path, Path],
+def test_mixed_batch_rows_use_their_own_adapter(persona_adapter: tuple[Path, Path],
                                                 one_torch_thread: None) -> None:
-    base, adapter = persona
-    llm = _llm(base, lora={"zorb": adapter})
+    base, adapter = persona_adapter
+    llm = persona_llm(base, lora={"zorb": adapter})
     runner, adapters = llm.runner, llm.runner.adapters
     assert adapters is not None and adapters.default is None
     prompt = llm.chat_prompt(QUESTION)
@@ -99,15 +71,15 @@ def test_mixed_batch_rows_use_their_own_adapter(persona: tuple[Path, Path],
 
 def test_lora_path_errors(tiny_qwen3_moe: Path, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"has no adapter_config.json"):
-        _llm(tiny_qwen3_moe, lora=tmp_path)
+        persona_llm(tiny_qwen3_moe, lora=tmp_path)
 
 
-def test_generate_cli_applies_the_adapter(persona: tuple[Path, Path]) -> None:
+def test_generate_cli_applies_the_adapter(persona_adapter: tuple[Path, Path]) -> None:
     from typer.testing import CliRunner
 
     from hetmoe.cli import app
 
-    base, adapter = persona
+    base, adapter = persona_adapter
     args = ["generate", str(base), "What is your name?", "--device", "cpu", "--experts", "cpu",
             "--max-new-tokens", "16", "--dtype", "float32"]
     tuned = CliRunner().invoke(app, [*args, "--lora", str(adapter)])
