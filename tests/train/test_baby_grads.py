@@ -1,6 +1,7 @@
 """Baby models of every family with CPU experts: our loss and every LoRA gradient equal
 transformers + PEFT autograd on the same weights and batch (fp32, 1e-4 relative); the adapter
-saved by us loads into PEFT on the original model."""
+saved by us loads into PEFT on the original model. On a GPU host (`-m device`) the same check
+runs with attention, router and adapters on the GPU and the experts on the CPU."""
 
 from __future__ import annotations
 
@@ -45,10 +46,17 @@ def _loss_and_grads(model: torch.nn.Module, ids: torch.Tensor,
     return float(loss.detach()), grads
 
 
+GPU = pytest.param("cuda", marks=[
+    pytest.mark.device,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")])
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_loss_and_lora_grads_equal_peft(family: str, tiny_dir, tmp_path: Path) -> None:
+def test_loss_and_lora_grads_equal_peft(family: str, device: str, tiny_dir,
+                                        tmp_path: Path) -> None:
     path = tiny_dir(family)
-    llm = LLM(path, device="cpu", dtype="float32", experts="cpu", progress=False)
+    llm = LLM(path, device=device, dtype="float32", experts="cpu", progress=False)
     assert any(type(m).__name__ == "CpuExperts" for m in llm.model.modules())
     ref = _reference(path)
     torch.manual_seed(0)
@@ -70,7 +78,8 @@ def test_loss_and_lora_grads_equal_peft(family: str, tiny_dir, tmp_path: Path) -
                 if "lora_B" in n:
                     p.zero_()
     ids, labels = _batch(ref.config.vocab_size)
-    loss, grads = _loss_and_grads(ours, ids, labels)
+    loss, grads = _loss_and_grads(ours, ids.to(device), labels.to(device))
+    grads = {n: g.cpu() for n, g in grads.items()}
     ref_loss, ref_grads = _loss_and_grads(ref_peft, ids, labels)
     assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss), (loss, ref_loss)
     for n in trained:
