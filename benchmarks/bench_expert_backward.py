@@ -1,5 +1,6 @@
 """Speed of the CPU experts' backward for training (train/expert_grad.py, csrc/moe/backward_job.h)
-per weight format, and of the fp32 forward it shares its recompute with.
+per weight format and math (fp32 x: fp32 math; bf16 x: the bf16 math of bf16 training, AMX
+tiles where an expert has enough rows), and of the fp32 forward it shares its recompute with.
 
 Shape (default): E=16 experts, H=1024, I=512, 512 tokens, top-4, uniform random routing (every
 expert ~128 rows). Per format: the median of the timed `expert_backward` calls (--calls per round
@@ -67,7 +68,9 @@ def measure(fmt: str, args: argparse.Namespace) -> dict[str, list[float]]:
     weights = torch.rand(t, k, generator=g)
     dy = torch.randn(t, h, generator=g)
     result = {}
+    xb = x.bfloat16()
     for name, fn in (("backward", lambda: expert_backward(moe, x, ids, weights, dy)),
+                     ("backward_bf16", lambda: expert_backward(moe, xb, ids, weights, dy)),
                      ("forward_fp32", lambda: expert_forward_fp32(moe, x, ids, weights))):
         for _ in range(args.warmup):
             fn()
@@ -129,6 +132,7 @@ def main() -> None:
     formats = [f for f in args.formats.split(",") if f]
     pairs = args.tokens * args.top_k
     flops = {"backward": 10.0 * args.hidden * args.intermediate * pairs,
+             "backward_bf16": 10.0 * args.hidden * args.intermediate * pairs,
              "forward_fp32": 6.0 * args.hidden * args.intermediate * pairs}
     rows = []
     header = f"{'format':6} {'pass':13} {'ms':>8} {'GFLOP/s':>8}"
@@ -139,18 +143,20 @@ def main() -> None:
     print(header)
     for fmt in formats:
         # Rounds alternate the two builds, so a drift of the (shared) machine hits both alike.
-        now: dict[str, list[float]] = {"backward": [], "forward_fp32": []}
-        base: dict[str, list[float]] = {"backward": [], "forward_fp32": []}
+        now: dict[str, list[float]] = {name: [] for name in flops}
+        base: dict[str, list[float]] = {name: [] for name in flops}
         for _ in range(args.rounds):
             for name, times in (measure_baseline(fmt, args) if args.baseline else {}).items():
                 base[name] += times
             for name, times in measure(fmt, args).items():
                 now[name] += times
         for name, samples in now.items():
+            if not samples:
+                continue
             ms = statistics.median(samples)
             row = {"format": fmt, "pass": name, "ms": ms, "gflops": flops[name] / ms / 1e6}
             line = f"{fmt:6} {name:13} {ms:8.1f} {row['gflops']:8.1f}"
-            if args.baseline:
+            if args.baseline and base[name]:
                 bms = statistics.median(base[name])
                 row.update(base_ms=bms, base_gflops=flops[name] / bms / 1e6, speedup=bms / ms)
                 line += f" {bms:8.1f} {row['base_gflops']:9.1f} {row['speedup']:6.2f}x"

@@ -227,7 +227,7 @@ void bind_moe_backward(nb::class_<MoELayer>& layer) {
   layer.def("backward", [](MoELayer& l, uintptr_t x, int x_dtype, uintptr_t ids,
                            uintptr_t weights, int q, int k, uintptr_t dy, uintptr_t dx,
                            uintptr_t dweights, uintptr_t out, uintptr_t gpu_mask,
-                           uintptr_t loaded, int threads) {
+                           uintptr_t loaded, int threads, bool bf16_math) {
     hetmoe::MoEGradCall c;
     c.x = reinterpret_cast<const void*>(x);
     c.x_type = hetmoe::DType(x_dtype);
@@ -241,11 +241,13 @@ void bind_moe_backward(nb::class_<MoELayer>& layer) {
     c.out = reinterpret_cast<float*>(out);
     c.gpu_mask = reinterpret_cast<const uint8_t*>(gpu_mask);
     c.loaded = reinterpret_cast<const uint8_t*>(loaded);
+    c.bf16_math = bf16_math;
     nb::gil_scoped_release release;
     hetmoe::moe_backward(l, hetmoe::pool_for_threads(threads), c);
   }, "Routed experts' backward (moe/backward_job.h): dx [q, H] and dweights [q, k] (fp32) "
      "from x, ids, weights and dy [q, H] fp32 (0: none); out [q, H] fp32 (0: none) the fp32 "
-     "forward; gpu_mask 0 = none, loaded: E uint8 flags.");
+     "forward; gpu_mask 0 = none, loaded: E uint8 flags; bf16_math: the forward's bf16 / AMX "
+     "kernels (backward_job.h).");
 }
 
 void bind_moe(nb::module_& m) {

@@ -54,7 +54,7 @@ void gemm_avx2(int m, int depth, const float* a, size_t lda, const float* b, int
 
 const GradKernels& avx2_grad_kernels() {
   static const GradKernels k{"avx2", unpack_cols_scalar, unpack_rows_scalar, gemm_avx2,
-                             silu_sig_row};
+                             silu_sig_row, nullptr};
   return k;
 }
 

@@ -166,11 +166,45 @@ void gemm_avx512(int m, int depth, const float* a, size_t lda, const float* b, i
   else gemm_cols<1>(m, depth, a, lda, b, c, ldc, accumulate);
 }
 
+// bf16 bits of 16 floats rounded to nearest even, in the low (kHigh false) or high half of
+// each 32-bit lane (layout/bf16.h float_to_bf16).
+template <bool kHigh>
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  return kHigh ? _mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u)))
+               : _mm512_srli_epi32(r, 16);
+}
+
+// W^T's bf16 block (j, r / 32) holds rows r, r + 1 of W (a pair) in its tile row (r % 32) / 2:
+// 16 columns k0 + 16 j .. of each, as [column][r % 2] bf16 (packed_matrix.h).
+void pack_transposed_avx512(const PackedMatrix& w, int k0, float* rows, uint8_t* out) {
+  const int kt = int(round_up(size_t(w.n), 64));
+  const size_t nb_bytes = size_t(kt / 32) * 1024;  // one n-block of W^T
+  for (int nb = 0; nb < w.n / kBlockN; ++nb) {
+    unpack_rows_avx512(w, nb, k0, k0 + 32, rows, 32);
+    for (int p = 0; p < 8; ++p) {
+      const int r = nb * kBlockN + 2 * p;
+      uint8_t* dst = out + size_t(r / 32) * 1024 + size_t(r % 32 / 2) * 64;
+      for (int j = 0; j < 2; ++j) {
+        const __m512i lo = bf16_bits<false>(_mm512_loadu_ps(rows + (2 * p) * 32 + 16 * j));
+        const __m512i hi = bf16_bits<true>(_mm512_loadu_ps(rows + (2 * p + 1) * 32 + 16 * j));
+        _mm512_store_si512(dst + j * nb_bytes, _mm512_or_si512(lo, hi));
+      }
+    }
+  }
+  for (int r = w.n; r < kt; r += 2)
+    for (int j = 0; j < 2; ++j)
+      _mm512_store_si512(out + j * nb_bytes + size_t(r / 32) * 1024 + size_t(r % 32 / 2) * 64,
+                         _mm512_setzero_si512());
+}
+
 }  // namespace
 
 const GradKernels& avx512_grad_kernels() {
   static const GradKernels k{"avx512", unpack_cols_avx512, unpack_rows_avx512, gemm_avx512,
-                             silu_sig_row};
+                             silu_sig_row, pack_transposed_avx512};
   return k;
 }
 

@@ -3,7 +3,8 @@
 // (dequantized exactly: int8 scale q, int4 scale q + bias, fp8 scale e4m3):
 //   recompute  c  = x W^T   panels of 2 n-blocks' columns, k-major   (unpack_cols)
 //   transposed dx = a W     panels of 32 columns over many rows     (unpack_rows)
-// and the SiLU between them.
+// and the SiLU between them. bf16 math (moe/backward_job.cpp) runs the forward's GEMMs instead:
+//   transposed panels   32 columns of W as a bf16 PackedMatrix of W^T   (pack_transposed)
 // One file per ISA beside a scalar reference, like the forward kernels (gemm.h).
 #pragma once
 
@@ -26,6 +27,11 @@ struct GradKernels {
   // One row of c ([gate 16, up 16] column pairs, cols gate columns): sig = sigmoid(gate),
   // h = gate * sig * up (the forward's SiLU, exp to ~2 ulp; sig kept for the backward).
   void (*silu)(const float* c, int cols, float* h, float* sig);
+  // Columns [k0, k0 + 32) of w transposed into a bf16 PackedMatrix of n = 32, k =
+  // round_up(w.n, 64) (element (j, r) = bf16(W[r, k0 + j]) rounded to nearest even, rows of W
+  // past w.n zero) at `out` (64-byte aligned, 2 * k * 32 bytes); rows: 16 x 32 floats of
+  // scratch. nullptr where the ISA has no bf16 GEMM (scalar, AVX2).
+  void (*pack_transposed)(const PackedMatrix& w, int k0, float* rows, uint8_t* out);
 };
 
 const GradKernels& reference_grad_kernels();

@@ -24,7 +24,7 @@ void gemm_scalar(int m, int depth, const float* a, size_t lda, const float* b, i
 
 const GradKernels& reference_grad_kernels() {
   static const GradKernels k{"scalar", unpack_cols_scalar, unpack_rows_scalar, gemm_scalar,
-                             silu_sig_row};
+                             silu_sig_row, nullptr};
   return k;
 }
 

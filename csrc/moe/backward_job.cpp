@@ -1,7 +1,9 @@
 // The routed experts' backward (backward_job.h): one task per (NUMA group, expert) gathers the
-// expert's rows and runs fp32 GEMMs over all of them (gate/up recomputed, dA = dY W_down,
-// dx = [dg, du] W_gate_up) on weight panels unpacked once per pass, writing per-slot partial dx
-// and dweights; a second phase sums each token's slots and groups.
+// expert's rows and runs GEMMs over all of them (gate/up recomputed, dA = dY W_down,
+// dx = [dg, du] W_gate_up), writing per-slot partial dx and dweights; a second phase sums each
+// token's slots and groups. fp32 math: fp32 GEMMs on weight panels unpacked once per pass.
+// bf16 math: the forward's kernels (AMX tiles from amx_min_tokens rows, else AVX-512) on bf16
+// activations, the transposed products on panels of W repacked transposed as bf16 n-blocks.
 #include "moe/backward_job.h"
 
 #include <algorithm>
@@ -10,6 +12,8 @@
 
 #include "kernels/grad.h"
 #include "layout/bf16.h"
+#include "moe/act_store.h"
+#include "moe/call_plan.h"
 #include "moe/routing.h"
 
 namespace hetmoe {
@@ -49,8 +53,10 @@ void expert_matrices(const MoELayer& l, int g, int e, PackedMatrix& gu, PackedMa
 struct Scratch {
   size_t ldx = 0, ldy = 0, ldc = 0, ldh = 0;
   std::vector<float> x, dy, c, h, sig, da, dx, y, panel;
+  // m: rows, 16-aligned for the forward kernels (they write round_up(m, 16) rows). dY rows are
+  // zero to hn rounded to 64 (the K of W_down^T's panels).
   void size(int m, int hp, int hn, int s, bool grad, bool want_y) {
-    ldx = hp + 16, ldy = hn + 16, ldc = 2 * s + 16, ldh = s + 16;
+    ldx = hp + 16, ldy = round_up(hn, 64) + 16, ldc = 2 * s + 16, ldh = s + 16;
     x.resize(size_t(m) * ldx);
     c.resize(size_t(m) * ldc);
     h.resize(size_t(m) * ldh);
@@ -124,6 +130,7 @@ struct GradPlan {
   const MoEGradCall* call;
   const GradKernels* kern;
   Routing routing;
+  bool bf16_math = false;
   int groups = 0, hidden = 0;
   std::vector<float> dx_slots;  // [G][q k][H]
   std::vector<float> dw_slots;  // [G][q k]
@@ -148,8 +155,86 @@ void gather(const GradPlan& p, int a, int hp, int hn, Scratch& s) {
     if (!c.dy) continue;
     float* dyr = s.dy.data() + size_t(i) * s.ldy;
     std::memcpy(dyr, c.dy + size_t(t) * H, sizeof(float) * H);
-    std::fill(dyr + H, dyr + hn, 0.0f);
+    std::fill(dyr + H, dyr + round_up(hn, 64), 0.0f);
   }
+}
+
+// bf16 math: the forward kernels of an expert of m rows and their activations' form.
+struct Bf16Math {
+  const IsaKernels* kernels;
+  const Epilogue* epilogue;
+  bool tiled;     // AMX: activations in tile order (act_store.h)
+  int group_size; // u8 activations' group (int formats' recompute), else 0
+};
+
+// 64-byte aligned activations of rows x k in the forward kernels' input form (act_store.h),
+// from per-thread memory (`slot` keeps the call's stores apart).
+ActStore activations(int slot, int rows, size_t k, int group_size) {
+  thread_local std::vector<uint8_t> act[4];
+  thread_local std::vector<float> groups[4];
+  const size_t ngroups = group_size ? k / group_size : 0, elem = group_size ? 1 : 2;
+  act[slot].resize(size_t(rows) * k * elem + 64);
+  groups[slot].resize(3 * size_t(rows) * ngroups);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(act[slot].data());
+  ActStore st;
+  st.act = reinterpret_cast<uint8_t*>((base + 63) & ~uintptr_t(63));
+  st.groups = groups[slot].data();
+  st.k = k;
+  st.total = size_t(rows);
+  st.ngroups = ngroups;
+  st.elem = elem;
+  return st;
+}
+
+// The first m rows of fp32 `src` (ld apart, k columns) as activations, rows m .. round_up(m,
+// 16) zero: the forward kernels read those.
+ActView put_rows(const Bf16Math& bm, int slot, const float* src, size_t ld, int m, size_t k,
+                 int group_size) {
+  const int mp = int(round_up(m, 16)), gs = group_size ? group_size : int(k);
+  ActStore st = activations(slot, mp, k, group_size);
+  for (int i = 0; i < m; ++i)
+    st.put(*bm.epilogue, i, 0, src + size_t(i) * ld, int(k), gs, bm.tiled);
+  for (int i = m; i < mp; ++i) st.zero(i, 0, k, gs, bm.tiled);
+  return st.view(0, m, bm.tiled);
+}
+
+// c[i][j] = sum_r a_i[r] W[r, j] for every column j of w: per 32 columns, the panel of W^T
+// (kernels/grad.h pack_transposed) times a's bf16 rows by the forward's bf16 GEMM.
+void times_w_bf16(const GradKernels& kern, const Bf16Math& bm, const PackedMatrix& w,
+                  const ActView& a, float* c, size_t ldc, float* rows) {
+  PackedMatrix t;
+  t.format = WeightFormat::kBF16;
+  t.n = 2 * kBlockN;
+  t.k = int(round_up(size_t(w.n), 64));
+  thread_local std::vector<uint8_t> mem;
+  mem.resize(size_t(t.n) * t.k * 2 + 64);
+  t.blocks = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(mem.data()) + 63) &
+                                        ~uintptr_t(63));
+  for (int k0 = 0; k0 < w.k; k0 += 2 * kBlockN) {
+    kern.pack_transposed(w, k0, rows, t.blocks);
+    bm.kernels->bf16(t, a, 0, 2, c + k0, ldc);
+  }
+}
+
+void bf16_expert(const GradPlan& p, const Bf16Math& bm, const PackedMatrix& gu,
+                 const PackedMatrix& dn, int m, const float* row_w, float* dw, Scratch& s) {
+  const GradKernels& kern = *p.kern;
+  const WeightFormat f = gu.format;
+  const int sl = dn.k;
+  const ActView x = put_rows(bm, 0, s.x.data(), s.ldx, m, gu.k, bm.group_size);
+  bm.kernels->get(f)(gu, x, 0, gu.n / kBlockN, s.c.data(), s.ldc);  // [m, 2S]
+  for (int i = 0; i < m; ++i)
+    kern.silu(s.c.data() + i * s.ldc, sl, s.h.data() + i * s.ldh, s.sig.data() + i * s.ldh);
+  if (!s.y.empty()) {
+    const ActView h = put_rows(bm, 1, s.h.data(), s.ldh, m, sl, bm.group_size);
+    bm.kernels->get(f)(dn, h, 0, dn.n / kBlockN, s.y.data(), s.ldy);
+  }
+  if (s.dy.empty()) return;
+  const ActView dy = put_rows(bm, 2, s.dy.data(), s.ldy, m, round_up(dn.n, 64), 0);
+  times_w_bf16(kern, bm, dn, dy, s.da.data(), s.ldh, s.panel.data());  // [m, S]
+  silu_backward(s, m, sl, row_w, dw);
+  const ActView dc = put_rows(bm, 3, s.c.data(), s.ldc, m, round_up(gu.n, 64), 0);
+  times_w_bf16(kern, bm, gu, dc, s.dx.data(), s.ldx, s.panel.data());  // [m, Hp]
 }
 
 void expert_task(GradPlan& p, int g, int a, std::vector<long>& row_slot) {
@@ -160,17 +245,27 @@ void expert_task(GradPlan& p, int g, int a, std::vector<long>& row_slot) {
   const bool grad = p.call->dy != nullptr, want_y = p.call->out != nullptr;
   const GradKernels& kern = *p.kern;
   thread_local Scratch s;
-  s.size(m, gu.k, dn.n, sl, grad, want_y);
+  const bool bf16 = p.bf16_math;
+  s.size(bf16 ? int(round_up(m, 16)) : m, gu.k, dn.n, sl, grad, want_y);
   gather(p, a, gu.k, dn.n, s);
-  times_wt(kern, gu, s.x.data(), s.ldx, m, s.c.data(), s.ldc, s.panel.data());  // [m, 2S]
-  for (int i = 0; i < m; ++i)
-    kern.silu(s.c.data() + i * s.ldc, sl, s.h.data() + i * s.ldh, s.sig.data() + i * s.ldh);
-  if (want_y) times_wt(kern, dn, s.h.data(), s.ldh, m, s.y.data(), s.ldy, s.panel.data());
   std::vector<float> dw(m, 0.0f);
-  if (grad) {
-    times_w(kern, dn, s.dy.data(), s.ldy, m, s.da.data(), s.ldh, s.panel.data());  // [m, S]
-    silu_backward(s, m, sl, p.routing.row_weight.data() + first, dw.data());
-    times_w(kern, gu, s.c.data(), s.ldc, m, s.dx.data(), s.ldx, s.panel.data());  // [m, Hp]
+  if (bf16) {
+    const MoEConfig& cfg = p.layer->config();
+    const bool amx = cfg.max_isa == Isa::kAmx && m >= cfg.amx_min_tokens;
+    const Bf16Math bm{&kernels_of(amx ? Isa::kAmx : Isa::kAvx512),
+                      &kernels_of(Isa::kAvx512).epilogue, amx,
+                      u8_activations(gu.format) ? cfg.group_size : 0};
+    bf16_expert(p, bm, gu, dn, m, p.routing.row_weight.data() + first, dw.data(), s);
+  } else {
+    times_wt(kern, gu, s.x.data(), s.ldx, m, s.c.data(), s.ldc, s.panel.data());  // [m, 2S]
+    for (int i = 0; i < m; ++i)
+      kern.silu(s.c.data() + i * s.ldc, sl, s.h.data() + i * s.ldh, s.sig.data() + i * s.ldh);
+    if (want_y) times_wt(kern, dn, s.h.data(), s.ldh, m, s.y.data(), s.ldy, s.panel.data());
+    if (grad) {
+      times_w(kern, dn, s.dy.data(), s.ldy, m, s.da.data(), s.ldh, s.panel.data());  // [m, S]
+      silu_backward(s, m, sl, p.routing.row_weight.data() + first, dw.data());
+      times_w(kern, gu, s.c.data(), s.ldc, m, s.dx.data(), s.ldx, s.panel.data());  // [m, Hp]
+    }
   }
   const size_t slots = size_t(p.call->q) * p.call->k;
   for (int i = 0; i < m; ++i) {
@@ -220,6 +315,7 @@ void moe_backward(const MoELayer& layer, ThreadPool& pool, const MoEGradCall& ca
              route(call.ids, call.weights, call.q, call.k, E, mask, loaded)};
   p.groups = layer.num_groups();
   p.hidden = cfg.hidden;
+  p.bf16_math = call.bf16_math && p.kern->pack_transposed != nullptr;
   const size_t slots = size_t(call.q) * call.k;
   if (call.dy) p.dx_slots.assign(size_t(p.groups) * slots * cfg.hidden, 0.0f);
   if (call.dy) p.dw_slots.assign(size_t(p.groups) * slots, 0.0f);

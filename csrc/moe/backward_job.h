@@ -4,7 +4,10 @@
 //   dweights[t,j] = <dY_t, down_e(silu(gate_e x_t) * up_e x_t)>
 // as fp32 GEMMs over each expert's rows on panels unpacked from the layer's packed n-blocks
 // (kernels/grad.h). The activations are recomputed from x in fp32 on the same weights,
-// dequantized exactly (no activation rounding).
+// dequantized exactly (no activation rounding). With bf16_math (bf16 training) on an ISA with
+// bf16 GEMMs (AVX-512, AMX) the forward's kernels compute all three products instead: x, dY and
+// the SiLU's gradient rounded to bf16 (x to u8 per group for the int formats' recompute, as the
+// forward rounds it), the weights as packed (transposed panels: bf16 of the dequantized values).
 #pragma once
 
 #include <cstdint>
@@ -27,10 +30,11 @@ struct MoEGradCall {
                                     // fp32 (the exact forward of fp32 training)
   const uint8_t* gpu_mask = nullptr;  // num_experts flags (nullable): skipped like -1
   const uint8_t* loaded = nullptr;    // num_experts flags: a routed expert must be loaded
+  bool bf16_math = false;             // the forward's bf16 / AMX kernels (see above)
 };
 
-// Runs on `pool` and returns when done. Kernel family: the layer's max_isa (AMX layers use the
-// AVX-512 kernels: there is no AMX backward yet). Throws std::out_of_range for an id outside
+// Runs on `pool` and returns when done. Kernel family: the layer's max_isa (fp32 math on AMX
+// layers uses the AVX-512 kernels; bf16 math falls back to fp32 math below AVX-512). Throws std::out_of_range for an id outside
 // [-1, num_experts), std::runtime_error for a routed expert never loaded.
 void moe_backward(const MoELayer& layer, ThreadPool& pool, const MoEGradCall& call);
 

@@ -144,6 +144,27 @@ def test_fp8_fp32_forward_and_backward_read_the_codes_exactly(isa: str) -> None:
     assert rel_error(dx, x64.grad) < 1e-5 and rel_error(dw, w64.grad) < 1e-5
 
 
+@pytest.mark.parametrize("isa", available_isas())
+def test_fp8_bf16_math_backward_within_bf16_rounding(isa: str) -> None:
+    """bf16 x: the backward's bf16 math (the forward's fp8 kernels, transposed panels of the
+    dequantized codes in bf16): within bf16 rounding of float64."""
+    e, h, i, q, k = 3, 200, 96, 40, 2
+    layer = Fp8Layer(e, h, i, (32, 32), seed=13)
+    moe = CpuMoE(e, h, i, "fp8", group_size=32, isa=isa.removesuffix("-all"),
+                 amx_min_tokens=1 if isa == "amx-all" else 16)
+    layer.load(moe)
+    g = torch.Generator().manual_seed(14)
+    x = _input(layer, q, g).bfloat16()
+    ids, weights = _routing(q, k, e, g)
+    dy = torch.randn(q, h, generator=g)
+    dx, dw = expert_backward(moe, x, ids, weights, dy)
+    x64 = x.double().requires_grad_()
+    w64 = weights.double().requires_grad_()
+    (layer.truth.reference(x64, ids, w64) * dy.double()).sum().backward()
+    assert x64.grad is not None and w64.grad is not None
+    assert rel_error(dx, x64.grad) < 1e-2 and rel_error(dw, w64.grad) < 1e-2
+
+
 def test_fp8_unpacked_for_gpu_prefill_equal_the_dequantized_weights() -> None:
     """packed_layout's fp8 unpack (GPU prefill's view, here on CPU tensors): the dequantized
     weights rounded once to bf16; padding zero."""

@@ -4,9 +4,12 @@ Experts are frozen: only the input and the routing weights get gradients. For ou
 sum_j w_j * expert_{ids_j}(x), given dY = d loss / d out:
     dx[t]          = sum_j w_j * J_{e_j}(x_t)^T dY_t   (down, SiLU gate, gate/up transposed)
     dweights[t, j] = <dY_t, expert_{e_j}(x_t)>
-The C++ job recomputes each expert's activations from x in fp32 on the exactly dequantized
-weights (no activation rounding, unlike the int forward kernels), so both gradients are those of
-the dequantized model. Runs on the process-wide pool.
+Math "fp32": the C++ job recomputes each expert's activations from x in fp32 on the exactly
+dequantized weights (no activation rounding, unlike the int forward kernels), so both gradients
+are those of the dequantized model. Math "bf16" (bf16 training; the default for bf16 x): the
+inference kernels' GEMMs, AMX tiles where an expert has enough rows, with x, dY and the SiLU's
+gradient rounded to bf16 (x to u8 per group for the int formats' recompute, as their forward
+rounds it); below AVX-512 it is the fp32 math. Runs on the process-wide pool.
 """
 
 from __future__ import annotations
@@ -16,19 +19,25 @@ import torch
 from hetmoe.experts.cpu_moe import CpuMoE
 
 _X_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+MATHS = ("fp32", "bf16")
 
 
 def expert_backward(moe: CpuMoE, x: torch.Tensor, expert_ids: torch.Tensor,
-                    expert_weights: torch.Tensor,
-                    grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    expert_weights: torch.Tensor, grad_out: torch.Tensor,
+                    math: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [q, H] float32, dweights [q, k] float32) of `moe.forward(x, ids, weights)` for
-    grad_out [q, H] (any float dtype). Ids of -1 and GPU-marked experts get dweights 0."""
+    grad_out [q, H] (any float dtype). Ids of -1 and GPU-marked experts get dweights 0.
+    `math`: "fp32" or "bf16" (module docstring); None: bf16 for bf16 x, else fp32."""
     _check(moe, "expert_backward", x, expert_ids, expert_weights, grad_out)
+    if math is None:
+        math = "bf16" if x.dtype == torch.bfloat16 else "fp32"
+    if math not in MATHS:
+        raise ValueError(f"expert_backward: math must be one of {MATHS}, found {math!r}")
     q, k = expert_ids.shape
     dx = torch.empty(q, moe.hidden, dtype=torch.float32)
     dweights = torch.empty(q, k, dtype=torch.float32)
     _run(moe, x, expert_ids, expert_weights, grad_out.to(torch.float32).contiguous(), dx,
-         dweights, None)
+         dweights, None, bf16_math=math == "bf16")
     return dx, dweights
 
 
@@ -70,7 +79,7 @@ def _check(moe: CpuMoE, where: str, x: torch.Tensor, expert_ids: torch.Tensor,
 
 def _run(moe: CpuMoE, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor,
          dy: torch.Tensor | None, dx: torch.Tensor | None, dweights: torch.Tensor | None,
-         out: torch.Tensor | None) -> None:
+         out: torch.Tensor | None, bf16_math: bool = False) -> None:
     q, k = expert_ids.shape
     if q == 0:
         return
@@ -85,7 +94,7 @@ def _run(moe: CpuMoE, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights:
     try:
         moe._layer.backward(x.data_ptr(), _X_DTYPES[x.dtype], ids.data_ptr(),
                             weights.data_ptr(), q, k, ptr(dy), ptr(dx), ptr(dweights), ptr(out),
-                            ptr(mask), loaded.data_ptr(), 0)
+                            ptr(mask), loaded.data_ptr(), 0, bf16_math)
     except IndexError:
         moe._check_ids(ids)  # names the first bad id as CpuMoE.forward does
         raise
