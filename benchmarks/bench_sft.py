@@ -7,7 +7,8 @@ and trains on random token rows of `--seq-len` x `--batch` (labels = inputs): `-
 then `--steps` timed ones, each split into forward (loss), backward and optimizer seconds.
 Activations bf16 on a GPU, fp32 on the CPU (as sft; `--dtype` to choose): the experts' forward
 is the inference kernels (AMX where there is AMX) for bf16, `expert_forward_fp32` for fp32; the
-backward is `expert_backward` (fp32 GEMMs, AVX-512) for both.
+backward is `expert_backward` in the activations' math (bf16: the forward's kernels, AMX tiles
+where an expert has enough rows; fp32: fp32 GEMMs on AVX-512).
 
 Floor: the routed experts' CPU work of one step, timed in the same run on MoE layer 0 alone
 through the op training calls (`BackendLink` -> `RoutedExperts`, forward then autograd
