@@ -177,22 +177,87 @@ inline __m512i bf16_bits(__m512 v) {
                : _mm512_srli_epi32(r, 16);
 }
 
+// 8 rows of 8 qwords -> their transpose (row c = qword c of each row), each qword's middle
+// 16-bit words swapped: 2 x 2 bf16 blocks from row-major to column-major (pack_transposed).
+inline void transpose_pairs(const __m512i* r, uint8_t* out) {
+  __m512i t[8], u[4];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm512_unpacklo_epi64(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi64(r[i], r[i + 1]);
+  }
+  const __m512i swap = _mm512_set4_epi32(0x0F0E0B0A, 0x0D0C0908, 0x07060302, 0x05040100);
+  for (int odd = 0; odd < 2; ++odd) {
+    u[0] = _mm512_shuffle_i64x2(t[odd], t[2 + odd], 0x88);
+    u[1] = _mm512_shuffle_i64x2(t[odd], t[2 + odd], 0xDD);
+    u[2] = _mm512_shuffle_i64x2(t[4 + odd], t[6 + odd], 0x88);
+    u[3] = _mm512_shuffle_i64x2(t[4 + odd], t[6 + odd], 0xDD);
+    const __m512i c[4] = {_mm512_shuffle_i64x2(u[0], u[2], 0x88),   // column odd
+                          _mm512_shuffle_i64x2(u[1], u[3], 0x88),   // odd + 2
+                          _mm512_shuffle_i64x2(u[0], u[2], 0xDD),   // odd + 4
+                          _mm512_shuffle_i64x2(u[1], u[3], 0xDD)};  // odd + 6
+    for (int i = 0; i < 4; ++i)
+      _mm512_store_si512(out + (odd + 2 * i) * 64, _mm512_shuffle_epi8(c[i], swap));
+  }
+}
+
+// The bf16 block rows (packed_matrix.h: 16 n x a k pair each) of columns [k0, k0 + 32) of
+// n-block nb: bf16 as packed, int8 dequantized (q * scale in fp32, rounded to nearest even).
+void bf16_rows(const PackedMatrix& w, int nb, int k0, __m512i* rows) {
+  if (w.format == WeightFormat::kBF16) {
+    const uint8_t* blk = w.k_block(nb, k0 / 32);
+    for (int r = 0; r < 16; ++r) rows[r] = _mm512_load_si512(blk + r * 64);
+    return;
+  }
+  const uint8_t* blk = w.k_block(nb, k0 / 64) + (k0 % 64) / 4 * 64;
+  const __m512 scale =
+      _mm512_loadu_ps(w.scale + (size_t(nb) * w.num_groups() + k0 / w.group_size) * 16);
+  for (int r = 0; r < 8; ++r) {  // an int8 row: 4 k of the 16 n
+    const __m512i v = _mm512_load_si512(blk + r * 64);
+    __m512 f[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m128i shift = _mm_cvtsi32_si128(24 - 8 * c);
+      f[c] = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sll_epi32(v, shift),
+                                                                       24)));
+    }
+    rows[2 * r] = _mm512_or_si512(bf16_bits<false>(f[0]), bf16_bits<true>(f[1]));
+    rows[2 * r + 1] = _mm512_or_si512(bf16_bits<false>(f[2]), bf16_bits<true>(f[3]));
+  }
+}
+
+constexpr int kPrefetchAhead = 8;
+
 // W^T's bf16 block (j, r / 32) holds rows r, r + 1 of W (a pair) in its tile row (r % 32) / 2:
-// 16 columns k0 + 16 j .. of each, as [column][r % 2] bf16 (packed_matrix.h).
+// 16 columns k0 + 16 j .. of each, as [column][r % 2] bf16 (packed_matrix.h). From W's bf16
+// block rows that is a transpose of 2 x 2 blocks (transpose_pairs); other formats go through
+// fp32 rows (unpack_rows).
 void pack_transposed_avx512(const PackedMatrix& w, int k0, float* rows, uint8_t* out) {
   const int kt = int(round_up(size_t(w.n), 64));
   const size_t nb_bytes = size_t(kt / 32) * 1024;  // one n-block of W^T
-  for (int nb = 0; nb < w.n / kBlockN; ++nb) {
+  const bool direct = w.format == WeightFormat::kBF16 || w.format == WeightFormat::kINT8;
+  const int nblocks = w.n / kBlockN, kb = k0 / w.k_block();
+  for (int nb = 0; nb < nblocks; ++nb) {
+    uint8_t* dst = out + size_t(nb / 2) * 1024 + size_t(nb % 2) * 512;
+    // The n-blocks lie a row of W apart: no hardware prefetcher follows that stride, so the
+    // block kPrefetchAhead n-blocks on is fetched now (a whole 1 KB k-block: an int8 block
+    // holds the next panel's columns too).
+    if (nb + kPrefetchAhead < nblocks)
+      for (int line = 0; line < 16; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(w.k_block(nb + kPrefetchAhead, kb)) +
+                     line * 64, _MM_HINT_T0);
+    if (direct) {
+      __m512i r[16];
+      bf16_rows(w, nb, k0, r);
+      transpose_pairs(r, dst);
+      transpose_pairs(r + 8, dst + nb_bytes);
+      continue;
+    }
     unpack_rows_avx512(w, nb, k0, k0 + 32, rows, 32);
-    for (int p = 0; p < 8; ++p) {
-      const int r = nb * kBlockN + 2 * p;
-      uint8_t* dst = out + size_t(r / 32) * 1024 + size_t(r % 32 / 2) * 64;
+    for (int p = 0; p < 8; ++p)
       for (int j = 0; j < 2; ++j) {
         const __m512i lo = bf16_bits<false>(_mm512_loadu_ps(rows + (2 * p) * 32 + 16 * j));
         const __m512i hi = bf16_bits<true>(_mm512_loadu_ps(rows + (2 * p + 1) * 32 + 16 * j));
-        _mm512_store_si512(dst + j * nb_bytes, _mm512_or_si512(lo, hi));
+        _mm512_store_si512(dst + j * nb_bytes + p * 64, _mm512_or_si512(lo, hi));
       }
-    }
   }
   for (int r = w.n; r < kt; r += 2)
     for (int j = 0; j < 2; ++j)

@@ -209,21 +209,23 @@ ActView put_rows(const Bf16Math& bm, int slot, const float* src, size_t ld, int 
   return st.view(0, m, bm.tiled);
 }
 
-// c[i][j] = sum_r a_i[r] W[r, j] for every column j of w: per 32 columns, the panel of W^T
-// (kernels/grad.h pack_transposed) times a's bf16 rows by the forward's bf16 GEMM.
+// c[i][j] = sum_r a_i[r] W[r, j] for every column j of w: per 64 columns (a whole k-block of
+// int8, two of bf16), the panel of W^T (kernels/grad.h pack_transposed, 32 columns a call) times
+// a's bf16 rows by the forward's bf16 GEMM.
 void times_w_bf16(const GradKernels& kern, const Bf16Math& bm, const PackedMatrix& w,
                   const ActView& a, float* c, size_t ldc, float* rows) {
   PackedMatrix t;
   t.format = WeightFormat::kBF16;
-  t.n = 2 * kBlockN;
+  t.n = 4 * kBlockN;
   t.k = int(round_up(size_t(w.n), 64));
   thread_local std::vector<uint8_t> mem;
   mem.resize(size_t(t.n) * t.k * 2 + 64);
   t.blocks = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(mem.data()) + 63) &
                                         ~uintptr_t(63));
-  for (int k0 = 0; k0 < w.k; k0 += 2 * kBlockN) {
+  for (int k0 = 0; k0 < w.k; k0 += 4 * kBlockN) {  // w.k: a multiple of 64
     kern.pack_transposed(w, k0, rows, t.blocks);
-    bm.kernels->bf16(t, a, 0, 2, c + k0, ldc);
+    kern.pack_transposed(w, k0 + 2 * kBlockN, rows, t.n_block(2));
+    bm.kernels->bf16(t, a, 0, 4, c + k0, ldc);
   }
 }
 
