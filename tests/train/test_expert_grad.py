@@ -123,6 +123,8 @@ def test_two_numa_groups() -> None:
     code = (f"import sys; sys.path.insert(0, {here!r}); import test_expert_grad as t; "
             "t.test_backward_equals_float64_autograd('auto', 'int4', 32, (4, 100, 200, 37, 3)); "
             "t.test_backward_equals_float64_autograd('auto', 'bf16', None, (5, 72, 40, 1, 1)); "
+            "t.BF16_ISAS and t.test_bf16_math_is_within_its_rounding_of_float64("
+            "t.BF16_ISAS[-1], 'int8', 32, (4, 100, 200, 37, 3)); "
             "from hetmoe.experts.cpu_moe import CpuMoE; "
             "assert CpuMoE(2, 64, 200).num_groups == 2")
     env = dict(os.environ, HETMOE_NUMA_GROUPS="2", HETMOE_THREADS="2")
