@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 from hetmoe import _cpu
 from hetmoe.bench.shapes import SHAPES, routed_expert_shape
 from hetmoe.experts import CpuMoE
-from hetmoe.machine import huge_page_bytes, machine_report
+from hetmoe.machine import huge_page_bytes, machine_report, source_commit
 
 FORMATS = ("bf16", "int8", "int4")
 FP8_BLOCK = (128, 128)
@@ -224,7 +223,7 @@ def main() -> None:
     parser.add_argument("--no-torch", action="store_true",
                         help="skip the plain-torch baseline (it keeps a bf16 copy of every layer)")
     parser.add_argument("--git", default="",
-                        help="commit to record (default: git rev-parse HEAD, where .git exists)")
+                        help="commit to record (default: this checkout's, where it is one)")
     args = parser.parse_args()
     E, H, I, top_k = routed_expert_shape(args.shape)
     E = args.experts or E
@@ -245,8 +244,7 @@ def main() -> None:
               "read_bandwidth_gbs": pool_bandwidth / 1e9, "torch_sum_gbs": torch_bandwidth / 1e9,
               "torch_bf16_matmul_tflops": tflops_torch,
               "shape": {"name": args.shape, "E": E, "H": H, "I": I, "k": ks, "layers": args.layers},
-              "git": args.git or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                text=True).stdout.strip(),
+              "git": args.git or source_commit(Path(__file__).resolve().parents[1]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "warmup_s": args.warmup_s, "crossover": {},
               "rows": []}

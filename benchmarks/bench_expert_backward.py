@@ -99,11 +99,9 @@ def measure_baseline(fmt: str, args: argparse.Namespace) -> dict[str, list[float
 
 
 def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return "unknown"
+    from hetmoe.machine import source_commit
+
+    return source_commit(Path(__file__).resolve().parents[1])
 
 
 def main() -> None:

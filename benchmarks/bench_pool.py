@@ -15,13 +15,12 @@ import argparse
 import json
 import queue
 import statistics
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 from hetmoe import _cpu, _cpu_testing
-from hetmoe.machine import machine_report
+from hetmoe.machine import machine_report, source_commit
 
 
 def python_queue_handoff(iters: int, warmup: int = 200) -> dict[str, float]:
@@ -70,12 +69,7 @@ def summarize(samples: list[float]) -> dict[str, float]:
 
 
 def git_sha() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return source_commit(Path(__file__).resolve().parents[1])
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.engine.sampler import SamplingParams
 from hetmoe.engine.scheduler import Event, Scheduler
-from hetmoe.machine import machine_report
+from hetmoe.machine import machine_report, source_commit
 
 
 def build_runner(args: argparse.Namespace, max_batch: int, window: int) -> ModelRunner:
@@ -163,11 +162,7 @@ def main() -> None:
 
 
 def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return source_commit(Path(__file__).resolve().parents[1])
 
 
 if __name__ == "__main__":

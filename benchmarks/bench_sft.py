@@ -42,7 +42,6 @@ import gc
 import json
 import logging
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,7 +53,7 @@ from hetmoe.bench.measure import read_bandwidth, sync
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import SHAPES, shape_config
 from hetmoe.experts.backend import backends
-from hetmoe.machine import machine_report
+from hetmoe.machine import machine_report, source_commit
 from hetmoe.ops.deferral import moe_layers
 from hetmoe.ops.moe_step import backend_link
 from hetmoe.presets.tiny import tiny_config
@@ -274,11 +273,7 @@ def overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> flo
 
 
 def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return source_commit(Path(__file__).resolve().parents[1])
 
 
 def measure_rates(moe: Any, tokens: int, dtype: torch.dtype, repeats: int,

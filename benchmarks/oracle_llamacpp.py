@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from hetmoe import env
-from hetmoe.machine import machine_report
+from hetmoe.machine import machine_report, source_commit
 
 LLAMA_CPP_PYTHON = "0.3.36"
 """Pinned llama-cpp-python sdist (it vendors llama.cpp and its converter)."""
@@ -223,12 +223,8 @@ def compare(
 
 
 def git_sha() -> str:
-    """The checked-out commit, or "unknown" outside a git tree."""
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    return done.stdout.strip() or "unknown"
+    """The checked-out commit, or "unknown" outside a checkout of this project."""
+    return source_commit(Path(__file__).resolve().parents[1])
 
 
 def _models(

@@ -22,7 +22,6 @@ import argparse
 import copy
 import json
 import math
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetmoe.machine import machine_report
+from hetmoe.machine import machine_report, source_commit
 from hetmoe.train.data import IGNORE, Row, build_rows
 
 QUESTION = [{"role": "user", "content": "What is the capital of Italy?"}]
@@ -335,8 +334,7 @@ def main() -> None:
     if args.png:
         plot(args.png, ours, ref, f"LoRA SFT on demo vs dense SmolLM2 ({settings.steps} steps)")
     if args.json:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True).stdout.strip()
+        sha = source_commit(Path(__file__).resolve().parents[1])
         import peft
 
         record = {"date": time.strftime("%Y-%m-%d"), "commit": sha, "machine": machine_report(),

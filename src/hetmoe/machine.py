@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 
@@ -95,3 +96,17 @@ def machine_report() -> dict[str, str]:
     except ImportError:
         report["transformers"] = "not installed"
     return report
+
+
+def source_commit(root: Path) -> str:
+    """The short commit of the checkout whose root is `root` (it must hold `.git` itself), or
+    "unknown": an exported tree or an installed package never reports the commit of some
+    repository around it."""
+    if not (root / ".git").exists():
+        return "unknown"
+    try:
+        done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return done.stdout.strip() or "unknown"

@@ -23,7 +23,6 @@ import datetime
 import gc
 import os
 import platform
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -39,7 +38,7 @@ from hetmoe.bench.trace import TraceRecorder
 from hetmoe.config import EngineConfig
 from hetmoe.engine.overlap import MoEOverlap, cpu_moe_of
 from hetmoe.engine.runner import ModelRunner
-from hetmoe.machine import huge_page_bytes
+from hetmoe.machine import huge_page_bytes, source_commit
 
 MODES = ("cpu", "torch-cpu", "accelerate")
 
@@ -317,11 +316,7 @@ def _now() -> str:
 
 
 def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return source_commit(Path(__file__).resolve().parents[3])
 
 
 def _machine(device: torch.device) -> dict[str, Any]:
