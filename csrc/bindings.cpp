@@ -105,15 +105,22 @@ void bind_stream_flags(nb::module_& m) {
 }
 
 // Raw pointers (tensor.data_ptr()) only: shapes, dtypes and contiguity are checked in Python.
-hetmoe::MoECall make_call(uintptr_t x, int x_dtype, uintptr_t ids, uintptr_t weights, int q,
-                          int k, uintptr_t out, int out_dtype) {
-  hetmoe::MoECall c;
+// The routing fields a forward call (MoECall) and a backward call (MoEGradCall) share.
+template <class Call>
+Call routed_call(uintptr_t x, int x_dtype, uintptr_t ids, uintptr_t weights, int q, int k) {
+  Call c;
   c.x = reinterpret_cast<const void*>(x);
   c.x_type = hetmoe::DType(x_dtype);
   c.ids = reinterpret_cast<const int64_t*>(ids);
   c.weights = reinterpret_cast<const float*>(weights);
   c.q = q;
   c.k = k;
+  return c;
+}
+
+hetmoe::MoECall make_call(uintptr_t x, int x_dtype, uintptr_t ids, uintptr_t weights, int q,
+                          int k, uintptr_t out, int out_dtype) {
+  auto c = routed_call<hetmoe::MoECall>(x, x_dtype, ids, weights, q, k);
   c.out = reinterpret_cast<void*>(out);
   c.out_type = hetmoe::DType(out_dtype);
   return c;
@@ -228,13 +235,7 @@ void bind_moe_backward(nb::class_<MoELayer>& layer) {
                            uintptr_t weights, int q, int k, uintptr_t dy, uintptr_t dx,
                            uintptr_t dweights, uintptr_t out, uintptr_t gpu_mask,
                            uintptr_t loaded, int threads, bool bf16_math) {
-    hetmoe::MoEGradCall c;
-    c.x = reinterpret_cast<const void*>(x);
-    c.x_type = hetmoe::DType(x_dtype);
-    c.ids = reinterpret_cast<const int64_t*>(ids);
-    c.weights = reinterpret_cast<const float*>(weights);
-    c.q = q;
-    c.k = k;
+    auto c = routed_call<hetmoe::MoEGradCall>(x, x_dtype, ids, weights, q, k);
     c.dy = reinterpret_cast<const float*>(dy);
     c.dx = reinterpret_cast<float*>(dx);
     c.dweights = reinterpret_cast<float*>(dweights);
