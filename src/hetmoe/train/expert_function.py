@@ -4,8 +4,11 @@ weights (experts frozen), so the router, everything before it and LoRA adapters 
 `BackendLink` (ops/moe_step.py) calls `routed_experts` when grad is enabled and the layer's experts
 are the `cpu` backend. Precision follows the activations: fp32 x gets the expert math in fp32
 (`expert_forward_fp32`, computed at `finish`), bf16 x the inference kernels' forward (submitted at
-`start`, so it overlaps the shared experts). Backward recomputes the experts' activations from the
-saved x, ids and weights (csrc/moe/backward_job.h): nothing per expert is kept between the passes.
+`start`, so it overlaps the shared experts); the backward likewise (expert_grad.py: fp32 GEMMs, or
+the inference kernels in bf16 with AMX tiles). Backward recomputes the experts' activations from
+the saved x, ids and weights (csrc/moe/backward_job.h): nothing per expert is kept between the
+passes (the recompute was a fifth of the bf16 backward's CPU time at the Qwen3-30B-A3B shape,
+docs/benchmarks/sft.md; keeping gate/up would hold 2 x T x K x I values per layer).
 The backward node's inputs are CPU tensors, so autograd runs it on the CPU thread while the GPU
 thread goes on with the graph's other branches (shared experts, attention).
 """
