@@ -201,23 +201,55 @@ inline void transpose_pairs(const __m512i* r, uint8_t* out) {
 }
 
 // The bf16 block rows (packed_matrix.h: 16 n x a k pair each) of columns [k0, k0 + 32) of
-// n-block nb: bf16 as packed, int8 dequantized (q * scale in fp32, rounded to nearest even).
+// n-block nb, dequantized as unpack_cols does (in fp32: int8 scale q, int4 scale q + bias, fp8
+// scale e4m3) and rounded to nearest even; bf16 as packed.
 void bf16_rows(const PackedMatrix& w, int nb, int k0, __m512i* rows) {
   if (w.format == WeightFormat::kBF16) {
     const uint8_t* blk = w.k_block(nb, k0 / 32);
     for (int r = 0; r < 16; ++r) rows[r] = _mm512_load_si512(blk + r * 64);
     return;
   }
-  const uint8_t* blk = w.k_block(nb, k0 / 64) + (k0 % 64) / 4 * 64;
-  const __m512 scale =
-      _mm512_loadu_ps(w.scale + (size_t(nb) * w.num_groups() + k0 / w.group_size) * 16);
-  for (int r = 0; r < 8; ++r) {  // an int8 row: 4 k of the 16 n
-    const __m512i v = _mm512_load_si512(blk + r * 64);
+  const int g = k0 / w.group_size;  // one group: groups are 32 k or wider, k0 a multiple of 32
+  if (w.fp8()) {
+    const __m512i subnormals = fp8_subnormal_table();
+    const __m512 scale = _mm512_loadu_ps(w.scale + (size_t(nb) * w.num_groups() + g) * 16);
+    for (int r = 0; r < 16; ++r) {  // k pair k0 / 2 + r: 32 codes
+      const __m512i v = fp8x32_to_bf16(w.n_block(nb) + size_t(k0 / 2 + r) * 32, subnormals);
+      rows[r] = _mm512_or_si512(bf16_bits<false>(_mm512_mul_ps(scale, bf16_even(v))),
+                                bf16_bits<true>(_mm512_mul_ps(scale, bf16_odd(v))));
+    }
+    return;
+  }
+  const bool int4 = w.int4();
+  const uint8_t* blk = w.k_block(nb, k0 / 64);
+  const int r0 = (k0 % 64) / 4;  // the first of 8 int8 block rows (4 k of the 16 n each)
+  __m512 scale, bias = _mm512_setzero_ps();
+  if (int4) {
+    const uint16_t* meta = w.meta(nb, g);
+    scale = bf16x16(meta);
+    bias = bf16x16(meta + 32);
+  } else {
+    scale = _mm512_loadu_ps(w.scale + (size_t(nb) * w.num_groups() + g) * 16);
+  }
+  for (int r = 0; r < 8; ++r) {
+    __m512i v;
+    if (int4) {  // int8 row r0 + r: byte row (r0 + r) % 8, low nibbles below row 8
+      v = _mm512_load_si512(blk + ((r0 + r) % 8) * 64);
+      if (r0 >= 8) v = _mm512_srli_epi32(v, 4);
+    } else {
+      v = _mm512_load_si512(blk + (r0 + r) * 64);
+    }
     __m512 f[4];
     for (int c = 0; c < 4; ++c) {
-      const __m128i shift = _mm_cvtsi32_si128(24 - 8 * c);
-      f[c] = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sll_epi32(v, shift),
-                                                                       24)));
+      __m512i q;
+      if (int4)
+        q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * c)),
+                                              _mm512_set1_epi32(0xF)),
+                             _mm512_set1_epi32(8));
+      else
+        q = _mm512_srai_epi32(_mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * c)), 24);
+      f[c] = int4 ? _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(q), bias)
+                  : _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q));
     }
     rows[2 * r] = _mm512_or_si512(bf16_bits<false>(f[0]), bf16_bits<true>(f[1]));
     rows[2 * r + 1] = _mm512_or_si512(bf16_bits<false>(f[2]), bf16_bits<true>(f[3]));
@@ -228,36 +260,24 @@ constexpr int kPrefetchAhead = 8;
 
 // W^T's bf16 block (j, r / 32) holds rows r, r + 1 of W (a pair) in its tile row (r % 32) / 2:
 // 16 columns k0 + 16 j .. of each, as [column][r % 2] bf16 (packed_matrix.h). From W's bf16
-// block rows that is a transpose of 2 x 2 blocks (transpose_pairs); other formats go through
-// fp32 rows (unpack_rows).
-void pack_transposed_avx512(const PackedMatrix& w, int k0, float* rows, uint8_t* out) {
+// block rows (bf16_rows) that is a transpose of 2 x 2 blocks (transpose_pairs).
+void pack_transposed_avx512(const PackedMatrix& w, int k0, uint8_t* out) {
   const int kt = int(round_up(size_t(w.n), 64));
   const size_t nb_bytes = size_t(kt / 32) * 1024;  // one n-block of W^T
-  const bool direct = w.format == WeightFormat::kBF16 || w.format == WeightFormat::kINT8;
   const int nblocks = w.n / kBlockN, kb = k0 / w.k_block();
   for (int nb = 0; nb < nblocks; ++nb) {
-    uint8_t* dst = out + size_t(nb / 2) * 1024 + size_t(nb % 2) * 512;
     // The n-blocks lie a row of W apart: no hardware prefetcher follows that stride, so the
-    // block kPrefetchAhead n-blocks on is fetched now (a whole 1 KB k-block: an int8 block
-    // holds the next panel's columns too).
-    if (nb + kPrefetchAhead < nblocks)
-      for (int line = 0; line < 16; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(w.k_block(nb + kPrefetchAhead, kb)) +
-                     line * 64, _MM_HINT_T0);
-    if (direct) {
-      __m512i r[16];
-      bf16_rows(w, nb, k0, r);
-      transpose_pairs(r, dst);
-      transpose_pairs(r + 8, dst + nb_bytes);
-      continue;
+    // k-block of the n-block kPrefetchAhead on is fetched now (a quantized one holds the next
+    // panel's columns too).
+    if (nb + kPrefetchAhead < nblocks) {
+      const char* ahead = reinterpret_cast<const char*>(w.k_block(nb + kPrefetchAhead, kb));
+      for (size_t b = 0; b < w.block_bytes(); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
     }
-    unpack_rows_avx512(w, nb, k0, k0 + 32, rows, 32);
-    for (int p = 0; p < 8; ++p)
-      for (int j = 0; j < 2; ++j) {
-        const __m512i lo = bf16_bits<false>(_mm512_loadu_ps(rows + (2 * p) * 32 + 16 * j));
-        const __m512i hi = bf16_bits<true>(_mm512_loadu_ps(rows + (2 * p + 1) * 32 + 16 * j));
-        _mm512_store_si512(dst + j * nb_bytes + p * 64, _mm512_or_si512(lo, hi));
-      }
+    __m512i r[16];
+    bf16_rows(w, nb, k0, r);
+    uint8_t* dst = out + size_t(nb / 2) * 1024 + size_t(nb % 2) * 512;
+    transpose_pairs(r, dst);
+    transpose_pairs(r + 8, dst + nb_bytes);
   }
   for (int r = w.n; r < kt; r += 2)
     for (int j = 0; j < 2; ++j)

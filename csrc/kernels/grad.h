@@ -28,10 +28,10 @@ struct GradKernels {
   // h = gate * sig * up (the forward's SiLU, exp to ~2 ulp; sig kept for the backward).
   void (*silu)(const float* c, int cols, float* h, float* sig);
   // Columns [k0, k0 + 32) of w transposed into a bf16 PackedMatrix of n = 32, k =
-  // round_up(w.n, 64) (element (j, r) = bf16(W[r, k0 + j]) rounded to nearest even, rows of W
-  // past w.n zero) at `out` (64-byte aligned, 2 * k * 32 bytes); rows: 16 x 32 floats of
-  // scratch. nullptr where the ISA has no bf16 GEMM (scalar, AVX2).
-  void (*pack_transposed)(const PackedMatrix& w, int k0, float* rows, uint8_t* out);
+  // round_up(w.n, 64) (element (j, r) = bf16(W[r, k0 + j]) of the dequantized value, rounded to
+  // nearest even; rows of W past w.n zero) at `out` (64-byte aligned, 2 * k * 32 bytes).
+  // nullptr where the ISA has no bf16 GEMM (scalar, AVX2).
+  void (*pack_transposed)(const PackedMatrix& w, int k0, uint8_t* out);
 };
 
 const GradKernels& reference_grad_kernels();

@@ -213,7 +213,7 @@ ActView put_rows(const Bf16Math& bm, int slot, const float* src, size_t ld, int 
 // int8, two of bf16), the panel of W^T (kernels/grad.h pack_transposed, 32 columns a call) times
 // a's bf16 rows by the forward's bf16 GEMM.
 void times_w_bf16(const GradKernels& kern, const Bf16Math& bm, const PackedMatrix& w,
-                  const ActView& a, float* c, size_t ldc, float* rows) {
+                  const ActView& a, float* c, size_t ldc) {
   PackedMatrix t;
   t.format = WeightFormat::kBF16;
   t.n = 4 * kBlockN;
@@ -223,8 +223,8 @@ void times_w_bf16(const GradKernels& kern, const Bf16Math& bm, const PackedMatri
   t.blocks = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(mem.data()) + 63) &
                                         ~uintptr_t(63));
   for (int k0 = 0; k0 < w.k; k0 += 4 * kBlockN) {  // w.k: a multiple of 64
-    kern.pack_transposed(w, k0, rows, t.blocks);
-    kern.pack_transposed(w, k0 + 2 * kBlockN, rows, t.n_block(2));
+    kern.pack_transposed(w, k0, t.blocks);
+    kern.pack_transposed(w, k0 + 2 * kBlockN, t.n_block(2));
     bm.kernels->bf16(t, a, 0, 4, c + k0, ldc);
   }
 }
@@ -244,10 +244,10 @@ void bf16_expert(const GradPlan& p, const Bf16Math& bm, const PackedMatrix& gu,
   }
   if (s.dy.empty()) return;
   const ActView dy = put_rows(bm, 2, s.dy.data(), s.ldy, m, round_up(dn.n, 64), 0);
-  times_w_bf16(kern, bm, dn, dy, s.da.data(), s.ldh, s.panel.data());  // [m, S]
+  times_w_bf16(kern, bm, dn, dy, s.da.data(), s.ldh);  // [m, S]
   silu_backward(s, m, sl, row_w, dw);
   const ActView dc = put_rows(bm, 3, s.c.data(), s.ldc, m, round_up(gu.n, 64), 0);
-  times_w_bf16(kern, bm, gu, dc, s.dx.data(), s.ldx, s.panel.data());  // [m, Hp]
+  times_w_bf16(kern, bm, gu, dc, s.dx.data(), s.ldx);  // [m, Hp]
 }
 
 void expert_task(GradPlan& p, int g, int a, std::vector<long>& row_slot) {
