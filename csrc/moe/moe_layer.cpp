@@ -136,10 +136,12 @@ void MoELayer::map_file(const std::string& path, const std::vector<size_t>& offs
                                 " group offsets for a layer of " + std::to_string(G) + " groups");
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw std::runtime_error(path + ": cannot open (" + std::strerror(errno) + ")");
+  const bool place = G > 1 && pool_.num_groups() == G;  // MAP_POPULATE would read on this thread
   std::vector<uint8_t*> maps(G, nullptr);
   try {
     for (int g = 0; g < G; ++g)
-      if (memory_bytes_[g]) maps[g] = map_group(fd, path, g, offsets[g], memory_bytes_[g], populate);
+      if (memory_bytes_[g])
+        maps[g] = map_group(fd, path, g, offsets[g], memory_bytes_[g], populate && !place);
   } catch (...) {
     for (int g = 0; g < G; ++g)
       if (maps[g]) munmap(maps[g], memory_bytes_[g]);
@@ -153,6 +155,26 @@ void MoELayer::map_file(const std::string& path, const std::vector<size_t>& offs
   for (int g = 0; g < G; ++g)
     for (int e = 0; slice(g) && e < cfg_.num_experts; ++e) place_expert(g, e);
   loaded_.assign(cfg_.num_experts, 1);
+  if (place) place_mapped_pages();
+}
+
+void MoELayer::place_mapped_pages() {
+  constexpr size_t kChunk = size_t(8) << 20;  // bytes per touching task
+  const int G = num_groups();
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  size_t chunks = 0;
+  for (int g = 0; g < G; ++g) chunks = std::max(chunks, (memory_bytes_[g] + kChunk - 1) / kChunk);
+  Phase move{1, [this](size_t, int g, int) {
+    numa_move(memory_[g], memory_bytes_[g], pool_.group_node(g));
+  }};
+  Phase touch{chunks, [this, page](size_t task, int g, int) {
+    const size_t begin = task * kChunk, end = std::min(memory_bytes_[g], begin + kChunk);
+    const volatile uint8_t* p = memory_[g];
+    uint8_t sum = 0;
+    for (size_t b = begin; b < end; b += page) sum = uint8_t(sum + p[b]);
+    (void)sum;
+  }};
+  pool_.run(Job{move, touch});
 }
 
 size_t MoELayer::packed_bytes() const {

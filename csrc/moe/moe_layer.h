@@ -62,7 +62,9 @@ class MoELayer {
   // Serves every expert from the file at `path` (written by `hetmoe convert` from
   // group_memory): group g's mapping is its group_bytes(g) bytes at offsets[g] (page aligned),
   // mapped read-only in place of the layer's own memory, no copy; with `populate` the pages are
-  // read in now. The mappings live as long as the layer; load_expert is refused afterwards.
+  // read in now. With several NUMA groups every page is placed now on its group's node
+  // (place_mapped_pages), whatever `populate` says. The mappings live as long as the layer;
+  // load_expert is refused afterwards.
   void map_file(const std::string& path, const std::vector<size_t>& offsets, bool populate);
   bool mapped() const { return mapped_; }
   // num_experts bytes, nonzero = the expert lives on the GPU (skipped here); nullptr clears.
@@ -133,6 +135,12 @@ class MoELayer {
   // Points group g's matrices of expert e into the group's mapping.
   void place_expert(int g, int e);
   void release_memory();
+  // Each NUMA group's mapping on its group's node: pages already in the page cache elsewhere
+  // moved there (numa_move), then one byte of every page read by the group's own workers, so
+  // a page read in now is allocated on the node that reads it (the default local policy), not
+  // on the caller's, nor later by whichever thread touches it first (GPU prefill registering
+  // the mapping, say).
+  void place_mapped_pages();
 
   MoEConfig cfg_;
   ThreadPool& pool_;

@@ -99,6 +99,14 @@ void numa_free(void* ptr, size_t bytes) {
   if (ptr != nullptr) munmap(ptr, bytes);
 }
 
+void numa_move(void* ptr, size_t bytes, int node) {
+  if (ptr == nullptr || bytes == 0 || node < 0 || node >= 64) return;
+  constexpr unsigned kMfMove = 1U << 1;  // MPOL_MF_MOVE from <linux/mempolicy.h>
+  unsigned long mask = 1UL << node;
+  // Best effort, as in map_on_node: a refusal leaves the pages where they are.
+  syscall(SYS_mbind, ptr, bytes, kMpolPreferred, &mask, 64UL, kMfMove);
+}
+
 const char* numa_memory_placement() {
 #ifdef HETMOE_HAVE_LIBNUMA
   return "libnuma";

@@ -101,6 +101,10 @@ inline constexpr size_t kHugePageBytes = size_t(2) << 20;
 // numa_free(ptr, same bytes).
 void* numa_alloc(size_t bytes, int node, size_t alignment = 64);
 void numa_free(void* ptr, size_t bytes);
+// Moves the pages of [ptr, ptr + bytes) (page aligned) now resident elsewhere to `node` and
+// prefers it for later ones (mbind MPOL_MF_MOVE; best effort: pages other processes map stay,
+// kernels without NUMA refuse). node < 0: nothing.
+void numa_move(void* ptr, size_t bytes, int node);
 // How numa_alloc places memory: "libnuma" or "mbind" (this build's choice).
 const char* numa_memory_placement();
 

@@ -54,3 +54,41 @@ def test_two_groups_equal_one(tmp_path: Path, q: int) -> None:
         a, b = one[fmt][1], two[fmt][1]
         # Same packed values and activations; only the fp32 summation order of the halves differs.
         assert float((a - b).norm() / a.norm()) < 1e-6, fmt
+
+
+MAPPED = """
+import json, sys, torch
+sys.path.insert(0, {here!r})
+from moe_oracle import make_experts
+from hetmoe.experts import CpuMoE
+from hetmoe.experts.packed_layout import host_tensor
+w = make_experts(6, 128, 384, seed=41)
+packed = CpuMoE(6, 128, 384, "int8", group_size=128)
+packed.load(w.gate, w.up, w.down)
+assert packed.num_groups == 2
+path, offsets, at = sys.argv[1], [], 0
+with open(path, "wb") as f:
+    for part in packed.packed_groups():
+        offsets.append(at)
+        f.seek(at)
+        f.write(host_tensor(part).numpy().data)
+        at += -(-part.bytes // (2 << 20)) * (2 << 20)
+g = torch.Generator().manual_seed(42)
+x = torch.randn(40, 128, generator=g)
+ids = torch.randint(-1, 6, (40, 4), generator=g)
+wts = torch.rand(40, 4, generator=g)
+for populate in (False, True):
+    mapped = CpuMoE(6, 128, 384, "int8", group_size=128)
+    mapped.map_file(path, offsets, populate)  # each group's pages placed by its own workers
+    assert all(p.read_only for p in mapped.packed_groups())
+    assert torch.equal(mapped.forward(x, ids, wts), packed.forward(x, ids, wts)), populate
+print("ok")
+"""
+
+
+def test_a_file_mapped_over_two_groups_equals_the_packed_layer(tmp_path: Path) -> None:
+    env = dict(os.environ, HETMOE_NUMA_GROUPS="2", HETMOE_THREADS="2")
+    script = MAPPED.format(here=str(Path(__file__).parent))
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "layer.bin")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
