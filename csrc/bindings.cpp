@@ -44,6 +44,11 @@ void bind_cpu(nb::module_& m) {
   }, "CPU features this build can use here (CPUID + OS state + AMX permission).");
   m.def("best_isa", [] { return std::string(hetmoe::isa_name(hetmoe::best_isa())); },
         "The best kernel family this CPU/OS can run: amx, avx512, avx2 or scalar.");
+#ifdef HETMOE_AMX_EMULATION
+  m.attr("AMX_EMULATION") = true;  // CMakeLists.txt: AMX in plain C++, a developer build
+#else
+  m.attr("AMX_EMULATION") = false;
+#endif
 }
 
 // The CPU thread pool and its introspection (pool=None: the process-wide pool).

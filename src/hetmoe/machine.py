@@ -57,11 +57,13 @@ def huge_page_bytes() -> int:
 def machine_report() -> dict[str, str]:
     """Facts about CPU, ISA, NUMA, GPU and library versions, as printable strings."""
     from hetmoe import __version__
-    from hetmoe._cpu import cpu_features
+    from hetmoe._cpu import AMX_EMULATION, cpu_features
 
     feats = cpu_features()
     isa = [name for name in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni") if feats[name]]
-    if not feats["amx_tile"]:
+    if AMX_EMULATION:
+        amx = "EMULATED in plain C++ (a developer build for testing: no timing means anything)"
+    elif not feats["amx_tile"]:
         amx = "not in this CPU (prefill's expert matmuls run on AVX-512/AVX2, several times slower)"
     elif feats["amx_permitted"]:
         amx = "yes, OS permission granted"

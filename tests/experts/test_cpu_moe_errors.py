@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from moe_oracle import make_experts
@@ -50,6 +52,18 @@ def layer() -> CpuMoE:
     moe.load_expert(0, w.gate[0], w.up[0], w.down[0])
     moe.load_expert(1, w.gate[1], w.up[1], w.down[1])
     return moe
+
+
+def test_amx_is_emulated_only_in_the_developer_build() -> None:
+    """CMake's HETMOE_AMX_EMULATION build (csrc/testing/amx_emulation.h) reports AMX on any
+    AVX-512 CPU; every other build reports what the CPU and OS grant. CI runs the kernel tests
+    once more on the emulated build, where this checks that it is the one loaded."""
+    features = _cpu.cpu_features()
+    if os.environ.get("HETMOE_EXPECT_AMX_EMULATION") == "1":
+        assert _cpu.AMX_EMULATION and _cpu.best_isa() == "amx" and features["amx_permitted"]
+    else:
+        assert not _cpu.AMX_EMULATION
+        assert _cpu.best_isa() != "amx" or (features["amx_tile"] and features["amx_permitted"])
 
 
 def test_load_errors(layer: CpuMoE) -> None:
