@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from hetmoe import _cpu
+from hetmoe.experts import CpuMoE
+from hetmoe.experts.packed_layout import host_tensor
 
 ISA_ORDER = ("scalar", "avx2", "avx512", "amx")
 
@@ -56,3 +59,16 @@ def make_experts(num_experts: int, hidden: int, intermediate: int, seed: int) ->
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative Frobenius error ||out - ref|| / ||ref||."""
     return float((out.double() - ref).norm() / ref.norm())
+
+
+def write_packed_groups(moe: CpuMoE, path: Path | str) -> list[int]:
+    """`moe`'s packed groups written to one file as `hetmoe convert` lays a layer out (each
+    group at a 2 MiB-aligned offset); the offsets, for `CpuMoE.map_file`."""
+    offsets, at = [], 0
+    with open(path, "wb") as f:
+        for part in moe.packed_groups():
+            offsets.append(at)
+            f.seek(at)
+            f.write(host_tensor(part).numpy().data)
+            at += -(-part.bytes // (2 << 20)) * (2 << 20)
+    return offsets

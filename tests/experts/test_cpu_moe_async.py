@@ -10,11 +10,10 @@ import threading
 from pathlib import Path
 
 import torch
-from moe_oracle import make_experts
+from moe_oracle import make_experts, write_packed_groups
 
 from hetmoe import _cpu
 from hetmoe.experts import CpuMoE
-from hetmoe.experts.packed_layout import host_tensor
 
 
 def _layer() -> tuple[CpuMoE, list[tuple[torch.Tensor, ...]]]:
@@ -110,13 +109,8 @@ def test_sync_waits_for_the_pools_first_job(tmp_path: Path) -> None:
     w = make_experts(8, 256, 256, seed=4)
     moe = CpuMoE(8, 256, 256)
     moe.load(w.gate, w.up, w.down)
-    path, offsets, at = tmp_path / "layer.bin", [], 0
-    with open(path, "wb") as f:
-        for part in moe.packed_groups():
-            offsets.append(at)
-            f.seek(at)
-            f.write(host_tensor(part).numpy().data)
-            at += -(-part.bytes // (2 << 20)) * (2 << 20)
+    path = tmp_path / "layer.bin"
+    offsets = write_packed_groups(moe, path)
     run = subprocess.run([sys.executable, "-c", _FIRST_JOB, str(path), json.dumps(offsets)],
                          capture_output=True, text=True, check=True)
     result = json.loads(run.stdout.strip().splitlines()[-1])

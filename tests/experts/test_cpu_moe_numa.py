@@ -59,20 +59,14 @@ def test_two_groups_equal_one(tmp_path: Path, q: int) -> None:
 MAPPED = """
 import json, sys, torch
 sys.path.insert(0, {here!r})
-from moe_oracle import make_experts
+from moe_oracle import make_experts, write_packed_groups
 from hetmoe.experts import CpuMoE
-from hetmoe.experts.packed_layout import host_tensor
 w = make_experts(6, 128, 384, seed=41)
 packed = CpuMoE(6, 128, 384, "int8", group_size=128)
 packed.load(w.gate, w.up, w.down)
 assert packed.num_groups == 2
-path, offsets, at = sys.argv[1], [], 0
-with open(path, "wb") as f:
-    for part in packed.packed_groups():
-        offsets.append(at)
-        f.seek(at)
-        f.write(host_tensor(part).numpy().data)
-        at += -(-part.bytes // (2 << 20)) * (2 << 20)
+path = sys.argv[1]
+offsets = write_packed_groups(packed, path)
 g = torch.Generator().manual_seed(42)
 x = torch.randn(40, 128, generator=g)
 ids = torch.randint(-1, 6, (40, 4), generator=g)
