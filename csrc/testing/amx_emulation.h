@@ -70,35 +70,34 @@ inline float bf16(const uint8_t* p) {
   return f;
 }
 
-inline void dpbf16ps(int c, int a, int b) {
+// C[m][n] (Acc: float or int32) += term(4 bytes k of A's row m, 4 bytes n of B's row k), in k
+// order, over C's rows and columns and A's 4-byte columns.
+template <class Acc, class Term>
+void tile_dot(int c, int a, int b, Term term) {
   Tiles& t = tiles();
-  const int m_rows = t.rows[c], n_cols = t.colsb[c] / 4, k_pairs = t.colsb[a] / 4;
+  const int m_rows = t.rows[c], n_cols = t.colsb[c] / 4, k_steps = t.colsb[a] / 4;
   for (int m = 0; m < m_rows; ++m)
     for (int n = 0; n < n_cols; ++n) {
-      float acc;
+      Acc acc;
       std::memcpy(&acc, t.data[c] + m * 64 + n * 4, 4);
-      for (int k = 0; k < k_pairs; ++k) {
-        const uint8_t* x = t.data[a] + m * 64 + k * 4;
-        const uint8_t* w = t.data[b] + k * 64 + n * 4;
-        acc += bf16(x) * bf16(w) + bf16(x + 2) * bf16(w + 2);
-      }
+      for (int k = 0; k < k_steps; ++k)
+        acc += term(t.data[a] + m * 64 + k * 4, t.data[b] + k * 64 + n * 4);
       std::memcpy(t.data[c] + m * 64 + n * 4, &acc, 4);
     }
 }
 
+inline void dpbf16ps(int c, int a, int b) {
+  tile_dot<float>(c, a, b, [](const uint8_t* x, const uint8_t* w) {
+    return bf16(x) * bf16(w) + bf16(x + 2) * bf16(w + 2);
+  });
+}
+
 inline void dpbusd(int c, int a, int b) {
-  Tiles& t = tiles();
-  const int m_rows = t.rows[c], n_cols = t.colsb[c] / 4, k_quads = t.colsb[a] / 4;
-  for (int m = 0; m < m_rows; ++m)
-    for (int n = 0; n < n_cols; ++n) {
-      int32_t acc;
-      std::memcpy(&acc, t.data[c] + m * 64 + n * 4, 4);
-      for (int k = 0; k < k_quads; ++k)
-        for (int i = 0; i < 4; ++i)
-          acc += int32_t(t.data[a][m * 64 + k * 4 + i]) *
-                 int32_t(int8_t(t.data[b][k * 64 + n * 4 + i]));
-      std::memcpy(t.data[c] + m * 64 + n * 4, &acc, 4);
-    }
+  tile_dot<int32_t>(c, a, b, [](const uint8_t* x, const uint8_t* w) {
+    int32_t sum = 0;
+    for (int i = 0; i < 4; ++i) sum += int32_t(x[i]) * int32_t(int8_t(w[i]));
+    return sum;
+  });
 }
 
 }  // namespace hetmoe::amx_emulation
