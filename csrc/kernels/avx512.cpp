@@ -56,9 +56,73 @@ void bf16_tokens(const uint8_t* blocks, int kblocks, const uint16_t* x, size_t l
     _mm512_storeu_ps(c + size_t(t) * ldc, _mm512_add_ps(even[t], odd[t]));
 }
 
+// Many tokens (prefill on a CPU without AMX, the bf16 backward's products): MT tokens x NB
+// n-blocks of registers, so each weight row loaded serves MT tokens and each broadcast NB
+// n-blocks (6 x 2: 24 accumulators, 4 weight rows and 12 broadcasts per 24 vdpbf16ps; the 4 x 1
+// tiles above load 2 rows and 8 broadcasts per 8). The even and odd block rows keep separate
+// sums as bf16_tokens does, so every output is the same float whichever kernel computed it.
+template <int MT, int NB>
+void bf16_tile(const uint8_t* b0, const uint8_t* b1, int kblocks, const uint16_t* x, size_t ld,
+               float* c, size_t ldc) {
+  __m512 even[MT][NB], odd[MT][NB];
+  for (int t = 0; t < MT; ++t)
+    for (int j = 0; j < NB; ++j) even[t][j] = odd[t][j] = _mm512_setzero_ps();
+  const uint8_t* b[2] = {b0, b1};
+  for (int kb = 0; kb < kblocks; ++kb)
+    for (int r = 0; r < 16; r += 2) {
+      __m512bh w0[NB], w1[NB];
+      for (int j = 0; j < NB; ++j) {
+        w0[j] = (__m512bh)_mm512_load_si512(b[j] + size_t(kb) * 1024 + r * 64);
+        w1[j] = (__m512bh)_mm512_load_si512(b[j] + size_t(kb) * 1024 + (r + 1) * 64);
+      }
+      for (int t = 0; t < MT; ++t) {
+        const uint16_t* xt = x + size_t(t) * ld + kb * 32 + r * 2;
+        const __m512bh x0 = (__m512bh)broadcast32(xt), x1 = (__m512bh)broadcast32(xt + 2);
+        for (int j = 0; j < NB; ++j) {
+          even[t][j] = _mm512_dpbf16_ps(even[t][j], x0, w0[j]);
+          odd[t][j] = _mm512_dpbf16_ps(odd[t][j], x1, w1[j]);
+        }
+      }
+    }
+  for (int t = 0; t < MT; ++t)
+    for (int j = 0; j < NB; ++j)
+      _mm512_storeu_ps(c + size_t(t) * ldc + 16 * j, _mm512_add_ps(even[t][j], odd[t][j]));
+}
+
+template <int NB>
+void bf16_tiles(const uint8_t* b0, const uint8_t* b1, int kblocks, const ActView& a, float* c,
+                size_t ldc) {
+  constexpr int kTile = 6;
+  for (int t = 0; t < a.m; t += kTile) {
+    const uint16_t* x = a.bf16 + size_t(t) * a.ld;
+    float* ct = c + size_t(t) * ldc;
+    switch (a.m - t >= kTile ? kTile : a.m - t) {
+      case 1: bf16_tile<1, NB>(b0, b1, kblocks, x, a.ld, ct, ldc); break;
+      case 2: bf16_tile<2, NB>(b0, b1, kblocks, x, a.ld, ct, ldc); break;
+      case 3: bf16_tile<3, NB>(b0, b1, kblocks, x, a.ld, ct, ldc); break;
+      case 4: bf16_tile<4, NB>(b0, b1, kblocks, x, a.ld, ct, ldc); break;
+      case 5: bf16_tile<5, NB>(b0, b1, kblocks, x, a.ld, ct, ldc); break;
+      default: bf16_tile<6, NB>(b0, b1, kblocks, x, a.ld, ct, ldc); break;
+    }
+  }
+}
+
+// Tokens per expert from which gemm_bf16 runs the register tiles: below, decode's token groups
+// stream each n-block once with their prefetch (on AMX hosts bf16 takes AMX from 2 tokens, so
+// only CPUs without AMX reach the tiles).
+constexpr int kTileMinTokens = 8;
+
 void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
                size_t ldc) {
   const int kblocks = w.num_k_blocks();
+  if (a.m >= kTileMinTokens) {
+    for (int nb = nb_begin; nb < nb_end; nb += 2) {
+      float* cn = c + (nb - nb_begin) * 16;
+      if (nb + 1 < nb_end) bf16_tiles<2>(w.n_block(nb), w.n_block(nb + 1), kblocks, a, cn, ldc);
+      else bf16_tiles<1>(w.n_block(nb), w.n_block(nb), kblocks, a, cn, ldc);
+    }
+    return;
+  }
   const uint8_t* end = w.n_block(nb_end);
   for (int nb = nb_begin; nb < nb_end; ++nb) {
     float* cn = c + (nb - nb_begin) * 16;
