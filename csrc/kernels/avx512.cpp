@@ -1,6 +1,7 @@
-// AVX-512 kernels for few tokens per expert (decode): BF16 dot products (vdpbf16ps) and VNNI
-// u8 x s8 (vpdpbusd). A 64-byte block row is one register holding all 16 outputs, so each
-// token needs only a broadcast of its matching activations and no horizontal sums.
+// AVX-512 kernels, mostly for few tokens per expert (decode): BF16 dot products (vdpbf16ps) and
+// VNNI u8 x s8 (vpdpbusd). A 64-byte block row is one register holding all 16 outputs, so each
+// token needs only a broadcast of its matching activations and no horizontal sums. BF16 with
+// many tokens (CPUs without AMX) runs register tiles of 6 tokens x 2 n-blocks (bf16_tile).
 #include <immintrin.h>
 
 #include "kernels/epilogue.h"
