@@ -43,37 +43,47 @@ void cols_pairs(const PackedMatrix& w, int nb, int k0, int k1, float* out, size_
   }
 }
 
-// An int block row (16 n x 4 k, a byte per (n, k); int4 the low or high nibbles of row r % 8).
+// One group of an int n-block, dequantized in fp32 (int8 scale q, int4 scale q + bias): block row
+// r (of a 64-k block) holds k = 4 r + c of the 16 n, a byte per (n, k); int4 the low (r < 8) or
+// high nibbles of byte row r % 8. Shared by unpack_cols and pack_transposed.
 template <bool kInt4>
-void cols_int(const PackedMatrix& w, int nb, int k0, int k1, float* out, size_t ld) {
-  for (int k = k0; k < k1; k += 4) {
-    const uint8_t* blk = w.k_block(nb, k / 64);
-    const int r = (k % 64) / 4, g = k / w.group_size;
-    __m512i v;
-    __m512 scale, bias = _mm512_setzero_ps();
+struct IntGroup {
+  __m512 scale, bias = _mm512_setzero_ps();
+  IntGroup(const PackedMatrix& w, int nb, int g) {
     if (kInt4) {
-      v = _mm512_loadu_si512(blk + (r % 8) * 64);
-      if (r >= 8) v = _mm512_srli_epi32(v, 4);
       const uint16_t* meta = w.meta(nb, g);
       scale = bf16x16(meta);
       bias = bf16x16(meta + 32);
     } else {
-      v = _mm512_loadu_si512(blk + r * 64);
       scale = _mm512_loadu_ps(w.scale + (size_t(nb) * w.num_groups() + g) * 16);
     }
-    for (int c = 0; c < 4; ++c) {
-      const __m128i shift = _mm_cvtsi32_si128(kInt4 ? 8 * c : 24 - 8 * c);
-      __m512i q;
-      if (kInt4)
-        q = _mm512_sub_epi32(
-            _mm512_and_si512(_mm512_srl_epi32(v, shift), _mm512_set1_epi32(0xF)),
-            _mm512_set1_epi32(8));
-      else
-        q = _mm512_srai_epi32(_mm512_sll_epi32(v, shift), 24);
-      const __m512 f = _mm512_cvtepi32_ps(q);
-      _mm512_storeu_ps(out + size_t(k - k0 + c) * ld,
-                       kInt4 ? _mm512_fmadd_ps(scale, f, bias) : _mm512_mul_ps(scale, f));
-    }
+  }
+  // Block row r of the 64-k block at blk, its k in the 4 bytes of each lane.
+  static __m512i row(const uint8_t* blk, int r) {
+    if (!kInt4) return _mm512_loadu_si512(blk + r * 64);
+    const __m512i v = _mm512_loadu_si512(blk + (r % 8) * 64);
+    return r >= 8 ? _mm512_srli_epi32(v, 4) : v;
+  }
+  // The 16 weights of k = 4 r + c from row(blk, r).
+  __m512 lane(__m512i v, int c) const {
+    const __m128i shift = _mm_cvtsi32_si128(kInt4 ? 8 * c : 24 - 8 * c);
+    __m512i q;
+    if (kInt4)
+      q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srl_epi32(v, shift), _mm512_set1_epi32(0xF)),
+                           _mm512_set1_epi32(8));
+    else
+      q = _mm512_srai_epi32(_mm512_sll_epi32(v, shift), 24);
+    const __m512 f = _mm512_cvtepi32_ps(q);
+    return kInt4 ? _mm512_fmadd_ps(scale, f, bias) : _mm512_mul_ps(scale, f);
+  }
+};
+
+template <bool kInt4>
+void cols_int(const PackedMatrix& w, int nb, int k0, int k1, float* out, size_t ld) {
+  for (int k = k0; k < k1; k += 4) {
+    const IntGroup<kInt4> group(w, nb, k / w.group_size);
+    const __m512i v = IntGroup<kInt4>::row(w.k_block(nb, k / 64), (k % 64) / 4);
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + size_t(k - k0 + c) * ld, group.lane(v, c));
   }
 }
 
@@ -200,6 +210,20 @@ inline void transpose_pairs(const __m512i* r, uint8_t* out) {
   }
 }
 
+// bf16_rows of an int n-block: its 8 block rows of the 32 columns, each 4 k of the 16 n.
+template <bool kInt4>
+void int_bf16_rows(const PackedMatrix& w, int nb, int k0, int g, __m512i* rows) {
+  const IntGroup<kInt4> group(w, nb, g);
+  const uint8_t* blk = w.k_block(nb, k0 / 64);
+  for (int r = 0; r < 8; ++r) {
+    const __m512i v = IntGroup<kInt4>::row(blk, (k0 % 64) / 4 + r);
+    rows[2 * r] = _mm512_or_si512(bf16_bits<false>(group.lane(v, 0)),
+                                  bf16_bits<true>(group.lane(v, 1)));
+    rows[2 * r + 1] = _mm512_or_si512(bf16_bits<false>(group.lane(v, 2)),
+                                      bf16_bits<true>(group.lane(v, 3)));
+  }
+}
+
 // The bf16 block rows (packed_matrix.h: 16 n x a k pair each) of columns [k0, k0 + 32) of
 // n-block nb, dequantized as unpack_cols does (in fp32: int8 scale q, int4 scale q + bias, fp8
 // scale e4m3) and rounded to nearest even; bf16 as packed.
@@ -220,40 +244,8 @@ void bf16_rows(const PackedMatrix& w, int nb, int k0, __m512i* rows) {
     }
     return;
   }
-  const bool int4 = w.int4();
-  const uint8_t* blk = w.k_block(nb, k0 / 64);
-  const int r0 = (k0 % 64) / 4;  // the first of 8 int8 block rows (4 k of the 16 n each)
-  __m512 scale, bias = _mm512_setzero_ps();
-  if (int4) {
-    const uint16_t* meta = w.meta(nb, g);
-    scale = bf16x16(meta);
-    bias = bf16x16(meta + 32);
-  } else {
-    scale = _mm512_loadu_ps(w.scale + (size_t(nb) * w.num_groups() + g) * 16);
-  }
-  for (int r = 0; r < 8; ++r) {
-    __m512i v;
-    if (int4) {  // int8 row r0 + r: byte row (r0 + r) % 8, low nibbles below row 8
-      v = _mm512_load_si512(blk + ((r0 + r) % 8) * 64);
-      if (r0 >= 8) v = _mm512_srli_epi32(v, 4);
-    } else {
-      v = _mm512_load_si512(blk + (r0 + r) * 64);
-    }
-    __m512 f[4];
-    for (int c = 0; c < 4; ++c) {
-      __m512i q;
-      if (int4)
-        q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * c)),
-                                              _mm512_set1_epi32(0xF)),
-                             _mm512_set1_epi32(8));
-      else
-        q = _mm512_srai_epi32(_mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * c)), 24);
-      f[c] = int4 ? _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(q), bias)
-                  : _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q));
-    }
-    rows[2 * r] = _mm512_or_si512(bf16_bits<false>(f[0]), bf16_bits<true>(f[1]));
-    rows[2 * r + 1] = _mm512_or_si512(bf16_bits<false>(f[2]), bf16_bits<true>(f[3]));
-  }
+  if (w.int4()) return int_bf16_rows<true>(w, nb, k0, g, rows);
+  int_bf16_rows<false>(w, nb, k0, g, rows);
 }
 
 constexpr int kPrefetchAhead = 8;

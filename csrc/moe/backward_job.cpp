@@ -178,17 +178,22 @@ struct Bf16Math {
   int group_size; // u8 activations' group (int formats' recompute), else 0
 };
 
+// `bytes` of `buf` (a per-thread buffer, grown as needed) from a 64-byte boundary.
+uint8_t* aligned64(std::vector<uint8_t>& buf, size_t bytes) {
+  buf.resize(bytes + 64);
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) &
+                                    ~uintptr_t(63));
+}
+
 // 64-byte aligned activations of rows x k in the forward kernels' input form (act_store.h),
 // from per-thread memory (`slot` keeps the call's stores apart).
 ActStore activations(int slot, int rows, size_t k, int group_size) {
   thread_local std::vector<uint8_t> act[4];
   thread_local std::vector<float> groups[4];
   const size_t ngroups = group_size ? k / group_size : 0, elem = group_size ? 1 : 2;
-  act[slot].resize(size_t(rows) * k * elem + 64);
   groups[slot].resize(3 * size_t(rows) * ngroups);
-  const uintptr_t base = reinterpret_cast<uintptr_t>(act[slot].data());
   ActStore st;
-  st.act = reinterpret_cast<uint8_t*>((base + 63) & ~uintptr_t(63));
+  st.act = aligned64(act[slot], size_t(rows) * k * elem);
   st.groups = groups[slot].data();
   st.k = k;
   st.total = size_t(rows);
@@ -219,9 +224,7 @@ void times_w_bf16(const GradKernels& kern, const Bf16Math& bm, const PackedMatri
   t.n = 4 * kBlockN;
   t.k = int(round_up(size_t(w.n), 64));
   thread_local std::vector<uint8_t> mem;
-  mem.resize(size_t(t.n) * t.k * 2 + 64);
-  t.blocks = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(mem.data()) + 63) &
-                                        ~uintptr_t(63));
+  t.blocks = aligned64(mem, size_t(t.n) * t.k * 2);
   for (int k0 = 0; k0 < w.k; k0 += 4 * kBlockN) {  // w.k: a multiple of 64
     kern.pack_transposed(w, k0, t.blocks);
     kern.pack_transposed(w, k0 + 2 * kBlockN, t.n_block(2));
