@@ -4,6 +4,8 @@
 // its group's scale), rows by 16 x 16 register transposes of those columns.
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "kernels/grad_silu.h"
 #include "kernels/fp8_avx512.h"
 #include "kernels/grad.h"
@@ -80,10 +82,14 @@ struct IntGroup {
 
 template <bool kInt4>
 void cols_int(const PackedMatrix& w, int nb, int k0, int k1, float* out, size_t ld) {
-  for (int k = k0; k < k1; k += 4) {
-    const IntGroup<kInt4> group(w, nb, k / w.group_size);
-    const __m512i v = IntGroup<kInt4>::row(w.k_block(nb, k / 64), (k % 64) / 4);
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + size_t(k - k0 + c) * ld, group.lane(v, c));
+  for (int k = k0; k < k1;) {  // a group at a time: its scale (and bias) loaded once
+    const int g = k / w.group_size, end = std::min(k1, (g + 1) * w.group_size);
+    const IntGroup<kInt4> group(w, nb, g);
+    for (; k < end; k += 4) {
+      const __m512i v = IntGroup<kInt4>::row(w.k_block(nb, k / 64), (k % 64) / 4);
+      for (int c = 0; c < 4; ++c)
+        _mm512_storeu_ps(out + size_t(k - k0 + c) * ld, group.lane(v, c));
+    }
   }
 }
 
