@@ -6,14 +6,16 @@
 // bench_amx_core.py; prints one line of key=value pairs.
 //
 // FORMAT bf16-peak / int8-peak times the bare tile instruction instead: 2 x 2 output tiles with
-// A and B in tile registers (no loads), or with `-l1`, reloaded each step from 4 KB (L1); M K
-// NBLOCKS LDC COPIES GROUP_SIZE are then ignored and CALLS counts 64k-instruction rounds.
+// A and B in tile registers (no loads), or with `-l1`, reloaded each step from 4 KB (L1), or with
+// `-l2`, each step's four tiles the next 4 KB of a 256 KB buffer (L2); M K NBLOCKS LDC COPIES
+// GROUP_SIZE are then ignored and CALLS counts 64k-instruction rounds.
 //
 // TILED 1 hands the kernel its activations as already in tile order (ActView::tile_step, as the
 // layer's prefill writes them), read in place; 0 (default) row-major, copied per call.
 //
 // Usage: bench_amx_core FORMAT M K NBLOCKS LDC COPIES CALLS GROUP_SIZE CPU [TILED]
-//   FORMAT: bf16, int8, bf16-peak, int8-peak, bf16-peak-l1, int8-peak-l1
+//   FORMAT: bf16, int8, bf16-peak, int8-peak, bf16-peak-l1, int8-peak-l1, bf16-peak-l2,
+//           int8-peak-l2
 #include <sched.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -26,12 +28,13 @@
 #include <vector>
 
 #include "kernels/amx.cpp"
+#include "kernels/amx_fp8.cpp"
 
 namespace {
 
 // Seconds for `rounds` x 16384 steps of four tdpbf16ps / tdpbusd on four C tiles, A and B
-// resident, or (from_l1) loaded every step from a 4 KB buffer.
-template <bool kInt8, bool kFromL1>
+// resident (kSpan 0), or loaded every step from a buffer of kSpan bytes, walked 4 KB per step.
+template <bool kInt8, size_t kSpan>
 double peak(int rounds);
 
 double cpu_seconds() {
@@ -50,10 +53,11 @@ void set_tile_step(View&, int, long) {}
 
 void* alloc(size_t bytes) { return std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096); }
 
-template <bool kInt8, bool kFromL1>
+template <bool kInt8, size_t kSpan>
 double peak(int rounds) {
-  alignas(64) static uint8_t buf[4096];
-  for (int i = 0; i < 4096; ++i) buf[i] = uint8_t(kInt8 ? i % 61 : (i % 2 ? 0x3f : i % 97));
+  alignas(64) static uint8_t buf[kSpan > 4096 ? kSpan : 4096];
+  for (size_t i = 0; i < sizeof(buf); ++i)
+    buf[i] = uint8_t(kInt8 ? i % 61 : (i % 2 ? 0x3f : i % 97));
   hetmoe::configure(64);
   _tile_zero(0);
   _tile_zero(1);
@@ -66,11 +70,12 @@ double peak(int rounds) {
   const double t0 = cpu_seconds();
   for (int r = 0; r < rounds; ++r)
     for (int s = 0; s < 16384; ++s) {
-      if (kFromL1) {
-        _tile_loadd(4, buf, 64);
-        _tile_loadd(6, buf + 2048, 64);
-        _tile_loadd(7, buf + 3072, 64);
-        _tile_loadd(5, buf + 1024, 64);
+      if (kSpan) {
+        const uint8_t* p = buf + (kSpan > 4096 ? size_t(s) * 4096 % kSpan : 0);
+        _tile_loadd(4, p, 64);
+        _tile_loadd(6, p + 2048, 64);
+        _tile_loadd(7, p + 3072, 64);
+        _tile_loadd(5, p + 1024, 64);
       }
       if (kInt8) {
         _tile_dpbusd(0, 4, 6);
@@ -115,9 +120,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (fmt.find("-peak") != std::string::npos) {
-    const bool int8 = fmt.rfind("int8", 0) == 0, l1 = fmt.find("-l1") != std::string::npos;
-    const double sec = int8 ? (l1 ? peak<true, true>(calls) : peak<true, false>(calls))
-                            : (l1 ? peak<false, true>(calls) : peak<false, false>(calls));
+    const bool int8 = fmt.rfind("int8", 0) == 0, l1 = fmt.find("-l1") != std::string::npos,
+               l2 = fmt.find("-l2") != std::string::npos;
+    constexpr size_t kL2 = 256 << 10;
+    const double sec =
+        int8 ? (l2 ? peak<true, kL2>(calls) : l1 ? peak<true, 4096>(calls) : peak<true, 0>(calls))
+             : (l2 ? peak<false, kL2>(calls) : l1 ? peak<false, 4096>(calls)
+                                                  : peak<false, 0>(calls));
     const double ops = 4.0 * 16384 * calls * 2 * 16 * 16 * (int8 ? 64 : 32);
     std::printf("format=%s us_per_call=%.1f tops_per_core=%.3f\n", fmt.c_str(),
                 sec / calls * 1e6, ops / sec / 1e12);

@@ -8,7 +8,11 @@ First it measures the AVX-512/AMX crossover (tokens per expert) per format and u
 
 Usage: python benchmarks/bench_cpu_moe.py [--shape deepseek-v2-lite] [--layers 6]
            [--formats bf16,int8,int4 | --weight-format fp8] [--json out.json] [--quick]
-           [--no-crossover] [--git SHA] [--warmup-s 1.0]
+           [--no-crossover] [--git SHA] [--warmup-s 1.0] [--trace DIR]
+
+Each row also gives the phases of profiled calls: their wall times, and their busy shares (the
+workers' summed task time over the phase's wall time x workers; below 1: workers wait, on the
+phase's tail or its start), with --trace a Chrome trace of one such call per prefill row.
 """
 
 from __future__ import annotations
@@ -151,12 +155,38 @@ def crossover(layers: list[CpuMoE], quick: bool) -> tuple[int, list[dict]]:
     return (best or CROSSOVER_M[-1]), rows
 
 
+PHASES = ("convert", "gather", "gate/up", "down", "combine")
+
+
+def busy_shares(spans: list[list[int]]) -> list[float]:
+    """Per phase: the workers' summed task time over (the phase's wall time x the call's workers):
+    1.0 when every worker runs that phase's tasks from its first start to its last end."""
+    workers = len({(g, w) for _, g, w, _, _ in spans}) or 1
+    shares = []
+    for p in range(len(PHASES)):
+        mine = [(start, end) for slot, _, _, start, end in spans if slot == p]
+        wall = max(e for _, e in mine) - min(s for s, _ in mine) if mine else 0
+        shares.append(sum(e - s for s, e in mine) / (wall * workers) if wall else 0.0)
+    return shares
+
+
+def chrome_trace(spans: list[list[int]]) -> dict:
+    """The spans as a Chrome / Perfetto trace: one row per worker, microseconds from the call's
+    first task."""
+    t0 = min(s[3] for s in spans)
+    return {"traceEvents": [
+        {"name": PHASES[slot], "ph": "X", "pid": g, "tid": w, "ts": (start - t0) / 1e3,
+         "dur": (end - start) / 1e3} for slot, g, w, start, end in spans]}
+
+
 def phases(layers: list[CpuMoE], x: torch.Tensor,
-           routes: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], float]:
+           routes: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], float,
+                                                                     list[float], list]:
     """Median microseconds per phase (convert, gather, gate/up, down, combine) over one profiled
-    call per route (one call's phases vary by tens of percent), and the median wall time of
-    those calls in ms. Routes not used by the timed calls, so the weights come from DRAM."""
-    samples, walls = [], []
+    call per route (one call's phases vary by tens of percent), the median wall time of those
+    calls in ms, the median busy share per phase (busy_shares) and the last call's task spans.
+    Routes not used by the timed calls, so the weights come from DRAM."""
+    samples, walls, shares, spans = [], [], [], []
     for i, route in enumerate(routes):
         moe = layers[i % len(layers)]
         moe._layer.set_profile(True)
@@ -165,8 +195,13 @@ def phases(layers: list[CpuMoE], x: torch.Tensor,
         walls.append(time.perf_counter() - start)
         moe._layer.set_profile(False)
         samples.append(moe._layer.phase_us())
+        # (a build from before task spans, timed against this one, has none)
+        spans = [list(s) for s in getattr(moe._layer, "task_spans", list)()]
+        shares.append(busy_shares(spans))
     return ([round(statistics.median(s[p] for s in samples), 1) for p in range(len(samples[0]))],
-            1e3 * statistics.median(walls))
+            1e3 * statistics.median(walls),
+            [round(statistics.median(s[p] for s in shares), 3) for p in range(len(PHASES))],
+            spans)
 
 
 def warm_up(layers: list[CpuMoE], seconds: float) -> None:
@@ -222,6 +257,9 @@ def main() -> None:
                              "other at q <= 4 (e.g. 64,32), alternating in this process")
     parser.add_argument("--no-torch", action="store_true",
                         help="skip the plain-torch baseline (it keeps a bf16 copy of every layer)")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="folder for a Chrome trace of one profiled call per prefill row "
+                             "(q >= 512): every task's worker, phase and time")
     parser.add_argument("--git", default="",
                         help="commit to record (default: this checkout's, where it is one)")
     args = parser.parse_args()
@@ -292,8 +330,12 @@ def main() -> None:
             for moe in layers:
                 moe._layer.set_decode_cols(default_cols)
             sec = sec_of["ms"]
-            phase_us, profiled_ms = phases(
+            phase_us, profiled_ms, busy, spans = phases(
                 layers, x, [routing(q, E, K, seed=1000 * q + 500 + r) for r in range(9)])
+            if args.trace and q >= 512:
+                args.trace.mkdir(parents=True, exist_ok=True)
+                name = f"trace_{spec.replace(':', '_g')}_q{q}_k{K}.json"
+                (args.trace / name).write_text(json.dumps(chrome_trace(spans)))
             flops = 3 * 2 * H * I * q * K
             row = {"format": spec, "group_size": layers[0].group_size, "q": q, "k": K,
                    "ms": sec * 1e3,
@@ -302,7 +344,7 @@ def main() -> None:
                    "bw_fraction": distinct * expert_bytes / sec / bandwidth,
                    "bw_floor_ms": distinct * expert_bytes / bandwidth * 1e3,
                    "tflops": flops / sec / 1e12,
-                   "phase_us": phase_us, "profiled_ms": profiled_ms}
+                   "phase_us": phase_us, "profiled_ms": profiled_ms, "phase_busy": busy}
             if "raw_ms" in sec_of:
                 row["raw_ms"] = 1e3 * sec_of["raw_ms"]
             for name in (n for n in sec_of if n.startswith("cols")):
@@ -330,12 +372,13 @@ def main() -> None:
           f"{tflops_torch:.1f} TFLOPS, {report['machine']['cpu']}")
     print(f"{'fmt':5} {'q':>5} {'k':>2} {'ms':>9} {'GB/s':>7} {'%BW':>5} {'floor ms':>9} "
           f"{'TFLOPS':>7} {'torch ms':>9} {'x torch':>7}  "
-          "phases us (convert gather gate/up down combine)")
+          "phases us (convert gather gate/up down combine)  busy % (same phases)")
     for r in report["rows"]:
         print(f"{r['format']:5} {r['q']:>5} {r['k']:>2} {r['ms']:>9.3f} {r['weight_gb_s']:>7.1f} "
               f"{100 * r['bw_fraction']:>5.1f} {r['bw_floor_ms']:>9.3f} {r['tflops']:>7.2f} "
               f"{r.get('torch_ms', float('nan')):>9.3f} {r.get('speedup_vs_torch', 0):>7.2f}  "
               f"{' '.join(f'{v:.0f}' for v in r['phase_us'])}  "
+              f"{' '.join(f'{100 * v:.0f}' for v in r['phase_busy'])}  "
               + " ".join(f"{n[:-3]} {v:.3f}" for n, v in r.items()
                          if n.startswith("cols")))
 

@@ -230,6 +230,9 @@ void bind_moe_settings(nb::class_<MoELayer>& layer) {
       .def("set_profile", &MoELayer::set_profile, nb::arg("on"))
       .def("phase_us", &MoELayer::phase_us,
            "Per-phase microseconds of the latest profiled call (see moe/call_plan.h).")
+      .def("task_spans", &MoELayer::task_spans,
+           "Every task of the latest profiled call: [phase slot, group, worker in group, start, "
+           "end] in steady-clock ns, in order of completion.")
       .def("take_timeline", &MoELayer::take_timeline,
            "Profiled calls since the last take: [start, built, done, (first, last) per phase "
            "slot] in steady-clock ns (see moe_layer.h).");

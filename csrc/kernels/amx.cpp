@@ -1,7 +1,7 @@
 // AMX kernels for many tokens per expert (prefill): BF16 tdpbf16ps and u8 x s8 tdpbusd, one pair
 // of n-blocks (32 outputs) at a time over all of the call's token tiles, so each B tile is read
-// from DRAM once and then reused from L1 (bf16: K chunks over 2 x 2 output tiles; int: per group,
-// one token tile at a time). The next pair's weights are prefetched into L2 meanwhile. The packed
+// from DRAM once and then reused from L1, in 2 x 2 output tiles (two token tiles x the pair; bf16:
+// K chunks; int: per group). The next pair's weights are prefetched into L2 meanwhile. The packed
 // blocks are B tiles as they lie; int4 n-blocks are widened to int8 once per pair. Int groups are
 // fixed up in fp32 per group, on the vector units while the tile unit works.
 // Activations are read in tile order (each A tile 1 KB contiguous): row-major rows 4 KB apart all
@@ -212,56 +212,27 @@ void fix_up(const PackedMatrix& w, const GroupTerms& x, int nb, bool two_n, Pend
   p.t = -1;
 }
 
-// tdpbusd of a token tile (A tile register a) into C tiles c0/c1 over one group's k-steps. The
-// tile intrinsics take register numbers as literals, hence a macro for the two tile sets.
-#define HETMOE_INT_TILE(a, c0, c1)                                       \
-  do {                                                                  \
-    _tile_zero(c0);                                                     \
-    if (two_n) _tile_zero(c1);                                          \
-    for (int s = 0; s < steps; ++s) {                                   \
-      const int k = kg + s * k_bytes;                                   \
-      /* k in the int8 block layout: block k / 64, row (k % 64) / 4 */  \
-      const size_t boff = size_t(k / 64) * 1024 + (k % 64) / 4 * 64;    \
-      _tile_loadd(a, x0 + size_t(k / k_bytes) * 16 * k_bytes, k_bytes); \
-      if (!b_resident) {                                                \
-        _tile_loadd(6, b0 + boff, 64);                                  \
-        if (two_n) _tile_loadd(7, b1 + boff, 64);                       \
-      }                                                                 \
-      _tile_dpbusd(c0, a, 6);                                           \
-      if (two_n) _tile_dpbusd(c1, a, 7);                                \
-    }                                                                   \
-  } while (0)
-
-// One n-block pair over all groups. Per group the pair's B tiles meet every token tile (kept in
-// tile registers when a group is one k-step, else from L1). Every group's int32 tiles must leave
-// the tile unit for their fp32 fix-up, so token tiles alternate between two pairs of C tiles:
-// while tdpbusd fill one pair, the other pair (the previous token tile) is stored, and the vector
-// units fix up the token tile before that. Fix-ups stay in group order: the floats do not change.
+// One n-block pair over all groups, two token tiles at a time: per k-step two A tiles and the
+// pair's two B tiles feed four tdpbusd into four C tiles (2 x 2: one tile load per tdpbusd, four
+// independent accumulation chains). Every group's int32 tiles must leave the tile unit for their
+// fp32 fix-up: a unit's tiles are stored into one of two buffers, and the vector units fix up the
+// previous unit's buffer while the tile unit runs the next one's tdpbusd. Fix-ups stay in group
+// order per token tile: the floats do not change. B is loaded once per group and kept in its tile
+// registers when the group is one k-step, else reloaded per token pair (from L1).
 // b0/b1: int8 n-blocks (packed or widened); x: A in tile order, token tiles block_bytes apart;
 // k_bytes = min(64, group size).
 template <bool kInt4>
 void int_pair(const PackedMatrix& w, int m, const GroupTerms& terms, const uint8_t* x,
               size_t block_bytes, int nb, bool two_n, const uint8_t* b0, const uint8_t* b1,
               int k_bytes, float* acc, Prefetch& pf) {
-  PendingDots pend[2];
+  PendingDots pend[2][2];  // [buffer][token tile of the unit]
   const int steps = w.group_size / k_bytes;
   const bool b_resident = steps == 1;
-  int i = 0;  // token tiles issued so far; set i % 2 holds tile i's C
-  int prev_t = -1, prev_g = 0;
-  auto store_prev = [&](int set) {
-    // Tiles of the previous token tile (C set `set`) -> pend[set]; its older content is fixed up.
-    if (prev_t < 0) return;
-    PendingDots& p = pend[set];
-    if (set == 0) {
-      _tile_stored(0, p.dot[0], 64);
-      if (two_n) _tile_stored(1, p.dot[1], 64);
-    } else {
-      _tile_stored(2, p.dot[0], 64);
-      if (two_n) _tile_stored(3, p.dot[1], 64);
-    }
-    p.t = prev_t;
-    p.g = prev_g;
+  auto fix = [&](PendingDots* p) {
+    fix_up<kInt4>(w, terms, nb, two_n, p[0], acc);
+    fix_up<kInt4>(w, terms, nb, two_n, p[1], acc);
   };
+  int i = 0;  // units (token pair, group) issued so far; unit i is stored into pend[i % 2]
   for (int g = 0; g < w.num_groups(); ++g) {
     const int kg = g * w.group_size;
     if (b_resident) {
@@ -269,24 +240,50 @@ void int_pair(const PackedMatrix& w, int m, const GroupTerms& terms, const uint8
       _tile_loadd(6, b0 + boff, 64);
       if (two_n) _tile_loadd(7, b1 + boff, 64);
     }
-    for (int t = 0; t < m; t += 16, ++i) {
+    for (int t = 0; t < m; t += 32, ++i) {
       const uint8_t* x0 = x + size_t(t / 16) * block_bytes;
-      const int set = i % 2;
+      const bool two_t = t + 16 < m;
       pf.step();
-      if (set == 0) HETMOE_INT_TILE(4, 0, 1);
-      else HETMOE_INT_TILE(5, 2, 3);
-      // While those run: fix up the tile stored last time, then store the previous tile.
-      fix_up<kInt4>(w, terms, nb, two_n, pend[set], acc);
-      store_prev(set ^ 1);
-      prev_t = t;
-      prev_g = g;
+      _tile_zero(0);
+      if (two_n) _tile_zero(1);
+      if (two_t) _tile_zero(2);
+      if (two_t && two_n) _tile_zero(3);
+      for (int s = 0; s < steps; ++s) {
+        const int k = kg + s * k_bytes;
+        // k in the int8 block layout: block k / 64, row (k % 64) / 4
+        const size_t boff = size_t(k / 64) * 1024 + (k % 64) / 4 * 64;
+        const size_t aoff = size_t(k / k_bytes) * 16 * k_bytes;
+        _tile_loadd(4, x0 + aoff, k_bytes);
+        if (!b_resident) {
+          _tile_loadd(6, b0 + boff, 64);
+          if (two_n) _tile_loadd(7, b1 + boff, 64);
+        }
+        _tile_dpbusd(0, 4, 6);
+        if (two_n) _tile_dpbusd(1, 4, 7);
+        if (two_t) {
+          _tile_loadd(5, x0 + block_bytes + aoff, k_bytes);
+          _tile_dpbusd(2, 5, 6);
+          if (two_n) _tile_dpbusd(3, 5, 7);
+        }
+      }
+      // While those run: fix up the previous unit, then store this one.
+      fix(pend[(i + 1) % 2]);
+      PendingDots* p = pend[i % 2];
+      _tile_stored(0, p[0].dot[0], 64);
+      if (two_n) _tile_stored(1, p[0].dot[1], 64);
+      p[0].t = t;
+      p[0].g = g;
+      if (two_t) {
+        _tile_stored(2, p[1].dot[0], 64);
+        if (two_n) _tile_stored(3, p[1].dot[1], 64);
+        p[1].t = t + 16;
+        p[1].g = g;
+      }
     }
   }
-  fix_up<kInt4>(w, terms, nb, two_n, pend[i % 2], acc);
-  store_prev(i % 2 ^ 1);
-  fix_up<kInt4>(w, terms, nb, two_n, pend[i % 2 ^ 1], acc);
+  fix(pend[(i + 1) % 2]);
+  fix(pend[i % 2]);
 }
-#undef HETMOE_INT_TILE
 
 template <bool kInt4>
 void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,

@@ -1,6 +1,7 @@
 // The job of one MoELayer call: routed, planned (call_plan.h), its state made (call_state.h) and
 // its phases built (decode_job.cpp, prefill_job.cpp); profiling of the calls.
 #include <algorithm>
+#include <array>
 #include <stdexcept>
 #include <string>
 
@@ -41,9 +42,11 @@ void MoELayer::bind_job(Job* job, MoECallState& st) const {
   if (job) (*job)[kDecodeComputePhase].num_tasks = st.plan.gate_up_tasks + st.plan.down_tasks;
 }
 
-// Wraps every task to record its phase slot's first start and last end.
+// Wraps every task to record its span and its phase slot's first start and last end.
 void MoELayer::clock_phases(PhaseList& phases, const std::shared_ptr<MoECallState>& st) const {
-  auto clock = std::make_shared<PhaseClock>(kNumSlots);
+  size_t tasks = 0;
+  for (const Phase& phase : phases.job) tasks += phase.num_tasks * size_t(st->plan.groups);
+  auto clock = std::make_shared<PhaseClock>(kNumSlots, tasks);
   for (size_t i = 0; i < phases.job.size(); ++i)
     phases.job[i].fn = [clock, st, slot = phases.slots[i],
                         fn = std::move(phases.job[i].fn)](size_t task, int g, int w) {
@@ -55,6 +58,8 @@ void MoELayer::clock_phases(PhaseList& phases, const std::shared_ptr<MoECallStat
       while (start < seen && !clock->first[p].compare_exchange_weak(seen, start)) {}
       fn(task, g, w);
       const int64_t end = now_ns();
+      const size_t at = clock->span_count.fetch_add(1);
+      if (at < clock->span_capacity) clock->spans[at] = {p, g, w, start, end};
       seen = clock->last[p].load();
       while (end > seen && !clock->last[p].compare_exchange_weak(seen, end)) {}
     };
@@ -82,6 +87,17 @@ std::vector<double> MoELayer::phase_us() const {
                      ? double(last_clock_->last[i] - last_clock_->first[i]) / 1e3
                      : 0.0);
   return us;
+}
+
+std::vector<std::array<int64_t, 5>> MoELayer::task_spans() const {
+  std::vector<std::array<int64_t, 5>> rows;
+  if (!last_clock_) return rows;
+  const size_t n = std::min(last_clock_->span_count.load(), last_clock_->span_capacity);
+  for (size_t i = 0; i < n; ++i) {
+    const TaskSpan& s = last_clock_->spans[i];
+    rows.push_back({s.slot, s.group, s.worker, s.start, s.end});
+  }
+  return rows;
 }
 
 std::vector<std::vector<int64_t>> MoELayer::take_timeline() {

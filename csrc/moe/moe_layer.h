@@ -2,6 +2,7 @@
 // dimension) and the job that computes out[q, H] = sum_j w_j * down_e(silu(gate_e x) * up_e x).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -96,6 +97,9 @@ class MoELayer {
   // gather, gate/up, down, combine (0 for a phase the call did not run).
   void set_profile(bool on) { profile_ = on; }
   std::vector<double> phase_us() const;
+  // Every task of the latest profiled call (after it is waited for), in order of completion:
+  // [phase slot, group, worker in group, start, end], steady-clock ns.
+  std::vector<std::array<int64_t, 5>> task_spans() const;
   // The profiled calls since the last take_timeline() (the first 4096), oldest first, in
   // steady-clock ns: [start, built, done, then first-task start and last-task end of each phase
   // slot (convert, gather, gate/up, down, combine; 0 when the call had no such phase)].

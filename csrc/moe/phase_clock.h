@@ -1,5 +1,6 @@
 // Timing of profiled MoE calls (MoELayer::set_profile): per phase slot the first task's start and
-// the last task's end, and the call's stamps (MoELayer::take_timeline).
+// the last task's end, the call's stamps (MoELayer::take_timeline), and every task's span
+// (MoELayer::task_spans).
 #pragma once
 
 #include <atomic>
@@ -19,13 +20,23 @@ inline int64_t now_ns() {
       .count();
 }
 
+// One task of a profiled call: its phase slot, the worker that ran it and when.
+struct TaskSpan {
+  int32_t slot = 0, group = 0, worker = 0;
+  int64_t start = 0, end = 0;
+};
+
 struct PhaseClock {
-  explicit PhaseClock(size_t n)
-      : first(new std::atomic<int64_t>[n]), last(new std::atomic<int64_t>[n]), size(n) {
+  PhaseClock(size_t n, size_t tasks)
+      : first(new std::atomic<int64_t>[n]), last(new std::atomic<int64_t>[n]), size(n),
+        spans(new TaskSpan[tasks]), span_capacity(tasks) {
     for (size_t i = 0; i < n; ++i) first[i] = INT64_MAX, last[i] = 0;
   }
   std::unique_ptr<std::atomic<int64_t>[]> first, last;
   size_t size;
+  std::unique_ptr<TaskSpan[]> spans;  // in order of completion
+  size_t span_capacity;
+  std::atomic<size_t> span_count{0};
   // See MoELayer::take_timeline.
   int64_t start = 0, built = 0, done = 0, picked = 0, made = 0, claimed = 0;
 };

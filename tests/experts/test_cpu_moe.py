@@ -170,6 +170,39 @@ def test_timeline_orders_each_profiled_call() -> None:
     assert moe._layer.take_timeline() == []
 
 
+def test_task_spans_cover_every_task_of_the_profiled_call() -> None:
+    """task_spans: every task of the latest profiled call once, inside its phase's first start
+    and last end (phase_us), on the pool's workers; the busy shares the benchmark derives from
+    them lie in (0, 1]."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from bench_cpu_moe import busy_shares, chrome_trace
+
+    layer = make_experts(3, 64, 64, seed=53)
+    moe = CpuMoE(3, 64, 64, "int8", threads=2)
+    moe.load(layer.gate, layer.up, layer.down)
+    moe._layer.set_profile(True)
+    moe.forward(torch.randn(100, 64), torch.randint(0, 3, (100, 2)), torch.rand(100, 2))
+    spans = moe._layer.task_spans()
+    row = moe._layer.take_timeline()[-1]
+    assert {s[0] for s in spans} == {0, 1, 2, 3, 4}  # every prefill phase ran
+    for slot in range(5):
+        mine = [s for s in spans if s[0] == slot]
+        first, last = row[3 + 2 * slot], row[4 + 2 * slot]
+        assert min(s[3] for s in mine) == first and max(s[4] for s in mine) == last
+        assert all(s[3] <= s[4] for s in mine)
+    assert {(s[1], s[2]) for s in spans} <= {(0, 0), (0, 1)}  # group 0's two workers
+    shares = busy_shares([list(s) for s in spans])
+    assert all(0 < v <= 1 for v in shares)
+    events = chrome_trace([list(s) for s in spans])["traceEvents"]
+    assert len(events) == len(spans) and min(e["ts"] for e in events) == 0
+    moe._layer.set_profile(False)
+    moe.forward(torch.randn(2, 64), torch.randint(0, 3, (2, 2)), torch.rand(2, 2))
+    assert moe._layer.task_spans() == spans  # an unprofiled call keeps the last profiled one
+
+
 def test_isas_agree_closely() -> None:
     """Every ISA computes the same packed function: int8 results agree far below the bound."""
     layer = make_experts(5, 128, 96, seed=3)
