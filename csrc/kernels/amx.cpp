@@ -26,53 +26,6 @@ namespace {
 // from L2 (a 2x2 step needs 4 KB per 4 tdpbf16ps; from L2 alone that is the bound).
 constexpr int kChunkSteps = 8;
 
-// C tiles of token tiles (t, t + 1) x n-blocks (nb, nb + 1) over `steps` k-steps: started from
-// zero (first chunk) or from `cb` (4 tiles of 1 KB), ended in `c` (last chunk) or `cb`.
-// a: the first token tile's A at the chunk's k, a_next bytes to the second's; b0/b1 likewise.
-template <int NT, int NN>
-void bf16_block(const uint8_t* a, size_t a_next, const uint8_t* b0, const uint8_t* b1, int steps,
-                bool first, bool last, float* cb, float* c, size_t ldc, Prefetch& pf) {
-  if (first) {
-    _tile_zero(0);
-    if (NN > 1) _tile_zero(1);
-    if (NT > 1) _tile_zero(2);
-    if (NT > 1 && NN > 1) _tile_zero(3);
-  } else {
-    _tile_loadd(0, cb, 64);
-    if (NN > 1) _tile_loadd(1, cb + 256, 64);
-    if (NT > 1) _tile_loadd(2, cb + 512, 64);
-    if (NT > 1 && NN > 1) _tile_loadd(3, cb + 768, 64);
-  }
-  for (int s = 0; s < steps; ++s) {
-    pf.step();
-    const size_t off = size_t(s) * 1024;
-    _tile_loadd(4, a + off, 64);
-    _tile_loadd(6, b0 + off, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (NN > 1) {
-      _tile_loadd(7, b1 + off, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if (NT > 1) {
-      _tile_loadd(5, a + a_next + off, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      if (NN > 1) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  if (last) {
-    const size_t ldcb = ldc * 4;
-    _tile_stored(0, c, ldcb);
-    if (NN > 1) _tile_stored(1, c + 16, ldcb);
-    if (NT > 1) _tile_stored(2, c + 16 * ldc, ldcb);
-    if (NT > 1 && NN > 1) _tile_stored(3, c + 16 * ldc + 16, ldcb);
-  } else {
-    _tile_stored(0, cb, 64);
-    if (NN > 1) _tile_stored(1, cb + 256, 64);
-    if (NT > 1) _tile_stored(2, cb + 512, 64);
-    if (NT > 1 && NN > 1) _tile_stored(3, cb + 768, 64);
-  }
-}
-
 // Per n-block pair: K chunk outer, token-tile pairs inner (B reused from L1); x: A in tile order.
 void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
                size_t ldc) {
@@ -99,16 +52,16 @@ void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end
         float* ct = c + size_t(t) * ldc + (nb - nb_begin) * 16;
         const bool two_t = t + 16 < a.m;
         if (two_t && two_n)
-          bf16_block<2, 2>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
+          bf16_tiles<2, 2>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
                            pf);
         else if (two_t)
-          bf16_block<2, 1>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
+          bf16_tiles<2, 1>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
                            pf);
         else if (two_n)
-          bf16_block<1, 2>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
+          bf16_tiles<1, 2>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
                            pf);
         else
-          bf16_block<1, 1>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
+          bf16_tiles<1, 1>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
                            pf);
       }
     }

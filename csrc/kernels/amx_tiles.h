@@ -1,6 +1,6 @@
 // AMX tile plumbing shared by amx.cpp and amx_fp8.cpp (internal linkage: each file its own
 // copy and its own per-thread scratch): tile configuration, scratch, activations in tile order,
-// and the software prefetch of the next n-block pair.
+// the software prefetch of the next n-block pair, and the 2 x 2 bf16 tile loop.
 #pragma once
 
 #include <immintrin.h>
@@ -76,6 +76,55 @@ struct Prefetch {
       _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
   }
 };
+
+// tdpbf16ps of token tiles (t, t + 1) x n-blocks (nb, nb + 1) into C tiles 0-3 (2 x 2: one tile
+// load per product) over `steps` k-steps (32 k each): started from zero (`first`) or from `cb`
+// (tile 2 * i + j at cb + 256 * (2 * i + j) floats, rows 64 bytes), ended in `c` (`last`, rows
+// ldc floats apart) or `cb`. a: the first token tile's A at the first k, a_next bytes to the
+// second's; b0/b1: the n-blocks' B tiles at that k (1 KB per step). pf steps once per k-step.
+template <int NT, int NN>
+void bf16_tiles(const uint8_t* a, size_t a_next, const uint8_t* b0, const uint8_t* b1, int steps,
+                bool first, bool last, float* cb, float* c, size_t ldc, Prefetch& pf) {
+  if (first) {
+    _tile_zero(0);
+    if (NN > 1) _tile_zero(1);
+    if (NT > 1) _tile_zero(2);
+    if (NT > 1 && NN > 1) _tile_zero(3);
+  } else {
+    _tile_loadd(0, cb, 64);
+    if (NN > 1) _tile_loadd(1, cb + 256, 64);
+    if (NT > 1) _tile_loadd(2, cb + 512, 64);
+    if (NT > 1 && NN > 1) _tile_loadd(3, cb + 768, 64);
+  }
+  for (int s = 0; s < steps; ++s) {
+    pf.step();
+    const size_t off = size_t(s) * 1024;
+    _tile_loadd(4, a + off, 64);
+    _tile_loadd(6, b0 + off, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (NN > 1) {
+      _tile_loadd(7, b1 + off, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (NT > 1) {
+      _tile_loadd(5, a + a_next + off, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      if (NN > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  if (last) {
+    const size_t ldcb = ldc * 4;
+    _tile_stored(0, c, ldcb);
+    if (NN > 1) _tile_stored(1, c + 16, ldcb);
+    if (NT > 1) _tile_stored(2, c + 16 * ldc, ldcb);
+    if (NT > 1 && NN > 1) _tile_stored(3, c + 16 * ldc + 16, ldcb);
+  } else {
+    _tile_stored(0, cb, 64);
+    if (NN > 1) _tile_stored(1, cb + 256, 64);
+    if (NT > 1) _tile_stored(2, cb + 512, 64);
+    if (NT > 1 && NN > 1) _tile_stored(3, cb + 768, 64);
+  }
+}
 
 // The next pair of n-blocks after [nb, nb + 2) within [.., nb_end) as one byte range.
 Prefetch next_pair(const PackedMatrix& w, int nb, int nb_end, size_t steps) {
