@@ -2,15 +2,14 @@
 #include "moe/workspace.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <new>
 
 #include "layout/packed_matrix.h"
+#include "runtime/pool.h"
 
 namespace hetmoe {
 
 Workspace::~Workspace() {
-  for (uint8_t* p : base) std::free(p);
+  for (int r = 0; r < kNumRegions; ++r) numa_free(base[r], bytes[r]);
 }
 
 std::shared_ptr<Workspace> acquire_workspace(const std::array<size_t, kNumRegions>& need) {
@@ -26,8 +25,10 @@ std::shared_ptr<Workspace> acquire_workspace(const std::array<size_t, kNumRegion
     size_t want = std::max(need[r], current ? current->bytes[r] : 0);
     if (current && want > current->bytes[r]) want += want / 2;
     ws->bytes[r] = round_up(std::max<size_t>(want, 64), 64);
-    ws->base[r] = static_cast<uint8_t*>(std::aligned_alloc(64, ws->bytes[r]));
-    if (!ws->base[r]) throw std::bad_alloc();
+    // An anonymous mapping, from 2 MiB on advised as huge pages: prefill's gather, down and
+    // combine touch rows scattered over tens of MB, where 4 KiB pages cost a TLB miss (in a VM
+    // a two-level walk) every few rows. Throws std::runtime_error when it cannot map.
+    ws->base[r] = static_cast<uint8_t*>(numa_alloc(ws->bytes[r], -1));
   }
   current = ws;
   return current;

@@ -1,6 +1,7 @@
 // Scratch memory of MoE calls, shared by all layers of the process. Jobs run one after another,
 // so one workspace serves every call; a call that needs more swaps in a larger one while jobs
-// already queued keep theirs alive through their shared_ptr.
+// already queued keep theirs alive through their shared_ptr. Regions are anonymous mappings
+// (runtime/pool.h numa_alloc), huge pages from 2 MiB.
 #pragma once
 
 #include <array>
