@@ -37,6 +37,8 @@ void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end
   // Bytes between token tiles: 16 rows of the view in place, of the copy's K otherwise.
   const size_t tile_stride = a.tile_step ? 16 * a.ld * 2 : size_t(kbs) * 1024;
   float* cbuf = reinterpret_cast<float*>(aligned_scratch(size_t(pairs) * 4096, 0));
+  // Streamed outputs: the last chunk's tiles go through cbuf into non-temporal row stores.
+  const bool stream = a.stream_c && streamable(c, ldc);
   for (int nb = nb_begin; nb < nb_end; nb += 2) {
     const bool two_n = nb + 1 < nb_end;
     const uint8_t* b0 = w.n_block(nb);
@@ -44,7 +46,7 @@ void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end
     Prefetch pf = next_pair(w, nb, nb_end, size_t(kbs) * pairs);
     for (int k0 = 0; k0 < kbs; k0 += chunk) {
       const int steps = std::min(chunk, kbs - k0);
-      const bool first = k0 == 0, last = k0 + steps == kbs;
+      const bool first = k0 == 0, last = k0 + steps == kbs, to_c = last && !stream;
       const size_t koff = size_t(k0) * 1024;
       for (int t = 0; t < a.m; t += 32) {
         const uint8_t* at = x + size_t(t / 16) * tile_stride + koff;
@@ -52,20 +54,22 @@ void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end
         float* ct = c + size_t(t) * ldc + (nb - nb_begin) * 16;
         const bool two_t = t + 16 < a.m;
         if (two_t && two_n)
-          bf16_tiles<2, 2>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
+          bf16_tiles<2, 2>(at, tile_stride, b0 + koff, b1 + koff, steps, first, to_c, cb, ct, ldc,
                            pf);
         else if (two_t)
-          bf16_tiles<2, 1>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
+          bf16_tiles<2, 1>(at, tile_stride, b0 + koff, b1 + koff, steps, first, to_c, cb, ct, ldc,
                            pf);
         else if (two_n)
-          bf16_tiles<1, 2>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
+          bf16_tiles<1, 2>(at, tile_stride, b0 + koff, b1 + koff, steps, first, to_c, cb, ct, ldc,
                            pf);
         else
-          bf16_tiles<1, 1>(at, tile_stride, b0 + koff, b1 + koff, steps, first, last, cb, ct, ldc,
+          bf16_tiles<1, 1>(at, tile_stride, b0 + koff, b1 + koff, steps, first, to_c, cb, ct, ldc,
                            pf);
+        if (last && stream) stream_tiles(cb, two_t ? 2 : 1, two_n ? 2 : 1, ct, ldc);
       }
     }
   }
+  sfence_if(stream);
   _tile_release();
 }
 
@@ -263,10 +267,9 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
     Prefetch pf = next_pair(w, nb, nb_end, size_t(w.num_groups()) * (mp / 16));
     std::memset(acc, 0, size_t(mp) * 32 * sizeof(float));
     int_pair<kInt4>(w, a.m, terms, x, block_bytes, nb, two_n, b0, b1, k_bytes, acc, pf);
-    for (int r = 0; r < mp; ++r)
-      std::memcpy(c + size_t(r) * ldc + (nb - nb_begin) * 16, acc + size_t(r) * 32,
-                  sizeof(float) * 16 * (two_n ? 2 : 1));
+    store_pair(acc, mp, two_n, c + (nb - nb_begin) * 16, ldc, a.stream_c);
   }
+  sfence_if(a.stream_c && streamable(c, ldc));
   _tile_release();
 }
 

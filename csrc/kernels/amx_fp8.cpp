@@ -95,10 +95,9 @@ void amx_gemm_fp8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_
       }
     }
     scale_unit(i + 1);
-    for (int r = 0; r < mp; ++r)
-      std::memcpy(c + size_t(r) * ldc + (nb - nb_begin) * 16, acc + size_t(r) * 32,
-                  sizeof(float) * 16 * (two_n ? 2 : 1));
+    store_pair(acc, mp, two_n, c + (nb - nb_begin) * 16, ldc, a.stream_c);
   }
+  sfence_if(a.stream_c && streamable(c, ldc));
   _tile_release();
 }
 

@@ -126,6 +126,42 @@ void bf16_tiles(const uint8_t* a, size_t a_next, const uint8_t* b0, const uint8_
   }
 }
 
+// Whether c (rows ldc floats apart) can take 64-byte non-temporal row stores.
+inline bool streamable(const float* c, size_t ldc) {
+  return (reinterpret_cast<uintptr_t>(c) & 63) == 0 && ldc % 16 == 0;
+}
+
+// Rows [0, mp) of acc (32 floats each: an n-block pair) into c (rows ldc floats apart), the
+// pair's second half only when `two_n`; non-temporal where `stream` and streamable (the caller
+// fences once after its last pair: sfence_if).
+void store_pair(const float* acc, int mp, bool two_n, float* c, size_t ldc, bool stream) {
+  if (stream && streamable(c, ldc)) {
+    for (int r = 0; r < mp; ++r) {
+      float* dst = c + size_t(r) * ldc;
+      _mm512_stream_ps(dst, _mm512_load_ps(acc + size_t(r) * 32));
+      if (two_n) _mm512_stream_ps(dst + 16, _mm512_load_ps(acc + size_t(r) * 32 + 16));
+    }
+    return;
+  }
+  for (int r = 0; r < mp; ++r)
+    std::memcpy(c + size_t(r) * ldc, acc + size_t(r) * 32, sizeof(float) * 16 * (two_n ? 2 : 1));
+}
+
+// C tiles stored at cb as bf16_tiles leaves them (nt x nn tiles) into c (rows ldc floats apart,
+// 64-byte aligned) with non-temporal stores.
+void stream_tiles(const float* cb, int nt, int nn, float* c, size_t ldc) {
+  for (int i = 0; i < nt; ++i)
+    for (int r = 0; r < 16; ++r)
+      for (int j = 0; j < nn; ++j)
+        _mm512_stream_ps(c + size_t(16 * i + r) * ldc + 16 * j,
+                         _mm512_load_ps(cb + 256 * (2 * i + j) + 16 * r));
+}
+
+// Orders store_pair's and stream_tiles' non-temporal stores before whatever tells another thread the data is there.
+inline void sfence_if(bool stream) {
+  if (stream) _mm_sfence();
+}
+
 // The next pair of n-blocks after [nb, nb + 2) within [.., nb_end) as one byte range.
 Prefetch next_pair(const PackedMatrix& w, int nb, int nb_end, size_t steps) {
   const int first = std::min(nb + 2, nb_end), last = std::min(nb + 4, nb_end);

@@ -27,6 +27,10 @@ struct ActView {
   // [round_up(m, 16) / 16 blocks, 16 * ld elements each][ld bytes / tile_step][16][tile_step]
   // (64 for bf16, min(64, group size) for u8), so the kernel loads each 1 KB A tile as it lies.
   int tile_step = 0;
+  // c is written once and read by another phase later (prefill's per-row down outputs, tens of
+  // MB): the AMX kernels then store it with non-temporal stores, sparing the reads for
+  // ownership of lines they overwrite whole. A hint; other kernels store as usual.
+  bool stream_c = false;
 };
 
 // Writes c[t * ldc + (nb - nb_begin) * 16 + j] for t < round_up(m, 16) (rows >= m are garbage).

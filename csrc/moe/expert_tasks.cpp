@@ -142,8 +142,9 @@ void down_rows_task(MoECallState& st, size_t task, int g) {
   const int nb0 = int(task % p.down_per_expert) * p.down_run, nb1 = std::min(nbs, nb0 + p.down_run);
   const int m = r.rows[a];
   const long row0 = r.first_row[a];
-  p.kernels_for(m).get(p.format)(st.layer.down_of(g, r.experts[a]),
-                                 st.hidden[g].view(row0, m, p.tiled_rows(m)), nb0, nb1,
+  ActView hidden = st.hidden[g].view(row0, m, p.tiled_rows(m));
+  hidden.stream_c = !p.decode();  // the combine phase reads them, after every down task
+  p.kernels_for(m).get(p.format)(st.layer.down_of(g, r.experts[a]), hidden, nb0, nb1,
                                  st.row_out[g] + size_t(row0) * Hn + nb0 * kBlockN, Hn);
 }
 
