@@ -227,7 +227,9 @@ void bind_moe_settings(nb::class_<MoELayer>& layer) {
       .def("set_decode_cols", &MoELayer::set_decode_cols, nb::arg("cols"),
            "Widest gate/up task of decode calls (32, 64 or 128 columns).")
       .def_prop_ro("decode_cols", [](MoELayer& l) { return l.config().decode_cols; })
-      .def("set_profile", &MoELayer::set_profile, nb::arg("on"))
+      .def("set_profile", &MoELayer::set_profile, nb::arg("on"), nb::arg("spans") = false,
+           "Profile later calls: phase times (phase_us, take_timeline); with spans every task "
+           "(task_spans).")
       .def("phase_us", &MoELayer::phase_us,
            "Per-phase microseconds of the latest profiled call (see moe/call_plan.h).")
       .def("task_spans", &MoELayer::task_spans,

@@ -95,10 +95,15 @@ class MoELayer {
   // With profiling on, each call records every phase slot's first-task start and last-task end;
   // phase_us() gives the durations of the latest profiled call (after it is waited for): convert,
   // gather, gate/up, down, combine (0 for a phase the call did not run).
-  void set_profile(bool on) { profile_ = on; }
+  // `spans` also records every task (task_spans), 32 bytes each per profiled call: off by default,
+  // since the timeline keeps up to kTimelineCalls calls.
+  void set_profile(bool on, bool spans = false) {
+    profile_ = on;
+    profile_spans_ = on && spans;
+  }
   std::vector<double> phase_us() const;
-  // Every task of the latest profiled call (after it is waited for), in order of completion:
-  // [phase slot, group, worker in group, start, end], steady-clock ns.
+  // Every task of the latest profiled call (after it is waited for; set_profile(true, true)), in
+  // order of completion: [phase slot, group, worker in group, start, end], steady-clock ns.
   std::vector<std::array<int64_t, 5>> task_spans() const;
   // The profiled calls since the last take_timeline() (the first 4096), oldest first, in
   // steady-clock ns: [start, built, done, then first-task start and last-task end of each phase
@@ -159,6 +164,7 @@ class MoELayer {
   std::vector<uint8_t> loaded_, gpu_mask_;
   bool mapped_ = false;                   // memory_ are read-only file mappings (map_file)
   bool profile_ = false;
+  bool profile_spans_ = false;
   mutable std::shared_ptr<PhaseClock> last_clock_;
   mutable std::vector<std::shared_ptr<PhaseClock>> timeline_;  // profiled calls
   MoECall bound_call_;

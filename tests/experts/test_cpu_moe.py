@@ -183,7 +183,11 @@ def test_task_spans_cover_every_task_of_the_profiled_call() -> None:
     layer = make_experts(3, 64, 64, seed=53)
     moe = CpuMoE(3, 64, 64, "int8", threads=2)
     moe.load(layer.gate, layer.up, layer.down)
-    moe._layer.set_profile(True)
+    moe._layer.set_profile(True)  # phase times only: no spans kept
+    moe.forward(torch.randn(100, 64), torch.randint(0, 3, (100, 2)), torch.rand(100, 2))
+    assert moe._layer.task_spans() == []
+    moe._layer.take_timeline()
+    moe._layer.set_profile(True, spans=True)
     moe.forward(torch.randn(100, 64), torch.randint(0, 3, (100, 2)), torch.rand(100, 2))
     spans = moe._layer.task_spans()
     row = moe._layer.take_timeline()[-1]
