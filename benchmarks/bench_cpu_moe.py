@@ -335,7 +335,7 @@ def main() -> None:
             sec = sec_of["ms"]
             phase_us, profiled_ms, busy, spans = phases(
                 layers, x, [routing(q, E, K, seed=1000 * q + 500 + r) for r in range(9)])
-            if args.trace and q >= 512:
+            if args.trace and q >= 512 and spans:
                 args.trace.mkdir(parents=True, exist_ok=True)
                 name = f"trace_{spec.replace(':', '_g')}_q{q}_k{K}.json"
                 (args.trace / name).write_text(json.dumps(chrome_trace(spans)))
