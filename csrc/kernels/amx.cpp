@@ -254,6 +254,7 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
   const uint8_t* x = tile_order(a.u8, a.ld, a.m, size_t(w.k), k_bytes, a.tile_step);
   const size_t block_bytes = 16 * (a.tile_step ? a.ld : size_t(w.k));
   const GroupTerms terms = group_major(a, w.num_groups(), mp);
+  const bool stream = a.stream_c && streamable(c, ldc);  // c's rows non-temporally (store_pair)
   for (int nb = nb_begin; nb < nb_end; nb += 2) {
     const bool two_n = nb + 1 < nb_end;
     const uint8_t* b0 = w.n_block(nb);
@@ -267,9 +268,9 @@ void gemm_int(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
     Prefetch pf = next_pair(w, nb, nb_end, size_t(w.num_groups()) * (mp / 16));
     std::memset(acc, 0, size_t(mp) * 32 * sizeof(float));
     int_pair<kInt4>(w, a.m, terms, x, block_bytes, nb, two_n, b0, b1, k_bytes, acc, pf);
-    store_pair(acc, mp, two_n, c + (nb - nb_begin) * 16, ldc, a.stream_c);
+    store_pair(acc, mp, two_n, c + (nb - nb_begin) * 16, ldc, stream);
   }
-  sfence_if(a.stream_c && streamable(c, ldc));
+  sfence_if(stream);
   _tile_release();
 }
 

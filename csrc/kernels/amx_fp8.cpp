@@ -53,6 +53,7 @@ void amx_gemm_fp8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_
   float* cb0 = reinterpret_cast<float*>(aligned_scratch(2 * 4 * 1024, 3));
   float* cb[2] = {cb0, cb0 + 1024};
   const __m512i subnormals = fp8_subnormal_table();
+  const bool stream = a.stream_c && streamable(c, ldc);  // c's rows non-temporally (store_pair)
   for (int nb = nb_begin; nb < nb_end; nb += 2) {
     const bool two_n = nb + 1 < nb_end;
     widen_fp8(w, nb, wide, subnormals);
@@ -95,9 +96,9 @@ void amx_gemm_fp8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_
       }
     }
     scale_unit(i + 1);
-    store_pair(acc, mp, two_n, c + (nb - nb_begin) * 16, ldc, a.stream_c);
+    store_pair(acc, mp, two_n, c + (nb - nb_begin) * 16, ldc, stream);
   }
-  sfence_if(a.stream_c && streamable(c, ldc));
+  sfence_if(stream);
   _tile_release();
 }
 

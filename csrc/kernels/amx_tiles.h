@@ -132,10 +132,10 @@ inline bool streamable(const float* c, size_t ldc) {
 }
 
 // Rows [0, mp) of acc (32 floats each: an n-block pair) into c (rows ldc floats apart), the
-// pair's second half only when `two_n`; non-temporal where `stream` and streamable (the caller
+// pair's second half only when `two_n`; non-temporal with `stream` (c streamable; the caller
 // fences once after its last pair: sfence_if).
 void store_pair(const float* acc, int mp, bool two_n, float* c, size_t ldc, bool stream) {
-  if (stream && streamable(c, ldc)) {
+  if (stream) {
     for (int r = 0; r < mp; ++r) {
       float* dst = c + size_t(r) * ldc;
       _mm512_stream_ps(dst, _mm512_load_ps(acc + size_t(r) * 32));
@@ -157,7 +157,8 @@ void stream_tiles(const float* cb, int nt, int nn, float* c, size_t ldc) {
                          _mm512_load_ps(cb + 256 * (2 * i + j) + 16 * r));
 }
 
-// Orders store_pair's and stream_tiles' non-temporal stores before whatever tells another thread the data is there.
+// Orders store_pair's and stream_tiles' non-temporal stores before whatever tells another
+// thread the data is there.
 inline void sfence_if(bool stream) {
   if (stream) _mm_sfence();
 }

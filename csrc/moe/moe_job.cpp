@@ -44,9 +44,9 @@ void MoELayer::bind_job(Job* job, MoECallState& st) const {
 
 // Wraps every task to record its span and its phase slot's first start and last end.
 void MoELayer::clock_phases(PhaseList& phases, const std::shared_ptr<MoECallState>& st) const {
-  size_t tasks = 0;
-  for (const Phase& phase : phases.job)
-    if (profile_spans_) tasks += phase.num_tasks * size_t(st->plan.groups);
+  size_t tasks = 0;  // span slots: none unless asked for (set_profile)
+  if (profile_spans_)
+    for (const Phase& phase : phases.job) tasks += phase.num_tasks * size_t(st->plan.groups);
   auto clock = std::make_shared<PhaseClock>(kNumSlots, tasks);
   for (size_t i = 0; i < phases.job.size(); ++i)
     phases.job[i].fn = [clock, st, slot = phases.slots[i],

@@ -171,9 +171,9 @@ def test_timeline_orders_each_profiled_call() -> None:
 
 
 def test_task_spans_cover_every_task_of_the_profiled_call() -> None:
-    """task_spans: every task of the latest profiled call once, inside its phase's first start
-    and last end (phase_us), on the pool's workers; the busy shares the benchmark derives from
-    them lie in (0, 1]."""
+    """task_spans: none unless asked for; with spans, the tasks of the latest profiled call span
+    exactly each phase's first start and last end (take_timeline), on the pool's workers; the
+    busy shares the benchmark derives from them lie in (0, 1]."""
     import sys
     from pathlib import Path
 
