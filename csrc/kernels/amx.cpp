@@ -31,9 +31,12 @@ constexpr int kChunkSteps = 8;
 // rows, K chunk outer, token-tile pairs inner (B reused from L1); x: A in tile order, token tiles
 // tile_stride bytes apart. C goes to c (rows ldc floats apart), or with `stream` through cbuf
 // (4 KB per token pair) into non-temporal row stores.
-void bf16_pair(const uint8_t* x, size_t tile_stride, int m, const uint8_t* b0, const uint8_t* b1,
-               bool two_n, int kbs, Prefetch& pf, float* cbuf, float* c, size_t ldc,
-               bool stream) {
+// Inlined into both callers, as gemm_bf16's loop was before int4 shared it.
+__attribute__((always_inline)) inline void bf16_pair(const uint8_t* x, size_t tile_stride, int m,
+                                                     const uint8_t* b0, const uint8_t* b1,
+                                                     bool two_n, int kbs, Prefetch& pf,
+                                                     float* cbuf, float* c, size_t ldc,
+                                                     bool stream) {
   const int chunk = m > 32 ? kChunkSteps : kbs;
   for (int k0 = 0; k0 < kbs; k0 += chunk) {
     const int steps = std::min(chunk, kbs - k0);
