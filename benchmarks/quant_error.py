@@ -55,13 +55,14 @@ def expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
     return aq(h, ad) @ wq(down, wd).T
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Runs the comparison (`argv` as on the command line); returns what it writes as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("quant_error.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     _, H, I, _ = routed_expert_shape(args.shape)
     g = torch.Generator().manual_seed(args.seed)
     x = torch.randn(args.tokens, H, generator=g, dtype=torch.float64)
@@ -94,8 +95,9 @@ def main() -> None:
     for r in rows:
         kernel = f"{r['cpu_moe']:.4f}" if "cpu_moe" in r else "-"
         print(f"{r['case']:52} {r['simulated']:9.4f} {kernel:>8}")
-    args.json.write_text(json.dumps({"shape": args.shape, "tokens": args.tokens, "rows": rows},
-                                    indent=1))
+    report = {"shape": args.shape, "tokens": args.tokens, "rows": rows}
+    args.json.write_text(json.dumps(report, indent=1))
+    return report
 
 
 if __name__ == "__main__":
