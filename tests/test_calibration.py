@@ -103,7 +103,7 @@ def test_another_machine_or_version_is_not_used(profile: MachineProfile, tmp_pat
 @pytest.mark.parametrize(("text", "problem"), [
     ("{not json", "not a readable machine profile"),
     ("[1, 2]", "a machine profile is a JSON object, found list"),
-    ('{"version": 3, "machine": "x"}',
+    (f'{{"version": {calibration.PROFILE_VERSION}, "machine": "x"}}',
      "machine profile lacks field\\(s\\) measured_at, cpu_threads, "),
 ])
 def test_a_corrupt_file_is_an_error_naming_it(tmp_path: Path, text: str, problem: str) -> None:
