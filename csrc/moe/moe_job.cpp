@@ -59,8 +59,10 @@ void MoELayer::clock_phases(PhaseList& phases, const std::shared_ptr<MoECallStat
       while (start < seen && !clock->first[p].compare_exchange_weak(seen, start)) {}
       fn(task, g, w);
       const int64_t end = now_ns();
-      const size_t at = clock->span_count.fetch_add(1);
-      if (at < clock->span_capacity) clock->spans[at] = {p, g, w, start, end};
+      if (clock->span_capacity) {  // spans asked for: one shared counter hit per task
+        const size_t at = clock->span_count.fetch_add(1);
+        if (at < clock->span_capacity) clock->spans[at] = {p, g, w, start, end};
+      }
       seen = clock->last[p].load();
       while (end > seen && !clock->last[p].compare_exchange_weak(seen, end)) {}
     };
