@@ -30,7 +30,7 @@ def _chromium() -> str:
         path = shutil.which(name)
         if path:
             return path
-    pytest.fail("no chromium executable on PATH: install the Debian package `chromium`")
+    pytest.fail("no chromium executable on PATH: `python tests/provision.py` installs it")
 
 
 def test_page_streams_an_answer_over_two_turns(server: LiveServer) -> None:
