@@ -33,6 +33,10 @@ NUM_EXPERTS = 8
 SPARSE_TOP_K = 2
 SPARSE_ROUTER_SEED = 1234
 _SHARD_BYTES = 1 << 30  # keeps the sparse variant's 2.5 GB in a few files, one in memory at a time
+# The sampling SmolLM2-135M-Instruct's model card recommends (its usage example on Hugging Face:
+# `model.generate(..., temperature=0.2, top_p=0.9, do_sample=True)`); the server's defaults for
+# fields a request leaves out (at OpenAI's temperature 1 this small model rambles).
+RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 def smollm2_gguf() -> Path:
@@ -131,7 +135,7 @@ def _experts(
 
 
 def _write_config(out: Path, llama: dict, sparse: bool) -> None:
-    from transformers import GenerationConfig, MixtralConfig
+    from transformers import MixtralConfig
 
     intermediate = llama["intermediate_size"] // (1 if sparse else NUM_EXPERTS)
     config = MixtralConfig(
@@ -157,10 +161,18 @@ def _write_config(out: Path, llama: dict, sparse: bool) -> None:
         architectures=["MixtralForCausalLM"],
     )
     config.save_pretrained(out)
+    write_generation_config(out, llama)
+
+
+def write_generation_config(out: Path, llama: dict) -> None:
+    """generation_config.json: the special tokens and the model card's sampling."""
+    from transformers import GenerationConfig
+
     GenerationConfig(
         bos_token_id=llama["bos_token_id"],
         eos_token_id=llama["eos_token_id"],
         pad_token_id=llama["pad_token_id"],
+        **RECOMMENDED_SAMPLING,
     ).save_pretrained(out)
 
 
@@ -185,7 +197,7 @@ register_preset(
         name="demo",
         description="SmolLM2-135M-Instruct as a Mixtral: MLP cut into 8 always-active experts",
         build=build_demo,
-        version=1,
+        version=2,  # 2: generation_config.json with the recommended sampling
     )
 )
 register_preset(
@@ -193,6 +205,6 @@ register_preset(
         name="demo-sparse",
         description="SmolLM2-135M-Instruct as a Mixtral: 8 copies of the MLP under a top-2 router",
         build=lambda out: build_demo(out, sparse=True),
-        version=1,
+        version=2,
     )
 )

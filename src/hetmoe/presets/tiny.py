@@ -241,15 +241,22 @@ def _rewrite_safetensors(path: Path, *, extra: dict[str, torch.Tensor], fp8_bloc
 
 
 def _edit_config(path: Path, **fields: Any) -> None:
-    config_path = path / "config.json"
-    config = json.loads(config_path.read_text())
+    _edit_json(path / "config.json", **fields)
+
+
+def _edit_json(path: Path, **fields: Any) -> None:
+    """Sets `fields` in the JSON object file `path` (created when missing)."""
+    config = json.loads(path.read_text()) if path.exists() else {}
     config.update(fields)
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _builder(family: str) -> Callable[[Path], None]:
     def build(path: Path) -> None:
         build_tiny_model(family, path)
+        # Random weights: sampled text is as meaningless as greedy text, so the server answers
+        # greedily by default, as the CLI does (the same text for the same prompt).
+        _edit_json(path / "generation_config.json", do_sample=False)
 
     return build
 
@@ -261,6 +268,7 @@ def _register() -> None:
             name=name,
             description=f"random baby {family} model (vocab 512, hidden 64, 8 experts)",
             build=_builder(family),
+            version=2,  # 2: greedy generation_config.json
         ))
 
 
