@@ -154,10 +154,15 @@ def chat(
     if url is not None:
         from hetmoe.server.client import ChatClient, ServerError, remote_chat
 
+        client = ChatClient(url, api_key)
+        try:
+            client.check(model)  # a dead server or a wrong name ends here, not at each message
+        except ServerError as exc:
+            fail(exc)
         typer.echo(f"chat with {model} at {url}: type a message; /help lists the commands, "
                    "/exit quits")
         try:
-            remote_chat(ChatClient(url, api_key), model, input,
+            remote_chat(client, model, input,
                         lambda text: typer.echo(text, nl=False), system,
                         max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                         top_k=top_k, seed=seed)

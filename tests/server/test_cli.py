@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -79,18 +80,43 @@ def test_chat_url_streams_the_servers_answer(served: str) -> None:
     )
 
 
-def test_chat_url_reports_server_errors_and_goes_on(served: str) -> None:
-    result = CliRunner().invoke(
+def test_chat_url_checks_the_server_at_start(served: str) -> None:
+    """A wrong key or model name ends `chat --url` before its prompt, naming the URL."""
+    wrong_key = CliRunner().invoke(
         app, ["chat", "tiny", "--url", served, "--api-key", "wrong"], input="Hi\n"
     )
-    assert result.exit_code == 0
+    assert wrong_key.exit_code == 1 and "> " not in wrong_key.output
     assert (
-        f"[error: 401 from {served}/v1/chat/completions: missing or invalid API key: send "
-        "'Authorization: Bearer <key>']"
-    ) in result.output
+        f"error: no hetmoe (or OpenAI-compatible) server answers at {served}/v1: 401 from "
+        f"{served}/v1/models: missing or invalid API key: send 'Authorization: Bearer <key>'"
+    ) in wrong_key.output
     unknown = CliRunner().invoke(app, ["chat", "other", "--url", served, "--api-key", KEY],
                                  input="Hi\n")
-    assert "[error: 404 from" in unknown.output and "model 'other' does not exist" in unknown.output
+    assert unknown.exit_code == 1
+    assert f"error: the server at {served}/v1 serves 'tiny', not 'other'" in unknown.output
+
+
+def test_chat_url_to_a_dead_server_exits_at_once() -> None:
+    with socket.socket() as sock:  # a port nothing listens on once the socket closes
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    result = CliRunner().invoke(app, ["chat", "tiny", "--url", url], input="Hi\n")
+    assert result.exit_code == 1 and "chat with" not in result.output
+    assert result.output.startswith(
+        f"error: no hetmoe (or OpenAI-compatible) server answers at {url}/v1: cannot reach "
+        f"{url}/v1/models: ")
+    assert "Connection refused" in result.output
+
+
+def test_chat_url_reports_a_failed_turn_and_goes_on(served: str) -> None:
+    result = CliRunner().invoke(
+        app, ["chat", "tiny", "--url", served, "--api-key", KEY, "--max-new-tokens", "4"],
+        input="harbour " * 300 + "\nHi\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert f"[error: 400 from {served}/v1/chat/completions: field 'messages': the prompt" \
+        in result.output
+    assert result.output.count("> ") == 3  # the session went on after the failed turn
 
 
 def test_serve_passes_prefill_options_and_checks_them_before_loading(

@@ -27,6 +27,26 @@ class ChatClient:
         self.api_key = api_key
         self.timeout = timeout
 
+    def check(self, model: str, timeout: float = 10.0) -> None:
+        """Asks the server for its models (GET /v1/models); ServerError naming the URL when it
+        cannot be reached, refuses (a wrong key) or does not serve `model`."""
+        try:
+            with self._open("/models", None, timeout) as response:
+                listed = json.load(response)
+        except ServerError as exc:
+            raise ServerError(f"no hetmoe (or OpenAI-compatible) server answers at {self.base}: "
+                              f"{exc}") from None
+        except ValueError:
+            listed = None
+        data = listed.get("data") if isinstance(listed, dict) else None
+        if not isinstance(data, list):
+            raise ServerError(f"{self.base}/models did not answer with a model list: is "
+                              f"{self.base} an OpenAI-compatible server?")
+        served = [m.get("id") for m in data if isinstance(m, dict)]
+        if model not in served:
+            names = ", ".join(repr(name) for name in served) or "no model"
+            raise ServerError(f"the server at {self.base} serves {names}, not {model!r}")
+
     def stream(self, messages: list[dict[str, str]], model: str, **sampling: Any) -> Iterator[str]:
         """Yields the answer's text pieces as the server streams them."""
         body = {"model": model, "messages": messages, "stream": True, **sampling}
@@ -46,19 +66,21 @@ class ChatClient:
                     if piece:
                         yield piece
 
-    def _open(self, path: str, body: dict[str, Any] | None) -> Any:
+    def _open(self, path: str, body: dict[str, Any] | None,
+              timeout: float | None = None) -> Any:
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.base + path, data=data, headers=headers)
         try:
-            return urllib.request.urlopen(request, timeout=self.timeout)
+            return urllib.request.urlopen(request, timeout=timeout or self.timeout)
         except urllib.error.HTTPError as exc:
             with exc:
                 raise ServerError(f"{exc.code} from {self.base + path}: {_message(exc)}") from None
-        except urllib.error.URLError as exc:
-            raise ServerError(f"cannot reach {self.base + path}: {exc.reason}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            raise ServerError(f"cannot reach {self.base + path}: {reason}") from None
 
 
 def _message(exc: urllib.error.HTTPError) -> str:
