@@ -53,6 +53,11 @@ class EngineConfig:
     prefill_resident_bytes: int = 0
     """GPU prefill: bytes of GPU memory for packed experts kept there for good (whole layers,
     the first first): their copies are skipped in every pass."""
+    gpu_expert_bytes: int | str = "auto"
+    """Routed experts resident on the GPU, computed there (engine/placement.py): "auto" = the
+    GPU memory left after the other weights, KV cache, graphs, prefill staging and a margin
+    (none without a GPU); bytes (clamped to that room, with a warning); 0: every expert on the
+    CPU."""
     graph_split_layer: int = 4
     """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond
     the last layer: one graph), so the GPU starts while the CPU still launches the rest."""
@@ -87,6 +92,10 @@ class EngineConfig:
         if not isinstance(self.prefill_resident_bytes, int) or self.prefill_resident_bytes < 0:
             raise ValueError(f"option prefill_resident_bytes must be an integer >= 0, got "
                              f"{self.prefill_resident_bytes!r}")
+        if self.gpu_expert_bytes != "auto" and (not isinstance(self.gpu_expert_bytes, int)
+                                                or self.gpu_expert_bytes < 0):
+            raise ValueError(f"option gpu_expert_bytes must be 'auto' or an integer >= 0, got "
+                             f"{self.gpu_expert_bytes!r}")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int)
                                                or self.prefill_chunk < 1):
             raise ValueError(f"option prefill_chunk must be None or a positive integer, got "

@@ -28,6 +28,8 @@ from hetmoe.engine.expert_split import (
 )
 from hetmoe.engine.host_link import HostLink, check_stream_memops
 from hetmoe.engine.layer_stream import LayerStreamer, streaming_refusal
+from hetmoe.engine.placement import Placement
+from hetmoe.engine.placement_link import PlacementLink
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.ops.deferral import moe_layers
 from hetmoe.ops.moe_step import BackendLink, Link, MoEStep, backend_link
@@ -88,14 +90,34 @@ class MoEOverlap(MoEStep):
         self.costs: SplitCosts | None = None  # prefill costs per expert (`split_costs`)
         self.tuner = PrefillTuner()  # measured prefill passes (auto mode)
         self.streaming = False
+        self.placement: Placement | None = None  # experts resident on the GPU (`place`)
+        self.placed: dict[tuple[bool, int], PlacementLink] = {}  # (host link?, layer)
         self.attach()
 
+    def place(self, placement: Placement | None) -> None:
+        """Computes `placement`'s resident experts on the GPU and sends only the misses to the
+        CPU (engine/placement_link.py); None: every expert on the CPU again. Captured graphs
+        bake in which layers start CPU jobs: reset them after a change."""
+        self.placement, self.placed = placement, {}
+        if placement is None:
+            return
+        for i, slots in enumerate(placement.layers):
+            if not slots.slots:
+                continue
+            self.placed[False, i] = PlacementLink(self.direct[i], slots, self.direct[i].hidden,
+                                                  self.top_k)
+            if self.host:
+                self.placed[True, i] = PlacementLink(self.host[i], slots, self.host[i].hidden,
+                                                     self.top_k)
+
     def _link(self, i: int) -> Link:
-        if self.decoding and self.host:
-            return self.host[i]
-        if self.streamer is not None and self.streaming:
+        if self.streamer is not None and self.streaming and not (self.decoding and self.host):
             return self.streamer.links[i]
-        return self.direct[i]
+        host = self.decoding and bool(self.host)
+        placed = self.placed.get((host, i))
+        if placed is not None:
+            return placed
+        return self.host[i] if host else self.direct[i]
 
     def can_stream(self) -> bool:
         """Whether prefill can stream these experts to the GPU: a GPU, bf16/int8/int4 experts,

@@ -37,6 +37,8 @@ from hetmoe.engine.graphs import GraphCache
 from hetmoe.engine.kv_cache import StaticKVCache
 from hetmoe.engine.layer_plan import fits_fused
 from hetmoe.engine.overlap import MoEOverlap, all_on_cpu_backend
+from hetmoe.engine.placement import Placement, placement_plan
+from hetmoe.engine.placement_plan import PlacementPlan
 from hetmoe.engine.step import StepOutput, StepPlan
 from hetmoe.ops.deferral import check_deferred
 from hetmoe.ops.kv_batch import KVBatch, window_bucket
@@ -89,6 +91,10 @@ class ModelRunner:
         self.adapters: LoraAdapters | None = None  # per slot (LLM(lora=...)); None: as loaded
         self._ahead: _Launched | None = None
         self._ahead_tokens: tuple[int, ...] = ()  # the inputs `_ahead` was launched on
+        self.placement: Placement | None = None
+        """Routed experts resident on the GPU (`place`); None: every expert on the CPU."""
+        if self.overlap is not None and config.gpu_expert_bytes != 0:
+            self.place(config.gpu_expert_bytes)  # after the KV cache: `auto` sees what is left
 
     @property
     def graphs(self) -> dict[tuple[int, int], Any]:
@@ -186,6 +192,25 @@ class ModelRunner:
             check_deferred(deferred, self.overlap.top_k)
             self.overlap.deferred = deferred
         self.graphs.clear()
+
+    def place(self, budget: int | str,
+              counts: Sequence[torch.Tensor] | None = None) -> PlacementPlan:
+        """Keeps routed experts resident on the GPU under `budget` (bytes or "auto", as
+        `EngineConfig.gpu_expert_bytes`), the most routed by `counts` [E] per MoE layer when
+        given, else the first ones; 0 puts every expert back on the CPU. Between steps only:
+        the captured graphs are dropped (they bake in which layers start CPU jobs)."""
+        if self.overlap is None:
+            raise ValueError("GPU-resident experts need every MoE layer's routed experts in the "
+                             "cpu backend")
+        self.settle()
+        self.overlap.place(None)
+        self.placement = None  # the old slots go before the new ones are allocated
+        plan = placement_plan(self.overlap.cpu, self.device, budget, counts)
+        if plan.bytes:
+            self.placement = Placement(self.overlap.cpu, plan, self.device)
+            self.overlap.place(self.placement)
+        self.graphs.clear()
+        return plan
 
     def _discard(self, launched: _Launched) -> None:
         """Waits for a step nobody will read and rolls its slots' lengths back."""

@@ -1,0 +1,181 @@
+"""`Placement`: the routed experts resident on the GPU, per MoE layer, and their slot tables.
+
+Each MoE layer keeps its resident experts in their packed bytes (the CPU backend's layout,
+`CpuMoE.packed_groups()`), copied once into one device uint8 tensor per NUMA group
+([slots * expert_bytes]), and a slot table on the device, table[e] = e's slot or -1 (one more
+entry, -1, so an id of -1 reads -1). A step reads the table on the device: the resident experts
+among a token's top-k run on the GPU, the CPU gets only the misses (`LayerSlots.split`; the CPU
+backend skips ids < 0). Routing counts accumulate on the device in the same step. `move` puts
+another expert into a slot (a copy on a side stream, then the table entries): only between
+steps, never while a step or a captured graph runs. engine/placement_plan.py chooses which
+experts; engine/placement_link.py is the MoE step's view of a layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from hetmoe.engine.placement_compute import packed_all, packed_pairs
+from hetmoe.engine.placement_plan import PlacementPlan, auto_budget, clamp_budget, plan_placement
+from hetmoe.experts.cpu_moe import CpuMoE
+from hetmoe.experts.packed_layout import host_tensor
+
+log = logging.getLogger(__name__)
+
+
+class LayerSlots:
+    """One MoE layer's resident experts on `device` (see the module docstring)."""
+
+    def __init__(self, moe: CpuMoE, experts: Sequence[int], device: torch.device) -> None:
+        self.moe, self.device = moe, device
+        self.parts = moe.packed_groups()
+        self.num_experts = moe.num_experts
+        self.expert_bytes = sum(p.expert_bytes for p in self.parts)
+        n = len(experts)
+        with torch.inference_mode(False):  # written in place between steps, in or out of them
+            self.packed = [torch.empty(n * p.expert_bytes, dtype=torch.uint8, device=device)
+                           for p in self.parts]
+            self.table = torch.full((self.num_experts + 1,), -1, dtype=torch.int64,
+                                    device=device)  # [E + 1], last entry -1
+            self.counts = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        self.resident: list[int] = [-1] * n  # slot -> expert
+        self._host = self._sources()
+        for slot, expert in enumerate(experts):
+            self.move(slot, expert)
+
+    @property
+    def slots(self) -> int:
+        """GPU slots of this layer."""
+        return len(self.resident)
+
+    @property
+    def everything(self) -> bool:
+        """Whether every expert of the layer is resident (the CPU has nothing to do)."""
+        return self.slots == self.num_experts and -1 not in self.resident
+
+    def _sources(self) -> list[torch.Tensor]:
+        """The group mappings as host tensors (registered for DMA on CUDA)."""
+        if self.device.type == "cuda":
+            from hetmoe.engine.layer_stream import pinned_groups
+
+            return pinned_groups(self.moe)
+        return [host_tensor(p) for p in self.parts]
+
+    def move(self, slot: int, expert: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Puts `expert` into `slot` (the expert there leaves it): the bytes are copied (on
+        `stream`, when given, which the current stream then waits for) and the table updated.
+        Only between steps."""
+        if not 0 <= slot < self.slots or not 0 <= expert < self.num_experts:
+            raise ValueError(f"LayerSlots.move: slot {slot} of {self.slots}, expert {expert} "
+                             f"of {self.num_experts}")
+        if expert in self.resident and self.resident.index(expert) != slot:
+            raise ValueError(f"LayerSlots.move: expert {expert} already has slot "
+                             f"{self.resident.index(expert)}")
+        with torch.inference_mode(False):
+            for dst, src, part in zip(self.packed, self._host, self.parts, strict=True):
+                b = part.expert_bytes
+                target = dst[slot * b:(slot + 1) * b]
+                if stream is None:
+                    target.copy_(src[expert * b:(expert + 1) * b], non_blocking=True)
+                else:
+                    with torch.cuda.stream(stream):
+                        target.copy_(src[expert * b:(expert + 1) * b], non_blocking=True)
+            if stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+            old = self.resident[slot]
+            if old >= 0:
+                self.table[old] = -1
+            self.table[expert] = slot
+        self.resident[slot] = expert
+
+    def split(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T, K] expert ids -> (slots [T, K]: the GPU's, -1 elsewhere; the CPU's expert
+        ids [T, K], -1 where resident); counts the routing on the device."""
+        with torch.inference_mode(False):
+            flat = ids.reshape(-1)
+            self.counts.index_add_(0, flat.clamp(min=0),
+                                   (flat >= 0).to(torch.int64))
+        slot = self.table[ids]
+        return slot, torch.where(slot < 0, ids, -1)
+
+    def compute(self, x: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], expert ids and their slots [T, K] (-1: not here), weights [T, K] ->
+        [T, H] fp32 of the resident experts' pairs."""
+        fmt, group, hidden = self.moe.weight_format, self.moe.group_size, self.moe.hidden
+        if slot.numel() > self.slots and not _capturing(x.device):
+            return packed_all(x, ids, torch.where(slot >= 0, weights, 0.0), self.packed,
+                              self.parts, fmt, hidden, group, self.table[:-1])
+        out: torch.Tensor | None = None
+        for packed, part in zip(self.packed, self.parts, strict=True):
+            y = packed_pairs(x, slot, weights, packed, part, fmt, hidden, group)
+            out = y if out is None else out + y
+        assert out is not None
+        return out
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class Placement:
+    """Every MoE layer's `LayerSlots` under one plan."""
+
+    def __init__(self, cpu: Sequence[CpuMoE], plan: PlacementPlan, device: torch.device) -> None:
+        if len(cpu) != len(plan.resident):
+            raise ValueError(f"Placement: a plan of {len(plan.resident)} MoE layers for a model "
+                             f"of {len(cpu)}")
+        self.plan, self.device = plan, device
+        self.layers = [LayerSlots(m, ids, device) for m, ids in zip(cpu, plan.resident,
+                                                                     strict=True)]
+
+    @property
+    def everything(self) -> bool:
+        """Whether every expert of every layer is resident."""
+        return all(layer.everything for layer in self.layers)
+
+    def counts(self) -> list[torch.Tensor]:
+        """Routing counts [E] per layer since the start (or the last `reset_counts`)."""
+        return [layer.counts.cpu() for layer in self.layers]
+
+    def reset_counts(self) -> None:
+        """Zeroes the routing counts."""
+        with torch.inference_mode(False):
+            for layer in self.layers:
+                layer.counts.zero_()
+
+
+def expert_bytes(cpu: Sequence[CpuMoE]) -> list[int]:
+    """Packed bytes of one expert per layer (all NUMA groups)."""
+    return [sum(p.expert_bytes for p in m.packed_groups()) for m in cpu]
+
+
+def gpu_room(cpu: Sequence[CpuMoE], device: torch.device) -> int:
+    """What `auto` may use on `device` now (placement_plan.auto_budget); 0 without a GPU."""
+    if device.type != "cuda":
+        return 0
+    from hetmoe.engine.layer_stream import streaming_bytes
+
+    free, total = torch.cuda.mem_get_info(device)
+    return auto_budget(int(free), int(total), streaming_bytes(cpu))
+
+
+def placement_plan(cpu: Sequence[CpuMoE], device: torch.device, asked: int | str,
+                   counts: Sequence[torch.Tensor] | None = None) -> PlacementPlan:
+    """The plan for `EngineConfig.gpu_expert_bytes` = `asked` ("auto" or bytes): auto takes the
+    GPU's room (none without a GPU); bytes beyond the room are clamped with a warning naming
+    both (on the CPU device the "GPU" is host memory: not clamped)."""
+    if asked == "auto":
+        budget = gpu_room(cpu, device)
+    elif isinstance(asked, int) and asked >= 0:
+        budget = asked
+        if device.type == "cuda":
+            budget, message = clamp_budget(asked, gpu_room(cpu, device))
+            if message:
+                log.warning("%s", message)
+    else:
+        raise ValueError(f"gpu_expert_bytes must be 'auto' or an integer >= 0, got {asked!r}")
+    return plan_placement([m.num_experts for m in cpu], expert_bytes(cpu), budget, counts)

@@ -1,0 +1,78 @@
+"""Resident experts computed on the GPU straight from their packed bytes.
+
+`packed_pairs(x, ids, weights, packed, part, fmt, hidden, group) -> [T, H] fp32` is one NUMA
+group's share of out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t) over the experts
+held back to back in `packed` (the CPU backend's layout, experts/packed_layout.py), e = ids[t, j]
+an index into `packed` (-1: skipped). On CUDA it is `hetmoe.kernels.packed_moe` when that
+kernel is present; else torch: only the (token, slot) pairs' experts are gathered and unpacked
+(few pairs at decode), so the call has fixed shapes and a CUDA graph can capture it.
+`packed_all` serves long inputs (prefill): every slot unpacked once and a grouped GEMM over the
+rows (experts/routed_mlp.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hetmoe.experts.packed_layout import PackedGroup, unpack_group
+from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
+
+PackedMoE = Callable[..., torch.Tensor]
+
+
+def kernel() -> PackedMoE | None:
+    """The Triton `packed_moe` kernel when this checkout has it (else None: torch path)."""
+    try:
+        module: Any = importlib.import_module("hetmoe.kernels.packed_moe")
+    except ImportError:
+        return None
+    return getattr(module, "packed_moe", None)
+
+
+def packed_pairs_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       packed: torch.Tensor, part: PackedGroup, fmt: str, hidden: int,
+                       group: int | None) -> torch.Tensor:
+    """x [T, H], ids [T, K] (index into packed, -1 skip), weights [T, K] -> [T, H] fp32, in
+    torch (see the module docstring). As the CPU kernels: bf16 inputs, fp32 SiLU, the
+    intermediate rounded to bf16 once."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)  # [P] pairs
+    rows = packed.view(-1, part.expert_bytes)[flat.clamp(min=0)]  # [P, expert_bytes]
+    gate_up, down = unpack_group(rows, part, fmt, hidden, group)  # [P, 2S, Hp], [P, Hn, S]
+    s, hp = down.shape[2], gate_up.shape[2]
+    # bf16 products on the GPU (fp32 accumulation inside); fp32 on the CPU device.
+    math = torch.bfloat16 if x.device.type == "cuda" else torch.float32
+    xs = F.pad(x.to(torch.bfloat16), (0, hp - x.shape[1])).to(math)  # [T, Hp]
+    xs = xs[:, None].expand(t, k, hp).reshape(t * k, hp, 1)  # [P, Hp, 1]
+    h = torch.bmm(gate_up.to(math), xs)[..., 0].float()  # [P, 2S]
+    a = (F.silu(h[:, :s]) * h[:, s:]).to(torch.bfloat16).to(math)  # [P, S]
+    y = torch.bmm(down.to(math), a[..., None])[:, :x.shape[1], 0].float()  # [P, H]
+    scale = torch.where(flat >= 0, weights.reshape(-1).float(), 0.0)  # skipped pairs weigh 0
+    return (y * scale[:, None]).view(t, k, -1).sum(1)
+
+
+def packed_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 packed: torch.Tensor, part: PackedGroup, fmt: str, hidden: int,
+                 group: int | None) -> torch.Tensor:
+    """`packed_pairs_torch`'s result, by the Triton kernel on CUDA when present."""
+    if x.device.type == "cuda":
+        fn = kernel()
+        if fn is not None:
+            return fn(x, ids, weights.float(), packed, part, fmt, hidden, group)
+    return packed_pairs_torch(x, ids, weights, packed, part, fmt, hidden, group)
+
+
+def packed_all(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               packed: Sequence[torch.Tensor], parts: Sequence[PackedGroup], fmt: str,
+               hidden: int, group: int | None, table: torch.Tensor) -> torch.Tensor:
+    """Long inputs: x [T, H], ids [T, K] expert ids, table [E] slot or -1 -> [T, H] fp32 of
+    the resident experts' pairs (every slot unpacked once, then a grouped GEMM)."""
+    unpacked = [unpack_group(p.view(-1, part.expert_bytes), part, fmt, hidden, group)
+                for p, part in zip(packed, parts, strict=True)]
+    grouped = grouped_mm_available(x.device)
+    return routed_mlp(x, ids, weights, unpacked, grouped, local=table).float()

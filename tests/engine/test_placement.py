@@ -1,0 +1,166 @@
+"""GPU-resident experts (the "GPU" is the CPU device here): the slots' compute against the CPU
+backend per format, decode equal to all-CPU decode, no CPU job when everything is resident, and
+placement changes between steps that keep the tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from decode_steps import PROMPT, SAME_BACKEND_ATOL, greedy
+
+from hetmoe import LLM
+from hetmoe.config import EngineConfig
+from hetmoe.engine.placement import LayerSlots, expert_bytes
+from hetmoe.engine.runner import ModelRunner
+from hetmoe.experts.cpu_moe import CpuMoE
+from hetmoe.presets.tiny import FAMILIES
+
+# Per format, max |resident compute + CPU misses - all on the CPU| relative to the output's
+# scale: the CPU's int kernels quantize the activations too (int8 per row, int4 asymmetric),
+# the resident compute takes them in bf16.
+FORMAT_RTOL = {"bf16": 1e-5, "int8": 2e-2, "int4": 3e-2}
+
+
+def _layer(fmt: str, seed: int = 0) -> CpuMoE:
+    e, h, i = 8, 64, 96
+    g = torch.Generator().manual_seed(seed)
+    moe = CpuMoE(e, h, i, weight_format=fmt)
+    gate, up = (torch.randn(e, i, h, generator=g) * 0.1 for _ in range(2))
+    moe.load(gate.bfloat16(), up.bfloat16(), (torch.randn(e, h, i, generator=g) * 0.1).bfloat16())
+    return moe
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMAT_RTOL))
+@pytest.mark.parametrize("tokens", [1, 3, 40])  # pairs gathered; every slot unpacked (40 x 2)
+def test_resident_pairs_plus_cpu_misses_equal_the_cpu_alone(fmt: str, tokens: int) -> None:
+    moe = _layer(fmt)
+    slots = LayerSlots(moe, [3, 0, 5], torch.device("cpu"))
+    assert slots.table.tolist() == [1, -1, -1, 0, -1, 2, -1, -1, -1]
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64, generator=g)
+    ids = torch.randperm(8, generator=g)[:2].repeat(tokens, 1) if tokens == 1 else \
+        torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    slot, cpu_ids = slots.split(ids)
+    resident = torch.isin(ids, torch.tensor([3, 0, 5]))
+    assert torch.equal(slot >= 0, resident)
+    assert torch.equal(cpu_ids, torch.where(resident, -1, ids))
+    assert torch.equal(slots.counts, torch.bincount(ids.flatten(), minlength=8))
+    ours = slots.compute(x, ids, slot, weights) + moe.forward(x, cpu_ids, weights)
+    ref = moe.forward(x, ids, weights)
+    err = (ours - ref).abs().max().item() / ref.abs().max().item()
+    assert err <= FORMAT_RTOL[fmt], f"{fmt}, {tokens} tokens: relative error {err:.3g}"
+
+
+def test_moving_an_expert_updates_its_bytes_and_the_table() -> None:
+    moe = _layer("int8")
+    slots = LayerSlots(moe, [3, 0], torch.device("cpu"))
+    slots.move(1, 6)
+    assert slots.resident == [3, 6]
+    assert slots.table[[0, 3, 6]].tolist() == [-1, 0, 1]
+    moved = LayerSlots(moe, [3, 6], torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(slots.packed, moved.packed, strict=True))
+    with pytest.raises(ValueError, match="expert 3 already has slot 0"):
+        slots.move(1, 3)
+    with pytest.raises(ValueError, match="slot 2 of 2, expert 1 of 8"):
+        slots.move(2, 1)
+
+
+def _runner(llm: LLM, budget: int | str, deferred: int = 0) -> ModelRunner:
+    return ModelRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len,
+                       EngineConfig(gpu_expert_bytes=budget, deferred=deferred))
+
+
+def _layer_bytes(runner: ModelRunner, experts: int) -> int:
+    assert runner.overlap is not None
+    return experts * sum(expert_bytes(runner.overlap.cpu))
+
+
+@contextmanager
+def _counted_submits(llm: LLM) -> Iterator[list[int]]:
+    """Counts the CPU backend's submits (every CPU job of the Python links)."""
+    calls = [0]
+    layers = [m.experts for m in llm.model.modules() if hasattr(m, "experts")
+              and hasattr(m.experts, "submit")]
+    for experts in layers:
+        original = experts.submit
+
+        def counted(*args: object, _original: Callable[..., object] = original) -> object:
+            calls[0] += 1
+            return _original(*args)
+
+        experts.submit = counted
+    try:
+        yield calls
+    finally:
+        for experts in layers:
+            del experts.submit
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resident_decode_equals_all_cpu_decode(engine: Callable[[str, str], LLM],
+                                               family: str) -> None:
+    llm = engine(family, "cpu")
+    plain = _runner(llm, 0)
+    try:
+        assert plain.placement is None and not plain.overlap.placed
+        ref_tokens, ref_logits = greedy(plain, 5)
+    finally:
+        plain.overlap.detach()
+    for experts in (3, 8):  # some experts of each layer, then all
+        runner = _runner(llm, _layer_bytes(runner=plain, experts=experts))
+        try:
+            assert runner.placement is not None
+            assert [s.slots for s in runner.placement.layers] == \
+                [experts] * len(runner.placement.layers)
+            tokens, logits = greedy(runner, 5)
+        finally:
+            runner.overlap.detach()
+        assert tokens == ref_tokens, f"{family}, {experts} resident"
+        for step, (a, b) in enumerate(zip(logits, ref_logits, strict=True)):
+            delta = (a - b).abs().max().item()
+            assert delta <= SAME_BACKEND_ATOL, f"{family} step {step}: |Δlogits| {delta:.3g}"
+
+
+def test_everything_resident_submits_no_cpu_job(engine: Callable[[str, str], LLM]) -> None:
+    llm = engine("qwen3_moe", "cpu")
+    runner = _runner(llm, 10**12)
+    try:
+        assert runner.placement is not None and runner.placement.everything
+        with _counted_submits(llm) as calls:
+            greedy(runner, 3)
+        assert calls[0] == 0
+        runner.place(_layer_bytes(runner, 7))  # one expert per layer back on the CPU
+        with _counted_submits(llm) as calls:
+            greedy(runner, 3)
+        layers = len(runner.placement.layers)
+        assert calls[0] == 4 * layers  # prefill + 3 decode steps, one job per layer each
+        counts = runner.placement.counts()
+        assert all(int(c.sum()) > 0 for c in counts)
+    finally:
+        runner.overlap.detach()
+
+
+def test_a_placement_change_mid_generation_keeps_the_tokens(
+        engine: Callable[[str, str], LLM]) -> None:
+    llm = engine("deepseek_v2", "cpu")
+    runner = _runner(llm, 0)
+    try:
+        ref, _ = greedy(runner, 6)
+        runner.place(_layer_bytes(runner, 2))
+        runner.lengths[0] = 0
+        logits = runner.prefill(0, PROMPT)
+        tokens = [int(logits.argmax())]
+        for step in range(6):
+            if step == 2:
+                runner.place(_layer_bytes(runner, 5), counts=runner.placement.counts())
+            if step == 4:
+                runner.place(0)
+                assert runner.placement is None
+            tokens.append(int(runner.decode([0], [tokens[-1]])[0].argmax()))
+        assert tokens == ref
+    finally:
+        runner.overlap.detach()
