@@ -204,12 +204,14 @@ class ModelRunner:
                              "cpu backend")
         self.settle()
         self.overlap.place(None)
-        self.placement = None  # the old slots go before the new ones are allocated
+        self.placement = None  # the old slots (and graph pools) go before the new slots come
+        self.graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # so `auto` and the clamp see the memory given back
         plan = placement_plan(self.overlap.cpu, self.device, budget, counts)
         if plan.bytes:
             self.placement = Placement(self.overlap.cpu, plan, self.device)
             self.overlap.place(self.placement)
-        self.graphs.clear()
         return plan
 
     def _discard(self, launched: _Launched) -> None:

@@ -1,0 +1,119 @@
+"""Decode speed against the GPU expert budget (engine/placement.py), one model build, one process.
+
+For each budget (GB of packed experts resident on the GPU; `all` = every expert) the runner is
+re-placed (`ModelRunner.place`) and a greedy decode timed (median step, first step untimed). The
+floor of each row: the CPU reads the misses' bytes per token at the host's measured read
+bandwidth (before the build), the GPU its resident experts' bytes at HBM speed, so
+floor_tok_s = 1 / max(cpu_bytes / host_bw, gpu_bytes / hbm_bw) (the rest of the step, attention
+and launches, comes on top: `no_cpu_work` of hetmoe bench says how much).
+
+    python benchmarks/bench_gpu_experts.py --shape qwen3-30b-a3b --weight-format int8 \\
+        --budgets 0,8,15,23,all --json gpu_experts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from hetmoe.bench import measure
+from hetmoe.bench.harness import _git_sha, _machine, _now
+from hetmoe.bench.random_model import build_random_model
+from hetmoe.bench.shapes import shape_config
+from hetmoe.config import EngineConfig
+from hetmoe.engine.placement_compute import kernel
+from hetmoe.engine.runner import ModelRunner
+
+GB = 1e9
+
+
+def hbm_read_gb_s(device: torch.device, gib: float = 4.0) -> float:
+    """GPU memory read bandwidth: best of 5 sums over a `gib` GiB tensor."""
+    data = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        data.sum(dtype=torch.float32)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    del data
+    return int(gib * 2**30) / best / GB
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--weight-format", default="int8")
+    p.add_argument("--budgets", default="0,8,15,23,all", help="GB per row, or all")
+    p.add_argument("--deferred", default="0", help="Expert Deferral values per budget")
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    host_gb_s = measure.read_bandwidth(2.0)
+    hbm = hbm_read_gb_s(device)
+    config = shape_config(args.shape, args.num_layers)
+    start = time.perf_counter()
+    model = build_random_model(config, device, torch.bfloat16, "cpu", args.weight_format, 0)
+    build_s = time.perf_counter() - start
+    routed = measure.routed_bytes_per_token(model)
+    prompt = torch.randint(0, config.vocab_size, (args.prompt_len,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    window = args.prompt_len + args.new_tokens + 8
+    runner = ModelRunner(model, device, torch.bfloat16, 1, window,
+                         EngineConfig(gpu_expert_bytes=0))
+    result: dict[str, Any] = {
+        "command": "benchmarks/bench_gpu_experts.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        "date": _now(), "git": _git_sha(), "machine": _machine(device),
+        "host_read_gb_s": round(host_gb_s, 1), "hbm_read_gb_s": round(hbm, 1),
+        "build_s": round(build_s, 1), "routed_bytes_per_token": routed,
+        "gpu_compute": "triton packed_moe" if kernel() is not None else "torch (unpack + bmm)",
+        "rows": [],
+    }
+    print(f"host {host_gb_s:.1f} GB/s, HBM {hbm:.0f} GB/s, built in {build_s:.1f} s, "
+          f"{routed / 1e6:.1f} MB of routed experts per token, GPU compute: "
+          f"{result['gpu_compute']}", flush=True)
+    base_tokens: list[int] | None = None
+    for budget in args.budgets.split(","):
+        asked = 10**15 if budget == "all" else int(float(budget) * GB)
+        plan = runner.place(asked)
+        share = plan.gpu_share()
+        gpu_bytes, cpu_bytes = routed * share, routed * (1 - share)
+        floor = 1 / max(cpu_bytes / (host_gb_s * GB), gpu_bytes / (hbm * GB), 1e-9)
+        for d in (int(v) for v in args.deferred.split(",")):
+            runner.reset_graphs(d)
+            run = measure.greedy_decode(runner, prompt, args.new_tokens)
+            if base_tokens is None:
+                base_tokens = run.tokens
+            same = next((i for i, (a, b) in enumerate(zip(run.tokens, base_tokens,
+                                                                strict=True)) if a != b),
+                        len(run.tokens))
+            row = {"budget": budget, "deferred": d, "gpu_expert_bytes": plan.bytes,
+                   "experts_per_layer": [len(r) for r in plan.resident][:1] + [
+                       min(len(r) for r in plan.resident)],
+                   "gpu_share": round(share, 4), "cpu_bytes_per_token": int(cpu_bytes),
+                   "floor_tok_s": round(floor, 1), "tok_s": round(run.tok_s, 2),
+                   "mean_tok_s": round(run.mean_tok_s, 2),
+                   "of_floor": round(run.tok_s / floor, 3),
+                   "tokens_equal_budget0_first": same,
+                   "gpu_allocated_gb": round(torch.cuda.memory_allocated(device) / GB, 2)}
+            result["rows"].append(row)
+            print(f"budget {budget:>4} GB d={d}: {plan.bytes / GB:6.2f} GB resident "
+                  f"({share:.1%} of routed work), {run.tok_s:7.2f} tok/s, floor "
+                  f"{floor:7.1f} ({row['of_floor']:.0%}), tokens equal to budget 0's for "
+                  f"{same}/{len(run.tokens)}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
