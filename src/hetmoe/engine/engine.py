@@ -220,6 +220,17 @@ class LLM:
         finally:
             self.runner.free(slot)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens spelled out (`<id>` without a tokenizer)."""
+        if self.tokenizer is None:
+            return f"<{token_id}>"
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def _named(self, entry: TokenLogprob) -> TokenLogprob:
+        """`entry` with its token and alternatives as text, for `generate`'s outputs."""
+        return dataclasses.replace(entry, token=self.token_text(entry.token_id), top_tokens=tuple(
+            (self.token_text(t), logprob) for t, logprob in entry.top))
+
     def _checked_prompt(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ValueError("the prompt is empty (0 tokens)")
@@ -294,14 +305,14 @@ class LLM:
             out.add(event)
             if event.text:
                 yield event.text
-        result.append(out.output(params))
+        result.append(out.output(params, self._named))
 
     def _run_all(self, prompts: list[list[int]],
                  params: SamplingParams) -> list[GenerationOutput]:
         outs = [_Collected(ids) for ids in prompts]
         for i, event in self._events(prompts, params):
             outs[i].add(event)
-        return [out.output(params) for out in outs]
+        return [out.output(params, self._named) for out in outs]
 
 
 def _put(events: queue.SimpleQueue[tuple[int, Event]], i: int, event: Event) -> None:
@@ -329,13 +340,17 @@ class _Collected:
         if event.finish_reason is not None:
             self.last = event
 
-    def output(self, params: SamplingParams) -> GenerationOutput:
+    def output(self, params: SamplingParams,
+               named: Callable[[TokenLogprob], TokenLogprob]) -> GenerationOutput:
+        """The output; `named` adds the text of a logprobs entry's tokens."""
         last = self.last
         assert last is not None and last.finish_reason is not None
         if last.finish_reason == "error":
             raise RuntimeError(f"generation failed: {last.error}")
-        logprobs = self.logprobs if params.logprobs is not None else None
+        logprobs = [named(e) for e in self.logprobs] if params.logprobs is not None else None
+        prompt = self.prompt_logprobs
+        if prompt is not None:
+            prompt = [None if e is None else named(e) for e in prompt]
         return GenerationOutput("".join(self.text), self.tokens, last.finish_reason,
-                                len(self.prompt), logprobs, self.prompt_logprobs,
-                                last.cached_tokens)
+                                len(self.prompt), logprobs, prompt, last.cached_tokens)
 

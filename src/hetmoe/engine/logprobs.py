@@ -22,6 +22,10 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
     """(token id, log-probability) of the most likely tokens at this position, most likely
     first (as many as asked for)."""
+    token: str | None = None
+    """The token's text (set in `LLM.generate`'s outputs; special tokens spelled out)."""
+    top_tokens: tuple[tuple[str, float], ...] | None = None
+    """`top` with each token's text in place of its id (set in `LLM.generate`'s outputs)."""
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],

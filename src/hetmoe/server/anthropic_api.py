@@ -22,6 +22,7 @@ from hetmoe.server.anthropic_protocol import (
     usage,
 )
 from hetmoe.server.errors import APIError, anthropic_error
+from hetmoe.server.notices import notice_headers
 from hetmoe.server.sampling import request_sampling
 from hetmoe.server.service import EventStream, ModelService
 from hetmoe.server.tool_stream import CallArguments, CallStart, Delta, ToolStream
@@ -57,8 +58,10 @@ async def messages(request: Request) -> JSONResponse | StreamingResponse:
     metrics = request.app.state.metrics
     metrics.prompt(len(prompt_ids))
     observe = api.observer(metrics, started)
+    headers = notice_headers(request.url.path, body, plan)
     if body.stream:
-        return _sse(_events(new_message_id(), body, stream, observe, plan, service), stream)
+        return _sse(_events(new_message_id(), body, stream, observe, plan, service), stream,
+                    headers)
     choice = (await api.collect(request, stream, observe, 1)).all[0]
     assert choice.last is not None
     text = "".join(choice.text)
@@ -74,7 +77,7 @@ async def messages(request: Request) -> JSONResponse | StreamingResponse:
         "stop_sequence": stop,
         "usage": usage(choice.last.prompt_tokens, choice.last.completion_tokens,
                        choice.last.cached_tokens),
-    })
+    }, headers=headers)
 
 
 def _matched_stop(service: ModelService, token_ids: Sequence[int],
@@ -180,8 +183,8 @@ def _delta(index: int, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
 
 
-def _sse(events: AsyncIterator[tuple[str, dict[str, Any]]],
-         stream: EventStream) -> StreamingResponse:
+def _sse(events: AsyncIterator[tuple[str, dict[str, Any]]], stream: EventStream,
+         notices: dict[str, str]) -> StreamingResponse:
     async def lines() -> AsyncIterator[str]:
         try:
             async for name, data in events:
@@ -189,5 +192,5 @@ def _sse(events: AsyncIterator[tuple[str, dict[str, Any]]],
         finally:
             stream.cancel()  # the client disconnected (or the stream ended): free the slot
 
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **notices}
     return StreamingResponse(lines(), media_type="text/event-stream", headers=headers)

@@ -74,7 +74,9 @@ StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class MessagesRequest(_Strict):
-    """POST /v1/messages."""
+    """POST /v1/messages (unknown top-level fields kept, to be named as ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
@@ -88,6 +90,11 @@ class MessagesRequest(_Strict):
     stream: bool = False
     tools: list[Tool] | None = None
     tool_choice: AnthropicToolChoice | None = None
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """Top-level fields of the body this server does not know (and so ignores)."""
+        return sorted(self.model_extra or {})
 
     def chat_messages(self) -> list[ChatMessage]:
         """The conversation as OpenAI chat messages: the system prompt first, tool results as

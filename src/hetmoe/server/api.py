@@ -1,4 +1,4 @@
-"""Routes: /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics."""
+"""Routes: /v1/models[/ID], /v1/chat/completions, /v1/completions, /health, /metrics."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from hetmoe.engine.sampler import SamplingParams
 from hetmoe.server import protocol, responses, tools
 from hetmoe.server.errors import APIError, from_validation
 from hetmoe.server.metrics import Metrics
+from hetmoe.server.notices import notice_headers
 from hetmoe.server.sampling import request_sampling
 from hetmoe.server.service import EventStream, ModelService
 
@@ -65,6 +66,13 @@ async def models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [protocol.model_card(n, service.created) for n in names]}
 
 
+@router.get("/v1/models/{name:path}")
+async def model(request: Request, name: str) -> dict[str, Any]:
+    """One model of the list by its id (a 404 naming the served ones for another)."""
+    service = check_model(request, name)
+    return protocol.model_card(name, service.created)
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
     """OpenAI chat completions, streamed as SSE when `stream` is true."""
@@ -80,12 +88,13 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
     stream = _submit(request, body, [prompt_ids], "messages", (budget, body.token_budget), fmt)
     rid = protocol.new_id("chatcmpl")
     observe = observer(_metrics(request), started)
+    headers = notice_headers(request.url.path, body, plan)
     if body.stream:
         return _sse(responses.chat_chunks(rid, body, stream, observe, service.token_text,
-                                          body.n, plan), stream)
+                                          body.n, plan), stream, headers)
     choices = await collect(request, stream, observe, body.n)
     return JSONResponse(responses.chat_body(rid, service.name, choices, bool(body.logprobs),
-                                            service.token_text, plan))
+                                            service.token_text, plan), headers=headers)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -121,13 +130,15 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
     rid = protocol.new_id("cmpl")
     observe = observer(_metrics(request), started)
     count = len(prompts) * body.n
+    headers = notice_headers(request.url.path, body, None)
     if body.stream:
         return _sse(responses.completion_chunks(rid, body, stream, observe, service.token_text,
-                                                count, echo, prompt_only), stream)
+                                                count, echo, prompt_only), stream, headers)
     choices = await collect(request, stream, observe, body.n, count)
     return JSONResponse(responses.completion_body(rid, service.name, choices,
                                                   body.logprobs is not None, echo,
-                                                  service.token_text, prompt_only))
+                                                  service.token_text, prompt_only),
+                        headers=headers)
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -283,7 +294,8 @@ def _raise_for_failure(event: Event) -> None:
         raise APIError(503, "the server is shutting down")
 
 
-def _sse(chunks: AsyncIterator[dict[str, Any]], stream: EventStream) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict[str, Any]], stream: EventStream,
+         notices: dict[str, str]) -> StreamingResponse:
     async def lines() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
@@ -292,5 +304,5 @@ def _sse(chunks: AsyncIterator[dict[str, Any]], stream: EventStream) -> Streamin
         finally:
             stream.cancel()  # the client disconnected (or the stream ended): free the slot
 
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **notices}
     return StreamingResponse(lines(), media_type="text/event-stream", headers=headers)

@@ -1,7 +1,9 @@
 """OpenAI-compatible request and response bodies (pydantic), validated strictly.
 
 Strict mode: a JSON string where a number is expected is a 400, not a silent coercion. Unknown
-fields are ignored (clients send many extensions), known-but-unsupported ones are refused by name.
+top-level fields are accepted and named as ignored (clients send many extensions; as vLLM does:
+a log warning and the `x-hetmoe-ignored-fields` header), known-but-unsupported ones are refused
+by name.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class StreamOptions(_Request):
 class _Sampling(_Request):
     """Fields shared by chat and text completions."""
 
+    model_config = ConfigDict(strict=True, extra="allow")  # kept, to be named as ignored
+
     model: str
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -113,6 +117,11 @@ class _Sampling(_Request):
     def stops(self) -> list[str]:
         """Stop strings as a list (the validator normalized a single string)."""
         return list(self.stop or [])
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """Top-level fields of the body this server does not know (and so ignores)."""
+        return sorted(self.model_extra or {})
 
     @property
     def include_usage(self) -> bool:
