@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from hetmoe.bench import measure
+from hetmoe.bench.memory import check_memory
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.bench.trace import TraceRecorder
@@ -90,6 +91,12 @@ class BenchConfig:
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     """Builds the model of `cfg`, measures it, returns the result dict (see the module doc)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    window = max((*cfg.prefill_lengths, 0)) + cfg.prompt_len + cfg.new_tokens + 8
+    if cfg.shape is not None and cfg.experts != "accelerate":  # refused before any allocation
+        plan = check_memory(cfg.shape, cfg.num_layers, device, cfg.weight_format, window,
+                            int(cfg.bandwidth_gib * 2**30))
+        log(f"memory plan: {plan.total('host') / 1e9:.1f} GB of host memory "
+            f"({plan.host_free / 1e9:.1f} GB available)")
     result: dict[str, Any] = {"config": asdict(cfg), "date": _now(), "git": _git_sha(),
                               "machine": _machine(device)}
     result["read_gb_s"] = round(measure.read_bandwidth(cfg.bandwidth_gib), 1)
@@ -105,7 +112,6 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         config = shape_config(cfg.shape, cfg.num_layers)
     prompt = torch.randint(0, config.vocab_size, (cfg.prompt_len,),
                            generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    window = max((*cfg.prefill_lengths, 0)) + cfg.prompt_len + cfg.new_tokens + 8
     if cfg.experts == "accelerate":
         from hetmoe.bench.baselines import build_offloaded_hf_model, hf_generate_speed
 
