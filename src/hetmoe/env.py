@@ -42,3 +42,27 @@ def cpu_threads() -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"HETMOE_THREADS must be a positive integer, got {value!r}")
     return int(value)
+
+
+def hf_endpoint() -> str | None:
+    """HF_ENDPOINT: the Hub (or a mirror) model names are fetched from (None: huggingface.co).
+    Read at each call, unlike huggingface_hub's import-time constant."""
+    value = _get("HF_ENDPOINT")
+    return value.rstrip("/") if value else None
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face cache shared with transformers: HF_HUB_CACHE, else HF_HOME/hub, else
+    XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    cache = _get("HF_HUB_CACHE")
+    if cache:
+        return Path(cache).expanduser()
+    home = _get("HF_HOME") or os.path.join(
+        _get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hf_offline() -> bool:
+    """HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1): Hub names resolve from the cache only."""
+    value = _get("HF_HUB_OFFLINE") or _get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().lower() in ("1", "on", "yes", "true")

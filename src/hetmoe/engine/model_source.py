@@ -18,14 +18,17 @@ DEFAULT_MAX_SEQ_LEN = 4096
 
 def open_model(model: str | os.PathLike[str], verify: bool, progress: bool,
                experts: str | None = None) -> tuple[Path, ConvertedModel | None]:
-    """The checkpoint directory of `model` (a GGUF file becomes its cached conversion) and,
+    """The checkpoint directory of `model` (a GGUF file or Hub model becomes its cached
+    conversion; a Hub name is fetched into the HF cache first) and,
     for a converted directory, its checked manifest (`verify`: full checksums too). Bad files
     are refused here, before any GPU work; so is an expert backend other than `cpu` for a
     GGUF file or a converted model (their experts exist only in its packed layout)."""
     from hetmoe.loading.convert_source import cached_conversion, is_gguf
+    from hetmoe.loading.hub import fetch_named
     from hetmoe.presets import resolve_model
 
-    path = resolve_model(model)
+    hub = fetch_named(model, progress=progress)  # a Hub name: its files in the HF cache
+    path = resolve_model(model) if hub is None else hub.path
     gguf = is_gguf(path)
     if (gguf or is_converted(path)) and experts not in (None, "cpu"):
         raise ValueError(
@@ -33,7 +36,11 @@ def open_model(model: str | os.PathLike[str], verify: bool, progress: bool,
             f"experts from the cpu backend's packed layout, not experts={experts!r}; for other "
             "backends load a checkpoint directory (hetmoe.loading.gguf_checkpoint"
             ".write_checkpoint writes one from a GGUF)")
-    if gguf:
+    if hub is not None and experts in (None, "cpu"):
+        from hetmoe.loading.hub_cache import hub_conversion
+
+        path = hub_conversion(hub, progress=progress)  # per repo + commit + format, made once
+    elif gguf:
         path = cached_conversion(path, progress)
     if (path / STATE).is_file() and not is_converted(path):
         raise CheckpointError(f"{path}: an unfinished conversion (no {MANIFEST} yet); run "

@@ -19,6 +19,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from hetmoe.loading.errors import CheckpointError
+from hetmoe.loading.gguf_check import truncated_tensor
 
 ARCHITECTURES = ("deepseek2", "llama", "qwen2moe", "qwen3moe")
 """`general.architecture` values read here (llama with `expert_count`: Mixtral)."""
@@ -55,7 +56,8 @@ class GGUFFile:
     metadata: dict[str, Any]
     """Every key/value field, decoded to Python values (token lists included)."""
     reader: Any = dataclasses.field(repr=False, compare=False)
-    """The open `gguf.GGUFReader` (parsing the header again costs seconds: 49k token strings)."""
+    """The open `gguf.GGUFReader`, or a `SplitReader` over a split's parts (parsing the header
+    again costs seconds: 49k token strings)."""
 
     def field(self, key: str) -> Any:
         """The metadata value at `key`; a clear error naming the file when it is absent."""
@@ -157,13 +159,16 @@ class GGUFFile:
 
 def open_gguf(path: str | Path) -> GGUFFile:
     """Reads the metadata of a GGUF file of one of `ARCHITECTURES` (tensors are read lazily)."""
-    from gguf import GGUFReader
+    from hetmoe.loading.gguf_split import open_reader
 
     path = Path(path)
     try:
-        reader = GGUFReader(path)
+        reader = open_reader(path)  # part 1 of a split: all its parts
+    except CheckpointError:  # a split's part missing or not the first, named already
+        raise
     except (ValueError, OSError) as exc:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({exc})") from None
+        raise CheckpointError(truncated_tensor(path)
+                              or f"{path}: not a readable GGUF file ({exc})") from None
     metadata = {key: value.contents() for key, value in reader.fields.items()}
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:

@@ -1,0 +1,77 @@
+"""The bytes of a Hub model's files into the Hugging Face cache, resumable after a kill.
+
+huggingface_hub 2.x writes a plain-HTTP download to a process-unique temporary file and drops
+it on failure (so a killed download starts over). Each missing file is therefore first filled
+into the cache's own blob, `blobs/<etag>`, through `<etag>.incomplete`, which a later run
+continues with huggingface_hub's `http_get(resume_size=...)` (a Range request);
+`snapshot_download` then links the snapshot to those blobs without fetching them again, and
+downloads what is stored on Xet itself (hf_xet keeps its own chunk cache).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from hetmoe import env
+
+
+def download(repo_id: str, commit: str, files: list[str], token: str | None,
+             progress: bool) -> None:
+    """Fetches `files` of `repo_id` at `commit` into the HF cache (see module doc)."""
+    from huggingface_hub import snapshot_download
+
+    tqdm_class = None if progress else _silent()
+    folder = env.hf_hub_cache() / f"models--{repo_id.replace('/', '--')}"
+    for name in files:
+        _fill_blob(folder, repo_id, commit, name, token, tqdm_class)
+    snapshot_download(repo_id, revision=commit, cache_dir=env.hf_hub_cache(),
+                      allow_patterns=files, endpoint=env.hf_endpoint(), token=token,
+                      tqdm_class=tqdm_class)
+
+
+def _fill_blob(folder: Path, repo_id: str, commit: str, name: str, token: str | None,
+               tqdm_class: Any) -> None:
+    """`blobs/<etag>` of one file, continued from `<etag>.incomplete` when a run was cut."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    if (folder / "snapshots" / commit / name).is_file():
+        return
+    endpoint = env.hf_endpoint()
+    url = hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint)
+    meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
+    if meta.xet_file_data is not None or meta.etag is None:
+        return  # Xet storage: hf_xet fetches (and resumes) it in snapshot_download
+    blob = folder / "blobs" / meta.etag
+    if blob.is_file():
+        return
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    partial = blob.with_name(f"{meta.etag}.incomplete")
+    headers = build_hf_headers(token=token)
+    if urlparse(meta.location).netloc != urlparse(url).netloc:
+        headers.pop("authorization", None)  # a CDN's signed URL: the token stays with the Hub
+    with open(partial, "ab") as out:
+        if out.tell():
+            print(f"hetmoe: {name}: resuming after {out.tell()} bytes", file=sys.stderr,
+                  flush=True)
+        http_get(meta.location, out, resume_size=out.tell(), headers=headers,
+                 expected_size=meta.size, displayed_filename=name, tqdm_class=tqdm_class)
+    if meta.size is not None and partial.stat().st_size != meta.size:
+        raise RuntimeError(f"{repo_id}/{name}: got {partial.stat().st_size} bytes, the Hub "
+                           f"says {meta.size}; run the command again to fetch the rest")
+    os.replace(partial, blob)
+
+
+def _silent() -> Any:
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    class Silent(hf_tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+    return Silent
