@@ -115,3 +115,39 @@ def test_a_gguf_file_with_a_non_cpu_expert_backend_is_refused_before_converting(
                                          r"experts='torch'"):
         LLM(path, device="cpu", experts="torch", progress=False)
     assert not (tmp_path / "cache" / "converted").exists()  # nothing converted
+
+
+@pytest.mark.parametrize("command", ["generate", "info", "convert"])
+def test_a_file_that_is_not_gguf_is_named_so(tmp_path: Path, command: str) -> None:
+    from typer.testing import CliRunner
+
+    from hetmoe.cli import app
+
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(bytes(range(7, 71)))
+    args = {"generate": [str(path), "hi"], "info": [str(path)],
+            "convert": [str(path), str(tmp_path / "out")]}[command]
+    result = CliRunner().invoke(app, [command, *args])
+    assert result.exit_code == 1
+    assert result.output == (f"error: {path}: not a GGUF file (it starts with b'\\x07\\x08\\t\\n'"
+                             ", a GGUF file with b'GGUF'); a model is a GGUF file, a checkpoint "
+                             "directory or a preset\n")
+
+
+def test_a_missing_gguf_file_is_named_so(tmp_path: Path) -> None:
+    from hetmoe import LLM
+
+    with pytest.raises(FileNotFoundError, match=rf"^{tmp_path}/nope\.gguf: no such GGUF file$"):
+        LLM(tmp_path / "nope.gguf", device="cpu", progress=False)
+
+
+def test_a_truncated_file_names_the_tensor_and_its_bytes(tmp_path: Path) -> None:
+    path = _write(tmp_path / "t.gguf", "qwen3moe", FIELDS, GLOBAL)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-100])  # output_norm.weight, the last tensor: 256 bytes
+    start = len(whole) - 256
+    with pytest.raises(CheckpointError) as info:
+        open_gguf(path)
+    assert str(info.value) == (
+        f"{path}: tensor 'output_norm.weight' needs 256 bytes at offset {start}, the file has "
+        f"156 there (a file of {len(whole) - 100} bytes: cut short?)")

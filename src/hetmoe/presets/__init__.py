@@ -58,10 +58,16 @@ def presets() -> dict[str, Preset]:
 def resolve_model(model: str | os.PathLike[str]) -> Path:
     """A checkpoint directory for `model`: an existing path, or a preset built on first use."""
     path = Path(model).expanduser()
+    if path.is_file():
+        from hetmoe.loading.gguf_check import check_magic
+
+        check_magic(path)  # else read as a directory: "junk.gguf/config.json: Not a directory"
     if path.exists():
         return path
     table = presets()
     preset = table.get(str(model))
+    if preset is None and path.suffix == ".gguf":
+        raise FileNotFoundError(f"{path}: no such GGUF file")
     if preset is None:
         names = ", ".join(sorted(table)) or "none"
         raise FileNotFoundError(
