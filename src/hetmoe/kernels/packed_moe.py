@@ -1,0 +1,164 @@
+"""Routed experts of one NUMA group computed on the GPU straight from the CPU backend's packed
+bytes (experts/packed_layout.py): no bf16 copy of the weights is ever made.
+
+`packed_moe` = sum_k w_k * down_e(silu(gate_e x) * up_e x) over the group's slice of the
+intermediate dimension (a model of several groups sums the groups' results), as
+`packed_layout.unpack_group` + `routed_mlp.routed_mlp` compute it: bf16 inputs and dequantized
+bf16 weights, fp32 accumulation and SiLU, one rounding of the intermediate to bf16. The pairs
+are grouped by expert on the GPU (`routing_tiles`) and two Triton kernels run over the tiles:
+`moe_gate_up` then `moe_down`. Few rows per expert (decode) take narrow 16-row tiles, many
+(prefill) wide ones; either way no host sync and a grid fixed by T and K, so decode steps can
+be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hetmoe.experts.packed_layout import PackedGroup, padded_hidden
+
+FORMATS = ("bf16", "int8", "int4", "fp8")
+"""Packed formats the kernels read."""
+
+GROUPS = (32, 64, 128, 256)
+"""Quantization groups of the int and fp8 formats."""
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape and launch settings of the two expert kernels."""
+
+    block_m: int
+    """Sorted (token, slot) rows per tile (all of one expert)."""
+    block_n_gate_up: int
+    """Gate rows (and as many up rows) per gate/up program; divides 64."""
+    block_n_down: int
+    """Output columns per down program."""
+    num_warps: int
+    """Warps per program."""
+    num_stages: int
+    """Software pipeline depth of the k loop."""
+
+
+SMALL_M = TileConfig(block_m=16, block_n_gate_up=32, block_n_down=64, num_warps=4, num_stages=3)
+"""Few rows per expert (decode, short prompts): narrow tiles, many programs over the weights."""
+
+LARGE_M = TileConfig(block_m=64, block_n_gate_up=64, block_n_down=128, num_warps=8,
+                     num_stages=3)
+"""Many rows per expert (prefill): wide tiles that reuse each dequantized weight tile."""
+
+SMALL_M_ROWS = 16
+"""Mean rows per expert below which `SMALL_M` runs."""
+
+
+def tile_config(pairs: int, num_experts: int) -> TileConfig:
+    """The tile shape for `pairs` (token, slot) pairs over `num_experts` experts."""
+    return SMALL_M if pairs < SMALL_M_ROWS * num_experts else LARGE_M
+
+
+def check_packed(part: PackedGroup, fmt: str, hidden: int, group: int | None) -> None:
+    """ValueError naming the field when `part`'s geometry does not fit the format."""
+    if fmt not in FORMATS:
+        raise ValueError(f"packed_moe: format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if fmt != "bf16" and group not in GROUPS:
+        raise ValueError(f"packed_moe: {fmt} needs a group in {GROUPS}, got {group}")
+    slice_ = part.end - part.begin
+    unit = 64 if fmt == "bf16" else max(64, group or 0)
+    if slice_ <= 0 or slice_ % unit:
+        raise ValueError(f"packed_moe: the group's slice [{part.begin}, {part.end}) is not a "
+                         f"positive multiple of {unit}")
+    q = None if fmt == "bf16" else group
+    hp, hn = padded_hidden(hidden, q), -(-hidden // 16) * 16
+    gu_bytes, gu_scales = matrix_geometry(fmt, 2 * slice_, hp, q)
+    gu_end = gu_scales + 4 * (2 * slice_ // 16) * (hp // (q or hp)) * 16 if gu_scales else \
+        (2 * slice_ // 16) * gu_bytes
+    down_bytes, down_scales = matrix_geometry(fmt, hn, slice_, q)
+    down_end = down_scales + 4 * hn * (slice_ // (q or slice_)) if down_scales else \
+        (hn // 16) * down_bytes
+    if part.down_offset < gu_end or part.down_offset + down_end > part.expert_bytes:
+        raise ValueError(f"packed_moe: PackedGroup(down_offset={part.down_offset}, "
+                         f"expert_bytes={part.expert_bytes}) does not hold {fmt} experts of "
+                         f"hidden {hidden}, slice {slice_}, group {group}")
+
+
+def matrix_geometry(fmt: str, n: int, k: int, group: int | None) -> tuple[int, int]:
+    """(bytes of one n-block, byte offset of the fp32 scale array) of a packed [n, k] matrix
+    (scale offset 0 for formats without one)."""
+    if fmt == "bf16":
+        return (k // 32) * 1024, 0
+    assert group is not None
+    if fmt == "int4":
+        run_k = max(64, group)
+        run_bytes = (run_k // 64) * 512 + -(-96 * (run_k // group) // 64) * 64
+        return (k // run_k) * run_bytes, 0
+    nb_bytes = (k // 64) * 1024
+    return nb_bytes, -(-(n // 16) * nb_bytes // 64) * 64
+
+
+def packed_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: torch.Tensor,
+               part: PackedGroup, fmt: str, hidden: int, group: int | None) -> torch.Tensor:
+    """x [T, H] (bf16; other floats are rounded to it), ids [T, K] int (an expert's index in
+    `packed`, -1 = skip), weights [T, K] -> [T, H] fp32, this group's share of the routed
+    output. packed: uint8 on x's GPU, experts back to back (e at e * part.expert_bytes)."""
+    _check_call(x, ids, weights, packed, part, hidden)
+    check_packed(part, fmt, hidden, group)
+    from hetmoe.kernels.dequant import FORMAT_CODES
+    from hetmoe.kernels.moe_down import moe_down_kernel
+    from hetmoe.kernels.moe_gate_up import moe_gate_up_kernel
+    from hetmoe.kernels.routing_tiles import routing_tiles
+
+    t, top_k = ids.shape
+    out = torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
+    if t == 0 or top_k == 0:
+        return out
+    q = None if fmt == "bf16" else group
+    slice_ = part.end - part.begin
+    hp, hn = padded_hidden(hidden, q), -(-hidden // 16) * 16
+    num_e = packed.numel() // part.expert_bytes
+    cfg = tile_config(t * top_k, num_e)
+    tiles = routing_tiles(ids, num_e, cfg.block_m)
+    xb = x.to(torch.bfloat16).contiguous()
+    w = weights.reshape(-1).to(torch.float32).contiguous()
+    act = torch.empty(t * top_k, slice_, dtype=torch.bfloat16, device=x.device)
+    code, g = FORMAT_CODES[fmt], q or 64
+    nb_bytes, scale_off = matrix_geometry(fmt, 2 * slice_, hp, q)
+    grid = (slice_ // cfg.block_n_gate_up, tiles.expert.numel())
+    moe_gate_up_kernel[grid](
+        xb, xb.stride(0), packed, tiles.order, tiles.expert, tiles.row, tiles.end, act,
+        hidden, slice_, part.expert_bytes, nb_bytes, scale_off, num_e, TOP_K=top_k,
+        K_BLOCKS=hp // 64, G=g, FMT=code, BM=cfg.block_m, BN=cfg.block_n_gate_up,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    nb_bytes, scale_off = matrix_geometry(fmt, hn, slice_, q)
+    grid = (-(-hidden // cfg.block_n_down), tiles.expert.numel())
+    moe_down_kernel[grid](
+        act, packed, tiles.order, w, tiles.expert, tiles.row, tiles.end, out, hidden, slice_,
+        hn, part.expert_bytes, part.down_offset, nb_bytes, scale_off, num_e, TOP_K=top_k,
+        K_BLOCKS=slice_ // 64, G=g, FMT=code, BM=cfg.block_m, BN=cfg.block_n_down,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def _check_call(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                packed: torch.Tensor, part: PackedGroup, hidden: int) -> None:
+    """ValueError naming the tensor whose shape, dtype or device is wrong (no host sync)."""
+    if x.dim() != 2 or x.shape[1] != hidden or not x.is_floating_point():
+        raise ValueError(f"packed_moe: x must be a float [T, {hidden}] tensor, got "
+                         f"{x.dtype} {list(x.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0] or ids.is_floating_point():
+        raise ValueError(f"packed_moe: ids must be an integer [{x.shape[0]}, K] tensor, got "
+                         f"{ids.dtype} {list(ids.shape)}")
+    if weights.shape != ids.shape:
+        raise ValueError(f"packed_moe: weights must be {list(ids.shape)} like ids, got "
+                         f"{list(weights.shape)}")
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or not packed.is_contiguous():
+        raise ValueError(f"packed_moe: packed must be a contiguous 1-D uint8 tensor, got "
+                         f"{packed.dtype} {list(packed.shape)}")
+    if packed.numel() == 0 or packed.numel() % part.expert_bytes:
+        raise ValueError(f"packed_moe: packed holds {packed.numel()} bytes, not a whole "
+                         f"number of experts of {part.expert_bytes} bytes")
+    devices = {t.device for t in (x, ids, weights, packed)}
+    if len(devices) != 1 or x.device.type != "cuda":
+        raise ValueError(f"packed_moe: x, ids, weights and packed must be on one CUDA device, "
+                         f"got {', '.join(sorted(map(str, devices)))}")

@@ -1,0 +1,52 @@
+"""A layer's (token, slot) pairs grouped by expert into row tiles, on the GPU with no host sync.
+
+The expert kernels (`moe_gate_up`, `moe_down`) run one program per (tile, column block); a
+tile is up to `block_m` consecutive sorted pairs of one expert. The grid is fixed by T and K
+alone (`max_tiles`): every shape here is bounded by T * K, never read back to the host, so a
+CUDA graph can capture the whole computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RoutingTiles:
+    """Sorted pairs and their tiles (int32 tensors on the ids' device)."""
+
+    order: torch.Tensor
+    """[T K] pair indices (token * K + slot) sorted by expert; skipped pairs (-1) last."""
+    expert: torch.Tensor
+    """[max_tiles] each tile's expert; `num_experts` for the unused tiles past the last."""
+    row: torch.Tensor
+    """[max_tiles] each tile's first position in `order`."""
+    end: torch.Tensor
+    """[max_tiles] the end of its expert's positions in `order` (a tile stops there)."""
+
+
+def max_tiles(pairs: int, num_experts: int, block_m: int) -> int:
+    """Tiles the grid holds: each expert's last tile may be partial, and no tile is empty."""
+    return max(1, min(pairs, -(-pairs // block_m) + num_experts))
+
+
+def routing_tiles(ids: torch.Tensor, num_experts: int, block_m: int) -> RoutingTiles:
+    """ids [T, K] (expert index in [0, num_experts), -1 = skip) -> tiles of `block_m` rows.
+    An id >= num_experts fails a device-side assert (checked without a host sync)."""
+    flat = ids.reshape(-1).long()  # [P]
+    torch._assert_async((flat < num_experts).all())
+    key = torch.where(flat >= 0, flat, num_experts)  # skipped pairs sort last
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))  # bincount would sync for its length
+    ends = counts.cumsum(0)
+    starts = ends - counts
+    tiles = (counts[:num_experts] + block_m - 1) // block_m
+    tile_ends = tiles.cumsum(0)  # [E]
+    i = torch.arange(max_tiles(flat.numel(), num_experts, block_m), device=ids.device)
+    expert = torch.searchsorted(tile_ends, i, right=True)  # [NT] in [0, E]
+    valid = expert.clamp(max=num_experts - 1)
+    row = starts[valid] + (i - (tile_ends[valid] - tiles[valid])) * block_m
+    return RoutingTiles(order.int(), expert.int(), row.int(), ends[valid].int())

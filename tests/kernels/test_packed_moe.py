@@ -1,0 +1,237 @@
+"""`kernels.packed_moe` (Triton, on the CPU backend's packed bytes) against float64 references:
+the unpacked weights of the same bytes (every format and group, odd sizes padded inside, ids of
+-1, duplicate ids, experts with 0 and 1 rows, T from 1 to thousands), the original float weights
+within each format's quantization error, a CUDA graph replay, and bad inputs named.
+
+Device tests (`pytest -m device` on a GPU host); the argument checks run everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hetmoe.experts.cpu_moe import CpuMoE
+from hetmoe.experts.packed_layout import PackedGroup, host_tensor, unpack_group
+from hetmoe.kernels.packed_moe import check_packed, packed_moe, tile_config
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# (format, experts, hidden, intermediate, group): odd sizes pad H to 64-k blocks and groups
+# and the slice to whole units; every group size of every quantized format.
+SHAPES = [
+    ("bf16", 7, 200, 136, None), ("bf16", 5, 256, 512, None),
+    ("int8", 6, 200, 136, 32), ("int8", 5, 192, 320, 64), ("int8", 4, 256, 384, 128),
+    ("int8", 4, 512, 256, 256),
+    ("int4", 6, 200, 136, 32), ("int4", 5, 192, 320, 64), ("int4", 4, 256, 384, 128),
+    ("int4", 4, 512, 256, 256),
+    ("fp8", 6, 200, 136, 32), ("fp8", 5, 192, 320, 64), ("fp8", 4, 256, 384, 128),
+    ("fp8", 4, 512, 256, 256),
+]
+
+
+@dataclasses.dataclass
+class Layer:
+    """One layer's experts packed by the CPU backend, and what its bytes hold in float64."""
+
+    moe: CpuMoE
+    part: PackedGroup
+    raw: torch.Tensor  # [E * expert_bytes] uint8, a copy of the mapping
+    gate_up: torch.Tensor  # [E, 2S, Hp] float64 (unpacked)
+    down: torch.Tensor  # [E, Hn, S] float64 (unpacked)
+    original: tuple[torch.Tensor, ...]  # gate, up [E, I, H], down [E, H, I] float64
+
+
+def make_layer(fmt: str, e: int, h: int, i: int, group: int | None, seed: int) -> Layer:
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((e, i, h), (e, i, h), (e, h, i))
+    moe = CpuMoE(e, h, i, fmt, group_size=group)
+    if fmt == "fp8":  # codes of magnitude <= 1 (no NaN), block scales over 2^8
+        codes = [(torch.randint(0, 0x39, s, generator=g, dtype=torch.uint8)
+                  | (torch.randint(0, 2, s, generator=g, dtype=torch.uint8) << 7))
+                 .view(torch.float8_e4m3fn) for s in shapes]
+        scales = [torch.exp2(-8 * torch.rand(e, -(-s[1] // 128), -(-s[2] // 128),
+                                             generator=g)) * 4 / s[2] ** 0.5 for s in shapes]
+        moe.load(*codes, *scales)
+        original = tuple(
+            (c.float() * s.repeat_interleave(128, 1).repeat_interleave(128, 2)
+             [:, :c.shape[1], :c.shape[2]]).double() for c, s in zip(codes, scales, strict=True))
+    else:
+        weights = [torch.randn(s, generator=g) / s[2] ** 0.5 for s in shapes]
+        moe.load(*weights)
+        original = tuple(w.double() for w in weights)
+    (part,) = moe.packed_groups()
+    raw = host_tensor(part).clone()
+    gate_up, down = unpack_group(raw.view(e, part.expert_bytes), part, fmt, h, moe.group_size)
+    return Layer(moe, part, raw, gate_up.double(), down.double(), original)
+
+
+def reference(layer: Layer, x: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+    """float64 on the unpacked weights with the kernels' roundings: x and the intermediate in
+    bf16 (as routed_mlp and the CPU kernels)."""
+    h = x.shape[1]
+    s = layer.down.shape[2]
+    xb = x.to(torch.bfloat16).double()
+    out = torch.zeros(x.shape[0], h, dtype=torch.float64)
+    for e in range(layer.gate_up.shape[0]):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        proj = xb[tok] @ layer.gate_up[e, :, :h].T  # [n, 2S]
+        act = (F.silu(proj[:, :s]) * proj[:, s:]).to(torch.bfloat16).double()
+        y = act @ layer.down[e, :h].T
+        out.index_add_(0, tok, y * weights[tok, slot].double()[:, None])
+    return out
+
+
+def routing(t: int, k: int, e: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [t, k] with duplicates and 15 % of -1, the last expert never picked and expert 0
+    exactly once; weights [t, k] in [0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, e - 1, (t, k), generator=g)
+    ids[torch.rand(t, k, generator=g) < 0.15] = -1
+    ids[t // 2, k - 1] = 0
+    return ids, torch.rand(t, k, generator=g)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double().cpu() - ref).norm() / ref.norm())
+
+
+@pytest.mark.device
+@cuda
+@pytest.mark.parametrize("tokens", [1, 37, 700])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_equals_float64_on_the_same_bytes(shape: tuple, tokens: int) -> None:
+    fmt, e, h, i, group = shape
+    layer = make_layer(fmt, e, h, i, group, seed=tokens + e)
+    for k in (1, 4):
+        x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(k))
+        ids, weights = routing(tokens, k, e, seed=tokens * k)
+        out = packed_moe(x.cuda(), ids.cuda(), weights.cuda(), layer.raw.cuda(), layer.part,
+                         fmt, h, layer.moe.group_size)
+        assert out.shape == (tokens, h) and out.dtype == torch.float32
+        ref = reference(layer, x, ids, weights)
+        assert rel_error(out, ref) < 2e-3, (k, rel_error(out, ref))
+        skipped = (ids < 0).all(1)  # rows routed nowhere are exact zeros
+        assert not out[skipped.cuda()].any()
+
+
+@pytest.mark.device
+@cuda
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "fp8"])
+def test_thousands_of_tokens_on_the_wide_tiles(fmt: str) -> None:
+    e, h, i, group = 8, 256, 384, (None if fmt == "bf16" else 128)
+    layer = make_layer(fmt, e, h, i, group, seed=9)
+    tokens, k = 3000, 4
+    assert tile_config(tokens * k, e).block_m > 16
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(3))
+    ids, weights = routing(tokens, k, e, seed=4)
+    out = packed_moe(x.cuda(), ids.cuda(), weights.cuda(), layer.raw.cuda(), layer.part, fmt,
+                     h, layer.moe.group_size)
+    assert rel_error(out, reference(layer, x, ids, weights)) < 2e-3
+
+
+@pytest.mark.device
+@cuda
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_within_the_formats_error_of_the_original_weights(fmt: str) -> None:
+    """Against the float weights before packing: the format's quantization error only, and
+    int4 as close as the CPU backend on the same bytes."""
+    e, h, i = 6, 256, 384
+    layer = make_layer(fmt, e, h, i, None, seed=11)
+    x = torch.randn(300, h, generator=torch.Generator().manual_seed(12))
+    ids, weights = routing(300, 4, e, seed=13)
+    out = packed_moe(x.cuda(), ids.cuda(), weights.cuda(), layer.raw.cuda(), layer.part, fmt,
+                     h, layer.moe.group_size)
+    gate, up, down = layer.original
+    truth = torch.zeros(300, h, dtype=torch.float64)
+    for t in range(300):
+        for j in range(4):
+            ex = int(ids[t, j])
+            if ex >= 0:
+                xt = x[t].double()
+                act = F.silu(gate[ex] @ xt) * (up[ex] @ xt)
+                truth[t] += weights[t, j].double() * (down[ex] @ act)
+    cpu = layer.moe.forward(x, ids, weights)
+    if fmt == "int4":
+        assert rel_error(out, truth) <= 1.05 * rel_error(cpu, truth) + 1e-3
+    else:
+        assert rel_error(out, truth) < (0.01 if fmt == "bf16" else 0.03)
+
+
+@pytest.mark.device
+@cuda
+def test_a_cuda_graph_replays_new_routing() -> None:
+    """Decode's use: captured once (no host sync inside), replayed on new ids and inputs."""
+    layer = make_layer("int4", 6, 256, 384, 64, seed=21)
+    raw = layer.raw.cuda()
+    x = torch.zeros(4, 256, device="cuda")
+    ids = torch.zeros(4, 2, dtype=torch.int64, device="cuda")
+    weights = torch.zeros(4, 2, device="cuda")
+
+    def step() -> torch.Tensor:
+        return packed_moe(x, ids, weights, raw, layer.part, "int4", 256, 64)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in range(3):
+        new_x = torch.randn(4, 256, generator=torch.Generator().manual_seed(seed))
+        new_ids, new_w = routing(4, 2, 6, seed=seed)
+        x.copy_(new_x)
+        ids.copy_(new_ids)
+        weights.copy_(new_w)
+        graph.replay()
+        assert rel_error(out, reference(layer, new_x, new_ids, new_w)) < 2e-3
+
+
+GROUP = PackedGroup(address=0, bytes=40960, expert_bytes=20480, down_offset=12288, begin=0,
+                    end=64)  # CpuMoE(2, 64, 64, "int8", group_size=64)'s
+
+
+@pytest.mark.parametrize(("fmt", "group", "part", "message"), [
+    ("fp4", 32, GROUP, "format 'fp4' is not one of bf16, int8, int4, fp8"),
+    ("int8", 48, GROUP, r"int8 needs a group in \(32, 64, 128, 256\), got 48"),
+    ("int4", None, GROUP, r"int4 needs a group in"),
+    ("int8", 128, GROUP, r"slice \[0, 64\) is not a positive multiple of 128"),
+    ("int8", 64, dataclasses.replace(GROUP, down_offset=100), "down_offset=100"),
+    ("int8", 64, dataclasses.replace(GROUP, expert_bytes=13000), "expert_bytes=13000"),
+])
+def test_bad_packed_geometry_is_named(fmt: str, group: int | None, part: PackedGroup,
+                                      message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_packed(part, fmt, 64, group)
+
+
+def test_the_geometry_of_real_packed_layers_passes() -> None:
+    for fmt, e, h, i, group in SHAPES:
+        moe = CpuMoE(e, h, i, fmt, group_size=group)
+        (part,) = moe.packed_groups()
+        check_packed(part, fmt, h, moe.group_size)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"x": torch.zeros(3, 65)}, r"x must be a float \[T, 64\] tensor, got torch.float32 \[3, 65\]"),
+    ({"ids": torch.zeros(3, 2)}, r"ids must be an integer \[3, K\] tensor"),
+    ({"weights": torch.zeros(3, 3)}, r"weights must be \[3, 2\] like ids, got \[3, 3\]"),
+    ({"packed": torch.zeros(100, dtype=torch.uint8)}, "not a whole number of experts"),
+    ({"packed": torch.zeros(20480)}, "packed must be a contiguous 1-D uint8 tensor"),
+    ({}, r"must be on one CUDA device, got cpu"),
+])
+def test_bad_call_arguments_are_named(change: dict, message: str) -> None:
+    args = {"x": torch.zeros(3, 64), "ids": torch.zeros(3, 2, dtype=torch.int64),
+            "weights": torch.zeros(3, 2), "packed": torch.zeros(20480, dtype=torch.uint8)}
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        packed_moe(args["x"], args["ids"], args["weights"], args["packed"], GROUP, "int8", 64,
+                   64)
