@@ -29,7 +29,7 @@ def kernel() -> PackedMoE | None:
     """The Triton `packed_moe` kernel when this checkout has it (else None: torch path)."""
     try:
         module: Any = importlib.import_module("hetmoe.kernels.packed_moe")
-    except ImportError:
+    except (ImportError, OSError):  # OSError: an editable install lists a file now gone
         return None
     return getattr(module, "packed_moe", None)
 
