@@ -26,14 +26,29 @@ def server(tiny_qwen3_moe: Path, one_torch_thread: None) -> Iterator[LiveServer]
 
 
 @pytest.fixture(scope="module")
+def generic_server(tiny_qwen3_moe: Path, one_torch_thread: None) -> Iterator[LiveServer]:
+    """The baby model with its own chat template, which renders no tools (generic format)."""
+    live = LiveServer(tiny_llm(tiny_qwen3_moe, max_batch=4, max_seq_len=1024),
+                      ServerConfig(api_key=API_KEY, max_queue=4))
+    yield live
+    live.close()
+
+
+def template_server(tiny_qwen3_moe: Path, path: Path, template: str) -> LiveServer:
+    """The baby model served with chat template `template` (a file of `templates/`); its files
+    copied into `path`."""
+    for item in tiny_qwen3_moe.iterdir():
+        shutil.copy(item, path / item.name)
+    shutil.copy(TEMPLATES / template, path / "chat_template.jinja")
+    return LiveServer(tiny_llm(path, max_batch=4, max_seq_len=1024),
+                      ServerConfig(api_key=API_KEY, max_queue=4))
+
+
+@pytest.fixture(scope="module")
 def qwen_server(tiny_qwen3_moe: Path, tmp_path_factory: pytest.TempPathFactory,
                 one_torch_thread: None) -> Iterator[LiveServer]:
     """The baby model with Qwen3's chat template (its tool prompt is ~470 tokens)."""
-    path = tmp_path_factory.mktemp("tiny-qwen3-tools")
-    for item in tiny_qwen3_moe.iterdir():
-        shutil.copy(item, path / item.name)
-    shutil.copy(TEMPLATES / "qwen3.jinja", path / "chat_template.jinja")
-    live = LiveServer(tiny_llm(path, max_batch=4, max_seq_len=1024),
-                      ServerConfig(api_key=API_KEY, max_queue=4))
+    live = template_server(tiny_qwen3_moe, tmp_path_factory.mktemp("tiny-qwen3-tools"),
+                           "qwen3.jinja")
     yield live
     live.close()

@@ -130,7 +130,8 @@ def test_tool_choice_any_without_a_call(qwen_server: LiveServer) -> None:
                                      "data": "AA=="}}]}]}, "field 'messages[0].content"),
     ({"max_tokens": 4, "messages": [*ASK, {"role": "assistant", "content": "Well"}]},
      "the last message must be the user's"),
-    ({"max_tokens": 4, "messages": ASK, "tools": [WEATHER]}, "does not render tools"),
+    # The baby template renders no tools: the generic tool prompt outgrows the window.
+    ({"max_tokens": 4, "messages": ASK, "tools": [WEATHER]}, "field 'messages': the prompt has"),
     ({"max_tokens": 4, "messages": ASK, "tool_choice": {"type": "any"}}, "needs 'tools'"),
     ({"max_tokens": 4, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "tool"}},
      "field 'tool_choice.name': required when type is 'tool'"),

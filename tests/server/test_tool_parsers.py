@@ -28,7 +28,7 @@ FAMILIES = [
     ("qwen3.jinja", "qwen", "<|im_end|>", False),
     ("mistral.jinja", "mistral", "</s>", False),
     ("deepseek_v3.jinja", "deepseek_v3", "<｜end▁of▁sentence｜>", False),
-    ("deepseek_v3_1.jinja", "deepseek_v3", "<｜end▁of▁sentence｜>", True),
+    ("deepseek_v3_1.jinja", "deepseek_v3_1", "<｜end▁of▁sentence｜>", True),
 ]
 
 

@@ -19,7 +19,13 @@ import string
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from hetmoe.server.tool_grammar import Grammar, qwen_calls
+from hetmoe.server.tool_grammar import (
+    Grammar,
+    deepseek_v3_1_forced,
+    deepseek_v3_forced,
+    mistral_forced,
+    qwen_forced,
+)
 
 
 @dataclass(frozen=True)
@@ -186,21 +192,30 @@ def _split_deepseek(text: str) -> tuple[str, list[tuple[str, object]]] | None:
     return after.replace("<｜end▁of▁sentence｜>", "").strip(), calls
 
 
+_DS_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+               "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
+_DS_V3_SYNTAX = re.compile(r"<｜tool▁sep｜>'\s*\+\s*tool\[['\"]function['\"]\]\[['\"]name['\"]\]")
+"""V3's templates write the function's name after the separator token (V3.1's before it)."""
+
 FORMATS = (
-    ToolFormat("deepseek_v3", "<｜tool▁calls▁begin｜>",
-               ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
-                "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"), _split_deepseek),
+    ToolFormat("deepseek_v3", "<｜tool▁calls▁begin｜>", _DS_MARKERS, _split_deepseek,
+               grammar=deepseek_v3_forced),
+    ToolFormat("deepseek_v3_1", "<｜tool▁calls▁begin｜>", _DS_MARKERS, _split_deepseek,
+               grammar=deepseek_v3_1_forced),
     ToolFormat("mistral", "[TOOL_CALLS]", ("[TOOL_CALLS]", "[ARGS]"), _split_mistral,
-               _mistral_id),
+               _mistral_id, grammar=mistral_forced),
     ToolFormat("qwen", "<tool_call>", ("<tool_call>", "</tool_call>"), _split_qwen,
-               header=_QWEN_HEADER, tail=_QWEN_TAIL, grammar=qwen_calls),
+               header=_QWEN_HEADER, tail=_QWEN_TAIL, grammar=qwen_forced),
 )
 """Known formats, in the order a template is matched against them."""
 
 
 def detect(template: str) -> ToolFormat | None:
-    """The format whose opening marker the chat template writes, if any."""
+    """The format whose opening marker the chat template writes, if any (DeepSeek's V3 or V3.1
+    by where the template puts the function's name)."""
     for form in FORMATS:
         if form.start in template:
+            if form.name == "deepseek_v3" and not _DS_V3_SYNTAX.search(template):
+                continue
             return form
     return None

@@ -85,8 +85,9 @@ class ToolStream:
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.text = ""
-        """The whole answer so far."""
+        self.text = plan.prefix
+        """The whole answer so far, after the call syntax the prompt ended with (a forced
+        reply's prefix: held, never content)."""
         self.streamed: list[CallStart] = []
         """Calls announced so far."""
         self._content = 0  # characters of content released (a prefix of the parsed content)
@@ -114,7 +115,7 @@ class ToolStream:
     def finish(self) -> tuple[list[Delta], ParsedOutput | None]:
         """At the answer's end: the deltas still to send and the parsed calls (None: the answer
         is text, and whatever was not sent goes as content)."""
-        parsed = self.plan.parse(self.text)
+        parsed = self.plan.parse(self.text[len(self.plan.prefix):])
         if parsed is None:
             rest = "" if self.streamed else self.text[self._at:]
             return ([rest] if rest else []), None

@@ -5,22 +5,24 @@ template takes it, the reply a forced choice constrains, and the model's text tu
 `tool_choice`: `none` renders no tools and parses nothing; `auto` renders every tool and parses
 the answer; a named function renders only that tool; `required` and a named function constrain
 the reply to calls (of that function) whose arguments match the function's `parameters`
-(tool_grammar.py; Qwen / Hermes formats), as vLLM does; a format without a grammar is not
-constrained, and a reply without a valid call (of that function) is a 422, streamed as an error
-chunk. `parallel_tool_calls: false` returns an answer's first call only. A call that does not
-parse leaves the answer as text (`finish_reason` from generation); parsed calls end it with
-`tool_calls`.
+(tool_grammar.py), as vLLM does; a choice the format cannot constrain is not, and a reply
+without a valid call (of that function) is a 422, streamed as an error chunk.
+`parallel_tool_calls: false` returns an answer's first call only. A call that does not parse
+leaves the answer as text (`finish_reason` from generation); parsed calls end it with
+`tool_calls`. A template that renders no tools gets the generic format (tool_generic.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hetmoe.engine.constrained import ResponseFormat
 from hetmoe.server.errors import APIError
-from hetmoe.server.tool_grammar import forced_calls
+from hetmoe.server.tool_generic import GENERIC, generic_turns, renders_tools
+from hetmoe.server.tool_grammar import ForcedReply, forced_calls
 from hetmoe.server.tool_parsers import ParsedOutput, ToolCall, ToolFormat, detect
 from hetmoe.server.tool_protocol import ToolChoice, ToolDef
 
@@ -39,10 +41,20 @@ class ToolPlan:
     choice: str
     """`auto`, `required` or the name of the one function to call."""
     parallel: bool
+    reply: ForcedReply | None = None
+    """The constrained reply of a `required` or named choice (None: not constrained)."""
+
+    @property
+    def prefix(self) -> str:
+        """Call syntax the prompt ends with: the answer continues it."""
+        return self.reply.prefix if self.reply is not None else ""
 
     def parse(self, text: str) -> ParsedOutput | None:
-        """The answer's calls (None: the answer stays text)."""
+        """The answer's calls (None: the answer stays text); `text` is what the model wrote,
+        after the `prefix`."""
         offered = {tool["function"]["name"] for tool in self.tools}
+        if self.reply is not None:
+            text = self.reply.prefix + text + self.reply.suffix
         parsed = self.form.parse(text, offered)
         if parsed is not None and not self.parallel:
             parsed = ParsedOutput(parsed.content, parsed.calls[:1])
@@ -60,17 +72,22 @@ class ToolPlan:
         return [self.form.new_id() for _ in range(count)]
 
     def forced(self) -> ResponseFormat | None:
-        """The format a `required` or named choice constrains the reply to (None: `auto`, or a
-        format without a grammar); a 400 naming `tools` when a function's parameters cannot be
-        followed."""
+        """The format a `required` or named choice constrains the reply to (None: `auto`, or
+        a choice the format cannot constrain)."""
+        return self.reply.format if self.reply is not None else None
+
+    def constrained(self) -> ToolPlan:
+        """This plan with its forced reply; a 400 naming `tools` when a function's parameters
+        cannot be followed."""
         if self.choice == "auto" or self.form.grammar is None:
-            return None
+            return self
         label = "a tool call" if self.choice == "required" else f"a call of {self.choice!r}"
         try:
-            return forced_calls(self.form.grammar, self.tools, self.parallel, label)
+            reply = forced_calls(self.form.grammar, self.tools, self.parallel, label)
         except ValueError as exc:
             raise APIError(400, f"field 'tools': tool_choice {self.choice!r} constrains the "
                            f"reply to the functions' parameters; {exc}", "tools") from None
+        return dataclasses.replace(self, reply=reply)
 
 
 def refuse_unserved(body: ChatCompletionRequest) -> None:
@@ -108,39 +125,45 @@ def make_plan(offered: Sequence[ToolDef] | None, choice: ToolChoice | None, para
         raise APIError(400, "field 'tools': function names must be unique", "tools")
     if choice == "none":
         return None
-    if not template or "tools" not in template:
-        raise APIError(400, "field 'tools': the chat template of this model does not render "
-                       "tools", "tools")
-    form = detect(template)
+    form = detect(template or "") if renders_tools(template) else GENERIC
     if form is None:
         raise APIError(400, "field 'tools': no tool-call parser knows this model's chat "
                        "template (known: Qwen/Hermes <tool_call>, Mistral [TOOL_CALLS], "
-                       "DeepSeek-V3 tool-call tokens)", "tools")
+                       "DeepSeek-V3/V3.1 tool-call tokens; a template that renders no tools "
+                       "gets generic JSON calls)", "tools")
     tools = [tool.template_dict() for tool in offered]
     if choice is None or isinstance(choice, str):
-        return ToolPlan(form, tools, choice or "auto", parallel)
+        return ToolPlan(form, tools, choice or "auto", parallel).constrained()
     name = choice.function.name
     if name not in names:
         raise APIError(400, f"field 'tool_choice': function {name!r} is not among 'tools' "
                        f"({', '.join(names)})", "tool_choice")
-    return ToolPlan(form, [t for t in tools if t["function"]["name"] == name], name, False)
+    named = [t for t in tools if t["function"]["name"] == name]
+    return ToolPlan(form, named, name, False).constrained()
 
 
 def render_chat(service: ModelService, messages: Sequence[ChatMessage],
                 plan: ToolPlan | None) -> list[int]:
-    """Prompt ids of the messages (and the plan's tools) through the chat template; earlier
-    calls' arguments go as objects, or as JSON text to a template that cannot take objects."""
+    """Prompt ids of the messages (and the plan's tools) through the chat template, then the
+    forced reply's prefix; earlier calls' arguments go as objects, or as JSON text to a template
+    that cannot take objects. The generic format writes tools and calls into the turns."""
     rendered = plan.tools if plan is not None else None
     try:
-        try:
-            return service.render(template_messages(messages), rendered)
-        except Exception:
-            if not any(m.tool_calls for m in messages):
-                raise
-            return service.render(template_messages(messages, True), rendered)
+        if plan is not None and plan.form is GENERIC:
+            ids = service.render(generic_turns(template_messages(messages), plan.tools))
+        else:
+            try:
+                ids = service.render(template_messages(messages), rendered)
+            except Exception:
+                if not any(m.tool_calls for m in messages):
+                    raise
+                ids = service.render(template_messages(messages, True), rendered)
     except Exception as exc:  # a template may reject a role order; that is the client's input
         message = f"field 'messages': the chat template cannot render them: {exc}"
         raise APIError(400, message, "messages") from None
+    if plan is not None and plan.prefix:
+        ids += service.text_ids(plan.prefix, special_tokens=False)
+    return ids
 
 
 def template_messages(messages: Sequence[ChatMessage],
