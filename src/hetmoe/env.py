@@ -66,3 +66,13 @@ def hf_offline() -> bool:
     """HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1): Hub names resolve from the cache only."""
     value = _get("HF_HUB_OFFLINE") or _get("TRANSFORMERS_OFFLINE") or ""
     return value.strip().lower() in ("1", "on", "yes", "true")
+
+
+def gpu_expert_kernel() -> str:
+    """HETMOE_GPU_EXPERTS=packed|unpack: how GPU prefill computes routed experts on their packed
+    bytes: the Triton kernels that read them directly (packed, the default where Triton runs)
+    or the torch unpack to bf16 + grouped GEMM (unpack: the reference, and A/B benchmarks)."""
+    value = _get("HETMOE_GPU_EXPERTS", "packed")
+    if value not in ("packed", "unpack"):
+        raise ValueError(f"HETMOE_GPU_EXPERTS must be packed or unpack, got {value!r}")
+    return value

@@ -6,9 +6,10 @@ layers in order, so each layer's packed experts cross PCIe once per pass, in the
 the CUDA driver, so the copy is DMA with no second host copy). Copies run on a stream of their
 own into two GPU staging buffers: layer i+2 is copied into layer i's buffer as soon as layer i's
 compute is done, so copies overlap compute and the pass is bound by PCIe, not by the GPU. A
-layer's experts are unpacked on the GPU (experts/packed_layout.py) and computed as a grouped
-GEMM over the rows routed to each expert (experts/routed_mlp.py). `GpuLink` is the layer's
-`ops.moe_step.Link`.
+layer's experts are computed on their packed bytes by the Triton kernels of kernels/packed_moe.py
+(dequantized in registers), or, where those cannot run (or HETMOE_GPU_EXPERTS=unpack), unpacked
+to bf16 (experts/packed_layout.py) and computed as a grouped GEMM (experts/routed_mlp.py).
+`GpuLink` is the layer's `ops.moe_step.Link`.
 
 A pass may *split* each layer (engine/expert_split.py): only its first k experts are copied (as
 early as a whole layer would be) and computed on the GPU, while the CPU computes the others
@@ -25,9 +26,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from hetmoe import env
 from hetmoe.experts.cpu_moe import CpuMoE, PendingCall
 from hetmoe.experts.packed_layout import host_tensor, unpack_group
 from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
+from hetmoe.kernels.packed_moe import packed_moe, unsupported
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +152,19 @@ class LayerStreamer:
         self.copied = [torch.cuda.Event() for _ in cpu]  # layer i's experts are on the GPU
         self.freed = [torch.cuda.Event() for _ in range(2)]  # a buffer's layer is computed
         self.grouped = grouped_mm_available(device)
+        why = unsupported(device, cpu[0].weight_format)
+        self.packed_kernel = not why and env.gpu_expert_kernel() == "packed"
+        if why:
+            log.info("GPU prefill unpacks experts to bf16: %s", why)
         self.links = [GpuLink(self, i) for i in range(len(cpu))]
         self._local: torch.Tensor | None = None  # [E]: expert -> GPU index (split), -1: CPU
         self._host_in: tuple[torch.Tensor, ...] = ()  # pinned x, ids, weights, out (split;
         # kept across passes, made again when a pass has more rows, another dtype or top-k)
         self._out_view = torch.empty(0)  # the pinned out as a GPU tensor (`gpu_view`)
         log.info("GPU prefill: %d layers, %.2f GB of packed experts per pass (%d layers "
-                 "resident), %s", len(cpu), sum(self.layer_bytes) / 1e9,
-                 self.resident_layers(), "grouped GEMM" if self.grouped else "per expert")
+                 "resident), %s", len(cpu), sum(self.layer_bytes) / 1e9, self.resident_layers(),
+                 "packed kernels" if self.packed_kernel
+                 else "unpack + grouped GEMM" if self.grouped else "unpack, per expert")
 
     def _upload(self, i: int) -> torch.Tensor:
         """Layer i's packed experts copied to the GPU for good (groups side by side)."""
@@ -226,6 +234,22 @@ class LayerStreamer:
             at += (count if resident is None else moe.num_experts) * part.expert_bytes
         return groups
 
+    def computed(self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 experts: int | None = None) -> torch.Tensor:
+        """Layer i's routed output [T, H] (x's dtype) from the packed kernels, each NUMA group's
+        slice summed; ids index the first `experts` experts of each group (-1: skip)."""
+        moe, at, total, resident = self.cpu[i], 0, None, self.resident[i]
+        buffer = resident if resident is not None else self.staging[i % 2]
+        count = moe.num_experts if experts is None else experts
+        for part in self.parts[i]:
+            raw = buffer[at:at + count * part.expert_bytes]
+            out = packed_moe(x, ids, weights, raw, part, moe.weight_format, moe.hidden,
+                             moe.group_size)
+            total = out if total is None else total + out
+            at += (count if resident is None else moe.num_experts) * part.expert_bytes
+        assert total is not None
+        return total.to(x.dtype)
+
     def start(self, i: int, x: torch.Tensor, ids: torch.Tensor,
               weights: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Starts layer i's routed experts on x [T, H]: the CPU's share (a split layer) at
@@ -237,8 +261,12 @@ class LayerStreamer:
         k = self._experts_here(i)
         call = self._start_cpu(i, x, ids, weights, stream) if k < self.num_experts else None
         stream.wait_event(self.copied[i])
-        local = self._local if call is not None else None
-        out = routed_mlp(x, ids, weights, self.unpacked(i, k), self.grouped, local)
+        if self.packed_kernel:
+            here = torch.where(ids < k, ids, -1) if call is not None else ids
+            out = self.computed(i, x, here, weights, k)
+        else:
+            local = self._local if call is not None else None
+            out = routed_mlp(x, ids, weights, self.unpacked(i, k), self.grouped, local)
         self.freed[i % 2].record(stream)
         if i + 2 < len(self.cpu):
             self._copy(i + 2)

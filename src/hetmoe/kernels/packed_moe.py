@@ -162,3 +162,20 @@ def _check_call(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if len(devices) != 1 or x.device.type != "cuda":
         raise ValueError(f"packed_moe: x, ids, weights and packed must be on one CUDA device, "
                          f"got {', '.join(sorted(map(str, devices)))}")
+
+
+def unsupported(device: torch.device, fmt: str) -> str:
+    """Why the kernels cannot run `fmt` on `device` ("" if they can): a CUDA GPU of compute
+    capability 8.0+ (8.9+ for fp8's hardware conversion) with Triton installed."""
+    import importlib.util
+
+    if device.type != "cuda":
+        return f"the packed expert kernels run on CUDA GPUs, not {device.type}"
+    if importlib.util.find_spec("triton") is None:
+        return "the packed expert kernels need Triton (pip install triton)"
+    need = (8, 9) if fmt == "fp8" else (8, 0)
+    have = torch.cuda.get_device_capability(device)
+    if have < need:
+        return (f"the packed expert kernels need compute capability {need[0]}.{need[1]} for "
+                f"{fmt}, this GPU has {have[0]}.{have[1]}")
+    return ""
