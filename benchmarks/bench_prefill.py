@@ -14,6 +14,9 @@ length (with llama.cpp's rows when given).
 
     python benchmarks/bench_prefill.py --shape qwen3-30b-a3b --weight-format int8 --out DIR \
         [--lengths 128,512,...] [--cpu-max 4096] [--llamacpp FILE.json]
+
+HETMOE_GPU_EXPERTS=unpack times the torch unpack + grouped GEMM instead of the packed kernels
+(the A/B of docs/benchmarks/gpu_kernels.md; the file name gets an `_unpack` suffix).
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ def distinct_experts(runner: ModelRunner, ids: list[int], chunk: int = 512) -> l
 @torch.inference_mode()
 def resident_compute_s(streamer: LayerStreamer, tokens: int, top_k: int, hidden: int) -> float:
     """GPU seconds of a pass's expert work with the weights already on the GPU: layer 0's
-    unpack + grouped GEMM on `tokens` random rows, median of 5, times the MoE layers."""
+    experts on `tokens` random rows as the streamer computes them (the packed kernels, or
+    unpack + grouped GEMM with HETMOE_GPU_EXPERTS=unpack), median of 5, times the MoE layers."""
     streamer.begin(tokens, top_k)
     torch.cuda.current_stream().wait_event(streamer.copied[0])
     moe = streamer.cpu[0]
@@ -78,7 +82,10 @@ def resident_compute_s(streamer: LayerStreamer, tokens: int, top_k: int, hidden:
     for _ in range(6):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        routed_mlp(x, ids, weights, streamer.unpacked(0), streamer.grouped)
+        if streamer.packed_kernel:
+            streamer.computed(0, x, ids, weights)
+        else:
+            routed_mlp(x, ids, weights, streamer.unpacked(0), streamer.grouped)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
@@ -122,6 +129,24 @@ def resident_pass(runner: ModelRunner, rows: list[dict[str, Any]], vocab: int,
         torch.cuda.empty_cache()
 
 
+def unpack_row(runner: ModelRunner, row: dict[str, Any], n: int, top_k: int, config: Any,
+               repeats: int) -> None:
+    """Adds the GPU stream's tok/s and the resident compute with the old unpack path."""
+    overlap = runner.overlap
+    assert overlap is not None and overlap.streamer is not None
+    streamer, auto, before = overlap.streamer, runner.config, overlap.streamer.packed_kernel
+    streamer.packed_kernel, runner.config = False, dataclasses.replace(auto, prefill_experts="gpu")
+    try:
+        tok_s = measure.prefill_speed(runner, n, config.vocab_size, repeats)
+        row["gpu_unpack_tok_s"] = round(tok_s, 1)
+        row["resident_compute_unpack_s"] = round(
+            resident_compute_s(streamer, n, top_k, config.hidden_size), 4)
+    finally:
+        streamer.packed_kernel, runner.config = before, auto
+    print(json.dumps({"tokens": n, "gpu_unpack_tok_s": row["gpu_unpack_tok_s"],
+                      "resident_compute_unpack_s": row["resident_compute_unpack_s"]}), flush=True)
+
+
 def plot(rows: list[dict[str, Any]], peer: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -163,6 +188,9 @@ def main() -> None:
                         help="also time each length with every layer's experts resident on "
                              "the GPU (needs the packed experts' bytes free on it)")
     parser.add_argument("--llamacpp", type=Path, help="JSON rows [{label, tokens, tok_s}]")
+    parser.add_argument("--ab-unpack", action="store_true",
+                        help="also time the GPU stream and the resident compute with the torch "
+                             "unpack + grouped GEMM (the path the packed kernels replaced)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -209,6 +237,8 @@ def main() -> None:
         compute = resident_compute_s(overlap.streamer, n, top_k, config.hidden_size)
         row["resident_compute_s"] = round(compute, 4)
         row["floor_s"] = round(max(pass_bytes / h2d, compute), 4)
+        if args.ab_unpack:
+            unpack_row(runner, row, n, top_k, config, args.repeats)
         if "gpu_ttft_s" in row:
             row["gpu_of_floor"] = round(row["floor_s"] / row["gpu_ttft_s"], 3)
             row["of_pcie_floor"] = round(row["gpu_tok_s"] / row["pcie_floor_tok_s"], 3)
@@ -219,6 +249,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     grouped = bool(overlap.streamer.grouped) if overlap.streamer else None
+    packed_kernel = bool(overlap.streamer.packed_kernel) if overlap.streamer else None
     if args.resident_pass:
         resident_pass(runner, rows, config.vocab_size, args.repeats)
     chunk_ids = torch.randint(0, config.vocab_size, (min(4096, window - 64),),
@@ -229,7 +260,7 @@ def main() -> None:
         "layers": config.num_hidden_layers, "experts": int(config.num_experts),
         "build_s": round(build_s, 1), "h2d_gb_s": round(h2d / 1e9, 1),
         "packed_bytes_per_pass": pass_bytes,
-        "grouped_gemm": grouped,
+        "grouped_gemm": grouped, "packed_kernels": packed_kernel,
         "split_costs": dataclasses.asdict(costs),
         "distinct_experts_per_512": {"mean": round(sum(distinct) / len(distinct), 1),
                                      "min": round(min(distinct), 1),
@@ -238,10 +269,9 @@ def main() -> None:
     }
     peer = json.loads(args.llamacpp.read_text()) if args.llamacpp else []
     result["llamacpp"] = peer
-    (args.out / f"prefill_{args.shape}_{args.weight_format}.json").write_text(
-        json.dumps(result, indent=1))
-    plot(rows, peer, args.out / f"prefill_{args.shape}_{args.weight_format}.png",
-         f"{args.shape} {args.weight_format} prefill")
+    stem = f"prefill_{args.shape}_{args.weight_format}" + ("" if packed_kernel else "_unpack")
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    plot(rows, peer, args.out / f"{stem}.png", f"{args.shape} {args.weight_format} prefill")
     print(f"| tokens | auto tok/s (GPU experts) | GPU stream | CPU+GPU split (GPU experts) | "
           f"CPU | PCIe floor tok/s | resident compute s | resident pass s | "
           f"(H2D {result['h2d_gb_s']} GB/s, {result['packed_bytes_per_pass'] / 1e9:.1f} GB/pass)")

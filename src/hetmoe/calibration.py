@@ -3,7 +3,8 @@ split of a layer's experts begin, instead of constants tuned on one box.
 
 `measure` times the CPU pool's DRAM reads, one small CpuMoE call, the routed-expert kernels per
 packed format at prefill sizes (AMX where the CPU has it) and, with a CUDA device, pinned copies
-both ways and the GPU prefill's unpack + grouped GEMM. `current` returns the profile stored for
+both ways and the GPU prefill's routed-expert compute (the packed kernels, or unpack + grouped
+GEMM where they cannot run). `current` returns the profile stored for
 this machine (`profile_path`), measuring and saving it on first use; `hetmoe calibrate` measures
 on demand and `hetmoe info` prints it.
 """
@@ -28,9 +29,10 @@ from hetmoe.experts.cpu_moe import CpuMoE
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 """Bumped when a field's meaning or a measurement changes: older files are measured again (4:
-int4 experts on AMX run bf16 tiles, ~1.5x the old rate at prefill sizes)."""
+int4 experts on AMX run bf16 tiles, ~1.5x the old rate at prefill sizes; 5: GPU prefill
+computes on the packed bytes with the Triton kernels, no unpack)."""
 
 FORMATS = ("bf16", "int8", "int4", "fp8")
 """CPU expert formats `measure` can time."""
@@ -71,11 +73,12 @@ class MachineProfile:
     """Bytes/s a GPU kernel reads pinned host memory in place (`layer_stream.gpu_view`: how a
     split layer's CPU sum reaches the GPU; None: measured without CUDA)."""
     gpu_flops: dict[str, float] | None
-    """Per format: GPU FLOP/s of the grouped GEMM over resident packed experts as GPU prefill
-    computes them, from the slope between two token counts (None: measured without CUDA)."""
+    """Per format: GPU FLOP/s of the routed experts over resident packed experts as GPU prefill
+    computes them (`LayerStreamer.packed_kernel`: the packed kernels, else unpack + grouped
+    GEMM), from the slope between two token counts (None: measured without CUDA)."""
     gpu_expert_bytes_s: dict[str, float] | None
-    """Per format: an expert's packed bytes over its unpack seconds on the GPU (the line's
-    intercept; None: measured without CUDA)."""
+    """Per format: an expert's packed bytes over its fixed GPU seconds (the line's intercept:
+    its bytes read and dequantized, or unpacked; None: measured without CUDA)."""
 
 
 def fingerprint(device: torch.device | None = None) -> str:
@@ -354,13 +357,16 @@ def _gpu_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -
 
 def _gpu_line(moe: CpuMoE, experts: int, device: torch.device, tokens: tuple[int, int],
               repeats: int) -> tuple[float, float]:
-    """(unpack seconds per expert, seconds per (token, expert) pair) on the GPU of `experts` of
-    `moe`'s packed experts, resident on `device`, unpacked and computed for tokens[0] then
-    tokens[1] tokens each (engine/layer_stream.py `LayerStreamer.unpacked` and `start`)."""
+    """(fixed seconds per expert, seconds per (token, expert) pair) on the GPU of `experts` of
+    `moe`'s packed experts, resident on `device`, computed for tokens[0] then tokens[1] tokens
+    each as engine/layer_stream.py's `LayerStreamer.start` does: the packed kernels where they
+    run, else unpacked and a grouped GEMM."""
     from hetmoe.experts.packed_layout import host_tensor, unpack_group
     from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
+    from hetmoe.kernels.packed_moe import packed_moe, unsupported
 
     grouped = grouped_mm_available(device)
+    packed = not unsupported(device, moe.weight_format) and env.gpu_expert_kernel() == "packed"
     seconds = []
     with torch.cuda.device(device):
         parts = moe.packed_groups()
@@ -376,6 +382,11 @@ def _gpu_line(moe: CpuMoE, experts: int, device: torch.device, tokens: tuple[int
 
             def step(x: torch.Tensor = x, ids: torch.Tensor = ids,
                      weights: torch.Tensor = weights) -> torch.Tensor:
+                if packed:
+                    outs = [packed_moe(x, ids, weights, raw.view(-1), part, moe.weight_format,
+                                       moe.hidden, moe.group_size)
+                            for raw, part in zip(raws, parts, strict=True)]
+                    return torch.stack(outs).sum(0) if len(outs) > 1 else outs[0]
                 unpacked = [unpack_group(raw, part, moe.weight_format, moe.hidden,
                                          moe.group_size)
                             for raw, part in zip(raws, parts, strict=True)]

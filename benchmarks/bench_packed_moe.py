@@ -1,0 +1,172 @@
+"""One MoE layer's routed experts on the GPU from their packed bytes: the Triton kernels
+(kernels/packed_moe.py) against the torch unpack + grouped GEMM they replace, per format and
+token count, beside the floors measured in the same run: the bytes the layer must read (the
+distinct experts routed to, packed) over this GPU's measured copy bandwidth, and the FLOPs
+(6 H I per (token, expert) pair) over the bf16 peak. Small T also timed as a CUDA graph replay
+(decode's use). Prints a table and writes JSON.
+
+    python benchmarks/bench_packed_moe.py --out DIR [--formats bf16,int8,int4,fp8]
+        [--tokens 1,8,64,512,4096] [--experts 128 --hidden 2048 --intermediate 768 --top-k 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetmoe.experts.cpu_moe import CpuMoE
+from hetmoe.experts.packed_layout import host_tensor, unpack_group
+from hetmoe.experts.routed_mlp import routed_mlp
+from hetmoe.kernels import packed_moe as kernel
+from hetmoe.kernels.packed_moe import packed_moe, tile_config
+from hetmoe.machine import machine_report
+
+BF16_PEAK = 790e12
+"""Dense bf16 tensor-core FLOP/s taken as this GPU's peak (H100/H200 SXM, as the issue)."""
+
+
+def build_layer(fmt: str, experts: int, hidden: int, inter: int) -> CpuMoE:
+    """A layer of random experts (N(0, 0.02) as trained weights; fp8 codes with unit scales)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = ((experts, inter, hidden),) * 2 + ((experts, hidden, inter),)
+    ws = [(torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for s in shapes]
+    moe = CpuMoE(experts, hidden, inter, fmt)
+    if fmt != "fp8":
+        moe.load(*ws)
+        return moe
+    codes = [w.float().mul(64).to(torch.float8_e4m3fn) for w in ws]
+    scales = [torch.full((experts, -(-s[1] // 128), -(-s[2] // 128)), 1 / 64) for s in shapes]
+    moe.load(*codes, *scales)
+    return moe
+
+
+def gpu_ms(fn: Any, repeats: int) -> float:
+    """Median GPU milliseconds of fn() over `repeats` (after two warm-ups), CUDA events."""
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def graph_ms(fn: Any, repeats: int) -> float:
+    """Median milliseconds of one replay of fn captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return gpu_ms(graph.replay, repeats)
+
+
+def copy_bandwidth(size: int = 1 << 30) -> float:
+    """Bytes/s this GPU moves in a device-to-device copy (read + write counted)."""
+    a = torch.empty(size, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = gpu_ms(lambda: b.copy_(a), 10)
+    return 2 * size / (ms / 1e3)
+
+
+def time_tokens(moe: CpuMoE, raw: torch.Tensor, t: int, k: int, bandwidth: float,
+                repeats: int) -> dict[str, Any]:
+    """One row: the kernels and the unpack path on t random tokens routed to k experts each."""
+    (part,) = moe.packed_groups()
+    fmt, e, h, i = moe.weight_format, moe.num_experts, moe.hidden, moe.intermediate
+    g = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=1).indices
+    weights = torch.rand(t, k, device="cuda", generator=g)
+    touched = int(ids.unique().numel())
+
+    def new() -> torch.Tensor:
+        return packed_moe(x, ids, weights, raw, part, fmt, h, moe.group_size)
+
+    def old() -> torch.Tensor:
+        parts = [unpack_group(raw.view(e, -1), part, fmt, h, moe.group_size)]
+        return routed_mlp(x, ids, weights, parts, grouped=True)
+
+    ref = old().float()
+    err = float((new() - ref).norm() / ref.norm())
+    row: dict[str, Any] = {
+        "format": fmt, "tokens": t, "experts_touched": touched,
+        "block_m": tile_config(t * k, e).block_m,
+        "bytes_floor_ms": round(touched * part.expert_bytes / bandwidth * 1e3, 4),
+        "flop_floor_ms": round(6 * h * i * t * k / BF16_PEAK * 1e3, 4),
+        "packed_ms": round(gpu_ms(new, repeats), 4),
+        "unpack_gemm_ms": round(gpu_ms(old, repeats), 4),
+        "rel_diff_vs_unpack": round(err, 5),
+    }
+    chosen = kernel.SMALL_M_ROWS  # the other tile shape, to check the dispatch
+    kernel.SMALL_M_ROWS = 0 if row["block_m"] == kernel.SMALL_M.block_m else 1 << 30
+    try:
+        row["other_tiles_ms"] = round(gpu_ms(new, repeats), 4)
+    finally:
+        kernel.SMALL_M_ROWS = chosen
+    if t <= 64:
+        row["packed_graph_ms"] = round(graph_ms(new, repeats), 4)
+    floor = max(row["bytes_floor_ms"], row["flop_floor_ms"])
+    best = min(row["packed_ms"], row.get("packed_graph_ms", float("inf")))
+    row["of_floor"] = round(floor / best, 3)
+    row["speedup"] = round(row["unpack_gemm_ms"] / row["packed_ms"], 2)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--formats", default="bf16,int8,int4,fp8")
+    parser.add_argument("--tokens", default="1,8,64,512,4096")
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=768)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    e, h, i, k = args.experts, args.hidden, args.intermediate, args.top_k
+    bandwidth = copy_bandwidth()
+    print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16 peak taken "
+          f"{BF16_PEAK / 1e12:.0f} TFLOP/s", flush=True)
+    rows: list[dict[str, Any]] = []
+    for fmt in args.formats.split(","):
+        start = time.perf_counter()
+        moe = build_layer(fmt, e, h, i)
+        (part,) = moe.packed_groups()  # one NUMA group on the device machine
+        raw = host_tensor(part).to("cuda")
+        print(f"{fmt}: layer packed in {time.perf_counter() - start:.1f} s, "
+              f"{part.expert_bytes} bytes per expert", flush=True)
+        for t in (int(n) for n in args.tokens.split(",")):
+            rows.append(time_tokens(moe, raw, t, k, bandwidth, args.repeats))
+            print(json.dumps(rows[-1]), flush=True)
+        del raw
+        torch.cuda.empty_cache()
+    result = {"shape": {"experts": e, "hidden": h, "intermediate": i, "top_k": k},
+              "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3),
+              "bf16_peak_tflop_s": BF16_PEAK / 1e12, "rows": rows,
+              "device": torch.cuda.get_device_name(), "machine": machine_report()}
+    (args.out / "packed_moe.json").write_text(json.dumps(result, indent=1))
+    print("| format | T | bytes floor ms | FLOP floor ms | packed ms (graph) | "
+          "unpack+GEMM ms | speedup | of floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['format']} | {r['tokens']} | {r['bytes_floor_ms']} | {r['flop_floor_ms']} "
+              f"| {r['packed_ms']} ({r.get('packed_graph_ms', '')}) | {r['unpack_gemm_ms']} | "
+              f"{r['speedup']} | {r['of_floor']} |")
+
+
+if __name__ == "__main__":
+    main()
