@@ -1,4 +1,4 @@
-"""Command line: generate, chat, serve, bench, calibrate, convert, info, sft.
+"""Command line: generate, chat, serve, bench, calibrate, convert, info, sft, pull, ls, rm.
 
 Help is rendered in click's plain style: typer's rich style labels every flag `<bool>`.
 """
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from hetmoe import cli_convert, cli_train
+from hetmoe import cli_convert, cli_models, cli_train
 from hetmoe.chat_session import ChatSession
 from hetmoe.config import EngineConfig
 
@@ -22,7 +22,8 @@ _DEFAULTS = EngineConfig()
 
 # Options shared by every command that loads a model (annotated types, reusable by new commands).
 ModelArg = Annotated[str, typer.Argument(
-    help="Checkpoint directory or preset (demo, demo-sparse, tiny-qwen3-moe, ...)")]
+    help="Checkpoint directory, GGUF file, preset (demo, tiny-qwen3-moe, ...) or Hub model "
+         "(org/name[@revision], org/name-GGUF[:QUANT])")]
 RulesOpt = Annotated[Path | None, typer.Option(help="YAML rule file (default: the family's)")]
 DeviceOpt = Annotated[str | None, typer.Option(help="cpu, cuda, cuda:N (default: cuda if any)")]
 DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16")]
@@ -40,12 +41,19 @@ TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off)")]
 TopKOpt = Annotated[int, typer.Option(help="Sample among the k most likely (0 = off)")]
 SeedOpt = Annotated[int | None, typer.Option(help="Sampling seed")]
 StopOpt = Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")]
-LoraOpt = Annotated[Path | None, typer.Option(help="PEFT LoRA adapter directory to apply")]
+LoraOpt = Annotated[Path | None, typer.Option(
+    help="PEFT LoRA adapter to apply: a directory or a Hub repo (org/name)")]
 
 
 @app.callback()
-def main() -> None:
+def main(token: Annotated[str | None, typer.Option(
+        help="Hugging Face token for Hub models of gated or private repos, for every command "
+             "(default: HF_TOKEN, or the one `hf auth login` stored)")] = None) -> None:
     """hetmoe: MoE LLMs on one workstation, GPU and CPU as one machine."""
+    if token:  # huggingface_hub reads HF_TOKEN at each request
+        import os
+
+        os.environ["HF_TOKEN"] = token
 
 
 def load_llm(model: str, device: str | None, rules: Path | None, **options: Any) -> LLM:
@@ -107,7 +115,7 @@ def generate(
     sampling = checked_sampling(max_new_tokens=max_new_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, seed=seed, stop=stop)
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
-                   deferred=deferred, verbose=verbose, lora=lora,
+                   deferred=deferred, verbose=verbose, lora=lora and adapter_path(lora),
                    prefill_experts=prefill_experts)
     try:
         if raw or not llm.has_chat_template:
@@ -170,7 +178,7 @@ def chat(
             fail(exc)
         return
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
-                   deferred=deferred, verbose=verbose, lora=lora,
+                   deferred=deferred, verbose=verbose, lora=lora and adapter_path(lora),
                    prefill_experts=prefill_experts)
     typer.echo("chat: type a message; /help lists the commands, /exit quits")
 
@@ -226,7 +234,8 @@ def serve(
              "good (their copies are skipped)")] = 0.0,
     lora: Annotated[list[str] | None, typer.Option(
         metavar="NAME=PATH",
-        help="A PEFT LoRA adapter that requests select with `model: NAME` "
+        help="A PEFT LoRA adapter (directory or Hub repo org/name) that requests select with "
+             "`model: NAME` "
              "(repeatable; the base model keeps its own name)")] = None,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -264,8 +273,20 @@ def named_adapters(specs: list[str], base: str) -> dict[str, str] | None:
         if name == base or name in named:
             fail(ValueError(f"--lora name {name!r} is already the name of the base model or "
                             "of another adapter"))
-        named[name] = path
+        named[name] = str(adapter_path(path))
     return named or None
+
+
+def adapter_path(path: str | Path) -> Path:
+    """`path`, or the cached directory of the Hub LoRA adapter repo it names (org/name[@rev],
+    fetched on first use)."""
+    from hetmoe.loading.hub import fetch_named
+
+    try:
+        hub = fetch_named(path, adapter=True)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        fail(exc)
+    return Path(path) if hub is None else hub.snapshot
 
 
 @app.command()
@@ -364,6 +385,9 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 app.command()(cli_convert.convert)
 app.command()(cli_convert.info)
 app.command()(cli_train.sft)
+app.command()(cli_models.pull)
+app.command()(cli_models.ls)
+app.command()(cli_models.rm)
 
 
 if __name__ == "__main__":

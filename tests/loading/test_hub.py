@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_hub import FakeHub, serve, write_gguf
+import typer
+from fake_hub import GRANTED, FakeHub, serve, write_gguf
 from typer.testing import CliRunner
 
 from hetmoe import LLM
 from hetmoe.cli import app
-from hetmoe.loading.hub import fetch_model, record_path
+from hetmoe.loading.hub import fetch_model
 from hetmoe.loading.hub_names import parse_hub_name
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -54,7 +55,7 @@ def hub(repos: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     state.put_dir("org/baby", repos["safetensors"])
     gguf_files = {name: (repos["gguf"] / name).read_bytes() for name in GGUF}
     state.put("org/baby-GGUF", {**gguf_files, "README.md": b"# baby\n"})
-    state.put("org/gated", {"config.json": b"{}"}, gated=True)
+    state.put("org/gated", dict(state.repos["org/baby"].files), gated=True)
     monkeypatch.setenv("HF_ENDPOINT", state.url)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HETMOE_CACHE_DIR", str(tmp_path / "hetmoe"))
@@ -70,38 +71,6 @@ def _fetched(hub: FakeHub) -> list[str]:
     """Files downloaded (GET of resolve/...), in order."""
     return [path.split("/resolve/", 1)[1].split("/", 1)[1] for method, path, _ in hub.requests
             if method == "GET" and "/resolve/" in path]
-
-
-def test_names_parse_as_users_type_them() -> None:
-    plain, main = parse_hub_name("Qwen/Qwen3-30B-A3B"), parse_hub_name("Qwen/Qwen3-30B-A3B@main")
-    assert plain is not None and main is not None and plain.ref == main.ref == "main"
-    assert record_path(plain) == record_path(main)  # one cache record for both
-    name = parse_hub_name("unsloth/Qwen3-30B-A3B-GGUF@v2:Q4_K_M")
-    assert name is not None and (name.repo_id, name.revision, name.quant) == (
-        "unsloth/Qwen3-30B-A3B-GGUF", "v2", "Q4_K_M")
-    assert str(name) == "unsloth/Qwen3-30B-A3B-GGUF@v2:Q4_K_M"
-    for not_a_name in ("./org/name", "/abs/path", "~/m", "org/name.gguf", "tiny-qwen3-moe",
-                       "a/b/c", "org/bad--name", "org/name:"):
-        assert parse_hub_name(not_a_name) is None, not_a_name
-
-
-def test_quant_labels_and_splits() -> None:
-    from hetmoe.loading.hub_names import RepoFile, gguf_quant, gguf_quants
-
-    assert gguf_quant("Qwen3-30B-A3B-Q4_K_M.gguf") == "Q4_K_M"
-    assert gguf_quant("UD-Q4_K_XL/Qwen3-30B-A3B-UD-Q4_K_XL-00001-of-00002.gguf") == "UD-Q4_K_XL"
-    assert gguf_quant("model.IQ4_XS.gguf") == "IQ4_XS"
-    assert gguf_quant("Qwen3-30B-A3B-BF16.gguf") == "BF16"
-    files = [RepoFile("m-Q6_K-00002-of-00002.gguf", 2), RepoFile("m-Q6_K-00001-of-00002.gguf", 3),
-             RepoFile("mmproj-F16.gguf", 1), RepoFile("m-Q8_0.gguf", 9)]
-    quants = gguf_quants(files)
-    assert sorted(quants) == ["Q6_K", "Q8_0"]
-    assert [f.path for f in quants["Q6_K"]] == ["m-Q6_K-00001-of-00002.gguf",
-                                                 "m-Q6_K-00002-of-00002.gguf"]
-    with pytest.raises(ValueError, match=r"GGUF quant Q6_K: its files are not one complete "
-                                         r"split .*m-Q6_K-00001-of-00003.gguf"):
-        gguf_quants([RepoFile("m-Q6_K-00001-of-00003.gguf", 1),
-                     RepoFile("m-Q6_K-00002-of-00003.gguf", 1)])
 
 
 def test_generate_downloads_converts_answers_then_starts_without_a_request(
@@ -169,11 +138,17 @@ def test_unknown_repo_quant_and_revision_are_named(hub: FakeHub) -> None:
     assert _fetched(hub) == []
 
 
-def test_a_gated_repo_says_how_to_log_in(hub: FakeHub) -> None:
+def test_a_gated_repo_says_how_to_log_in_and_takes_a_token(
+        hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
     result = runner.invoke(app, ["generate", "org/gated", "Hi", "--device", "cpu"])
     assert result.exit_code == 1
-    assert "org/gated is a gated repo (401): accept its terms at" in result.stderr
-    assert "hf auth login" in result.stderr and "HF_TOKEN" in result.stderr
+    assert (f"error: org/gated is a gated repo (401): accept its terms at {hub.url}/org/gated "
+            "with your account, then log in with `hf auth login`, or set HF_TOKEN (or pass "
+            "--token)") in result.stderr
+    monkeypatch.setenv("HF_TOKEN", "")  # restored after the test: --token sets it
+    pulled = runner.invoke(app, ["--token", GRANTED, "pull", "org/gated", "--no-convert"])
+    assert pulled.exit_code == 0, pulled.output
+    assert f"org/gated: commit {hub.repos['org/gated'].sha}" in pulled.stdout
 
 
 def test_a_disk_too_small_is_refused_before_any_download(
@@ -214,7 +189,7 @@ def test_offline_resolves_from_the_cache_and_names_what_is_missing(
 _KILLED = """
 import huggingface_hub.constants as c
 c.DOWNLOAD_CHUNK_SIZE = 4096  # written as it arrives, not in 10 MB chunks
-from hetmoe.loading.hub import fetch_model, record_path
+from hetmoe.loading.hub import fetch_model
 from hetmoe.loading.hub_names import parse_hub_name
 fetch_model(parse_hub_name("org/baby"), progress=False)
 """
@@ -242,3 +217,60 @@ def test_a_download_killed_midway_resumes_where_it_stopped(hub: FakeHub, tmp_pat
 
 def _partial(blobs: Path) -> int:
     return sum(p.stat().st_size for p in blobs.glob("*.incomplete"))
+
+
+def test_pull_ls_rm_round_trip_and_a_new_commit_is_converted_again(
+        hub: FakeHub, tmp_path: Path) -> None:
+    from hetmoe.loading.hub_cache import entries
+
+    first = hub.repos["org/baby-GGUF"].sha
+    pulled = runner.invoke(app, ["pull", "org/baby-GGUF:Q8_0", "--experts", "int4"])
+    assert pulled.exit_code == 0, pulled.output
+    assert f"org/baby-GGUF:Q8_0: commit {first}" in pulled.stdout
+    converted = tmp_path / "hetmoe" / "converted" / "hub" / "org--baby-GGUF"
+    assert (converted / first / "Q8_0-int4" / "manifest.json").is_file()
+    seen = len(hub.requests)
+    llm = LLM("org/baby-GGUF:q8_0", device="cpu", progress=False)  # the pulled layout, mapped
+    assert llm.path == converted / first / "Q8_0-int4" and len(hub.requests) == seen
+    rows = [(r.name, r.commit, r.layout, r.size) for r in entries()]
+    gguf_bytes = len(hub.repos["org/baby-GGUF"].files["baby-Q8_0.gguf"])
+    assert rows[0] == ("org/baby-GGUF:Q8_0", first, "GGUF Q8_0", gguf_bytes)
+    assert rows[1][:3] == ("org/baby-GGUF:Q8_0", first, "converted int4") and rows[1][3] > 0
+    listing = runner.invoke(app, ["ls"])
+    assert "org/baby-GGUF:Q8_0" in listing.stdout and first[:12] in listing.stdout
+    assert "converted int4" in listing.stdout
+
+    files = dict(hub.repos["org/baby-GGUF"].files)
+    second = hub.put("org/baby-GGUF", {**files, "README.md": b"# baby, v2\n"})
+    again = runner.invoke(app, ["pull", "org/baby-GGUF:Q8_0", "--experts", "int4"])
+    assert again.exit_code == 0, again.output
+    assert f"commit {second}" in again.stdout
+    assert "baby-Q8_0.gguf" not in _fetched(hub)[1:]  # the same blob: not fetched again
+    assert [p.name for p in converted.iterdir()] == [second]  # the old commit's layout went
+
+    removed = runner.invoke(app, ["rm", "org/baby-GGUF"])
+    assert removed.exit_code == 0 and "removed org/baby-GGUF:Q8_0" in removed.stdout
+    assert "no Hub models in the cache" in runner.invoke(app, ["ls"]).stdout
+    assert not (tmp_path / "hf" / "hub" / "models--org--baby-GGUF").exists()
+    assert not converted.exists() or not any(converted.iterdir())
+    missing = runner.invoke(app, ["rm", "org/baby-GGUF"])
+    assert missing.exit_code == 1
+    assert "org/baby-GGUF: not in the cache (cached: none)" in missing.stderr
+
+
+def test_serve_lora_names_a_hub_adapter_repo(hub: FakeHub,
+                                             capfd: pytest.CaptureFixture[str]) -> None:
+    from hetmoe.cli import named_adapters
+
+    adapter = {"adapter_config.json": b'{"peft_type": "LORA"}',
+               "adapter_model.safetensors": b"weights", "README.md": b"card"}
+    commit = hub.put("org/persona-lora", adapter)
+    named = named_adapters(["persona=org/persona-lora"], "org/baby")
+    assert named is not None and named["persona"].endswith(f"snapshots/{commit}")
+    wanted = ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in Path(named["persona"]).iterdir()) == wanted
+    assert sorted(_fetched(hub)) == wanted
+    with pytest.raises(typer.Exit):
+        named_adapters(["x=org/baby"], "base")
+    assert ("error: org/baby: not a PEFT LoRA adapter repo (needs adapter_config.json and "
+            "adapter_model.safetensors; found: chat_template.jinja") in capfd.readouterr().err

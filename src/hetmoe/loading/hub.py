@@ -22,7 +22,13 @@ from typing import Any
 from urllib.parse import quote
 
 from hetmoe import env
-from hetmoe.loading.hub_names import HubName, RepoFile, model_files, parse_hub_name
+from hetmoe.loading.hub_names import (
+    HubName,
+    RepoFile,
+    adapter_files,
+    model_files,
+    parse_hub_name,
+)
 
 LOGIN = "log in with `hf auth login`, or set HF_TOKEN (or pass --token)"
 
@@ -41,6 +47,8 @@ class HubModel:
     """The HF cache's snapshot directory of `commit`."""
     quant: str | None = None
     """The GGUF quant label, None for a safetensors repo."""
+    adapter: bool = False
+    """A PEFT LoRA adapter repo, not a model."""
 
     @property
     def path(self) -> Path:
@@ -57,41 +65,43 @@ def records_dir() -> Path:
     return env.cache_dir() / "hub"
 
 
-def record_path(name: HubName) -> Path:
-    """The record of `name` (repo, revision asked for and quant in the file name)."""
-    quant = f"@{name.quant.upper()}" if name.quant else ""
+def record_path(name: HubName, adapter: bool = False) -> Path:
+    """The record of `name` (repo, revision asked for and quant, or `lora`, in the file name)."""
+    quant = "@lora" if adapter else f"@{name.quant.upper()}" if name.quant else ""
     return (records_dir() / name.repo_id.replace("/", "--")
             / f"{quote(name.ref, safe='')}{quant}.json")
 
 
-def cached_model(name: HubName) -> HubModel | None:
+def cached_model(name: HubName, adapter: bool = False) -> HubModel | None:
     """The model the record of `name` maps to (complete or not), None without a record."""
-    path = record_path(name)
+    path = record_path(name, adapter)
     if not path.is_file():
         return None
     raw = json.loads(path.read_text())
     return HubModel(name, raw["commit"], tuple(raw["files"]), Path(raw["snapshot"]),
-                    raw.get("quant"))
+                    raw.get("quant"), adapter)
 
 
 def fetch_named(model: str | os.PathLike[str], token: str | None = None,
-                progress: bool = True) -> HubModel | None:
-    """The Hub model `model` names, fetched when not cached; None for an existing path, a
-    preset, or a text that cannot be a Hub name (the preset lookup then refuses it)."""
+                progress: bool = True, adapter: bool = False) -> HubModel | None:
+    """The Hub model (`adapter`: LoRA adapter) `model` names, fetched when not cached; None for
+    an existing path, a preset, or a text that cannot be a Hub name (the preset lookup or the
+    adapter loader then refuses it)."""
     from hetmoe.presets import presets
 
     text = str(model)
-    if Path(text).expanduser().exists() or text in presets():
+    if Path(text).expanduser().exists() or (not adapter and text in presets()):
         return None
     name = parse_hub_name(text)
-    return None if name is None else fetch_model(name, token, progress)
+    return None if name is None else fetch_model(name, token, progress, adapter=adapter)
 
 
 def fetch_model(name: HubName, token: str | None = None, progress: bool = True,
-                refresh: bool = False) -> HubModel:
-    """The Hub model `name` in the local cache: from its record without a request when complete
-    (unless `refresh`), else downloaded (see module doc). Errors name the repo and the fix."""
-    known = cached_model(name)
+                refresh: bool = False, adapter: bool = False) -> HubModel:
+    """The Hub model `name` (`adapter`: a PEFT LoRA adapter repo) in the local cache: from its
+    record without a request when complete (unless `refresh`), else downloaded (see module
+    doc). Errors name the repo and the fix."""
+    known = cached_model(name, adapter)
     if known is not None and not known.missing() and not refresh:
         return known
     if env.hf_offline():
@@ -110,11 +120,15 @@ def fetch_model(name: HubName, token: str | None = None, progress: bool = True,
     from hetmoe.loading.memory_plan import host_available
 
     files = [RepoFile(s.rfilename, int(s.size or 0)) for s in info.siblings or []]
-    chosen, quant, note = model_files(name, files, host_available())
+    if adapter:
+        chosen, quant, note = adapter_files(name, files), None, None
+    else:
+        chosen, quant, note = model_files(name, files, host_available())
     if note:
         print(f"hetmoe: {note}", file=sys.stderr, flush=True)
     snapshot = _repo_folder(name.repo_id) / "snapshots" / str(info.sha)
-    model = HubModel(name, str(info.sha), tuple(f.path for f in chosen), snapshot, quant)
+    model = HubModel(name, str(info.sha), tuple(f.path for f in chosen), snapshot, quant,
+                     adapter)
     check_disk(model, {f.path: f.size for f in chosen})
     try:
         _download(model, token, progress)
@@ -160,7 +174,7 @@ def _download(model: HubModel, token: str | None, progress: bool) -> None:
 
 
 def _write_record(model: HubModel) -> None:
-    path = record_path(model.name)
+    path = record_path(model.name, model.adapter)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({

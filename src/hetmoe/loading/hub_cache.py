@@ -14,6 +14,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
 from hetmoe import env
 from hetmoe.loading.converted import MANIFEST
@@ -80,8 +81,10 @@ def records() -> list[HubModel]:
     for path in sorted(records_dir().glob("*/*.json")):
         ref, _, tag = path.stem.partition("@")
         repo_id = path.parent.name.replace("--", "/", 1)
-        name = HubName(repo_id, None if ref == "main" else ref.replace("%2F", "/"), tag or None)
-        model = cached_model(name)
+        adapter = tag == "lora"
+        name = HubName(repo_id, None if ref == "main" else unquote(ref),
+                       None if adapter else tag or None)
+        model = cached_model(name, adapter)
         if model is not None:
             found.append(model)
     return found
@@ -92,7 +95,8 @@ def entries() -> list[CachedEntry]:
     rows = []
     for model in records():
         size = sum(_file_bytes(model.snapshot / f) for f in model.files)
-        layout = f"GGUF {model.quant}" if model.quant else "safetensors"
+        layout = "LoRA adapter" if model.adapter else (
+            f"GGUF {model.quant}" if model.quant else "safetensors")
         rows.append(CachedEntry(str(model.name), model.commit, layout, size, model.snapshot))
         source = model.quant or "safetensors"
         base = conversions_dir(model.name.repo_id) / model.commit
@@ -124,7 +128,7 @@ def remove(text: str) -> list[str]:
     for model in gone:
         from hetmoe.loading.hub import record_path
 
-        record_path(model.name).unlink()
+        record_path(model.name, model.adapter).unlink()
         used = {(m.commit, f) for m in kept if m.name.repo_id == model.name.repo_id
                 for f in m.files}
         for f in model.files:
@@ -147,6 +151,8 @@ def prune(repo_id: str) -> None:
         for commit in base.iterdir():
             if commit.name not in live:
                 shutil.rmtree(commit)
+        if not any(base.iterdir()):
+            base.rmdir()
     if not live:
         shutil.rmtree(env.hf_hub_cache() / f"models--{repo_id.replace('/', '--')}",
                       ignore_errors=True)

@@ -25,6 +25,8 @@ CHECKPOINT_FILES = (
     "model.safetensors.index.json",
 )
 """What a safetensors repo's model needs besides its weight shards (those present are fetched)."""
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+"""A PEFT LoRA adapter repo's files (both needed)."""
 
 
 @dataclass(frozen=True)
@@ -158,3 +160,13 @@ def model_files(name: HubName, files: list[RepoFile], free: int
         raise ValueError(f"{name}: no quant {name.quant!r} in {name.repo_id} (quants: "
                          f"{', '.join(sorted(quants))})")
     return quants[chosen], chosen, None
+
+
+def adapter_files(name: HubName, files: list[RepoFile]) -> list[RepoFile]:
+    """The files of a PEFT LoRA adapter repo; one lacking either is refused with what it has."""
+    chosen = [f for f in files if f.path in ADAPTER_FILES]
+    if len(chosen) != len(ADAPTER_FILES):
+        found = ", ".join(f.path for f in files[:12]) or "no files"
+        raise ValueError(f"{name}: not a PEFT LoRA adapter repo (needs "
+                         f"{' and '.join(ADAPTER_FILES)}; found: {found})")
+    return chosen
