@@ -34,13 +34,14 @@ def generic_server(tiny_qwen3_moe: Path, one_torch_thread: None) -> Iterator[Liv
     live.close()
 
 
-def template_server(tiny_qwen3_moe: Path, path: Path, template: str) -> LiveServer:
-    """The baby model served with chat template `template` (a file of `templates/`); its files
-    copied into `path`."""
+def template_server(tiny_qwen3_moe: Path, path: Path, template: str,
+                    context: int = 1024) -> LiveServer:
+    """The baby model served with chat template `template` (a file of `templates/`) and a
+    `context`-token window; its files copied into `path`."""
     for item in tiny_qwen3_moe.iterdir():
         shutil.copy(item, path / item.name)
     shutil.copy(TEMPLATES / template, path / "chat_template.jinja")
-    return LiveServer(tiny_llm(path, max_batch=4, max_seq_len=1024),
+    return LiveServer(tiny_llm(path, max_batch=4, max_seq_len=context),
                       ServerConfig(api_key=API_KEY, max_queue=4))
 
 

@@ -16,7 +16,7 @@ from live_server import MODEL, LiveServer, tiny_llm
 from scripted import scripted
 
 from hetmoe.server.service import ModelService
-from hetmoe.server.tool_generic import GENERIC, generic_turns
+from hetmoe.server.tool_generic import GENERIC, generic_turns, with_tool_prompt
 from hetmoe.server.tool_parsers import ToolCall
 from hetmoe.server.tools import ToolPlan
 
@@ -123,11 +123,12 @@ def test_generic_parse_and_history() -> None:
     assert plan.parse(CALL[:-5]) is None  # cut: text
     assert plan.parse(CALL.replace("get_weather", "rm")) is None  # not offered: text
     assert plan.parse('{"answer": 42}') is None
-    turns = generic_turns([{"role": "system", "content": "Be brief."},
-                           {"role": "assistant", "content": "", "tool_calls": [
-                               {"id": "c1", "type": "function", "function": {
-                                   "name": "get_weather", "arguments": {"city": "Rome"}}}]},
-                           {"role": "tool", "content": "rain", "tool_call_id": "c1"}], [WEATHER])
+    history = [{"role": "system", "content": "Be brief."},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": {"city": "Rome"}}}]},
+               {"role": "tool", "content": "rain", "tool_call_id": "c1"}]
+    turns = with_tool_prompt(generic_turns(history), [WEATHER], GENERIC)
     assert turns[0]["content"].startswith("Be brief.\n\nYou can call these tools")
     assert turns[1] == {"role": "assistant", "content": '{"tool_call": {"name": "get_weather", '
                         '"arguments": {"city": "Rome"}}}'}
@@ -140,5 +141,6 @@ def test_the_server_log_names_the_fallback(tiny_qwen3_moe: Path,
     with caplog.at_level(logging.WARNING, logger="hetmoe.server"):
         service = ModelService(tiny_llm(tiny_qwen3_moe, max_seq_len=64), "baby", 1)
         service.close()
-    assert ("the chat template of baby renders no tools: requests with tools get the generic "
-            "JSON tool-call prompt (header x-hetmoe-tool-format: generic)") in caplog.text
+    assert ("the chat template of baby renders no tools: requests with tools get them in the "
+            "system message, calls in the generic format (header x-hetmoe-tool-format: "
+            "generic)") in caplog.text

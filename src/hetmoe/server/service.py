@@ -15,7 +15,7 @@ from hetmoe.engine.request import Event, RequestHandle
 from hetmoe.engine.sampler import SamplingParams
 from hetmoe.engine.scheduler import Scheduler
 from hetmoe.server.logprobs import TokenText
-from hetmoe.server.tool_generic import renders_tools
+from hetmoe.server.tool_generic import template_format
 from hetmoe.server.tool_parsers import ToolFormat, detect
 
 if TYPE_CHECKING:
@@ -73,10 +73,11 @@ class ModelService:
         self.chat_template: str | None = getattr(llm.tokenizer, "chat_template", None)
         """The tokenizer's chat template text (tools are parsed by the format it writes)."""
         self.tool_format: ToolFormat | None = detect(self.chat_template or "")
-        if self.chat_template and not renders_tools(self.chat_template):
-            log.warning("the chat template of %s renders no tools: requests with tools get the "
-                        "generic JSON tool-call prompt (header x-hetmoe-tool-format: generic)",
-                        name)
+        form, prompted = template_format(self.chat_template)
+        if self.chat_template and prompted and form is not None:
+            log.warning("the chat template of %s renders no tools: requests with tools get them "
+                        "in the system message, calls in the %s format (header "
+                        "x-hetmoe-tool-format: %s)", name, form.name, form.name)
         self._kept_ids = self._marker_ids(self.tool_format)
         # The tokenizer is used from the event loop (encode) and the scheduler thread (decode).
         self._tokenizer_lock = threading.Lock()

@@ -1,10 +1,10 @@
-"""The generic tool-call format, for chat templates that render no tools (as llama.cpp's server
-does for them): the tools and an instruction are added to the system message, the model writes
-each call as one line of JSON, `{"tool_call": {"name": NAME, "arguments": {...}}}`, and the
-history's calls and tool results go into the turns' text in the same JSON (a tool's result as a
-user turn `{"tool_response": {"name", "content"}}`: such templates know no `tool` role).
-
-Forced calls (`required` / named) are ordinary text here, constrained by tool_grammar.py.
+"""Tools for chat templates that render none (as llama.cpp's server does for them): the tools and
+the call syntax are added to the system message. A template that still writes a known call
+format (DeepSeek-V3.1's renders calls but not tools) keeps that syntax; any other gets the
+generic format: each call one line of JSON, `{"tool_call": {"name": NAME, "arguments": {...}}}`,
+and the history's calls and tool results written into the turns' text in the same JSON (a
+tool's result as a user turn `{"tool_response": {"name", "content"}}`: such templates know no
+`tool` role). Forced generic calls are ordinary text, constrained by tool_grammar.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hetmoe.server.tool_grammar import generic_forced
-from hetmoe.server.tool_parsers import ToolFormat, _json_prefix, _named
+from hetmoe.server.tool_parsers import ToolFormat, _json_prefix, _named, detect
 
 START = '{"tool_call"'
 _HEADER = re.compile(r'\{"tool_call"\s*:\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
@@ -23,9 +23,8 @@ _TAIL = re.compile(r"\s*\}\s*\}")
 
 INSTRUCTION = (
     "You can call these tools (JSON Schema function definitions):\n{tools}\n\n"
-    "To call a tool, answer with one line of JSON per call and nothing else:\n"
-    '{{"tool_call": {{"name": "<function name>", "arguments": {{<its arguments>}}}}}}\n'
-    "Each call's result comes back as a tool_response. Otherwise answer in plain text."
+    "To call a tool, answer with the call alone, in this form (one a line for several):\n"
+    "{syntax}\nEach call's result comes back to you. Otherwise answer in plain text."
 )
 """What the system message gains: the tools (one JSON definition a line) and the call syntax."""
 
@@ -62,20 +61,44 @@ def _split(text: str) -> tuple[str, list[tuple[str, object]]] | None:
 
 
 GENERIC = ToolFormat("generic", START, (), _split, header=_HEADER, tail=_TAIL,
-                     grammar=generic_forced)
-"""The format of a template that renders no tools."""
+                     grammar=generic_forced,
+                     syntax='{"tool_call": {"name": "<function name>", "arguments": '
+                            '{<its arguments>}}}')
+"""The format of a template that renders no tools and writes no known call format."""
 
 
 def renders_tools(template: str | None) -> bool:
-    """Whether a chat template uses the `tools` it is given (else: the generic format)."""
+    """Whether a chat template uses the `tools` it is given."""
     return bool(template) and "tools" in str(template)
 
 
-def generic_turns(turns: Sequence[dict[str, Any]],
-                  tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`turns` (as `tools.template_messages` gives them) for a template that renders no tools:
-    the instruction in the system message (a new first turn when there is none), calls and tool
-    results written as JSON text."""
+def template_format(template: str | None) -> tuple[ToolFormat | None, bool]:
+    """(the call format of a chat template, whether its tools go into the system message);
+    None: the template renders tools in a format no parser knows."""
+    form = detect(template or "")
+    if renders_tools(template):
+        return form, False
+    return form or GENERIC, True
+
+
+def with_tool_prompt(turns: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]],
+                     form: ToolFormat) -> list[dict[str, Any]]:
+    """`turns` with the tools and `form`'s call syntax in the system message (a new first turn
+    when there is none)."""
+    out = list(turns)
+    listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    prompt = INSTRUCTION.format(tools=listed, syntax=form.syntax)
+    if out and out[0]["role"] == "system":
+        first = out[0]["content"]
+        out[0] = {**out[0], "content": f"{first}\n\n{prompt}" if first else prompt}
+    else:
+        out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def generic_turns(turns: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`turns` (as `tools.template_messages` gives them) with calls and tool results written
+    as the generic format's JSON text."""
     names: dict[str, str] = {}  # call id -> function name, for the tool results
     out: list[dict[str, Any]] = []
     for given in turns:
@@ -93,11 +116,4 @@ def generic_turns(turns: Sequence[dict[str, Any]],
             turn = {"role": "user", "content": json.dumps({"tool_response": result},
                                                           ensure_ascii=False)}
         out.append(turn)
-    listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-    prompt = INSTRUCTION.format(tools=listed)
-    if out and out[0]["role"] == "system":
-        first = out[0]["content"]
-        out[0] = {**out[0], "content": f"{first}\n\n{prompt}" if first else prompt}
-    else:
-        out.insert(0, {"role": "system", "content": prompt})
     return out

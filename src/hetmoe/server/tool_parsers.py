@@ -20,6 +20,11 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from hetmoe.server.tool_grammar import (
+    DS_CALL_BEGIN,
+    DS_CALL_END,
+    DS_CALLS_BEGIN,
+    DS_CALLS_END,
+    DS_SEP,
     Grammar,
     deepseek_v3_1_forced,
     deepseek_v3_forced,
@@ -74,6 +79,9 @@ class ToolFormat:
     """What closes a call after its arguments (with `header`)."""
     grammar: Grammar | None = None
     """The regex of forced calls (tool_grammar.py); None: forced calls are not constrained."""
+    syntax: str = ""
+    """One call as the model writes it, for the tool prompt of a template that renders no
+    tools (tool_generic.py)."""
 
     def parse(self, text: str, offered: Collection[str]) -> ParsedOutput | None:
         """The calls in `text` to functions of `offered`; None when there is no call or any
@@ -197,15 +205,21 @@ _DS_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<�
 _DS_V3_SYNTAX = re.compile(r"<｜tool▁sep｜>'\s*\+\s*tool\[['\"]function['\"]\]\[['\"]name['\"]\]")
 """V3's templates write the function's name after the separator token (V3.1's before it)."""
 
+_CALL = '{"name": "<function name>", "arguments": {<its arguments>}}'
+DS_OPEN, DS_CLOSE = DS_CALLS_BEGIN + DS_CALL_BEGIN, DS_CALL_END + DS_CALLS_END
 FORMATS = (
     ToolFormat("deepseek_v3", "<｜tool▁calls▁begin｜>", _DS_MARKERS, _split_deepseek,
-               grammar=deepseek_v3_forced),
+               grammar=deepseek_v3_forced,
+               syntax=f"{DS_OPEN}function{DS_SEP}<function name>\n```json\n{{<its "
+                      f"arguments>}}\n```{DS_CLOSE}"),
     ToolFormat("deepseek_v3_1", "<｜tool▁calls▁begin｜>", _DS_MARKERS, _split_deepseek,
-               grammar=deepseek_v3_1_forced),
+               grammar=deepseek_v3_1_forced,
+               syntax=f"{DS_OPEN}<function name>{DS_SEP}{{<its arguments>}}{DS_CLOSE}"),
     ToolFormat("mistral", "[TOOL_CALLS]", ("[TOOL_CALLS]", "[ARGS]"), _split_mistral,
-               _mistral_id, grammar=mistral_forced),
+               _mistral_id, grammar=mistral_forced, syntax=f"[TOOL_CALLS] [{_CALL}]"),
     ToolFormat("qwen", "<tool_call>", ("<tool_call>", "</tool_call>"), _split_qwen,
-               header=_QWEN_HEADER, tail=_QWEN_TAIL, grammar=qwen_forced),
+               header=_QWEN_HEADER, tail=_QWEN_TAIL, grammar=qwen_forced,
+               syntax=f"<tool_call>\n{_CALL}\n</tool_call>"),
 )
 """Known formats, in the order a template is matched against them."""
 

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from hetmoe.engine.constrained import ResponseFormat
 from hetmoe.server.errors import APIError
-from hetmoe.server.tool_generic import GENERIC, generic_turns, renders_tools
+from hetmoe.server.tool_generic import GENERIC, generic_turns, template_format, with_tool_prompt
 from hetmoe.server.tool_grammar import ForcedReply, forced_calls
-from hetmoe.server.tool_parsers import ParsedOutput, ToolCall, ToolFormat, detect
+from hetmoe.server.tool_parsers import ParsedOutput, ToolCall, ToolFormat
 from hetmoe.server.tool_protocol import ToolChoice, ToolDef
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ class ToolPlan:
     parallel: bool
     reply: ForcedReply | None = None
     """The constrained reply of a `required` or named choice (None: not constrained)."""
+    prompted: bool = False
+    """The tools go into the system message: the template renders none (tool_generic.py)."""
 
     @property
     def prefix(self) -> str:
@@ -125,7 +127,7 @@ def make_plan(offered: Sequence[ToolDef] | None, choice: ToolChoice | None, para
         raise APIError(400, "field 'tools': function names must be unique", "tools")
     if choice == "none":
         return None
-    form = detect(template or "") if renders_tools(template) else GENERIC
+    form, prompted = template_format(template)
     if form is None:
         raise APIError(400, "field 'tools': no tool-call parser knows this model's chat "
                        "template (known: Qwen/Hermes <tool_call>, Mistral [TOOL_CALLS], "
@@ -133,37 +135,46 @@ def make_plan(offered: Sequence[ToolDef] | None, choice: ToolChoice | None, para
                        "gets generic JSON calls)", "tools")
     tools = [tool.template_dict() for tool in offered]
     if choice is None or isinstance(choice, str):
-        return ToolPlan(form, tools, choice or "auto", parallel).constrained()
+        return ToolPlan(form, tools, choice or "auto", parallel, None, prompted).constrained()
     name = choice.function.name
     if name not in names:
         raise APIError(400, f"field 'tool_choice': function {name!r} is not among 'tools' "
                        f"({', '.join(names)})", "tool_choice")
     named = [t for t in tools if t["function"]["name"] == name]
-    return ToolPlan(form, named, name, False).constrained()
+    return ToolPlan(form, named, name, False, None, prompted).constrained()
 
 
 def render_chat(service: ModelService, messages: Sequence[ChatMessage],
                 plan: ToolPlan | None) -> list[int]:
     """Prompt ids of the messages (and the plan's tools) through the chat template, then the
     forced reply's prefix; earlier calls' arguments go as objects, or as JSON text to a template
-    that cannot take objects. The generic format writes tools and calls into the turns."""
-    rendered = plan.tools if plan is not None else None
+    that cannot take objects."""
+    rendered = plan.tools if plan is not None and not plan.prompted else None
     try:
-        if plan is not None and plan.form is GENERIC:
-            ids = service.render(generic_turns(template_messages(messages), plan.tools))
-        else:
-            try:
-                ids = service.render(template_messages(messages), rendered)
-            except Exception:
-                if not any(m.tool_calls for m in messages):
-                    raise
-                ids = service.render(template_messages(messages, True), rendered)
+        try:
+            ids = service.render(_turns(messages, plan, False), rendered)
+        except Exception:
+            if not any(m.tool_calls for m in messages):
+                raise
+            ids = service.render(_turns(messages, plan, True), rendered)
     except Exception as exc:  # a template may reject a role order; that is the client's input
         message = f"field 'messages': the chat template cannot render them: {exc}"
         raise APIError(400, message, "messages") from None
     if plan is not None and plan.prefix:
         ids += service.text_ids(plan.prefix, special_tokens=False)
     return ids
+
+
+def _turns(messages: Sequence[ChatMessage], plan: ToolPlan | None,
+           text_arguments: bool) -> list[dict[str, Any]]:
+    """The turns for the template: with the tool prompt when the template renders no tools,
+    calls and results as JSON text in the generic format."""
+    turns = template_messages(messages, text_arguments)
+    if plan is None or not plan.prompted:
+        return turns
+    if plan.form is GENERIC:
+        turns = generic_turns(turns)
+    return with_tool_prompt(turns, plan.tools, plan.form)
 
 
 def template_messages(messages: Sequence[ChatMessage],
