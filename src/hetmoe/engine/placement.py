@@ -41,6 +41,9 @@ class LayerSlots:
             self.table = torch.full((self.num_experts + 1,), -1, dtype=torch.int64,
                                     device=device)  # [E + 1], last entry -1
             self.counts = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+            self._one = torch.ones(1, dtype=torch.int64, device=device)  # a count's increment
+        self.counting = True
+        """Count routing in `split` (a few small kernels per layer and step)."""
         self.resident: list[int] = [-1] * n  # slot -> expert
         self._host = self._sources()
         for slot, expert in enumerate(experts):
@@ -91,15 +94,15 @@ class LayerSlots:
             self.table[expert] = slot
         self.resident[slot] = expert
 
-    def split(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [T, K] expert ids -> (slots [T, K]: the GPU's, -1 elsewhere; the CPU's expert
-        ids [T, K], -1 where resident); counts the routing on the device."""
-        with torch.inference_mode(False):
-            flat = ids.reshape(-1)
-            self.counts.index_add_(0, flat.clamp(min=0),
-                                   (flat >= 0).to(torch.int64))
+    def split(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [T, K] expert ids (>= 0, as routers give them) -> (slots [T, K]: the GPU's, -1
+        elsewhere; the CPU's expert ids [T, K], -1 where resident, None when every expert is
+        resident); with `counting`, adds the routing to `counts` on the device."""
+        if self.counting:
+            with torch.inference_mode(False):
+                self.counts.index_add_(0, ids.reshape(-1), self._one.expand(ids.numel()))
         slot = self.table[ids]
-        return slot, torch.where(slot < 0, ids, -1)
+        return slot, None if self.everything else torch.where(slot < 0, ids, -1)
 
     def compute(self, x: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:

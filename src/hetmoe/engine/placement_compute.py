@@ -45,13 +45,12 @@ def packed_pairs_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     rows = packed.view(-1, part.expert_bytes)[flat.clamp(min=0)]  # [P, expert_bytes]
     gate_up, down = unpack_group(rows, part, fmt, hidden, group)  # [P, 2S, Hp], [P, Hn, S]
     s, hp = down.shape[2], gate_up.shape[2]
-    # bf16 products on the GPU (fp32 accumulation inside); fp32 on the CPU device.
-    math = torch.bfloat16 if x.device.type == "cuda" else torch.float32
-    xs = F.pad(x.to(torch.bfloat16), (0, hp - x.shape[1])).to(math)  # [T, Hp]
+    # fp32 products of bf16 values: a bf16 bmm would round h and y to bf16 as well.
+    xs = F.pad(x.to(torch.bfloat16), (0, hp - x.shape[1])).float()  # [T, Hp]
     xs = xs[:, None].expand(t, k, hp).reshape(t * k, hp, 1)  # [P, Hp, 1]
-    h = torch.bmm(gate_up.to(math), xs)[..., 0].float()  # [P, 2S]
-    a = (F.silu(h[:, :s]) * h[:, s:]).to(torch.bfloat16).to(math)  # [P, S]
-    y = torch.bmm(down.to(math), a[..., None])[:, :x.shape[1], 0].float()  # [P, H]
+    h = torch.bmm(gate_up.float(), xs)[..., 0]  # [P, 2S]
+    a = (F.silu(h[:, :s]) * h[:, s:]).to(torch.bfloat16).float()  # [P, S]
+    y = torch.bmm(down.float(), a[..., None])[:, :x.shape[1], 0]  # [P, H]
     scale = torch.where(flat >= 0, weights.reshape(-1).float(), 0.0)  # skipped pairs weigh 0
     return (y * scale[:, None]).view(t, k, -1).sum(1)
 

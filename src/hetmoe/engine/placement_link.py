@@ -32,16 +32,16 @@ class PlacementLink:
     def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               deferred: int = 0) -> None:
         slot, cpu_ids = self.slots.split(ids)
-        self._cpu_started = not self.slots.everything
-        if self._cpu_started:
+        self._cpu_started = cpu_ids is not None
+        if cpu_ids is not None:
             self.cpu.start(x, cpu_ids, weights, deferred)
         self._gpu(x, ids, slot, weights, deferred)
 
     def start_packed(self, stage: torch.Tensor, rows: int, deferred: int = 0) -> None:
         x, ids, weights = unpack_moe_inputs(stage, rows, self.hidden, self.top_k)
         slot, cpu_ids = self.slots.split(ids)
-        self._cpu_started = not self.slots.everything
-        if self._cpu_started:
+        self._cpu_started = cpu_ids is not None
+        if cpu_ids is not None:
             misses = stage.clone()  # the same vector with the resident ids set to -1
             unpack_moe_inputs(misses, rows, self.hidden, self.top_k)[1].copy_(cpu_ids)
             self.cpu.start_packed(misses, rows, deferred)
