@@ -22,8 +22,8 @@ _DEFAULTS = EngineConfig()
 
 # Options shared by every command that loads a model (annotated types, reusable by new commands).
 ModelArg = Annotated[str, typer.Argument(
-    help="Checkpoint directory, GGUF file, preset (demo, tiny-qwen3-moe, ...) or Hub model "
-         "(org/name[@revision], org/name-GGUF[:QUANT])")]
+    help="Checkpoint directory, GGUF file, preset (demo, demo-sparse, tiny-qwen3-moe, ...) or "
+         "Hub model (org/name[@revision], org/name-GGUF[:QUANT])")]
 RulesOpt = Annotated[Path | None, typer.Option(help="YAML rule file (default: the family's)")]
 DeviceOpt = Annotated[str | None, typer.Option(help="cpu, cuda, cuda:N (default: cuda if any)")]
 DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16")]
@@ -35,6 +35,9 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Print the inj
 PrefillExpertsOpt = Annotated[str, typer.Option(
     help="GPU with CPU experts: where prefill runs the routed experts: auto (by this machine's "
          "measured costs, see hetmoe calibrate), cpu, gpu (streamed) or split (both at once)")]
+GpuExpertsOpt = Annotated[str, typer.Option(
+    help="GPU decode with CPU experts: GiB of routed experts kept resident on the GPU and "
+         "computed there (auto: what the GPU has left after the rest; 0: all on the CPU)")]
 MaxNewOpt = Annotated[int, typer.Option(help="Tokens to generate at most")]
 TemperatureOpt = Annotated[float, typer.Option(help="0 = greedy")]
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off)")]
@@ -43,6 +46,8 @@ SeedOpt = Annotated[int | None, typer.Option(help="Sampling seed")]
 StopOpt = Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")]
 LoraOpt = Annotated[Path | None, typer.Option(
     help="PEFT LoRA adapter to apply: a directory or a Hub repo (org/name)")]
+ChatTemplateOpt = Annotated[Path | None, typer.Option(
+    help="Jinja chat template file replacing the model's (checked before loading)")]
 
 
 @app.callback()
@@ -54,6 +59,19 @@ def main(token: Annotated[str | None, typer.Option(
         import os
 
         os.environ["HF_TOKEN"] = token
+
+
+def gpu_expert_bytes(gib: str) -> int | str:
+    """`--gpu-expert-gib` as `EngineConfig.gpu_expert_bytes`: "auto" or GiB >= 0 in bytes."""
+    if gib == "auto":
+        return gib
+    try:
+        value = float(gib)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        fail(ValueError(f"--gpu-expert-gib takes auto or GiB >= 0, got {gib!r}"))
+    return int(value * 2**30)
 
 
 def load_llm(model: str, device: str | None, rules: Path | None, **options: Any) -> LLM:
@@ -101,11 +119,13 @@ def generate(
     experts: ExpertsOpt = None,
     deferred: DeferredOpt = _DEFAULTS.deferred,
     prefill_experts: PrefillExpertsOpt = _DEFAULTS.prefill_experts,
+    gpu_expert_gib: GpuExpertsOpt = "auto",
     verbose: VerboseOpt = False,
     raw: Annotated[bool, typer.Option(
         "--raw", help="Send PROMPT as plain text, not as a user message in the chat template")
     ] = False,
     lora: LoraOpt = None,
+    chat_template: ChatTemplateOpt = None,
 ) -> None:
     """Answer PROMPT, streamed to stdout.
 
@@ -116,7 +136,8 @@ def generate(
                                 top_p=top_p, top_k=top_k, seed=seed, stop=stop)
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
                    deferred=deferred, verbose=verbose, lora=lora and adapter_path(lora),
-                   prefill_experts=prefill_experts)
+                   prefill_experts=prefill_experts, chat_template=chat_template,
+                   gpu_expert_bytes=gpu_expert_bytes(gpu_expert_gib))
     try:
         if raw or not llm.has_chat_template:
             pieces = llm.stream(prompt, **sampling)
@@ -145,11 +166,13 @@ def chat(
     experts: ExpertsOpt = None,
     deferred: DeferredOpt = _DEFAULTS.deferred,
     prefill_experts: PrefillExpertsOpt = _DEFAULTS.prefill_experts,
+    gpu_expert_gib: GpuExpertsOpt = "auto",
     verbose: VerboseOpt = False,
     url: Annotated[str | None, typer.Option(
         help="Chat with a running server (http://host:port) that serves MODEL")] = None,
     api_key: Annotated[str | None, typer.Option(help="Bearer key of the server at --url")] = None,
     lora: LoraOpt = None,
+    chat_template: ChatTemplateOpt = None,
 ) -> None:
     """Chat with MODEL in the terminal.
 
@@ -161,6 +184,10 @@ def chat(
                      top_k=top_k, seed=seed)
     if url is not None:
         from hetmoe.server.client import ChatClient, ServerError, remote_chat
+
+        if chat_template is not None:
+            fail(ValueError("--chat-template applies to a model loaded here; the server at --url "
+                            "renders with its own (hetmoe serve --chat-template FILE)"))
 
         client = ChatClient(url, api_key)
         try:
@@ -179,7 +206,8 @@ def chat(
         return
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
                    deferred=deferred, verbose=verbose, lora=lora and adapter_path(lora),
-                   prefill_experts=prefill_experts)
+                   prefill_experts=prefill_experts, chat_template=chat_template,
+                   gpu_expert_bytes=gpu_expert_bytes(gpu_expert_gib))
     typer.echo("chat: type a message; /help lists the commands, /exit quits")
 
     def answer(history: list[dict[str, str]]) -> str | None:
@@ -223,6 +251,7 @@ def serve(
     experts: ExpertsOpt = None,
     deferred: DeferredOpt = _DEFAULTS.deferred,
     prefill_experts: PrefillExpertsOpt = _DEFAULTS.prefill_experts,
+    gpu_expert_gib: GpuExpertsOpt = "auto",
     prefix_cache: Annotated[bool, typer.Option(
         "--prefix-cache/--no-prefix-cache",
         help="Reuse earlier requests' KV for prompts that start alike")] = _DEFAULTS.prefix_cache,
@@ -237,6 +266,7 @@ def serve(
         help="A PEFT LoRA adapter (directory or Hub repo org/name) that requests select with "
              "`model: NAME` "
              "(repeatable; the base model keeps its own name)")] = None,
+    chat_template: ChatTemplateOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Serve MODEL over an OpenAI-style API.
@@ -259,7 +289,8 @@ def serve(
                    deferred=deferred, verbose=verbose,
                    prefill_experts=prefill_experts, max_batch=max_batch,
                    prefix_cache=prefix_cache, prefill_chunk=prefill_chunk or None,
-                   prefill_resident_bytes=int(prefill_resident_gib * 2**30), lora=adapters)
+                   prefill_resident_bytes=int(prefill_resident_gib * 2**30), lora=adapters,
+                   chat_template=chat_template, gpu_expert_bytes=gpu_expert_bytes(gpu_expert_gib))
     serve_app(llm, config.model_name or model, config)
 
 
@@ -309,6 +340,9 @@ def bench(
     num_layers: Annotated[int | None, typer.Option(help="Fewer decoder layers")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results here")] = None,
     bandwidth_gib: Annotated[float, typer.Option(help="Read-bandwidth probe size")] = 2.0,
+    gpu_expert_gib: Annotated[str, typer.Option(
+        help="GiB of routed experts resident on the GPU (auto, or 0: every expert on the CPU, "
+             "as before this option)")] = "0",
 ) -> None:
     """Measure prefill and decode speed.
 
@@ -324,7 +358,7 @@ def bench(
             deferred=_ints(deferred, "deferred"), prompt_len=prompt_len, new_tokens=new_tokens,
             prefill_lengths=_ints(prefill, "prefill"), eager=eager, alternatives=alternatives,
             trace=str(trace) if trace else None, num_layers=num_layers,
-            bandwidth_gib=bandwidth_gib,
+            bandwidth_gib=bandwidth_gib, gpu_expert_bytes=gpu_expert_bytes(gpu_expert_gib),
         )
         result = run_bench(cfg, log=lambda line: typer.echo(line, err=True))
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
