@@ -53,11 +53,11 @@ class EngineConfig:
     prefill_resident_bytes: int = 0
     """GPU prefill: bytes of GPU memory for packed experts kept there for good (whole layers,
     the first first): their copies are skipped in every pass."""
-    gpu_expert_bytes: int | str = "auto"
+    gpu_expert_bytes: int | str = 0
     """Routed experts resident on the GPU, computed there (engine/placement.py): "auto" = the
     GPU memory left after the other weights, KV cache, graphs, prefill staging and a margin
-    (none without a GPU); bytes (clamped to that room, with a warning); 0: every expert on the
-    CPU."""
+    (none without a GPU; the CLI's default); bytes (clamped to that room, with a warning); 0:
+    every expert on the CPU (the default here, so scripts that time the CPU path keep it)."""
     graph_split_layer: int = 4
     """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond
     the last layer: one graph), so the GPU starts while the CPU still launches the rest."""

@@ -164,3 +164,13 @@ def test_a_placement_change_mid_generation_keeps_the_tokens(
         assert tokens == ref
     finally:
         runner.overlap.detach()
+
+
+def test_auto_places_nothing_without_a_gpu(engine: Callable[[str, str], LLM]) -> None:
+    llm = engine("mixtral", "cpu")
+    runner = _runner(llm, "auto")
+    try:
+        assert runner.placement is None and not runner.overlap.placed
+    finally:
+        runner.overlap.detach()
+    assert EngineConfig().gpu_expert_bytes == 0

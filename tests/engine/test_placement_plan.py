@@ -87,3 +87,18 @@ def test_auto_leaves_staging_graphs_and_a_margin_and_clamping_names_the_bytes() 
     assert message.startswith("gpu_expert_bytes=100 (0.00 GiB) exceeds the GPU's room for "
                               "experts, 40 bytes (0.00 GiB)")
     assert clamp_budget(40, 100) == (40, "")
+
+
+def test_the_cli_option_reads_gib_or_auto(capsys: pytest.CaptureFixture[str]) -> None:
+    import typer
+
+    from hetmoe.cli import gpu_expert_bytes
+
+    assert gpu_expert_bytes("auto") == "auto"
+    assert gpu_expert_bytes("1.5") == 3 * GIB // 2
+    assert gpu_expert_bytes("0") == 0
+    for bad in ("-1", "lots"):
+        with pytest.raises(typer.Exit):
+            gpu_expert_bytes(bad)
+        assert f"error: --gpu-expert-gib takes auto or GiB >= 0, got '{bad}'" in \
+            capsys.readouterr().err

@@ -76,6 +76,9 @@ class BenchConfig:
     """Seed of the random weights and prompts."""
     bandwidth_gib: float = 2.0
     """Size of the host read-bandwidth probe (well beyond the last-level cache)."""
+    gpu_expert_bytes: int | str = 0
+    """Routed experts resident on the GPU (`EngineConfig.gpu_expert_bytes`; 0: every expert on
+    the CPU, what the bench measured before the option)."""
 
     def __post_init__(self) -> None:
         if (self.shape is None) == (self.model is None):
@@ -149,7 +152,11 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         return result
     dtype = next(model.parameters()).dtype
     runner = ModelRunner(model, device, dtype, 1, window,
-                         EngineConfig(deferred=cfg.deferred[0]))
+                         EngineConfig(deferred=cfg.deferred[0],
+                                      gpu_expert_bytes=cfg.gpu_expert_bytes))
+    if runner.placement is not None:
+        result["gpu_experts"] = runner.placement.plan.describe()
+        log(result["gpu_experts"])
     cpu_ms = measure.cpu_experts_ms(model)
     result["cpu_experts_ms_per_token"] = round(cpu_ms, 3)
     result["cpu_experts_of_bound"] = round(1e3 / cpu_ms / result["bound_tok_s"], 3)
@@ -192,7 +199,9 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         log(f"decode eager_d0: {decode['eager_d0']['tok_s']} tok/s")
     if cfg.eager and cfg.alternatives and runner.use_graphs:
         # Before the fused decode (engine/fused_decode.py): the HF layers, same process.
-        module = ModelRunner(model, device, dtype, 1, window, EngineConfig(fused_decode=False))
+        module = ModelRunner(model, device, dtype, 1, window,
+                             EngineConfig(fused_decode=False,
+                                          gpu_expert_bytes=cfg.gpu_expert_bytes))
         run = measure.greedy_decode(module, prompt, cfg.new_tokens)
         decode["graph_d0_module_path"] = _decode_entry(run, result["bound_tok_s"])
         run = _without_cpu_work(module, prompt, cfg.new_tokens)
