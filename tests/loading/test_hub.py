@@ -274,3 +274,15 @@ def test_serve_lora_names_a_hub_adapter_repo(hub: FakeHub,
         named_adapters(["x=org/baby"], "base")
     assert ("error: org/baby: not a PEFT LoRA adapter repo (needs adapter_config.json and "
             "adapter_model.safetensors; found: chat_template.jinja") in capfd.readouterr().err
+
+
+def test_convert_and_info_take_hub_names(hub: FakeHub, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    converted = runner.invoke(app, ["convert", "org/baby-GGUF:Q8_0", str(out)])
+    assert converted.exit_code == 0, converted.output
+    assert "experts: int8, group 32 (Q8_0 experts" in converted.stderr
+    assert (out / "manifest.json").is_file() and _fetched(hub) == ["baby-Q8_0.gguf"]
+    info = runner.invoke(app, ["info", "org/baby"])
+    assert info.exit_code == 0 and "memory on cpu" in info.stdout, info.output
+    unknown = runner.invoke(app, ["info", "no/such-repo"])
+    assert "error: no/such-repo: no such model repo on http" in unknown.stderr

@@ -56,7 +56,8 @@ def presets() -> dict[str, Preset]:
 
 
 def resolve_model(model: str | os.PathLike[str]) -> Path:
-    """A checkpoint directory for `model`: an existing path, or a preset built on first use."""
+    """A checkpoint directory for `model`: an existing path, a preset built on first use, or a
+    Hub model's files in the HF cache (fetched on first use)."""
     path = Path(model).expanduser()
     if path.is_file():
         from hetmoe.loading.gguf_check import check_magic
@@ -69,10 +70,16 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
     if preset is None and path.suffix == ".gguf":
         raise FileNotFoundError(f"{path}: no such GGUF file")
     if preset is None:
+        from hetmoe.loading.hub import fetch_named
+
+        hub = fetch_named(model)  # org/name[@rev], org/name-GGUF[:QUANT]: fetched once
+        if hub is not None:
+            return hub.path
         names = ", ".join(sorted(table)) or "none"
         raise FileNotFoundError(
             f"model {str(model)!r} is neither an existing directory nor a built-in preset "
-            f"(presets: {names})"
+            f"(presets: {names}) nor a Hub model name (org/name[@revision], "
+            "org/name-GGUF[:QUANT])"
         )
     target = env.cache_dir() / "models" / f"{preset.name}-v{preset.version}"
     if (target / ".complete").exists():
