@@ -13,6 +13,7 @@ import torch
 
 from hetmoe.config import EngineConfig
 from hetmoe.engine.adapters import LoraAdapters, assign_adapter, with_lora
+from hetmoe.engine.chat_template import read_chat_template
 from hetmoe.engine.constrained import Constraints
 from hetmoe.engine.logprobs import TokenLogprob
 from hetmoe.engine.model_setup import (
@@ -45,7 +46,8 @@ class LLM:
     mapped, `verify` checks every checksum), a GGUF file (converted once into the cache) or a
     preset name (`tiny-qwen3-moe`, ...); `rules` a YAML rule file (default: the family's shipped
     rules); `lora` a PEFT adapter directory (used by default) or {name: directory} (a request
-    picks one by `adapter=NAME`); `options` are `EngineConfig` fields.
+    picks one by `adapter=NAME`); `chat_template` a Jinja file that replaces the checkpoint's
+    chat template (checked before loading); `options` are `EngineConfig` fields.
     """
 
     def __init__(
@@ -55,10 +57,12 @@ class LLM:
         rules: str | os.PathLike[str] | None = None,
         verify: bool = False,
         lora: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
+        chat_template: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
         from hetmoe.loading import load_model
 
+        template = read_chat_template(chat_template) if chat_template is not None else None
         self.options, adapters = with_lora(EngineConfig.from_options(**options), lora)
         self.device = check_device(device)
         if self.options.prefill_experts in ("gpu", "split") and self.device.type != "cuda":
@@ -96,6 +100,11 @@ class LLM:
         check_experts_loaded(self.model, self.path)
         share_cores(self.model, self.device, self.options.torch_threads)
         self.tokenizer = loaded.tokenizer
+        if template is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"chat template {str(chat_template)!r}: {self.path} has no "
+                                 "tokenizer to render it with")
+            self.tokenizer.chat_template = template
         self.family = loaded.family
         if self.options.verbose:
             print(self.injection.details())

@@ -1,0 +1,45 @@
+"""A chat template from a file (`--chat-template FILE`, `LLM(..., chat_template=FILE)`), read and
+compiled before any model loads, so a wrong path or a broken template costs no loading time."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def read_chat_template(path: str | os.PathLike[str]) -> str:
+    """The Jinja text of the chat template file `path`, checked to compile as transformers
+    compiles templates; ValueError naming the file and what is wrong with it."""
+    file = Path(path).expanduser()
+    where = f"chat template {str(file)!r}"
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{where}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{where}: is a directory, not a Jinja template file") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    if not text.strip():
+        raise ValueError(f"{where}: the file is empty")
+    try:
+        _compile(text)
+    except Exception as exc:  # jinja2's TemplateSyntaxError / TemplateAssertionError
+        line = getattr(exc, "lineno", None)
+        at = f" (line {line})" if line else ""
+        raise ValueError(f"{where}: not a valid Jinja template{at}: {exc}") from None
+    return text
+
+
+def _compile(text: str) -> None:
+    """Compiles `text` in transformers' template environment (its filters and extensions)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a release without the helper: jinja2's sandbox, as transformers uses
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).from_string(text)
+        return
+    _compile_jinja_template(text)
