@@ -143,3 +143,31 @@ def test_serve_passes_prefill_options_and_checks_them_before_loading(
     done = runner.invoke(cli.app, ["serve", "m", "--prefill-resident-gib", "-1"])
     assert done.exit_code == 1 and "--prefill-resident-gib must be >= 0" in done.output
     assert seen == {}  # refused before loading
+
+
+def test_chat_template_option_reaches_the_engine_and_is_checked_first(
+        tiny_qwen3_moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hetmoe import cli
+    from hetmoe.server import app as server_app
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    seen: dict[str, object] = {}
+    with monkeypatch.context() as patched:
+        patched.setattr(cli, "load_llm", lambda model, device, rules, **o: seen.update(o))
+        patched.setattr(server_app, "serve", lambda llm, name, config: None)
+        done = CliRunner().invoke(cli.app, ["serve", "m", "--chat-template", str(template)])
+    assert done.exit_code == 0, done.output
+    assert seen["chat_template"] == template
+    missing = CliRunner().invoke(app, ["generate", str(tiny_qwen3_moe), "Hi", "--device", "cpu",
+                                       "--chat-template", str(tmp_path / "nope.jinja")])
+    assert missing.exit_code == 1
+    assert f"error: chat template '{tmp_path / 'nope.jinja'}': no such file" in missing.output
+    answered = CliRunner().invoke(app, ["generate", str(tiny_qwen3_moe), "Hi", "--device", "cpu",
+                                        "--max-new-tokens", "2", "--chat-template",
+                                        str(template)])
+    assert answered.exit_code == 0, answered.output
+    remote = CliRunner().invoke(app, ["chat", "m", "--url", "http://127.0.0.1:9",
+                                      "--chat-template", str(template)])
+    assert remote.exit_code == 1 and "--chat-template applies to a model loaded here" in \
+        remote.output
