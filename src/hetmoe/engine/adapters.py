@@ -57,11 +57,14 @@ class LoraAdapters:
         from peft import PeftModel
         from peft.tuners.lora import LoraLayer
 
+        from hetmoe.train.lora import peft_wrapping
+
         items = list(adapters.items())
         if not items:
             raise ValueError("LoraAdapters needs at least one adapter")
         first, path = items[0]
-        self.peft: Any = PeftModel.from_pretrained(model, str(path), adapter_name=first)
+        with peft_wrapping():  # peft reads a deprecated transformers property
+            self.peft: Any = PeftModel.from_pretrained(model, str(path), adapter_name=first)
         for name, path in items[1:]:
             self.peft.load_adapter(str(path), adapter_name=name)
         self.peft.eval()

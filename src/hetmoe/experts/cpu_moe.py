@@ -10,6 +10,7 @@ layers share one process-wide thread pool.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -24,6 +25,12 @@ AMX_MIN_TOKENS = {"bf16": 2, "int8": 32, "int4": 32, "fp8": 16}
 """Tokens per expert from which AMX tiles beat AVX-512, per format (measured by
 benchmarks/bench_cpu_moe.py on a 16-core Xeon with AMX: docs/benchmarks/cpu_moe.md; fp8 not
 measured yet: between bf16's and int8's, as its tiles are widened per call)."""
+
+
+def _release(state: dict[str, object]) -> None:
+    """Drops a `CpuMoE`'s native layer and the calls that hold it (its state: `__dict__`)."""
+    state.pop("_pending", None)
+    state.pop("_layer", None)
 
 
 @dataclass
@@ -109,6 +116,10 @@ class CpuMoE:
         self._lock = threading.Lock()
         self._bound: tuple[torch.Tensor, ...] = ()  # bind's buffers, kept alive
         self._late_out: torch.Tensor | None = None  # submit_flagged's deferred output
+        # The native layer goes at exit too: a model's object graph has reference cycles (LLM and
+        # its scheduler, MoE blocks and their overlap), which the interpreter may not collect
+        # before it unloads hetmoe._cpu; nanobind then reports the layers as leaked.
+        weakref.finalize(self, _release, self.__dict__)
 
     @property
     def isa(self) -> str:

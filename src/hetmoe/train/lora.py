@@ -5,6 +5,9 @@ original transformers model: injected modules keep the HF child names."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,13 +57,25 @@ class LoraSettings:
                           task_type="CAUSAL_LM", **extra)
 
 
+@contextmanager
+def peft_wrapping() -> Iterator[None]:
+    """Around peft's wrapping of a model (`get_peft_model`, `PeftModel.from_pretrained`): peft
+    (through 0.21) asks the model `is_gradient_checkpointing`, which transformers 5 deprecated
+    for `is_activation_checkpointing`, so that FutureWarning is about peft's code, not ours."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
+                                FutureWarning)
+        yield
+
+
 def attach_lora(model: nn.Module, settings: LoraSettings, **extra: Any) -> Any:
     """Wraps `model` (a loaded hetmoe or transformers model) in a `peft.PeftModel` whose only
     trainable parameters are the adapters; ValueError when no module matches the targets."""
     from peft import get_peft_model
 
     try:
-        return get_peft_model(model, settings.peft_config(**extra))
+        with peft_wrapping():
+            return get_peft_model(model, settings.peft_config(**extra))
     except ValueError as err:
         raise ValueError(f"attach_lora: target_modules {settings.target_modules!r} matched no "
                          f"module of {type(model).__name__} ({err})") from err
