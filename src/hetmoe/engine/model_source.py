@@ -19,8 +19,8 @@ DEFAULT_MAX_SEQ_LEN = 4096
 def open_model(model: str | os.PathLike[str], verify: bool, progress: bool,
                experts: str | None = None) -> tuple[Path, ConvertedModel | None]:
     """The checkpoint directory of `model` (a GGUF file or Hub model becomes its cached
-    conversion; a Hub name is fetched into the HF cache first) and,
-    for a converted directory, its checked manifest (`verify`: full checksums too). Bad files
+    conversion; a Hub name is fetched into the HF cache first) and, for a converted directory,
+    its checked manifest (`verify`: full checksums too). Bad files
     are refused here, before any GPU work; so is an expert backend other than `cpu` for a
     GGUF file or a converted model (their experts exist only in its packed layout)."""
     from hetmoe.loading.convert_source import cached_conversion, is_gguf
