@@ -150,8 +150,19 @@ def print_plan(path: Path, fmt: str, group: int | None, device: object,
     mem = memory_plan(plan.skeleton, chosen, plan.dtype, config, _DEFAULTS.max_batch * window,
                       fmt, plan.group_size)
     typer.echo(mem.table())
+    typer.echo(gpu_experts_plan(mem))
     if plan.layers:
         typer.echo(prefill_plan(plan.layers[0], fmt, config))
+
+
+def gpu_experts_plan(mem: Any) -> str:
+    """What `--gpu-expert-gib auto` keeps on the GPU (engine/placement_plan.py)."""
+    from hetmoe.engine.placement_plan import planned_placement
+
+    plan = planned_placement(mem)
+    if plan is None:
+        return "GPU experts: none (no GPU, or no routed experts in the cpu backend)"
+    return f"{plan.describe()} [--gpu-expert-gib auto]"
 
 
 PREFILL_LENGTHS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)

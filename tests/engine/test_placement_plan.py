@@ -102,3 +102,21 @@ def test_the_cli_option_reads_gib_or_auto(capsys: pytest.CaptureFixture[str]) ->
             gpu_expert_bytes(bad)
         assert f"error: --gpu-expert-gib takes auto or GiB >= 0, got '{bad}'" in \
             capsys.readouterr().err
+
+
+def test_info_plans_auto_from_the_memory_plan() -> None:
+    from hetmoe.engine.placement_plan import planned_placement
+    from hetmoe.loading.memory_plan import MemoryPlan
+
+    rows = (("other weights", "gpu", 2 * GIB), ("KV cache", "gpu", GIB))
+    layers = ((128, 6 * 2**20),) * 48  # 48 layers of 128 experts of 6 MiB: 36 GiB
+    mem = MemoryPlan(rows, 100 * GIB, 23 * GIB, layers, 24 * GIB)
+    plan = planned_placement(mem)
+    assert plan is not None
+    # 23 - 3 GiB free after the rest, less staging (2 x 0.75 + 2.25 GiB), graphs and 1.2 GiB
+    room = 20 * GIB - 15 * GIB // 4 - GIB // 2 - int(0.05 * 24 * GIB)
+    assert plan.budget == room and plan.bytes <= room
+    uniform = room // (48 * 6 * 2**20)  # 51 in every layer, the leftover: one more in some
+    assert uniform == 51 and {len(r) for r in plan.resident} == {51, 52}
+    assert "51-52 of 128 experts per MoE layer" in plan.describe()
+    assert planned_placement(MemoryPlan(rows, 100 * GIB, None, layers)) is None

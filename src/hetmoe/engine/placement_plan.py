@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hetmoe.loading.memory_plan import MemoryPlan
 
 GIB = 2**30
 
@@ -143,3 +147,17 @@ def clamp_budget(asked: int, room: int) -> tuple[int, str]:
     return room, (f"gpu_expert_bytes={asked} ({asked / GIB:.2f} GiB) exceeds the GPU's room for "
                   f"experts, {room} bytes ({room / GIB:.2f} GiB) after the other weights, the KV "
                   f"cache, graphs, prefill staging and the margin; using {room} bytes")
+
+
+def planned_placement(mem: MemoryPlan) -> PlacementPlan | None:
+    """The `auto` plan of a model before it loads (`hetmoe info MODEL`): the GPU's free bytes
+    less the plan's GPU rows, prefill staging (two packed layers and one unpacked, bf16) and
+    `auto_budget`'s reserves; None without a GPU or cpu experts."""
+    if mem.gpu_free is None or not mem.expert_layers:
+        return None
+    experts = [e for e, _ in mem.expert_layers]
+    sizes = [b for _, b in mem.expert_layers]
+    layer = max(e * b for e, b in mem.expert_layers)
+    unpacked = max(e * 3 * b for e, b in mem.expert_layers)  # int8 ~ half, int4 ~ quarter
+    room = auto_budget(mem.gpu_free - mem.total("gpu"), mem.gpu_total, 2 * layer + unpacked)
+    return plan_placement(experts, sizes, room)

@@ -27,6 +27,10 @@ class MemoryPlan:
     """MemAvailable of /proc/meminfo."""
     gpu_free: int | None
     """Free bytes of the GPU (None: no GPU in the plan)."""
+    expert_layers: tuple[tuple[int, int], ...] = ()
+    """Per MoE layer with cpu experts: (experts, packed bytes of one expert)."""
+    gpu_total: int = 0
+    """The GPU's memory (0: no GPU in the plan)."""
 
     def total(self, place: str) -> int:
         """Bytes planned on `place`."""
@@ -77,7 +81,7 @@ def memory_plan(model: nn.Module, device: torch.device, dtype: torch.dtype, conf
     from hetmoe.experts.cpu_moe import CpuMoE
 
     place = "gpu" if device.type == "cuda" else "host"
-    packed, formats = 0, set()
+    packed, formats, layers = 0, set(), []
     for module in model.modules():
         if isinstance(module, CpuExperts):
             moe = module.moe
@@ -86,15 +90,17 @@ def memory_plan(model: nn.Module, device: torch.device, dtype: torch.dtype, conf
                              weight_format=weight_format, group_size=group_size)
             packed += sum(p.bytes for p in moe.packed_groups())
             formats.add(moe.weight_format)
+            layers.append((moe.num_experts, sum(p.expert_bytes for p in moe.packed_groups())))
     weights = sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
                   for t in list(model.parameters()) + list(model.buffers()))
     rows = [(f"routed experts ({'/'.join(sorted(formats))}, packed)", "host", packed),
             ("other weights", place, weights),
             (f"KV cache ({kv_tokens} tokens)", place, kv_tokens * kv_bytes_per_token(config,
                                                                                    dtype))]
-    gpu_free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
+    gpu_free, gpu_total = (tuple(int(b) for b in torch.cuda.mem_get_info(device))
+                           if device.type == "cuda" else (None, 0))
     return MemoryPlan(tuple(r for r in rows if r[2] or r[0] == "other weights"),
-                      host_available(), gpu_free)
+                      host_available(), gpu_free, tuple(layers), gpu_total)
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
