@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from hetmoe.train.lora import LoraSettings
-from hetmoe.train.sft import SftConfig
+from hetmoe.train.sft_config import SftConfig
 
 _SFT = SftConfig()
 _LORA = LoraSettings()
