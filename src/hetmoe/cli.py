@@ -17,7 +17,8 @@ from hetmoe.config import EngineConfig
 if TYPE_CHECKING:
     from hetmoe.engine.engine import LLM
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]})
 _DEFAULTS = EngineConfig()
 
 # Options shared by every command that loads a model (annotated types, reusable by new commands).
@@ -43,17 +44,29 @@ TemperatureOpt = Annotated[float, typer.Option(help="0 = greedy")]
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off)")]
 TopKOpt = Annotated[int, typer.Option(help="Sample among the k most likely (0 = off)")]
 SeedOpt = Annotated[int | None, typer.Option(help="Sampling seed")]
-StopOpt = Annotated[list[str] | None, typer.Option(help="Stop string (repeatable)")]
+StopOpt = Annotated[list[str] | None, typer.Option(metavar="TEXT",
+                                                   help="Stop string (repeatable)")]
 LoraOpt = Annotated[Path | None, typer.Option(
     help="PEFT LoRA adapter to apply: a directory or a Hub repo (org/name)")]
 ChatTemplateOpt = Annotated[Path | None, typer.Option(
     help="Jinja chat template file replacing the model's (checked before loading)")]
 
 
+def _version(value: bool) -> None:
+    if value:
+        from hetmoe import __version__
+
+        typer.echo(f"hetmoe {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(token: Annotated[str | None, typer.Option(
         help="Hugging Face token for Hub models of gated or private repos, for every command "
-             "(default: HF_TOKEN, or the one `hf auth login` stored)")] = None) -> None:
+             "(default: HF_TOKEN, or the one `hf auth login` stored)")] = None,
+         version: Annotated[bool, typer.Option(
+             "--version", callback=_version, is_eager=True,
+             help="Print hetmoe's version and exit")] = False) -> None:
     """hetmoe: MoE LLMs on one workstation, GPU and CPU as one machine."""
     if token:  # huggingface_hub reads HF_TOKEN at each request
         import os
@@ -259,8 +272,7 @@ def serve(
         help="Prompt tokens prefilled per step while other requests decode (0 = a prompt at "
              "once)")] = _DEFAULTS.prefill_chunk or 0,
     prefill_resident_gib: Annotated[float, typer.Option(
-        help="GPU prefill: GiB of GPU memory keeping whole layers' packed experts there for "
-             "good (their copies are skipped)")] = 0.0,
+        help="The former name of --gpu-expert-gib (GiB; used instead of it when > 0)")] = 0.0,
     lora: Annotated[list[str] | None, typer.Option(
         metavar="NAME=PATH",
         help="A PEFT LoRA adapter (directory or Hub repo org/name) that requests select with "
@@ -284,13 +296,17 @@ def serve(
         fail(exc)
     if not prefill_resident_gib >= 0:
         fail(ValueError(f"--prefill-resident-gib must be >= 0, got {prefill_resident_gib}"))
+    budget = gpu_expert_bytes(gpu_expert_gib)
+    if prefill_resident_gib > 0:
+        typer.echo(f"--prefill-resident-gib is now --gpu-expert-gib (resident experts serve "
+                   f"prefill and decode): {prefill_resident_gib} GiB", err=True)
+        budget = int(prefill_resident_gib * 2**30)
     adapters = named_adapters(lora or [], config.model_name or model)
     llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
                    deferred=deferred, verbose=verbose,
                    prefill_experts=prefill_experts, max_batch=max_batch,
                    prefix_cache=prefix_cache, prefill_chunk=prefill_chunk or None,
-                   prefill_resident_bytes=int(prefill_resident_gib * 2**30), lora=adapters,
-                   chat_template=chat_template, gpu_expert_bytes=gpu_expert_bytes(gpu_expert_gib))
+                   lora=adapters, chat_template=chat_template, gpu_expert_bytes=budget)
     serve_app(llm, config.model_name or model, config)
 
 
@@ -417,11 +433,13 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 
 
 app.command()(cli_convert.convert)
-app.command()(cli_convert.info)
+app.command(short_help="Print this machine's facts and rates, or MODEL's memory plan.")(
+    cli_convert.info)
 app.command()(cli_train.sft)
 app.command()(cli_models.pull)
 app.command()(cli_models.ls)
-app.command()(cli_models.rm)
+app.command(short_help="Remove a cached Hub model (files, record, conversions).")(
+    cli_models.rm)
 
 
 if __name__ == "__main__":

@@ -51,8 +51,8 @@ class EngineConfig:
     on the GPU while the CPU computes the rest (engine/expert_split.py); "cpu", "gpu" (every
     expert streamed) or "split" force one."""
     prefill_resident_bytes: int = 0
-    """GPU prefill: bytes of GPU memory for packed experts kept there for good (whole layers,
-    the first first): their copies are skipped in every pass."""
+    """The former name of `gpu_expert_bytes` (bytes), used when that is 0: the resident
+    experts serve prefill and decode alike (engine/placement.py)."""
     gpu_expert_bytes: int | str = 0
     """Routed experts resident on the GPU, computed there (engine/placement.py): "auto" = the
     GPU memory left after the other weights, KV cache, graphs, prefill staging and a margin

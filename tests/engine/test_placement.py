@@ -174,3 +174,17 @@ def test_auto_places_nothing_without_a_gpu(engine: Callable[[str, str], LLM]) ->
     finally:
         runner.overlap.detach()
     assert EngineConfig().gpu_expert_bytes == 0
+
+
+def test_the_former_prefill_resident_bytes_places_experts(
+        engine: Callable[[str, str], LLM]) -> None:
+    llm = engine("qwen2_moe", "cpu")
+    plain = _runner(llm, 0)
+    plain.overlap.detach()
+    runner = ModelRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len,
+                         EngineConfig(prefill_resident_bytes=_layer_bytes(plain, 4)))
+    try:
+        assert runner.placement is not None
+        assert [s.slots for s in runner.placement.layers] == [4] * len(runner.placement.layers)
+    finally:
+        runner.overlap.detach()

@@ -134,11 +134,12 @@ def test_serve_passes_prefill_options_and_checks_them_before_loading(
                                    "--prefill-experts", "split", "--prefill-resident-gib", "1.5"])
     assert done.exit_code == 0, done.output
     assert seen["prefill_chunk"] == 512 and seen["prefill_experts"] == "split"
-    assert seen["prefill_resident_bytes"] == 3 * 2**29
+    assert seen["gpu_expert_bytes"] == 3 * 2**29  # the former name of --gpu-expert-gib
+    assert "--prefill-resident-gib is now --gpu-expert-gib" in done.output
     seen.clear()
     done = runner.invoke(cli.app, ["serve", "m", "--prefill-chunk", "0"])
     assert seen["prefill_chunk"] is None and seen["prefill_experts"] == "auto"
-    assert seen["prefill_resident_bytes"] == 0
+    assert seen["gpu_expert_bytes"] == "auto"
     seen.clear()
     done = runner.invoke(cli.app, ["serve", "m", "--prefill-resident-gib", "-1"])
     assert done.exit_code == 1 and "--prefill-resident-gib must be >= 0" in done.output

@@ -137,8 +137,12 @@ class MoEOverlap(MoEStep):
         the GPU: 0 = all on the CPU, E = every expert streamed, between: split with the CPU.
         `mode` (EngineConfig.prefill_experts): "cpu", "gpu", "split" (the best k in
         [1, E - 1]) or "auto" (the best k in [0, E]) by this machine's measured costs
-        (engine/expert_split.py; hetmoe.calibration measures them once per machine)."""
+        (engine/expert_split.py; hetmoe.calibration measures them once per machine). With
+        resident experts (`place`) the CPU path computes them on the GPU and only the misses
+        on the CPU; when every expert is resident nothing is streamed."""
         experts = self.cpu[0].num_experts
+        if self.placement is not None and self.placement.everything:
+            return 0  # every expert already on the GPU: the resident links, nothing streamed
         if mode == "cpu" or not self.can_stream():
             return 0
         if mode == "gpu":

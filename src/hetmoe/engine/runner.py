@@ -74,8 +74,7 @@ class ModelRunner:
         if all_on_cpu_backend(model):
             fits = config.fused_decode and fits_fused(model)
             rows = max(max_batch, *config.graph_batch_sizes)
-            self.overlap = MoEOverlap(model, device, rows, config.deferred, packed=fits,
-                                      resident_bytes=config.prefill_resident_bytes)
+            self.overlap = MoEOverlap(model, device, rows, config.deferred, packed=fits)
             if fits:
                 compile_ = config.compile_decode and device.type == "cuda"
                 self.fused = FusedDecoder(model, self.overlap, compile_)
@@ -93,8 +92,9 @@ class ModelRunner:
         self._ahead_tokens: tuple[int, ...] = ()  # the inputs `_ahead` was launched on
         self.placement: Placement | None = None
         """Routed experts resident on the GPU (`place`); None: every expert on the CPU."""
-        if self.overlap is not None and config.gpu_expert_bytes != 0:
-            self.place(config.gpu_expert_bytes)  # after the KV cache: `auto` sees what is left
+        budget = config.gpu_expert_bytes or config.prefill_resident_bytes  # the old name
+        if self.overlap is not None and budget != 0:
+            self.place(budget)  # after the KV cache: `auto` sees what is left
 
     @property
     def graphs(self) -> dict[tuple[int, int], Any]:
