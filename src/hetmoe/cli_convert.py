@@ -172,6 +172,8 @@ def prefill_plan(layer: Any, fmt: str, config: Any) -> str:
     """Where the cost model puts a prefill's routed experts per prompt length on this machine
     (the stored profile; `auto` then measures its pick against the rival), or why it cannot
     say."""
+    import torch
+
     from hetmoe import calibration
     from hetmoe.engine.expert_split import describe_plan, layer_costs, plan_gpu_experts
 
@@ -179,6 +181,8 @@ def prefill_plan(layer: Any, fmt: str, config: Any) -> str:
         profile = calibration.load()
     except ValueError as exc:
         return f"prefill plan: the machine profile is unreadable ({exc})"
+    if (profile is None or profile.h2d_bytes_s is None) and not torch.cuda.is_available():
+        return "prefill plan: no GPU here, so prefill runs the routed experts on the CPU"
     if profile is None or profile.h2d_bytes_s is None:
         return ("prefill plan: needs this machine's profile with its GPU "
                 "(`hetmoe calibrate --device cuda`)")
