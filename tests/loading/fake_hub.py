@@ -158,16 +158,19 @@ _QWEN3 = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "mlp.gate": "ffn_gate_inp"}
 
 
-def write_gguf(checkpoint: Path, out: Path, qtype: str, split_tensors: int = 0) -> list[Path]:
+def write_gguf(checkpoint: Path, out: Path, qtype: str, split_tensors: int = 0,
+               experts: str | None = None) -> list[Path]:
     """The tiny qwen3_moe `checkpoint` as a GGUF of `qtype` (F16, F32 or Q8_0 for 2-D weights;
-    norms stay F32), split into files of `split_tensors` tensors when > 0; returns its files."""
+    norms stay F32), split into files of `split_tensors` tensors when > 0; returns its files.
+    `experts` (a K- or IQ-quant) replaces the routed experts by random blocks of that type
+    (gguf-py dequantizes these types but cannot make them)."""
     import gguf
     from gguf.quants import quantize
     from safetensors.numpy import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
     weights = load_file(str(checkpoint / "model.safetensors"))
-    experts = config.get("num_experts", config.get("num_local_experts"))
+    num_experts = config.get("num_experts", config.get("num_local_experts"))
     writer = gguf.GGUFWriter(str(out), "qwen3moe", split_max_tensors=split_tensors)
     fields = {"block_count": config["num_hidden_layers"],
               "embedding_length": config["hidden_size"],
@@ -175,7 +178,7 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str, split_tensors: int = 0) 
               "attention.head_count": config["num_attention_heads"],
               "attention.head_count_kv": config["num_key_value_heads"],
               "context_length": config["max_position_embeddings"],
-              "expert_count": experts,
+              "expert_count": num_experts,
               "expert_used_count": config["num_experts_per_tok"],
               "expert_feed_forward_length": config["moe_intermediate_size"],
               "rope.dimension_count": config["head_dim"],
@@ -196,10 +199,13 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str, split_tensors: int = 0) 
         for proj in ("gate", "up", "down"):
             tensors[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack(
                 [weights[f"{prefix}mlp.experts.{e}.{proj}_proj.weight"]
-                 for e in range(experts)])
+                 for e in range(num_experts)])
     for name, array in tensors.items():
         array = np.ascontiguousarray(array, np.float32)
-        if array.ndim == 1 or qtype == "F32":
+        if experts is not None and "_exps" in name:
+            kind = gguf.GGMLQuantizationType[experts]
+            writer.add_tensor(name, random_blocks(array.shape, experts), raw_dtype=kind)
+        elif array.ndim == 1 or qtype == "F32":
             writer.add_tensor(name, array)
         elif qtype == "F16":
             writer.add_tensor(name, array.astype(np.float16))
@@ -211,6 +217,33 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str, split_tensors: int = 0) 
     writer.write_tensors_to_file()
     writer.close()
     return sorted(out.parent.glob(f"{out.stem}*.gguf"))
+
+
+# Byte offsets of each block's fp16 scale fields (ggml-common.h's block_* structs).
+_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                 "Q6_K": (208,), "IQ4_XS": (0,), "IQ4_NL": (0,)}
+
+
+def random_blocks(shape: tuple[int, ...], qtype: str, std: float = 0.05, seed: int = 0
+                  ) -> np.ndarray:
+    """Random quant blocks of `qtype` for a float tensor of `shape` (last dim a multiple of the
+    block), their fp16 scales set so the dequantized values have about `std`."""
+    import gguf
+    from gguf.quants import dequantize
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = np.random.default_rng(seed).integers(
+        0, 256, (*shape[:-1], shape[-1] // block * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+
+    def set_scales(scale: float) -> None:
+        for offset in _SCALE_FIELDS[qtype]:
+            blocks[:, offset:offset + 2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+
+    set_scales(1e-3)
+    set_scales(1e-3 * std / float(dequantize(raw, kind).std()))
+    return raw
 
 
 def _add_tokenizer(writer: object, tokenizer: dict, config: dict) -> None:
