@@ -58,6 +58,10 @@ class EngineConfig:
     GPU memory left after the other weights, KV cache, graphs, prefill staging and a margin
     (none without a GPU; the CLI's default); bytes (clamped to that room, with a warning); 0:
     every expert on the CPU (the default here, so scripts that time the CPU path keep it)."""
+    placement_interval: int = 0
+    """Resident experts follow the routing: every this many decode steps the most routed
+    experts are promoted into the slots of the least routed (engine/placement_policy.py);
+    0: the placement stays as planned."""
     graph_split_layer: int = 4
     """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond
     the last layer: one graph), so the GPU starts while the CPU still launches the rest."""
@@ -98,6 +102,9 @@ class EngineConfig:
                                                 or self.gpu_expert_bytes < 0):
             raise ValueError(f"option gpu_expert_bytes must be 'auto' or an integer >= 0, got "
                              f"{self.gpu_expert_bytes!r}")
+        if not isinstance(self.placement_interval, int) or self.placement_interval < 0:
+            raise ValueError(f"option placement_interval must be an integer >= 0, got "
+                             f"{self.placement_interval!r}")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int)
                                                or self.prefill_chunk < 1):
             raise ValueError(f"option prefill_chunk must be None or a positive integer, got "

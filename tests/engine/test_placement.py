@@ -38,6 +38,7 @@ def _layer(fmt: str, seed: int = 0) -> CpuMoE:
 def test_resident_pairs_plus_cpu_misses_equal_the_cpu_alone(fmt: str, tokens: int) -> None:
     moe = _layer(fmt)
     slots = LayerSlots(moe, [3, 0, 5], torch.device("cpu"))
+    slots.counting = True
     assert slots.table.tolist() == [1, -1, -1, 0, -1, 2, -1, -1, -1]
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 64, generator=g)
@@ -134,6 +135,9 @@ def test_everything_resident_submits_no_cpu_job(engine: Callable[[str, str], LLM
             greedy(runner, 3)
         assert calls[0] == 0
         runner.place(_layer_bytes(runner, 7))  # one expert per layer back on the CPU
+        assert runner.placement is not None
+        for slots in runner.placement.layers:
+            slots.counting = True
         with _counted_submits(llm) as calls:
             greedy(runner, 3)
         layers = len(runner.placement.layers)

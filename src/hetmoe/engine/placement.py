@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -42,9 +43,12 @@ class LayerSlots:
                                     device=device)  # [E + 1], last entry -1
             self.counts = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
             self._one = torch.ones(1, dtype=torch.int64, device=device)  # a count's increment
-        self.counting = True
-        """Count routing in `split` (a few small kernels per layer and step)."""
-        self.resident: list[int] = [-1] * n  # slot -> expert
+        self.counting = False
+        """Count routing in `split` (two small kernels per layer and step; the traffic policy,
+        engine/placement_policy.py, turns it on)."""
+        self.resident: list[int] = [-1] * n  # slot -> expert (-1: empty or being filled)
+        self._moving: dict[int, tuple[int, torch.cuda.Event | None]] = {}  # slot -> (expert,
+        # its copy's event)
         self._host = self._sources()
         for slot, expert in enumerate(experts):
             self.move(slot, expert)
@@ -68,31 +72,60 @@ class LayerSlots:
         return [host_tensor(p) for p in self.parts]
 
     def move(self, slot: int, expert: int, stream: torch.cuda.Stream | None = None) -> None:
-        """Puts `expert` into `slot` (the expert there leaves it): the bytes are copied (on
-        `stream`, when given, which the current stream then waits for) and the table updated.
+        """Puts `expert` into `slot` now (`begin_move`, then `end_moves` waiting for the copy).
         Only between steps."""
+        self.begin_move(slot, expert, stream)
+        self.end_moves(wait=True)
+
+    def begin_move(self, slot: int, expert: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Starts putting `expert` into `slot`: the slot's expert leaves the table at once (the
+        CPU computes it from the next step on), the bytes are copied on `stream` (CUDA; after
+        the steps already queued) and `end_moves` enters the new expert once they are there.
+        Steps queued on the current stream before it keep reading the old table and bytes."""
         if not 0 <= slot < self.slots or not 0 <= expert < self.num_experts:
             raise ValueError(f"LayerSlots.move: slot {slot} of {self.slots}, expert {expert} "
                              f"of {self.num_experts}")
         if expert in self.resident and self.resident.index(expert) != slot:
             raise ValueError(f"LayerSlots.move: expert {expert} already has slot "
                              f"{self.resident.index(expert)}")
+        if slot in self._moving:
+            raise ValueError(f"LayerSlots.move: slot {slot} is still being filled")
         with torch.inference_mode(False):
-            for dst, src, part in zip(self.packed, self._host, self.parts, strict=True):
-                b = part.expert_bytes
-                target = dst[slot * b:(slot + 1) * b]
-                if stream is None:
-                    target.copy_(src[expert * b:(expert + 1) * b], non_blocking=True)
-                else:
-                    with torch.cuda.stream(stream):
-                        target.copy_(src[expert * b:(expert + 1) * b], non_blocking=True)
-            if stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(stream)
             old = self.resident[slot]
             if old >= 0:
                 self.table[old] = -1
-            self.table[expert] = slot
-        self.resident[slot] = expert
+            self.resident[slot] = -1
+            copy = torch.cuda.stream(stream) if stream is not None else nullcontext()
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            with copy:
+                for dst, src, part in zip(self.packed, self._host, self.parts, strict=True):
+                    b = part.expert_bytes
+                    dst[slot * b:(slot + 1) * b].copy_(src[expert * b:(expert + 1) * b],
+                                                       non_blocking=True)
+            done = None
+            if stream is not None:
+                done = torch.cuda.Event()
+                done.record(stream)
+        self._moving[slot] = (expert, done)
+
+    def arriving(self) -> set[int]:
+        """Experts whose copies into a slot are under way."""
+        return {expert for expert, _ in self._moving.values()}
+
+    def end_moves(self, wait: bool = False) -> int:
+        """Enters the experts whose copies are done (all of them with `wait`) into the table;
+        how many are still being copied."""
+        with torch.inference_mode(False):
+            for slot, (expert, done) in list(self._moving.items()):
+                if done is not None and not done.query():
+                    if not wait:
+                        continue
+                    torch.cuda.current_stream(self.device).wait_event(done)
+                self.table[expert] = slot
+                self.resident[slot] = expert
+                del self._moving[slot]
+        return len(self._moving)
 
     def split(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [T, K] expert ids (>= 0, as routers give them) -> (slots [T, K]: the GPU's, -1

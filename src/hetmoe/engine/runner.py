@@ -39,6 +39,7 @@ from hetmoe.engine.layer_plan import fits_fused
 from hetmoe.engine.overlap import MoEOverlap, all_on_cpu_backend
 from hetmoe.engine.placement import Placement, placement_plan
 from hetmoe.engine.placement_plan import PlacementPlan
+from hetmoe.engine.placement_policy import TrafficPolicy
 from hetmoe.engine.step import StepOutput, StepPlan
 from hetmoe.ops.deferral import check_deferred
 from hetmoe.ops.kv_batch import KVBatch, window_bucket
@@ -92,6 +93,8 @@ class ModelRunner:
         self._ahead_tokens: tuple[int, ...] = ()  # the inputs `_ahead` was launched on
         self.placement: Placement | None = None
         """Routed experts resident on the GPU (`place`); None: every expert on the CPU."""
+        self.policy: TrafficPolicy | None = None
+        """Moves resident experts toward the routing between steps (`place`)."""
         budget = config.gpu_expert_bytes or config.prefill_resident_bytes  # the old name
         if self.overlap is not None and budget != 0:
             self.place(budget)  # after the KV cache: `auto` sees what is left
@@ -159,7 +162,7 @@ class ModelRunner:
         launched = ahead
         try:
             if not plan.greedy or not self.use_graphs:
-                return self._run_step(plan)
+                return self._after(self._run_step(plan))
             if launched is None:
                 ids = torch.tensor([[t] for t in plan.token_ids],
                                    pin_memory=self.device.type == "cuda")
@@ -168,7 +171,7 @@ class ModelRunner:
                 self._ahead = self._launch(plan.slots, launched.token)
             tokens = self._read(launched)
             self._ahead_tokens = tokens
-            return StepOutput(tokens=tokens)
+            return self._after(StepOutput(tokens=tokens))
         except BaseException:
             inflight = [s for s in (launched, self._ahead) if s is not None]
             self._ahead = None
@@ -176,6 +179,12 @@ class ModelRunner:
             for slot in [s for lost in inflight for s in lost.slots]:
                 self.lengths[slot] -= 1  # their tokens never reach the caller
             raise
+
+    def _after(self, out: StepOutput) -> StepOutput:
+        """Between steps: the placement follows the traffic (`EngineConfig.placement_interval`)."""
+        if self.policy is not None:
+            self.policy.after_step()
+        return out
 
     def settle(self) -> None:
         """Waits for a step launched ahead and rolls it back (its tokens were not wanted)."""
@@ -204,7 +213,8 @@ class ModelRunner:
                              "cpu backend")
         self.settle()
         self.overlap.place(None)
-        self.placement = None  # the old slots (and graph pools) go before the new slots come
+        self.placement, self.policy = None, None  # the old slots (and graph pools) go before
+        # the new slots come
         self.graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # so `auto` and the clamp see the memory given back
@@ -212,6 +222,8 @@ class ModelRunner:
         if plan.bytes:
             self.placement = Placement(self.overlap.cpu, plan, self.device)
             self.overlap.place(self.placement)
+            if self.config.placement_interval and not plan.everything:
+                self.policy = TrafficPolicy(self.placement, self.config.placement_interval)
         return plan
 
     def _discard(self, launched: _Launched) -> None:
