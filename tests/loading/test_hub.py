@@ -195,7 +195,8 @@ fetch_model(parse_hub_name("org/baby"), progress=False)
 """
 
 
-def test_a_download_killed_midway_resumes_where_it_stopped(hub: FakeHub, tmp_path: Path) -> None:
+def test_a_download_killed_midway_resumes_where_it_stopped(
+        hub: FakeHub, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     data = hub.repos["org/baby"].files["model.safetensors"]
     hub.stall_once.add("model.safetensors")
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_KILLED)],
@@ -212,6 +213,7 @@ def test_a_download_killed_midway_resumes_where_it_stopped(hub: FakeHub, tmp_pat
     model = fetch_model(parse_hub_name("org/baby"), progress=False)  # type: ignore[arg-type]
     ranges = [r for m, path, r in hub.requests if m == "GET" and path.endswith("safetensors")]
     assert ranges == [None, f"bytes={kept}-"]
+    assert f"hetmoe: model.safetensors: resuming after {kept} bytes" in capfd.readouterr().err
     assert (model.snapshot / "model.safetensors").read_bytes() == data
 
 

@@ -133,10 +133,17 @@ def fetch_model(name: HubName, token: str | None = None, progress: bool = True,
     try:
         _download(model, token, progress)
     except Exception as exc:  # noqa: BLE001 - same translation as above
+        if _is_unreachable(exc) or type(exc).__name__ in ("RemoteProtocolError", "ReadError"):
+            raise RuntimeError(f"{name}: the download stopped ({type(exc).__name__}: {exc}); "
+                               "run the command again to continue where it stopped") from None
         raise _hub_error(name, exc, token) from None
     if model.missing():
         raise FileNotFoundError(f"{name}: after the download, still missing from {snapshot}: "
                                 f"{', '.join(model.missing())}")
+    ref = _repo_folder(name.repo_id) / "refs" / name.ref
+    if name.ref != model.commit and not ref.is_file():  # as huggingface_hub writes them, so
+        ref.parent.mkdir(parents=True, exist_ok=True)  # transformers finds the snapshot too
+        ref.write_text(model.commit)
     _write_record(model)
     return model
 

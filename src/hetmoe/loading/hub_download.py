@@ -37,8 +37,7 @@ def _fill_blob(folder: Path, repo_id: str, commit: str, name: str, token: str | 
                tqdm_class: Any) -> None:
     """`blobs/<etag>` of one file, continued from `<etag>.incomplete` when a run was cut."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.file_download import http_get
-    from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub.utils import WeakFileLock
 
     if (folder / "snapshots" / commit / name).is_file():
         return
@@ -48,10 +47,22 @@ def _fill_blob(folder: Path, repo_id: str, commit: str, name: str, token: str | 
     if meta.xet_file_data is not None or meta.etag is None:
         return  # Xet storage: hf_xet fetches (and resumes) it in snapshot_download
     blob = folder / "blobs" / meta.etag
-    if blob.is_file():
-        return
     blob.parent.mkdir(parents=True, exist_ok=True)
-    partial = blob.with_name(f"{meta.etag}.incomplete")
+    # huggingface_hub's own lock of this blob: another process fetching it waits, never appends.
+    lock = env.hf_hub_cache() / ".locks" / folder.name / f"{meta.etag}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with WeakFileLock(lock):
+        if not blob.is_file():
+            _fill(blob, meta, url, name, token, tqdm_class)
+
+
+def _fill(blob: Path, meta: Any, url: str, name: str, token: str | None,
+          tqdm_class: Any) -> None:
+    """Appends the rest of `blob`'s bytes to `<etag>.incomplete`, then renames it `blob`."""
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    partial = blob.with_name(f"{blob.name}.incomplete")
     headers = build_hf_headers(token=token)
     if urlparse(meta.location).netloc != urlparse(url).netloc:
         headers.pop("authorization", None)  # a CDN's signed URL: the token stays with the Hub
@@ -62,8 +73,8 @@ def _fill_blob(folder: Path, repo_id: str, commit: str, name: str, token: str | 
         http_get(meta.location, out, resume_size=out.tell(), headers=headers,
                  expected_size=meta.size, displayed_filename=name, tqdm_class=tqdm_class)
     if meta.size is not None and partial.stat().st_size != meta.size:
-        raise RuntimeError(f"{repo_id}/{name}: got {partial.stat().st_size} bytes, the Hub "
-                           f"says {meta.size}; run the command again to fetch the rest")
+        raise RuntimeError(f"{name}: got {partial.stat().st_size} bytes, the Hub says "
+                           f"{meta.size}; run the command again to fetch the rest")
     os.replace(partial, blob)
 
 
