@@ -26,6 +26,7 @@ from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
 from hetmoe.engine.placement_compute import kernel
+from hetmoe.engine.placement_policy import TrafficPolicy
 from hetmoe.engine.runner import ModelRunner
 
 GB = 1e9
@@ -45,12 +46,30 @@ def hbm_read_gb_s(device: torch.device, gib: float = 4.0) -> float:
     return int(gib * 2**30) / best / GB
 
 
+def profile_steps(runner: ModelRunner, prompt: list[int], steps: int = 16) -> list[Any]:
+    """GPU time per kernel name over `steps` greedy graph steps: [(name, calls, total us)]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    measure.greedy_decode(runner, prompt, 4)  # graphs captured before profiling
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        measure.greedy_decode(runner, prompt, steps + 1)
+    rows = sorted(((e.key, e.count, e.device_time_total) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[2])[:20]
+    for name, calls, us in rows:
+        print(f"{us / steps:9.1f} us/step {calls / steps:6.1f} calls/step  {name[:90]}")
+    return [(name[:120], calls, round(us, 1)) for name, calls, us in rows]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--weight-format", default="int8")
     p.add_argument("--budgets", default="0,8,15,23,all", help="GB per row, or all")
     p.add_argument("--deferred", default="0", help="Expert Deferral values per budget")
+    p.add_argument("--intervals", default="0",
+                   help="placement_interval values per budget (0: static placement)")
+    p.add_argument("--profile", action="store_true",
+                   help="GPU kernels of 16 graph steps at the last budget (torch.profiler)")
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -88,15 +107,24 @@ def main() -> None:
         share = plan.gpu_share()
         gpu_bytes, cpu_bytes = routed * share, routed * (1 - share)
         floor = 1 / max(cpu_bytes / (host_gb_s * GB), gpu_bytes / (hbm * GB), 1e-9)
-        for d in (int(v) for v in args.deferred.split(",")):
+        settings = [(int(d), int(n)) for d in args.deferred.split(",")
+                    for n in args.intervals.split(",")]
+        for d, interval in settings:
             runner.reset_graphs(d)
+            runner.policy = None
+            for slots in runner.placement.layers if runner.placement is not None else []:
+                slots.counting = False  # a policy below turns it on again
+            if interval and runner.placement is not None and not plan.everything:
+                runner.policy = TrafficPolicy(runner.placement, interval)
             run = measure.greedy_decode(runner, prompt, args.new_tokens)
             if base_tokens is None:
                 base_tokens = run.tokens
             same = next((i for i, (a, b) in enumerate(zip(run.tokens, base_tokens,
                                                                 strict=True)) if a != b),
                         len(run.tokens))
-            row = {"budget": budget, "deferred": d, "gpu_expert_bytes": plan.bytes,
+            row = {"budget": budget, "deferred": d, "placement_interval": interval,
+                   "moves": runner.policy.moves if runner.policy is not None else 0,
+                   "gpu_expert_bytes": plan.bytes,
                    "experts_per_layer": [len(r) for r in plan.resident][:1] + [
                        min(len(r) for r in plan.resident)],
                    "gpu_share": round(share, 4), "cpu_bytes_per_token": int(cpu_bytes),
@@ -106,10 +134,13 @@ def main() -> None:
                    "tokens_equal_budget0_first": same,
                    "gpu_allocated_gb": round(torch.cuda.memory_allocated(device) / GB, 2)}
             result["rows"].append(row)
-            print(f"budget {budget:>4} GB d={d}: {plan.bytes / GB:6.2f} GB resident "
+            print(f"budget {budget:>4} GB d={d} interval {interval}: {plan.bytes / GB:6.2f} GB "
+                  f"resident, {row['moves']} moves "
                   f"({share:.1%} of routed work), {run.tok_s:7.2f} tok/s, floor "
                   f"{floor:7.1f} ({row['of_floor']:.0%}), tokens equal to budget 0's for "
                   f"{same}/{len(run.tokens)}", flush=True)
+    if args.profile:
+        result["profile"] = profile_steps(runner, prompt)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
