@@ -60,9 +60,19 @@ def ls() -> None:
         return
     table = Table("name", "revision", "format", "size", "path", title="cached Hub models")
     for row in rows:
-        table.add_row(row.name, row.commit[:12], row.layout, f"{row.size / 1e9:.3f} GB",
+        table.add_row(row.name, row.commit[:12], row.layout, human_bytes(row.size),
                       str(row.path))
     Console(width=200).print(table)
+
+
+def human_bytes(size: int) -> str:
+    """`size` in B, KB, MB, GB or TB (powers of 1000, as the Hub shows them)."""
+    value, unit = float(size), "B"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            break
+        value /= 1000
+    return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def rm(name: HubNameArg) -> None:

@@ -241,6 +241,7 @@ def test_pull_ls_rm_round_trip_and_a_new_commit_is_converted_again(
     listing = runner.invoke(app, ["ls"])
     assert "org/baby-GGUF:Q8_0" in listing.stdout and first[:12] in listing.stdout
     assert "converted int4" in listing.stdout
+    assert f"{gguf_bytes / 1000:.1f} KB" in listing.stdout  # the GGUF's size on disk
 
     files = dict(hub.repos["org/baby-GGUF"].files)
     second = hub.put("org/baby-GGUF", {**files, "README.md": b"# baby, v2\n"})
