@@ -81,7 +81,14 @@ def converter() -> str | None:
 
 
 def main() -> int:
-    todo = [need for need in (smollm2(), chromium(), converter()) if need]
+    todo: list[str] = []
+    for step in (smollm2, chromium, converter):
+        try:
+            need = step()
+        except subprocess.CalledProcessError as exc:  # pip: no index reachable, no such version
+            need = f"`{' '.join(map(str, exc.cmd))}` failed (exit {exc.returncode})"
+        if need:
+            todo.append(need)
     for need in todo:
         print(f"provision: the tests need more set-up; {need}", file=sys.stderr)
     return 1 if todo else 0

