@@ -1,11 +1,12 @@
 """The bytes of a Hub model's files into the Hugging Face cache, resumable after a kill.
 
-huggingface_hub 2.x writes a plain-HTTP download to a process-unique temporary file and drops
-it on failure (so a killed download starts over). Each missing file is therefore first filled
-into the cache's own blob, `blobs/<etag>`, through `<etag>.incomplete`, which a later run
-continues with huggingface_hub's `http_get(resume_size=...)` (a Range request);
-`snapshot_download` then links the snapshot to those blobs without fetching them again, and
-downloads what is stored on Xet itself (hf_xet keeps its own chunk cache).
+huggingface_hub (since 1.31, HTTP and Xet alike) writes a download to a process-unique
+temporary file and drops it on failure, so a killed download starts over. Each missing file is
+therefore first filled into the cache's own blob, `blobs/<etag>`, through `<etag>.incomplete`,
+which a later run continues with huggingface_hub's `http_get(resume_size=...)` (a Range request
+to the file's resolved URL, which the Hub serves for Xet-stored files too: hf_xet's parallel
+transfer is given up for resumability); `snapshot_download` then links the snapshot to those
+blobs without fetching them again.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def _fill_blob(folder: Path, repo_id: str, commit: str, name: str, token: str | 
     endpoint = env.hf_endpoint()
     url = hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint)
     meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
-    if meta.xet_file_data is not None or meta.etag is None:
-        return  # Xet storage: hf_xet fetches (and resumes) it in snapshot_download
+    if meta.etag is None:
+        return  # not a Hub file server's answer: snapshot_download names the problem
     blob = folder / "blobs" / meta.etag
     blob.parent.mkdir(parents=True, exist_ok=True)
     # huggingface_hub's own lock of this blob: another process fetching it waits, never appends.
