@@ -40,7 +40,8 @@ def test_demo_like_checkpoint_samples_as_the_model_card_says(tiny_qwen3_moe: Pat
 
 
 def test_demo_presets_are_rebuilt_with_the_file() -> None:
-    assert {presets()[name].version for name in ("demo", "demo-sparse")} == {2}
+    """Version 1 caches were built without the file."""
+    assert all(presets()[name].version >= 2 for name in ("demo", "demo-sparse"))
 
 
 def test_tiny_presets_answer_greedily_by_default(tmp_path: Path,

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from live_server import API_KEY, LiveServer, tiny_llm
+from live_server import API_KEY, LiveServer, template_server, tiny_llm
 
 from hetmoe.server.config import ServerConfig
-
-TEMPLATES = Path(__file__).parent / "templates"
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +29,6 @@ def generic_server(tiny_qwen3_moe: Path, one_torch_thread: None) -> Iterator[Liv
                       ServerConfig(api_key=API_KEY, max_queue=4))
     yield live
     live.close()
-
-
-def template_server(tiny_qwen3_moe: Path, path: Path, template: str,
-                    context: int = 1024) -> LiveServer:
-    """The baby model served with chat template `template` (a file of `templates/`) and a
-    `context`-token window; its files copied into `path`."""
-    for item in tiny_qwen3_moe.iterdir():
-        shutil.copy(item, path / item.name)
-    shutil.copy(TEMPLATES / template, path / "chat_template.jinja")
-    return LiveServer(tiny_llm(path, max_batch=4, max_seq_len=context),
-                      ServerConfig(api_key=API_KEY, max_queue=4))
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ from hetmoe.server.service import ModelService
 
 MODEL = "tiny-moe"
 API_KEY = "test-key"
+TEMPLATES = Path(__file__).parent / "templates"
+"""Chat templates of real model families (templates/README.md)."""
 
 
 class LiveServer:
@@ -89,3 +92,14 @@ def tiny_llm(path: Path, **options: object) -> LLM:
     return LLM(path, device="cpu", progress=False, **options)
 
 
+
+
+def template_server(tiny_qwen3_moe: Path, path: Path, template: str,
+                    context: int = 1024) -> LiveServer:
+    """The baby model served with chat template `template` (a file of `templates/`) and a
+    `context`-token window; its files copied into `path`."""
+    for item in tiny_qwen3_moe.iterdir():
+        shutil.copy(item, path / item.name)
+    shutil.copy(TEMPLATES / template, path / "chat_template.jinja")
+    return LiveServer(tiny_llm(path, max_batch=4, max_seq_len=context),
+                      ServerConfig(api_key=API_KEY, max_queue=4))

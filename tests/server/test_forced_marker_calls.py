@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TEMPLATES, template_server
 from json_check import SCHEMAS, check
-from live_server import MODEL, LiveServer
+from live_server import MODEL, TEMPLATES, LiveServer, template_server
 from scripted import scripted
 from transformers import AutoTokenizer
 
