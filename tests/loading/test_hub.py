@@ -248,6 +248,8 @@ def test_pull_ls_rm_round_trip_and_a_new_commit_is_converted_again(
     again = runner.invoke(app, ["pull", "org/baby-GGUF:Q8_0", "--experts", "int4"])
     assert again.exit_code == 0, again.output
     assert f"commit {second}" in again.stdout
+    refs = tmp_path / "hf" / "hub" / "models--org--baby-GGUF" / "refs" / "main"
+    assert refs.read_text() == second  # where transformers looks the revision up
     assert "baby-Q8_0.gguf" not in _fetched(hub)[1:]  # the same blob: not fetched again
     assert [p.name for p in converted.iterdir()] == [second]  # the old commit's layout went
 

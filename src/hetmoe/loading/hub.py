@@ -108,7 +108,7 @@ def fetch_model(name: HubName, token: str | None = None, progress: bool = True,
         raise FileNotFoundError(_offline_miss(name, known, "HF_HUB_OFFLINE is set"))
     try:
         info = _api(token).model_info(name.repo_id, revision=name.ref, files_metadata=True)
-    except Exception as exc:  # noqa: BLE001 - translated below, re-raised if not a Hub error
+    except Exception as exc:  # translated below; re-raised unchanged if not a Hub error
         if _is_unreachable(exc):
             if known is not None and not known.missing():
                 print(f"hetmoe: {name}: the Hub is unreachable ({type(exc).__name__}); using "
@@ -132,7 +132,7 @@ def fetch_model(name: HubName, token: str | None = None, progress: bool = True,
     check_disk(model, {f.path: f.size for f in chosen})
     try:
         _download(model, token, progress)
-    except Exception as exc:  # noqa: BLE001 - same translation as above
+    except Exception as exc:  # the same translation
         if _is_unreachable(exc) or type(exc).__name__ in ("RemoteProtocolError", "ReadError"):
             raise RuntimeError(f"{name}: the download stopped ({type(exc).__name__}: {exc}); "
                                "run the command again to continue where it stopped") from None
@@ -141,8 +141,8 @@ def fetch_model(name: HubName, token: str | None = None, progress: bool = True,
         raise FileNotFoundError(f"{name}: after the download, still missing from {snapshot}: "
                                 f"{', '.join(model.missing())}")
     ref = _repo_folder(name.repo_id) / "refs" / name.ref
-    if name.ref != model.commit and not ref.is_file():  # as huggingface_hub writes them, so
-        ref.parent.mkdir(parents=True, exist_ok=True)  # transformers finds the snapshot too
+    if name.ref != model.commit:  # as huggingface_hub writes it: transformers finds the
+        ref.parent.mkdir(parents=True, exist_ok=True)  # snapshot by the revision too
         ref.write_text(model.commit)
     _write_record(model)
     return model
