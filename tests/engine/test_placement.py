@@ -192,3 +192,24 @@ def test_the_former_prefill_resident_bytes_places_experts(
         assert [s.slots for s in runner.placement.layers] == [4] * len(runner.placement.layers)
     finally:
         runner.overlap.detach()
+
+
+@pytest.mark.parametrize("deferred", [1, 2])
+def test_resident_decode_with_deferral_equals_all_cpu_deferral(
+        engine: Callable[[str, str], LLM], deferred: int) -> None:
+    llm = engine("qwen3_moe", "cpu")  # top-4: up to 2 deferred
+    plain = _runner(llm, 0, deferred)
+    try:
+        ref_tokens, ref_logits = greedy(plain, 5)
+    finally:
+        plain.overlap.detach()
+    for experts in (3, 8):
+        runner = _runner(llm, _layer_bytes(plain, experts), deferred)
+        try:
+            tokens, logits = greedy(runner, 5)
+        finally:
+            runner.overlap.detach()
+        assert tokens == ref_tokens, f"deferred={deferred}, {experts} resident"
+        for step, (a, b) in enumerate(zip(logits, ref_logits, strict=True)):
+            delta = (a - b).abs().max().item()
+            assert delta <= SAME_BACKEND_ATOL, f"d={deferred} step {step}: |Δlogits| {delta:.3g}"

