@@ -175,7 +175,9 @@ def test_offline_resolves_from_the_cache_and_names_what_is_missing(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     seen = len(hub.requests)
     assert fetch_model(parse_hub_name("org/baby-GGUF:Q8_0")) == online  # type: ignore
-    assert len(hub.requests) == seen
+    pulled = runner.invoke(app, ["pull", "org/baby-GGUF:Q8_0", "--no-convert"])
+    assert pulled.exit_code == 0 and len(hub.requests) == seen, pulled.output
+    assert "HF_HUB_OFFLINE is set; using the cached commit" in pulled.stderr
     (online.snapshot / "baby-Q8_0.gguf").unlink()
     with pytest.raises(FileNotFoundError, match=r"HF_HUB_OFFLINE is set and the cache lacks 1 "
                                                 r"of its files \(commit .*\): baby-Q8_0.gguf"):

@@ -33,6 +33,10 @@ from hetmoe.loading.hub_names import (
 LOGIN = "log in with `hf auth login`, or set HF_TOKEN (or pass --token)"
 
 
+class OfflineError(Exception):
+    """The Hub is not to be asked (HF_HUB_OFFLINE)."""
+
+
 @dataclass(frozen=True)
 class HubModel:
     """A Hub model whose files are all in the local cache."""
@@ -104,19 +108,20 @@ def fetch_model(name: HubName, token: str | None = None, progress: bool = True,
     known = cached_model(name, adapter)
     if known is not None and not known.missing() and not refresh:
         return known
-    if env.hf_offline():
-        raise FileNotFoundError(_offline_miss(name, known, "HF_HUB_OFFLINE is set"))
     try:
+        if env.hf_offline():
+            raise OfflineError("HF_HUB_OFFLINE is set")
         info = _api(token).model_info(name.repo_id, revision=name.ref, files_metadata=True)
     except Exception as exc:  # translated below; re-raised unchanged if not a Hub error
-        if _is_unreachable(exc):
-            if known is not None and not known.missing():
-                print(f"hetmoe: {name}: the Hub is unreachable ({type(exc).__name__}); using "
-                      f"the cached commit {known.commit[:12]}", file=sys.stderr, flush=True)
-                return known
-            raise FileNotFoundError(_offline_miss(name, known, f"the Hub is unreachable "
-                                                  f"({type(exc).__name__})")) from None
-        raise _hub_error(name, exc, token) from None
+        if not isinstance(exc, OfflineError) and not _is_unreachable(exc):
+            raise _hub_error(name, exc, token) from None
+        why = str(exc) if isinstance(exc, OfflineError) else \
+            f"the Hub is unreachable ({type(exc).__name__})"
+        if known is not None and not known.missing():
+            print(f"hetmoe: {name}: {why}; using the cached commit {known.commit[:12]}",
+                  file=sys.stderr, flush=True)
+            return known
+        raise FileNotFoundError(_offline_miss(name, known, why)) from None
     from hetmoe.loading.memory_plan import host_available
 
     files = [RepoFile(s.rfilename, int(s.size or 0)) for s in info.siblings or []]
