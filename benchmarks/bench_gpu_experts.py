@@ -60,6 +60,36 @@ def profile_steps(runner: ModelRunner, prompt: list[int], steps: int = 16) -> li
     return [(name[:120], calls, round(us, 1)) for name, calls, us in rows]
 
 
+PEER_TG128 = {"0": 28.0, "8": 30.6, "15": 43.2, "23": 65.8, "all": 255.2}
+"""llama.cpp Q8_0 tg128 with `-ngl 99 -ncmoe N -t 15` per budget (12 / 24 / 36 / 48 layers'
+experts on the GPU), from issue 27's lease on the same machine type (not this run)."""
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Decode tok/s against the GB of experts on the GPU, per deferral, static placement."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["placement_interval"] == 0]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for d in sorted({r["deferred"] for r in rows}):
+        mine = [r for r in rows if r["deferred"] == d]
+        ax.plot([r["gpu_expert_bytes"] / GB for r in mine], [r["tok_s"] for r in mine], "o-",
+                label=f"hetmoe INT8, deferred={d}")
+    peer = [r for r in rows if r["deferred"] == 0 and r["budget"] in PEER_TG128]
+    ax.plot([r["gpu_expert_bytes"] / GB for r in peer], [PEER_TG128[r["budget"]] for r in peer],
+            "s--", label="llama.cpp Q8_0 -ncmoe (issue 27, other lease)")
+    ax.set_xlabel("routed experts on the GPU (GB)")
+    ax.set_ylabel("decode tok/s (batch 1)")
+    ax.set_title(f"Qwen3-30B-A3B shape, {result['machine']['gpu']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-30b-a3b")
@@ -74,7 +104,13 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="with --json of an earlier run: only draw its PNG (no GPU needed)")
     args = p.parse_args()
+    if args.plot:
+        with open(args.json) as f:
+            plot(json.load(f), args.plot)
+        return
     device = torch.device("cuda")
     host_gb_s = measure.read_bandwidth(2.0)
     hbm = hbm_read_gb_s(device)
