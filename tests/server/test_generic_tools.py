@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from json_check import SCHEMAS, check
-from live_server import MODEL, LiveServer, tiny_llm
+from live_server import MODEL, TEMPLATES, LiveServer, tiny_llm
 from scripted import scripted
 
 from hetmoe.server.service import ModelService
@@ -144,3 +144,15 @@ def test_the_server_log_names_the_fallback(tiny_qwen3_moe: Path,
     assert ("the chat template of baby renders no tools: requests with tools get them in the "
             "system message, calls in the generic format (header x-hetmoe-tool-format: "
             "generic)") in caplog.text
+
+
+def test_named_templates_are_read_together(tiny_qwen3_moe: Path) -> None:
+    """A tokenizer with named templates (`default`, `tool_use`) has its tool template found."""
+    llm = tiny_llm(tiny_qwen3_moe, max_seq_len=64)
+    plain = llm.tokenizer.chat_template
+    llm.tokenizer.chat_template = {"default": plain,
+                                   "tool_use": (TEMPLATES / "qwen3.jinja").read_text()}
+    service = ModelService(llm, "baby", 1)
+    service.close()
+    assert service.tool_format is not None and service.tool_format.name == "qwen"
+    assert plain in (service.chat_template or "")

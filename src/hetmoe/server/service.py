@@ -70,7 +70,10 @@ class ModelService:
         self.created = int(time.time())
         self.tokenizer = llm.tokenizer
         self.runner = llm.runner
-        self.chat_template: str | None = getattr(llm.tokenizer, "chat_template", None)
+        template = getattr(llm.tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates (`default`, `tool_use`): all of them
+            template = "\n".join(str(t) for t in template.values())
+        self.chat_template: str | None = template
         """The tokenizer's chat template text (tools are parsed by the format it writes)."""
         self.tool_format: ToolFormat | None = detect(self.chat_template or "")
         form, prompted = template_format(self.chat_template)
