@@ -134,9 +134,10 @@ def fetch_model(name: HubName, token: str | None = None, progress: bool = True,
     snapshot = _repo_folder(name.repo_id) / "snapshots" / str(info.sha)
     model = HubModel(name, str(info.sha), tuple(f.path for f in chosen), snapshot, quant,
                      adapter)
-    check_disk(model, {f.path: f.size for f in chosen})
+    sizes = {f.path: f.size for f in chosen}
+    check_disk(model, sizes)
     try:
-        _download(model, token, progress)
+        _download(model, sizes, token, progress)
     except Exception as exc:  # the same translation
         if _is_unreachable(exc) or type(exc).__name__ in ("RemoteProtocolError", "ReadError"):
             raise RuntimeError(f"{name}: the download stopped ({type(exc).__name__}: {exc}); "
@@ -176,13 +177,14 @@ def _repo_folder(repo_id: str) -> Path:
     return env.hf_hub_cache() / f"models--{repo_id.replace('/', '--')}"
 
 
-def _download(model: HubModel, token: str | None, progress: bool) -> None:
+def _download(model: HubModel, sizes: dict[str, int], token: str | None,
+              progress: bool) -> None:
     from hetmoe.loading.hub_download import download
 
     if model.missing():
         print(f"hetmoe: fetching {model.name} ({model.commit[:12]}): "
               f"{', '.join(model.missing())}", file=sys.stderr, flush=True)
-    download(model.name.repo_id, model.commit, list(model.files), token, progress)
+    download(model.name.repo_id, model.commit, sizes, token, progress)
 
 
 def _write_record(model: HubModel) -> None:

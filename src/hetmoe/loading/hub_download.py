@@ -19,19 +19,31 @@ from urllib.parse import urlparse
 
 from hetmoe import env
 
+WORKERS = 8
+"""Files fetched at once (snapshot_download's default too)."""
 
-def download(repo_id: str, commit: str, files: list[str], token: str | None,
+
+def download(repo_id: str, commit: str, sizes: dict[str, int], token: str | None,
              progress: bool) -> None:
-    """Fetches `files` of `repo_id` at `commit` into the HF cache (see module doc)."""
-    from huggingface_hub import snapshot_download
+    """Fetches the files of `sizes` ({path: bytes}) of `repo_id` at `commit` into the HF
+    cache (see module doc), up to `WORKERS` at once, under one bar: bytes, rate, ETA."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    tqdm_class = None if progress else _silent()
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    silent = _silent()
     folder = env.hf_hub_cache() / f"models--{repo_id.replace('/', '--')}"
-    for name in files:
-        _fill_blob(folder, repo_id, commit, name, token, tqdm_class)
+    todo = [f for f in sizes if not (folder / "snapshots" / commit / f).is_file()]
+    with hf_tqdm(total=sum(sizes[f] for f in todo), unit="B", unit_scale=True,
+                 desc=f"fetching {repo_id}", disable=None if progress and todo else True
+                 ) as bar:  # None: a bar on a terminal only
+        into = _into(bar)
+        with ThreadPoolExecutor(max_workers=min(WORKERS, max(len(todo), 1))) as pool:
+            list(pool.map(lambda f: _fill_blob(folder, repo_id, commit, f, token, into), todo))
     snapshot_download(repo_id, revision=commit, cache_dir=env.hf_hub_cache(),
-                      allow_patterns=files, endpoint=env.hf_endpoint(), token=token,
-                      tqdm_class=tqdm_class)
+                      allow_patterns=list(sizes), endpoint=env.hf_endpoint(), token=token,
+                      tqdm_class=silent)  # links the filled blobs: nothing left to show
 
 
 def _fill_blob(folder: Path, repo_id: str, commit: str, name: str, token: str | None,
@@ -40,8 +52,6 @@ def _fill_blob(folder: Path, repo_id: str, commit: str, name: str, token: str | 
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.utils import WeakFileLock
 
-    if (folder / "snapshots" / commit / name).is_file():
-        return
     endpoint = env.hf_endpoint()
     url = hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint)
     meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
@@ -69,7 +79,7 @@ def _fill(blob: Path, meta: Any, url: str, name: str, token: str | None,
         headers.pop("authorization", None)  # a CDN's signed URL: the token stays with the Hub
     with open(partial, "ab") as out:
         if out.tell():
-            print(f"hetmoe: {name}: resuming after {out.tell()} bytes", file=sys.stderr,
+            print(f"\nhetmoe: {name}: resuming after {out.tell()} bytes", file=sys.stderr,
                   flush=True)
         http_get(meta.location, out, resume_size=out.tell(), headers=headers,
                  expected_size=meta.size, displayed_filename=name, tqdm_class=tqdm_class)
@@ -87,3 +97,22 @@ def _silent() -> Any:
             super().__init__(*args, **{**kwargs, "disable": True})
 
     return Silent
+
+
+def _into(bar: Any) -> Any:
+    """A tqdm class for `http_get` whose bars all add to `bar` (initial: resumed bytes)."""
+
+    class Into:
+        def __init__(self, *args: Any, initial: int = 0, **kwargs: Any) -> None:
+            bar.update(initial)
+
+        def __enter__(self) -> Into:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def update(self, n: int | float | None = 1) -> None:
+            bar.update(n)
+
+    return Into
