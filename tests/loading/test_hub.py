@@ -247,13 +247,14 @@ def test_pull_ls_rm_round_trip_and_a_new_commit_is_converted_again(
 
     files = dict(hub.repos["org/baby-GGUF"].files)
     second = hub.put("org/baby-GGUF", {**files, "README.md": b"# baby, v2\n"})
-    again = runner.invoke(app, ["pull", "org/baby-GGUF:Q8_0", "--experts", "int4"])
+    again = runner.invoke(app, ["pull", "org/baby-GGUF:Q8_0"])  # int4 as before
     assert again.exit_code == 0, again.output
     assert f"commit {second}" in again.stdout
     refs = tmp_path / "hf" / "hub" / "models--org--baby-GGUF" / "refs" / "main"
     assert refs.read_text() == second  # where transformers looks the revision up
     assert "baby-Q8_0.gguf" not in _fetched(hub)[1:]  # the same blob: not fetched again
     assert [p.name for p in converted.iterdir()] == [second]  # the old commit's layout went
+    assert [p.name for p in (converted / second).iterdir()] == ["Q8_0-int4"]
 
     removed = runner.invoke(app, ["rm", "org/baby-GGUF"])
     assert removed.exit_code == 0 and "removed org/baby-GGUF:Q8_0" in removed.stdout

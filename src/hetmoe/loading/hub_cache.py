@@ -45,18 +45,23 @@ def conversions_dir(repo_id: str) -> Path:
 
 def hub_conversion(model: HubModel, fmt: str | None = None, group: int | None = None,
                    progress: bool = True) -> Path:
-    """The converted layout of `model` in `fmt` (None: the one made before for this commit,
-    else the format a local load would pick), converted on first use."""
+    """The converted layout of `model` in `fmt` (None: the one made last for this commit, else
+    the format of the one made last for an older commit, else the format a local load would
+    pick), converted on first use."""
     from hetmoe.loading.convert import ConvertOptions
     from hetmoe.loading.convert_source import convert_source, default_format
 
     base = conversions_dir(model.name.repo_id) / model.commit
     source = model.quant or "safetensors"
     if fmt is None:
-        made = sorted(base.glob(f"{source}-*/{MANIFEST}"), key=lambda p: p.stat().st_mtime)
-        if made:
+        made = sorted(base.parent.glob(f"*/{source}-*/{MANIFEST}"),
+                      key=lambda p: (p.parent.parent == base, p.stat().st_mtime))
+        if made and made[-1].parent.parent == base:
             return made[-1].parent
-        if model.quant is not None:
+        if made:  # a new commit: the format pulled for the old one
+            fmt, _, size = made[-1].parent.name.removeprefix(f"{source}-").partition("-g")
+            group, why = int(size) if size else None, "as made for the previous commit"
+        elif model.quant is not None:
             fmt, group, why = default_format(model.path)
         else:
             from hetmoe.cli_convert import checkpoint_format
