@@ -22,8 +22,9 @@ import torch
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.packed_layout import host_tensor, unpack_group
 from hetmoe.experts.routed_mlp import routed_mlp
+from hetmoe.kernels import dequant
 from hetmoe.kernels import packed_moe as kernel
-from hetmoe.kernels.packed_moe import packed_moe, tile_config
+from hetmoe.kernels.packed_moe import TileConfig, packed_moe, tile_config
 from hetmoe.machine import machine_report
 
 BF16_PEAK = 790e12
@@ -110,12 +111,13 @@ def time_tokens(moe: CpuMoE, raw: torch.Tensor, t: int, k: int, bandwidth: float
         "unpack_gemm_ms": round(gpu_ms(old, repeats), 4),
         "rel_diff_vs_unpack": round(err, 5),
     }
-    chosen = kernel.SMALL_M_ROWS  # the other tile shape, to check the dispatch
-    kernel.SMALL_M_ROWS = 0 if row["block_m"] == kernel.SMALL_M.block_m else 1 << 30
+    mem = dequant.MEMORY_ORDER[fmt]  # the other way of reading the weights, to check the choice
+    dequant.MEMORY_ORDER[fmt] = not mem
     try:
-        row["other_tiles_ms"] = round(gpu_ms(new, repeats), 4)
+        row[("memory_order" if not mem else "gathered_loads") + "_ms"] = round(
+            gpu_ms(new, repeats), 4)
     finally:
-        kernel.SMALL_M_ROWS = chosen
+        dequant.MEMORY_ORDER[fmt] = mem
     if t <= 64:
         row["packed_graph_ms"] = round(graph_ms(new, repeats), 4)
     floor = max(row["bytes_floor_ms"], row["flop_floor_ms"])
@@ -123,6 +125,39 @@ def time_tokens(moe: CpuMoE, raw: torch.Tensor, t: int, k: int, bandwidth: float
     row["of_floor"] = round(floor / best, 3)
     row["speedup"] = round(row["unpack_gemm_ms"] / row["packed_ms"], 2)
     return row
+
+
+SWEEP = {
+    "small": [(16, 32, 64, 4, 3), (16, 16, 32, 2, 3), (16, 64, 64, 4, 2), (16, 32, 128, 4, 4)],
+    "large": [(64, 64, 128, 8, 3), (64, 64, 64, 4, 3), (128, 64, 128, 8, 3), (128, 32, 64, 4, 3),
+              (32, 64, 128, 4, 3), (64, 32, 64, 4, 4), (128, 64, 64, 8, 4)],
+}
+"""Tile configs (block_m, block_n_gate_up, block_n_down, warps, stages) `--sweep` times: small
+for under 16 rows per expert, large above."""
+
+
+def sweep(moe: CpuMoE, raw: torch.Tensor, tokens: list[int], k: int,
+          repeats: int) -> list[dict[str, Any]]:
+    """ms of each `SWEEP` config of the tile shape that T tokens get."""
+    (part,) = moe.packed_groups()
+    h, rows = moe.hidden, []
+    for t in tokens:
+        g = torch.Generator(device="cuda").manual_seed(t)
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
+        ids = torch.rand(t, moe.num_experts, device="cuda", generator=g).topk(k, dim=1).indices
+        weights = torch.rand(t, k, device="cuda", generator=g)
+        small = tile_config(t * k, moe.num_experts) == kernel.SMALL_M
+        for cfg in SWEEP["small" if small else "large"]:
+            kernel.tile_config = lambda pairs, experts, cfg=cfg: TileConfig(*cfg)
+            try:
+                ms = gpu_ms(lambda x=x, ids=ids, weights=weights: packed_moe(
+                    x, ids, weights, raw, part, moe.weight_format, h, moe.group_size), repeats)
+            finally:
+                kernel.tile_config = tile_config
+            rows.append({"format": moe.weight_format, "tokens": t, "config": cfg,
+                         "ms": round(ms, 4)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -134,6 +169,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--sweep", default="", help="formats whose tile configs are swept")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -142,6 +178,7 @@ def main() -> None:
     print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16 peak taken "
           f"{BF16_PEAK / 1e12:.0f} TFLOP/s", flush=True)
     rows: list[dict[str, Any]] = []
+    swept: list[dict[str, Any]] = []
     for fmt in args.formats.split(","):
         start = time.perf_counter()
         moe = build_layer(fmt, e, h, i)
@@ -152,11 +189,13 @@ def main() -> None:
         for t in (int(n) for n in args.tokens.split(",")):
             rows.append(time_tokens(moe, raw, t, k, bandwidth, args.repeats))
             print(json.dumps(rows[-1]), flush=True)
+        if fmt in args.sweep.split(","):
+            swept += sweep(moe, raw, [1, 64, 512, 4096], k, args.repeats)
         del raw
         torch.cuda.empty_cache()
     result = {"shape": {"experts": e, "hidden": h, "intermediate": i, "top_k": k},
               "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3),
-              "bf16_peak_tflop_s": BF16_PEAK / 1e12, "rows": rows,
+              "bf16_peak_tflop_s": BF16_PEAK / 1e12, "rows": rows, "sweep": swept,
               "device": torch.cuda.get_device_name(), "machine": machine_report()}
     (args.out / "packed_moe.json").write_text(json.dumps(result, indent=1))
     print("| format | T | bytes floor ms | FLOP floor ms | packed ms (graph) | "
@@ -166,6 +205,7 @@ def main() -> None:
         print(f"| {r['format']} | {r['tokens']} | {r['bytes_floor_ms']} | {r['flop_floor_ms']} "
               f"| {r['packed_ms']} ({r.get('packed_graph_ms', '')}) | {r['unpack_gemm_ms']} | "
               f"{r['speedup']} | {r['of_floor']} |")
+    print("swept:", json.dumps(swept))
 
 
 if __name__ == "__main__":

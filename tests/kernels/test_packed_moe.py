@@ -50,14 +50,15 @@ def make_layer(fmt: str, e: int, h: int, i: int, group: int | None, seed: int) -
     shapes = ((e, i, h), (e, i, h), (e, h, i))
     moe = CpuMoE(e, h, i, fmt, group_size=group)
     if fmt == "fp8":  # codes of magnitude <= 1 (no NaN), block scales over 2^8
+        bn, bk = 128, max(128, group or 0)  # a block's columns are whole groups
         codes = [(torch.randint(0, 0x39, s, generator=g, dtype=torch.uint8)
                   | (torch.randint(0, 2, s, generator=g, dtype=torch.uint8) << 7))
                  .view(torch.float8_e4m3fn) for s in shapes]
-        scales = [torch.exp2(-8 * torch.rand(e, -(-s[1] // 128), -(-s[2] // 128),
+        scales = [torch.exp2(-8 * torch.rand(e, -(-s[1] // bn), -(-s[2] // bk),
                                              generator=g)) * 4 / s[2] ** 0.5 for s in shapes]
-        moe.load(*codes, *scales)
+        moe.load(*codes, *scales, fp8_block=(bn, bk))
         original = tuple(
-            (c.float() * s.repeat_interleave(128, 1).repeat_interleave(128, 2)
+            (c.float() * s.repeat_interleave(bn, 1).repeat_interleave(bk, 2)
              [:, :c.shape[1], :c.shape[2]]).double() for c, s in zip(codes, scales, strict=True))
     else:
         weights = [torch.randn(s, generator=g) / s[2] ** 0.5 for s in shapes]

@@ -23,8 +23,80 @@ FORMAT_CODES = {"bf16": 0, "int8": 1, "int4": 2, "fp8": 3}
 """The `FMT` constexpr of each packed format."""
 
 
+MEMORY_ORDER = {"bf16": False, "int8": True, "int4": False, "fp8": True}
+"""Per format: read each half in its memory order (16-byte loads) and reorder the values in
+registers, or load each value (or int4 byte) from its own address. Measured on an H100
+(docs/benchmarks/gpu_kernels.md): the reorder costs bf16 2.4x at 4096 tokens and int4 1.4x in
+decode, and saves int8 and fp8 up to 35 % in decode."""
+
+
 @triton.jit
-def dequant_half(base, nb, nr, kh, NB_BYTES, SCALE_OFF, G: tl.constexpr,
+def _rows(raw, NBLK: tl.constexpr, STEPS: tl.constexpr, LANES: tl.constexpr):
+    """[NBLK, STEPS, 16 * LANES] in memory order ([k step][n][k lane] per n-block) ->
+    [NBLK * 16, STEPS * LANES]: row n, column k."""
+    t = tl.reshape(raw, (NBLK, STEPS, 16, LANES))
+    t = tl.permute(t, (0, 2, 1, 3))
+    return tl.reshape(t, (NBLK * 16, STEPS * LANES))
+
+
+@triton.jit
+def dequant_half(base, nb, kh, NB_BYTES, SCALE_OFF, G: tl.constexpr, FMT: tl.constexpr,
+                 NBLK: tl.constexpr, MEM: tl.constexpr):
+    """w[nb[b] * 16 + r, kh * 32 + j] for b < NBLK, r < 16, j < 32 of the matrix at byte
+    pointer `base` (uint8): nb [NBLK] n-block indices; NB_BYTES an n-block's bytes; SCALE_OFF
+    the byte offset of the fp32 scales (int8, fp8); G the group (int formats); MEM: read in
+    memory order (else gathered). -> [NBLK * 16, 32] bf16, row b * 16 + r."""
+    r = tl.arange(0, 16)
+    if not MEM:
+        nbr = tl.reshape(tl.broadcast_to(nb[:, None], (NBLK, 16)), (NBLK * 16,))
+        nr = tl.reshape(tl.broadcast_to(r[None, :], (NBLK, 16)), (NBLK * 16,))
+        return _gather_half(base, nbr, nr, kh, NB_BYTES, SCALE_OFF, G, FMT)
+    row = nb * NB_BYTES  # [NBLK] byte offset of each n-block (an expert is < 2 GiB)
+    if FMT == 0:  # bf16: the 32-k block kh, [16 k pairs][16 n][2] two-byte values
+        s = tl.arange(0, 16)
+        c = tl.arange(0, 32)
+        off = row[:, None, None] + kh * 1024 + s[None, :, None] * 64 + c[None, None, :] * 2
+        w = _rows(tl.load((base + off).to(tl.pointer_type(tl.bfloat16), bitcast=True)),
+                  NBLK, 16, 2)
+    elif FMT == 2:  # int4: runs of RUN_K k, each its 512-byte blocks then per group metadata
+        RUN_K: tl.constexpr = 64 if G < 64 else G
+        META: tl.constexpr = (RUN_K // G) * 96
+        RUN_BYTES: tl.constexpr = (RUN_K // 64) * 512 + (META + 63) // 64 * 64
+        k0 = kh * 32
+        start = row + (k0 // RUN_K) * RUN_BYTES  # [NBLK]
+        s = tl.arange(0, 8)
+        c = tl.arange(0, 64)
+        off = start[:, None, None] + ((k0 % RUN_K) // 64) * 512 + s[None, :, None] * 64 \
+            + c[None, None, :]
+        q = _rows((tl.load(base + off) >> ((kh % 2) * 4)) & 0xF, NBLK, 8, 4)
+        meta = start[:, None] + (RUN_K // 64) * 512 + ((k0 % RUN_K) // G) * 96 \
+            + r[None, :] * 2  # [NBLK, 16]
+        scale = tl.load((base + meta).to(tl.pointer_type(tl.bfloat16), bitcast=True))
+        bias = tl.load((base + meta + 64).to(tl.pointer_type(tl.bfloat16), bitcast=True))
+        scale = tl.reshape(scale.to(tl.float32), (NBLK * 16,))
+        bias = tl.reshape(bias.to(tl.float32), (NBLK * 16,))
+        w = ((q.to(tl.float32) - 8.0) * scale[:, None] + bias[:, None]).to(tl.bfloat16)
+    else:  # int8 [8 k quads][16 n][4], fp8 [16 k pairs][16 n][2]: half kh % 2 of block kh // 2
+        STEPS: tl.constexpr = 8 if FMT == 1 else 16
+        s = tl.arange(0, STEPS)
+        c = tl.arange(0, 64 if FMT == 1 else 32)
+        off = row[:, None, None] + (kh // 2) * 1024 + (kh % 2) * 512 \
+            + s[None, :, None] * (1024 // STEPS // 2) + c[None, None, :]
+        if FMT == 1:
+            q = tl.load((base + off).to(tl.pointer_type(tl.int8), bitcast=True))
+            q = _rows(q, NBLK, 8, 4).to(tl.float32)
+        else:
+            q = _rows(tl.load(base + off), NBLK, 16, 2)
+            q = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        groups = NB_BYTES // (16 * G)  # k / G groups per n-block
+        s_off = SCALE_OFF + ((nb[:, None] * groups + (kh * 32) // G) * 16 + r[None, :]) * 4
+        scale = tl.load((base + s_off).to(tl.pointer_type(tl.float32), bitcast=True))
+        w = (q * tl.reshape(scale, (NBLK * 16,))[:, None]).to(tl.bfloat16)
+    return w
+
+
+@triton.jit
+def _gather_half(base, nb, nr, kh, NB_BYTES, SCALE_OFF, G: tl.constexpr,
                  FMT: tl.constexpr):
     """w[nb * 16 + nr, kh * 32 + j] for j < 32 of the matrix at byte pointer `base` (uint8):
     nb, nr [BN] n-block and row in it; NB_BYTES an n-block's bytes; SCALE_OFF the byte offset

@@ -18,7 +18,8 @@ from hetmoe.kernels.dequant import dequant_half
 def moe_down_kernel(act_ptr, packed_ptr, order_ptr, weights_ptr, tile_expert_ptr, tile_row_ptr,
                     tile_end_ptr, out_ptr, H, S, HN, EXPERT_BYTES, DOWN_OFFSET, NB_BYTES,
                     SCALE_OFF, NUM_E, TOP_K: tl.constexpr, K_BLOCKS, G: tl.constexpr,
-                    FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                    FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    MEM: tl.constexpr):
     """act [T K, S] bf16 at sorted positions; weights [T K] fp32 per pair; out [T, H] fp32
     (zeroed by the caller); HN = H padded to 16 (the down matrix's rows); K_BLOCKS = S / 64."""
     pid_n = tl.program_id(0)
@@ -33,14 +34,15 @@ def moe_down_kernel(act_ptr, packed_ptr, order_ptr, weights_ptr, tile_expert_ptr
         a_rows = act_ptr + rows.to(tl.int64) * S  # [BM]
         base = packed_ptr + expert.to(tl.int64) * EXPERT_BYTES + DOWN_OFFSET
         n = pid_n * BN + tl.arange(0, BN)
-        n_in = tl.minimum(n, HN - 1)  # past the matrix: a real row read, never stored
+        # n-blocks past the matrix read its last one (never stored)
+        nb = tl.minimum(pid_n * (BN // 16) + tl.arange(0, BN // 16), HN // 16 - 1)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kb in range(0, K_BLOCKS):
             for half in tl.static_range(2):
                 kh = kb * 2 + half
                 k = kh * 32 + tl.arange(0, 32)
                 at = tl.load(a_rows[:, None] + k[None, :], mask=live[:, None], other=0.0)
-                w = dequant_half(base, n_in // 16, n_in % 16, kh, NB_BYTES, SCALE_OFF, G, FMT)
+                w = dequant_half(base, nb, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16, MEM)
                 acc = tl.dot(at, tl.trans(w), acc)
         weight = tl.load(weights_ptr + pair, mask=live, other=0.0)
         token = (pair // TOP_K).to(tl.int64)

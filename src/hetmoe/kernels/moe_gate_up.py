@@ -19,7 +19,8 @@ from hetmoe.kernels.dequant import dequant_half
 def moe_gate_up_kernel(x_ptr, stride_x, packed_ptr, order_ptr, tile_expert_ptr, tile_row_ptr,
                        tile_end_ptr, act_ptr, H, S, EXPERT_BYTES, NB_BYTES, SCALE_OFF, NUM_E,
                        TOP_K: tl.constexpr, K_BLOCKS, G: tl.constexpr, FMT: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr,
+                       MEM: tl.constexpr):
     """x [T, H] bf16 (row stride stride_x); packed uint8 (expert e at e * EXPERT_BYTES); order
     [T K] sorted (token, slot) pairs; act [T K, S] bf16 out. K_BLOCKS: 64-k blocks of Hp."""
     pid_n = tl.program_id(0)
@@ -34,8 +35,7 @@ def moe_gate_up_kernel(x_ptr, stride_x, packed_ptr, order_ptr, tile_expert_ptr, 
         x_rows = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x  # [BM]
         base = packed_ptr + expert.to(tl.int64) * EXPERT_BYTES
         r = pid_n * BN + tl.arange(0, BN)  # rows of the group's slice (S is a multiple of 64)
-        gate_nb = (r // 16) * 2
-        nr = r % 16
+        gate_nb = (pid_n * (BN // 16) + tl.arange(0, BN // 16)) * 2  # [BN / 16] n-blocks
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         for kb in range(0, K_BLOCKS):
@@ -44,8 +44,10 @@ def moe_gate_up_kernel(x_ptr, stride_x, packed_ptr, order_ptr, tile_expert_ptr, 
                 k = kh * 32 + tl.arange(0, 32)
                 xt = tl.load(x_rows[:, None] + k[None, :],
                              mask=live[:, None] & (k[None, :] < H), other=0.0)
-                wg = dequant_half(base, gate_nb, nr, kh, NB_BYTES, SCALE_OFF, G, FMT)
-                wu = dequant_half(base, gate_nb + 1, nr, kh, NB_BYTES, SCALE_OFF, G, FMT)
+                wg = dequant_half(base, gate_nb, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16,
+                                  MEM)
+                wu = dequant_half(base, gate_nb + 1, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16,
+                                  MEM)
                 acc_g = tl.dot(xt, tl.trans(wg), acc_g)
                 acc_u = tl.dot(xt, tl.trans(wu), acc_u)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
