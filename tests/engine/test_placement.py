@@ -213,3 +213,22 @@ def test_resident_decode_with_deferral_equals_all_cpu_deferral(
         for step, (a, b) in enumerate(zip(logits, ref_logits, strict=True)):
             delta = (a - b).abs().max().item()
             assert delta <= SAME_BACKEND_ATOL, f"d={deferred} step {step}: |Δlogits| {delta:.3g}"
+
+
+def test_batched_decode_with_resident_experts_equals_all_cpu(
+        engine: Callable[[str, str], LLM]) -> None:
+    llm = engine("deepseek_v3", "cpu")
+    rows: list[torch.Tensor] = []
+    for experts in (0, 3):
+        runner = _runner(llm, 0)
+        if experts:
+            runner.place(_layer_bytes(runner, experts))
+        try:
+            for slot, prompt in enumerate((PROMPT, PROMPT[:3])):
+                runner.lengths[slot] = 0
+                runner.prefill(slot, prompt)
+            rows.append(runner.decode([0, 1], [7, 11]))
+        finally:
+            runner.overlap.detach()
+    assert torch.equal(rows[0].argmax(-1), rows[1].argmax(-1))
+    assert (rows[0] - rows[1]).abs().max().item() <= SAME_BACKEND_ATOL

@@ -12,6 +12,7 @@ rows (experts/routed_mlp.py).
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +26,7 @@ from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
 PackedMoE = Callable[..., torch.Tensor]
 
 
+@functools.cache
 def kernel() -> PackedMoE | None:
     """The Triton `packed_moe` kernel when this checkout has it (else None: torch path)."""
     try:
