@@ -25,7 +25,7 @@ from hetmoe.bench.harness import _git_sha, _machine, _now
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
-from hetmoe.engine.placement_compute import kernel
+from hetmoe.engine.placement_compute import use_kernel
 from hetmoe.engine.placement_policy import TrafficPolicy
 from hetmoe.engine.runner import ModelRunner
 
@@ -130,7 +130,8 @@ def main() -> None:
         "date": _now(), "git": _git_sha(), "machine": _machine(device),
         "host_read_gb_s": round(host_gb_s, 1), "hbm_read_gb_s": round(hbm, 1),
         "build_s": round(build_s, 1), "routed_bytes_per_token": routed,
-        "gpu_compute": "triton packed_moe" if kernel() is not None else "torch (unpack + bmm)",
+        "gpu_compute": ("triton packed_moe" if use_kernel(device, args.weight_format)
+                        else "torch (unpack + bmm)"),
         "rows": [],
     }
     print(f"host {host_gb_s:.1f} GB/s, HBM {hbm:.0f} GB/s, built in {build_s:.1f} s, "

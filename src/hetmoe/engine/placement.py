@@ -19,7 +19,7 @@ from contextlib import nullcontext
 
 import torch
 
-from hetmoe.engine.placement_compute import kernel, packed_all, packed_pairs
+from hetmoe.engine.placement_compute import packed_all, packed_pairs, use_kernel
 from hetmoe.engine.placement_plan import PlacementPlan, auto_budget, clamp_budget, plan_placement
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.packed_layout import host_tensor
@@ -144,7 +144,7 @@ class LayerSlots:
         fmt, group, hidden = self.moe.weight_format, self.moe.group_size, self.moe.hidden
         # The torch path gathers each pair's expert: past `slots` pairs unpacking every slot
         # once is cheaper (the kernel reads each expert once at any length).
-        torch_path = x.device.type != "cuda" or kernel() is None
+        torch_path = not use_kernel(x.device, fmt)
         if torch_path and slot.numel() > self.slots and not _capturing(x.device):
             return packed_all(x, ids, torch.where(slot >= 0, weights, 0.0), self.packed,
                               self.parts, fmt, hidden, group, self.table[:-1])

@@ -3,9 +3,9 @@
 `packed_pairs(x, ids, weights, packed, part, fmt, hidden, group) -> [T, H] fp32` is one NUMA
 group's share of out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t) over the experts
 held back to back in `packed` (the CPU backend's layout, experts/packed_layout.py), e = ids[t, j]
-an index into `packed` (-1: skipped). On CUDA it is `hetmoe.kernels.packed_moe` when that
-kernel is present; else torch: only the (token, slot) pairs' experts are gathered and unpacked
-(few pairs at decode), so the call has fixed shapes and a CUDA graph can capture it.
+an index into `packed` (-1: skipped). On CUDA it is `hetmoe.kernels.packed_moe` where that
+kernel runs (`use_kernel`); else torch: only the (token, slot) pairs' experts are gathered and
+unpacked (few pairs at decode), so the call has fixed shapes and a CUDA graph can capture it.
 `packed_all` serves long inputs (prefill): every slot unpacked once and a grouped GEMM over the
 rows (experts/routed_mlp.py).
 """
@@ -13,27 +13,23 @@ rows (experts/routed_mlp.py).
 from __future__ import annotations
 
 import functools
-import importlib
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from hetmoe import env
 from hetmoe.experts.packed_layout import PackedGroup, unpack_group
 from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
 
-PackedMoE = Callable[..., torch.Tensor]
-
 
 @functools.cache
-def kernel() -> PackedMoE | None:
-    """The Triton `packed_moe` kernel when this checkout has it (else None: torch path)."""
-    try:
-        module: Any = importlib.import_module("hetmoe.kernels.packed_moe")
-    except (ImportError, OSError):  # OSError: an editable install lists a file now gone
-        return None
-    return getattr(module, "packed_moe", None)
+def use_kernel(device: torch.device, fmt: str) -> bool:
+    """Whether `hetmoe.kernels.packed_moe` computes `fmt` experts on `device` (a CUDA GPU it
+    supports, and HETMOE_GPU_EXPERTS=packed, the default), as GPU prefill decides."""
+    from hetmoe.kernels.packed_moe import unsupported
+
+    return not unsupported(device, fmt) and env.gpu_expert_kernel() == "packed"
 
 
 def packed_pairs_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -60,11 +56,11 @@ def packed_pairs_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 def packed_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  packed: torch.Tensor, part: PackedGroup, fmt: str, hidden: int,
                  group: int | None) -> torch.Tensor:
-    """`packed_pairs_torch`'s result, by the Triton kernel on CUDA when present."""
-    if x.device.type == "cuda":
-        fn = kernel()
-        if fn is not None:
-            return fn(x, ids, weights.float(), packed, part, fmt, hidden, group)
+    """`packed_pairs_torch`'s result, by the Triton kernel where `use_kernel`."""
+    if use_kernel(x.device, fmt):
+        from hetmoe.kernels.packed_moe import packed_moe
+
+        return packed_moe(x, ids, weights.float(), packed, part, fmt, hidden, group)
     return packed_pairs_torch(x, ids, weights, packed, part, fmt, hidden, group)
 
 
