@@ -232,3 +232,24 @@ def test_batched_decode_with_resident_experts_equals_all_cpu(
             runner.overlap.detach()
     assert torch.equal(rows[0].argmax(-1), rows[1].argmax(-1))
     assert (rows[0] - rows[1]).abs().max().item() <= SAME_BACKEND_ATOL
+
+
+def test_prefill_streams_nothing_when_every_expert_is_resident(
+        engine: Callable[[str, str], LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = engine("qwen3_moe", "cpu")
+    runner = _runner(llm, 0)
+    try:
+        overlap = runner.overlap
+        assert overlap is not None
+        monkeypatch.setattr(overlap, "can_stream", lambda: True)  # as on a GPU with room
+        assert overlap.prefill_gpu_experts(4096, "gpu") == 8
+        runner.place(_layer_bytes(runner, 5))
+        assert overlap.prefill_gpu_experts(4096, "gpu") == 8  # some resident: streaming stays
+        runner.place(_layer_bytes(runner, 8))
+        assert overlap.prefill_gpu_experts(4096, "gpu") == 0  # all resident: nothing streamed
+        with _counted_submits(llm) as calls:
+            runner.lengths[0] = 0
+            runner.prefill(0, PROMPT)
+        assert calls[0] == 0
+    finally:
+        runner.overlap.detach()
