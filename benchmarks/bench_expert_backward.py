@@ -1,4 +1,4 @@
-"""Speed of the CPU experts' backward for training (train/expert_grad.py, csrc/moe/backward_job.h)
+"""Speed of the CPU experts' backward for training (experts/expert_grad.py, csrc/moe/backward_job.h)
 per weight format and math (fp32 x: fp32 math; bf16 x: the bf16 math of bf16 training, AMX
 tiles where an expert has enough rows), and of the fp32 forward it shares its recompute with.
 
@@ -58,7 +58,7 @@ def build_layer(fmt: str, e: int, h: int, i: int, threads: int):  # noqa: ANN201
 
 def measure(fmt: str, args: argparse.Namespace) -> dict[str, list[float]]:
     """ms of each of args.calls backward and fp32 forward calls on this process's hetmoe."""
-    from hetmoe.train.expert_grad import expert_backward, expert_forward_fp32
+    from hetmoe.experts.expert_grad import expert_backward, expert_forward_fp32
 
     e, h, i, t, k = args.experts, args.hidden, args.intermediate, args.tokens, args.top_k
     moe = build_layer(fmt, e, h, i, args.threads)

@@ -70,7 +70,7 @@ class MachineProfile:
     d2h_bytes_s: float | None
     """Pinned GPU -> host copy bytes/s (None: measured without CUDA)."""
     gpu_host_read_bytes_s: float | None
-    """Bytes/s a GPU kernel reads pinned host memory in place (`layer_stream.gpu_view`: how a
+    """Bytes/s a GPU kernel reads pinned host memory in place (`experts.gpu_view`: how a
     split layer's CPU sum reaches the GPU; None: measured without CUDA)."""
     gpu_flops: dict[str, float] | None
     """Per format: GPU FLOP/s of the routed experts over resident packed experts as GPU prefill
@@ -409,7 +409,7 @@ def _copy_rates(device: torch.device, size: int, repeats: int) -> tuple[float, f
 
 def _host_read_rate(device: torch.device, size: int, repeats: int) -> float:
     """Bytes/s of a GPU sum over `size` bytes of pinned host memory read in place."""
-    from hetmoe.engine.layer_stream import gpu_view
+    from hetmoe.experts.gpu_view import gpu_view
 
     with torch.cuda.device(device):
         host = torch.ones(size // 2, dtype=torch.bfloat16, pin_memory=True)

@@ -6,16 +6,14 @@ Help is rendered in click's plain style: typer's rich style labels every flag `<
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 
 from hetmoe import cli_convert, cli_models, cli_train
 from hetmoe.chat_session import ChatSession
+from hetmoe.cli_exit import fail, load_llm
 from hetmoe.config import EngineConfig
-
-if TYPE_CHECKING:
-    from hetmoe.engine.engine import LLM
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -87,16 +85,6 @@ def gpu_expert_bytes(gib: str) -> int | str:
     return int(value * 2**30)
 
 
-def load_llm(model: str, device: str | None, rules: Path | None, **options: Any) -> LLM:
-    """Loads a model for a command; user errors end the command with a one-line message."""
-    from hetmoe.engine.engine import LLM
-
-    try:
-        return LLM(model, device=device, rules=rules, **options)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        fail(exc)
-
-
 def checked_sampling(**sampling: Any) -> dict[str, Any]:
     """`sampling` (LLM.generate keywords), checked before any model loads: a bad value ends the
     command with a one-line message instead of after minutes of loading."""
@@ -107,12 +95,6 @@ def checked_sampling(**sampling: Any) -> dict[str, Any]:
     except ValueError as exc:
         fail(exc)
     return sampling
-
-
-def fail(exc: BaseException) -> NoReturn:
-    """Prints `error: ...` on stderr and exits with status 1."""
-    typer.echo(f"error: {exc}", err=True)
-    raise typer.Exit(code=1)
 
 
 @app.command()

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from hetmoe.cli_exit import fail
 from hetmoe.config import EngineConfig
 
 _DEFAULTS = EngineConfig()
@@ -32,9 +33,13 @@ def convert(
     weights, config, tokenizer and a manifest; `hetmoe generate OUT ...` maps it. A rerun
     finishes an interrupted conversion.
     """
-    from hetmoe.cli import fail
     from hetmoe.loading.convert import ConvertOptions
-    from hetmoe.loading.convert_source import convert_source, default_format, is_gguf
+    from hetmoe.loading.convert_source import (
+        checkpoint_format,
+        convert_source,
+        default_format,
+        is_gguf,
+    )
     from hetmoe.presets import resolve_model
 
     try:
@@ -48,27 +53,10 @@ def convert(
         if dry_run:
             print_plan(path, fmt, group, None, files=True)
             return
-        convert_source(source, out, ConvertOptions(fmt, group))
+        convert_source(path, out, ConvertOptions(fmt, group))
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         fail(exc)
     typer.echo(f"converted {source} into {out}")
-
-
-def checkpoint_format(path: Path, group: int | None) -> tuple[str, int | None, str]:
-    """The packed format for a checkpoint directory's experts when none is asked: what a direct
-    load picks (`Fp8Scheme.cpu_expert_format`: fp8 for an FP8 checkpoint whose blocks are whole
-    32-column groups, its e4m3 codes and block scales kept as stored), else bf16."""
-    import json
-
-    from hetmoe.loading.fp8 import Fp8Scheme
-
-    config = path / "config.json"
-    raw = json.loads(config.read_text()) if config.is_file() else {}
-    scheme = Fp8Scheme.of_config(raw, str(config))
-    fmt, fp8_group = scheme.cpu_expert_format(None) if scheme else (None, None)
-    if fmt is None:
-        return "bf16", group, "the default"
-    return fmt, group or fp8_group, "an FP8 checkpoint: its codes and scales as stored"
 
 
 def info(
@@ -86,7 +74,6 @@ def info(
     rates are the machine profile that `hetmoe calibrate` stores. With MODEL: host and GPU
     bytes per component in the chosen expert format, and whether they fit.
     """
-    from hetmoe.cli import fail
     from hetmoe.machine import machine_report
 
     if model is None:

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from hetmoe.cli_convert import ExpertFormatOpt, GroupOpt
+from hetmoe.cli_exit import fail
 
 HubNameArg = Annotated[str, typer.Argument(
     help="Hub model: org/name[@revision] (safetensors) or org/name-GGUF[:QUANT]")]
@@ -29,7 +30,6 @@ def pull(
     again); only the model's files are downloaded, into the Hugging Face cache, resumable.
     Later commands load NAME from the cache without a request.
     """
-    from hetmoe.cli import fail
     from hetmoe.loading.hub import fetch_model
     from hetmoe.loading.hub_cache import hub_conversion
     from hetmoe.loading.hub_names import parse_hub_name
@@ -80,7 +80,6 @@ def rm(name: HubNameArg) -> None:
 
     org/name removes every revision and quant of the repo; @revision or :QUANT narrow it.
     """
-    from hetmoe.cli import fail
     from hetmoe.loading.hub_cache import remove
 
     try:

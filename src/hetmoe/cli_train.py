@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from hetmoe.cli_exit import fail, load_llm
 from hetmoe.train.lora import LoraSettings
 from hetmoe.train.sft_config import SftConfig
 
@@ -56,7 +57,6 @@ def sft(
     samples are packed into rows without attention across them. bf16 on a GPU, fp32 on the
     CPU. Writes the adapter, checkpoints, train_log.json and loss.png into --out.
     """
-    from hetmoe.cli import fail, load_llm
     from hetmoe.engine.model_setup import check_device
     from hetmoe.train.data import build_rows, check_file
     from hetmoe.train.report import TrainProgress, plot_loss, write_log

@@ -17,9 +17,9 @@ import torch
 from moe_oracle import Experts, available_isas, rel_error
 
 from hetmoe.experts import CpuMoE
+from hetmoe.experts.expert_grad import expert_backward, expert_forward_fp32
+from hetmoe.experts.fp8_weight import Fp8Scheme
 from hetmoe.experts.packed_layout import host_tensor, unpack_group
-from hetmoe.loading.fp8 import Fp8Scheme
-from hetmoe.train.expert_grad import expert_backward, expert_forward_fp32
 
 ISA_VARIANTS = available_isas() + (["amx-all"] if "amx" in available_isas() else [])
 BLOCK = (128, 128)

@@ -7,8 +7,9 @@ import pytest
 import torch
 from moe_oracle import make_experts, rel_error
 
-from hetmoe.engine.layer_stream import LayerStreamer, gpu_view
+from hetmoe.engine.layer_stream import LayerStreamer
 from hetmoe.experts.cpu_moe import CpuMoE
+from hetmoe.experts.gpu_view import gpu_view
 
 pytestmark = [
     pytest.mark.device,

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hetmoe.bench.random_model import random_tensor, weight_std
-from hetmoe.loading.materialize import _rebuild_computed_buffers
+from hetmoe.loading.materialize import rebuild_computed_buffers
 from hetmoe.loading.skeleton import build_skeleton
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def build_offloaded_hf_model(config: Any, dtype: torch.dtype = torch.bfloat16,
                 std = weight_std(name, layers)
                 value = random_tensor(key, t, generator, gpu, std).to("cpu" if on_cpu else gpu)
                 table[key] = nn.Parameter(value, False) if isinstance(t, nn.Parameter) else value
-    _rebuild_computed_buffers(model, gpu)
+    rebuild_computed_buffers(model, gpu)
     return dispatch_model(model.eval(), device_map=device_map, main_device=0)
 
 

@@ -24,7 +24,7 @@ from hetmoe.experts.torch_backend import TorchExperts
 from hetmoe.inject.apply import apply_rules
 from hetmoe.inject.registry import OpContext
 from hetmoe.inject.rules import load_rules, shipped_rules_path
-from hetmoe.loading.materialize import _rebuild_computed_buffers
+from hetmoe.loading.materialize import rebuild_computed_buffers
 from hetmoe.loading.skeleton import build_skeleton
 from hetmoe.ops.deferral import moe_layers
 
@@ -67,7 +67,7 @@ def build_random_model(
         _fill_experts(moe.experts, generator, gen_device, dtype, staging)
         log.info("experts of MoE layer %d/%d ready (%.1f s)", i + 1, len(layers),
                  time.perf_counter() - started)
-    _rebuild_computed_buffers(model, device)
+    rebuild_computed_buffers(model, device)
     return model.eval()
 
 

@@ -34,7 +34,7 @@ from hetmoe.experts.backend import get_backend
 from hetmoe.inject.apply import InjectionReport, apply_rules
 from hetmoe.inject.registry import OpContext
 from hetmoe.inject.rules import Rule, load_rules, shipped_rules_path
-from hetmoe.loading.fp8 import Fp8Scheme
+from hetmoe.loading.fp8 import config_fp8_scheme
 
 _DEFAULT_MAX_SEQ_LEN = 4096
 
@@ -85,7 +85,7 @@ class LLM:
 
         def inject(model: torch.nn.Module) -> InjectionReport:
             ctx = OpContext(self.device, self.dtype, model.config, self.options.experts,
-                            Fp8Scheme.of_config(raw, str(self.path / "config.json")))
+                            config_fp8_scheme(raw, str(self.path / "config.json")))
             self.injection = apply_rules(model, self.rules, ctx)
             check_fits(model, self.device, self.dtype, self.options, converted)
             return self.injection

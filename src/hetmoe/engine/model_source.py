@@ -25,9 +25,10 @@ def open_model(model: str | os.PathLike[str], verify: bool, progress: bool,
     GGUF file or a converted model (their experts exist only in its packed layout)."""
     from hetmoe.loading.convert_source import cached_conversion, is_gguf
     from hetmoe.loading.hub import fetch_named
-    from hetmoe.presets import resolve_model
+    from hetmoe.presets import presets, resolve_model
 
-    hub = fetch_named(model, progress=progress)  # a Hub name: its files in the HF cache
+    # a Hub name: its files in the HF cache
+    hub = None if str(model) in presets() else fetch_named(model, progress=progress)
     path = resolve_model(model) if hub is None else hub.path
     gguf = is_gguf(path)
     if (gguf or is_converted(path)) and experts not in (None, "cpu"):

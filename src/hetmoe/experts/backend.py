@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetmoe.loading.fp8 import Fp8Weight
+from hetmoe.experts.fp8_weight import Fp8Weight
 
 # Modules whose import registers the shipped backends.
 _BACKEND_MODULES = ("hetmoe.experts.torch_backend", "hetmoe.experts.cpu_backend")

@@ -13,7 +13,7 @@ import torch
 
 from hetmoe.experts.backend import ExpertBackend, ExpertSpec, register_backend
 from hetmoe.experts.cpu_moe import CpuMoE, PendingCall
-from hetmoe.loading.fp8 import Fp8Weight
+from hetmoe.experts.fp8_weight import Fp8Weight
 
 
 @register_backend("cpu")

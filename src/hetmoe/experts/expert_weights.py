@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hetmoe.loading.fp8 import FP8_DTYPES, Fp8Scheme
+from hetmoe.experts.fp8_weight import FP8_DTYPES, Fp8Scheme
 
 WEIGHT_FORMATS = {"bf16": 0, "int8": 1, "int4": 2, "fp8": 3}
 """Packed formats and their codes in `hetmoe._cpu` (fp8: a checkpoint's e4m3 codes and block

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetmoe.loading.fp8 import Fp8Scheme
+from hetmoe.experts.fp8_weight import Fp8Scheme
 
 # Modules whose import registers the shipped operators; imported on first lookup.
 _OP_MODULES = ("hetmoe.ops.moe", "hetmoe.ops.attention", "hetmoe.ops.mla")

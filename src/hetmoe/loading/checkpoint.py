@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
+from hetmoe.experts.fp8_weight import FP8_DTYPES, Fp8Scheme, Fp8Weight
 from hetmoe.loading.errors import CheckpointError
 from hetmoe.loading.families import FAMILIES, Family
-from hetmoe.loading.fp8 import FP8_DTYPES, Fp8Scheme, Fp8Weight
+from hetmoe.loading.fp8 import fp8_scheme
 from hetmoe.loading.tensor_file import TensorEntry, read_header, read_tensor
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class Checkpoint:
         fp8 = None
         quantization = getattr(config, "quantization_config", None)
         if quantization is not None:
-            fp8 = Fp8Scheme.from_config(quantization, str(config_file))
+            fp8 = fp8_scheme(quantization, str(config_file))
             del config.quantization_config
         entries = _stored_entries(path)
         tensors = _module_tensors(entries, family, config.num_hidden_layers, fp8, path)

@@ -9,6 +9,7 @@ there, and the staging removed. `LLM("model.gguf")` converts once into the hetmo
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 from hetmoe import env
 from hetmoe.loading.convert import ConvertOptions, check_disk, convert
 from hetmoe.loading.converted import MANIFEST
+from hetmoe.loading.fp8 import config_fp8_scheme
 
 STAGING = ".gguf-source"
 _LOSSLESS = {"F32": "bf16", "F16": "bf16", "BF16": "bf16"}
@@ -45,11 +47,22 @@ def default_format(path: Path) -> tuple[str, int | None, str]:
     return "int8", 32, f"{'/'.join(types)} experts: int8 with 32-wide groups, nearest on offer"
 
 
-def convert_source(source: str, out: Path, options: ConvertOptions) -> Path:
-    """Converts `source` (directory, preset or GGUF file) into `out`; returns `out`."""
-    from hetmoe.presets import resolve_model
+def checkpoint_format(path: Path, group: int | None) -> tuple[str, int | None, str]:
+    """The packed format for a checkpoint directory's experts when none is asked: what a direct
+    load picks (`Fp8Scheme.cpu_expert_format`: fp8 for an FP8 checkpoint whose blocks are whole
+    32-column groups, its e4m3 codes and block scales kept as stored), else bf16."""
+    config = path / "config.json"
+    raw = json.loads(config.read_text()) if config.is_file() else {}
+    scheme = config_fp8_scheme(raw, str(config))
+    fmt, fp8_group = scheme.cpu_expert_format(None) if scheme else (None, None)
+    if fmt is None:
+        return "bf16", group, "the default"
+    return fmt, group or fp8_group, "an FP8 checkpoint: its codes and scales as stored"
 
-    path = resolve_model(source)
+
+def convert_source(path: Path, out: Path, options: ConvertOptions) -> Path:
+    """Converts the checkpoint directory or GGUF file at `path` (a preset or Hub name resolved
+    by the caller: `presets.resolve_model`) into `out`; returns `out`."""
     if not is_gguf(path):
         return convert(path, out, options)
     if (out / MANIFEST).is_file():
@@ -88,4 +101,4 @@ def cached_conversion(path: Path, progress: bool = True) -> Path:
     print(f"hetmoe: converting {path.name} into {out} with {fmt} experts"
           f"{f', group {group}' if group else ''} ({why}); first use only",
           file=sys.stderr, flush=True)
-    return convert_source(str(path), out, ConvertOptions(fmt, group, progress))
+    return convert_source(path, out, ConvertOptions(fmt, group, progress))

@@ -1,93 +1,30 @@
-"""FP8 block-scaled weights (DeepSeek-V3 style): dequantized at load, or kept as they are for
-owners that compute on them (the cpu experts' fp8 format: `Fp8Weight`).
-
-A weight [O, I] is stored as float8 with a `weight_scale_inv` [ceil(O/B), ceil(I/B)] in float32:
-every B×B block of the weight is multiplied by its one scale (edge blocks are partial).
-"""
+"""An FP8 checkpoint's block scheme read from config.json's `quantization_config`."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from hetmoe.experts.fp8_weight import Fp8Scheme
 from hetmoe.loading.errors import CheckpointError
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-"""Stored dtypes that need a scale before they mean anything."""
 
-
-@dataclass(frozen=True)
-class Fp8Scheme:
-    """Block scaling read from config.json's `quantization_config`."""
-
-    block_rows: int
-    """Rows of one scaled block (B of [B, B])."""
-    block_cols: int
-    """Columns of one scaled block."""
-
-    @classmethod
-    def from_config(cls, quantization_config: Any, where: str) -> Fp8Scheme:
-        """The scheme of a `quantization_config` with `quant_method: fp8` and a block size."""
-        qc = quantization_config if isinstance(quantization_config, dict) else vars(
-            quantization_config
+def fp8_scheme(quantization_config: Any, where: str) -> Fp8Scheme:
+    """The scheme of a `quantization_config` with `quant_method: fp8` and a block size."""
+    qc = quantization_config if isinstance(quantization_config, dict) else vars(
+        quantization_config
+    )
+    method = qc.get("quant_method")
+    block = qc.get("weight_block_size")
+    if method != "fp8" or not (isinstance(block, list | tuple) and len(block) == 2):
+        raise CheckpointError(
+            f"{where}: quantization_config must have quant_method 'fp8' and "
+            f"weight_block_size [rows, cols]; found quant_method={method!r}, "
+            f"weight_block_size={block!r}"
         )
-        method = qc.get("quant_method")
-        block = qc.get("weight_block_size")
-        if method != "fp8" or not (isinstance(block, list | tuple) and len(block) == 2):
-            raise CheckpointError(
-                f"{where}: quantization_config must have quant_method 'fp8' and "
-                f"weight_block_size [rows, cols]; found quant_method={method!r}, "
-                f"weight_block_size={block!r}"
-            )
-        return cls(int(block[0]), int(block[1]))
-
-    @classmethod
-    def of_config(cls, config: dict[str, Any], where: str) -> Fp8Scheme | None:
-        """The scheme of a raw config.json with a `quantization_config`, else None."""
-        quantization = config.get("quantization_config")
-        return None if quantization is None else cls.from_config(quantization, where)
-
-    def cpu_expert_format(self, fmt: str | None) -> tuple[str | None, int | None]:
-        """The cpu experts' format (`fmt`, None: fp8 when the blocks are whole 32-column groups)
-        and, for fp8, a group that divides the scale blocks (None: the format's default)."""
-        if fmt is None and self.block_cols % 32 == 0:
-            fmt = "fp8"
-        if fmt != "fp8" or self.block_cols % 128 == 0:
-            return fmt, None
-        return fmt, next((g for g in (64, 32) if self.block_cols % g == 0), 32)
-
-    def scale_shape(self, weight_shape: tuple[int, ...]) -> tuple[int, int]:
-        """Shape of the `weight_scale_inv` that goes with a weight of `weight_shape`."""
-        rows, cols = weight_shape
-        return math.ceil(rows / self.block_rows), math.ceil(cols / self.block_cols)
-
-    def dequantize(self, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-        """float32 [O, I] = weight [O, I] × scale_inv broadcast over its B×B blocks."""
-        rows, cols = weight.shape
-        scale = scale_inv.float().repeat_interleave(self.block_rows, 0)[:rows]
-        scale = scale.repeat_interleave(self.block_cols, 1)[:, :cols]  # [O, I]
-        return weight.float() * scale
+    return Fp8Scheme(int(block[0]), int(block[1]))
 
 
-@dataclass(frozen=True)
-class Fp8Weight:
-    """An FP8 weight as stored, handed to a `load_tensor` owner that keeps FP8 (`keeps_fp8`)."""
-
-    weight: torch.Tensor
-    """The float8 codes [O, I]."""
-    scale_inv: torch.Tensor
-    """Its block scales [ceil(O/B0), ceil(I/B1)] (float32)."""
-    scheme: Fp8Scheme
-    """The block shape."""
-
-    @property
-    def shape(self) -> torch.Size:
-        """The weight's shape."""
-        return self.weight.shape
-
-    def dequantize(self) -> torch.Tensor:
-        """float32 [O, I]."""
-        return self.scheme.dequantize(self.weight, self.scale_inv)
+def config_fp8_scheme(config: dict[str, Any], where: str) -> Fp8Scheme | None:
+    """The scheme of a raw config.json with a `quantization_config`, else None."""
+    quantization = config.get("quantization_config")
+    return None if quantization is None else fp8_scheme(quantization, where)

@@ -89,12 +89,10 @@ def cached_model(name: HubName, adapter: bool = False) -> HubModel | None:
 def fetch_named(model: str | os.PathLike[str], token: str | None = None,
                 progress: bool = True, adapter: bool = False) -> HubModel | None:
     """The Hub model (`adapter`: LoRA adapter) `model` names, fetched when not cached; None for
-    an existing path, a preset, or a text that cannot be a Hub name (the preset lookup or the
-    adapter loader then refuses it)."""
-    from hetmoe.presets import presets
-
+    an existing path or a text that cannot be a Hub name (the preset lookup or the adapter
+    loader then refuses it). Presets are the caller's to look up first (`presets.presets`)."""
     text = str(model)
-    if Path(text).expanduser().exists() or (not adapter and text in presets()):
+    if Path(text).expanduser().exists():
         return None
     name = parse_hub_name(text)
     return None if name is None else fetch_model(name, token, progress, adapter=adapter)

@@ -49,7 +49,7 @@ def hub_conversion(model: HubModel, fmt: str | None = None, group: int | None = 
     the format of the one made last for an older commit, else the format a local load would
     pick), converted on first use."""
     from hetmoe.loading.convert import ConvertOptions
-    from hetmoe.loading.convert_source import convert_source, default_format
+    from hetmoe.loading.convert_source import checkpoint_format, convert_source, default_format
 
     base = conversions_dir(model.name.repo_id) / model.commit
     source = model.quant or "safetensors"
@@ -64,8 +64,6 @@ def hub_conversion(model: HubModel, fmt: str | None = None, group: int | None = 
         elif model.quant is not None:
             fmt, group, why = default_format(model.path)
         else:
-            from hetmoe.cli_convert import checkpoint_format
-
             fmt, group, why = checkpoint_format(model.snapshot, group)
     else:
         why = "as asked"
@@ -75,7 +73,7 @@ def hub_conversion(model: HubModel, fmt: str | None = None, group: int | None = 
     print(f"hetmoe: converting {model.name} ({model.commit[:12]}) into {out} with {fmt} "
           f"experts{f', group {group}' if group else ''} ({why}); first use only",
           file=sys.stderr, flush=True)
-    convert_source(str(model.path), out, ConvertOptions(fmt, group, progress))
+    convert_source(model.path, out, ConvertOptions(fmt, group, progress))
     prune(model.name.repo_id)
     return out
 

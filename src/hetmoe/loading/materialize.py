@@ -26,9 +26,9 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
+from hetmoe.experts.fp8_weight import Fp8Weight
 from hetmoe.loading.checkpoint import Checkpoint, CheckpointTensor
 from hetmoe.loading.errors import CheckpointError
-from hetmoe.loading.fp8 import Fp8Weight
 from hetmoe.loading.progress import byte_progress
 from hetmoe.loading.tensor_file import read_tensor
 
@@ -114,7 +114,7 @@ def materialize(
                 _fill_tensor(checkpoint, item, slot, f)
             advance(item.entry.nbytes)
     _retie(model, ties)
-    _rebuild_computed_buffers(model, device)
+    rebuild_computed_buffers(model, device)
     missing = _missing_experts(modules, fused_filled) + _still_meta(model)
     if missing:
         raise CheckpointError(
@@ -288,7 +288,7 @@ def _retie(model: nn.Module, ties: list[list[str]]) -> None:
                 model.get_submodule(owner)._parameters[attr] = source
 
 
-def _rebuild_computed_buffers(model: nn.Module, device: torch.device) -> None:
+def rebuild_computed_buffers(model: nn.Module, device: torch.device) -> None:
     """Recomputes non-persistent buffers left on meta (rotary `inv_freq`) from the module's config.
 
     They are computed at construction, never stored; building the module once more on the CPU

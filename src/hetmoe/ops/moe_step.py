@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from hetmoe.experts.cpu_backend import CpuExperts
+from hetmoe.experts.expert_function import fp32_experts, needs_grad, routed_experts
 from hetmoe.ops.deferral import check_deferred, split_ids
 from hetmoe.ops.fused import unpack_moe_inputs
-from hetmoe.train.expert_function import fp32_experts, needs_grad, routed_experts
 
 if TYPE_CHECKING:
     from hetmoe.experts.backend import ExpertBackend
@@ -64,7 +64,7 @@ class BackendLink:
         self.hidden, self.top_k = hidden, top_k
         self.device = torch.device("cpu")
         self._late: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # Training (train/expert_function.py): the call's inputs, for the autograd op.
+        # Training (experts/expert_function.py): the call's inputs, for the autograd op.
         self._grad: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._fp32 = False
 

@@ -1,2 +1,3 @@
-"""Training with frozen routed experts: the CPU experts' backward and autograd function, LoRA
-adapters, the SFT loop."""
+"""Training with frozen routed experts: LoRA adapters, the data, the SFT loop (the CPU experts'
+backward and autograd function belong to their backend: experts/expert_grad.py,
+experts/expert_function.py)."""

@@ -8,7 +8,7 @@ from grad_oracle import dequantized, make_call, reference_grads, rel_error
 
 from hetmoe.experts.backend import ExpertSpec
 from hetmoe.experts.cpu_backend import CpuExperts
-from hetmoe.train.expert_function import needs_grad, routed_experts
+from hetmoe.experts.expert_function import needs_grad, routed_experts
 
 E, H, I = 6, 96, 64
 

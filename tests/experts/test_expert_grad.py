@@ -15,7 +15,7 @@ from grad_oracle import dequantized, make_call, reference_grads, rel_error
 
 from hetmoe import _cpu
 from hetmoe.experts.cpu_moe import CpuMoE
-from hetmoe.train.expert_grad import expert_backward, expert_forward_fp32
+from hetmoe.experts.expert_grad import expert_backward, expert_forward_fp32
 
 ISA_ORDER = ("scalar", "avx2", "avx512", "amx")
 ISAS = ISA_ORDER[: ISA_ORDER.index(_cpu.best_isa()) + 1]

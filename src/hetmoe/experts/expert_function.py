@@ -2,13 +2,15 @@
 weights (experts frozen), so the router, everything before it and LoRA adapters learn.
 
 `BackendLink` (ops/moe_step.py) calls `routed_experts` when grad is enabled and the layer's experts
-are the `cpu` backend. Precision follows the activations: fp32 x gets the expert math in fp32
-(`expert_forward_fp32`, computed at `finish`), bf16 x the inference kernels' forward (submitted at
-`start`, so it overlaps the shared experts); the backward likewise (expert_grad.py: fp32 GEMMs, or
-the inference kernels in bf16 with AMX tiles). Backward recomputes the experts' activations from
-the saved x, ids and weights (csrc/moe/backward_job.h): nothing per expert is kept between the
-passes (the recompute was a fifth of the bf16 backward's CPU time at the Qwen3-30B-A3B shape,
-docs/benchmarks/sft.md; keeping gate/up would hold 2 x T x K x I values per layer).
+are the `cpu` backend: the backend's own gradient (as autograd is the `torch` backend's), so it
+lives here and inference never imports training (train/). Precision follows the activations:
+fp32 x gets the expert math in fp32 (`expert_forward_fp32`, computed at `finish`), bf16 x the
+inference kernels' forward (submitted at `start`, so it overlaps the shared experts); the backward
+likewise (expert_grad.py: fp32 GEMMs, or the inference kernels in bf16 with AMX tiles).
+Backward recomputes the experts' activations from the saved x, ids and weights
+(csrc/moe/backward_job.h): nothing per expert is kept between the passes (the recompute was a
+fifth of the bf16 backward's CPU time at the Qwen3-30B-A3B shape, docs/benchmarks/sft.md;
+keeping gate/up would hold 2 x T x K x I values per layer).
 The backward node's inputs are CPU tensors, so autograd runs it on the CPU thread while the GPU
 thread goes on with the graph's other branches (shared experts, attention).
 """
@@ -21,7 +23,7 @@ import torch
 
 from hetmoe.experts.backend import ExpertBackend
 from hetmoe.experts.cpu_backend import CpuExperts
-from hetmoe.train.expert_grad import expert_backward, expert_forward_fp32
+from hetmoe.experts.expert_grad import expert_backward, expert_forward_fp32
 
 
 class RoutedExperts(torch.autograd.Function):

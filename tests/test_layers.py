@@ -1,0 +1,152 @@
+"""The import layers of `src/hetmoe`, as docs/architecture.md draws them: no package imports one
+drawn above it, and packages import each other in no cycle. Imports inside functions count too
+(hiding an import in a function hides the dependency, not the layer it climbs)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "src" / "hetmoe"
+
+# Bottom to top. A package is a subpackage of hetmoe or a top-level module; `hetmoe` is the root
+# package itself (`__version__`). An import may go down or stay in its layer, never up.
+LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer.split()) for layer in (
+    "hetmoe _cpu _cpu_testing env config machine",
+    "experts kernels calibration",
+    "inject",
+    "ops",
+    "train",
+    "loading",
+    "presets",
+    "engine",
+    "server bench chat_session",
+    "cli cli_convert cli_models cli_train cli_exit",
+))
+
+# (importing package, imported package) -> why it may climb. Two at most.
+EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("hetmoe", "engine"): "`hetmoe.LLM` / `hetmoe.GenerationOutput`: the public facade, lazy",
+}
+
+EXTENSIONS = ("_cpu", "_cpu_testing")  # compiled modules: no .py file to find
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    path = PACKAGE.parent / name.replace(".", "/")
+    leaf = name.rsplit(".", 1)[-1]
+    return path.with_suffix(".py").is_file() or path.is_dir() or leaf in EXTENSIONS
+
+
+def imports(path: Path) -> Iterator[tuple[str, int]]:
+    """(imported hetmoe module, line) for every import in `path`, at any depth."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((a.name, node.lineno) for a in node.names if a.name.startswith("hetmoe"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            if base.split(".")[0] != "hetmoe":
+                continue
+            for alias in node.names:  # `from hetmoe.x import y`: y may be a module itself
+                full = f"{base}.{alias.name}"
+                yield (full if is_module(full) else base), node.lineno
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "hetmoe"
+
+
+def layer_of(package: str) -> int:
+    found = [i for i, layer in enumerate(LAYERS) if package in layer]
+    assert found, f"package {package!r} is in no layer of tests/test_layers.py: draw it there"
+    return found[0]
+
+
+def edges() -> list[tuple[str, str, str]]:
+    """(importing module, imported module, file:line) over the whole package."""
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = module_name(path)
+        for target, line in imports(path):
+            if target != source:
+                out.append((source, target, f"{path.relative_to(PACKAGE.parent)}:{line}"))
+    return out
+
+
+def test_every_package_is_in_a_layer() -> None:
+    packages = {package_of(module_name(p)) for p in PACKAGE.rglob("*.py")}
+    for package in packages:
+        layer_of(package)
+
+
+def test_no_import_climbs_a_layer() -> None:
+    climbs = [
+        f"{where}: {source} ({package_of(source)}) imports {target} ({package_of(target)})"
+        for source, target, where in edges()
+        if layer_of(package_of(target)) > layer_of(package_of(source))
+        and (package_of(source), package_of(target)) not in EXCEPTIONS
+    ]
+    assert not climbs, "imports that climb a layer:\n" + "\n".join(climbs)
+
+
+def test_exceptions_are_few_and_still_needed() -> None:
+    assert len(EXCEPTIONS) <= 2
+    found = {(package_of(source), package_of(target)) for source, target, _ in edges()}
+    assert set(EXCEPTIONS) <= found, f"stale exceptions: {set(EXCEPTIONS) - found}"
+
+
+def test_packages_import_each_other_in_no_cycle() -> None:
+    graph: dict[str, set[str]] = {}
+    for source, target, _ in edges():
+        pair = package_of(source), package_of(target)
+        if pair not in EXCEPTIONS and pair[0] != pair[1]:
+            graph.setdefault(pair[0], set()).add(pair[1])
+    cycle = find_cycle(graph)
+    assert cycle is None, f"packages import each other in a cycle: {' -> '.join(cycle or [])}"
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as a path that ends where it starts, else None (depth-first)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_find_cycle_finds_one_and_only_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_imports_name_the_module_they_load() -> None:
+    edges_ = {(s, t) for s, t, _ in edges()}
+    # `from hetmoe import _cpu` (the extension) and `from hetmoe.inject.apply import x` (the module)
+    assert ("hetmoe.experts.cpu_moe", "hetmoe._cpu") in edges_
+    assert ("hetmoe.engine.engine", "hetmoe.inject.apply") in edges_
