@@ -54,37 +54,48 @@ def special_ids(tokenizer: Any, extra: Iterable[int] = ()) -> set[int]:
     return ids
 
 
+class TokenSpelling:
+    """How one tokenizer spells its vocabulary strings as bytes (its decoder read once): the one
+    rule behind constrained decoding's alphabet (`token_bytes`) and the logprobs' exact bytes
+    (server/logprobs.py)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        kinds = decoder_kinds(tokenizer)
+        self.byte_level = "ByteLevel" in kinds
+        """Byte-level BPE: each character stands for one byte."""
+        self.fallback = "ByteFallback" in kinds or not kinds
+        """`<0xNN>` tokens stand for byte NN (SentencePiece's byte fallback)."""
+        self.literal = {getattr(t, "content", str(t))
+                        for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+        """Added tokens: literal text."""
+
+    def __call__(self, text: str) -> bytes | None:
+        """The bytes of vocabulary string `text` (None: not spelled in the decoder's alphabet)."""
+        if text in self.literal:
+            return text.encode()
+        if self.byte_level:
+            try:
+                return bytes(_BYTE_OF[c] for c in text)
+            except KeyError:
+                return None
+        byte = _BYTE_FALLBACK.fullmatch(text) if self.fallback else None
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        return text.replace("\u2581", " ").encode()  # SentencePiece's word boundary
+
+
 def token_bytes(tokenizer: Any, vocab_size: int,
                 skip: Iterable[int] = ()) -> dict[bytes, list[int]]:
     """bytes -> token ids of every ordinary token below `vocab_size` (the logits' width),
     leaving out special tokens, `skip` and tokens whose spelling is not in the decoder's
     alphabet (those are never allowed under a constraint)."""
-    kinds = decoder_kinds(tokenizer)
-    byte_level = "ByteLevel" in kinds
-    fallback = "ByteFallback" in kinds or not kinds
+    spell = TokenSpelling(tokenizer)
     left_out = special_ids(tokenizer, skip)
-    literal = {getattr(t, "content", str(t))
-               for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
     found: dict[bytes, list[int]] = {}
     for text, token_id in tokenizer.get_vocab().items():
         if token_id in left_out or not 0 <= token_id < vocab_size:
             continue
-        spelled = _spelled(text, text in literal, byte_level, fallback)
+        spelled = spell(text)
         if spelled:
             found.setdefault(spelled, []).append(token_id)
     return found
-
-
-def _spelled(text: str, literal: bool, byte_level: bool, fallback: bool) -> bytes | None:
-    """One token's bytes (None: not spelled in the decoder's alphabet)."""
-    if literal:
-        return text.encode()
-    if byte_level:
-        try:
-            return bytes(_BYTE_OF[c] for c in text)
-        except KeyError:
-            return None
-    byte = _BYTE_FALLBACK.fullmatch(text) if fallback else None
-    if byte:
-        return bytes([int(byte.group(1), 16)])
-    return text.replace("▁", " ").encode()

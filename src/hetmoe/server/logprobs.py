@@ -1,38 +1,20 @@
 """Log-probabilities in OpenAI's shapes: chat `ChoiceLogprobs` and completions `Logprobs`.
 
-Each token is shown as its text and its exact bytes: a byte-level BPE token (GPT-2, Qwen,
-SmolLM, ...) maps its characters back to bytes through the byte-to-character table those
-tokenizers share; a SentencePiece byte token `<0xNN>` is that byte; special and other tokens
-are their UTF-8 text. A token that holds part of a character shows U+FFFD in `token`, its
-bytes in `bytes`.
+Each token is shown as its text and its exact bytes, spelled as constrained decoding spells it
+(engine/token_bytes.py `TokenSpelling`: byte-level BPE characters as their bytes, a SentencePiece
+byte token `<0xNN>` as that byte, added tokens as their text); a token outside its decoder's
+alphabet is the tokenizer's decoding of it alone. A token that holds part of a character shows
+U+FFFD in `token`, its bytes in `bytes`.
 """
 
 from __future__ import annotations
 
-import functools
-import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from hetmoe.engine.logprobs import TokenLogprob
-
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-@functools.cache
-def byte_level_table() -> dict[str, int]:
-    """Character -> byte of byte-level BPE: printable bytes stand for themselves, the other 68
-    bytes for the characters from U+0100 on, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    table = {chr(b): b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
+from hetmoe.engine.token_bytes import TokenSpelling
 
 
 class TokenText:
@@ -44,8 +26,7 @@ class TokenText:
         self._tokenizer = tokenizer
         self._decode = decode
         self._lock = lock
-        self._byte_level = tokenizer is not None and _decoder_type(tokenizer) == "ByteLevel"
-        self._special = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        self._spell = None if tokenizer is None else TokenSpelling(tokenizer)
         self._cache: dict[int, tuple[str, bytes]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, bytes]:
@@ -68,28 +49,9 @@ class TokenText:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def _bytes(self, token_id: int) -> bytes:
-        if self._tokenizer is None:
-            return self._decode([token_id]).encode()
-        piece = self._tokenizer.convert_ids_to_tokens(token_id)
-        if not isinstance(piece, str):
-            return self._decode([token_id]).encode()
-        if token_id in self._special:
-            return piece.encode()
-        table = byte_level_table()
-        if self._byte_level and all(c in table for c in piece):
-            return bytes(table[c] for c in piece)
-        match = _BYTE_TOKEN.fullmatch(piece)
-        if match:
-            return bytes([int(match.group(1), 16)])
-        if "\u2581" in piece:  # SentencePiece's word boundary
-            return piece.replace("\u2581", " ").encode()
-        return self._decode([token_id]).encode()
-
-
-def _decoder_type(tokenizer: Any) -> str | None:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = getattr(backend, "decoder", None)
-    return None if decoder is None else type(decoder).__name__
+        piece = None if self._spell is None else self._tokenizer.convert_ids_to_tokens(token_id)
+        spelled = self._spell(piece) if self._spell is not None and isinstance(piece, str) else None
+        return self._decode([token_id]).encode() if spelled is None else spelled
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], text: TokenText) -> dict[str, Any]:
