@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hetmoe import env
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.packed_layout import PackedGroup, host_tensor, unpack_group
-from hetmoe.kernels.packed_moe import check_packed, packed_moe, tile_config
+from hetmoe.kernels.packed_moe import check_packed, packed_moe, tile_config, unsupported
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -236,3 +237,25 @@ def test_bad_call_arguments_are_named(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         packed_moe(args["x"], args["ids"], args["weights"], args["packed"], GROUP, "int8", 64,
                    64)
+
+
+def test_the_kernels_name_why_they_cannot_run_here() -> None:
+    assert unsupported(torch.device("cpu"), "int4") == (
+        "the packed expert kernels run on CUDA GPUs, not cpu")
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, "packed"), ("unpack", "unpack"),
+                                             ("packed", "packed")])
+def test_the_gpu_expert_path_setting(monkeypatch: pytest.MonkeyPatch, value: str | None,
+                                     want: str) -> None:
+    if value is None:
+        monkeypatch.delenv("HETMOE_GPU_EXPERTS", raising=False)
+    else:
+        monkeypatch.setenv("HETMOE_GPU_EXPERTS", value)
+    assert env.gpu_expert_kernel() == want
+
+
+def test_a_bad_gpu_expert_path_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETMOE_GPU_EXPERTS", "fast")
+    with pytest.raises(ValueError, match="HETMOE_GPU_EXPERTS must be packed or unpack, got 'fast'"):
+        env.gpu_expert_kernel()
