@@ -76,16 +76,17 @@ def check_packed(part: PackedGroup, fmt: str, hidden: int, group: int | None) ->
                          f"positive multiple of {unit}")
     q = None if fmt == "bf16" else group
     hp, hn = padded_hidden(hidden, q), -(-hidden // 16) * 16
-    gu_bytes, gu_scales = matrix_geometry(fmt, 2 * slice_, hp, q)
-    gu_end = gu_scales + 4 * (2 * slice_ // 16) * (hp // (q or hp)) * 16 if gu_scales else \
-        (2 * slice_ // 16) * gu_bytes
-    down_bytes, down_scales = matrix_geometry(fmt, hn, slice_, q)
-    down_end = down_scales + 4 * hn * (slice_ // (q or slice_)) if down_scales else \
-        (hn // 16) * down_bytes
-    if part.down_offset < gu_end or part.down_offset + down_end > part.expert_bytes:
+    gate_up, down = _matrix_bytes(fmt, 2 * slice_, hp, q), _matrix_bytes(fmt, hn, slice_, q)
+    if part.down_offset < gate_up or part.down_offset + down > part.expert_bytes:
         raise ValueError(f"packed_moe: PackedGroup(down_offset={part.down_offset}, "
                          f"expert_bytes={part.expert_bytes}) does not hold {fmt} experts of "
                          f"hidden {hidden}, slice {slice_}, group {group}")
+
+
+def _matrix_bytes(fmt: str, n: int, k: int, group: int | None) -> int:
+    """Bytes a packed [n, k] matrix needs at least: its blocks (and its fp32 scales)."""
+    nb_bytes, scales = matrix_geometry(fmt, n, k, group)
+    return scales + 4 * n * (k // group) if scales and group else (n // 16) * nb_bytes
 
 
 def matrix_geometry(fmt: str, n: int, k: int, group: int | None) -> tuple[int, int]:
