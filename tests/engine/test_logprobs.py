@@ -114,7 +114,8 @@ def test_only_requests_that_need_logits_leave_the_greedy_fast_path(
     step = llm.runner.step
 
     def recorded(plan: StepPlan) -> StepOutput:
-        greedy_flags.append(plan.greedy)
+        if plan.slots:  # steps with decode rows (the first is the prompt's prefill alone)
+            greedy_flags.append(plan.greedy)
         return step(plan)
 
     monkeypatch.setattr(llm.runner, "step", recorded)

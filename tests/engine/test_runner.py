@@ -79,7 +79,7 @@ def test_runner_errors_are_explicit(llm_of) -> None:
                                              f"of {window}"):
             runner.prefill(slot, [5] * (window + 1))
         runner.prefill(slot, [5] * 3)
-        with pytest.raises(ValueError, match=r"a decode step got a slot twice: \[.*\]"):
+        with pytest.raises(ValueError, match=r"a step got a slot twice: \[.*\]"):
             runner.decode([slot, slot], [5, 6])
         with pytest.raises(ValueError,
                            match="a decode step needs one token per slot, got 1 slots and 2"):

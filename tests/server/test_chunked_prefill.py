@@ -1,5 +1,5 @@
-"""A long prompt admitted while others decode is prefilled a chunk per step, a decode step of
-the running requests between chunks; outputs equal the whole-prompt prefill."""
+"""A long prompt admitted while others decode is prefilled a chunk per step, each step also
+decoding the running requests; outputs equal the whole-prompt prefill."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from hetmoe import LLM
 from hetmoe.config import EngineConfig
 from hetmoe.engine.sampler import SamplingParams
 from hetmoe.engine.scheduler import Scheduler
+from hetmoe.engine.step import StepPlan
 
 LONG = list(range(5, 45))  # 40 prompt tokens
 
@@ -24,24 +25,20 @@ def llm(tiny_qwen3_moe: Path, one_torch_thread: None) -> LLM:
     return tiny_llm(tiny_qwen3_moe, max_batch=2, max_seq_len=96)
 
 
-def run(llm: LLM, chunk: int | None) -> tuple[list[list[int]], list[tuple[str, int]]]:
+def run(llm: LLM, chunk: int | None) -> tuple[list[list[int]], list[tuple[tuple[int, ...], int]]]:
     """A short request decoding, then LONG admitted; both greedy. Returns both token lists and
-    the runner calls in order: ("prefill", tokens) or ("decode", rows)."""
+    the runner steps in order: (prompt tokens of each prefill chunk, decode rows)."""
     runner = llm.runner
     before = runner.config
     runner.config = dataclasses.replace(before, prefill_chunk=chunk)
-    calls: list[tuple[str, int]] = []
-    prefill, step = runner.prefill, runner.step
+    calls: list[tuple[tuple[int, ...], int]] = []
+    step = runner.step
 
-    def counted_prefill(slot: int, ids: Any, start: int = 0) -> Any:
-        calls.append(("prefill", len(ids)))
-        return prefill(slot, ids, start)
-
-    def counted_step(plan: Any) -> Any:
-        calls.append(("decode", len(plan.slots)))
+    def counted_step(plan: StepPlan) -> Any:
+        calls.append((tuple(len(c.token_ids) for c in plan.prefills), len(plan.slots)))
         return step(plan)
 
-    runner.prefill, runner.step = counted_prefill, counted_step  # type: ignore[method-assign]
+    runner.step = counted_step  # type: ignore[method-assign]
     scheduler = Scheduler(runner, llm.decode, llm.eos_token_ids, threaded=False,
                           prefix_cache=False)
     try:
@@ -55,7 +52,7 @@ def run(llm: LLM, chunk: int | None) -> tuple[list[list[int]], list[tuple[str, i
         return [s.token_ids for s in sinks], calls
     finally:
         scheduler.stop()
-        del runner.prefill, runner.step
+        del runner.step
         runner.config = before
 
 
@@ -63,12 +60,10 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(llm: LLM) -> None:
     whole_tokens, whole_calls = run(llm, None)
     tokens, calls = run(llm, 16)
     assert tokens == whole_tokens  # chunks attend to what earlier chunks cached: exact
-    assert ("prefill", 40) in whole_calls
-    long_chunks = [i for i, c in enumerate(calls) if c[0] == "prefill" and c[1] != 3]
-    assert [calls[i][1] for i in long_chunks] == [16, 16, 8]
-    # A decode step of the running request follows each chunk, before the next one.
-    for i in long_chunks[:-1]:
-        assert calls[i + 1] == ("decode", 1)
+    assert whole_calls[:4] == [((3,), 0), ((), 1), ((), 1), ((40,), 1)]
+    # One chunk per step, each step also decoding the running request.
+    assert calls[:6] == [((3,), 0), ((), 1), ((), 1), ((16,), 1), ((16,), 1), ((8,), 1)]
+    assert calls[6] == ((), 2)
     assert len(tokens[0]) == 20 and len(tokens[1]) == 6
 
 

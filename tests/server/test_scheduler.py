@@ -206,17 +206,17 @@ def test_each_decode_step_is_one_moe_call_per_layer_for_the_whole_batch(llm: LLM
         for hook in hooks:
             hook.remove()
     prompts = [len(llm.encode(p)) for p in ("Hello there", "What is your name?")]
-    assert min(prompts) > 2  # prefill calls are told apart from decode calls by their size
-    decode_calls = [n for n in calls if n not in prompts]
     steps, rows = scheduler.decode_steps, scheduler.decode_rows
-    # Each sequence decodes 11 times (its first token comes from its prefill); the two share
-    # steps, and every step is ONE call per MoE layer carrying all of its rows, never one call
-    # per request.
+    # Both prompts are prefilled in ONE call per MoE layer (two rows padded to the longer one);
+    # each sequence then decodes 11 times (its first token comes from its prefill); the two
+    # share steps, and every step is ONE call per MoE layer carrying all of its rows, never
+    # one call per request.
+    assert calls[:len(moe_layers)] == [2 * max(prompts)] * len(moe_layers)
+    decode_calls = calls[len(moe_layers):]
     assert rows == 22 and steps == 11
-    assert len(calls) == len(moe_layers) * (2 + steps)
     assert len(decode_calls) == len(moe_layers) * steps
     assert sum(decode_calls) == len(moe_layers) * rows
-    assert decode_calls.count(2) >= len(moe_layers) * 10
+    assert decode_calls == [2] * len(moe_layers) * steps
 
 
 def test_a_failing_decode_fails_its_rows_and_frees_their_slots(

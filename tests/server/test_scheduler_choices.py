@@ -13,6 +13,7 @@ from hetmoe import LLM
 from hetmoe.engine.request import Event
 from hetmoe.engine.sampler import SamplingParams
 from hetmoe.engine.scheduler import Scheduler
+from hetmoe.engine.step import StepPlan
 
 
 class Choices:
@@ -68,13 +69,13 @@ def test_a_group_waits_for_its_slots_and_shares_one_prefill(
     scheduler.submit(prompt, params, group, ignore_eos=True, n=3)
     assert scheduler.num_waiting == 3
     prefilled: list[int] = []
-    prefill = llm.runner.prefill
+    step = llm.runner.step
 
-    def counted(slot: int, ids: list[int], start: int = 0) -> object:
-        prefilled.append(len(ids))
-        return prefill(slot, ids, start)
+    def counted(plan: StepPlan) -> object:
+        prefilled.extend(len(chunk.token_ids) for chunk in plan.prefills)
+        return step(plan)
 
-    monkeypatch.setattr(llm.runner, "prefill", counted)
+    monkeypatch.setattr(llm.runner, "step", counted)
     drain(scheduler)
     assert len(prefilled) == 1  # the group's one prefill
     assert single.done.is_set() and group.done.is_set()

@@ -294,12 +294,12 @@ def _trace(runner: ModelRunner, prompt: list[int], path: str, steps: int = 4) ->
     graphs, runner.use_graphs = runner.use_graphs, False
     slot = runner.cache.allocate()
     try:
-        token = int(runner.prefill(slot, prompt).argmax())
-        token = int(runner.decode([slot], [token])[0].argmax())  # warm-up, untraced
+        token = measure.first_token(runner, slot, prompt)
+        token = measure.next_token(runner, slot, token)  # warm-up, untraced
         _overlap(runner).trace = recorder
         for _ in range(steps):
             recorder.begin_step()
-            token = int(runner.decode([slot], [token])[0].argmax())
+            token = measure.next_token(runner, slot, token)
     finally:
         _overlap(runner).trace = None
         runner.use_graphs = graphs

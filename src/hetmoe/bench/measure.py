@@ -1,8 +1,9 @@
 """Measurements behind `hetmoe bench`: read bandwidth, routed bytes, decode/prefill speed, launches.
 
 Every timing synchronizes the device before reading the clock; decode speed is greedy generation
-through the runner's public `prefill` / `decode`, the token fed back each step as a host int
-(what a server does), so one device-to-host sync per token is part of the measured step.
+through the runner's one entry, `step` (a prefill chunk, then greedy decode rows), the token fed
+back each step as a host int (what a server does), so one device-to-host sync per token is part
+of the measured step.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.step import PrefillChunk, StepPlan
 from hetmoe.ops.deferral import moe_layers
 
 # CUDA runtime calls counted per decoded token.
@@ -30,6 +32,19 @@ def sync(device: torch.device) -> None:
     """Waits for the device's queued work (no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def first_token(runner: ModelRunner, slot: int, prompt: list[int]) -> int:
+    """Prefills `prompt` into `slot` (one runner step); the argmax of its last logits."""
+    out = runner.step(StepPlan(prefills=(PrefillChunk(slot, tuple(prompt)),)))
+    return int(out.prefill_logits[0][-1].argmax())
+
+
+def next_token(runner: ModelRunner, slot: int, token: int) -> int:
+    """One decode step of `slot` with its logits read on the host; their argmax."""
+    logits = runner.step(StepPlan((slot,), (token,))).logits
+    assert logits is not None
+    return int(logits[0].argmax())
 
 
 def read_bandwidth(gib: float = 2.0, repeats: int = 8) -> float:
@@ -91,20 +106,22 @@ def greedy_decode(runner: ModelRunner, prompt: list[int], new_tokens: int) -> De
     try:
         sync(device)
         start = time.perf_counter()
-        token = int(runner.prefill(slot, prompt).argmax())
+        token = first_token(runner, slot, prompt)
         prefill_s = time.perf_counter() - start
         tokens, steps = [token], []
-        greedy = runner.greedy(slot, token, new_tokens - 1)
         try:
             start = time.perf_counter()
-            for i in range(new_tokens - 1):
-                tokens.append(next(greedy))
+            for i in range(new_tokens - 1):  # each step launched before the last is read
+                plan = StepPlan((slot,), (tokens[-1],), greedy=True, ahead=i + 2 < new_tokens)
+                out = runner.step(plan).tokens
+                assert out is not None
+                tokens.append(out[0])
                 now = time.perf_counter()
                 if i:
                     steps.append(now - start)
                 start = now
         finally:
-            greedy.close()
+            runner.settle()
         return DecodeRun(tokens, steps, prefill_s)
     finally:
         runner.cache.free(slot)
@@ -119,7 +136,7 @@ def prefill_speed(runner: ModelRunner, length: int, vocab: int, repeats: int = 2
         try:
             sync(runner.device)
             start = time.perf_counter()
-            runner.prefill(slot, ids.tolist())
+            first_token(runner, slot, ids.tolist())
             sync(runner.device)
             best = min(best, time.perf_counter() - start)
         finally:
@@ -148,13 +165,13 @@ def count_launches(runner: ModelRunner, prompt: list[int], steps: int) -> dict[s
 
     slot = runner.cache.allocate()
     try:
-        token = int(runner.prefill(slot, prompt).argmax())
+        token = first_token(runner, slot, prompt)
         for _ in range(2):
-            token = int(runner.decode([slot], [token])[0].argmax())
+            token = next_token(runner, slot, token)
         sync(runner.device)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
-                token = int(runner.decode([slot], [token])[0].argmax())
+                token = next_token(runner, slot, token)
             sync(runner.device)
     finally:
         runner.cache.free(slot)

@@ -1,17 +1,18 @@
 """`ModelRunner`: tensors in, logits or tokens out, over the static KV cache. No text.
 
-The one runner for prefill and decode, single-threaded (one owner at a time):
+The one runner for prefill and decode, single-threaded (one owner at a time). ONE entry:
 
-- `prefill(slot, token_ids, start=0) -> [V]`: a sequence's tokens into `slot` from `start`; the
-  last position's logits (`prefill_logits` -> [T, V]); long prompts stream experts to the GPU.
-- `step(StepPlan) -> StepOutput`: one new token for each of B slots, each at its own position, in
-  ONE forward pass. Greedy plans get tokens; with CUDA graphs a plan with `ahead` also launches
-  the next step of the same slots (its input the argmax on the GPU) before this one's tokens are
-  read. A step launched ahead that the next plan does not continue is waited for and rolled back
-  (`settle`), as is any before another call touches the cache.
-- `decode(slots, token_ids) -> [B, V]`: a step's logits; `greedy(slot, token, limit)`: a slot's
-  greedy tokens, step by step (benchmarks). `max_batch`, `max_seq_len`, `vocab_size`,
-  `lengths[slot]`, `cache.allocate()`, `free(slot)`; `adapters`: LoRA adapters per slot.
+- `step(StepPlan) -> StepOutput`: the plan's prefill chunks (any number of sequences, each into
+  its slot from its own start) in ONE padded forward pass (engine/prefill_batch.py; long passes
+  stream experts to the GPU), then one new token for each of the B decode rows, each at its own
+  position, in ONE forward pass. Greedy plans get tokens; with CUDA graphs a plan with `ahead`
+  also launches the next step of the same slots (its input the argmax on the GPU) before this
+  one's tokens are read. A step launched ahead that the next plan does not continue is waited
+  for and rolled back (`settle`), as is any before another call touches the cache.
+- Shorthands of `step` for tests and scripts: `prefill(slot, token_ids, start=0) -> [V]`,
+  `prefill_logits -> [T, V]`, `decode(slots, token_ids) -> [B, V]`. `max_batch`,
+  `max_seq_len`, `vocab_size`, `lengths[slot]`, `cache.allocate()`, `free(slot)`, `check_chunk`;
+  `adapters`: LoRA adapters per slot.
 
 With every MoE layer's experts in the CPU backend it composes `MoEOverlap` (the MoE step over
 Python, GPU-streamed or stream-ordered links), `FusedDecoder` and `GraphCache`; their decode steps
@@ -23,6 +24,7 @@ norm and `lm_head`, and passes a `KVBatch` down.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -40,7 +42,8 @@ from hetmoe.engine.overlap import MoEOverlap, all_on_cpu_backend
 from hetmoe.engine.placement import Placement, placement_plan
 from hetmoe.engine.placement_plan import PlacementPlan
 from hetmoe.engine.placement_policy import TrafficPolicy
-from hetmoe.engine.step import StepOutput, StepPlan
+from hetmoe.engine.prefill_batch import chunk_rows, prefill_passes
+from hetmoe.engine.step import PrefillChunk, StepOutput, StepPlan
 from hetmoe.ops.deferral import check_deferred
 from hetmoe.ops.kv_batch import KVBatch, window_bucket
 
@@ -116,18 +119,18 @@ class ModelRunner:
         if self.adapters is not None:
             self.adapters.release(slot)
 
-    @torch.inference_mode()
     def prefill(self, slot: int, token_ids: Sequence[int], start: int = 0) -> torch.Tensor:
-        """Logits [V] after running `token_ids` into `slot` from position `start`."""
-        return self._prefill(slot, token_ids, start)[-1]
+        """Logits [V] after running `token_ids` into `slot` from position `start` (a `step`)."""
+        return self.prefill_logits(slot, token_ids, start, every_position=False)[-1]
 
-    @torch.inference_mode()
-    def prefill_logits(self, slot: int, token_ids: Sequence[int], start: int = 0) -> torch.Tensor:
+    def prefill_logits(self, slot: int, token_ids: Sequence[int], start: int = 0,
+                       every_position: bool = True) -> torch.Tensor:
         """Like `prefill`, but the logits of every position: [T, V]."""
-        return self._prefill(slot, token_ids, start, every_position=True)
+        chunk = PrefillChunk(slot, tuple(int(t) for t in token_ids), start, every_position)
+        return self.step(StepPlan(prefills=(chunk,))).prefill_logits[0]
 
     def decode(self, slots: Sequence[int], token_ids: Sequence[int]) -> torch.Tensor:
-        """Logits [B, V] after appending token_ids[b] to slots[b] (each at its own position)."""
+        """Logits [B, V] after appending token_ids[b] to slots[b] (a `step`)."""
         out = self.step(StepPlan(tuple(slots), tuple(int(t) for t in token_ids))).logits
         assert out is not None
         return out
@@ -135,7 +138,8 @@ class ModelRunner:
     def greedy(self, slot: int, token: int,
                limit: int | None = None) -> Generator[int, None, None]:
         """Greedy decode of `slot` after `token` (its last sampled token, not in the cache yet):
-        each step's token until the caller stops, `limit` tokens or a full window (ahead)."""
+        each step's token until the caller stops, `limit` tokens or a full window; greedy plans
+        with `ahead`, so each step is launched before the previous one's token is read."""
         yielded = 0
         try:
             while self.lengths[slot] < self.max_seq_len and (limit is None or yielded < limit):
@@ -151,7 +155,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepOutput:
-        """Runs one decode step (see the module docstring)."""
+        """Runs one step (see the module docstring): its prefill chunks, then its decode rows."""
+        if not plan.prefills:
+            return self._decode_step(plan)
+        self.settle()
+        for chunk in plan.prefills:
+            self.check_chunk(chunk)
+        if plan.decodes:
+            self._check_step(plan)
+        logits = self._prefill(plan.prefills)
+        if not plan.decodes:
+            return StepOutput(prefill_logits=logits)
+        return dataclasses.replace(self._decode_step(plan), prefill_logits=logits)
+
+    def _decode_step(self, plan: StepPlan) -> StepOutput:
+        """The decode rows of `plan`: eager, or greedy launched (ahead) on CUDA graphs."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None and (ahead.slots != plan.slots or
                                   self._ahead_tokens != plan.token_ids or not plan.greedy):
@@ -336,27 +354,33 @@ class ModelRunner:
             return self.fused.forward(ids, kv, before_layer)
         return self._forward(ids, kv)
 
-    def _prefill(self, slot: int, token_ids: Sequence[int], start: int,
-                 every_position: bool = False) -> torch.Tensor:
-        self.settle()
-        self.cache.check_slot(slot)
-        n = len(token_ids)
-        if n == 0:
-            raise ValueError("prefill needs at least one token")
-        if not 0 <= start <= self.lengths[slot]:
-            raise ValueError(f"prefill start {start} is beyond slot {slot}'s "
-                             f"{self.lengths[slot]} cached tokens")
+    def check_chunk(self, chunk: PrefillChunk) -> None:
+        """ValueError naming what is wrong with a prefill chunk (slot, start, window, ids)."""
+        self.cache.check_slot(chunk.slot)
+        start, n = chunk.start, len(chunk.token_ids)
+        if not 0 <= start <= self.lengths[chunk.slot]:
+            raise ValueError(f"prefill start {start} is beyond slot {chunk.slot}'s "
+                             f"{self.lengths[chunk.slot]} cached tokens")
         if start + n > self.max_seq_len:
             raise ValueError(f"{start + n} tokens do not fit the context window of "
                              f"{self.max_seq_len} (max_seq_len)")
-        self._check_ids(token_ids)
-        ids = torch.tensor([list(token_ids)], device=self.device)  # [1, T]
-        positions = torch.arange(start, start + n, device=self.device)[None]  # [1, T]
-        kv = KVBatch(torch.tensor([slot], device=self.device), positions, start + n)
-        with self._phase(decoding=False, slots=[slot]), self._prefill_experts(n):
-            hidden = self._forward(ids, kv)[0]  # [T, H]
-        self.lengths[slot] = start + n
-        return self.model.lm_head(hidden if every_position else hidden[-1:]).float()
+        self._check_ids(chunk.token_ids)
+
+    def _prefill(self, chunks: Sequence[PrefillChunk]) -> tuple[torch.Tensor, ...]:
+        """Runs checked chunks in padded passes (engine/prefill_batch.py); their logits."""
+        logits: list[torch.Tensor] = [torch.empty(0)] * len(chunks)
+        for step in prefill_passes(chunks, self.max_seq_len):
+            ids, kv = step.tensors(chunks, self.device)  # [B, S]
+            slots = [chunks[i].slot for i in step.rows]
+            with self._phase(decoding=False, slots=slots), self._prefill_experts(ids.numel()):
+                hidden = self._forward(ids, kv)  # [B, S, H]
+            for i in step.rows:
+                self.lengths[chunks[i].slot] = chunks[i].start + len(chunks[i].token_ids)
+            rows = chunk_rows(hidden, chunks, step)
+            out = self.model.lm_head(torch.cat(rows)).float()  # [sum T, V]
+            for i, part in zip(step.rows, out.split([len(r) for r in rows]), strict=True):
+                logits[i] = part
+        return tuple(logits)
 
     def _prefill_experts(self, tokens: int) -> contextlib.AbstractContextManager[None]:
         """Where a prefill of `tokens` computes its routed experts (`EngineConfig

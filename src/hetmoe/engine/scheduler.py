@@ -30,7 +30,7 @@ from hetmoe.engine.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from hetmoe.engine.prefix_cache import PrefixCache
 from hetmoe.engine.request import Event, QueueFull, Request, RequestHandle, choices
 from hetmoe.engine.sampler import SamplingParams
-from hetmoe.engine.step import StepPlan
+from hetmoe.engine.step import PrefillChunk, StepPlan
 
 if TYPE_CHECKING:
     import torch
@@ -188,6 +188,8 @@ class Scheduler:
         self._waiting.clear()
 
     def _step(self, admitted: list[Request]) -> None:
+        """ONE runner step: prompt chunks of the placed requests under the token budget, and a
+        decode row for every sequence past its prefill."""
         for request in [r for r in self._running if r.cancelled]:
             self._release(request)
             self._finish(request, "cancelled")
@@ -195,14 +197,24 @@ class Scheduler:
         for request in admitted:
             if request in self._running:  # not cancelled meanwhile
                 self._place(request)
-        chunk = self.runner.config.prefill_chunk
-        budget = chunk if batch and chunk else None  # prompt tokens this step (None: all)
-        for first in list(self._filling):
-            if budget == 0:
-                break
-            budget = self._prefill(first, budget)
+        fills = self._chunks(bool(batch))
+        if not batch and not fills:
+            return
+        greedy = not any(r.sampler.needs_logits for r in batch)
+        more = all(r.params.max_new_tokens - len(r.output_ids) > 1 for r in batch)
+        admitting = bool(self._waiting) and (
+            len(self._running) + len(self._waiting[0].group) <= self.runner.max_batch)
+        plan = StepPlan(tuple(r.slot for r in batch), tuple(r.output_ids[-1] for r in batch),
+                        greedy=greedy and bool(batch), ahead=greedy and more and not admitting
+                        and not self._filling and bool(batch),
+                        prefills=tuple(chunk for _, chunk in fills))
+        out = self.runner.step(plan)
+        for (first, chunk), logits in zip(fills, out.prefill_logits, strict=True):
+            self._prefilled(first, chunk, logits)
         if batch:
-            self._decode(batch)
+            self.decode_steps += 1
+            self.decode_rows += len(batch)
+            self._sample(batch, out.logits, out.tokens)
 
     def _place(self, first: Request) -> None:
         """Gives a request's first choice a slot holding the longest cached prefix of its
@@ -223,64 +235,69 @@ class Scheduler:
             request.cached_tokens = first.filled = place.cached
         self._filling.append(first)
 
-    def _prefill(self, first: Request, budget: int | None) -> int | None:
-        """Prefills up to `budget` more prompt tokens of a placed request (None: the rest);
-        once its prompt is in, copies the KV into the other choices' slots and samples each
-        choice's first token. Returns the budget left."""
+    def _chunks(self, decoding: bool) -> list[tuple[Request, PrefillChunk]]:
+        """This step's prompt chunks: placed requests in order while `EngineConfig
+        .prefill_chunk` tokens last (None: every prompt whole); with nothing `decoding` the
+        first takes its whole prompt. A chunk the runner refuses fails its request alone."""
+        limit = self.runner.config.prefill_chunk
+        budget = limit if limit is not None else -1  # -1: no limit
+        fills: list[tuple[Request, PrefillChunk]] = []
+        for first in list(self._filling):
+            if budget == 0:
+                break
+            if first not in self._running:  # cancelled or failed meanwhile
+                self._filling.remove(first)
+                continue
+            ids, start = first.prompt_ids, first.filled
+            echo = first.params.prompt_logprobs is not None  # scores every position: whole
+            whole = echo or budget < 0 or (not fills and not decoding)
+            end = len(ids) if whole else min(len(ids), start + budget)
+            chunk = PrefillChunk(first.slot, tuple(ids[0 if echo else start:end]),
+                                 0 if echo else start, every_position=echo)
+            try:
+                self.runner.check_chunk(chunk)
+            except Exception as exc:  # this prompt's failure is its own, not the batch's
+                self._filling.remove(first)
+                self._fail([r for r in first.group if r in self._running], exc)
+                continue
+            fills.append((first, chunk))
+            if budget > 0:
+                budget = max(0, budget - (end - start))
+        return fills
+
+    def _prefilled(self, first: Request, chunk: PrefillChunk, logits: torch.Tensor) -> None:
+        """After a request's chunk ran (`logits` [T, V]): once its whole prompt is in, copies
+        the KV into the other choices' slots and samples each choice's first token."""
         group = [r for r in first.group if r in self._running]
         ids, top = first.prompt_ids, first.params.prompt_logprobs
-        if first not in group:  # cancelled or failed meanwhile
-            self._filling.remove(first)
-            return budget
+        if first not in group:  # failed meanwhile
+            return
+        first.filled = chunk.start + len(chunk.token_ids)
+        if first.filled < len(ids):
+            return
         scored: tuple[TokenLogprob | None, ...] | None = None
-        start = first.filled
-        end = len(ids) if budget is None or top is not None else min(len(ids), start + budget)
+        if top is not None:
+            scored = tuple(prompt_logprobs(logits, ids, top))
         try:
-            if top is None:
-                logits = self.runner.prefill(first.slot, ids[start:end], start)  # [V]
-            else:
-                every = self.runner.prefill_logits(first.slot, ids)  # [T, V]
-                scored = tuple(prompt_logprobs(every, ids, top))
-                logits = every[-1]
-            first.filled = end
-            if end < len(ids):
-                return 0
             self._filling.remove(first)
             self.prefix.hold(first.slot, ids)
             cache = self.runner.cache
-            for request in group[1:]:  # the prefill settled any step launched ahead
+            for request in group[1:]:
                 request.slot = cache.allocate(self.prefix.place(ids, reuse=False).slot)
                 assign_adapter(self.runner, request.slot, request.params.adapter)
                 cache.copy(first.slot, request.slot, len(ids))
                 request.filled = len(ids)
                 self.prefix.hold(request.slot, ids)
         except Exception as exc:  # this prompt's failure is its own, not the batch's
-            self._filling.remove(first)
             self._fail(group, exc)
-            return budget
-        rows = logits[None].expand(len(group), -1)  # [n, V], a view
+            return
+        rows = logits[-1][None].expand(len(group), -1)  # [n, V], a view
         self._sample(group, rows, None, scored)
-        return None if budget is None else max(0, budget - (end - start))
 
     def _fail(self, group: list[Request], exc: Exception) -> None:
         for request in group:
             self._release(request, failed=True)
             self._finish(request, "error", f"{type(exc).__name__}: {exc}")
-
-    def _decode(self, batch: list[Request]) -> None:
-        """One decode step of `batch`; batches that need no logits get tokens (and the next
-        step launched ahead when every row wants more and no admission is pending)."""
-        greedy = not any(r.sampler.needs_logits for r in batch)
-        more = all(r.params.max_new_tokens - len(r.output_ids) > 1 for r in batch)
-        admitting = bool(self._waiting) and (
-            len(self._running) + len(self._waiting[0].group) <= self.runner.max_batch)
-        plan = StepPlan(tuple(r.slot for r in batch), tuple(r.output_ids[-1] for r in batch),
-                        greedy=greedy, ahead=greedy and more and not admitting
-                        and not self._filling)
-        out = self.runner.step(plan)
-        self.decode_steps += 1
-        self.decode_rows += len(batch)
-        self._sample(batch, out.logits, out.tokens)
 
     def _sample(self, batch: list[Request], logits: torch.Tensor | None,
                 tokens: Sequence[int] | None,
