@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from hetmoe import _cpu
+from hetmoe import _cpu, _cpu_testing
 from hetmoe.bench.shapes import SHAPES, routed_expert_shape
 from hetmoe.experts import CpuMoE
+from hetmoe.experts.call_check import check_call
 from hetmoe.machine import huge_page_bytes, machine_report, source_commit
 
 FORMATS = ("bf16", "int8", "int4")
@@ -74,16 +75,16 @@ def raw_cycle(layers: list[CpuMoE], x: torch.Tensor,
               routes: list[tuple[torch.Tensor, torch.Tensor]]):
     """Like `cycle`, through the C++ layer directly: the pool and kernels without Python checks."""
     out = torch.empty_like(x)
-    args = [layers[0]._call_args(x, *r, out) for r in routes]
+    args = [check_call(layers[0].hidden, x, *r, out)[1] for r in routes]
     raw = [moe._layer for moe in layers]
     return lambda i, keep=(out, routes): raw[i % len(raw)].forward(*args[i % len(args)])
 
 
-def with_setting(layers: list[CpuMoE], setter: str, value, fn):
-    """`fn` (call i runs layer i % len(layers)) with that layer's `_layer.<setter>(value)` called
-    first (e.g. set_decode_cols): one setting per timed call."""
+def with_setting(layers: list[CpuMoE], setter, value, fn):
+    """`fn` (call i runs layer i % len(layers)) with `setter(that layer's _layer, value)` called
+    first (e.g. _cpu_testing.set_decode_cols): one setting per timed call."""
     def run(i: int) -> None:
-        getattr(layers[i % len(layers)]._layer, setter)(value)
+        setter(layers[i % len(layers)]._layer, value)
         fn(i)
     return run
 
@@ -190,16 +191,16 @@ def phases(layers: list[CpuMoE], x: torch.Tensor,
     for i, route in enumerate(routes):
         moe = layers[i % len(layers)]
         try:
-            moe._layer.set_profile(True, True)
+            _cpu_testing.set_profile(moe._layer, True, True)
         except TypeError:  # a build from before task spans, timed against this one
-            moe._layer.set_profile(True)
+            _cpu_testing.set_profile(moe._layer, True)
         start = time.perf_counter()
         moe.forward(x, *route)
         walls.append(time.perf_counter() - start)
-        moe._layer.set_profile(False)
-        samples.append(moe._layer.phase_us())
+        _cpu_testing.set_profile(moe._layer, False)
+        samples.append(_cpu_testing.phase_us(moe._layer))
         # (a build from before task spans, timed against this one, has none)
-        spans = [list(s) for s in getattr(moe._layer, "task_spans", list)()]
+        spans = [list(s) for s in _cpu_testing.task_spans(moe._layer)]
         shares.append(busy_shares(spans))
     return ([round(statistics.median(s[p] for s in samples), 1) for p in range(len(samples[0]))],
             1e3 * statistics.median(walls),
@@ -323,15 +324,16 @@ def main() -> None:
             if q <= 8:  # the pool + kernels alone, without the Python argument checks
                 fns["raw_ms"] = raw_cycle(layers, x, routes)
             default_cols = layers[0]._layer.decode_cols
+            set_cols = _cpu_testing.set_decode_cols
             if q <= 4 and widths:  # every variant sets its width: the default ones too
-                fns = {name: with_setting(layers, "set_decode_cols", default_cols, fn)
+                fns = {name: with_setting(layers, set_cols, default_cols, fn)
                        for name, fn in fns.items()}
                 for width in widths:
-                    fns[f"cols{width}_ms"] = with_setting(layers, "set_decode_cols", width,
+                    fns[f"cols{width}_ms"] = with_setting(layers, set_cols, width,
                                                           cycle(layers, x, routes))
             sec_of = timed_alternating(fns, calls, len(layers))
             for moe in layers:
-                moe._layer.set_decode_cols(default_cols)
+                _cpu_testing.set_decode_cols(moe._layer, default_cols)
             sec = sec_of["ms"]
             phase_us, profiled_ms, busy, spans = phases(
                 layers, x, [routing(q, E, K, seed=1000 * q + 500 + r) for r in range(9)])

@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from hetmoe import _cpu_testing
 from hetmoe.experts import CpuMoE
 
 
@@ -70,10 +71,10 @@ def main() -> None:
         call = functools.partial(moe.forward, x, ids, wts)
         samples = [worker_seconds(call) for _ in range(args.calls)]
         sec, best = statistics.median(samples), min(samples)
-        moe._layer.set_profile(True)
+        _cpu_testing.set_profile(moe._layer, True)
         moe.forward(x, ids, wts)
-        moe._layer.set_profile(False)
-        phases = " / ".join(f"{v:.0f}" for v in moe._layer.phase_us())
+        _cpu_testing.set_profile(moe._layer, False)
+        phases = " / ".join(f"{v:.0f}" for v in _cpu_testing.phase_us(moe._layer))
         print(f"{fmt:5} isa={moe.isa:6} q={q} E={E}: median {sec * 1e3:7.2f} ms "
               f"{flops / sec / 1e12:6.3f} T(FL)OPS/core, best {flops / best / 1e12:6.3f}; "
               f"phases us {phases}", flush=True)

@@ -20,6 +20,7 @@ import time
 import torch
 
 from hetmoe.experts import CpuMoE
+from hetmoe.experts.call_check import check_call
 
 
 def low_us(fn, calls: int) -> float:
@@ -58,7 +59,7 @@ def main() -> None:
     for fmt in args.formats.split(","):
         moe = CpuMoE(E, H, I, fmt, threads=args.threads)
         moe.load(gate, up, down)
-        raw_args = moe._call_args(x, ids, weights, out)
+        raw_args = check_call(moe.hidden, x, ids, weights, out)[1]
         fwd = low_us(functools.partial(moe.forward, x, ids, weights, out), args.calls)
         raw = low_us(functools.partial(moe._layer.forward, *raw_args), args.calls)
         print(f"{fmt:>5}: forward {fwd:7.1f} us   C++ layer {raw:7.1f} us   "

@@ -1,7 +1,7 @@
 """Where a graph decode step's time goes on the CPU side, against the same layers called alone.
 
 Builds a random-weight model of a real shape (routed experts in the CPU backend), decodes with
-the CUDA graph step and every layer's CPU job profiled (`MoELayer.take_timeline`: when the job
+the CUDA graph step and every layer's CPU job profiled (`_cpu_testing.take_timeline`: when the job
 saw its ready word, was made, ran each phase and set its done word), then calls the same layers
 one after another from Python (`CpuMoE.forward`, K random distinct experts, no GPU) with the same
 profiling. Per decode step (median over steps), in milliseconds:
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from hetmoe import _cpu
+from hetmoe import _cpu, _cpu_testing
 from hetmoe.bench import measure
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import add_shape_arguments, shape_config
@@ -148,8 +148,8 @@ def profiled_decode(runner: ModelRunner, layers: list[Any], prompt: list[int],
         for _ in range(4):  # capture and warm-up
             token = int(runner.decode([slot], [token])[0].argmax())
         for layer in layers:
-            layer.set_profile(True)
-            layer.take_timeline()
+            _cpu_testing.set_profile(layer, True)
+            _cpu_testing.take_timeline(layer)
         marks = HostMarks(runner)
         step_s, bounds = [], []
         try:
@@ -163,9 +163,9 @@ def profiled_decode(runner: ModelRunner, layers: list[Any], prompt: list[int],
             marks.close()
     finally:
         for layer in layers:
-            layer.set_profile(False)
+            _cpu_testing.set_profile(layer, False)
         runner.cache.free(slot)
-    rows = sorted(row for layer in layers for row in layer.take_timeline())
+    rows = sorted(row for layer in layers for row in _cpu_testing.take_timeline(layer))
     per_step = [[r for r in rows if lo <= r[START] <= hi] for lo, hi in bounds]
     out = summarize(per_step, step_s, bounds)
     starts = [lo for lo, _ in bounds]
@@ -211,20 +211,20 @@ def alone(moes: list[Any], top_k: int, repeats: int) -> dict[str, Any]:
     """The same layers called one after another from Python, profiled the same way."""
     g = torch.Generator().manual_seed(1)
     for moe in moes:
-        moe._layer.set_profile(True)
-        moe._layer.take_timeline()
+        _cpu_testing.set_profile(moe._layer, True)
+        _cpu_testing.take_timeline(moe._layer)
     step_s = []
     for r in range(repeats + 2):
         step_s.append(measure.cpu_experts_pass_s([(moe, top_k) for moe in moes], g,
                                                  torch.bfloat16))
         if r < 2:
             for moe in moes:
-                moe._layer.take_timeline()
+                _cpu_testing.take_timeline(moe._layer)
     per_step: list[list[list[int]]] = [[] for _ in range(repeats)]
     for moe in moes:
-        for i, row in enumerate(moe._layer.take_timeline()):
+        for i, row in enumerate(_cpu_testing.take_timeline(moe._layer)):
             per_step[i].append(row)
-        moe._layer.set_profile(False)
+        _cpu_testing.set_profile(moe._layer, False)
     return summarize(per_step, step_s[2:])
 
 

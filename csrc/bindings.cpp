@@ -223,21 +223,9 @@ void bind_moe_calls(nb::class_<MoELayer>& layer) {
 }
 
 void bind_moe_settings(nb::class_<MoELayer>& layer) {
+  // Profiling and the decode task width: _cpu_testing's (csrc/testing), no product code sets them.
   layer.def("set_amx_min_tokens", &MoELayer::set_amx_min_tokens, nb::arg("tokens"))
-      .def("set_decode_cols", &MoELayer::set_decode_cols, nb::arg("cols"),
-           "Widest gate/up task of decode calls (32, 64 or 128 columns).")
-      .def_prop_ro("decode_cols", [](MoELayer& l) { return l.config().decode_cols; })
-      .def("set_profile", &MoELayer::set_profile, nb::arg("on"), nb::arg("spans") = false,
-           "Profile later calls: phase times (phase_us, take_timeline); with spans every task "
-           "(task_spans).")
-      .def("phase_us", &MoELayer::phase_us,
-           "Per-phase microseconds of the latest profiled call (see moe/call_plan.h).")
-      .def("task_spans", &MoELayer::task_spans,
-           "Every task of the latest profiled call: [phase slot, group, worker in group, start, "
-           "end] in steady-clock ns, in order of completion.")
-      .def("take_timeline", &MoELayer::take_timeline,
-           "Profiled calls since the last take: [start, built, done, (first, last) per phase "
-           "slot] in steady-clock ns (see moe_layer.h).");
+      .def_prop_ro("decode_cols", [](MoELayer& l) { return l.config().decode_cols; });
 }
 
 void bind_moe_backward(nb::class_<MoELayer>& layer) {

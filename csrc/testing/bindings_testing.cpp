@@ -1,14 +1,17 @@
 // hetmoe._cpu_testing: hooks that only tests and benchmarks call (built with the CMake option
 // HETMOE_BUILD_TESTING). It shares hetmoe._cpu's core library, so pool=None here is the same
-// process-wide pool, and it takes _cpu's ThreadPool and StreamFlags objects.
+// process-wide pool, and it takes _cpu's ThreadPool, StreamFlags and MoELayer objects.
 #include <dlfcn.h>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <string>
 #include <vector>
 
+#include "moe/moe_layer.h"
 #include "runtime/loaded_library.h"
 #include "runtime/topology.h"
 #include "testing/flag_count_job.h"
@@ -141,13 +144,35 @@ void bind_flag_count_job(nb::module_& m) {
            "Task 0 of each run waits (up to 2 s) until `other` was prepared.");
 }
 
+// A layer's profiling and decode task width: benchmarks and tests set them, the product never.
+void bind_moe_profile(nb::module_& m) {
+  using hetmoe::MoELayer;
+  m.def("set_decode_cols", [](MoELayer& l, int cols) { l.set_decode_cols(cols); },
+        nb::arg("layer"), nb::arg("cols"),
+        "Widest gate/up task of the layer's later decode calls (32, 64 or 128 columns).");
+  m.def("set_profile", [](MoELayer& l, bool on, bool spans) { l.set_profile(on, spans); },
+        nb::arg("layer"), nb::arg("on"), nb::arg("spans") = false,
+        "Profile the layer's later calls: phase times (phase_us, take_timeline); with spans "
+        "every task (task_spans).");
+  m.def("phase_us", [](const MoELayer& l) { return l.phase_us(); }, nb::arg("layer"),
+        "Per-phase microseconds of the layer's latest profiled call (see moe/call_plan.h).");
+  m.def("task_spans", [](const MoELayer& l) { return l.task_spans(); }, nb::arg("layer"),
+        "Every task of the layer's latest profiled call: [phase slot, group, worker in group, "
+        "start, end] in steady-clock ns, in order of completion.");
+  m.def("take_timeline", [](MoELayer& l) { return l.take_timeline(); }, nb::arg("layer"),
+        "The layer's profiled calls since the last take: [start, built, done, (first, last) per "
+        "phase slot] in steady-clock ns (see moe_layer.h).");
+}
+
 }  // namespace
 
 NB_MODULE(_cpu_testing, m) {
-  m.doc() = "hetmoe CPU backend: test-only hooks (pool self-checks, NUMA pages, flag jobs)";
-  nb::module_::import_("hetmoe._cpu");  // registers ThreadPool and StreamFlags
+  m.doc() = "hetmoe CPU backend: test-only hooks (pool self-checks, NUMA pages, flag jobs, "
+            "MoE layer profiling)";
+  nb::module_::import_("hetmoe._cpu");  // registers ThreadPool, StreamFlags and MoELayer
   bind_pool_checks(m);
   bind_pool_measures(m);
   bind_memory_and_libraries(m);
   bind_flag_count_job(m);
+  bind_moe_profile(m);
 }

@@ -207,7 +207,7 @@ def test_deferred_flag_job_chains_the_late_slots(fmt: str, group: int | None, q:
     e, h, i, k = 8, 256, 256, 4
     moe = CpuMoE(e, h, i, fmt, group_size=group, threads=2)
     moe.load(torch.randn(e, i, h) * 0.1, torch.randn(e, i, h) * 0.1, torch.randn(e, h, i) * 0.1)
-    moe._layer.set_profile(True)
+    _cpu_testing.set_profile(moe._layer, True)
     x, out, late = torch.zeros(q, h), torch.zeros(q, h), torch.zeros(q, h)
     ids, weights = torch.zeros(q, k, dtype=torch.int64), torch.zeros(q, k)
     words = Words()
@@ -226,7 +226,8 @@ def test_deferred_flag_job_chains_the_late_slots(fmt: str, group: int | None, q:
         now[:, k - d:], later[:, :k - d] = -1, -1
         torch.testing.assert_close(out, moe.forward(x, now, weights), rtol=0, atol=0)
         torch.testing.assert_close(late, moe.forward(x, later, weights), rtol=0, atol=0)
-    rows = moe._layer.take_timeline()  # per round: the job's two parts, then the two forwards
+    # per round: the job's two parts, then the two forwards
+    rows = _cpu_testing.take_timeline(moe._layer)
     assert len(rows) == 8
     for first, second in (rows[0:2], rows[4:6]):
         assert first[0] <= first[1] <= first[2] <= second[0] <= second[2]  # ready, built, done

@@ -8,6 +8,7 @@ import pytest
 import torch
 from moe_oracle import available_isas, check_int_isas, make_experts, rel_error
 
+from hetmoe import _cpu_testing
 from hetmoe.experts import CpuMoE
 
 BOUND = {"bf16": 1e-2, "int8": 2e-2, "int4": 0.15}
@@ -119,13 +120,13 @@ def test_decode_splits_large_groups(weight_format: str, group_size: int, bound: 
         moe.load(layer.gate, layer.up, layer.down)
         undivided = moe.forward(x.repeat(2, 1), ids.repeat(2, 1), weights.repeat(2, 1))
         for width in (32, 64, 128):  # parts of 32 or 64 columns, or whole groups of 128
-            moe._layer.set_decode_cols(width)
+            _cpu_testing.set_decode_cols(moe._layer, width)
             decode = torch.cat([moe.forward(x[t:t + 1], ids[t:t + 1], weights[t:t + 1])
                                 for t in range(4)])
             assert torch.equal(moe.forward(x, ids, weights), decode)  # q=4, also split
             assert torch.equal(undivided[:4], decode), (isa, width)
         with pytest.raises(ValueError, match=r"decode_cols must be 32, 64 or 128, got 48"):
-            moe._layer.set_decode_cols(48)
+            _cpu_testing.set_decode_cols(moe._layer, 48)
         # "amx" decodes on the AVX-512 kernels (below amx_min_tokens), "amx-all" on tiles
         by_isa[{"amx": "amx (AVX-512 kernels)", "amx-all": "amx"}.get(isa, isa)] = decode
     check_int_isas(weight_format, by_isa, layer.reference(x, ids, weights), bound)
@@ -138,9 +139,9 @@ def test_profile_and_read_bandwidth() -> None:
     layer = make_experts(3, 64, 64, seed=51)
     moe = CpuMoE(3, 64, 64, "bf16")
     moe.load(layer.gate, layer.up, layer.down)
-    moe._layer.set_profile(True)
+    _cpu_testing.set_profile(moe._layer, True)
     moe.forward(torch.randn(5, 64), torch.randint(0, 3, (5, 2)), torch.rand(5, 2))
-    phases = moe._layer.phase_us()
+    phases = _cpu_testing.phase_us(moe._layer)
     assert len(phases) == 5 and all(p >= 0 for p in phases) and phases[2] > 0
     assert _cpu.read_bandwidth(16 << 20, 2) > 1e8  # bytes/s: any machine reads > 0.1 GB/s
 
@@ -153,10 +154,10 @@ def test_timeline_orders_each_profiled_call() -> None:
     moe = CpuMoE(3, 64, 64, "bf16")
     moe.load(layer.gate, layer.up, layer.down)
     moe.forward(torch.randn(1, 64), torch.tensor([[0, 2]]), torch.rand(1, 2))  # not profiled
-    moe._layer.set_profile(True)
+    _cpu_testing.set_profile(moe._layer, True)
     for q in (1, 100):  # 100 tokens x 2 slots on 3 experts: >= 32 rows each, all 5 phases
         moe.forward(torch.randn(q, 64), torch.randint(0, 3, (q, 2)), torch.rand(q, 2))
-    rows = moe._layer.take_timeline()
+    rows = _cpu_testing.take_timeline(moe._layer)
     assert len(rows) == 2 and all(len(r) == 3 + 2 * 5 + 3 for r in rows)
     assert all(r[-3:] == [0, 0, 0] for r in rows)  # picked, made, claimed: flagged jobs only
     for row, ran in zip(rows, ([2, 3, 4], [0, 1, 2, 3, 4]), strict=True):
@@ -165,7 +166,7 @@ def test_timeline_orders_each_profiled_call() -> None:
         assert [i for i, (first, _) in enumerate(spans) if first] == ran
         assert start <= built <= min(spans[i][0] for i in ran)
         assert all(first <= last <= done for first, last in (spans[i] for i in ran))
-    assert moe._layer.take_timeline() == []
+    assert _cpu_testing.take_timeline(moe._layer) == []
 
 
 def test_task_spans_cover_every_task_of_the_profiled_call() -> None:
@@ -181,14 +182,14 @@ def test_task_spans_cover_every_task_of_the_profiled_call() -> None:
     layer = make_experts(3, 64, 64, seed=53)
     moe = CpuMoE(3, 64, 64, "int8", threads=2)
     moe.load(layer.gate, layer.up, layer.down)
-    moe._layer.set_profile(True)  # phase times only: no spans kept
+    _cpu_testing.set_profile(moe._layer, True)  # phase times only: no spans kept
     moe.forward(torch.randn(100, 64), torch.randint(0, 3, (100, 2)), torch.rand(100, 2))
-    assert moe._layer.task_spans() == []
-    moe._layer.take_timeline()
-    moe._layer.set_profile(True, spans=True)
+    assert _cpu_testing.task_spans(moe._layer) == []
+    _cpu_testing.take_timeline(moe._layer)
+    _cpu_testing.set_profile(moe._layer, True, spans=True)
     moe.forward(torch.randn(100, 64), torch.randint(0, 3, (100, 2)), torch.rand(100, 2))
-    spans = moe._layer.task_spans()
-    row = moe._layer.take_timeline()[-1]
+    spans = _cpu_testing.task_spans(moe._layer)
+    row = _cpu_testing.take_timeline(moe._layer)[-1]
     assert {s[0] for s in spans} == {0, 1, 2, 3, 4}  # every prefill phase ran
     for slot in range(5):
         mine = [s for s in spans if s[0] == slot]
@@ -200,9 +201,10 @@ def test_task_spans_cover_every_task_of_the_profiled_call() -> None:
     assert all(0 < v <= 1 for v in shares)
     events = chrome_trace([list(s) for s in spans])["traceEvents"]
     assert len(events) == len(spans) and min(e["ts"] for e in events) == 0
-    moe._layer.set_profile(False)
+    _cpu_testing.set_profile(moe._layer, False)
     moe.forward(torch.randn(2, 64), torch.randint(0, 3, (2, 2)), torch.rand(2, 2))
-    assert moe._layer.task_spans() == spans  # an unprofiled call keeps the last profiled one
+    # an unprofiled call keeps the last profiled one
+    assert _cpu_testing.task_spans(moe._layer) == spans
 
 
 def test_isas_agree_closely() -> None:

@@ -301,11 +301,6 @@ class CpuMoE:
         """Waits for a `submit_flagged` job; raises the error its routing or a task hit."""
         self._layer.wait(handle)
 
-    def _call_args(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                   out: torch.Tensor) -> tuple[int, ...]:
-        """The C++ layer's arguments for a checked call (benchmarks call the layer directly)."""
-        return self._check_call(x, ids, weights, out)[1]
-
     def _check_call(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     out: torch.Tensor | None) -> tuple[torch.Tensor, tuple[int, ...]]:
         return check_call(self.hidden, x, ids, weights, out)
