@@ -117,6 +117,20 @@ class EngineConfig:
             raise ValueError(f"option smallest_window must be an integer >= 2, got "
                              f"{self.smallest_window!r}")
 
+    def check_deferred(self, device: str, cpu_experts: bool) -> None:
+        """`deferred` against the run it is for, before any model work: GPU decode (`device`)
+        with every MoE layer's routed experts in the cpu backend (`cpu_experts`). Its bound by
+        the router's top-k is checked where the MoE step is made (ops/deferral.py)."""
+        if not self.deferred:
+            return
+        if device != "cuda":
+            raise ValueError(
+                f"option deferred={self.deferred} needs GPU decode with every MoE layer's routed "
+                f"experts in the cpu backend; this run decodes on {device} (use deferred=0)")
+        if not cpu_experts:
+            raise ValueError(f"option deferred={self.deferred} needs every MoE layer's routed "
+                             "experts in the cpu backend (use deferred=0)")
+
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
         """Builds the config from keyword options, naming any unknown one."""

@@ -26,6 +26,7 @@ from hetmoe.engine.model_setup import (
     share_cores,
 )
 from hetmoe.engine.model_source import check_fits, open_model
+from hetmoe.engine.overlap import all_on_cpu_backend
 from hetmoe.engine.request import Event
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.engine.sampler import GenerationOutput, SamplingParams, request_params
@@ -113,23 +114,13 @@ class LLM:
             int(getattr(config, "max_position_embeddings", _DEFAULT_MAX_SEQ_LEN)),
             _DEFAULT_MAX_SEQ_LEN,
         )
-        if self.options.deferred and self.device.type != "cuda":
-            raise ValueError(
-                f"option deferred={self.options.deferred} needs GPU decode with every MoE "
-                f"layer's routed experts in the cpu backend; this run decodes on "
-                f"{self.device.type} (use deferred=0)"
-            )
+        self.options.check_deferred(self.device.type, all_on_cpu_backend(self.model))
         # The fused decode step cuts GPU launches; on the CPU device the HF layers run.
         runner_options = dataclasses.replace(
             self.options, fused_decode=self.options.fused_decode and self.device.type == "cuda")
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.options.max_batch,
                                   window, runner_options)
         self.runner.adapters = LoraAdapters.load(self.model, adapters, lora)
-        if self.options.deferred and self.runner.overlap is None:
-            raise ValueError(
-                f"option deferred={self.options.deferred} needs every MoE layer's routed experts "
-                "in the cpu backend (use deferred=0)"
-            )
         self.eos_token_ids = eos_ids(self.path, config, self.tokenizer)
         self.constraints = Constraints(self.tokenizer, self.eos_token_ids, self.runner.vocab_size,
                                        str(self.path))
