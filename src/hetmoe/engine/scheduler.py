@@ -2,12 +2,14 @@
 
 The only loop of the engine: `LLM.generate / stream / chat` run it synchronously in the caller's
 thread (`run_once` until their request ends), the server on a thread of its own. Each step it
-admits waiting requests into free slots and prefills them (while others decode, at most
-`EngineConfig.prefill_chunk` prompt tokens per step: a long prompt stalls the running streams one
-chunk at a time, not for its whole prefill), then decodes every other active sequence in ONE
-batched step (`runner.step(StepPlan)`), so each expert's weights are read once per step for the
-whole batch; a batch of greedy requests that want no logits (no logprobs, penalty or
-`response_format`) gets tokens, with the next step launched ahead by the runner. Each request
+admits waiting requests into free KV slots (the rest wait in order, never fail, until slots are
+freed) and sends the runner ONE plan (`runner.step(StepPlan)`): prompt chunks of the requests
+being prefilled, at most `EngineConfig.prefill_chunk` prompt tokens in all (a long prompt stalls
+the running streams one chunk at a time; with nothing decoding the first takes its whole
+prompt), run as rows of one forward pass; then a decode row for every other active sequence in
+ONE batched step, so each expert's weights are read once per pass for the whole batch; a batch
+of greedy requests that want no logits (no logprobs, penalty or `response_format`) gets tokens,
+with the next step launched ahead by the runner while nothing is being prefilled. Each request
 keeps its own sampler (seed, penalties, format constraint) and stop strings; EOS, stop strings,
 `max_new_tokens` and a full context window end it here and nowhere else. A request of `n`
 choices is prefilled once and its KV copied into the other choices' slots. Log-probabilities
