@@ -1,0 +1,135 @@
+"""`hetmoe batch IN.jsonl OUT.jsonl`: an offline job in the OpenAI Batch format.
+
+Every line is answered by the server's own routes in this process (so its outputs are what the
+API answers the same request), all submitted together to one scheduler so they batch; the job
+itself (lines, resuming, result files) is engine/batch_job.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from hetmoe.cli_exit import fail, load_llm
+from hetmoe.config import EngineConfig
+
+if TYPE_CHECKING:
+    from hetmoe.engine.batch_job import JobFiles, JobLine
+    from hetmoe.engine.engine import LLM
+
+_DEFAULTS = EngineConfig()
+IN_FLIGHT = 4096
+"""Requests handed to the scheduler at once at most (each holds its prompt and state)."""
+
+
+def batch(
+    input: Annotated[Path, typer.Argument(help="Requests, one JSON object a line (OpenAI Batch "
+                                               "input: custom_id, method, url, body)")],
+    output: Annotated[Path, typer.Argument(help="Results (OpenAI Batch output); a rerun "
+                                                "skips the requests already in it")],
+    model: Annotated[str | None, typer.Option(
+        help="Model to load (default: the `model` of the first request)")] = None,
+    errors: Annotated[Path | None, typer.Option(
+        help="Errors per line and failed requests (default: OUTPUT with .errors.jsonl)")] = None,
+    max_batch: Annotated[int, typer.Option(
+        help="KV slots: requests decoded together")] = _DEFAULTS.max_batch,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:N")] = None,
+    dtype: Annotated[str, typer.Option(
+        help="auto, float32, bfloat16 or float16")] = _DEFAULTS.dtype,
+    max_seq_len: Annotated[int | None, typer.Option(help="Context window")] = None,
+    experts: Annotated[str | None, typer.Option(help="Routed-expert backend")] = None,
+    prefill_chunk: Annotated[int, typer.Option(
+        help="Prompt tokens prefilled per step (0 = no limit)")] = _DEFAULTS.prefill_chunk or 0,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress",
+                                           help="Show the progress bar")] = True,
+) -> None:
+    """Run a file of chat/completions requests (OpenAI Batch format) through MODEL.
+
+    Results are written as requests end; a job killed midway continues where it stopped when
+    run again with the same files.
+    """
+    from hetmoe.engine.batch_job import JobFiles, JobLine, LineError, read_lines
+
+    if not input.is_file():
+        fail(FileNotFoundError(f"input file {input} does not exist"))
+    errors = errors or output.with_name(output.name.removesuffix(".jsonl") + ".errors.jsonl")
+    try:
+        lines = list(read_lines(input))
+        files = JobFiles(output, errors)
+    except (ValueError, UnicodeDecodeError) as exc:
+        fail(exc)
+    todo = [line for line in lines if isinstance(line, JobLine) and not files.finished(line)]
+    for bad in lines:
+        if isinstance(bad, LineError) and not files.finished(bad):
+            files.error(bad)
+            typer.echo(f"{input}: line {bad.number}: {bad.reason}", err=True)
+    if not todo:
+        files.close()
+        typer.echo(f"nothing to run: the {len(lines)} lines of {input} are answered or invalid")
+        return
+    name = model or next((str(line.body["model"]) for line in todo if "model" in line.body), None)
+    if name is None:
+        files.close()
+        fail(ValueError("no model to load: pass --model or name it in the requests' `model`"))
+    llm = load_llm(name, device, None, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
+                   max_batch=max_batch, prefill_chunk=prefill_chunk or None,
+                   progress=progress)
+    try:
+        asyncio.run(_serve(llm, name, todo, files, progress))
+    finally:
+        files.close()
+    typer.echo(f"{len(todo)} requests answered into {output} (errors: {errors})")
+
+
+async def _serve(llm: LLM, name: str, todo: list[JobLine], files: JobFiles,
+                 show: bool) -> None:
+    """Answers `todo` through the API's routes over an in-process ASGI transport."""
+    import httpx
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from hetmoe.engine.batch_job import run_job
+    from hetmoe.server.app import build_app
+    from hetmoe.server.config import ServerConfig
+    from hetmoe.server.service import ModelService
+
+    service = ModelService(llm, name, max_queue=2**31)  # the job's own requests only
+    transport = httpx.ASGITransport(app=build_app(service, ServerConfig()))
+    bar = Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(),
+                       TextColumn("ETA"), TimeRemainingColumn(), disable=not show)
+    task = bar.add_task("batch", total=len(todo), rate="0.0")
+    started, tokens = time.perf_counter(), 0
+
+    def on_result(completion_tokens: int) -> None:
+        nonlocal tokens
+        tokens += completion_tokens
+        rate = tokens / max(time.perf_counter() - started, 1e-9)
+        bar.update(task, advance=1, rate=f"{rate:.1f}")
+
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1",
+                                 timeout=None) as client:
+
+        async def answer(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+            response = await client.post(url, json={"model": name, **body})
+            try:
+                return response.status_code, dict(response.json())
+            except json.JSONDecodeError:
+                return response.status_code, {"error": {"message": response.text}}
+
+        try:
+            with bar:
+                await run_job(todo, files, answer, on_result, IN_FLIGHT)
+        finally:
+            service.close()

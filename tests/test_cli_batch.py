@@ -1,0 +1,136 @@
+"""`hetmoe batch`: OpenAI Batch lines answered as the API answers them, bad lines reported per
+line without stopping the job, and a killed job resumed with each custom_id exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from hetmoe import LLM
+from hetmoe.cli import app
+from hetmoe.engine.batch_job import JobFiles, LineError, read_lines
+
+MODEL = "tiny-qwen3-moe"
+runner = CliRunner()
+
+
+@pytest.fixture()
+def cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A model cache shared by the CLI tests (presets build once)."""
+    path = tmp_path_factory.getbasetemp() / "cli-cache"
+    monkeypatch.setenv("HETMOE_CACHE_DIR", str(path))
+    return path
+
+
+def chat_line(custom_id: str, text: str, tokens: int) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": text}],
+                     "max_tokens": tokens}}
+
+
+def write(path: Path, lines: list[Any]) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def results(path: Path) -> dict[str, dict[str, Any]]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    ids = [r["custom_id"] for r in records]
+    assert len(ids) == len(set(ids)), f"a custom_id twice in {path}: {sorted(ids)}"
+    return {r["custom_id"]: r for r in records}
+
+
+def test_lines_are_answered_as_single_requests_and_bad_lines_reported(
+    cache: Path, tmp_path: Path
+) -> None:
+    good = [chat_line("a", "Hello", 8), chat_line("b", "What is MoE?", 5),
+            {"custom_id": "c", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": "Once upon", "max_tokens": 6}}]
+    bad = ["not json", {**chat_line("a", "again", 2)}, {**chat_line("x", "Hi", 2), "url": "/v2"},
+           {"method": "POST", "url": "/v1/completions", "body": {}},
+           {**chat_line("s", "Hi", 2), "body": {"messages": [], "stream": True}},
+           {"custom_id": "m", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": "oops"}}]
+    source = write(tmp_path / "in.jsonl", [good[0], good[1], *bad, good[2]])
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["batch", str(source), str(out), "--device", "cpu",
+                                 "--no-progress"])
+    assert result.exit_code == 0, result.output
+    answered = results(out)
+    llm = LLM(MODEL, device="cpu", progress=False)
+    for line in good[:2]:
+        body = answered[line["custom_id"]]["response"]["body"]
+        want = llm.chat(line["body"]["messages"], max_new_tokens=line["body"]["max_tokens"])
+        assert body["choices"][0]["message"]["content"] == want.text
+        assert body["usage"]["completion_tokens"] == line["body"]["max_tokens"]
+    text = answered["c"]["response"]["body"]["choices"][0]["text"]
+    assert text == llm.generate("Once upon", max_new_tokens=6).text
+    assert answered["a"]["response"]["status_code"] == 200 and answered["a"]["error"] is None
+    errors = [json.loads(x) for x in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    messages = {e["error"]["line"]: e["error"]["message"] for e in errors}
+    assert messages[3].startswith("line 3: not JSON")
+    assert messages[4] == "line 4: custom_id 'a' repeats line 1"
+    assert messages[5] == ("line 5: field 'url' must be one of /v1/chat/completions, "
+                           "/v1/completions, got '/v2'")
+    assert messages[6] == "line 6: field 'custom_id' must be a non-empty string"
+    assert messages[7] == ("line 7: field 'body.stream': a batch request is answered whole, "
+                           "not streamed")
+    assert messages[8] == "field 'messages': Input should be a valid array (got 'oops')"
+    failed = next(e for e in errors if e["custom_id"] == "m")
+    assert failed["response"]["status_code"] == 400
+    again = runner.invoke(app, ["batch", str(source), str(out), "--no-progress"])
+    assert again.exit_code == 0 and "nothing to run" in again.output  # all kept, none twice
+    assert len(results(out)) == 3
+
+
+def test_a_killed_job_resumes_with_each_custom_id_once(cache: Path, tmp_path: Path) -> None:
+    lines = [chat_line(f"r{i}", f"Question {i}", 24) for i in range(40)]
+    source = write(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "hetmoe.cli", "batch", str(source), str(out),
+               "--device", "cpu", "--max-batch", "2", "--no-progress"]
+    job = subprocess.Popen(command, env={**os.environ, "HETMOE_CACHE_DIR": str(cache)},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and job.poll() is None:
+            if out.exists() and out.read_text().count("\n") >= 3:
+                break
+            time.sleep(0.01)
+        job.send_signal(signal.SIGKILL)
+    finally:
+        job.wait()
+    kept = results(out)
+    assert 3 <= len(kept) < len(lines), "the job was not killed midway"
+    with out.open("a") as handle:
+        handle.write('{"id": "batch_req_cut", "custom_id": "r3')  # a line cut by the kill
+    result = runner.invoke(app, ["batch", str(source), str(out), "--device", "cpu",
+                                 "--max-batch", "2", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    final = results(out)
+    assert sorted(final) == sorted(line["custom_id"] for line in lines)
+    for custom_id, record in kept.items():
+        assert final[custom_id] == record  # finished lines kept as they were
+    llm = LLM(MODEL, device="cpu", progress=False)
+    for line in lines[::13]:
+        want = llm.chat(line["body"]["messages"], max_new_tokens=24).text
+        assert final[line["custom_id"]]["response"]["body"]["choices"][0]["message"][
+            "content"] == want
+
+
+def test_result_files_of_another_kind_are_refused(tmp_path: Path) -> None:
+    out = write(tmp_path / "out.jsonl", ["a table, not results"])
+    with pytest.raises(ValueError, match=r"out.jsonl: line 1 is not JSON; it is not a result"):
+        JobFiles(out, tmp_path / "errors.jsonl")
+    lines = list(read_lines(write(tmp_path / "in.jsonl", ["[1, 2]", '{"custom_id": "z"}'])))
+    assert lines == [LineError(1, None, "expected a JSON object, got list"),
+                     LineError(2, "z", "field 'method' must be \"POST\", got None")]
