@@ -38,8 +38,8 @@ class EngineConfig:
     """GPU decode with CPU experts: replay decode steps as CUDA graphs (False: the same steps
     launched eagerly, for debugging)."""
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    """Decode batch sizes that get a CUDA graph (a batch is padded to the next one); larger
-    batches run eagerly."""
+    """Decode batch sizes that get a CUDA graph (a batch is padded to the next one); beyond
+    the largest, doublings up to `max_batch` get one too (engine/graphs.py `graph_sizes`)."""
     smallest_window: int = 256
     """Smallest attention window bucket of a decode step with CPU experts (engine/graphs.py);
     at least 2; >= the context window: always the whole window."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hetmoe.engine.graphs import graph_sizes
+
 FOLLOW = [17, 230, 5, 99]  # tokens fed after each prompt, one per decode step
 
 
@@ -130,3 +132,11 @@ def test_greedy_steps_are_the_argmax_decode_loop_and_end_at_the_window(llm_of) -
         assert runner.lengths[slot] == runner.max_seq_len
     finally:
         runner.cache.free(slot)
+
+
+def test_graph_sizes_double_up_to_max_batch() -> None:
+    assert graph_sizes((1, 2, 4, 8), 8) == (1, 2, 4, 8)
+    assert graph_sizes((1, 2, 4, 8), 4) == (1, 2, 4, 8)
+    assert graph_sizes((1, 2, 4, 8), 64) == (1, 2, 4, 8, 16, 32, 64)
+    assert graph_sizes((1, 2, 4, 8), 48) == (1, 2, 4, 8, 16, 32, 48)
+    assert graph_sizes((3,), 10) == (3, 6, 10)

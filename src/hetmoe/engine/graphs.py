@@ -1,14 +1,14 @@
 """`GraphCache`: decode steps captured as CUDA graphs, one per (batch size, attention window).
 
-Each decode batch size in `EngineConfig.graph_batch_sizes` and window bucket gets one CUDA graph
-of the forward pass (embedding to final norm), captured at its first use; the CPU experts' start
-and wait enter it as stream memory operations on ready/done words (engine/host_link.py). A fused
-step is captured in two parts, split before decoder layer `graph_split_layer`: a launch costs the
-CPU about a microsecond per node, and the GPU runs the first part while the CPU launches the
-second. The CPU jobs a step starts are recorded at capture and queued in the pool between the two
-launches, where each waits for its ready word. A batch is padded to the next captured size by
-repeating its first row (same token, slot and position: the cache write is the same, the extra
-outputs are dropped).
+Each decode batch size (`graph_sizes`: `EngineConfig.graph_batch_sizes`, then doublings up to
+`max_batch`) and window bucket gets one CUDA graph of the forward pass (embedding to final norm),
+captured at its first use; the CPU experts' start and wait enter it as stream memory operations on
+ready/done words (engine/host_link.py). A fused step is captured in two parts, split before decoder
+layer `graph_split_layer`: a launch costs the CPU about a microsecond per node, and the GPU runs
+the first part while the CPU launches the second. The CPU jobs a step starts are recorded at
+capture and queued in the pool between the two launches, where each waits for its ready word. A
+batch is padded to the next captured size by repeating its first row (same token, slot and
+position: the cache write is the same, the extra outputs are dropped).
 """
 
 from __future__ import annotations
@@ -43,12 +43,24 @@ class _Graph:
     capture_s: float = 0.0  # wall time of the capture alone (after its eager warm-up step)
 
 
+def graph_sizes(configured: tuple[int, ...], max_batch: int) -> tuple[int, ...]:
+    """The captured batch sizes: `configured`, then the largest doubled while below `max_batch`,
+    and `max_batch` itself, so every decode batch the cache holds replays a graph (graphs are
+    captured at first use: only the sizes a run reaches take memory)."""
+    sizes = set(configured)
+    size = max(sizes)
+    while size < max_batch:
+        size = min(2 * size, max_batch)
+        sizes.add(size)
+    return tuple(sorted(sizes))
+
+
 class GraphCache:
     """Captures and replays decode steps of `step` (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, device: torch.device, overlap: MoEOverlap,
-                 step: StepFn) -> None:
-        self.sizes = sorted(config.graph_batch_sizes)
+                 step: StepFn, max_batch: int = 1) -> None:
+        self.sizes = graph_sizes(config.graph_batch_sizes, max_batch)
         self.split_layer = config.graph_split_layer  # only the fused step calls before_layer
         self.device, self.overlap, self.step = device, overlap, step
         self.graphs: dict[tuple[int, int], _Graph] = {}

@@ -83,7 +83,8 @@ class ModelRunner:
                 compile_ = config.compile_decode and device.type == "cuda"
                 self.fused = FusedDecoder(model, self.overlap, compile_)
             if device.type == "cuda":
-                self.graph_cache = GraphCache(config, device, self.overlap, self._step_forward)
+                self.graph_cache = GraphCache(config, device, self.overlap, self._step_forward,
+                                              max_batch)
         elif config.deferred:
             raise ValueError(f"deferred={config.deferred} needs every MoE layer's routed "
                              "experts in the cpu backend")
