@@ -22,7 +22,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer.split()) for layer in
     "presets",
     "engine",
     "server bench chat_session",
-    "cli cli_convert cli_models cli_train cli_exit",
+    "cli cli_convert cli_models cli_train cli_exit cli_engine cli_batch",
 ))
 
 # (importing package, imported package) -> why it may climb. Two at most.

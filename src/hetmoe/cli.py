@@ -10,33 +10,20 @@ from typing import Annotated, Any
 
 import typer
 
-from hetmoe import cli_batch, cli_convert, cli_models, cli_train
+from hetmoe import cli_convert, cli_engine, cli_models, cli_train
 from hetmoe.chat_session import ChatSession
-from hetmoe.cli_exit import fail, load_llm
+from hetmoe.cli_engine import EngineOptions, adapter_path, engine_options, named_adapters
+from hetmoe.cli_exit import fail
 from hetmoe.config import EngineConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]})
 _DEFAULTS = EngineConfig()
 
-# Options shared by every command that loads a model (annotated types, reusable by new commands).
+# The model argument of every command that loads one; their engine options: cli_engine.py.
 ModelArg = Annotated[str, typer.Argument(
     help="Checkpoint directory, GGUF file, preset (demo, demo-sparse, tiny-qwen3-moe, ...) or "
          "Hub model (org/name[@revision], org/name-GGUF[:QUANT])")]
-RulesOpt = Annotated[Path | None, typer.Option(help="YAML rule file (default: the family's)")]
-DeviceOpt = Annotated[str | None, typer.Option(help="cpu, cuda, cuda:N (default: cuda if any)")]
-DtypeOpt = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16")]
-MaxSeqLenOpt = Annotated[int | None, typer.Option(help="Context window (default: model's, <=4096)")]
-ExpertsOpt = Annotated[str | None, typer.Option(help="Routed-expert backend: torch or cpu")]
-DeferredOpt = Annotated[int, typer.Option(
-    help="GPU decode with CPU experts: experts per token deferred to the next layer (0 = exact)")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Print the injection report")]
-PrefillExpertsOpt = Annotated[str, typer.Option(
-    help="GPU with CPU experts: where prefill runs the routed experts: auto (by this machine's "
-         "measured costs, see hetmoe calibrate), cpu, gpu (streamed) or split (both at once)")]
-GpuExpertsOpt = Annotated[str, typer.Option(
-    help="GPU decode with CPU experts: GiB of routed experts kept resident on the GPU and "
-         "computed there (auto: what the GPU has left after the rest; 0: all on the CPU)")]
 MaxNewOpt = Annotated[int, typer.Option(help="Tokens to generate at most")]
 TemperatureOpt = Annotated[float, typer.Option(help="0 = greedy")]
 TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off)")]
@@ -46,8 +33,6 @@ StopOpt = Annotated[list[str] | None, typer.Option(metavar="TEXT",
                                                    help="Stop string (repeatable)")]
 LoraOpt = Annotated[Path | None, typer.Option(
     help="PEFT LoRA adapter to apply: a directory or a Hub repo (org/name)")]
-ChatTemplateOpt = Annotated[Path | None, typer.Option(
-    help="Jinja chat template file replacing the model's (checked before loading)")]
 
 
 def _version(value: bool) -> None:
@@ -72,19 +57,6 @@ def main(token: Annotated[str | None, typer.Option(
         os.environ["HF_TOKEN"] = token
 
 
-def gpu_expert_bytes(gib: str) -> int | str:
-    """`--gpu-expert-gib` as `EngineConfig.gpu_expert_bytes`: "auto" or GiB >= 0 in bytes."""
-    if gib == "auto":
-        return gib
-    try:
-        value = float(gib)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        fail(ValueError(f"--gpu-expert-gib takes auto or GiB >= 0, got {gib!r}"))
-    return int(value * 2**30)
-
-
 def checked_sampling(**sampling: Any) -> dict[str, Any]:
     """`sampling` (LLM.generate keywords), checked before any model loads: a bad value ends the
     command with a one-line message instead of after minutes of loading."""
@@ -98,6 +70,7 @@ def checked_sampling(**sampling: Any) -> dict[str, Any]:
 
 
 @app.command()
+@engine_options
 def generate(
     model: ModelArg,
     prompt: Annotated[str, typer.Argument(help="Prompt text")],
@@ -107,20 +80,12 @@ def generate(
     top_k: TopKOpt = 0,
     seed: SeedOpt = None,
     stop: StopOpt = None,
-    rules: RulesOpt = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = _DEFAULTS.dtype,
-    max_seq_len: MaxSeqLenOpt = None,
-    experts: ExpertsOpt = None,
-    deferred: DeferredOpt = _DEFAULTS.deferred,
-    prefill_experts: PrefillExpertsOpt = _DEFAULTS.prefill_experts,
-    gpu_expert_gib: GpuExpertsOpt = "auto",
-    verbose: VerboseOpt = False,
     raw: Annotated[bool, typer.Option(
         "--raw", help="Send PROMPT as plain text, not as a user message in the chat template")
     ] = False,
     lora: LoraOpt = None,
-    chat_template: ChatTemplateOpt = None,
+    *,
+    engine: EngineOptions,
 ) -> None:
     """Answer PROMPT, streamed to stdout.
 
@@ -129,10 +94,7 @@ def generate(
     """
     sampling = checked_sampling(max_new_tokens=max_new_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, seed=seed, stop=stop)
-    llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
-                   deferred=deferred, verbose=verbose, lora=lora and adapter_path(lora),
-                   prefill_experts=prefill_experts, chat_template=chat_template,
-                   gpu_expert_bytes=gpu_expert_bytes(gpu_expert_gib))
+    llm = engine.load(model, lora=lora and adapter_path(lora))
     try:
         if raw or not llm.has_chat_template:
             pieces = llm.stream(prompt, **sampling)
@@ -146,6 +108,7 @@ def generate(
 
 
 @app.command()
+@engine_options
 def chat(
     model: ModelArg,
     system: Annotated[str | None, typer.Option(help="System message")] = None,
@@ -154,20 +117,12 @@ def chat(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     seed: SeedOpt = None,
-    rules: RulesOpt = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = _DEFAULTS.dtype,
-    max_seq_len: MaxSeqLenOpt = None,
-    experts: ExpertsOpt = None,
-    deferred: DeferredOpt = _DEFAULTS.deferred,
-    prefill_experts: PrefillExpertsOpt = _DEFAULTS.prefill_experts,
-    gpu_expert_gib: GpuExpertsOpt = "auto",
-    verbose: VerboseOpt = False,
     url: Annotated[str | None, typer.Option(
         help="Chat with a running server (http://host:port) that serves MODEL")] = None,
     api_key: Annotated[str | None, typer.Option(help="Bearer key of the server at --url")] = None,
     lora: LoraOpt = None,
-    chat_template: ChatTemplateOpt = None,
+    *,
+    engine: EngineOptions,
 ) -> None:
     """Chat with MODEL in the terminal.
 
@@ -180,7 +135,7 @@ def chat(
     if url is not None:
         from hetmoe.server.client import ChatClient, ServerError, remote_chat
 
-        if chat_template is not None:
+        if engine.chat_template is not None:
             fail(ValueError("--chat-template applies to a model loaded here; the server at --url "
                             "renders with its own (hetmoe serve --chat-template FILE)"))
 
@@ -199,10 +154,7 @@ def chat(
         except ServerError as exc:
             fail(exc)
         return
-    llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
-                   deferred=deferred, verbose=verbose, lora=lora and adapter_path(lora),
-                   prefill_experts=prefill_experts, chat_template=chat_template,
-                   gpu_expert_bytes=gpu_expert_bytes(gpu_expert_gib))
+    llm = engine.load(model, lora=lora and adapter_path(lora))
     typer.echo("chat: type a message; /help lists the commands, /exit quits")
 
     def answer(history: list[dict[str, str]]) -> str | None:
@@ -227,6 +179,7 @@ def chat(
 
 
 @app.command()
+@engine_options
 def serve(
     model: ModelArg,
     host: Annotated[str | None, typer.Option(help="Interface (default: 127.0.0.1 only)")] = None,
@@ -239,14 +192,6 @@ def serve(
         help="Name clients send as `model` (default: MODEL as given)")] = None,
     max_batch: Annotated[int, typer.Option(
         help="KV slots: requests decoded together")] = _DEFAULTS.max_batch,
-    rules: RulesOpt = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = _DEFAULTS.dtype,
-    max_seq_len: MaxSeqLenOpt = None,
-    experts: ExpertsOpt = None,
-    deferred: DeferredOpt = _DEFAULTS.deferred,
-    prefill_experts: PrefillExpertsOpt = _DEFAULTS.prefill_experts,
-    gpu_expert_gib: GpuExpertsOpt = "auto",
     prefix_cache: Annotated[bool, typer.Option(
         "--prefix-cache/--no-prefix-cache",
         help="Reuse earlier requests' KV for prompts that start alike")] = _DEFAULTS.prefix_cache,
@@ -260,8 +205,8 @@ def serve(
         help="A PEFT LoRA adapter (directory or Hub repo org/name) that requests select with "
              "`model: NAME` "
              "(repeatable; the base model keeps its own name)")] = None,
-    chat_template: ChatTemplateOpt = None,
-    verbose: VerboseOpt = False,
+    *,
+    engine: EngineOptions,
 ) -> None:
     """Serve MODEL over an OpenAI-style API.
 
@@ -278,44 +223,15 @@ def serve(
         fail(exc)
     if not prefill_resident_gib >= 0:
         fail(ValueError(f"--prefill-resident-gib must be >= 0, got {prefill_resident_gib}"))
-    budget = gpu_expert_bytes(gpu_expert_gib)
+    budget = engine.expert_bytes()
     if prefill_resident_gib > 0:
         typer.echo(f"--prefill-resident-gib is now --gpu-expert-gib (resident experts serve "
                    f"prefill and decode): {prefill_resident_gib} GiB", err=True)
         budget = int(prefill_resident_gib * 2**30)
     adapters = named_adapters(lora or [], config.model_name or model)
-    llm = load_llm(model, device, rules, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
-                   deferred=deferred, verbose=verbose,
-                   prefill_experts=prefill_experts, max_batch=max_batch,
-                   prefix_cache=prefix_cache, prefill_chunk=prefill_chunk or None,
-                   lora=adapters, chat_template=chat_template, gpu_expert_bytes=budget)
+    llm = engine.load(model, max_batch=max_batch, prefix_cache=prefix_cache,
+                      prefill_chunk=prefill_chunk or None, lora=adapters, gpu_expert_bytes=budget)
     serve_app(llm, config.model_name or model, config)
-
-
-def named_adapters(specs: list[str], base: str) -> dict[str, str] | None:
-    """{name: path} of `--lora NAME=PATH` options (None: none), checked before loading."""
-    named: dict[str, str] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            fail(ValueError(f"--lora takes NAME=PATH, got {spec!r}"))
-        if name == base or name in named:
-            fail(ValueError(f"--lora name {name!r} is already the name of the base model or "
-                            "of another adapter"))
-        named[name] = str(adapter_path(path))
-    return named or None
-
-
-def adapter_path(path: str | Path) -> Path:
-    """`path`, or the cached directory of the Hub LoRA adapter repo it names (org/name[@rev],
-    fetched on first use)."""
-    from hetmoe.loading.hub import fetch_named
-
-    try:
-        hub = fetch_named(path, adapter=True)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        fail(exc)
-    return Path(path) if hub is None else hub.snapshot
 
 
 @app.command()
@@ -355,8 +271,8 @@ def bench(
             shape=random_weights, model=model, experts=experts, weight_format=weight_format,
             deferred=_ints(deferred, "deferred"), prompt_len=prompt_len, new_tokens=new_tokens,
             prefill_lengths=_ints(prefill, "prefill"), eager=eager, alternatives=alternatives,
-            trace=str(trace) if trace else None, num_layers=num_layers,
-            bandwidth_gib=bandwidth_gib, gpu_expert_bytes=gpu_expert_bytes(gpu_expert_gib),
+            trace=str(trace) if trace else None, num_layers=num_layers, bandwidth_gib=bandwidth_gib,
+            gpu_expert_bytes=cli_engine.gpu_expert_bytes(gpu_expert_gib),
         )
         result = run_bench(cfg, log=lambda line: typer.echo(line, err=True))
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
@@ -418,7 +334,6 @@ app.command()(cli_convert.convert)
 app.command(short_help="Print this machine's facts and rates, or MODEL's memory plan.")(
     cli_convert.info)
 app.command()(cli_train.sft)
-app.command()(cli_batch.batch)
 app.command()(cli_models.pull)
 app.command()(cli_models.ls)
 app.command(short_help="Remove a cached Hub model (files, record, conversions).")(

@@ -92,7 +92,7 @@ def test_auto_leaves_staging_graphs_and_a_margin_and_clamping_names_the_bytes() 
 def test_the_cli_option_reads_gib_or_auto(capsys: pytest.CaptureFixture[str]) -> None:
     import typer
 
-    from hetmoe.cli import gpu_expert_bytes
+    from hetmoe.cli_engine import gpu_expert_bytes
 
     assert gpu_expert_bytes("auto") == "auto"
     assert gpu_expert_bytes("1.5") == 3 * GIB // 2

@@ -127,7 +127,8 @@ def test_serve_passes_prefill_options_and_checks_them_before_loading(
     from hetmoe.server import app as server_app
 
     seen: dict[str, object] = {}
-    monkeypatch.setattr(cli, "load_llm", lambda model, device, rules, **o: seen.update(o))
+    monkeypatch.setattr("hetmoe.cli_engine.load_llm",
+                        lambda model, device, rules, **o: seen.update(o))
     monkeypatch.setattr(server_app, "serve", lambda llm, name, config: None)
     runner = CliRunner()
     done = runner.invoke(cli.app, ["serve", "m", "--prefill-chunk", "512",
@@ -155,7 +156,8 @@ def test_chat_template_option_reaches_the_engine_and_is_checked_first(
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     seen: dict[str, object] = {}
     with monkeypatch.context() as patched:
-        patched.setattr(cli, "load_llm", lambda model, device, rules, **o: seen.update(o))
+        patched.setattr("hetmoe.cli_engine.load_llm",
+                        lambda model, device, rules, **o: seen.update(o))
         patched.setattr(server_app, "serve", lambda llm, name, config: None)
         done = CliRunner().invoke(cli.app, ["serve", "m", "--chat-template", str(template)])
     assert done.exit_code == 0, done.output

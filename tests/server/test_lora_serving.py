@@ -52,7 +52,8 @@ def test_lora_option_is_checked_before_loading(monkeypatch: pytest.MonkeyPatch) 
     from hetmoe import cli
 
     seen: dict[str, object] = {}
-    monkeypatch.setattr(cli, "load_llm", lambda model, device, rules, **o: seen.update(o))
+    monkeypatch.setattr("hetmoe.cli_engine.load_llm",
+                        lambda model, device, rules, **o: seen.update(o))
     monkeypatch.setattr("hetmoe.server.app.serve", lambda llm, name, config: None)
     runner = CliRunner()
     done = runner.invoke(cli.app, ["serve", "m", "--lora", "a=/x", "--lora", "b=/y"])
