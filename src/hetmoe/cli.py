@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from hetmoe import cli_convert, cli_engine, cli_models, cli_train
+from hetmoe import cli_batch, cli_convert, cli_engine, cli_models, cli_train
 from hetmoe.chat_session import ChatSession
 from hetmoe.cli_engine import EngineOptions, adapter_path, engine_options, named_adapters
 from hetmoe.cli_exit import fail
@@ -334,6 +334,7 @@ app.command()(cli_convert.convert)
 app.command(short_help="Print this machine's facts and rates, or MODEL's memory plan.")(
     cli_convert.info)
 app.command()(cli_train.sft)
+app.command()(cli_batch.batch)
 app.command()(cli_models.pull)
 app.command()(cli_models.ls)
 app.command(short_help="Remove a cached Hub model (files, record, conversions).")(
