@@ -70,9 +70,10 @@ class EngineConfig:
     chunks, so a long prompt stalls them one chunk at a time); None: a prompt at once."""
     prefix_cache: bool = True
     """Reuse the KV cache of earlier requests (kept in their slots) for a new prompt that starts
-    with the same tokens (engine/prefix_cache.py). Exact with torch experts; the C++ CPU experts
-    round by how many tokens a call carries, so a cached prefix may differ in the last bits and
-    a near tie may flip a greedy token (off for bit-reproducible evaluation)."""
+    with the same tokens (engine/prefix_cache.py). Exact with torch experts in float32; the C++
+    CPU experts (and, in bf16, torch's matmuls) round by how many tokens a call carries, so a
+    cached prefix may differ in the last bits and a near tie may flip a greedy token (off for
+    bit-reproducible evaluation)."""
     verbose: bool = False
     """Print the injection report (what was replaced, on which device) after loading."""
     progress: bool = True
