@@ -134,3 +134,16 @@ def test_result_files_of_another_kind_are_refused(tmp_path: Path) -> None:
     lines = list(read_lines(write(tmp_path / "in.jsonl", ["[1, 2]", '{"custom_id": "z"}'])))
     assert lines == [LineError(1, None, "expected a JSON object, got list"),
                      LineError(2, "z", "field 'method' must be \"POST\", got None")]
+
+
+def test_an_invalid_line_never_hides_a_request_of_the_same_custom_id(tmp_path: Path) -> None:
+    # Killed after line 2 (a repeat of "a") was reported but before line 1 ("a") was answered:
+    # the rerun must still answer line 1, and report line 2 no more.
+    source = write(tmp_path / "in.jsonl", [chat_line("a", "Hi", 2), chat_line("a", "Ho", 2)])
+    first, repeat = list(read_lines(source))
+    assert isinstance(repeat, LineError) and repeat.reason == "custom_id 'a' repeats line 1"
+    files = JobFiles(tmp_path / "out.jsonl", tmp_path / "errors.jsonl")
+    files.error(repeat)
+    files.close()
+    again = JobFiles(tmp_path / "out.jsonl", tmp_path / "errors.jsonl")
+    assert not again.finished(first) and again.finished(repeat)

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from hetmoe.cli_exit import fail, load_llm
+from hetmoe.cli_engine import EngineOptions, engine_options
+from hetmoe.cli_exit import fail
 from hetmoe.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ IN_FLIGHT = 4096
 """Requests handed to the scheduler at once at most (each holds its prompt and state)."""
 
 
+@engine_options
 def batch(
     input: Annotated[Path, typer.Argument(help="Requests, one JSON object a line (OpenAI Batch "
                                                "input: custom_id, method, url, body)")],
@@ -38,15 +40,12 @@ def batch(
         help="Errors per line and failed requests (default: OUTPUT with .errors.jsonl)")] = None,
     max_batch: Annotated[int, typer.Option(
         help="KV slots: requests decoded together")] = _DEFAULTS.max_batch,
-    device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:N")] = None,
-    dtype: Annotated[str, typer.Option(
-        help="auto, float32, bfloat16 or float16")] = _DEFAULTS.dtype,
-    max_seq_len: Annotated[int | None, typer.Option(help="Context window")] = None,
-    experts: Annotated[str | None, typer.Option(help="Routed-expert backend")] = None,
     prefill_chunk: Annotated[int, typer.Option(
         help="Prompt tokens prefilled per step (0 = no limit)")] = _DEFAULTS.prefill_chunk or 0,
     progress: Annotated[bool, typer.Option("--progress/--no-progress",
                                            help="Show the progress bar")] = True,
+    *,
+    engine: EngineOptions,
 ) -> None:
     """Run a file of chat/completions requests (OpenAI Batch format) through MODEL.
 
@@ -76,9 +75,8 @@ def batch(
     if name is None:
         files.close()
         fail(ValueError("no model to load: pass --model or name it in the requests' `model`"))
-    llm = load_llm(name, device, None, dtype=dtype, max_seq_len=max_seq_len, experts=experts,
-                   max_batch=max_batch, prefill_chunk=prefill_chunk or None,
-                   progress=progress)
+    llm = engine.load(name, max_batch=max_batch, prefill_chunk=prefill_chunk or None,
+                      progress=progress)
     try:
         asyncio.run(_serve(llm, name, todo, files, progress))
     finally:
