@@ -103,7 +103,8 @@ async def _serve(llm: LLM, name: str, todo: list[JobLine], files: JobFiles,
     from hetmoe.server.service import ModelService
 
     service = ModelService(llm, name, max_queue=2**31)  # the job's own requests only
-    transport = httpx.ASGITransport(app=build_app(service, ServerConfig()))
+    local = ServerConfig(max_body_bytes=1 << 30)  # lines of a local file: no web-sized limit
+    transport = httpx.ASGITransport(app=build_app(service, local))
     bar = Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(),
                        TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(),
                        TextColumn("ETA"), TimeRemainingColumn(), disable=not show)
