@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hetmoe.server.tool_grammar import generic_forced
-from hetmoe.server.tool_parsers import ToolFormat, _json_prefix, _named, detect
+from hetmoe.server.tool_parsers import ToolFormat, detect, json_prefix, named_call
 
 START = '{"tool_call"'
 _HEADER = re.compile(r'\{"tool_call"\s*:\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
@@ -40,10 +40,10 @@ def _call(text: str) -> tuple[tuple[str, object], str] | None:
         tail = _TAIL.match(text, end)
         if tail is not None:
             return (header.group(1), text[header.end():end]), text[tail.end():]
-    found = _json_prefix(text)  # other spacing or key order
+    found = json_prefix(text)  # other spacing or key order
     if found is None or not isinstance(found[0], dict) or set(found[0]) != {"tool_call"}:
         return None
-    call = _named(found[0]["tool_call"])
+    call = named_call(found[0]["tool_call"])
     return (call, found[1]) if call is not None else None
 
 

@@ -107,7 +107,7 @@ class ToolFormat:
         return ParsedOutput(text[:at] + rest, tuple(calls)) if calls else None
 
 
-def _json_prefix(text: str) -> tuple[object, str] | None:
+def json_prefix(text: str) -> tuple[object, str] | None:
     """The JSON value at the start of `text` (after blanks) and what follows it."""
     text = text.lstrip()
     try:
@@ -117,7 +117,8 @@ def _json_prefix(text: str) -> tuple[object, str] | None:
     return value, text[end:]
 
 
-def _named(value: object) -> tuple[str, object] | None:
+def named_call(value: object) -> tuple[str, object] | None:
+    """(name, arguments) of a call object `{"name", "arguments" (or "parameters")}`, else None."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     return value["name"], value.get("arguments", value.get("parameters", {}))
@@ -133,8 +134,8 @@ def _split_qwen(text: str) -> tuple[str, list[tuple[str, object]]] | None:
     for match in _QWEN_CALL.finditer(text):
         call: tuple[str, object] | None = _qwen_raw(match.group(0))
         if call is None:
-            found = _json_prefix(match.group(1))
-            call = _named(found[0]) if found else None
+            found = json_prefix(match.group(1))
+            call = named_call(found[0]) if found else None
             if found is None or call is None or found[1].strip():
                 return None
         calls.append(call)
@@ -161,17 +162,17 @@ def _split_mistral(text: str) -> tuple[str, list[tuple[str, object]]] | None:
     if "[ARGS]" in body:  # v11+ tokenizers: name[ARGS]{...} per call, each after [TOOL_CALLS]
         for part in body.split("[TOOL_CALLS]"):
             name, _, args = part.partition("[ARGS]")
-            found = _json_prefix(args)
+            found = json_prefix(args)
             if found is None or found[1].strip():
                 return None
             calls.append((name.strip(), found[0]))
         return "", calls
-    found = _json_prefix(body)
+    found = json_prefix(body)
     if found is None:
         return None
     value, rest = found
     for item in value if isinstance(value, list) else [value]:
-        call = _named(item)
+        call = named_call(item)
         if call is None:
             return None
         calls.append(call)
