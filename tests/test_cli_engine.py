@@ -1,0 +1,47 @@
+"""The engine options of generate, chat and serve: one definition (cli_engine.EngineOptions),
+the same options on every command, each value reaching `LLM`."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from hetmoe import cli
+from hetmoe.cli_engine import EngineOptions
+
+OPTIONS = ["--rules", "--device", "--dtype", "--max-seq-len", "--experts", "--deferred",
+           "--prefill-experts", "--gpu-expert-gib", "--chat-template", "--verbose"]
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_every_model_command_takes_the_engine_options(command: str) -> None:
+    text = CliRunner().invoke(cli.app, [command, "-h"]).output
+    assert [f"--{f.name.replace('_', '-')}" for f in fields(EngineOptions)] == OPTIONS
+    assert all(f"  {option} " in text or f" {option}  " in text for option in OPTIONS), text
+
+
+def test_the_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, object] = {}
+
+    def load(model: str, device: str | None, rules: object, **options: object) -> None:
+        seen.update(model=model, device=device, rules=rules, **options)
+        raise typer.Exit(0)  # loads nothing
+
+    monkeypatch.setattr("hetmoe.cli_engine.load_llm", load)
+    done = CliRunner().invoke(cli.app, ["generate", "m", "hi", "--device", "cpu", "--dtype",
+                                        "float32", "--max-seq-len", "64", "--experts", "torch",
+                                        "--gpu-expert-gib", "0.5", "-v"])
+    assert done.exit_code == 0, done.output
+    assert seen == dict(model="m", device="cpu", rules=None, dtype="float32", max_seq_len=64,
+                        experts="torch", deferred=0, prefill_experts="auto", chat_template=None,
+                        verbose=True, gpu_expert_bytes=2**29, lora=None)
+    seen.clear()
+    with pytest.raises(typer.Exit):  # a command's own keywords win
+        EngineOptions().load("m", gpu_expert_bytes=7, max_batch=2)
+    assert seen["gpu_expert_bytes"] == 7 and seen["max_batch"] == 2 and seen["dtype"] == "auto"
+    done = CliRunner().invoke(cli.app, ["chat", "m", "--gpu-expert-gib", "lots"])
+    assert done.exit_code == 1 and "--gpu-expert-gib takes auto or GiB >= 0, got 'lots'" in (
+        done.output)
