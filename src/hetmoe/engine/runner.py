@@ -10,7 +10,8 @@ The one runner for prefill and decode, single-threaded (one owner at a time). ON
   one's tokens are read. A step launched ahead that the next plan does not continue is waited
   for and rolled back (`settle`), as is any before another call touches the cache.
 - Shorthands of `step` for tests and scripts: `prefill(slot, token_ids, start=0) -> [V]`,
-  `prefill_logits -> [T, V]`, `decode(slots, token_ids) -> [B, V]`. `max_batch`,
+  `prefill_logits -> [T, V]`, `decode(slots, token_ids) -> [B, V]`, `greedy(slot, token,
+  limit)` (greedy plans with `ahead`, token by token). `max_batch`,
   `max_seq_len`, `vocab_size`, `lengths[slot]`, `cache.allocate()`, `free(slot)`, `check_chunk`;
   `adapters`: LoRA adapters per slot.
 

@@ -202,14 +202,15 @@ class Scheduler:
         fills = self._chunks(bool(batch))
         if not batch and not fills:
             return
-        greedy = not any(r.sampler.needs_logits for r in batch)
+        # Tokens, not logits, when no row needs them; the next step launched ahead only when
+        # it will be the same rows (every row wants more, nothing admitted or being prefilled).
+        greedy = bool(batch) and not any(r.sampler.needs_logits for r in batch)
         more = all(r.params.max_new_tokens - len(r.output_ids) > 1 for r in batch)
         admitting = bool(self._waiting) and (
             len(self._running) + len(self._waiting[0].group) <= self.runner.max_batch)
         plan = StepPlan(tuple(r.slot for r in batch), tuple(r.output_ids[-1] for r in batch),
-                        greedy=greedy and bool(batch), ahead=greedy and more and not admitting
-                        and not self._filling and bool(batch),
-                        prefills=tuple(chunk for _, chunk in fills))
+                        greedy=greedy, ahead=greedy and more and not admitting
+                        and not self._filling, prefills=tuple(chunk for _, chunk in fills))
         out = self.runner.step(plan)
         for (first, chunk), logits in zip(fills, out.prefill_logits, strict=True):
             self._prefilled(first, chunk, logits)
