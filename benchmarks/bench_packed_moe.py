@@ -2,8 +2,9 @@
 (kernels/packed_moe.py) against the torch unpack + grouped GEMM they replace, per format and
 token count, beside the floors measured in the same run: the bytes the layer must read (the
 distinct experts routed to, packed) over this GPU's measured copy bandwidth, and the FLOPs
-(6 H I per (token, expert) pair) over the bf16 peak. Small T also timed as a CUDA graph replay
-(decode's use). Prints a table and writes JSON.
+(6 H I per (token, expert) pair) over the bf16 peak. Small T (<= 64) also timed as a CUDA
+graph replay (decode's use), and both paths of the kernels at those T: pairs grouped by expert
+(`sorted`) and one pair per program (`pairs`, no routing sort). Prints tables and writes JSON.
 
     python benchmarks/bench_packed_moe.py --out DIR [--formats bf16,int8,int4,fp8]
         [--tokens 1,8,64,512,4096] [--experts 128 --hidden 2048 --intermediate 768 --top-k 8]
@@ -120,6 +121,12 @@ def time_tokens(moe: CpuMoE, raw: torch.Tensor, t: int, k: int, bandwidth: float
         dequant.MEMORY_ORDER[fmt] = mem
     if t <= 64:
         row["packed_graph_ms"] = round(graph_ms(new, repeats), 4)
+        for path in ("sorted", "pairs"):  # the two paths `auto` picks from, both timed
+            def run(path: str = path) -> torch.Tensor:
+                return packed_moe(x, ids, weights, raw, part, fmt, h, moe.group_size, path)
+
+            row[f"{path}_ms"] = round(gpu_ms(run, repeats), 4)
+            row[f"{path}_graph_ms"] = round(graph_ms(run, repeats), 4)
     floor = max(row["bytes_floor_ms"], row["flop_floor_ms"])
     best = min(row["packed_ms"], row.get("packed_graph_ms", float("inf")))
     row["of_floor"] = round(floor / best, 3)
@@ -205,6 +212,12 @@ def main() -> None:
         print(f"| {r['format']} | {r['tokens']} | {r['bytes_floor_ms']} | {r['flop_floor_ms']} "
               f"| {r['packed_ms']} ({r.get('packed_graph_ms', '')}) | {r['unpack_gemm_ms']} | "
               f"{r['speedup']} | {r['of_floor']} |")
+    print("| format | T | sorted ms (graph) | pairs ms (graph) | graph speedup |")
+    print("|---|---:|---:|---:|---:|")
+    for r in (r for r in rows if "pairs_ms" in r):
+        print(f"| {r['format']} | {r['tokens']} | {r['sorted_ms']} ({r['sorted_graph_ms']}) | "
+              f"{r['pairs_ms']} ({r['pairs_graph_ms']}) | "
+              f"{r['sorted_graph_ms'] / r['pairs_graph_ms']:.2f}x |")
     print("swept:", json.dumps(swept))
 
 

@@ -3,7 +3,10 @@ the unpacked weights of the same bytes (every format and group, odd sizes padded
 -1, duplicate ids, experts with 0 and 1 rows, T from 1 to thousands), the original float weights
 within each format's quantization error, a CUDA graph replay, and bad inputs named.
 
-Device tests (`pytest -m device` on a GPU host); the argument checks run everywhere.
+Device tests (`pytest -m device` on a GPU host) cover the real shapes; small shapes of every
+format run everywhere, both paths (grouped by expert, one pair per program), on the GPU when
+there is one and under Triton's interpreter otherwise (tests/kernels/conftest.py); so do the
+argument checks.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ import torch.nn.functional as F
 from hetmoe import env
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.packed_layout import PackedGroup, host_tensor, unpack_group
+from hetmoe.kernels import packed_moe as kernel
 from hetmoe.kernels.packed_moe import check_packed, packed_moe, tile_config, unsupported
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+HERE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where the small-shape tests run the kernels: the GPU, else the CPU under the interpreter."""
 
 # (format, experts, hidden, intermediate, group): odd sizes pad H to 64-k blocks and groups
 # and the slice to whole units; every group size of every quantized format.
@@ -111,14 +117,14 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def test_equals_float64_on_the_same_bytes(shape: tuple, tokens: int) -> None:
     fmt, e, h, i, group = shape
     layer = make_layer(fmt, e, h, i, group, seed=tokens + e)
-    for k in (1, 4):
+    for k, path in [(1, "auto"), (4, "auto"), (4, "sorted" if tokens < 100 else "pairs")]:
         x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(k))
         ids, weights = routing(tokens, k, e, seed=tokens * k)
         out = packed_moe(x.cuda(), ids.cuda(), weights.cuda(), layer.raw.cuda(), layer.part,
-                         fmt, h, layer.moe.group_size)
+                         fmt, h, layer.moe.group_size, path=path)
         assert out.shape == (tokens, h) and out.dtype == torch.float32
         ref = reference(layer, x, ids, weights)
-        assert rel_error(out, ref) < 2e-3, (k, rel_error(out, ref))
+        assert rel_error(out, ref) < 2e-3, (k, path, rel_error(out, ref))
         skipped = (ids < 0).all(1)  # rows routed nowhere are exact zeros
         assert not out[skipped.cuda()].any()
 
@@ -168,7 +174,8 @@ def test_within_the_formats_error_of_the_original_weights(fmt: str) -> None:
 
 @pytest.mark.device
 @cuda
-def test_a_cuda_graph_replays_new_routing() -> None:
+@pytest.mark.parametrize("path", ["pairs", "sorted"])
+def test_a_cuda_graph_replays_new_routing(path: str) -> None:
     """Decode's use: captured once (no host sync inside), replayed on new ids and inputs."""
     layer = make_layer("int4", 6, 256, 384, 64, seed=21)
     raw = layer.raw.cuda()
@@ -177,7 +184,7 @@ def test_a_cuda_graph_replays_new_routing() -> None:
     weights = torch.zeros(4, 2, device="cuda")
 
     def step() -> torch.Tensor:
-        return packed_moe(x, ids, weights, raw, layer.part, "int4", 256, 64)
+        return packed_moe(x, ids, weights, raw, layer.part, "int4", 256, 64, path=path)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -195,6 +202,67 @@ def test_a_cuda_graph_replays_new_routing() -> None:
         weights.copy_(new_w)
         graph.replay()
         assert rel_error(out, reference(layer, new_x, new_ids, new_w)) < 2e-3
+
+
+# Small shapes for the interpreter (about a second a call): every format, each int group
+# layout (int4 runs of 64 k and of one group), hidden sizes padded inside.
+SMALL = [("bf16", 4, 72, 64, None), ("int8", 4, 100, 64, 32), ("int4", 4, 72, 64, 32),
+         ("int4", 3, 128, 128, 128), ("fp8", 4, 100, 128, 128)]
+
+
+@pytest.fixture
+def interpreted() -> None:
+    """The small-shape tests need Triton (the GPU's, or its interpreter on CPU)."""
+    pytest.importorskip("triton", reason="the kernels need Triton (pip install triton)")
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize("shape", SMALL, ids=lambda s: "-".join(map(str, s)))
+def test_small_shapes_equal_float64_on_both_paths(shape: tuple) -> None:
+    fmt, e, h, i, group = shape
+    layer = make_layer(fmt, e, h, i, group, seed=e + h)
+    x = torch.randn(5, h, generator=torch.Generator().manual_seed(1))
+    ids, weights = routing(5, 3, e, seed=2)
+    ids[1] = -1  # a row routed nowhere
+    ids[3, :2] = ids[3, 2]  # one expert in every slot of a row
+    ref = reference(layer, x, ids, weights)
+    for path in ("sorted", "pairs"):
+        out = packed_moe(x.to(HERE), ids.to(HERE), weights.to(HERE), layer.raw.to(HERE),
+                         layer.part, fmt, h, layer.moe.group_size, path=path)
+        assert out.shape == (5, h) and out.dtype == torch.float32
+        assert rel_error(out, ref) < 2e-3, (path, rel_error(out, ref))
+        assert torch.equal(out[1].cpu(), torch.zeros(h))  # cleared, nothing added
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_the_pair_path_reads_any_dtype_and_marks_an_id_past_the_experts() -> None:
+    """bf16 weights and int32 ids read as they are; an id >= E turns its token's row to NaN
+    (no host sync to raise from) and leaves the other rows right."""
+    layer = make_layer("int8", 4, 64, 64, 64, seed=5)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
+    ids, weights = routing(3, 2, 4, seed=7)
+    ids[2, 1] = 4
+    out = packed_moe(x.to(HERE), ids.int().to(HERE), weights.bfloat16().to(HERE),
+                     layer.raw.to(HERE), layer.part, "int8", 64, 64, path="pairs").cpu()
+    assert out[2].isnan().all()
+    ids[2, 1] = -1
+    ref = reference(layer, x, ids, weights.bfloat16().double())
+    assert rel_error(out[:2], ref[:2]) < 2e-3
+
+
+@pytest.mark.parametrize(("tokens", "k", "want"), [(1, 8, "pairs"), (8, 8, "pairs"),
+                                                   (9, 8, "sorted"), (100, 1, "sorted")])
+def test_auto_takes_the_pair_kernels_up_to_the_threshold(monkeypatch: pytest.MonkeyPatch,
+                                                         tokens: int, k: int, want: str) -> None:
+    taken: list[str] = []
+    for name in ("pairs", "sorted"):
+        monkeypatch.setattr(kernel, f"_{name}", lambda *a, name=name: taken.append(name))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ids = torch.zeros(tokens, k, dtype=torch.int64)
+    packed_moe(torch.zeros(tokens, 64), ids, torch.zeros(tokens, k),
+               torch.zeros(40960, dtype=torch.uint8), GROUP, "int8", 64, 64)
+    assert kernel.DECODE_MAX_PAIRS == 64 and taken == [want]
 
 
 GROUP = PackedGroup(address=0, bytes=40960, expert_bytes=20480, down_offset=12288, begin=0,
@@ -229,14 +297,23 @@ def test_the_geometry_of_real_packed_layers_passes() -> None:
     ({"packed": torch.zeros(100, dtype=torch.uint8)}, "not a whole number of experts"),
     ({"packed": torch.zeros(20480)}, "packed must be a contiguous 1-D uint8 tensor"),
     ({}, r"must be on one CUDA device, got cpu"),
+    ({"x": torch.zeros(3, 64, device="meta")}, r"must be on one CUDA device, got cpu, meta"),
 ])
-def test_bad_call_arguments_are_named(change: dict, message: str) -> None:
+def test_bad_call_arguments_are_named(monkeypatch: pytest.MonkeyPatch, change: dict,
+                                      message: str) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU tensors only under it
     args = {"x": torch.zeros(3, 64), "ids": torch.zeros(3, 2, dtype=torch.int64),
             "weights": torch.zeros(3, 2), "packed": torch.zeros(20480, dtype=torch.uint8)}
     args.update(change)
     with pytest.raises(ValueError, match=message):
         packed_moe(args["x"], args["ids"], args["weights"], args["packed"], GROUP, "int8", 64,
                    64)
+
+
+def test_a_bad_path_is_named() -> None:
+    with pytest.raises(ValueError, match="path 'fast' is not one of auto, sorted, pairs"):
+        packed_moe(torch.zeros(3, 64), torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, 2),
+                   torch.zeros(40960, dtype=torch.uint8), GROUP, "int8", 64, 64, path="fast")
 
 
 def test_the_kernels_name_why_they_cannot_run_here() -> None:

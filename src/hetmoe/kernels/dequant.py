@@ -19,6 +19,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+"""Whether Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1 when this module is
+first imported, as the kernel tests set without a GPU). The interpreter truncates fp32 -> bf16
+and multiplies bf16 dot operands as raw bits: under it `to_bf16` rounds on the bits and
+`dot_bf16` multiplies in fp32 (same values: bf16 products are exact in fp32). Compiled kernels
+take the plain branches."""
+
 FORMAT_CODES = {"bf16": 0, "int8": 1, "int4": 2, "fp8": 3}
 """The `FMT` constexpr of each packed format."""
 
@@ -28,6 +35,24 @@ MEMORY_ORDER = {"bf16": False, "int8": True, "int4": False, "fp8": True}
 registers, or load each value (or int4 byte) from its own address. Measured on an H100
 (docs/benchmarks/gpu_kernels.md): the reorder costs bf16 2.4x at 4096 tokens and int4 1.4x in
 decode, and saves int8 and fp8 up to 35 % in decode."""
+
+
+@triton.jit
+def to_bf16(v):
+    """fp32 -> bf16, rounded to nearest even (NaN aside) as torch and the GPU round."""
+    if INTERPRETED:
+        u = v.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        v = u.to(tl.float32, bitcast=True)
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def dot_bf16(a, b, acc):
+    """acc + a @ b of bf16 tiles, fp32 accumulation."""
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -75,7 +100,7 @@ def dequant_half(base, nb, kh, NB_BYTES, SCALE_OFF, G: tl.constexpr, FMT: tl.con
         bias = tl.load((base + meta + 64).to(tl.pointer_type(tl.bfloat16), bitcast=True))
         scale = tl.reshape(scale.to(tl.float32), (NBLK * 16,))
         bias = tl.reshape(bias.to(tl.float32), (NBLK * 16,))
-        w = ((q.to(tl.float32) - 8.0) * scale[:, None] + bias[:, None]).to(tl.bfloat16)
+        w = to_bf16((q.to(tl.float32) - 8.0) * scale[:, None] + bias[:, None])
     else:  # int8 [8 k quads][16 n][4], fp8 [16 k pairs][16 n][2]: half kh % 2 of block kh // 2
         STEPS: tl.constexpr = 8 if FMT == 1 else 16
         s = tl.arange(0, STEPS)
@@ -91,7 +116,7 @@ def dequant_half(base, nb, kh, NB_BYTES, SCALE_OFF, G: tl.constexpr, FMT: tl.con
         groups = NB_BYTES // (16 * G)  # k / G groups per n-block
         s_off = SCALE_OFF + ((nb[:, None] * groups + (kh * 32) // G) * 16 + r[None, :]) * 4
         scale = tl.load((base + s_off).to(tl.pointer_type(tl.float32), bitcast=True))
-        w = (q * tl.reshape(scale, (NBLK * 16,))[:, None]).to(tl.bfloat16)
+        w = to_bf16(q * tl.reshape(scale, (NBLK * 16,))[:, None])
     return w
 
 
@@ -122,7 +147,7 @@ def _gather_half(base, nb, nr, kh, NB_BYTES, SCALE_OFF, G: tl.constexpr,
         bias = tl.load((base + meta + 64).to(tl.pointer_type(tl.bfloat16), bitcast=True))
         w = (q.to(tl.float32) - 8.0) * scale.to(tl.float32)[:, None] \
             + bias.to(tl.float32)[:, None]
-        w = w.to(tl.bfloat16)
+        w = to_bf16(w)
     else:  # int8, fp8: 1024-byte 64-k blocks, half kh % 2 of block kh // 2; fp32 group scales
         off = row[:, None] + (kh // 2) * 1024 + (kh % 2) * 512 + nr[:, None] * (
             4 if FMT == 1 else 2)
@@ -135,6 +160,6 @@ def _gather_half(base, nb, nr, kh, NB_BYTES, SCALE_OFF, G: tl.constexpr,
         groups = NB_BYTES // (16 * G)  # k / G groups per n-block
         s_off = SCALE_OFF + ((nb * groups + (kh * 32) // G) * 16 + nr) * 4
         scale = tl.load((base + s_off).to(tl.pointer_type(tl.float32), bitcast=True))
-        w = (q * scale[:, None]).to(tl.bfloat16)
+        w = to_bf16(q * scale[:, None])
     return w
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hetmoe.kernels.dequant import dequant_half
+from hetmoe.kernels.dequant import dequant_half, dot_bf16
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def moe_down_kernel(act_ptr, packed_ptr, order_ptr, weights_ptr, tile_expert_ptr
                 k = kh * 32 + tl.arange(0, 32)
                 at = tl.load(a_rows[:, None] + k[None, :], mask=live[:, None], other=0.0)
                 w = dequant_half(base, nb, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16, MEM)
-                acc = tl.dot(at, tl.trans(w), acc)
+                acc = dot_bf16(at, tl.trans(w), acc)
         weight = tl.load(weights_ptr + pair, mask=live, other=0.0)
         token = (pair // TOP_K).to(tl.int64)
         dst = out_ptr + token[:, None] * H + n[None, :]

@@ -8,7 +8,9 @@ bf16 weights, fp32 accumulation and SiLU, one rounding of the intermediate to bf
 are grouped by expert on the GPU (`routing_tiles`) and two Triton kernels run over the tiles:
 `moe_gate_up` then `moe_down`. Few rows per expert (decode) take narrow 16-row tiles, many
 (prefill) wider ones (`tile_config`); either way no host sync and a grid fixed by T and K, so
-decode steps can be captured in a CUDA graph.
+decode steps can be captured in a CUDA graph. Few pairs (T K <= `DECODE_MAX_PAIRS`: decode,
+small batches) skip the grouping: `pair_gate_up` and `pair_down` take each pair straight from
+`ids`, two launches per call instead of the ~10 small routing ops beside the two kernels.
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ MEDIUM_M = TileConfig(block_m=64, block_n_gate_up=32, block_n_down=64, num_warps
 LARGE_M = TileConfig(block_m=128, block_n_gate_up=64, block_n_down=64, num_warps=8,
                      num_stages=4)
 """128 rows per expert and more (long prompts): each dequantized weight tile serves 128 rows."""
+
+
+PAIRS = TileConfig(block_m=1, block_n_gate_up=32, block_n_down=64, num_warps=4, num_stages=3)
+"""The unsorted decode kernels: one (token, slot) pair per program."""
+
+DECODE_MAX_PAIRS = 64
+"""Up to this many (token, slot) pairs `packed_moe` runs the unsorted pair kernels."""
+
+PATHS = ("auto", "sorted", "pairs")
+"""`packed_moe` paths: by pair count, grouped by expert, or one pair per program."""
 
 
 def tile_config(pairs: int, num_experts: int) -> TileConfig:
@@ -104,12 +116,27 @@ def matrix_geometry(fmt: str, n: int, k: int, group: int | None) -> tuple[int, i
 
 
 def packed_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: torch.Tensor,
-               part: PackedGroup, fmt: str, hidden: int, group: int | None) -> torch.Tensor:
+               part: PackedGroup, fmt: str, hidden: int, group: int | None,
+               path: str = "auto") -> torch.Tensor:
     """x [T, H] (bf16; other floats are rounded to it), ids [T, K] int (an expert's index in
     `packed`, -1 = skip), weights [T, K] -> [T, H] fp32, this group's share of the routed
-    output. packed: uint8 on x's GPU, experts back to back (e at e * part.expert_bytes)."""
+    output. packed: uint8 on x's GPU, experts back to back (e at e * part.expert_bytes).
+    path: one of `PATHS` ("auto": the pair kernels up to `DECODE_MAX_PAIRS` pairs)."""
     _check_call(x, ids, weights, packed, part, hidden)
     check_packed(part, fmt, hidden, group)
+    if path not in PATHS:
+        raise ValueError(f"packed_moe: path {path!r} is not one of {', '.join(PATHS)}")
+    t, top_k = ids.shape
+    if t and top_k and (path == "pairs" or path == "auto" and t * top_k <= DECODE_MAX_PAIRS):
+        return _pairs(x, ids, weights, packed, part, fmt, hidden, group)
+    if t == 0 or top_k == 0:
+        return torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
+    return _sorted(x, ids, weights, packed, part, fmt, hidden, group)
+
+
+def _sorted(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: torch.Tensor,
+            part: PackedGroup, fmt: str, hidden: int, group: int | None) -> torch.Tensor:
+    """`packed_moe` by the pairs grouped into expert tiles (`routing_tiles`), T K > 0."""
     from hetmoe.kernels.dequant import FORMAT_CODES, MEMORY_ORDER
     from hetmoe.kernels.moe_down import moe_down_kernel
     from hetmoe.kernels.moe_gate_up import moe_gate_up_kernel
@@ -117,8 +144,6 @@ def packed_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed
 
     t, top_k = ids.shape
     out = torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
-    if t == 0 or top_k == 0:
-        return out
     q = None if fmt == "bf16" else group
     slice_ = part.end - part.begin
     hp, hn = padded_hidden(hidden, q), -(-hidden // 16) * 16
@@ -147,6 +172,41 @@ def packed_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed
     return out
 
 
+def _pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: torch.Tensor,
+           part: PackedGroup, fmt: str, hidden: int, group: int | None) -> torch.Tensor:
+    """`packed_moe` by the pair kernels: two launches, no sort, no fill (x, ids and weights
+    read in their own dtypes, out cleared by the gate/up kernel)."""
+    from hetmoe.kernels.dequant import FORMAT_CODES, MEMORY_ORDER
+    from hetmoe.kernels.pair_down import pair_down_kernel
+    from hetmoe.kernels.pair_gate_up import pair_gate_up_kernel
+
+    t, top_k = ids.shape
+    q = None if fmt == "bf16" else group
+    slice_ = part.end - part.begin
+    hp, hn = padded_hidden(hidden, q), -(-hidden // 16) * 16
+    num_e = packed.numel() // part.expert_bytes
+    cfg, mem, code, g = PAIRS, MEMORY_ORDER[fmt], FORMAT_CODES[fmt], q or 64
+    x = x if x.stride(1) == 1 else x.contiguous()
+    flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)  # [T K] views when contiguous
+    act = torch.empty(t * top_k, slice_, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(t, hidden, dtype=torch.float32, device=x.device)
+    n_gate_up = slice_ // cfg.block_n_gate_up
+    zero_cols = 1 << (-(-hidden // n_gate_up) - 1).bit_length()  # pow2 >= H / n_gate_up
+    nb_bytes, scale_off = matrix_geometry(fmt, 2 * slice_, hp, q)
+    pair_gate_up_kernel[(n_gate_up, t * top_k)](
+        x, x.stride(0), flat_ids, packed, act, out, hidden, slice_, part.expert_bytes, nb_bytes,
+        scale_off, num_e, TOP_K=top_k, K_BLOCKS=hp // 64, G=g, FMT=code,
+        BN=cfg.block_n_gate_up, ZN=zero_cols, MEM=mem, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    nb_bytes, scale_off = matrix_geometry(fmt, hn, slice_, q)
+    pair_down_kernel[(-(-hidden // cfg.block_n_down), t * top_k)](
+        act, flat_ids, flat_w, packed, out, hidden, slice_, hn, part.expert_bytes,
+        part.down_offset, nb_bytes, scale_off, num_e, TOP_K=top_k, K_BLOCKS=slice_ // 64, G=g,
+        FMT=code, BN=cfg.block_n_down, MEM=mem, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out
+
+
 def _check_call(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 packed: torch.Tensor, part: PackedGroup, hidden: int) -> None:
     """ValueError naming the tensor whose shape, dtype or device is wrong (no host sync)."""
@@ -166,9 +226,21 @@ def _check_call(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise ValueError(f"packed_moe: packed holds {packed.numel()} bytes, not a whole "
                          f"number of experts of {part.expert_bytes} bytes")
     devices = {t.device for t in (x, ids, weights, packed)}
-    if len(devices) != 1 or x.device.type != "cuda":
+    if len(devices) != 1 or x.device.type != ("cpu" if _interpreting() else "cuda"):
         raise ValueError(f"packed_moe: x, ids, weights and packed must be on one CUDA device, "
                          f"got {', '.join(sorted(map(str, devices)))}")
+
+
+def _interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels on CPU tensors (TRITON_INTERPRET=1, as
+    the kernel tests set on machines without a GPU)."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
 
 
 def unsupported(device: torch.device, fmt: str) -> str:

@@ -1,0 +1,53 @@
+"""Gate/up projection + SiLU of routed experts for few (token, slot) pairs, no sorting.
+
+Decode's path (`packed_moe` with T K <= `DECODE_MAX_PAIRS`): one program takes one pair straight
+from `ids` and BN rows of its expert's gate and the same BN rows of its up matrix (n-blocks 2j
+and 2j + 1), dequantized in registers by `dequant_half`, and writes silu(gate x) * (up x) in
+bf16 (fp32 products and SiLU, one rounding, as `moe_gate_up`) at the pair's row. Pairs with a
+negative id (or one past the experts) write nothing. The slot-0 programs of each token also
+clear its output row for `pair_down`'s atomic adds, so no separate fill runs.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from hetmoe.kernels.dequant import dequant_half, to_bf16
+
+
+@triton.jit
+def pair_gate_up_kernel(x_ptr, stride_x, ids_ptr, packed_ptr, act_ptr, out_ptr, H, S,
+                        EXPERT_BYTES, NB_BYTES, SCALE_OFF, NUM_E, TOP_K: tl.constexpr,
+                        K_BLOCKS, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
+                        ZN: tl.constexpr, MEM: tl.constexpr):
+    """x [T, H] any float (rounded to bf16 here; row stride stride_x); ids [T K] int; packed
+    uint8 (expert e at e * EXPERT_BYTES); act [T K, S] bf16 out; out [T, H] fp32, columns
+    [pid_n ZN, pid_n ZN + ZN) of each token zeroed. K_BLOCKS: 64-k blocks of Hp."""
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
+    token = pair // TOP_K
+    if pair % TOP_K == 0:
+        z = pid_n * ZN + tl.arange(0, ZN)
+        tl.store(out_ptr + token.to(tl.int64) * H + z, tl.zeros((ZN,), tl.float32), mask=z < H)
+    expert = tl.load(ids_ptr + pair)
+    if (expert >= 0) & (expert < NUM_E):
+        x_row = x_ptr + token.to(tl.int64) * stride_x
+        base = packed_ptr + expert.to(tl.int64) * EXPERT_BYTES
+        gate_nb = (pid_n * (BN // 16) + tl.arange(0, BN // 16)) * 2  # [BN / 16] n-blocks
+        acc_g = tl.zeros((BN,), dtype=tl.float32)
+        acc_u = tl.zeros((BN,), dtype=tl.float32)
+        for kb in range(0, K_BLOCKS):
+            for half in tl.static_range(2):
+                kh = kb * 2 + half
+                k = kh * 32 + tl.arange(0, 32)
+                xt = to_bf16(tl.load(x_row + k, mask=k < H, other=0.0)).to(tl.float32)
+                wg = dequant_half(base, gate_nb, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16,
+                                  MEM)
+                wu = dequant_half(base, gate_nb + 1, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16,
+                                  MEM)
+                acc_g += tl.sum(wg.to(tl.float32) * xt[None, :], axis=1)
+                acc_u += tl.sum(wu.to(tl.float32) * xt[None, :], axis=1)
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        r = pid_n * BN + tl.arange(0, BN)  # rows of the group's slice (S is a multiple of 64)
+        tl.store(act_ptr + pair.to(tl.int64) * S + r, to_bf16(act))

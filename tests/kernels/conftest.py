@@ -1,0 +1,14 @@
+"""Without a CUDA GPU the Triton kernels run under Triton's interpreter (numpy, on CPU tensors),
+so CI checks their values too. It must be on before a kernel module is first imported (the
+kernels are decorated then); the kernel modules are imported lazily (first call), so setting it
+while this directory is collected is early enough. Nothing outside `hetmoe.kernels` uses Triton
+on a machine without a GPU, so the variable changes nothing else in the same process."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
