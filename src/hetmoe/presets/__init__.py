@@ -18,7 +18,7 @@ from pathlib import Path
 from hetmoe import env
 
 # Modules that register presets when imported; kept lazy so that a path argument imports nothing.
-_PRESET_MODULES = ("hetmoe.presets.tiny", "hetmoe.presets.demo")
+_PRESET_MODULES = ("hetmoe.presets.tiny", "hetmoe.presets.demo", "hetmoe.presets.demo_moe")
 
 
 @dataclass(frozen=True)

