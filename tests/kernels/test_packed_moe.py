@@ -117,7 +117,7 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def test_equals_float64_on_the_same_bytes(shape: tuple, tokens: int) -> None:
     fmt, e, h, i, group = shape
     layer = make_layer(fmt, e, h, i, group, seed=tokens + e)
-    for k, path in [(1, "auto"), (4, "auto"), (4, "sorted" if tokens < 100 else "pairs")]:
+    for k, path in [(1, "auto"), (1, "pairs"), (4, "sorted"), (4, "pairs")]:
         x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(k))
         ids, weights = routing(tokens, k, e, seed=tokens * k)
         out = packed_moe(x.cuda(), ids.cuda(), weights.cuda(), layer.raw.cuda(), layer.part,
@@ -250,10 +250,13 @@ def test_the_pair_path_reads_any_dtype_and_marks_an_id_past_the_experts() -> Non
     assert rel_error(out[:2], ref[:2]) < 2e-3
 
 
-@pytest.mark.parametrize(("tokens", "k", "want"), [(1, 8, "pairs"), (8, 8, "pairs"),
-                                                   (9, 8, "sorted"), (100, 1, "sorted")])
+@pytest.mark.parametrize(("limit", "tokens", "k", "want"), [
+    (0, 1, 8, "sorted"), (64, 1, 8, "pairs"), (64, 8, 8, "pairs"), (64, 9, 8, "sorted"),
+    (64, 100, 1, "sorted")])
 def test_auto_takes_the_pair_kernels_up_to_the_threshold(monkeypatch: pytest.MonkeyPatch,
-                                                         tokens: int, k: int, want: str) -> None:
+                                                         limit: int, tokens: int, k: int,
+                                                         want: str) -> None:
+    monkeypatch.setattr(kernel, "DECODE_MAX_PAIRS", limit)
     taken: list[str] = []
     for name in ("pairs", "sorted"):
         monkeypatch.setattr(kernel, f"_{name}", lambda *a, name=name: taken.append(name))
@@ -262,7 +265,11 @@ def test_auto_takes_the_pair_kernels_up_to_the_threshold(monkeypatch: pytest.Mon
     ids = torch.zeros(tokens, k, dtype=torch.int64)
     packed_moe(torch.zeros(tokens, 64), ids, torch.zeros(tokens, k),
                torch.zeros(40960, dtype=torch.uint8), GROUP, "int8", 64, 64)
-    assert kernel.DECODE_MAX_PAIRS == 64 and taken == [want]
+    assert taken == [want]
+
+
+def test_auto_keeps_the_sorted_path_until_the_pairs_are_timed_on_a_gpu() -> None:
+    assert kernel.DECODE_MAX_PAIRS == 0
 
 
 GROUP = PackedGroup(address=0, bytes=40960, expert_bytes=20480, down_offset=12288, begin=0,

@@ -8,9 +8,10 @@ bf16 weights, fp32 accumulation and SiLU, one rounding of the intermediate to bf
 are grouped by expert on the GPU (`routing_tiles`) and two Triton kernels run over the tiles:
 `moe_gate_up` then `moe_down`. Few rows per expert (decode) take narrow 16-row tiles, many
 (prefill) wider ones (`tile_config`); either way no host sync and a grid fixed by T and K, so
-decode steps can be captured in a CUDA graph. Few pairs (T K <= `DECODE_MAX_PAIRS`: decode,
-small batches) skip the grouping: `pair_gate_up` and `pair_down` take each pair straight from
-`ids`, two launches per call instead of the ~10 small routing ops beside the two kernels.
+decode steps can be captured in a CUDA graph. Few pairs (`path="pairs"`, or T K <=
+`DECODE_MAX_PAIRS` under "auto": decode, small batches) skip the grouping: `pair_gate_up` and
+`pair_down` take each pair straight from `ids`, two launches per call instead of the ~10 small
+routing ops beside the two kernels.
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ LARGE_M = TileConfig(block_m=128, block_n_gate_up=64, block_n_down=64, num_warps
 PAIRS = TileConfig(block_m=1, block_n_gate_up=32, block_n_down=64, num_warps=4, num_stages=3)
 """The unsorted decode kernels: one (token, slot) pair per program."""
 
-DECODE_MAX_PAIRS = 64
-"""Up to this many (token, slot) pairs `packed_moe` runs the unsorted pair kernels."""
+DECODE_MAX_PAIRS = 0
+"""Up to this many (token, slot) pairs `path="auto"` runs the unsorted pair kernels. 0 (off)
+until they are timed on a GPU against the sorted path (bench_packed_moe.py; they were checked
+under Triton's interpreter only); 64 (decode and batches of up to 8 at top-8) is the aim."""
 
 PATHS = ("auto", "sorted", "pairs")
 """`packed_moe` paths: by pair count, grouped by expert, or one pair per program."""
