@@ -198,16 +198,21 @@ def _pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: to
     nb_bytes, scale_off = matrix_geometry(fmt, 2 * slice_, hp, q)
     pair_gate_up_kernel[(n_gate_up, t * top_k)](
         x, x.stride(0), flat_ids, packed, act, out, hidden, slice_, part.expert_bytes, nb_bytes,
-        scale_off, num_e, TOP_K=top_k, K_BLOCKS=hp // 64, G=g, FMT=code,
+        scale_off, num_e, TOP_K=top_k, K_BLOCKS=hp // 64, KU=_unroll(hp // 64), G=g, FMT=code,
         BN=cfg.block_n_gate_up, ZN=zero_cols, MEM=mem, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     nb_bytes, scale_off = matrix_geometry(fmt, hn, slice_, q)
     pair_down_kernel[(-(-hidden // cfg.block_n_down), t * top_k)](
         act, flat_ids, flat_w, packed, out, hidden, slice_, hn, part.expert_bytes,
-        part.down_offset, nb_bytes, scale_off, num_e, TOP_K=top_k, K_BLOCKS=slice_ // 64, G=g,
-        FMT=code, BN=cfg.block_n_down, MEM=mem, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        part.down_offset, nb_bytes, scale_off, num_e, TOP_K=top_k, K_BLOCKS=slice_ // 64,
+        KU=_unroll(slice_ // 64), G=g, FMT=code, BN=cfg.block_n_down, MEM=mem,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def _unroll(k_blocks: int) -> int:
+    """64-k blocks a pair kernel's loop step takes: 4, 2 or 1, whichever divides `k_blocks`."""
+    return 4 if k_blocks % 4 == 0 else 2 if k_blocks % 2 == 0 else 1
 
 
 def _check_call(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

@@ -19,9 +19,10 @@ from hetmoe.kernels.dequant import dequant_half
 @triton.jit
 def pair_down_kernel(act_ptr, ids_ptr, weights_ptr, packed_ptr, out_ptr, H, S, HN, EXPERT_BYTES,
                      DOWN_OFFSET, NB_BYTES, SCALE_OFF, NUM_E, TOP_K: tl.constexpr, K_BLOCKS,
-                     G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, MEM: tl.constexpr):
+                     KU: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
+                     MEM: tl.constexpr):
     """act [T K, S] bf16; ids, weights [T K] (weights any float, used in fp32); out [T, H]
-    fp32; HN = H padded to 16 (the down matrix's rows); K_BLOCKS = S / 64."""
+    fp32; HN = H padded to 16 (the down matrix's rows); K_BLOCKS = S / 64, a multiple of KU."""
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     expert = tl.load(ids_ptr + pair)
@@ -32,14 +33,14 @@ def pair_down_kernel(act_ptr, ids_ptr, weights_ptr, packed_ptr, out_ptr, H, S, H
         base = packed_ptr + expert.to(tl.int64) * EXPERT_BYTES + DOWN_OFFSET
         # n-blocks past the matrix read its last one (never stored)
         nb = tl.minimum(pid_n * (BN // 16) + tl.arange(0, BN // 16), HN // 16 - 1)
-        acc = tl.zeros((BN,), dtype=tl.float32)
-        for kb in range(0, K_BLOCKS):
-            for half in tl.static_range(2):
-                kh = kb * 2 + half
+        acc = tl.zeros((BN, 32), dtype=tl.float32)  # reduced once, KU blocks a step (as gate/up)
+        for kb in range(0, K_BLOCKS, KU):
+            for j in tl.static_range(2 * KU):
+                kh = kb * 2 + j
                 at = tl.load(a_row + kh * 32 + tl.arange(0, 32)).to(tl.float32)
                 w = dequant_half(base, nb, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16, MEM)
-                acc += tl.sum(w.to(tl.float32) * at[None, :], axis=1)
+                acc += w.to(tl.float32) * at[None, :]
         weight = tl.load(weights_ptr + pair).to(tl.float32)
-        tl.atomic_add(dst, acc * weight, mask=n < H, sem="relaxed")
+        tl.atomic_add(dst, tl.sum(acc, axis=1) * weight, mask=n < H, sem="relaxed")
     elif expert >= NUM_E:
         tl.atomic_add(dst, tl.full((BN,), float("nan"), tl.float32), mask=n < H, sem="relaxed")

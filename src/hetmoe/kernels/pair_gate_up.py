@@ -19,11 +19,12 @@ from hetmoe.kernels.dequant import dequant_half, to_bf16
 @triton.jit
 def pair_gate_up_kernel(x_ptr, stride_x, ids_ptr, packed_ptr, act_ptr, out_ptr, H, S,
                         EXPERT_BYTES, NB_BYTES, SCALE_OFF, NUM_E, TOP_K: tl.constexpr,
-                        K_BLOCKS, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
-                        ZN: tl.constexpr, MEM: tl.constexpr):
+                        K_BLOCKS, KU: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
+                        BN: tl.constexpr, ZN: tl.constexpr, MEM: tl.constexpr):
     """x [T, H] any float (rounded to bf16 here; row stride stride_x); ids [T K] int; packed
     uint8 (expert e at e * EXPERT_BYTES); act [T K, S] bf16 out; out [T, H] fp32, columns
-    [pid_n ZN, pid_n ZN + ZN) of each token zeroed. K_BLOCKS: 64-k blocks of Hp."""
+    [pid_n ZN, pid_n ZN + ZN) of each token zeroed. K_BLOCKS: 64-k blocks of Hp, a multiple
+    of KU."""
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     token = pair // TOP_K
@@ -35,19 +36,22 @@ def pair_gate_up_kernel(x_ptr, stride_x, ids_ptr, packed_ptr, act_ptr, out_ptr, 
         x_row = x_ptr + token.to(tl.int64) * stride_x
         base = packed_ptr + expert.to(tl.int64) * EXPERT_BYTES
         gate_nb = (pid_n * (BN // 16) + tl.arange(0, BN // 16)) * 2  # [BN / 16] n-blocks
-        acc_g = tl.zeros((BN,), dtype=tl.float32)
-        acc_u = tl.zeros((BN,), dtype=tl.float32)
-        for kb in range(0, K_BLOCKS):
-            for half in tl.static_range(2):
-                kh = kb * 2 + half
+        # [BN, 32] partial sums, reduced once after the loop; KU blocks a step keep 2 KU
+        # half-block loads in flight (the loop is not software-pipelined without a dot)
+        acc_g = tl.zeros((BN, 32), dtype=tl.float32)
+        acc_u = tl.zeros((BN, 32), dtype=tl.float32)
+        for kb in range(0, K_BLOCKS, KU):
+            for j in tl.static_range(2 * KU):
+                kh = kb * 2 + j
                 k = kh * 32 + tl.arange(0, 32)
                 xt = to_bf16(tl.load(x_row + k, mask=k < H, other=0.0)).to(tl.float32)
                 wg = dequant_half(base, gate_nb, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16,
                                   MEM)
                 wu = dequant_half(base, gate_nb + 1, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16,
                                   MEM)
-                acc_g += tl.sum(wg.to(tl.float32) * xt[None, :], axis=1)
-                acc_u += tl.sum(wu.to(tl.float32) * xt[None, :], axis=1)
-        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+                acc_g += wg.to(tl.float32) * xt[None, :]
+                acc_u += wu.to(tl.float32) * xt[None, :]
+        g = tl.sum(acc_g, axis=1)
+        act = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=1)
         r = pid_n * BN + tl.arange(0, BN)  # rows of the group's slice (S is a multiple of 64)
         tl.store(act_ptr + pair.to(tl.int64) * S + r, to_bf16(act))
