@@ -237,13 +237,13 @@ def test_small_shapes_equal_float64_on_both_paths(shape: tuple) -> None:
 
 @pytest.mark.usefixtures("interpreted")
 def test_the_pair_path_reads_any_dtype_and_marks_an_id_past_the_experts() -> None:
-    """bf16 weights and int32 ids read as they are; an id >= E turns its token's row to NaN
-    (no host sync to raise from) and leaves the other rows right."""
+    """float64 x, bf16 weights and int32 ids read as they are (x rounded as torch rounds it);
+    an id >= E turns its token's row to NaN (no host sync to raise from), the others stay."""
     layer = make_layer("int8", 4, 64, 64, 64, seed=5)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
     ids, weights = routing(3, 2, 4, seed=7)
     ids[2, 1] = 4
-    out = packed_moe(x.to(HERE), ids.int().to(HERE), weights.bfloat16().to(HERE),
+    out = packed_moe(x.double().to(HERE), ids.int().to(HERE), weights.bfloat16().to(HERE),
                      layer.raw.to(HERE), layer.part, "int8", 64, 64, path="pairs").cpu()
     assert out[2].isnan().all()
     ids[2, 1] = -1

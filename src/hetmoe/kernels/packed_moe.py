@@ -196,13 +196,13 @@ def _pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: to
     n_gate_up = slice_ // cfg.block_n_gate_up
     zero_cols = 1 << (-(-hidden // n_gate_up) - 1).bit_length()  # pow2 >= H / n_gate_up
     nb_bytes, scale_off = matrix_geometry(fmt, 2 * slice_, hp, q)
-    pair_gate_up_kernel[(n_gate_up, t * top_k)](
+    pair_gate_up_kernel[(t * top_k, n_gate_up)](
         x, x.stride(0), flat_ids, packed, act, out, hidden, slice_, part.expert_bytes, nb_bytes,
         scale_off, num_e, TOP_K=top_k, K_BLOCKS=hp // 64, KU=_unroll(hp // 64), G=g, FMT=code,
         BN=cfg.block_n_gate_up, ZN=zero_cols, MEM=mem, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     nb_bytes, scale_off = matrix_geometry(fmt, hn, slice_, q)
-    pair_down_kernel[(-(-hidden // cfg.block_n_down), t * top_k)](
+    pair_down_kernel[(t * top_k, -(-hidden // cfg.block_n_down))](
         act, flat_ids, flat_w, packed, out, hidden, slice_, hn, part.expert_bytes,
         part.down_offset, nb_bytes, scale_off, num_e, TOP_K=top_k, K_BLOCKS=slice_ // 64,
         KU=_unroll(slice_ // 64), G=g, FMT=code, BN=cfg.block_n_down, MEM=mem,

@@ -23,8 +23,8 @@ def pair_down_kernel(act_ptr, ids_ptr, weights_ptr, packed_ptr, out_ptr, H, S, H
                      MEM: tl.constexpr):
     """act [T K, S] bf16; ids, weights [T K] (weights any float, used in fp32); out [T, H]
     fp32; HN = H padded to 16 (the down matrix's rows); K_BLOCKS = S / 64, a multiple of KU."""
-    pid_n = tl.program_id(0)
-    pair = tl.program_id(1)
+    pair = tl.program_id(0)  # pairs on the grid's first axis: no 65,535 limit
+    pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + pair)
     n = pid_n * BN + tl.arange(0, BN)
     dst = out_ptr + (pair // TOP_K).to(tl.int64) * H + n

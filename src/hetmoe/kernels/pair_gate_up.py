@@ -25,8 +25,8 @@ def pair_gate_up_kernel(x_ptr, stride_x, ids_ptr, packed_ptr, act_ptr, out_ptr, 
     uint8 (expert e at e * EXPERT_BYTES); act [T K, S] bf16 out; out [T, H] fp32, columns
     [pid_n ZN, pid_n ZN + ZN) of each token zeroed. K_BLOCKS: 64-k blocks of Hp, a multiple
     of KU."""
-    pid_n = tl.program_id(0)
-    pair = tl.program_id(1)
+    pair = tl.program_id(0)  # pairs on the grid's first axis: no 65,535 limit
+    pid_n = tl.program_id(1)
     token = pair // TOP_K
     if pair % TOP_K == 0:
         z = pid_n * ZN + tl.arange(0, ZN)
@@ -44,7 +44,8 @@ def pair_gate_up_kernel(x_ptr, stride_x, ids_ptr, packed_ptr, act_ptr, out_ptr, 
             for j in tl.static_range(2 * KU):
                 kh = kb * 2 + j
                 k = kh * 32 + tl.arange(0, 32)
-                xt = to_bf16(tl.load(x_row + k, mask=k < H, other=0.0)).to(tl.float32)
+                xt = tl.load(x_row + k, mask=k < H, other=0.0).to(tl.float32)  # as torch: via fp32
+                xt = to_bf16(xt).to(tl.float32)
                 wg = dequant_half(base, gate_nb, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16,
                                   MEM)
                 wu = dequant_half(base, gate_nb + 1, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16,
