@@ -1,0 +1,276 @@
+"""What learned sparse routing and Expert Deferral cost in answers, on `demo-moe` against `demo`.
+
+Measures, on the CPU with torch experts in fp32 (exact arithmetic; what the GPU would compute):
+- perplexity on the held-out documentation topics (`demo_moe_corpus.held_out_texts`, never read
+  by the build) and greedy exact match on QUESTIONS (kept: those dense `demo` answers right);
+- Expert Deferral vs skipping the same lowest-scored experts, for 0 .. k-2 affected experts,
+  through the engine's own MoE step (`MoEStep`, `BackendLink`): skipping drops the deferred
+  slots' output, deferral adds it to the next MoE layer. Answers prefill exactly and defer in
+  decode steps, as the engine does; perplexity defers at every position (each token as if
+  decoded);
+- routing statistics per layer on the held-out text (skew, Gini, LRU/LFU hit rates).
+Writes JSON, a PNG, and the tables into docs/benchmarks/demo_moe.md between its table markers.
+
+Usage: python benchmarks/demo_moe_quality.py [--windows 6] [--window 512] [--max-new-tokens 16]
+                                             [--affected 0,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from demo_moe_routing import routing_stats, routing_table  # noqa: E402
+
+from hetmoe import LLM  # noqa: E402
+from hetmoe.engine.runner import ModelRunner  # noqa: E402
+from hetmoe.ops.deferral import moe_layers  # noqa: E402
+from hetmoe.ops.moe_step import BackendLink, MoEStep  # noqa: E402
+from hetmoe.presets import resolve_model  # noqa: E402
+from hetmoe.presets.demo_moe_corpus import held_out_texts, token_windows  # noqa: E402
+
+QUESTIONS: list[tuple[str, tuple[str, ...]]] = [
+    ("What is the capital of France?", ("paris",)),
+    ("What is the capital of Germany?", ("berlin",)),
+    ("What is the capital of Italy?", ("rome",)),
+    ("What is the capital of Japan?", ("tokyo",)),
+    ("What is the capital of Spain?", ("madrid",)),
+    ("What is the capital of the United Kingdom?", ("london",)),
+    ("How many days are there in a week?", ("seven", "7")),
+    ("What color is the sky on a clear day?", ("blue",)),
+    ("What is 2 + 2?", ("4", "four")),
+    ("Who wrote Romeo and Juliet?", ("shakespeare",)),
+    ("What is the largest planet in our solar system?", ("jupiter",)),
+    ("What is the chemical formula of water?", ("h2o", "h₂o")),
+    ("Which planet is known as the Red Planet?", ("mars",)),
+    ("How many legs does a spider have?", ("eight", "8")),
+    ("What is the opposite of hot?", ("cold",)),
+    ("What language is spoken in Brazil?", ("portuguese",)),
+    ("Who painted the Mona Lisa?", ("leonardo", "vinci")),
+    ("What is the currency of Japan?", ("yen",)),
+    ("What is the tallest mountain in the world?", ("everest",)),
+    ("What do bees make?", ("honey",)),
+    ("What is the boiling point of water in degrees Celsius?", ("100",)),
+    ("How many continents are there on Earth?", ("seven", "7")),
+    ("What is the largest ocean on Earth?", ("pacific",)),
+    ("What animal is known as the king of the jungle?", ("lion",)),
+]
+"""(question, accepted answers): right when the reply contains one of them (case-folded)."""
+
+
+class SkipLink(BackendLink):
+    """Computes the deferred slots like `BackendLink` and drops their output: skipping."""
+
+    def finish_late(self) -> torch.Tensor:
+        return torch.zeros_like(super().finish_late())
+
+
+@contextmanager
+def attached(llm: LLM, mode: str, affected: int) -> Iterator[MoEStep]:
+    """The engine's MoE step on every layer: `affected` experts deferred (mode "defer") or
+    skipped (mode "skip")."""
+    layers = moe_layers(llm.model)
+    link = SkipLink if mode == "skip" else BackendLink
+    links = [link(m.experts, m.experts.spec.hidden_size, m.gate.config.top_k) for m in layers]
+    step = MoEStep(layers, lambda i: links[i], affected)
+    step.attach()
+    try:
+        yield step
+    finally:
+        step.detach()
+
+
+@torch.inference_mode()
+def perplexity(runner: ModelRunner, windows: list[list[int]], step: MoEStep,
+               exact: list[torch.Tensor] | None = None) -> tuple[float, float]:
+    """exp(mean NLL) of every next token of `windows`, all positions in decode phase; and the
+    mean KL(exact || this) of the next-token distributions against `exact` (per window
+    log-probs [T, V]; appended to when empty: the exact pass records them)."""
+    nll, kl, count = 0.0, 0.0, 0
+    record = exact is not None and not exact
+    for w, ids in enumerate(windows):
+        runner.lengths[0] = 0
+        with step.phase(decoding=True):
+            logp = runner.prefill_logits(0, ids).log_softmax(-1)  # [T, V]
+        nll += F.nll_loss(logp[:-1], torch.tensor(ids[1:]), reduction="sum").item()
+        count += len(ids) - 1
+        if exact is None:
+            continue
+        if record:
+            exact.append(logp.half())
+        ref = exact[w].float()
+        kl += (ref.exp() * (ref - logp)).sum(-1)[:-1].sum().item()
+    return math.exp(nll / count), kl / count
+
+
+@torch.inference_mode()
+def answers(llm: LLM, runner: ModelRunner, questions: list[str], step: MoEStep,
+            max_new: int) -> list[str]:
+    """Greedy replies, one slot per question: each prefilled exactly, then decoded together
+    in decode phase (deferral applies)."""
+    logits = []
+    for slot, question in enumerate(questions):
+        runner.lengths[slot] = 0
+        ids = llm.chat_prompt([{"role": "user", "content": question}])
+        logits.append(runner.prefill(slot, ids))
+    replies: list[list[int]] = [[] for _ in questions]
+    active = list(range(len(questions)))
+    for _ in range(max_new):
+        tokens = [int(logits[slot].argmax()) for slot in active]
+        active = [s for s, t in zip(active, tokens, strict=True) if t not in llm.eos_token_ids]
+        tokens = [t for t in tokens if t not in llm.eos_token_ids]
+        for slot, token in zip(active, tokens, strict=True):
+            replies[slot].append(token)
+        if not active:
+            break
+        with step.phase(decoding=True):
+            out = runner.decode(active, tokens)  # [B, V]
+        for row, slot in enumerate(active):
+            logits[slot] = out[row]
+    return [llm.decode(r) for r in replies]
+
+
+def exact_match(llm: LLM, runner: ModelRunner, step: MoEStep, questions: list[int],
+                max_new: int) -> tuple[float, list[str]]:
+    """Share of `questions` (indices into QUESTIONS) answered right, and the replies."""
+    replies = answers(llm, runner, [QUESTIONS[q][0] for q in questions], step, max_new)
+    right = [any(a in r.lower() for a in QUESTIONS[q][1]) for q, r in zip(questions, replies,
+                                                                          strict=True)]
+    return sum(right) / max(len(right), 1), replies
+
+
+def load(name: str, max_seq_len: int) -> tuple[LLM, ModelRunner]:
+    llm = LLM(resolve_model(name), device="cpu", dtype="float32", experts="torch",
+              progress=False, max_seq_len=max_seq_len)
+    return llm, ModelRunner(llm.model, llm.device, llm.dtype, len(QUESTIONS), max_seq_len)
+
+
+def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    dense, dense_runner = load("demo", args.window)
+    tokens = [dense.encode(t) for t in held_out_texts()]
+    windows = token_windows(tokens, args.window, args.windows)
+    result: dict[str, Any] = {"held_out_tokens": sum(len(w) for w in windows)}
+    with attached(dense, "defer", 0) as step:
+        result["dense_ppl"] = perplexity(dense_runner, windows, step)[0]
+        log(f"dense ppl {result['dense_ppl']:.3f}")
+        all_q = list(range(len(QUESTIONS)))
+        _, replies = exact_match(dense, dense_runner, step, all_q, args.max_new_tokens)
+    kept = [q for q in all_q if any(a in replies[q].lower() for a in QUESTIONS[q][1])]
+    result["dense_replies"] = {QUESTIONS[q][0]: replies[q] for q in all_q}
+    result["questions"] = [QUESTIONS[q][0] for q in kept]
+    log(f"dense answers {len(kept)}/{len(all_q)} right; those are the question set")
+    moe, runner = load("demo-moe", args.window)
+    top_k = moe_layers(moe.model)[0].gate.config.top_k
+    rows = []
+    exact: list[torch.Tensor] = []  # the exact MoE's log-probs, for the KL of each variant
+    affected_counts = args.affected if args.affected is not None else list(range(top_k - 1))
+    for affected in affected_counts:
+        for mode in ("defer", "skip") if affected else ("exact",):
+            with attached(moe, mode, affected) as step:
+                start = time.perf_counter()
+                ppl, kl = perplexity(runner, windows, step, exact)
+                em, replies = exact_match(moe, runner, step, kept, args.max_new_tokens)
+            rows.append({"mode": mode, "affected": affected, "ppl": ppl, "kl": kl,
+                         "exact_match": em, "replies": replies})
+            log(f"{mode:5s} {affected}: ppl {ppl:.3f} ({ppl / result['dense_ppl'] - 1:+.1%}), "
+                f"KL {kl:.3f}, exact match {em:.0%} ({time.perf_counter() - start:.0f} s)")
+    result["rows"] = rows
+    result["top_k"] = top_k
+    result["routing"] = routing_stats(moe, runner, windows)
+    return result
+
+
+def deferral_table(result: dict[str, Any]) -> str:
+    lines = ["| experts affected | immediate | mode | perplexity | vs dense | KL vs exact MoE "
+             "| exact match |", "|---:|---:|---|---:|---:|---:|---:|",
+             f"| dense `demo` | all | - | {result['dense_ppl']:.3f} | - | - | 100 % |"]
+    for row in result["rows"]:
+        lines.append(f"| {row['affected']} | {result['top_k'] - row['affected']} | {row['mode']} "
+                     f"| {row['ppl']:.4g} | {row['ppl'] / result['dense_ppl'] - 1:+.0%} "
+                     f"| {row['kl']:.3f} | {row['exact_match']:.0%} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    exact = next(r for r in result["rows"] if r["mode"] == "exact")
+    for mode, style in (("defer", "o-"), ("skip", "s--")):
+        rows = [exact] + [r for r in result["rows"] if r["mode"] == mode]
+        xs = [r["affected"] for r in rows]
+        left.plot(xs, [r["ppl"] for r in rows], style, label=mode)
+        right.plot(xs, [100 * r["exact_match"] for r in rows], style, label=mode)
+    left.axhline(result["dense_ppl"], color="gray", linestyle=":", label="dense demo")
+    right.axhline(100, color="gray", linestyle=":", label="dense demo")
+    xlabel = f"lowest-scored experts affected (of top-{result['top_k']})"
+    left.set(xlabel=xlabel, ylabel="held-out perplexity (log scale)", title="perplexity",
+             yscale="log")
+    right.set(xlabel=xlabel, ylabel="exact match, % of dense's right answers", title="exact match")
+    for ax in (left, right):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_doc(doc: Path, result: dict[str, Any], command: str) -> None:
+    """Replaces the text between the doc's table markers (the prose around them is kept)."""
+    begin, end = "<!-- tables: written by benchmarks/demo_moe_quality.py -->", "<!-- /tables -->"
+    text = doc.read_text() if doc.exists() else f"# demo-moe\n\n{begin}\n{end}\n"
+    if begin not in text or end not in text:
+        raise ValueError(f"{doc} lacks the table markers {begin!r} ... {end!r}")
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    body = (f"`{command}` ({result['date']}, {result['machine']}, git {result['git']}; "
+            f"{result['held_out_tokens']} held-out tokens, {len(result['questions'])} questions)"
+            f"\n\n{deferral_table(result)}\n\n![deferral vs skipping](demo_moe_deferral.png)\n\n"
+            f"{routing_table(result['routing'])}\n")
+    doc.write_text(f"{head}{begin}\n{body}{end}{tail}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--windows", type=int, default=6, help="held-out windows")
+    parser.add_argument("--window", type=int, default=512, help="tokens per window")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--affected", type=lambda v: [int(x) for x in v.split(",")],
+                        help="experts affected, e.g. 0,2,4 (default: 0 .. top_k - 2)")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    result = measure(args, lambda line: print(line, flush=True))
+    result["date"] = time.strftime("%Y-%m-%d", time.gmtime())
+    result["machine"] = f"{platform.processor() or platform.machine()}, " \
+                        f"{torch.get_num_threads()} torch threads"
+    result["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                   text=True).stdout.strip()
+    command = "python benchmarks/demo_moe_quality.py " + " ".join(argv or sys.argv[1:])
+    result["command"] = command.strip()
+    print(deferral_table(result))
+    print(routing_table(result["routing"]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "demo_moe.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.out / "demo_moe_deferral.png")
+    write_doc(args.out / "demo_moe.md", result, result["command"])
+    return result
+
+
+if __name__ == "__main__":
+    main()
