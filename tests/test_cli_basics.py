@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from hetmoe import __version__
 from hetmoe.cli import app
 
-COMMANDS = ("generate", "chat", "serve", "bench", "calibrate", "convert", "info", "sft", "pull",
-            "ls", "rm")
+COMMANDS = ("generate", "chat", "serve", "bench", "calibrate", "convert", "info", "sft", "batch",
+            "pull", "ls", "rm")
 
 
 def _help(*args: str) -> str:

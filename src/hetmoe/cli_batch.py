@@ -47,7 +47,7 @@ def batch(
     *,
     engine: EngineOptions,
 ) -> None:
-    """Run a file of chat/completions requests (OpenAI Batch format) through MODEL.
+    """Answer a file of OpenAI Batch requests offline (resumable).
 
     Results are written as requests end; a job killed midway continues where it stopped when
     run again with the same files.
