@@ -1,5 +1,6 @@
-"""benchmarks/bench_sft.py on the baby qwen3_moe: the JSON's numbers agree with each other, the
-trace holds both sides, the deadline cuts the timed steps, bad options are refused by name."""
+"""benchmarks/training/bench_sft.py on the baby qwen3_moe: the JSON's numbers agree with each
+other, the trace holds both sides, the deadline cuts the timed steps, bad options are refused by
+name."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sft.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "training" / "bench_sft.py"
 TINY = ["--shape", "tiny", "--seq-len", "32", "--batch", "2", "--bandwidth-gib", "0.0625",
         "--warmup", "1", "--rate-repeats", "2"]
 

@@ -1,6 +1,6 @@
-"""benchmarks/quant_error.py: its simulated quantizers give what `CpuMoE`'s packed int8 gives
-(so its per-channel rows stand for a format the kernels do not have), and the errors order as
-the groups widen."""
+"""benchmarks/kernels/quant_error.py: its simulated quantizers give what `CpuMoE`'s packed int8
+gives (so its per-channel rows stand for a format the kernels do not have), and the errors order
+as the groups widen."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import runpy
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quant_error.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "quant_error.py"
 
 
 def test_simulation_matches_the_kernels_and_orders_by_group(tmp_path: Path) -> None:

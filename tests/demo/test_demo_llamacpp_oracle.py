@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "oracle_llamacpp.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "peers" / "oracle_llamacpp.py"
 TOKENS = 64
 
 

@@ -1,7 +1,8 @@
 """`hetmoe sft` on `demo` against PEFT + transformers training the dense SmolLM2 on the same rows,
-seed, LoRA config, AdamW, cosine schedule and batch order (benchmarks/oracle_sft_demo.py, which
-also records the 50-step run under docs/benchmarks/): the loss curves agree and the adapter hetmoe
-wrote gives the same greedy answer in `LLM(lora=...)` as in PEFT on the dense model.
+seed, LoRA config, AdamW, cosine schedule and batch order
+(benchmarks/training/oracle_sft_demo.py, which also records the 50-step run under
+docs/benchmarks/): the loss curves agree and the adapter hetmoe wrote gives the same greedy
+answer in `LLM(lora=...)` as in PEFT on the dense model.
 
 fp32 on the CPU on both sides; the only differences are summation orders (our C++ fp32 expert
 forward and backward against torch's dense MLP), so a step's loss agrees to ~1e-6 relative: the
@@ -18,7 +19,7 @@ from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "oracle_sft_demo.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "training" / "oracle_sft_demo.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The default GPU path (CUDA graphs + compiled fused decode + stream flags) on every baby family:
-`benchmarks/check_graph_device.py`'s checks as device tests (`pytest -m device` on a GPU host)."""
+`benchmarks/engine/check_graph_device.py`'s checks as device tests (`pytest -m device` on a GPU
+host)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ pytestmark = [
 
 
 def _checks() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "check_graph_device.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "engine" / "check_graph_device.py"
     spec = importlib.util.spec_from_file_location("check_graph_device", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -22,7 +22,7 @@ pytestmark = [
 ]
 
 LOGIT_ATOL = 0.05
-"""GPU kernels against the CPU's on the same weights, as benchmarks/check_graph_device.py's
+"""GPU kernels against the CPU's on the same weights, as benchmarks/engine/check_graph_device.py's
 OTHER_KERNELS_ATOL (seen: up to 0.03 on the baby models, tokens equal)."""
 
 

@@ -9,6 +9,7 @@ import torch
 from moe_oracle import available_isas, check_int_isas, make_experts, rel_error
 
 from hetmoe import _cpu_testing
+from hetmoe.bench.task_spans import busy_shares, chrome_trace
 from hetmoe.experts import CpuMoE
 
 BOUND = {"bf16": 1e-2, "int8": 2e-2, "int4": 0.15}
@@ -173,11 +174,6 @@ def test_task_spans_cover_every_task_of_the_profiled_call() -> None:
     """task_spans: none unless asked for; with spans, the tasks of the latest profiled call span
     exactly each phase's first start and last end (take_timeline), on the pool's workers; the
     busy shares the benchmark derives from them lie in (0, 1]."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from bench_cpu_moe import busy_shares, chrome_trace
 
     layer = make_experts(3, 64, 64, seed=53)
     moe = CpuMoE(3, 64, 64, "int8", threads=2)

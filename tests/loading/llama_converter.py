@@ -11,7 +11,8 @@ from pathlib import Path
 from hetmoe import env
 
 VERSION = "0.3.36"
-"""The llama-cpp-python sdist `.ci/run` unpacks (benchmarks/oracle_llamacpp.py pins the same)."""
+"""The llama-cpp-python sdist `.ci/run` unpacks (benchmarks/peers/oracle_llamacpp.py pins the
+same)."""
 
 # Baby tokenizers are unknown to the converter's pre-tokenizer table and the llama vocab path
 # needs sentencepiece: the tests feed token ids, so both take the plain GPT-2 path.

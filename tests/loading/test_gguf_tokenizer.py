@@ -169,7 +169,7 @@ def test_the_deepseek_llm_split_is_deepseeks() -> None:
 def _llama_cpp() -> tuple[type, Path]:
     """llama-cpp-python's `Llama` (built once by the llama.cpp oracle) and the sdist it was built
     from (llama.cpp's source, its test vocabularies included)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "peers"))
     from oracle_llamacpp import LLAMA_CPP_PYTHON, ensure_llama_cpp
 
     from hetmoe import env

@@ -1,5 +1,6 @@
-"""benchmarks/bench_pool.py runs end to end and writes the JSON it promises (run in-process: the
-machine report's torch/transformers imports are shared with the rest of the suite)."""
+"""benchmarks/kernels/bench_pool.py runs end to end and writes the JSON it promises (run
+in-process: the machine report's torch/transformers imports are shared with the rest of the
+suite)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_pool.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "bench_pool.py"
 
 
 def test_bench_pool_writes_table_and_json(

@@ -23,7 +23,7 @@ from hetmoe.experts.packed_layout import PackedGroup
 
 AMX_MIN_TOKENS = {"bf16": 2, "int8": 32, "int4": 32, "fp8": 16}
 """Tokens per expert from which AMX tiles beat AVX-512, per format (measured by
-benchmarks/bench_cpu_moe.py on a 16-core Xeon with AMX: docs/benchmarks/cpu_moe.md; fp8 not
+benchmarks/kernels/bench_cpu_moe.py on a 16-core Xeon with AMX: docs/benchmarks/cpu_moe.md; fp8 not
 measured yet: between bf16's and int8's, as its tiles are widened per call)."""
 
 

@@ -7,7 +7,7 @@ the same floats on every ISA). Prefill keeps the rows of AMX experts in tile ord
 AVX-512 meet in one call) must agree the same way.
 
 Exits 1 if AMX is missing or any bound is exceeded. Usage:
-python benchmarks/check_amx_device.py [--json check_amx.json]
+python benchmarks/kernels/check_amx_device.py [--json check_amx.json]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ fixed cost: Python argument checks, routing, the pool's phases and their barrier
 a busy machine) of the public `CpuMoE.forward` (with a preallocated `out`) and of the C++ layer
 called directly; their difference is the Python side.
 
-Usage: python benchmarks/bench_cpu_moe_latency.py [--threads 1] [--calls 3000]
+Usage: python benchmarks/kernels/bench_cpu_moe_latency.py [--threads 1] [--calls 3000]
            [--formats bf16,int8,int4] [--hidden 64] [--intermediate 64]
 """
 

@@ -7,7 +7,7 @@ bandwidth (before the build), the GPU its resident experts' bytes at HBM speed, 
 floor_tok_s = 1 / max(cpu_bytes / host_bw, gpu_bytes / hbm_bw) (the rest of the step, attention
 and launches, comes on top: `no_cpu_work` of hetmoe bench says how much).
 
-    python benchmarks/bench_gpu_experts.py --shape qwen3-30b-a3b --weight-format int8 \\
+    python benchmarks/engine/bench_gpu_experts.py --shape qwen3-30b-a3b --weight-format int8 \\
         --budgets 0,8,15,23,all --json gpu_experts.json
 """
 
@@ -125,7 +125,7 @@ def main() -> None:
     runner = ModelRunner(model, device, torch.bfloat16, 1, window,
                          EngineConfig(gpu_expert_bytes=0))
     result: dict[str, Any] = {
-        "command": "benchmarks/bench_gpu_experts.py " + " ".join(
+        "command": "benchmarks/engine/bench_gpu_experts.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
         "date": _now(), "git": _git_sha(), "machine": _machine(device),
         "host_read_gb_s": round(host_gb_s, 1), "hbm_read_gb_s": round(hbm, 1),

@@ -21,7 +21,7 @@ profiling. Per decode step (median over steps), in milliseconds:
   the part of it after the previous done word.
 The "alone" row gives the same stages for the standalone calls (start = submit()).
 
-    python benchmarks/profile_step.py --shape qwen3-30b-a3b [--weight-format bf16]
+    python benchmarks/engine/profile_step.py --shape qwen3-30b-a3b [--weight-format bf16]
         [--deferred 0,3] [--steps 64] [--num-layers N] [--json FILE] [--gpu-activity]
 
 --gpu-activity adds what the GPU itself runs per step (kernels and copies, torch.profiler).

@@ -22,7 +22,7 @@ For every family's baby model (fp32, routed experts in the C++ CPU backend, the 
   steps without launching one beyond it;
 - no CPU job reported an error; launches per token in both modes.
 
-    python benchmarks/check_graph_device.py [--json FILE] [--families qwen3_moe,...]
+    python benchmarks/engine/check_graph_device.py [--json FILE] [--families qwen3_moe,...]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from hetmoe.engine.runner import ModelRunner
 from hetmoe.presets.tiny import FAMILIES, build_tiny_model
 
 # The pure-torch deferral oracle lives with the tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "engine"))
 from deferral_reference import DeferralReference  # noqa: E402
 
 PROMPTS = [[5, 9, 33, 100, 7], [11, 12, 13], [200, 3, 3, 40, 41, 42, 43]]

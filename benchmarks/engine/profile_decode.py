@@ -10,7 +10,7 @@ Plus two ceilings measured on the same GPU: the per-node cost of a captured grap
 kernels, and device-to-device copy bandwidth (bytes read + written), which with the GPU weight
 bytes a step reads gives the GEMV floor.
 
-    python benchmarks/profile_decode.py --shape qwen3-30b-a3b [--weight-format bf16]
+    python benchmarks/engine/profile_decode.py --shape qwen3-30b-a3b [--weight-format bf16]
         [--deferred 0,3] [--paths module,fused] [--json FILE]
 """
 

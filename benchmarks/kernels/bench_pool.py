@@ -6,7 +6,7 @@ Rows (each the median / p90 of `--iters` timed runs after a warm-up):
   woken job        an empty job submitted after the workers parked (idle > 50 ms): the futex path;
   python queue     a `threading` worker takes an item from a `queue.Queue`, answers on another.
 
-Usage: python benchmarks/bench_pool.py [--iters 5000] [--tasks 4] [--json bench_pool.json]
+Usage: python benchmarks/kernels/bench_pool.py [--iters 5000] [--tasks 4] [--json bench_pool.json]
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def summarize(samples: list[float]) -> dict[str, float]:
 
 
 def git_sha() -> str:
-    return source_commit(Path(__file__).resolve().parents[1])
+    return source_commit(Path(__file__).resolve().parents[2])
 
 
 def main() -> None:

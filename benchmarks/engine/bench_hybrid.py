@@ -4,7 +4,7 @@ Each mode runs `hetmoe bench --random-weights SHAPE` in its own process (one mod
 memory at a time), writing `<out>/<shape>-<mode>.json`; this script then writes
 `<out>/<shape>.json` (all results + ratios) and prints a markdown table.
 
-    python benchmarks/bench_hybrid.py --shape qwen3-30b-a3b --out DIR [--modes cpu-bf16,...]
+    python benchmarks/engine/bench_hybrid.py --shape qwen3-30b-a3b --out DIR [--modes cpu-bf16,...]
 
 Modes: cpu-bf16 (with deferral 0/2/3, eager, launches, trace), cpu-int8, torch-cpu (plain-torch
 experts on the CPU, no graphs/overlap), accelerate (transformers + accelerate device_map).

@@ -7,8 +7,9 @@ pool's read bandwidth just before and after. Runs with the engine of this tree o
 before the one-runner change (`HybridRunner`), so both can be built and compared in one device
 session:
 
-    PYTHONPATH=<build of tree A> python benchmarks/decode_ab.py --json a1.json
-    PYTHONPATH=<build of tree B> python benchmarks/decode_ab.py --json b1.json   # then A, B again
+    PYTHONPATH=<build of tree A> python benchmarks/engine/decode_ab.py --json a1.json
+    PYTHONPATH=<build of tree B> python benchmarks/engine/decode_ab.py --json b1.json
+    # then A and B again
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ tiles from L2 (an expert's 128 rows of activations are 256-512 KB), so the all-C
 the ceiling to quote its matrix phases against; the register loop is the tile unit's own.
 Per-CPU rates are on-CPU time (CLOCK_THREAD_CPUTIME_ID). Prints a table and writes JSON.
 
-Usage: python benchmarks/bench_amx_ceiling.py [--rounds 200] [--json amx_ceiling.json]
+Usage: python benchmarks/kernels/bench_amx_ceiling.py [--rounds 200] [--json amx_ceiling.json]
 """
 
 from __future__ import annotations

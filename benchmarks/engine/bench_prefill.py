@@ -12,7 +12,7 @@ Also the distinct experts each layer's router picks per 512-token chunk (llama.c
 those at its default ubatch). Prints a table, writes JSON and a PNG of tok/s against prompt
 length (with llama.cpp's rows when given).
 
-    python benchmarks/bench_prefill.py --shape qwen3-30b-a3b --weight-format int8 --out DIR \
+    python benchmarks/engine/bench_prefill.py --shape qwen3-30b-a3b --weight-format int8 --out DIR \
         [--lengths 128,512,...] [--cpu-max 4096] [--llamacpp FILE.json]
 
 HETMOE_GPU_EXPERTS=unpack times the torch unpack + grouped GEMM instead of the packed kernels

@@ -1,6 +1,6 @@
 """Single-core AMX kernel throughput (kernels/amx.cpp alone), for tuning the prefill kernels.
 
-Compiles benchmarks/bench_amx_core.cpp with g++ and the AMX flags of CMakeLists.txt against
+Compiles benchmarks/kernels/bench_amx_core.cpp with g++ and the AMX flags of CMakeLists.txt against
 csrc/ (or, with --kernels DIR, against DIR first: a tree holding another kernels/amx.cpp, to time
 two versions back to back), then times the Qwen3-30B-A3B prefill task shapes with 128 rows per
 expert: gate/up (K=2048, 32 n-blocks) and down (K=768, 16 n-blocks, rows 2048 floats apart).
@@ -9,7 +9,7 @@ Runs alternate between the builds; each prints on-CPU T(FL)OPS per core (median 
 the layer's prefill writes them; layout "tiled") beside row-major ones copied per call ("rows").
 Needs a CPU with AMX and g++.
 
-Usage: python benchmarks/bench_amx_core.py [--kernels OLD_TREE] [--runs 9] [--cpu 1]
+Usage: python benchmarks/kernels/bench_amx_core.py [--kernels OLD_TREE] [--runs 9] [--cpu 1]
            [--formats bf16,int8:64,int8:128] [--tiled] [--json amx_core.json]
 """
 
@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ("-O3 -std=c++17 -ffp-contract=off -fno-math-errno -mavx2 -mfma -mf16c -mavx512f "
          "-mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -mamx-tile -mamx-bf16 "
          "-mamx-int8").split()
@@ -34,7 +34,8 @@ COPIES = 64  # rotating packed copies: 64 x 2 MB (gate/up bf16) do not fit in L2
 def build(include_first: Path | None, out: Path) -> Path:
     """The benchmark binary, compiled with `include_first` (if given) ahead of csrc/."""
     inc = ([f"-I{include_first}"] if include_first else []) + [f"-I{ROOT / 'csrc'}"]
-    cmd = ["g++", *FLAGS, *inc, str(ROOT / "benchmarks" / "bench_amx_core.cpp"), "-o", str(out)]
+    source = ROOT / "benchmarks" / "kernels" / "bench_amx_core.cpp"
+    cmd = ["g++", *FLAGS, *inc, str(source), "-o", str(out)]
     subprocess.run(cmd, check=True)
     return out
 

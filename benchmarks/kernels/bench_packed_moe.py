@@ -6,7 +6,7 @@ distinct experts routed to, packed) over this GPU's measured copy bandwidth, and
 graph replay (decode's use), and both paths of the kernels at those T: pairs grouped by expert
 (`sorted`) and one pair per program (`pairs`, no routing sort). Prints tables and writes JSON.
 
-    python benchmarks/bench_packed_moe.py --out DIR [--formats bf16,int8,int4,fp8]
+    python benchmarks/kernels/bench_packed_moe.py --out DIR [--formats bf16,int8,int4,fp8]
         [--tokens 1,8,64,512,4096] [--experts 128 --hidden 2048 --intermediate 768 --top-k 8]
 """
 

@@ -6,7 +6,7 @@ weights come from DRAM), weight bytes read / time against the read bandwidth mea
 (decode), TFLOPS (prefill), and a plain-torch per-expert loop on bf16 weights as the baseline.
 First it measures the AVX-512/AMX crossover (tokens per expert) per format and uses it.
 
-Usage: python benchmarks/bench_cpu_moe.py [--shape deepseek-v2-lite] [--layers 6]
+Usage: python benchmarks/kernels/bench_cpu_moe.py [--shape deepseek-v2-lite] [--layers 6]
            [--formats bf16,int8,int4 | --weight-format fp8] [--json out.json] [--quick]
            [--no-crossover] [--git SHA] [--warmup-s 1.0] [--trace DIR]
 
@@ -27,6 +27,7 @@ import torch
 
 from hetmoe import _cpu, _cpu_testing
 from hetmoe.bench.shapes import SHAPES, routed_expert_shape
+from hetmoe.bench.task_spans import PHASES, busy_shares, chrome_trace
 from hetmoe.experts import CpuMoE
 from hetmoe.experts.call_check import check_call
 from hetmoe.machine import huge_page_bytes, machine_report, source_commit
@@ -156,30 +157,6 @@ def crossover(layers: list[CpuMoE], quick: bool) -> tuple[int, list[dict]]:
     return (best or CROSSOVER_M[-1]), rows
 
 
-PHASES = ("convert", "gather", "gate/up", "down", "combine")
-
-
-def busy_shares(spans: list[list[int]]) -> list[float]:
-    """Per phase: the workers' summed task time over (the phase's wall time x the call's workers):
-    1.0 when every worker runs that phase's tasks from its first start to its last end."""
-    workers = len({(g, w) for _, g, w, _, _ in spans}) or 1
-    shares = []
-    for p in range(len(PHASES)):
-        mine = [(start, end) for slot, _, _, start, end in spans if slot == p]
-        wall = max(e for _, e in mine) - min(s for s, _ in mine) if mine else 0
-        shares.append(sum(e - s for s, e in mine) / (wall * workers) if wall else 0.0)
-    return shares
-
-
-def chrome_trace(spans: list[list[int]]) -> dict:
-    """The spans as a Chrome / Perfetto trace: one row per worker, microseconds from the call's
-    first task."""
-    t0 = min(s[3] for s in spans)
-    return {"traceEvents": [
-        {"name": PHASES[slot], "ph": "X", "pid": g, "tid": w, "ts": (start - t0) / 1e3,
-         "dur": (end - start) / 1e3} for slot, g, w, start, end in spans]}
-
-
 def phases(layers: list[CpuMoE], x: torch.Tensor,
            routes: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], float,
                                                                      list[float], list]:
@@ -286,7 +263,7 @@ def main() -> None:
               "read_bandwidth_gbs": pool_bandwidth / 1e9, "torch_sum_gbs": torch_bandwidth / 1e9,
               "torch_bf16_matmul_tflops": tflops_torch,
               "shape": {"name": args.shape, "E": E, "H": H, "I": I, "k": ks, "layers": args.layers},
-              "git": args.git or source_commit(Path(__file__).resolve().parents[1]),
+              "git": args.git or source_commit(Path(__file__).resolve().parents[2]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "warmup_s": args.warmup_s, "crossover": {},
               "rows": []}

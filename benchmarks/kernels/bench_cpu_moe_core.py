@@ -8,7 +8,7 @@ schedstat, so time-sharing the core with other processes does not count), TFLOPS
 profiled call. The 16-core targets are 9 TFLOPS BF16 and 12 TOPS INT8, i.e. ~0.56 TFLOPS and
 ~0.75 TOPS per core.
 
-Usage: python benchmarks/bench_cpu_moe_core.py [--experts 16] [--q 256] [--calls 7]
+Usage: python benchmarks/kernels/bench_cpu_moe_core.py [--experts 16] [--q 256] [--calls 7]
            [--formats bf16,int8,int4] [--isa amx]
 """
 

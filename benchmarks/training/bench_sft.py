@@ -31,8 +31,9 @@ for them). `--deadline` (seconds from the start) stops the timed steps once the 
 end past it, at least one timed, and skips the trace unless two steps' time is left; the JSON is
 still written.
 
-    python benchmarks/bench_sft.py --shape qwen3-30b-a3b --weight-format int8 --seq-len 2048 \
-        --out DIR [--num-layers N] [--steps 3] [--warmup 2] [--trace DIR/trace.json.gz]
+    python benchmarks/training/bench_sft.py --shape qwen3-30b-a3b --weight-format int8 \
+        --seq-len 2048 --out DIR [--num-layers N] [--steps 3] [--warmup 2]
+        [--trace DIR/trace.json.gz]
 """
 
 from __future__ import annotations
@@ -273,7 +274,7 @@ def overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> flo
 
 
 def git_sha() -> str:
-    return source_commit(Path(__file__).resolve().parents[1])
+    return source_commit(Path(__file__).resolve().parents[2])
 
 
 def measure_rates(moe: Any, tokens: int, dtype: torch.dtype, repeats: int,

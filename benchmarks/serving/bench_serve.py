@@ -6,8 +6,8 @@ start together (distinct random prompts, greedy, `ignore_eos`, `--new-tokens` ea
 step is ONE batched `decode` call, so each MoE layer reads an expert once for the whole batch.
 The baseline, measured in the same run, is the same requests served one after another.
 
-    python benchmarks/bench_serve.py --shape qwen3-30b-a3b --streams 1,4,16 --json out.json
-    python benchmarks/bench_serve.py --model tiny-qwen3-moe --streams 1,4   # CPU smoke run
+    python benchmarks/serving/bench_serve.py --shape qwen3-30b-a3b --streams 1,4,16 --json out.json
+    python benchmarks/serving/bench_serve.py --model tiny-qwen3-moe --streams 1,4   # CPU smoke run
 
 Prints a table; `--json` writes config, git SHA, machine facts and every number.
 """
@@ -162,7 +162,7 @@ def main() -> None:
 
 
 def _git_sha() -> str:
-    return source_commit(Path(__file__).resolve().parents[1])
+    return source_commit(Path(__file__).resolve().parents[2])
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ time ratio):
 holds its `hetmoe` package, e.g. an unpacked wheel of an earlier commit), alternating with this
 build (round by round), and reports the speedups.
 
-    python benchmarks/bench_expert_backward.py [--formats bf16,int8,int4,fp8] [--tokens 512]
-        [--threads 2] [--calls 5] [--rounds 3] [--baseline DIR] [--json out.json] [--label TEXT]
+    python benchmarks/training/bench_expert_backward.py [--formats bf16,int8,int4,fp8]
+        [--tokens 512] [--threads 2] [--calls 5] [--rounds 3] [--baseline DIR] [--json out.json]
+        [--label TEXT]
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def measure_baseline(fmt: str, args: argparse.Namespace) -> dict[str, list[float
 def git_sha() -> str:
     from hetmoe.machine import source_commit
 
-    return source_commit(Path(__file__).resolve().parents[1])
+    return source_commit(Path(__file__).resolve().parents[2])
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ against the packed bytes plus the non-expert weights (the issue's bound: 1.1x), 
 token's latency; `--direct` also times `LLM(checkpoint)` (every expert re-read and packed at
 start, what a start cost before converting). Prints a table and writes JSON.
 
-    python benchmarks/bench_start.py --shape qwen3-30b-a3b --num-layers 24 --experts int8 \
+    python benchmarks/engine/bench_start.py --shape qwen3-30b-a3b --num-layers 24 --experts int8 \
         --work WORKDIR --out DIR [--direct] [--device cuda]
 """
 

@@ -4,7 +4,7 @@ follow the loss curve of the dense SmolLM2 trained with PEFT in a plain torch lo
 rows, seed, LoRA config, AdamW, cosine schedule and batch order, and the adapter hetmoe wrote must
 give the same greedy answer in `LLM("demo", lora=...)` as in PEFT on the dense model.
 
-    python benchmarks/oracle_sft_demo.py [--steps 50] [--seq-len 256] [--grad-accum 2]
+    python benchmarks/training/oracle_sft_demo.py [--steps 50] [--seq-len 256] [--grad-accum 2]
                                          [--json out.json] [--png out.png]
 
 Both sides run fp32 on the CPU. The CPU backend packs expert weights as bf16, so the reference's
@@ -334,7 +334,7 @@ def main() -> None:
     if args.png:
         plot(args.png, ours, ref, f"LoRA SFT on demo vs dense SmolLM2 ({settings.steps} steps)")
     if args.json:
-        sha = source_commit(Path(__file__).resolve().parents[1])
+        sha = source_commit(Path(__file__).resolve().parents[2])
         import peft
 
         record = {"date": time.strftime("%Y-%m-%d"), "commit": sha, "machine": machine_report(),

@@ -9,7 +9,7 @@ group); activations: asymmetric u8 per (token, group), then SiLU(gate) * up requ
 down projection) and checks the simulation against `CpuMoE` itself for the packed group sizes.
 Prints a table and writes JSON.
 
-Usage: python benchmarks/quant_error.py [--shape qwen3-30b-a3b] [--tokens 256] [--json F]
+Usage: python benchmarks/kernels/quant_error.py [--shape qwen3-30b-a3b] [--tokens 256] [--json F]
 """
 
 from __future__ import annotations

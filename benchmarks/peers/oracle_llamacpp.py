@@ -10,7 +10,7 @@ decodes its own greedy tokens. `--sources gguf` has our engine load the very GGU
 (`LLM("x.gguf")`: hetmoe's GGUF reader, converted once), in each of `--formats` (f32, and q8_0 /
 q4_k_m quantized from it by llama.cpp's own quantizer); `hf` loads the HF checkpoint it came from.
 
-    python benchmarks/oracle_llamacpp.py [--models mixtral,demo] [--experts torch,cpu]
+    python benchmarks/peers/oracle_llamacpp.py [--models mixtral,demo] [--experts torch,cpu]
                                          [--sources hf,gguf] [--formats f32,q8_0,q4_k_m]
                                          [--tokens 64] [--json out.json]
 
@@ -224,7 +224,7 @@ def compare(
 
 def git_sha() -> str:
     """The checked-out commit, or "unknown" outside a checkout of this project."""
-    return source_commit(Path(__file__).resolve().parents[1])
+    return source_commit(Path(__file__).resolve().parents[2])
 
 
 def _models(

@@ -1,14 +1,14 @@
 """Streaming rate of the AVX-512 decode kernels alone, on many threads (no pool, no phases).
 
-Compiles benchmarks/bench_decode_stream.cpp with g++ and the AVX-512 flags of CMakeLists.txt
+Compiles benchmarks/kernels/bench_decode_stream.cpp with g++ and the AVX-512 flags of CMakeLists.txt
 against csrc/ (or, with --kernels DIR, also against DIR first: a tree holding another
 kernels/avx512.cpp, e.g. `git archive OLD csrc | tar -x -C DIR`, to time two versions back to
 back), then runs each format with one token against 1 GB of packed Qwen3-30B-A3B gate/up
 matrices in the decode task shape, read once per pass, and a plain 8-byte read of the same
 bytes. Builds alternate; prints GB/s (all threads) and GB/s per core (on-CPU time).
 
-Usage: python benchmarks/bench_decode_stream.py [--kernels OLD_TREE] [--threads 15] [--gb 1.0]
-           [--formats read,bf16,int8:64,int4:32] [--runs 1] [--json stream.json]
+Usage: python benchmarks/kernels/bench_decode_stream.py [--kernels OLD_TREE] [--threads 15]
+           [--gb 1.0] [--formats read,bf16,int8:64,int4:32] [--runs 1] [--json stream.json]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ("-O3 -std=c++20 -ffp-contract=off -fno-math-errno -mavx2 -mfma -mf16c -mavx512f "
          "-mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -pthread").split()
 
@@ -28,8 +28,8 @@ FLAGS = ("-O3 -std=c++20 -ffp-contract=off -fno-math-errno -mavx2 -mfma -mf16c -
 def build(include_first: Path | None, out: Path) -> Path:
     """The benchmark binary, compiled with `include_first` (if given) ahead of csrc/."""
     inc = ([f"-I{include_first}"] if include_first else []) + [f"-I{ROOT / 'csrc'}"]
-    cmd = ["g++", *FLAGS, *inc, str(ROOT / "benchmarks" / "bench_decode_stream.cpp"), "-o",
-           str(out)]
+    source = ROOT / "benchmarks" / "kernels" / "bench_decode_stream.cpp"
+    cmd = ["g++", *FLAGS, *inc, str(source), "-o", str(out)]
     subprocess.run(cmd, check=True)
     return out
 

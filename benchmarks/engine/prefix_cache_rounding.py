@@ -6,7 +6,7 @@ Kernels whose rounding depends on how many tokens a call carries (the C++ CPU ex
 matmuls in bf16) make the reused KV differ in the last bits from a fresh prefill's, so a near
 tie can turn an answer; torch experts in float32 give the same tokens (README, prefix cache).
 
-Usage: python benchmarks/prefix_cache_rounding.py [--model demo] [--experts cpu|torch]
+Usage: python benchmarks/engine/prefix_cache_rounding.py [--model demo] [--experts cpu|torch]
        [--dtype auto|float32|bfloat16] [--tokens 48] [--json F]
 """
 
