@@ -2,13 +2,14 @@
 learned routing, so that real routing (skewed, token-dependent) and the accuracy cost of Expert
 Deferral can be measured on real text.
 
-Per layer, the dense MLP's neurons are grouped into NUM_EXPERTS experts by co-activation and a
-linear router is trained on the dense model's activations (`moefication.py`; the corpus and its
-held-out part in `demo_moe_corpus.py`). Mixtral weights the top-k experts by their softmax
-probabilities renormalized to sum 1, while the dense MLP weights every neuron by 1; so each
-expert's down projection is scaled by TOP_K and the router by ROUTER_SCALE (a power of two, exact
-in every float type): the order of the logits, hence the choice of experts, is the trained one,
-and the weights are 1/TOP_K within a fraction of a percent.
+Per layer, the dense MLP's neurons are grouped into equal experts by co-activation, a linear
+router is trained on the dense model's activations and the down projection is refit to the
+picked experts (`moefication.py`; the corpus and its held-out part in `demo_moe_corpus.py`, plus
+the dense model's replies to its chat prompts). Mixtral weights the top-k experts by their
+softmax probabilities renormalized to sum 1, while the dense MLP weights every neuron by 1; so
+each expert's down projection is scaled by top-k and the router by ROUTER_SCALE (a power of two,
+exact in every float type): the order of the logits, hence the choice of experts, is the trained
+one, and the weights are 1/top-k within a few percent.
 """
 
 from __future__ import annotations
