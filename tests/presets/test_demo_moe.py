@@ -29,9 +29,11 @@ PROMPT_TEXT = "The Python interpreter reads a program from a file and"
 
 
 @pytest.fixture(scope="session")
-def demo_moe_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
+def demo_moe_dir(request: pytest.FixtureRequest,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The preset, built once into pytest's cache dir (kept across sessions, keyed by the
-    preset's version); skips when the wheel or `gguf` is missing."""
+    preset's version; this session's temp dir under -p no:cacheprovider); skips when the
+    wheel or `gguf` is missing."""
     if importlib.util.find_spec("gguf") is None:
         pytest.skip("demo-moe needs the gguf package: pip install gguf")
     try:
@@ -39,9 +41,10 @@ def demo_moe_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
     except FileNotFoundError as exc:
         pytest.skip(f"demo-moe tests skipped: {exc}")
     cache = request.config.cache
-    assert cache is not None
+    root = (cache.mkdir("hetmoe-presets") if cache is not None
+            else tmp_path_factory.mktemp("hetmoe-presets"))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HETMOE_CACHE_DIR", str(cache.mkdir("hetmoe-presets")))
+        patch.setenv("HETMOE_CACHE_DIR", str(root))
         yield resolve_model(NAME)
 
 
