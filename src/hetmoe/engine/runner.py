@@ -6,9 +6,8 @@ The one runner for prefill and decode, single-threaded (one owner at a time). ON
   its slot from its own start) in ONE padded forward pass (engine/prefill_batch.py; long passes
   stream experts to the GPU), then one new token for each of the B decode rows, each at its own
   position, in ONE forward pass. Greedy plans get tokens; with CUDA graphs a plan with `ahead`
-  also launches the next step of the same slots (its input the argmax on the GPU) before this
-  one's tokens are read. A step launched ahead that the next plan does not continue is waited
-  for and rolled back (`settle`), as is any before another call touches the cache.
+  also launches the next step of the same slots before this one's tokens are read
+  (engine/launch_ahead.py; `settle` rolls back a step launched ahead nobody continues).
 - Shorthands of `step` for tests and scripts: `prefill(slot, token_ids, start=0) -> [V]`,
   `prefill_logits -> [T, V]`, `decode(slots, token_ids) -> [B, V]`, `greedy(slot, token,
   limit)` (greedy plans with `ahead`, token by token). `max_batch`,
@@ -28,7 +27,6 @@ import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +36,7 @@ from hetmoe.engine.adapters import LoraAdapters
 from hetmoe.engine.fused_decode import FusedDecoder
 from hetmoe.engine.graphs import GraphCache
 from hetmoe.engine.kv_cache import StaticKVCache
+from hetmoe.engine.launch_ahead import LaunchAhead, Launched
 from hetmoe.engine.layer_plan import fits_fused
 from hetmoe.engine.overlap import MoEOverlap, all_on_cpu_backend
 from hetmoe.engine.placement import Placement, placement_plan
@@ -45,19 +44,9 @@ from hetmoe.engine.placement_plan import PlacementPlan
 from hetmoe.engine.placement_policy import TrafficPolicy
 from hetmoe.engine.prefill_batch import chunk_rows, prefill_passes
 from hetmoe.engine.step import PrefillChunk, StepOutput, StepPlan
+from hetmoe.engine.step_checks import check_chunk, check_decode_rows
 from hetmoe.ops.deferral import check_deferred
 from hetmoe.ops.kv_batch import KVBatch, window_bucket
-
-
-@dataclass
-class _Launched:
-    """A greedy decode step launched on the GPU, not yet read."""
-
-    slots: tuple[int, ...]
-    token: torch.Tensor  # [B, 1] int64 on the GPU: the argmax, the next step's input
-    host: torch.Tensor  # [B, 1] pinned: its copy for the host
-    done: torch.cuda.Event  # recorded after that copy
-    jobs: list[Any]  # the step's flag jobs (MoEOverlap.take_pending)
 
 
 class ModelRunner:
@@ -94,8 +83,8 @@ class ModelRunner:
         self.cache = StaticKVCache(model, max_batch, max_seq_len, dtype)
         self.lengths = self.cache.lengths
         self.adapters: LoraAdapters | None = None  # per slot (LLM(lora=...)); None: as loaded
-        self._ahead: _Launched | None = None
-        self._ahead_tokens: tuple[int, ...] = ()  # the inputs `_ahead` was launched on
+        self.launch_ahead = LaunchAhead(self)
+        """The greedy step launched before the previous one's tokens are read (CUDA graphs)."""
         self.placement: Placement | None = None
         """Routed experts resident on the GPU (`place`); None: every expert on the CPU."""
         self.policy: TrafficPolicy | None = None
@@ -111,8 +100,7 @@ class ModelRunner:
 
     def committed(self, slot: int) -> int:
         """Tokens in `slot` that the caller has read (its length, less a step launched ahead)."""
-        ahead = self._ahead
-        return self.lengths[slot] - int(ahead is not None and slot in ahead.slots)
+        return self.lengths[slot] - int(self.launch_ahead.holds(slot))
 
     def free(self, slot: int) -> None:
         """Frees `slot` (after settling a step launched ahead, which may write to it)."""
@@ -172,32 +160,15 @@ class ModelRunner:
 
     def _decode_step(self, plan: StepPlan) -> StepOutput:
         """The decode rows of `plan`: eager, or greedy launched (ahead) on CUDA graphs."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and (ahead.slots != plan.slots or
-                                  self._ahead_tokens != plan.token_ids or not plan.greedy):
-            self._discard(ahead)
-            ahead = None
-        if ahead is None:
+        launched = self.launch_ahead.take(plan)
+        if launched is None:
             self._check_step(plan)
-        launched = ahead
+        if plan.greedy and self.use_graphs:
+            return self.launch_ahead.run(plan, launched, self._after)
         try:
-            if not plan.greedy or not self.use_graphs:
-                return self._after(self._run_step(plan))
-            if launched is None:
-                ids = torch.tensor([[t] for t in plan.token_ids],
-                                   pin_memory=self.device.type == "cuda")
-                launched = self._launch(plan.slots, ids.to(self.device, non_blocking=True))
-            if plan.ahead and all(self.lengths[s] < self.max_seq_len for s in plan.slots):
-                self._ahead = self._launch(plan.slots, launched.token)
-            tokens = self._read(launched)
-            self._ahead_tokens = tokens
-            return self._after(StepOutput(tokens=tokens))
+            return self._after(self._run_step(plan))
         except BaseException:
-            inflight = [s for s in (launched, self._ahead) if s is not None]
-            self._ahead = None
-            self._abort(inflight)
-            for slot in [s for lost in inflight for s in lost.slots]:
-                self.lengths[slot] -= 1  # their tokens never reach the caller
+            self.launch_ahead.fail(launched)
             raise
 
     def _after(self, out: StepOutput) -> StepOutput:
@@ -208,9 +179,7 @@ class ModelRunner:
 
     def settle(self) -> None:
         """Waits for a step launched ahead and rolls it back (its tokens were not wanted)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            self._discard(ahead)
+        self.launch_ahead.settle()
 
     def reset_graphs(self, deferred: int | None = None) -> None:
         """Drops the captured graphs (e.g. to change `deferred`, which graphs bake in)."""
@@ -246,30 +215,8 @@ class ModelRunner:
                 self.policy = TrafficPolicy(self.placement, self.config.placement_interval)
         return plan
 
-    def _discard(self, launched: _Launched) -> None:
-        """Waits for a step nobody will read and rolls its slots' lengths back."""
-        try:
-            self._read(launched)
-        except BaseException:
-            self._abort([launched])
-            raise
-        finally:
-            for slot in launched.slots:
-                self.lengths[slot] -= 1
-
-    def _abort(self, steps: list[_Launched]) -> None:
-        """Releases the CPU jobs of failed or abandoned launched steps."""
-        if self.overlap is not None:
-            self.overlap.abort_step([job for s in steps for job in s.jobs])
-
     def _check_step(self, plan: StepPlan) -> None:
-        for slot in plan.slots:
-            self.cache.check_slot(slot)
-            if not 0 < self.lengths[slot] < self.max_seq_len:
-                raise ValueError(f"slot {slot} holds {self.lengths[slot]} tokens; decode needs 1 "
-                                 f"to {self.max_seq_len - 1} (prefill first; the context window "
-                                 f"is full at {self.max_seq_len})")
-        self._check_ids(plan.token_ids)
+        check_decode_rows(plan, self.cache, self.max_seq_len, self.vocab_size)
 
     def _phase(self, decoding: bool, slots: Sequence[int]) -> contextlib.ExitStack:
         """The MoE step's phase and the rows' LoRA adapters; re-attaches this runner's step when
@@ -308,7 +255,7 @@ class ModelRunner:
             return StepOutput(tokens=tuple(logits.argmax(-1).tolist()))
         return StepOutput(logits=logits)
 
-    def _launch(self, slots: tuple[int, ...], ids: torch.Tensor) -> _Launched:
+    def _launch(self, slots: tuple[int, ...], ids: torch.Tensor) -> Launched:
         """Launches a greedy step of `slots` on ids [B, 1] (on the GPU); read with `_read`."""
         starts = [self.lengths[s] for s in slots]
         index = torch.tensor([starts, list(slots)], pin_memory=True)
@@ -324,9 +271,9 @@ class ModelRunner:
         host.copy_(token, non_blocking=True)
         done = torch.cuda.Event(blocking=True)  # sleep, not spin, on it (_sleep_until_done)
         done.record()
-        return _Launched(slots, token, host, done, self.overlap.take_pending())
+        return Launched(slots, token, host, done, self.overlap.take_pending())
 
-    def _read(self, launched: _Launched) -> tuple[int, ...]:
+    def _read(self, launched: Launched) -> tuple[int, ...]:
         """Waits for a launched step and its CPU jobs; its tokens."""
         launched.done.synchronize()
         jobs, launched.jobs = launched.jobs, []
@@ -358,15 +305,7 @@ class ModelRunner:
 
     def check_chunk(self, chunk: PrefillChunk) -> None:
         """ValueError naming what is wrong with a prefill chunk (slot, start, window, ids)."""
-        self.cache.check_slot(chunk.slot)
-        start, n = chunk.start, len(chunk.token_ids)
-        if not 0 <= start <= self.lengths[chunk.slot]:
-            raise ValueError(f"prefill start {start} is beyond slot {chunk.slot}'s "
-                             f"{self.lengths[chunk.slot]} cached tokens")
-        if start + n > self.max_seq_len:
-            raise ValueError(f"{start + n} tokens do not fit the context window of "
-                             f"{self.max_seq_len} (max_seq_len)")
-        self._check_ids(chunk.token_ids)
+        check_chunk(chunk, self.cache, self.max_seq_len, self.vocab_size)
 
     def _prefill(self, chunks: Sequence[PrefillChunk]) -> tuple[torch.Tensor, ...]:
         """Runs checked chunks in padded passes (engine/prefill_batch.py); their logits."""
@@ -400,11 +339,6 @@ class ModelRunner:
             hidden = layer(hidden, attention_mask=None, position_ids=kv.positions,
                            position_embeddings=rotary, kv=kv)
         return self.base.norm(hidden)
-
-    def _check_ids(self, token_ids: Sequence[int]) -> None:
-        bad = [t for t in token_ids if not 0 <= int(t) < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} out of the vocabulary [0, {self.vocab_size})")
 
 
 def _sleep_until_done() -> None:
