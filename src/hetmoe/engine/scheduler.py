@@ -26,13 +26,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from hetmoe.engine.adapters import assign_adapter
 from hetmoe.engine.constrained import Constraints, compile_format
-from hetmoe.engine.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
+from hetmoe.engine.logprobs import TokenLogprob, token_logprobs
 from hetmoe.engine.prefix_cache import PrefixCache
+from hetmoe.engine.prompt_fill import PromptFill
 from hetmoe.engine.request import Event, QueueFull, Request, RequestHandle, choices
 from hetmoe.engine.sampler import SamplingParams
-from hetmoe.engine.step import PrefillChunk, StepPlan
+from hetmoe.engine.step import StepPlan
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +63,7 @@ class Scheduler:
         self._eos = frozenset(eos_token_ids)
         self._waiting: collections.deque[Request] = collections.deque()  # first choices
         self._running: list[Request] = []
-        self._filling: list[Request] = []  # first choices whose prompt is being prefilled
+        self.fill = PromptFill(self)  # first choices whose prompt is being prefilled
         self._wake = threading.Condition()
         self._stopped = False
         self.decode_steps = 0
@@ -198,8 +198,8 @@ class Scheduler:
         batch = [r for r in self._running if r.output_ids]  # sequences past their prefill
         for request in admitted:
             if request in self._running:  # not cancelled meanwhile
-                self._place(request)
-        fills = self._chunks(bool(batch))
+                self.fill.place(request)
+        fills = self.fill.chunks(bool(batch))
         if not batch and not fills:
             return
         # Tokens, not logits, when no row needs them; the next step launched ahead only when
@@ -210,92 +210,14 @@ class Scheduler:
             len(self._running) + len(self._waiting[0].group) <= self.runner.max_batch)
         plan = StepPlan(tuple(r.slot for r in batch), tuple(r.output_ids[-1] for r in batch),
                         greedy=greedy, ahead=greedy and more and not admitting
-                        and not self._filling, prefills=tuple(chunk for _, chunk in fills))
+                        and not self.fill.requests, prefills=tuple(chunk for _, chunk in fills))
         out = self.runner.step(plan)
         for (first, chunk), logits in zip(fills, out.prefill_logits, strict=True):
-            self._prefilled(first, chunk, logits)
+            self.fill.prefilled(first, chunk, logits)
         if batch:
             self.decode_steps += 1
             self.decode_rows += len(batch)
             self._sample(batch, out.logits, out.tokens)
-
-    def _place(self, first: Request) -> None:
-        """Gives a request's first choice a slot holding the longest cached prefix of its
-        prompt (engine/prefix_cache.py); its prefill starts after that prefix."""
-        ids, cache = first.prompt_ids, self.runner.cache
-        try:
-            echo = first.params.prompt_logprobs is not None  # scores every position
-            place = self.prefix.place(ids, reuse=not echo)
-            first.slot = cache.allocate(place.slot, place.kept)
-            assign_adapter(self.runner, first.slot, first.params.adapter)
-            if place.copied:
-                self.runner.settle()
-                cache.copy(place.source, first.slot, place.copied)
-        except Exception as exc:
-            self._fail(first.group, exc)
-            return
-        for request in first.group:
-            request.cached_tokens = first.filled = place.cached
-        self._filling.append(first)
-
-    def _chunks(self, decoding: bool) -> list[tuple[Request, PrefillChunk]]:
-        """This step's prompt chunks: placed requests in order while `EngineConfig
-        .prefill_chunk` tokens last (None: every prompt whole); with nothing `decoding` the
-        first takes its whole prompt. A chunk the runner refuses fails its request alone."""
-        limit = self.runner.config.prefill_chunk
-        budget = limit if limit is not None else -1  # -1: no limit
-        fills: list[tuple[Request, PrefillChunk]] = []
-        for first in list(self._filling):
-            if budget == 0:
-                break
-            if first not in self._running:  # cancelled or failed meanwhile
-                self._filling.remove(first)
-                continue
-            ids, start = first.prompt_ids, first.filled
-            echo = first.params.prompt_logprobs is not None  # scores every position: whole
-            whole = echo or budget < 0 or (not fills and not decoding)
-            end = len(ids) if whole else min(len(ids), start + budget)
-            chunk = PrefillChunk(first.slot, tuple(ids[0 if echo else start:end]),
-                                 0 if echo else start, every_position=echo)
-            try:
-                self.runner.check_chunk(chunk)
-            except Exception as exc:  # this prompt's failure is its own, not the batch's
-                self._filling.remove(first)
-                self._fail([r for r in first.group if r in self._running], exc)
-                continue
-            fills.append((first, chunk))
-            if budget > 0:
-                budget = max(0, budget - (end - start))
-        return fills
-
-    def _prefilled(self, first: Request, chunk: PrefillChunk, logits: torch.Tensor) -> None:
-        """After a request's chunk ran (`logits` [T, V]): once its whole prompt is in, copies
-        the KV into the other choices' slots and samples each choice's first token."""
-        group = [r for r in first.group if r in self._running]
-        ids, top = first.prompt_ids, first.params.prompt_logprobs
-        if first not in group:  # failed meanwhile
-            return
-        first.filled = chunk.start + len(chunk.token_ids)
-        if first.filled < len(ids):
-            return
-        scored: tuple[TokenLogprob | None, ...] | None = None
-        if top is not None:
-            scored = tuple(prompt_logprobs(logits, ids, top))
-        try:
-            self._filling.remove(first)
-            self.prefix.hold(first.slot, ids)
-            cache = self.runner.cache
-            for request in group[1:]:
-                request.slot = cache.allocate(self.prefix.place(ids, reuse=False).slot)
-                assign_adapter(self.runner, request.slot, request.params.adapter)
-                cache.copy(first.slot, request.slot, len(ids))
-                request.filled = len(ids)
-                self.prefix.hold(request.slot, ids)
-        except Exception as exc:  # this prompt's failure is its own, not the batch's
-            self._fail(group, exc)
-            return
-        rows = logits[-1][None].expand(len(group), -1)  # [n, V], a view
-        self._sample(group, rows, None, scored)
 
     def _fail(self, group: list[Request], exc: Exception) -> None:
         for request in group:
