@@ -1,13 +1,12 @@
 """The default GPU path (CUDA graphs + compiled fused decode + stream flags) on every baby family:
-`benchmarks/engine/check_graph_device.py`'s checks as device tests (`pytest -m device` on a GPU
-host)."""
+the checks of graph_device_checks.py as device tests (`pytest -m device` on a GPU host; the same
+checks print a table through `benchmarks/engine/check_graph_device.py`)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
+import graph_device_checks as checks
 import pytest
 import torch
 
@@ -19,18 +18,8 @@ pytestmark = [
 ]
 
 
-def _checks() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "engine" / "check_graph_device.py"
-    spec = importlib.util.spec_from_file_location("check_graph_device", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_graph_decode_equals_the_reference_paths(family: str, tmp_path: Path) -> None:
-    checks = _checks()
     torch.manual_seed(0)
     row = checks.check_family(family, tmp_path)
     failed = [k for k, v in row.items() if k.startswith("graph_") and v is False]

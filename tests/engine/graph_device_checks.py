@@ -1,0 +1,322 @@
+"""Device checks of the hybrid runtime on baby models (needs CUDA): what CI cannot run. Run by
+`pytest -m device tests/engine/test_graph_device.py`, and as a script that prints the rows and
+writes JSON by `python benchmarks/engine/check_graph_device.py`.
+
+For every family's baby model (fp32, routed experts in the C++ CPU backend, the rest on the GPU):
+- CUDA-graph decode and eager decode give identical tokens (batch 1, and batch 3 padded to 4),
+  with and without Expert Deferral;
+- the graph path equals the plain runner on the same model (no overlap, no graphs) within fp32
+  rounding, and the torch-experts reference in tokens and within bf16-kernel tolerance;
+- graph decode with deferral equals the pure-torch deferral reference on the same model;
+- a step that raises after its CPU jobs were queued releases them (abort), and the next step
+  decodes the same tokens;
+- decode through the compiled fused layer functions (engine/fused_decode.py, the default) and
+  through the HF layers give the same tokens and logits within fp32 rounding (batch 1 and 3,
+  with and without deferral); GPU kernels per token of both;
+- attention over window buckets (a cache of 300 entries: 32, 64, 128, 256, 300) in graph mode,
+  decoding across every bucket boundary up to a full window, batch 1 and 3: the same tokens as
+  eager decode with the same buckets (logits within fp32 rounding at batch 1) and as graph
+  decode over the whole window (logits within summation-order noise); one graph captured per
+  (batch size, bucket) and no compile per bucket (the window's chunk count is a dynamic
+  dimension); capture time per graph;
+- greedy steps launched ahead (`ModelRunner.greedy`, what greedy requests run) give the tokens
+  of the decode loop, stopping early discards the step launched ahead, and a `limit` ends the
+  steps without launching one beyond it;
+- no CPU job reported an error; launches per token in both modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from deferral_reference import DeferralReference
+
+from hetmoe import LLM
+from hetmoe.bench.measure import count_launches
+from hetmoe.config import EngineConfig
+from hetmoe.engine.layer_plan import fits_fused
+from hetmoe.engine.runner import ModelRunner
+from hetmoe.presets.tiny import FAMILIES, build_tiny_model
+
+PROMPTS = [[5, 9, 33, 100, 7], [11, 12, 13], [200, 3, 3, 40, 41, 42, 43]]
+STEPS = 24
+
+
+def decode(runner: ModelRunner, batch: int, reference: DeferralReference | None = None,
+           steps: int = STEPS) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy decode of the first `batch` prompts together; returns tokens and [B, V] logits."""
+    slots = [runner.cache.allocate() for _ in range(batch)]
+    try:
+        tokens = [[int(runner.prefill(s, p).argmax())] for s, p in zip(slots, PROMPTS,
+                                                                       strict=False)]
+        logits = []
+        for _ in range(steps):
+            last = [t[-1] for t in tokens]
+            if reference is None:
+                out = runner.decode(slots, last)
+            else:
+                with reference.decoding():
+                    out = runner.decode(slots, last)
+            logits.append(out.float().cpu())
+            for row, t in zip(out.argmax(-1).tolist(), tokens, strict=True):
+                t.append(row)
+        return tokens, logits
+    finally:
+        for s in slots:
+            runner.free(s)
+
+
+def greedy_ahead(runner: ModelRunner) -> list[int]:
+    """`runner.greedy` (each step launched before the previous token is read) on the first
+    prompt, as `decode` lays tokens out; then a run stopped after 3 tokens must leave the slot's
+    length at the tokens it consumed (the step launched ahead discarded), and one with `limit=5`
+    must give 5 tokens and launch none beyond. [] if it did not."""
+    slot = runner.cache.allocate()
+    try:
+        tokens = [int(runner.prefill(slot, PROMPTS[0]).argmax())]
+        steps = runner.greedy(slot, tokens[0])
+        tokens += [next(steps) for _ in range(STEPS)]
+        steps.close()
+        if runner.lengths[slot] != len(PROMPTS[0]) + STEPS:
+            return []
+    finally:
+        runner.free(slot)
+    slot = runner.cache.allocate()
+    try:
+        steps = runner.greedy(slot, int(runner.prefill(slot, PROMPTS[0]).argmax()))
+        early = [next(steps) for _ in range(3)]
+        steps.close()
+        if early != tokens[1:4] or runner.lengths[slot] != len(PROMPTS[0]) + 3:
+            return []
+    finally:
+        runner.free(slot)
+    slot = runner.cache.allocate()
+    try:  # with a limit the generator ends by itself, no step launched beyond it
+        steps = runner.greedy(slot, int(runner.prefill(slot, PROMPTS[0]).argmax()), limit=5)
+        if list(steps) != tokens[1:6] or runner.lengths[slot] != len(PROMPTS[0]) + 5:
+            return []
+    finally:
+        runner.free(slot)
+    return tokens
+
+
+SAME_KERNELS_ATOL = 1e-3
+"""fp32, the same kernels on both sides: rounding only."""
+OTHER_KERNELS_ATOL = 0.05
+"""fp32, different kernels (batch 3 eagerly vs padded to 4 in the graph; fused vs HF layers):
+their last-ulp differences can flip the bf16 rounding of a CPU expert's input (the CPU kernels
+round activations to bf16), which moves logits by ~1e-2; tokens must still be equal."""
+
+
+def tolerance(key: str) -> float:
+    """The |Δlogit| allowed for a `max_dlogit` entry of a row."""
+    same = key.startswith("graph_vs_eager_max_dlogit_b1")
+    return SAME_KERNELS_ATOL if same else OTHER_KERNELS_ATOL
+
+
+def max_delta(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def check_family(family: str, root: Path) -> dict[str, object]:
+    path = build_tiny_model(family, root / family)
+    cpu = LLM(path, device="cuda", dtype="float32", experts="cpu", progress=False,
+              max_seq_len=64, max_batch=4)
+    ref = LLM(path, device="cuda", dtype="float32", experts="torch", progress=False,
+              max_seq_len=64, max_batch=4)
+    top_k = int(cpu.model.config.num_experts_per_tok)
+    row: dict[str, object] = {"family": family, "top_k": top_k}
+    # LLM on a GPU with CPU experts runs overlap + graphs + fused decode end to end.
+    row["llm_uses_graphs"] = cpu.runner.use_graphs
+    row["llm_fused_as_planned"] = (cpu.runner.fused is not None) == fits_fused(cpu.model)
+    row["llm_generate_tokens"] = cpu.generate(PROMPTS[0], max_new_tokens=STEPS + 1).token_ids
+    # The plain path: HF layers, each MoE layer's own step (backend submit/sync), no graphs.
+    plain = ModelRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len,
+                        EngineConfig(cuda_graphs=False, fused_decode=False))
+    assert plain.overlap is not None
+    plain.overlap.detach()
+    plain.overlap = None
+    ref_tokens, ref_logits = decode(ref.runner, 1)
+    plain_tokens, plain_logits = decode(plain, 1)
+    generated = row["llm_generate_tokens"]
+    row["graph_llm_generate_eq_plain_tokens"] = generated == plain_tokens[0][: len(generated)]
+    for d in sorted({0, min(2, top_k - 2)}):
+        # Graphs in two parts (split before layer 1), as the real models' are before layer 4.
+        runner = ModelRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len,
+                             EngineConfig(deferred=d, graph_split_layer=1))
+        for batch in (1, 3):
+            runner.use_graphs = True
+            graph_tokens, graph_logits = decode(runner, batch)
+            runner.use_graphs = False
+            eager_tokens, eager_logits = decode(runner, batch)
+            row[f"graph_eq_eager_b{batch}_d{d}"] = graph_tokens == eager_tokens
+            row[f"graph_vs_eager_max_dlogit_b{batch}_d{d}"] = max_delta(graph_logits,
+                                                                        eager_logits)
+        runner.use_graphs = True
+        tokens, logits = decode(runner, 1)
+        row[f"graph_greedy_ahead_eq_decode_d{d}"] = greedy_ahead(runner) == tokens[0]
+        if d == 0:
+            row["graph_eq_plain_tokens"] = tokens == plain_tokens
+            row["graph_vs_plain_max_dlogit"] = max_delta(logits, plain_logits)
+            row["graph_eq_torch_reference_tokens"] = tokens == ref_tokens
+            row["graph_vs_torch_reference_max_dlogit"] = max_delta(logits, ref_logits)
+            row["launches"] = {"graph": count_launches(runner, PROMPTS[0], 4)}
+            runner.use_graphs = False
+            row["launches"]["eager"] = count_launches(runner, PROMPTS[0], 4)
+        else:
+            runner.overlap.detach()
+            want_tokens, want = decode(plain, 1, DeferralReference(cpu.model, d))
+            row[f"graph_d{d}_eq_reference_tokens"] = tokens == want_tokens
+            row[f"graph_d{d}_vs_reference_max_dlogit"] = max_delta(logits, want)
+        runner.overlap.detach()
+    row.update(check_fused(cpu))
+    row.update(check_buckets(cpu))
+    row["graph_recovers_after_abort"] = check_abort(cpu)
+    return row
+
+
+def check_fused(llm: LLM) -> dict[str, object]:
+    """Graph decode through the compiled fused layer functions vs through the HF layers (both
+    CUDA graphs, same CPU experts): same tokens, logits within fp32 rounding, batch 1 and 3,
+    with and without deferral; kernels per token of both."""
+    d_late = min(2, int(llm.model.config.num_experts_per_tok) - 2)
+    out: dict[str, object] = {}
+    for d in sorted({0, d_late}):
+        runs = {}
+        for fused in (False, True):
+            runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
+                                 EngineConfig(deferred=d, fused_decode=fused))
+            if fused:
+                out["fused_used"] = runner.fused is not None
+            runs[fused] = [decode(runner, batch) for batch in (1, 3)]
+            if d == 0:
+                name = "fused" if fused else "module"
+                out[f"kernels_per_token_{name}"] = count_launches(
+                    runner, PROMPTS[0], 4)["gpu_kernels_per_token"]
+            runner.overlap.detach()
+        for i, batch in enumerate((1, 3)):
+            (want_tokens, want), (tokens, logits) = runs[False][i], runs[True][i]
+            out[f"graph_fused_eq_module_b{batch}_d{d}"] = tokens == want_tokens
+            out[f"fused_vs_module_max_dlogit_b{batch}_d{d}"] = max_delta(logits, want)
+    return out
+
+
+BUCKET_MAX_SEQ_LEN = 300
+"""Cache length of `check_buckets` (not a power of two; 2 to 5 window chunks of 64)."""
+SMALLEST_WINDOW = 32
+"""Smallest window bucket of `check_buckets` (the runtime's default is 256)."""
+
+
+def check_buckets(llm: LLM) -> dict[str, object]:
+    """Decode across every window bucket boundary (32, 64, 128, 256, 300 = the cache length)
+    in graph mode, batch 1 and 3 (the longest row from 8 to 299 cached entries), against eager
+    decode with the same buckets and graph decode over the whole window; one graph per bucket,
+    and no compile for a bucket once the whole-window run compiled the shapes."""
+    from torch._dynamo.utils import counters
+
+    steps = BUCKET_MAX_SEQ_LEN - max(len(p) for p in PROMPTS) - 1
+    out: dict[str, object] = {}
+    for batch in (1, 3):
+        runs = {}
+        for name, smallest, graphs in (("whole", BUCKET_MAX_SEQ_LEN, True),
+                                       ("buckets", SMALLEST_WINDOW, True),
+                                       ("eager", SMALLEST_WINDOW, False)):
+            runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, BUCKET_MAX_SEQ_LEN,
+                                 EngineConfig(smallest_window=smallest))
+            runner.use_graphs = graphs
+            compiled = counters["stats"]["unique_graphs"]
+            runs[name] = decode(runner, batch, steps=steps)
+            if name == "buckets":
+                size = 1 if batch == 1 else 4
+                widths = sorted(runner.windows)
+                out[f"bucket_widths_b{batch}"] = widths
+                out[f"graph_one_per_bucket_b{batch}"] = sorted(runner.graphs) == [
+                    (size, w) for w in widths] and widths == [32, 64, 128, 256, 300]
+                out[f"bucket_compiles_b{batch}"] = counters["stats"]["unique_graphs"] - compiled
+                out[f"bucket_capture_ms_b{batch}"] = {
+                    w: round(g.capture_s * 1e3, 2) for (_, w), g in sorted(runner.graphs.items())}
+            runner.overlap.detach()
+        (tokens, logits), (eager, eager_logits) = runs["buckets"], runs["eager"]
+        whole, whole_logits = runs["whole"]
+        out[f"graph_buckets_eq_eager_b{batch}"] = tokens == eager
+        out[f"graph_vs_eager_max_dlogit_b{batch}_buckets"] = max_delta(logits, eager_logits)
+        out[f"graph_buckets_eq_whole_window_b{batch}"] = tokens == whole
+        out[f"buckets_vs_whole_window_max_dlogit_b{batch}"] = max_delta(logits, whole_logits)
+    out["graph_buckets_no_compile"] = out["bucket_compiles_b1"] == out["bucket_compiles_b3"] == 0
+    return out
+
+
+class BrokenGraph:
+    """Stands in for a captured graph whose launch fails."""
+
+    def replay(self) -> None:
+        raise RuntimeError("injected replay failure")
+
+
+def check_abort(llm: LLM) -> bool:
+    """A replay that raises after its CPU jobs were queued: the jobs are released, and decode
+    afterwards gives the tokens of an undisturbed run."""
+    # Split after the first layer: the broken last part is replayed once the jobs are queued.
+    runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
+                         EngineConfig(graph_split_layer=1))
+    want, _ = decode(runner, 1)
+    slot = runner.cache.allocate()
+    try:
+        last = int(runner.prefill(slot, PROMPTS[0]).argmax())
+        runner.decode([slot], [last])  # captures the graph of batch 1 (and this step's window)
+        (key,) = runner.graphs
+        parts = runner.graphs[key].parts
+        runner.graphs[key].parts = [*parts[:-1], BrokenGraph()]  # type: ignore[list-item]
+        try:
+            runner.decode([slot], [last])
+            return False
+        except RuntimeError as exc:
+            if "injected replay failure" not in str(exc):
+                raise
+        runner.graphs[key].parts = parts
+        released = not runner.overlap.pending and all(
+            link.flags.ready == 0 and link.flags.done == 0 for link in runner.overlap.host)
+    finally:
+        runner.free(slot)
+    again, _ = decode(runner, 1)
+    runner.overlap.detach()
+    return released and again == want
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--families", default=",".join(FAMILIES),
+                        help="comma-separated baby families (default: all)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check here (CI covers the CPU paths)")
+        return 2
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [check_family(f, Path(tmp)) for f in args.families.split(",")]
+    ok = True
+    for row in rows:
+        flags = {k: v for k, v in row.items() if k.startswith("graph_") and isinstance(v, bool)}
+        deltas = {k: round(v, 6) for k, v in row.items() if "max_dlogit" in k}
+        ok &= all(flags.values())
+        ok &= all(v <= tolerance(k) for k, v in deltas.items() if "torch_reference" not in k)
+        print(f"{row['family']:<12} {'OK ' if all(flags.values()) else 'BAD'} {flags}")
+        print(f"{'':<12} max |Δlogit| {deltas}")
+        launches = row["launches"]
+        print(f"{'':<12} per token: graph {launches['graph']}\n{'':<12} eager {launches['eager']}")
+        print(f"{'':<12} fused path used: {row['fused_used']}; GPU kernels per token: fused "
+              f"{row['kernels_per_token_fused']}, module {row['kernels_per_token_module']}")
+        print(f"{'':<12} window buckets {row['bucket_widths_b1']}, compiles for them "
+              f"{row['bucket_compiles_b1']} / {row['bucket_compiles_b3']} (batch 1 / 3), capture "
+              f"ms {row['bucket_capture_ms_b1']} / {row['bucket_capture_ms_b3']}")
+    summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "ok": ok, "rows": rows}
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+    print("ALL OK" if ok else "FAILED")
+    return 0 if ok else 1
