@@ -39,7 +39,7 @@ from hetmoe.engine.layer_stream import LayerStreamer
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.experts.routed_mlp import routed_mlp
 from hetmoe.machine import machine_report
-from hetmoe.ops.deferral import moe_layers
+from hetmoe.ops.moe import moe_layers
 
 
 def distinct_experts(runner: ModelRunner, ids: list[int], chunk: int = 512) -> list[float]:

@@ -55,7 +55,7 @@ from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import SHAPES, shape_config
 from hetmoe.experts.backend import backends
 from hetmoe.machine import machine_report, source_commit
-from hetmoe.ops.deferral import moe_layers
+from hetmoe.ops.moe import moe_layers
 from hetmoe.ops.moe_step import backend_link
 from hetmoe.presets.tiny import tiny_config
 from hetmoe.train.lora import attach_lora

@@ -20,7 +20,7 @@ from hetmoe.config import EngineConfig
 from hetmoe.engine.overlap import cpu_moe_of
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.experts.torch_backend import TorchExperts
-from hetmoe.ops.deferral import moe_layers
+from hetmoe.ops.moe import moe_layers
 from hetmoe.presets.tiny import tiny_config
 
 PROMPT = [5, 9, 33, 100, 7]

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from hetmoe.ops.deferral import check_deferred, moe_layers
-from hetmoe.ops.moe import HybridMoE
+from hetmoe.ops.deferral import check_deferred
+from hetmoe.ops.moe import HybridMoE, moe_layers
 
 
 class DeferralReference:

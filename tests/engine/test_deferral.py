@@ -12,7 +12,8 @@ from deferral_reference import DeferralReference
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
 from hetmoe.engine.runner import ModelRunner
-from hetmoe.ops.deferral import check_deferred, moe_layers, split_ids
+from hetmoe.ops.deferral import check_deferred, split_ids
+from hetmoe.ops.moe import moe_layers
 
 # C++ CPU kernels (bf16 activations) against torch experts in fp32.
 CROSS_BACKEND_ATOL = 0.08

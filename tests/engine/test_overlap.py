@@ -14,7 +14,7 @@ from hetmoe.config import EngineConfig
 from hetmoe.engine.overlap import cpu_moe_of
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.engine.step import StepPlan
-from hetmoe.ops.deferral import moe_layers
+from hetmoe.ops.moe import moe_layers
 
 # The CPU kernels round activations to bf16: fp32 baby logits agree with torch's to ~3e-2, except
 # where bf16 flips a near-tie of the router (then the CPU backend itself differs from torch, with

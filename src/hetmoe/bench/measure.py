@@ -19,7 +19,7 @@ from torch import nn
 
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.engine.step import PrefillChunk, StepPlan
-from hetmoe.ops.deferral import moe_layers
+from hetmoe.ops.moe import moe_layers
 
 # CUDA runtime calls counted per decoded token.
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",

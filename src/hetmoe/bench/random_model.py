@@ -26,7 +26,7 @@ from hetmoe.inject.registry import OpContext
 from hetmoe.inject.rules import load_rules, shipped_rules_path
 from hetmoe.loading.materialize import rebuild_computed_buffers
 from hetmoe.loading.skeleton import build_skeleton
-from hetmoe.ops.deferral import moe_layers
+from hetmoe.ops.moe import moe_layers
 
 log = logging.getLogger(__name__)
 

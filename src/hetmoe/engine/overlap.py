@@ -31,7 +31,7 @@ from hetmoe.engine.layer_stream import LayerStreamer, streaming_refusal
 from hetmoe.engine.placement import Placement
 from hetmoe.engine.placement_link import PlacementLink
 from hetmoe.experts.cpu_moe import CpuMoE
-from hetmoe.ops.deferral import moe_layers
+from hetmoe.ops.moe import moe_layers
 from hetmoe.ops.moe_step import BackendLink, Link, MoEStep, backend_link
 
 log = logging.getLogger(__name__)

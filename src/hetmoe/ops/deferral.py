@@ -14,13 +14,7 @@ least 2 experts stay immediate, and prefill never defers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-from torch import nn
-
-if TYPE_CHECKING:
-    from hetmoe.ops.moe import HybridMoE
 
 MIN_IMMEDIATE = 2
 """Experts per token that always run in their own layer."""
@@ -51,8 +45,11 @@ def split_ids(expert_ids: torch.Tensor, deferred: int) -> tuple[torch.Tensor, to
     return immediate, late
 
 
-def moe_layers(model: nn.Module) -> list[HybridMoE]:
-    """The model's hybrid MoE modules in execution order."""
-    from hetmoe.ops.moe import HybridMoE
+def __getattr__(name: str) -> object:
+    """`moe_layers`, now in ops/moe.py beside `HybridMoE`, still importable from here for its
+    older importers; looked up on use, since ops/moe imports this module (through moe_step)."""
+    if name == "moe_layers":
+        from hetmoe.ops.moe import moe_layers
 
-    return [m for m in model.modules() if isinstance(m, HybridMoE)]
+        return moe_layers
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -88,6 +88,11 @@ class HybridMoE(nn.Module):
         return None
 
 
+def moe_layers(model: nn.Module) -> list[HybridMoE]:
+    """The model's hybrid MoE modules in execution order."""
+    return [m for m in model.modules() if isinstance(m, HybridMoE)]
+
+
 def _backend_name(options: HybridMoEOptions, ctx: OpContext) -> str:
     name = ctx.experts or options.experts
     if name == "auto":
