@@ -32,12 +32,16 @@ from typing import Any
 import torch
 
 from hetmoe.bench import measure
+from hetmoe.bench.decode_modes import (
+    decode_each_deferred,
+    decode_entry,
+    graph_variants,
+    trace_steps,
+)
 from hetmoe.bench.memory import check_memory
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
-from hetmoe.bench.trace import TraceRecorder
 from hetmoe.config import EngineConfig
-from hetmoe.engine.overlap import MoEOverlap, cpu_moe_of
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.machine import huge_page_bytes, source_commit
 
@@ -146,7 +150,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     if cfg.experts == "torch-cpu":
         runner = ModelRunner(model, device, torch.bfloat16, 1, window)
         run = measure.greedy_decode(runner, prompt, cfg.new_tokens)
-        result["decode"] = {"torch-cpu": _decode_entry(run, result["bound_tok_s"])}
+        result["decode"] = {"torch-cpu": decode_entry(run, result["bound_tok_s"])}
         result["prefill_tok_s"] = {str(n): round(measure.prefill_speed(runner, n,
                                    config.vocab_size, 1), 1) for n in cfg.prefill_lengths}
         return result
@@ -161,58 +165,10 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     result["cpu_experts_ms_per_token"] = round(cpu_ms, 3)
     result["cpu_experts_of_bound"] = round(1e3 / cpu_ms / result["bound_tok_s"], 3)
     log(f"routed experts alone on the CPU: {cpu_ms:.2f} ms/token")
-    result["decode"] = decode = {}
-    tokens: dict[str, list[int]] = {}
-    probe = int(cfg.bandwidth_gib * 2**30)
-    for d in cfg.deferred:
-        runner.reset_graphs(d)
-        name = f"{'graph' if runner.use_graphs else 'eager'}_d{d}"
-        before = _cpu.read_bandwidth(probe, 5) / 1e9
-        run = measure.greedy_decode(runner, prompt, cfg.new_tokens)
-        after = _cpu.read_bandwidth(probe, 5) / 1e9
-        decode[name], tokens[name] = _decode_entry(run, result["bound_tok_s"]), run.tokens
-        # The host's bandwidth drifts within a run (other tenants of the machine): the pool's
-        # reads just before and after this decode give a bound of the same minutes too.
-        decode[name]["read_gb_s_around"] = [round(before, 1), round(after, 1)]
-        decode[name]["of_adjacent_bound"] = round(
-            run.tok_s * result["routed_bytes_per_token"] / (max(before, after) * 1e9), 3)
-        log(f"decode {name}: {decode[name]['tok_s']} tok/s "
-            f"({decode[name]['of_adjacent_bound']:.1%} of the reads around it)")
-    result["decode_windows"] = windows = _windows(runner)
-    log(f"decode attention windows (bucket: steps): {windows['steps']}")
-    if runner.use_graphs:
-        runner.reset_graphs(0)
-        run = _without_cpu_work(runner, prompt, cfg.new_tokens)
-        decode["graph_d0_no_cpu_work"] = _decode_entry(run, result["bound_tok_s"])
-        log(f"decode graph_d0_no_cpu_work: {decode['graph_d0_no_cpu_work']['tok_s']} tok/s")
-    if cfg.eager and runner.use_graphs:
-        runner.reset_graphs(0)
-        result["launches"] = {"graph": measure.count_launches(runner, prompt, 8)}
-        runner.use_graphs = False
-        run = measure.greedy_decode(runner, prompt, cfg.new_tokens)
-        decode["eager_d0"], tokens["eager_d0"] = _decode_entry(run, result["bound_tok_s"]), \
-            run.tokens
-        result["launches"]["eager"] = measure.count_launches(runner, prompt, 8)
-        if "graph_d0" in tokens:
-            result["graph_eager_same_tokens"] = tokens["graph_d0"] == tokens["eager_d0"]
-        runner.use_graphs = True
-        log(f"decode eager_d0: {decode['eager_d0']['tok_s']} tok/s")
-    if cfg.eager and cfg.alternatives and runner.use_graphs:
-        # Before the fused decode (engine/fused_decode.py): the HF layers, same process.
-        module = ModelRunner(model, device, dtype, 1, window,
-                             EngineConfig(fused_decode=False,
-                                          gpu_expert_bytes=cfg.gpu_expert_bytes))
-        run = measure.greedy_decode(module, prompt, cfg.new_tokens)
-        decode["graph_d0_module_path"] = _decode_entry(run, result["bound_tok_s"])
-        run = _without_cpu_work(module, prompt, cfg.new_tokens)
-        decode["graph_d0_no_cpu_work_module_path"] = _decode_entry(run, result["bound_tok_s"])
-        result["launches"]["graph_module_path"] = measure.count_launches(module, prompt, 8)
-        del module  # `runner` re-attaches its own MoE step at its next pass
-        runner.reset_graphs()  # the runners above re-allocated the KV caches the graphs baked in
-        log(f"decode graph_d0_module_path: {decode['graph_d0_module_path']['tok_s']} tok/s, "
-            f"no CPU work {decode['graph_d0_no_cpu_work_module_path']['tok_s']} tok/s")
+    tokens = decode_each_deferred(runner, cfg, prompt, result, log)
+    graph_variants(runner, model, cfg, prompt, window, result, tokens, log)
     if cfg.trace:
-        result["trace"] = _trace(runner, prompt, cfg.trace)
+        result["trace"] = trace_steps(runner, prompt, cfg.trace)
     result.update(_prefill(runner, cfg, config.vocab_size, log))
     del runner, model
     gc.collect()
@@ -251,61 +207,6 @@ def _prefill(runner: ModelRunner, cfg: BenchConfig, vocab: int,
         out["gpu_prefill_bytes_per_pass"] = overlap.streamer.bytes_per_pass()
         out["gpu_prefill_grouped_gemm"] = overlap.streamer.grouped
     return out
-
-
-def _windows(runner: ModelRunner) -> dict[str, Any]:
-    """The attention window buckets the decode steps so far used, and the capture time of each
-    graph of the last `deferred` value."""
-    return {"max_seq_len": runner.max_seq_len, "smallest": runner.config.smallest_window,
-            "steps": {str(w): n for w, n in sorted(runner.windows.items())},
-            "capture_ms": {f"b{b}_w{w}": round(g.capture_s * 1e3, 1)
-                           for (b, w), g in sorted(runner.graphs.items())}}
-
-
-def _overlap(runner: ModelRunner) -> MoEOverlap:
-    if runner.overlap is None:
-        raise ValueError("this benchmark mode needs every MoE layer's experts in the cpu backend")
-    return runner.overlap
-
-
-def _without_cpu_work(runner: ModelRunner, prompt: list[int],
-                      new_tokens: int) -> measure.DecodeRun:
-    """Decode with every routed expert masked out of the CPU jobs: the runtime's floor (GPU
-    work, copies, signals, CPU jobs that route nothing). Its tokens mean nothing."""
-    moes = [cpu_moe_of(m.experts) for m in _overlap(runner).layers]
-    for moe in moes:
-        moe.set_gpu_experts(torch.ones(moe.num_experts, dtype=torch.bool))
-    try:
-        return measure.greedy_decode(runner, prompt, new_tokens)
-    finally:
-        for moe in moes:
-            moe.set_gpu_experts(None)
-
-
-def _decode_entry(run: measure.DecodeRun, bound: float) -> dict[str, Any]:
-    return {"tok_s": round(run.tok_s, 2), "mean_tok_s": round(run.mean_tok_s, 2),
-            "ms_per_token": round(1e3 / run.tok_s, 3), "of_bound": round(run.tok_s / bound, 3),
-            "timed_steps": len(run.step_s), "prompt_prefill_s": round(run.prefill_s, 4)}
-
-
-def _trace(runner: ModelRunner, prompt: list[int], path: str, steps: int = 4) -> dict[str, Any]:
-    """Eager decode steps with trace marks; writes the Chrome trace, returns its summary."""
-    recorder = TraceRecorder(runner.device.type == "cuda")
-    graphs, runner.use_graphs = runner.use_graphs, False
-    slot = runner.cache.allocate()
-    try:
-        token = measure.first_token(runner, slot, prompt)
-        token = measure.next_token(runner, slot, token)  # warm-up, untraced
-        _overlap(runner).trace = recorder
-        for _ in range(steps):
-            recorder.begin_step()
-            token = measure.next_token(runner, slot, token)
-    finally:
-        _overlap(runner).trace = None
-        runner.use_graphs = graphs
-        runner.free(slot)
-    return {"file": path, "steps": steps, "deferred": _overlap(runner).deferred,
-            **recorder.write(path)}
 
 
 def table(results: list[dict[str, Any]]) -> str:
