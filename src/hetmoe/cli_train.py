@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -59,7 +59,7 @@ def sft(
     """
     from hetmoe.engine.model_setup import check_device
     from hetmoe.train.data import build_rows, check_file
-    from hetmoe.train.report import TrainProgress, plot_loss, write_log
+    from hetmoe.train.report import TrainProgress
     from hetmoe.train.sft import train
 
     try:
@@ -94,6 +94,13 @@ def sft(
                "resumed_from": result.resumed_from,
                "tokens_per_s": sum(s.tokens for s in history) / max(
                    sum(s.seconds for s in history), 1e-9)}
+    _write_report(out, model, history, summary)
+
+
+def _write_report(out: Path, model: str, history: list[Any], summary: dict[str, Any]) -> None:
+    """train_log.json and loss.png in `out`, and a line naming them and the final loss."""
+    from hetmoe.train.report import plot_loss, write_log  # as in sft: not at `hetmoe --help`
+
     write_log(out / "train_log.json", history, summary)
     plot_loss(out / "loss.png", history, f"hetmoe sft {model}")
     last = history[-1].loss if history else float("nan")
