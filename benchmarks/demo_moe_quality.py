@@ -37,7 +37,7 @@ from demo_moe_routing import routing_stats, routing_table  # noqa: E402
 
 from hetmoe import LLM  # noqa: E402
 from hetmoe.engine.runner import ModelRunner  # noqa: E402
-from hetmoe.ops.deferral import moe_layers  # noqa: E402
+from hetmoe.ops.moe import moe_layers  # noqa: E402
 from hetmoe.ops.moe_step import BackendLink, MoEStep  # noqa: E402
 from hetmoe.presets import resolve_model  # noqa: E402
 from hetmoe.presets.demo_moe_corpus import held_out_texts, token_windows  # noqa: E402

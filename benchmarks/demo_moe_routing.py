@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hetmoe.ops.deferral import moe_layers
+from hetmoe.ops.moe import moe_layers
 
 if TYPE_CHECKING:
     from hetmoe import LLM
