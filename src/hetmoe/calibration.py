@@ -26,6 +26,7 @@ import torch
 
 from hetmoe import calibration_timing as timing
 from hetmoe import env
+from hetmoe.machine import cpu_model
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,6 @@ class MachineProfile:
 def fingerprint(device: torch.device | None = None) -> str:
     """This machine as a profile is valid for: CPU model, logical cores, the GPU (`device`'s,
     else the first visible one) and the torch version."""
-    from hetmoe.machine import cpu_model
-
     if device is not None and device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
     elif torch.cuda.is_available():
@@ -188,7 +187,7 @@ def current(device: torch.device | None = None,
     """The stored profile when it is this machine's, of this pool size, and covers `formats`
     (and the GPU parts when `device` is CUDA); else measures once (the formats stored before
     too), saves and returns it: the first-run default."""
-    from hetmoe import _cpu
+    from hetmoe import _cpu  # the C++ extension may be absent (cpu_backend.unavailable)
 
     formats = check_formats(formats)
     cuda = device is not None and device.type == "cuda"
@@ -223,7 +222,7 @@ def measure(formats: Sequence[str] = DEFAULT_FORMATS, device: torch.device | Non
     rates are timed on a layer of `experts` experts of hidden x intermediate (default: the
     Qwen3-30B-A3B expert) with random weights, `tokens` tokens per expert on the CPU (the slope
     between the two counts) and `gpu_tokens` on the GPU; `progress` gets a line per step."""
-    from hetmoe import _cpu
+    from hetmoe import _cpu  # the C++ extension may be absent (cpu_backend.unavailable)
 
     formats = check_formats(formats)
     if not 0 < tokens[0] < tokens[1]:

@@ -57,6 +57,7 @@ def sft(
     samples are packed into rows without attention across them. bf16 on a GPU, fp32 on the
     CPU. Writes the adapter, checkpoints, train_log.json and loss.png into --out.
     """
+    # torch, the engine and the train package load when the command runs, not at `hetmoe --help`.
     from hetmoe.engine.model_setup import check_device
     from hetmoe.train.data import build_rows, check_file
     from hetmoe.train.report import TrainProgress

@@ -110,7 +110,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     log(f"host read bandwidth {result['read_gb_s']} GB/s")
     config: Any  # the transformers config of the model or of the shape
     if cfg.model is not None:
-        from hetmoe.engine.engine import LLM
+        from hetmoe.engine.engine import LLM  # a checkpoint run only (transformers loading)
 
         llm = LLM(cfg.model, device=device, progress=False)
         model, config = llm.model, llm.model.config
@@ -120,6 +120,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     prompt = torch.randint(0, config.vocab_size, (cfg.prompt_len,),
                            generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     if cfg.experts == "accelerate":
+        # The accelerate baseline only: transformers + accelerate offload.
         from hetmoe.bench.baselines import build_offloaded_hf_model, hf_generate_speed
 
         start = time.perf_counter()
@@ -138,7 +139,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     result["routed_bytes_per_token"] = measure.routed_bytes_per_token(model)
     result["bound_tok_s"] = round(result["read_gb_s"] * 1e9 / result["routed_bytes_per_token"], 2)
     if cfg.experts == "cpu":
-        from hetmoe import _cpu
+        from hetmoe import _cpu  # the C++ extension: the cpu mode only
 
         # The CPU backend's own workers reading: a second, same-run bandwidth for the bound.
         size = int(cfg.bandwidth_gib * 2**30)

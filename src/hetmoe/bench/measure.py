@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetmoe.engine.overlap import cpu_moe_of
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.engine.step import PrefillChunk, StepPlan
 from hetmoe.ops.moe import moe_layers
@@ -62,8 +63,6 @@ def read_bandwidth(gib: float = 2.0, repeats: int = 8) -> float:
 
 def routed_bytes_per_token(model: nn.Module) -> int:
     """Bytes of routed-expert weights one token reads (K experts per MoE layer, scales included)."""
-    from hetmoe.engine.overlap import cpu_moe_of
-
     total = 0
     for moe in moe_layers(model):
         spec, k = moe.experts.spec, moe.gate.config.top_k
@@ -161,7 +160,7 @@ def h2d_bandwidth(device: torch.device, gib: float = 1.0, repeats: int = 5) -> f
 def count_launches(runner: ModelRunner, prompt: list[int], steps: int) -> dict[str, float]:
     """CUDA runtime launches, GPU kernels and host syncs per decoded token (torch.profiler over
     `steps` decode steps after two warm-up steps)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile  # count_launches only
 
     slot = runner.cache.allocate()
     try:
@@ -197,8 +196,6 @@ def cpu_experts_ms(model: nn.Module, repeats: int = 10) -> float:
     """Milliseconds per token of the routed experts alone: each MoE layer's `CpuMoE.forward` on
     one token with K distinct random experts, layer after layer as decode reads them (fresh
     experts each repeat, median over repeats). Step time minus this is the runtime's share."""
-    from hetmoe.engine.overlap import cpu_moe_of
-
     layers = [(cpu_moe_of(m.experts), m.gate.config.top_k) for m in moe_layers(model)]
     generator = torch.Generator().manual_seed(1)
     dtype = moe_layers(model)[0].gate.weight.dtype

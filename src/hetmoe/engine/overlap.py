@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from hetmoe.calibration import current
 from hetmoe.engine.expert_split import (
     PrefillTuner,
     SplitCosts,
@@ -171,8 +172,6 @@ class MoEOverlap(MoEStep):
         """Per-expert costs of this model's layer shape on this machine (measured rates, loaded
         or measured at the first use)."""
         if self.costs is None:
-            from hetmoe.calibration import current
-
             moe = self.cpu[0]
             profile = current(self.device, formats=(moe.weight_format,))
             self.costs = costs_from_profile(profile, moe)
@@ -219,7 +218,7 @@ class MoEOverlap(MoEStep):
 
         RuntimeError when they exceed the pool's queue: a step queues them all at once,
         and a full queue would wait for a job that waits for the replay."""
-        from hetmoe import _cpu
+        from hetmoe import _cpu  # the C++ extension may be absent (cpu_backend.unavailable)
 
         recorded, self.recorded = self.recorded or [], None
         capacity = int(_cpu.POOL_QUEUE_CAPACITY)
