@@ -26,7 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -38,13 +37,11 @@ import torch
 from hetmoe import env
 from hetmoe.machine import machine_report, source_commit
 
-LLAMA_CPP_PYTHON = "0.3.36"
-"""Pinned llama-cpp-python sdist (it vendors llama.cpp and its converter)."""
-CMAKE_ARGS = (
-    "-DLLAVA_BUILD=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF "
-    "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
-    "-DLLAMA_BUILD_SERVER=OFF"
-)
+# The pinned llama-cpp-python and its build live with the tests that also use them.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "loading"))
+from llama_converter import VERSION as LLAMA_CPP_PYTHON  # noqa: E402
+from llama_converter import ensure_llama_cpp  # noqa: E402
+
 # DeepSeek-V2 baby as V2-Lite: llama.cpp reads a V2 without q LoRA only at V2-Lite's depth (26/27
 # layers), and scores expert groups by their top-2 sum (V3's rule) where V2's group_limited_greedy
 # takes the max, so the routing is V2-Lite's ungrouped greedy top-k (`--v2-grouped` keeps V2's).
@@ -93,41 +90,6 @@ class OracleRow:
     """Tokens our greedy decode produced (fewer than `continuation` when it met EOS)."""
     max_abs_dlogit: float
     max_abs_logit: float
-
-
-def _run(cmd: list[str], **kwargs: object) -> None:
-    print("+", " ".join(cmd[:6]), "..." if len(cmd) > 6 else "", flush=True)
-    subprocess.run(cmd, check=True, **kwargs)  # type: ignore[call-overload]
-
-
-def ensure_llama_cpp(home: Path) -> tuple[Path, Path]:
-    """Downloads, builds (once) and installs llama-cpp-python under `home`; returns the vendored
-    llama.cpp source dir (for the converter) and the install dir, already on `sys.path`."""
-    pip = [sys.executable, "-m", "pip"]
-    sdist = home / "sdist" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
-    if not sdist.exists():
-        _run(pip + ["download", "--no-deps", "--no-binary", ":all:", "-d", str(sdist.parent),
-                    f"llama-cpp-python=={LLAMA_CPP_PYTHON}"])
-    src = home / "src"
-    llama = src / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
-    if not llama.exists():
-        with tarfile.open(sdist) as tar:
-            tar.extractall(src, filter="data")
-    wheels = sorted((home / "wheels").glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}-*.whl"))
-    if not wheels:
-        print("building llama-cpp-python (CPU only); this takes a while once", flush=True)
-        build_env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS}
-        _run(["nice", "-n", "10"] + pip + ["wheel", "--no-deps", "-w", str(home / "wheels"),
-                                            str(sdist)], env=build_env)
-        wheels = sorted((home / "wheels").glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}-*.whl"))
-    site = home / f"site-{LLAMA_CPP_PYTHON}"
-    if not (site / "llama_cpp").exists():
-        # What hetmoe's env lacks: diskcache (llama_cpp) and sentencepiece (the llama converter
-        # imports it before it looks for tokenizer.json).
-        _run(pip + ["install", "--no-deps", "--target", str(site), str(wheels[-1]), "diskcache",
-                    "sentencepiece"])
-    sys.path.insert(0, str(site))
-    return llama, site
 
 
 def convert(model_dir: Path, out: Path, llama: Path, site: Path) -> Path:

@@ -6,13 +6,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 from hetmoe import env
 
 VERSION = "0.3.36"
-"""The llama-cpp-python sdist `.ci/run` unpacks (benchmarks/peers/oracle_llamacpp.py pins the
-same)."""
+"""The pinned llama-cpp-python sdist (it vendors llama.cpp and its converter): the one `.ci/run`
+unpacks, `ensure_llama_cpp` builds, and benchmarks/peers/oracle_llamacpp.py runs."""
+CMAKE_ARGS = (
+    "-DLLAVA_BUILD=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF "
+    "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
+    "-DLLAMA_BUILD_SERVER=OFF"
+)
+"""llama-cpp-python's CPU-only build (`ensure_llama_cpp`)."""
 
 # Baby tokenizers are unknown to the converter's pre-tokenizer table and the llama vocab path
 # needs sentencepiece: the tests feed token ids, so both take the plain GPT-2 path.
@@ -54,3 +61,38 @@ def convert(model_dir: Path, out: Path, outtype: str) -> Path:
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf failed on {model_dir}:\n{done.stderr[-4000:]}")
     return out
+
+
+def _run(cmd: list[str], **kwargs: object) -> None:
+    print("+", " ".join(cmd[:6]), "..." if len(cmd) > 6 else "", flush=True)
+    subprocess.run(cmd, check=True, **kwargs)  # type: ignore[call-overload]
+
+
+def ensure_llama_cpp(home: Path) -> tuple[Path, Path]:
+    """Downloads, builds (once) and installs llama-cpp-python under `home`; returns the vendored
+    llama.cpp source dir (for the converter) and the install dir, already on `sys.path`."""
+    pip = [sys.executable, "-m", "pip"]
+    sdist = home / "sdist" / f"llama_cpp_python-{VERSION}.tar.gz"
+    if not sdist.exists():
+        _run(pip + ["download", "--no-deps", "--no-binary", ":all:", "-d", str(sdist.parent),
+                    f"llama-cpp-python=={VERSION}"])
+    src = home / "src"
+    llama = src / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
+    if not llama.exists():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(src, filter="data")
+    wheels = sorted((home / "wheels").glob(f"llama_cpp_python-{VERSION}-*.whl"))
+    if not wheels:
+        print("building llama-cpp-python (CPU only); this takes a while once", flush=True)
+        build_env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS}
+        _run(["nice", "-n", "10"] + pip + ["wheel", "--no-deps", "-w", str(home / "wheels"),
+                                            str(sdist)], env=build_env)
+        wheels = sorted((home / "wheels").glob(f"llama_cpp_python-{VERSION}-*.whl"))
+    site = home / f"site-{VERSION}"
+    if not (site / "llama_cpp").exists():
+        # What hetmoe's env lacks: diskcache (llama_cpp) and sentencepiece (the llama converter
+        # imports it before it looks for tokenizer.json).
+        _run(pip + ["install", "--no-deps", "--target", str(site), str(wheels[-1]), "diskcache",
+                    "sentencepiece"])
+    sys.path.insert(0, str(site))
+    return llama, site

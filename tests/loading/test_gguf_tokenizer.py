@@ -9,7 +9,6 @@ against the ids of DeepSeek's own tokenizers."""
 from __future__ import annotations
 
 import random
-import sys
 import tarfile
 from pathlib import Path
 
@@ -169,8 +168,7 @@ def test_the_deepseek_llm_split_is_deepseeks() -> None:
 def _llama_cpp() -> tuple[type, Path]:
     """llama-cpp-python's `Llama` (built once by the llama.cpp oracle) and the sdist it was built
     from (llama.cpp's source, its test vocabularies included)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "peers"))
-    from oracle_llamacpp import LLAMA_CPP_PYTHON, ensure_llama_cpp
+    from llama_converter import VERSION, ensure_llama_cpp
 
     from hetmoe import env
 
@@ -178,7 +176,7 @@ def _llama_cpp() -> tuple[type, Path]:
     ensure_llama_cpp(home)
     from llama_cpp import Llama
 
-    return Llama, home / "sdist" / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    return Llama, home / "sdist" / f"llama_cpp_python-{VERSION}.tar.gz"
 
 
 def _mismatches(path: Path, texts_: list[str]) -> list[str]:
