@@ -132,8 +132,9 @@ def describe_plan(k: int, num_experts: int) -> str:
 
 EXPLORE_WITHIN = 1.5
 """`PrefillTuner` times an alternative to the model's choice only when the model predicts it
-within this factor of the choice (its largest measured error so far is 1.3x,
-docs/benchmarks/prefill.md round 3), so a 1-token prompt never tries streaming every expert."""
+within this factor of the choice (its largest measured error so far is 1.3x: round 3 in
+docs/benchmarks/prefill.md's git history), so a 1-token prompt never tries streaming every
+expert."""
 
 
 TRIES = 2
