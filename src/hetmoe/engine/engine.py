@@ -14,6 +14,7 @@ import torch
 from hetmoe.config import EngineConfig
 from hetmoe.engine.adapters import LoraAdapters, assign_adapter, with_lora
 from hetmoe.engine.chat_template import read_chat_template
+from hetmoe.engine.collected_output import CollectedOutput
 from hetmoe.engine.constrained import Constraints
 from hetmoe.engine.logprobs import TokenLogprob
 from hetmoe.engine.model_setup import (
@@ -300,7 +301,7 @@ class LLM:
         self, prompt_ids: list[int], params: SamplingParams, result: list[GenerationOutput]
     ) -> Iterator[str]:
         """One request's text pieces as they become final; its output appended to `result`."""
-        out = _Collected(self._checked_prompt(prompt_ids))
+        out = CollectedOutput(self._checked_prompt(prompt_ids))
         for _, event in self._events([out.prompt], params):
             out.add(event)
             if event.text:
@@ -309,7 +310,7 @@ class LLM:
 
     def _run_all(self, prompts: list[list[int]],
                  params: SamplingParams) -> list[GenerationOutput]:
-        outs = [_Collected(ids) for ids in prompts]
+        outs = [CollectedOutput(ids) for ids in prompts]
         for i, event in self._events(prompts, params):
             outs[i].add(event)
         return [out.output(params, self._named) for out in outs]
@@ -317,40 +318,3 @@ class LLM:
 
 def _put(events: queue.SimpleQueue[tuple[int, Event]], i: int, event: Event) -> None:
     events.put((i, event))
-
-
-class _Collected:
-    """One request's events gathered into its `GenerationOutput`."""
-
-    def __init__(self, prompt: list[int]) -> None:
-        self.prompt = prompt
-        self.text: list[str] = []
-        self.tokens: list[int] = []
-        self.last: Event | None = None
-
-        self.logprobs: list[TokenLogprob] = []
-        self.prompt_logprobs: list[TokenLogprob | None] | None = None
-
-    def add(self, event: Event) -> None:
-        self.text.append(event.text)
-        self.tokens.extend(event.token_ids)
-        self.logprobs.extend(event.logprobs)
-        if event.prompt_logprobs is not None:
-            self.prompt_logprobs = list(event.prompt_logprobs)
-        if event.finish_reason is not None:
-            self.last = event
-
-    def output(self, params: SamplingParams,
-               named: Callable[[TokenLogprob], TokenLogprob]) -> GenerationOutput:
-        """The output; `named` adds the text of a logprobs entry's tokens."""
-        last = self.last
-        assert last is not None and last.finish_reason is not None
-        if last.finish_reason == "error":
-            raise RuntimeError(f"generation failed: {last.error}")
-        logprobs = [named(e) for e in self.logprobs] if params.logprobs is not None else None
-        prompt = self.prompt_logprobs
-        if prompt is not None:
-            prompt = [None if e is None else named(e) for e in prompt]
-        return GenerationOutput("".join(self.text), self.tokens, last.finish_reason,
-                                len(self.prompt), logprobs, prompt, last.cached_tokens)
-
