@@ -43,13 +43,3 @@ def split_ids(expert_ids: torch.Tensor, deferred: int) -> tuple[torch.Tensor, to
     late = expert_ids.clone()
     late[:, : k - deferred] = -1
     return immediate, late
-
-
-def __getattr__(name: str) -> object:
-    """`moe_layers`, now in ops/moe.py beside `HybridMoE`, still importable from here for its
-    older importers; looked up on use, since ops/moe imports this module (through moe_step)."""
-    if name == "moe_layers":
-        from hetmoe.ops.moe import moe_layers
-
-        return moe_layers
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
