@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +35,7 @@ from demo_moe_routing import routing_stats, routing_table  # noqa: E402
 
 from hetmoe import LLM  # noqa: E402
 from hetmoe.engine.runner import ModelRunner  # noqa: E402
+from hetmoe.machine import cpu_model, source_commit  # noqa: E402
 from hetmoe.ops.moe import moe_layers  # noqa: E402
 from hetmoe.ops.moe_step import BackendLink, MoEStep  # noqa: E402
 from hetmoe.presets import resolve_model  # noqa: E402
@@ -257,10 +256,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     result = measure(args, lambda line: print(line, flush=True))
     result["date"] = time.strftime("%Y-%m-%d", time.gmtime())
-    result["machine"] = f"{platform.processor() or platform.machine()}, " \
-                        f"{torch.get_num_threads()} torch threads"
-    result["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                   text=True).stdout.strip()
+    result["machine"] = f"{cpu_model()}, {torch.get_num_threads()} torch threads"
+    result["git"] = source_commit(Path(__file__).resolve().parents[1])
     command = "python benchmarks/demo_moe_quality.py " + " ".join(argv or sys.argv[1:])
     result["command"] = command.strip()
     print(deferral_table(result))

@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
-import subprocess
 import sys
 import time
 from collections import OrderedDict
@@ -36,12 +34,25 @@ import torch.nn.functional as F
 
 from hetmoe import LLM
 from hetmoe.engine.runner import ModelRunner
+from hetmoe.machine import cpu_model, source_commit
 from hetmoe.ops.moe import moe_layers
 from hetmoe.presets import resolve_model
 from hetmoe.presets.demo_moe_corpus import held_out_texts, token_windows, train_texts
 
 CACHE_SHARES = (0.25, 0.5, 0.75)
 """Cache sizes as shares of a layer's experts."""
+
+
+def prefill_with(runner: ModelRunner, windows: list[list[int]],
+                 hooks: list[torch.utils.hooks.RemovableHandle]) -> None:
+    """Prefills each window alone in slot 0 while `hooks` record, then removes them."""
+    try:
+        for ids in windows:
+            runner.lengths[0] = 0
+            runner.prefill(0, ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @torch.inference_mode()
@@ -52,13 +63,7 @@ def record_picks(llm: LLM, runner: ModelRunner, windows: list[list[int]]) -> lis
     hooks = [moe.gate.register_forward_hook(
         lambda _m, _a, out, i=i: picks[i].append(out[0].reshape(-1, out[0].shape[-1])))
         for i, moe in enumerate(layers)]
-    try:
-        for ids in windows:
-            runner.lengths[0] = 0
-            runner.prefill(0, ids)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    prefill_with(runner, windows, hooks)
     return [torch.cat(p) for p in picks]
 
 
@@ -160,13 +165,7 @@ def record_states(llm: LLM, runner: ModelRunner, windows: list[list[int]],
     if source == "output":  # the block's output (its input is the router's, recorded above)
         hooks += [moe.register_forward_hook(lambda _m, _a, out, i=i: outs[i].append(flat(out)))
                   for i, moe in enumerate(layers)]
-    try:
-        for ids in windows:
-            runner.lengths[0] = 0
-            runner.prefill(0, ids)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    prefill_with(runner, windows, hooks)
     x = torch.stack([torch.cat(t) for t in xs])
     feats = x if source == "input" else torch.stack([torch.cat(t) for t in outs])
     return feats, x, torch.stack([torch.cat(t) for t in picks])
@@ -290,10 +289,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     pred = predictor_stats(args, lambda line: print(line, flush=True))
     pred["date"] = time.strftime("%Y-%m-%d", time.gmtime())
-    pred["machine"] = f"{platform.processor() or platform.machine()}, " \
-                      f"{torch.get_num_threads()} torch threads"
-    pred["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip()
+    pred["machine"] = f"{cpu_model()}, {torch.get_num_threads()} torch threads"
+    pred["git"] = source_commit(Path(__file__).resolve().parents[1])
     pred["command"] = ("python benchmarks/demo_moe_routing.py " + " ".join(
         argv if argv is not None else sys.argv[1:])).strip()
     table = predictor_table(pred)
