@@ -63,8 +63,8 @@ def build_demo(out: Path, sparse: bool = False) -> None:
 
     gguf = open_gguf(smollm2_gguf())
     llama = gguf.llama_config()
-    _write_config(out, llama, sparse)
-    _write_tokenizer(out, gguf)
+    write_config(out, llama, sparse)
+    write_tokenizer(out, gguf)
     name = "demo-sparse" if sparse else "demo"
     with step_progress(len(gguf.reader.tensors), f"building {name} (once)") as advance:
         tensors = _mixtral_tensors(_counted(gguf.llama_tensors(), advance), llama, sparse)
@@ -134,7 +134,7 @@ def _experts(
         yield f"{prefix}.experts.{e}.w2.weight", (down[:, rows] * scale).contiguous()
 
 
-def _write_config(out: Path, llama: dict, sparse: bool) -> None:
+def write_config(out: Path, llama: dict, sparse: bool) -> None:
     from transformers import MixtralConfig
 
     intermediate = llama["intermediate_size"] // (1 if sparse else NUM_EXPERTS)
@@ -176,7 +176,7 @@ def write_generation_config(out: Path, llama: dict) -> None:
     ).save_pretrained(out)
 
 
-def _write_tokenizer(out: Path, gguf: GGUFFile) -> None:
+def write_tokenizer(out: Path, gguf: GGUFFile) -> None:
     from transformers import PreTrainedTokenizerFast
 
     tokens = gguf.field("tokenizer.ggml.tokens")

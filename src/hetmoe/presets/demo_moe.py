@@ -23,7 +23,7 @@ import torch
 
 from hetmoe.loading.shards import write_shards
 from hetmoe.presets import Preset, register_preset
-from hetmoe.presets.demo import _write_config, _write_tokenizer, smollm2_gguf
+from hetmoe.presets.demo import smollm2_gguf, write_config, write_tokenizer
 from hetmoe.presets.demo_moe_corpus import CHAT_PROMPTS, token_windows, train_texts
 from hetmoe.presets.moefication import (
     MoEficationConfig,
@@ -58,7 +58,7 @@ def build_demo_moe(out: Path, config: MoEficationConfig = MOEFICATION) -> None:
 
     gguf = open_gguf(smollm2_gguf())
     llama = gguf.llama_config()
-    _write_tokenizer(out, gguf)
+    write_tokenizer(out, gguf)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))
     layers = llama["num_hidden_layers"]
     with step_progress(NUM_WINDOWS + 3 * layers + 2, f"building {NAME} (once)") as advance:
@@ -166,7 +166,7 @@ def _write_moe_config(out: Path, llama: dict, config: MoEficationConfig) -> None
     """`demo`'s Mixtral config with this preset's expert count, size and top-k."""
     from transformers import MixtralConfig
 
-    _write_config(out, llama, sparse=False)
+    write_config(out, llama, sparse=False)
     mixtral = MixtralConfig.from_pretrained(str(out))
     mixtral.num_local_experts = config.num_experts
     mixtral.num_experts_per_tok = config.top_k
