@@ -40,7 +40,7 @@ def demo_moe_dir(request: pytest.FixtureRequest,
         smollm2_gguf()
     except FileNotFoundError as exc:
         pytest.skip(f"demo-moe tests skipped: {exc}")
-    cache = request.config.cache
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
     root = (cache.mkdir("hetmoe-presets") if cache is not None
             else tmp_path_factory.mktemp("hetmoe-presets"))
     with pytest.MonkeyPatch.context() as patch:
