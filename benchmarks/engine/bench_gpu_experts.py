@@ -46,18 +46,30 @@ def hbm_read_gb_s(device: torch.device, gib: float = 4.0) -> float:
     return int(gib * 2**30) / best / GB
 
 
-def profile_steps(runner: ModelRunner, prompt: list[int], steps: int = 16) -> list[Any]:
-    """GPU time per kernel name over `steps` greedy graph steps: [(name, calls, total us)]."""
+def profile_steps(runner: ModelRunner, prompt: list[int], steps: int = 16) -> dict[str, Any]:
+    """GPU time per kernel name of `steps` greedy graph steps alone: a run of steps + 1 tokens
+    minus a run of 1 (the prompt's prefill and the first step cancel out). Returns the kernels
+    per step, the GPU busy time per step and the top 30 names [(name, calls/step, us/step)]."""
     from torch.profiler import ProfilerActivity, profile
 
+    def kernels(tokens: int) -> dict[str, tuple[int, float]]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            measure.greedy_decode(runner, prompt, tokens)
+        return {e.key: (e.count, e.device_time_total) for e in prof.key_averages()
+                if e.device_time_total > 0}
+
     measure.greedy_decode(runner, prompt, 4)  # graphs captured before profiling
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        measure.greedy_decode(runner, prompt, steps + 1)
-    rows = sorted(((e.key, e.count, e.device_time_total) for e in prof.key_averages()
-                   if e.device_time_total > 0), key=lambda r: -r[2])[:20]
-    for name, calls, us in rows:
-        print(f"{us / steps:9.1f} us/step {calls / steps:6.1f} calls/step  {name[:90]}")
-    return [(name[:120], calls, round(us, 1)) for name, calls, us in rows]
+    base, full = kernels(2), kernels(steps + 2)
+    rows = [(name, (calls - base.get(name, (0, 0.0))[0]) / steps,
+             (us - base.get(name, (0, 0.0))[1]) / steps) for name, (calls, us) in full.items()]
+    rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[2])
+    busy = sum(r[2] for r in rows)
+    count = sum(r[1] for r in rows)
+    print(f"GPU busy {busy:.0f} us/step over {count:.0f} kernels/step")
+    for name, calls, us in rows[:30]:
+        print(f"{us:9.1f} us/step {calls:6.1f} calls/step  {name[:90]}")
+    return {"busy_us_per_step": round(busy, 1), "kernels_per_step": round(count, 1),
+            "top": [(name[:120], round(calls, 2), round(us, 1)) for name, calls, us in rows[:30]]}
 
 
 PEER_TG128 = {"0": 28.0, "8": 30.6, "15": 43.2, "23": 65.8, "all": 255.2}
