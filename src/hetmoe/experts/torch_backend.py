@@ -6,11 +6,13 @@ import torch
 from transformers.activations import ACT2FN
 
 from hetmoe.experts.backend import ExpertBackend, ExpertSpec, register_backend
+from hetmoe.experts.routed_mlp import combine, expert_loop, expert_rows
 
 
 @register_backend("torch")
 class TorchExperts(ExpertBackend):
-    """Stacked expert weights on `device`; tokens grouped by expert, one matmul pair per expert."""
+    """Stacked expert weights on `device`; tokens grouped by expert, one matmul pair per expert
+    (`routed_mlp.expert_rows`/`expert_loop`/`combine`, as the GPU prefill)."""
 
     gate: torch.Tensor  # [E, I, H]
     up: torch.Tensor  # [E, I, H]
@@ -47,23 +49,14 @@ class TorchExperts(ExpertBackend):
     def forward(
         self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
     ) -> torch.Tensor:
-        """See `ExpertBackend.forward`."""
-        t, k = expert_ids.shape
-        # One row per (token, k) pick, summed over k at the end: index_copy_ with unique rows
-        # stays single-threaded, where index_add_ pays for a parallel region per call.
-        picks = torch.zeros(t * k, self.spec.hidden_size, device=x.device, dtype=torch.float32)
-        flat = expert_ids.reshape(-1)  # [T*K]
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat.clamp(min=-1) + 1, minlength=self.spec.num_experts + 1)
-        weights = expert_weights.reshape(-1)  # [T*K]
-        start = int(counts[0])  # skipped (-1) picks sort first
-        for expert, n in enumerate(counts[1:].tolist()):
-            if n == 0:
-                continue
-            idx = order[start : start + n]  # pick positions in [T*K]
-            start += n
-            h = x[idx // k]  # [n, H]
-            act = self.act(h @ self.gate[expert].T) * (h @ self.up[expert].T)  # [n, I]
-            y = act @ self.down[expert].T  # [n, H]
-            picks.index_copy_(0, idx, y.float() * weights[idx, None])
-        return picks.view(t, k, -1).sum(dim=1).to(x.dtype)  # [T, H]
+        """See `ExpertBackend.forward`: `routed_mlp`'s grouping and sum, in the model dtype."""
+        rows = expert_rows(expert_ids, self.spec.num_experts, skips=True)
+        y = torch.zeros(rows.pair.shape[0], self.spec.hidden_size, device=x.device,
+                        dtype=torch.float32)  # [R, H]
+        expert_loop(x[rows.token], rows.bounds(), self._mlp, y)
+        return combine(y, rows, expert_weights, x)
+
+    def _mlp(self, expert: int, h: torch.Tensor) -> torch.Tensor:
+        """One expert on its rows h [m, H] -> [m, H], in the model dtype."""
+        act = self.act(h @ self.gate[expert].T) * (h @ self.up[expert].T)  # [m, I]
+        return act @ self.down[expert].T
