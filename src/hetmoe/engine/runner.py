@@ -3,10 +3,13 @@
 The one runner for prefill and decode, single-threaded (one owner at a time). ONE entry:
 
 - `step(StepPlan) -> StepOutput`: the plan's prefill chunks (any number of sequences, each into
-  its slot from its own start) in ONE padded forward pass (engine/prefill_batch.py; long passes
-  stream experts to the GPU), then one new token for each of the B decode rows, each at its own
-  position, in ONE forward pass. Greedy plans get tokens; with CUDA graphs a plan with `ahead`
-  also launches the next step of the same slots before this one's tokens are read
+  its slot from its own start) and one new token for each of its B decode rows, each at its own
+  position. A plan with chunks runs as ONE forward pass, its decode rows included
+  (engine/prefill_batch.py: one expert call per MoE layer; long passes stream experts to the
+  GPU), on the HF layers: CUDA graphs and the fused decode layers hold decode rows alone (with
+  LoRA adapters, which peft names per batch row, the decode rows run apart). A plan of decode
+  rows alone is one decode step; greedy plans get tokens, and with CUDA graphs a plan with
+  `ahead` also launches the next step of the same slots before this one's tokens are read
   (engine/launch_ahead.py; `settle` rolls back a step launched ahead nobody continues).
 - Shorthands of `step` for tests and scripts: `prefill(slot, token_ids, start=0) -> [V]`,
   `prefill_logits -> [T, V]`, `decode(slots, token_ids) -> [B, V]`, `greedy(slot, token,
@@ -42,11 +45,11 @@ from hetmoe.engine.overlap import MoEOverlap, all_on_cpu_backend
 from hetmoe.engine.placement import Placement, placement_plan
 from hetmoe.engine.placement_plan import PlacementPlan
 from hetmoe.engine.placement_policy import TrafficPolicy
-from hetmoe.engine.prefill_batch import chunk_rows, prefill_passes
+from hetmoe.engine.prefill_batch import StepLayout, step_layouts
 from hetmoe.engine.step import PrefillChunk, StepOutput, StepPlan
 from hetmoe.engine.step_checks import check_chunk, check_decode_rows
 from hetmoe.ops.deferral import check_deferred
-from hetmoe.ops.kv_batch import KVBatch, window_bucket
+from hetmoe.ops.kv_batch import KVBatch, RaggedKV, window_bucket
 
 
 class ModelRunner:
@@ -90,7 +93,7 @@ class ModelRunner:
         self.policy: TrafficPolicy | None = None
         """Moves resident experts toward the routing between steps (`place`)."""
         budget = config.gpu_expert_bytes or config.prefill_resident_bytes  # the old name
-        if self.overlap is not None and budget != 0:
+        if self.overlap is not None and (budget != 0 or config.fetch_slots):
             self.place(budget)  # after the KV cache: `auto` sees what is left
 
     @property
@@ -145,7 +148,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepOutput:
-        """Runs one step (see the module docstring): its prefill chunks, then its decode rows."""
+        """Runs one step (see the module docstring): its prefill chunks and its decode rows."""
         if not plan.prefills:
             return self._decode_step(plan)
         self.settle()
@@ -153,10 +156,15 @@ class ModelRunner:
             self.check_chunk(chunk)
         if plan.decodes:
             self._check_step(plan)
-        logits = self._prefill(plan.prefills)
-        if not plan.decodes:
-            return StepOutput(prefill_logits=logits)
-        return dataclasses.replace(self._decode_step(plan), prefill_logits=logits)
+        # peft's mixed-batch path names an adapter per batch row, so a row of mixed shapes cannot
+        # carry them: with adapters each pass runs apart, then the decode rows.
+        apart = self.adapters is not None
+        logits = [torch.empty(0)] * len(plan.prefills)
+        for layout in step_layouts(plan, self.lengths, self.max_seq_len, apart):
+            out = self._joined(layout, logits, plan.greedy)
+        if apart and plan.decodes:
+            return dataclasses.replace(self._decode_step(plan), prefill_logits=tuple(logits))
+        return self._after(out) if plan.decodes else out
 
     def _decode_step(self, plan: StepPlan) -> StepOutput:
         """The decode rows of `plan`: eager, or greedy launched (ahead) on CUDA graphs."""
@@ -191,12 +199,14 @@ class ModelRunner:
             self.overlap.deferred = deferred
         self.graphs.clear()
 
-    def place(self, budget: int | str,
-              counts: Sequence[torch.Tensor] | None = None) -> PlacementPlan:
+    def place(self, budget: int | str, counts: Sequence[torch.Tensor] | None = None,
+              fetch_slots: int | None = None) -> PlacementPlan:
         """Keeps routed experts resident on the GPU under `budget` (bytes or "auto", as
         `EngineConfig.gpu_expert_bytes`), the most routed by `counts` [E] per MoE layer when
-        given, else the first ones; 0 puts every expert back on the CPU. Between steps only:
-        the captured graphs are dropped (they bake in which layers start CPU jobs)."""
+        given, else the first ones; 0 puts every expert back on the CPU. `fetch_slots`
+        (default `EngineConfig.fetch_slots`): the staging pool of fetch-or-compute. Between
+        steps only: the captured graphs are dropped (they bake in which layers start CPU
+        jobs)."""
         if self.overlap is None:
             raise ValueError("GPU-resident experts need every MoE layer's routed experts in the "
                              "cpu backend")
@@ -207,10 +217,12 @@ class ModelRunner:
         self.graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # so `auto` and the clamp see the memory given back
+        slots = self.config.fetch_slots if fetch_slots is None else fetch_slots
+        pool = self.overlap.staging_pool(slots)  # before the plan: `auto` sees its bytes gone
         plan = placement_plan(self.overlap.cpu, self.device, budget, counts)
-        if plan.bytes:
+        if plan.bytes or (pool is not None and not plan.everything):
             self.placement = Placement(self.overlap.cpu, plan, self.device)
-            self.overlap.place(self.placement)
+            self.overlap.place(self.placement, None if plan.everything else pool)
             if self.config.placement_interval and not plan.everything:
                 self.policy = TrafficPolicy(self.placement, self.config.placement_interval)
         return plan
@@ -307,32 +319,26 @@ class ModelRunner:
         """ValueError naming what is wrong with a prefill chunk (slot, start, window, ids)."""
         check_chunk(chunk, self.cache, self.max_seq_len, self.vocab_size)
 
-    def _prefill(self, chunks: Sequence[PrefillChunk]) -> tuple[torch.Tensor, ...]:
-        """Runs checked chunks in padded passes (engine/prefill_batch.py); their logits."""
-        logits: list[torch.Tensor] = [torch.empty(0)] * len(chunks)
-        for step in prefill_passes(chunks, self.max_seq_len):
-            ids, kv = step.tensors(chunks, self.device)  # [B, S]
-            slots = [chunks[i].slot for i in step.rows]
-            with self._phase(decoding=False, slots=slots), self._prefill_experts(ids.numel()):
-                hidden = self._forward(ids, kv)  # [B, S, H]
-            for i in step.rows:
-                self.lengths[chunks[i].slot] = chunks[i].start + len(chunks[i].token_ids)
-            rows = chunk_rows(hidden, chunks, step)
-            out = self.model.lm_head(torch.cat(rows)).float()  # [sum T, V]
-            for i, part in zip(step.rows, out.split([len(r) for r in rows]), strict=True):
-                logits[i] = part
-        return tuple(logits)
+    def _joined(self, layout: StepLayout, logits: list[torch.Tensor],
+                greedy: bool) -> StepOutput:
+        """Runs checked chunks and decode rows in ONE forward pass (engine/prefill_batch.py:
+        one expert call per MoE layer for all of them); each chunk's logits into `logits` (by
+        chunk index), the decode rows' logits or argmax tokens returned."""
+        ids, kv = layout.tensors(self.device)  # [B, S] or [1, T]
+        # Where its routed experts compute (EngineConfig.prefill_experts): on the CPU, streamed
+        # to the GPU, or split between them (MoEOverlap.prefill_pass).
+        experts = contextlib.nullcontext() if self.overlap is None else \
+            self.overlap.prefill_pass(ids.numel(), self.config.prefill_experts)
+        with self._phase(decoding=False, slots=layout.row_slots), experts:
+            hidden = self._forward(ids, kv)  # [B, S, H] or [1, T, H]
+        layout.advance(self.lengths)
+        rows, decode = layout.split(hidden)
+        out = self.model.lm_head(torch.cat([*rows, decode])).float()  # [sum T + Bd, V]
+        return layout.output(out, logits, greedy)
 
-    def _prefill_experts(self, tokens: int) -> contextlib.AbstractContextManager[None]:
-        """Where a prefill of `tokens` computes its routed experts (`EngineConfig
-        .prefill_experts`): on the CPU, streamed to the GPU, or split between them
-        (`MoEOverlap.prefill_pass`)."""
-        if self.overlap is None:
-            return contextlib.nullcontext()
-        return self.overlap.prefill_pass(tokens, self.config.prefill_experts)
-
-    def _forward(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
-        """ids [B, S] -> final hidden states [B, S, H] (after the last norm), HF layers."""
+    def _forward(self, ids: torch.Tensor, kv: KVBatch | RaggedKV) -> torch.Tensor:
+        """ids [B, S] -> final hidden states [B, S, H] (after the last norm), HF layers (a
+        `RaggedKV`'s ids [1, T]: its parts end to end)."""
         hidden = self.base.embed_tokens(ids)
         rotary = self.base.rotary_emb(hidden, kv.positions)
         for layer in self.base.layers:

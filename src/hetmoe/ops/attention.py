@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetmoe.inject.registry import OpContext, register_op
-from hetmoe.ops.kv_batch import KVBatch
+from hetmoe.ops.kv_batch import KVBatch, RaggedKV
 from hetmoe.ops.rope import apply_rope
 
 
@@ -127,10 +127,14 @@ class StaticKVAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: Any = None,
         attention_mask: object = None,
-        kv: KVBatch | None = None,
+        kv: KVBatch | RaggedKV | None = None,
         **kwargs: object,
     ) -> tuple[torch.Tensor, None]:
-        """hidden_states [B, S, H] -> ([B, S, H], None), the HF attention return shape."""
+        """hidden_states [B, S, H] -> ([B, S, H], None), the HF attention return shape; with a
+        `RaggedKV`, [1, T, H] attended part by part."""
+        if isinstance(kv, RaggedKV):
+            return kv.split_call(lambda x, r, part: self.forward(x, r, kv=part)[0],
+                                 hidden_states, position_embeddings), None
         b, s, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(b, s, -1, self.head_dim)  # [B, S, h, D]
         k = self.k_proj(hidden_states).view(b, s, -1, self.head_dim)  # [B, S, h_kv, D]

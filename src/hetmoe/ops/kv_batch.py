@@ -8,13 +8,20 @@ attend over the first `kv_len` entries, masked causally per row.
 Decode steps under CUDA graphs need a static window, yet attention should cost what the cache
 holds, not what it could hold: `window_bucket` rounds the batch's longest length up to one of a
 few widths (powers of two from a smallest one, then the cache length), one graph per width.
+
+A step that mixes shapes (prompt chunks [B1, S1], [B2, S2], ... and decode rows [Bd, 1]) runs as
+ONE row of tokens [1, T] under a `RaggedKV`: every op but attention works token by token, so the
+MoE layers see all of the step's tokens in one expert call; attention ops run each part apart.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from hetmoe.ops.rope import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,42 @@ class KVBatch:
         if window is not None:
             allowed &= queries - keys < window
         return allowed[:, None]
+
+
+@dataclass(frozen=True)
+class RaggedKV:
+    """Several `KVBatch` parts laid end to end as one row of tokens: part i's [B_i, S_i] tokens
+    (row-major) follow part i-1's. Built by the model runner (engine/prefill_batch.py)."""
+
+    parts: tuple[KVBatch, ...]
+    """Each part's slots [B_i] and positions [B_i, S_i]."""
+    positions: torch.Tensor
+    """[1, T] int64: every part's positions, flattened in order (T = sum of B_i * S_i)."""
+
+    def __post_init__(self) -> None:
+        total = sum(p.positions.numel() for p in self.parts)
+        if self.positions.shape != (1, total):
+            raise ValueError(f"RaggedKV: positions {tuple(self.positions.shape)} do not lay its "
+                             f"parts' {total} tokens in one row (1, {total})")
+
+    def split_call(self, attention: Callable[[torch.Tensor, RotaryEmbedding, KVBatch],
+                                             torch.Tensor],
+                   hidden: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        """`attention(hidden_i [B_i, S_i, H], rotary_i, part_i) -> [B_i, S_i, H']` on each part
+        of hidden [1, T, H] (rotary: HF's output for `positions`); the outputs as [1, T, H']."""
+        outs, offset = [], 0
+        for part in self.parts:
+            b, s = part.positions.shape
+            rows = slice(offset, offset + b * s)
+            if isinstance(rotary, torch.Tensor):  # complex freqs_cis [1, T, D/2]
+                part_rotary: RotaryEmbedding = rotary[:, rows].reshape(b, s, -1)
+            else:
+                cos, sin = rotary  # [1, T, D] each
+                part_rotary = (cos[:, rows].reshape(b, s, -1), sin[:, rows].reshape(b, s, -1))
+            out = attention(hidden[:, rows].reshape(b, s, -1), part_rotary, part)
+            outs.append(out.reshape(1, b * s, -1))
+            offset += b * s
+        return torch.cat(outs, dim=1)
 
 
 def window_bucket(length: int, smallest: int, limit: int) -> int:

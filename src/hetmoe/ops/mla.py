@@ -19,7 +19,7 @@ from torch import nn
 
 from hetmoe.inject.registry import OpContext, register_op
 from hetmoe.ops.attention import AttentionOptions, attend, hf_cache, hf_mask
-from hetmoe.ops.kv_batch import KVBatch
+from hetmoe.ops.kv_batch import KVBatch, RaggedKV
 from hetmoe.ops.rope import apply_rope
 
 
@@ -70,10 +70,14 @@ class MLAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: Any = None,
         attention_mask: object = None,
-        kv: KVBatch | None = None,
+        kv: KVBatch | RaggedKV | None = None,
         **kwargs: object,
     ) -> tuple[torch.Tensor, None]:
-        """hidden_states [B, S, H] -> ([B, S, H], None)."""
+        """hidden_states [B, S, H] -> ([B, S, H], None); with a `RaggedKV`, [1, T, H] attended
+        part by part."""
+        if isinstance(kv, RaggedKV):
+            return kv.split_call(lambda x, r, part: self.forward(x, r, kv=part)[0],
+                                 hidden_states, position_embeddings), None
         b, s, _ = hidden_states.shape
         if self.q_proj is not None:
             q = self.q_proj(hidden_states)
