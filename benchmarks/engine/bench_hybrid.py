@@ -31,6 +31,7 @@ def mode_args(mode: str, args: argparse.Namespace, out: Path) -> list[str]:
     if mode.startswith("cpu-"):
         fmt = mode.split("-", 1)[1]
         extra = ["--experts", "cpu", "--weight-format", fmt, "--deferred", args.deferred,
+                 "--gpu-expert-gib", "0",  # the CPU experts' path: none resident
                  "--new-tokens", str(args.new_tokens), "--prefill", args.prefill]
         if fmt == "bf16":
             extra += ["--trace", str(out / f"{args.shape}-trace.json")]

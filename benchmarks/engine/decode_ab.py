@@ -38,7 +38,8 @@ def make_runner(model: Any, device: torch.device, window: int) -> tuple[str, Any
         from hetmoe.config import EngineConfig
         from hetmoe.engine.runner import ModelRunner
 
-        return "this", ModelRunner(model, device, torch.bfloat16, 1, window, EngineConfig())
+        return "this", ModelRunner(model, device, torch.bfloat16, 1, window,
+                                   EngineConfig(gpu_expert_bytes=0))
     return "pre-change", HybridRunner(model, device, torch.bfloat16, 1, window, HybridConfig())
 
 

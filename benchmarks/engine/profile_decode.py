@@ -121,7 +121,7 @@ def measure_path(path: str, model: Any, prompt: list[int], window: int, deferred
     """Floor, kernel table and real decode speed of one decode path."""
     dtype = next(model.parameters()).dtype
     runner = ModelRunner(model, torch.device("cuda"), dtype, 1, window,
-                         EngineConfig(fused_decode=path == "fused"))
+                         EngineConfig(fused_decode=path == "fused", gpu_expert_bytes=0))
     if path == "fused" and runner.fused is None:
         raise SystemExit("the fused path does not fit this model")
     out: dict[str, Any] = {}

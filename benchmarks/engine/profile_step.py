@@ -44,6 +44,7 @@ from hetmoe import _cpu, _cpu_testing
 from hetmoe.bench import measure
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import add_shape_arguments, shape_config
+from hetmoe.config import EngineConfig
 from hetmoe.engine.overlap import cpu_moe_of
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.machine import huge_page_bytes
@@ -242,7 +243,8 @@ def main() -> int:
     config = shape_config(args.shape, args.num_layers)
     model = build_random_model(config, torch.device("cuda"), torch.bfloat16, "cpu",
                                args.weight_format, 0)
-    runner = ModelRunner(model, torch.device("cuda"), torch.bfloat16, 1, 64 + args.steps)
+    runner = ModelRunner(model, torch.device("cuda"), torch.bfloat16, 1, 64 + args.steps,
+                         EngineConfig(gpu_expert_bytes=0))  # every expert on the CPU
     moes = [cpu_moe_of(m.experts) for m in runner.overlap.layers]
     packed = sum(m.packed_bytes for m in moes)
     result: dict[str, Any] = {

@@ -33,11 +33,12 @@ from hetmoe.machine import machine_report, source_commit
 def build_runner(args: argparse.Namespace, max_batch: int, window: int) -> ModelRunner:
     """The hybrid runner over a random-weight shape, or the engine's runner of a checkpoint."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    budget = int(args.gpu_expert_gib * 2**30)  # 0: every routed expert on the CPU
     if args.model is not None:
         from hetmoe.engine.engine import LLM
 
         llm = LLM(args.model, device=device, progress=False, max_batch=max_batch,
-                  max_seq_len=window)
+                  max_seq_len=window, gpu_expert_bytes=budget)
         return llm.runner
     from hetmoe.bench.random_model import build_random_model
     from hetmoe.bench.shapes import shape_config
@@ -48,7 +49,7 @@ def build_runner(args: argparse.Namespace, max_batch: int, window: int) -> Model
                                args.seed)
     sizes = tuple(sorted({1, 2, 4, 8, *range(16, max_batch + 1, 8), max_batch}))
     return ModelRunner(model, device, torch.bfloat16, max_batch, window,
-                       EngineConfig(graph_batch_sizes=sizes))
+                       EngineConfig(graph_batch_sizes=sizes, gpu_expert_bytes=budget))
 
 
 def serve_together(scheduler: Scheduler, prompts: list[list[int]], new_tokens: int
@@ -108,6 +109,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu-expert-gib", type=float, default=0.0,
+                        help="GiB of routed experts resident on the GPU (0: all on the CPU)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
     streams = [int(s) for s in args.streams.split(",")]

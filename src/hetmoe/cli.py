@@ -255,8 +255,8 @@ def bench(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write results here")] = None,
     bandwidth_gib: Annotated[float, typer.Option(help="Read-bandwidth probe size")] = 2.0,
     gpu_expert_gib: Annotated[str, typer.Option(
-        help="GiB of routed experts resident on the GPU (auto, or 0: every expert on the CPU, "
-             "as before this option)")] = "0",
+        help="GiB of routed experts resident on the GPU (auto: what the GPU has left, as "
+             "generate/chat/serve; 0: every expert on the CPU)")] = "auto",
 ) -> None:
     """Measure prefill and decode speed.
 

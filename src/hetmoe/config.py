@@ -51,13 +51,13 @@ class EngineConfig:
     on the GPU while the CPU computes the rest (engine/expert_split.py); "cpu", "gpu" (every
     expert streamed) or "split" force one."""
     prefill_resident_bytes: int = 0
-    """The former name of `gpu_expert_bytes` (bytes), used when that is 0: the resident
-    experts serve prefill and decode alike (engine/placement.py)."""
-    gpu_expert_bytes: int | str = 0
+    """The former name of `gpu_expert_bytes` (bytes): when set, it replaces a
+    `gpu_expert_bytes` of "auto" or 0 (the resident experts serve prefill and decode alike)."""
+    gpu_expert_bytes: int | str = "auto"
     """Routed experts resident on the GPU, computed there (engine/placement.py): "auto" = the
     GPU memory left after the other weights, KV cache, graphs, prefill staging and a margin
-    (none without a GPU; the CLI's default); bytes (clamped to that room, with a warning); 0:
-    every expert on the CPU (the default here, so scripts that time the CPU path keep it)."""
+    (none without a GPU); bytes (clamped to that room, with a warning); 0: every expert on the
+    CPU (what benchmarks of the CPU path pass)."""
     placement_interval: int = 0
     """Resident experts follow the routing: every this many decode steps the most routed
     experts are promoted into the slots of the least routed (engine/placement_policy.py);
@@ -103,6 +103,9 @@ class EngineConfig:
                                                 or self.gpu_expert_bytes < 0):
             raise ValueError(f"option gpu_expert_bytes must be 'auto' or an integer >= 0, got "
                              f"{self.gpu_expert_bytes!r}")
+        if self.prefill_resident_bytes and self.gpu_expert_bytes in ("auto", 0):
+            # The former name, still honoured: a budget set under it wins over the default.
+            object.__setattr__(self, "gpu_expert_bytes", self.prefill_resident_bytes)
         if not isinstance(self.placement_interval, int) or self.placement_interval < 0:
             raise ValueError(f"option placement_interval must be an integer >= 0, got "
                              f"{self.placement_interval!r}")

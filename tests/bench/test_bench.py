@@ -173,3 +173,30 @@ def test_bench_command_errors() -> None:
     result = CliRunner().invoke(app, ["bench", "--random-weights", "qwen3-30b-a3b",
                                       "--deferred", "x"])
     assert result.exit_code != 0 and "comma-separated integers" in result.output
+
+
+def test_bench_command_places_experts_as_generate_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hetmoe.bench import harness
+
+    seen: list[harness.BenchConfig] = []
+    monkeypatch.setattr(harness, "run_bench", lambda cfg, log: seen.append(cfg) or {})
+    monkeypatch.setattr(harness, "table", lambda results: "table")
+    for extra, budget in (([], "auto"), (["--gpu-expert-gib", "0"], 0),
+                          (["--gpu-expert-gib", "0.5"], 2**29)):
+        result = CliRunner().invoke(app, ["bench", "--random-weights", "qwen3-30b-a3b", *extra])
+        assert result.exit_code == 0, result.output
+        assert seen[-1].gpu_expert_bytes == budget
+    assert harness.BenchConfig(shape="qwen3-30b-a3b").gpu_expert_bytes == "auto"
+
+
+def test_bench_hybrid_times_the_cpu_path_with_no_resident_experts(tmp_path: Path) -> None:
+    import argparse
+    import runpy
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "engine" / "bench_hybrid.py"
+    mode_args = runpy.run_path(str(script))["mode_args"]
+    args = argparse.Namespace(shape="qwen3-30b-a3b", prompt_len=32, num_layers=None, deferred="0",
+                              new_tokens=8, prefill="128", no_eager=True, no_alternatives=True)
+    for mode in ("cpu-bf16", "cpu-int8"):
+        got = mode_args(mode, args, tmp_path)
+        assert got[got.index("--gpu-expert-gib") + 1] == "0"

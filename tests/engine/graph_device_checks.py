@@ -125,7 +125,7 @@ def max_delta(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def check_family(family: str, root: Path) -> dict[str, object]:
     path = build_tiny_model(family, root / family)
     cpu = LLM(path, device="cuda", dtype="float32", experts="cpu", progress=False,
-              max_seq_len=64, max_batch=4)
+              max_seq_len=64, max_batch=4, gpu_expert_bytes=0)  # the CPU experts' path
     ref = LLM(path, device="cuda", dtype="float32", experts="torch", progress=False,
               max_seq_len=64, max_batch=4)
     top_k = int(cpu.model.config.num_experts_per_tok)
@@ -136,7 +136,7 @@ def check_family(family: str, root: Path) -> dict[str, object]:
     row["llm_generate_tokens"] = cpu.generate(PROMPTS[0], max_new_tokens=STEPS + 1).token_ids
     # The plain path: HF layers, each MoE layer's own step (backend submit/sync), no graphs.
     plain = ModelRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len,
-                        EngineConfig(cuda_graphs=False, fused_decode=False))
+                        EngineConfig(cuda_graphs=False, fused_decode=False, gpu_expert_bytes=0))
     assert plain.overlap is not None
     plain.overlap.detach()
     plain.overlap = None
@@ -147,7 +147,7 @@ def check_family(family: str, root: Path) -> dict[str, object]:
     for d in sorted({0, min(2, top_k - 2)}):
         # Graphs in two parts (split before layer 1), as the real models' are before layer 4.
         runner = ModelRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len,
-                             EngineConfig(deferred=d, graph_split_layer=1))
+                             EngineConfig(deferred=d, graph_split_layer=1, gpu_expert_bytes=0))
         for batch in (1, 3):
             runner.use_graphs = True
             graph_tokens, graph_logits = decode(runner, batch)
@@ -189,7 +189,8 @@ def check_fused(llm: LLM) -> dict[str, object]:
         runs = {}
         for fused in (False, True):
             runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
-                                 EngineConfig(deferred=d, fused_decode=fused))
+                                 EngineConfig(deferred=d, fused_decode=fused,
+                                              gpu_expert_bytes=0))
             if fused:
                 out["fused_used"] = runner.fused is not None
             runs[fused] = [decode(runner, batch) for batch in (1, 3)]
@@ -226,7 +227,7 @@ def check_buckets(llm: LLM) -> dict[str, object]:
                                        ("buckets", SMALLEST_WINDOW, True),
                                        ("eager", SMALLEST_WINDOW, False)):
             runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, BUCKET_MAX_SEQ_LEN,
-                                 EngineConfig(smallest_window=smallest))
+                                 EngineConfig(smallest_window=smallest, gpu_expert_bytes=0))
             runner.use_graphs = graphs
             compiled = counters["stats"]["unique_graphs"]
             runs[name] = decode(runner, batch, steps=steps)
@@ -262,7 +263,7 @@ def check_abort(llm: LLM) -> bool:
     afterwards gives the tokens of an undisturbed run."""
     # Split after the first layer: the broken last part is replayed once the jobs are queued.
     runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
-                         EngineConfig(graph_split_layer=1))
+                         EngineConfig(graph_split_layer=1, gpu_expert_bytes=0))
     want, _ = decode(runner, 1)
     slot = runner.cache.allocate()
     try:

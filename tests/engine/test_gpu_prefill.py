@@ -46,7 +46,7 @@ def prefill_both(runner: ModelRunner, ids: list[int],
 def test_gpu_prefill_equals_cpu_prefill(family: str, mode: str,
                                         tiny_dir: Callable[..., Path]) -> None:
     llm = LLM(tiny_dir(family), device="cuda", dtype="float32", experts="cpu", progress=False,
-              max_seq_len=512)
+              max_seq_len=512, gpu_expert_bytes=0)  # streamed, not resident
     ids = torch.randint(0, llm.runner.vocab_size, (300,),
                         generator=torch.Generator().manual_seed(1)).tolist()
     overlap = llm.runner.overlap
@@ -68,7 +68,7 @@ def test_gpu_prefill_equals_cpu_prefill(family: str, mode: str,
 def test_a_16k_token_prompt(tiny_dir: Callable[..., Path]) -> None:
     """Layer-major over the whole prompt, flash attention (no [S, S] mask): 16K tokens fit."""
     llm = LLM(tiny_dir("qwen3_moe"), device="cuda", dtype="float32", experts="cpu",
-              progress=False, max_seq_len=16384 + 64)
+              progress=False, max_seq_len=16384 + 64, gpu_expert_bytes=0)
     ids = torch.randint(0, llm.runner.vocab_size, (16384,),
                         generator=torch.Generator().manual_seed(2)).tolist()
     runner = llm.runner

@@ -23,7 +23,7 @@ LOGIT_ATOL = 0.08
 
 def hybrid(llm: LLM, deferred: int = 0) -> ModelRunner:
     return ModelRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len,
-                       EngineConfig(deferred=deferred))
+                       EngineConfig(deferred=deferred, gpu_expert_bytes=0))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "mixtral", "qwen2_moe"])
@@ -115,7 +115,7 @@ def test_cuda_graphs_fall_back_to_eager_on_cpu(engine: Callable[[str, str], LLM]
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graph_and_eager_tokens_equal_on_cuda(tiny_dir: Callable[..., object]) -> None:
     llm = LLM(tiny_dir("qwen3_moe"), device="cuda", dtype="float32", experts="cpu",
-              progress=False, max_seq_len=64)
+              progress=False, max_seq_len=64, gpu_expert_bytes=0)
     runner = hybrid(llm)
     graph_tokens, _ = greedy(runner, 8)
     runner.use_graphs = False

@@ -177,7 +177,19 @@ def test_auto_places_nothing_without_a_gpu(engine: Callable[[str, str], LLM]) ->
         assert runner.placement is None and not runner.overlap.placed
     finally:
         runner.overlap.detach()
-    assert EngineConfig().gpu_expert_bytes == 0
+    assert EngineConfig().gpu_expert_bytes == "auto"  # what LLM() and every command get
+    default = ModelRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len)
+    try:  # no GPU: auto is 0, so every expert stays on the CPU and no link is wrapped
+        assert default.placement is None and not default.overlap.placed
+    finally:
+        default.overlap.detach()
+
+
+def test_the_former_budget_name_replaces_auto_and_zero_only() -> None:
+    assert EngineConfig(prefill_resident_bytes=5).gpu_expert_bytes == 5
+    assert EngineConfig(prefill_resident_bytes=5, gpu_expert_bytes=0).gpu_expert_bytes == 5
+    assert EngineConfig(prefill_resident_bytes=5, gpu_expert_bytes=7).gpu_expert_bytes == 7
+    assert EngineConfig(prefill_resident_bytes=0).gpu_expert_bytes == "auto"
 
 
 def test_the_former_prefill_resident_bytes_places_experts(
