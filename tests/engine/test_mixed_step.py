@@ -110,6 +110,19 @@ def test_a_mixed_step_gives_each_request_its_tokens_alone_cpu_experts(
     check_against_alone(runner, atol=5e-3)
 
 
+@pytest.mark.device
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)")
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_mixed_step_on_a_gpu_with_cpu_experts(family: str,
+                                                tiny_dir: Callable[..., Any]) -> None:
+    # Alone, decode rows replay CUDA graphs of the fused layers; in a mixed step they run on the
+    # HF layers with the prompt chunks: same tokens, logits within the bf16 expert rounding.
+    runner = LLM(tiny_dir(family), device="cuda", dtype="float32", experts="cpu",
+                 progress=False, gpu_expert_bytes=0).runner
+    assert runner.use_graphs
+    check_against_alone(runner, atol=1e-2)
+
+
 def test_a_mixed_step_calls_each_moe_layer_once(llm_of: Callable[[str], LLM]) -> None:
     llm = llm_of("qwen3_moe")
     calls: list[int] = []  # tokens per MoE call
