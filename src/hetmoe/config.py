@@ -62,6 +62,12 @@ class EngineConfig:
     """Resident experts follow the routing: every this many decode steps the most routed
     experts are promoted into the slots of the least routed (engine/placement_policy.py);
     0: the placement stays as planned."""
+    fetch_slots: int = 0
+    """Fetch-or-compute (engine/placement_fetch.py): GPU staging slots, one expert's packed
+    bytes each and on top of `gpu_expert_bytes`, into which a step outside CUDA graphs (a
+    prefill chunk on the CPU path, eager batched decode) copies the CPU misses whose tokens make
+    the GPU finish them sooner (engine/fetch_plan.py, this machine's measured costs); 0: every
+    miss on the CPU."""
     graph_split_layer: int = 4
     """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond
     the last layer: one graph), so the GPU starts while the CPU still launches the rest."""
@@ -109,6 +115,9 @@ class EngineConfig:
         if not isinstance(self.placement_interval, int) or self.placement_interval < 0:
             raise ValueError(f"option placement_interval must be an integer >= 0, got "
                              f"{self.placement_interval!r}")
+        if not isinstance(self.fetch_slots, int) or self.fetch_slots < 0:
+            raise ValueError(f"option fetch_slots must be an integer >= 0, got "
+                             f"{self.fetch_slots!r}")
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int)
                                                or self.prefill_chunk < 1):
             raise ValueError(f"option prefill_chunk must be None or a positive integer, got "

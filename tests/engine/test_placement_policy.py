@@ -53,7 +53,7 @@ def test_hot_experts_replace_cold_ones_and_uniform_routing_moves_nothing() -> No
                       torch.device("cpu"))
     assert moved.layers[0].slots == 0
     fresh = placement.layers[0].packed[0][: placement.layers[0].parts[0].expert_bytes]
-    host = placement.layers[0]._host[0]
+    host = placement.layers[0].host[0]
     b = placement.layers[0].parts[0].expert_bytes
     assert torch.equal(fresh, host[6 * b:7 * b])  # slot 0 holds expert 6's bytes
     with pytest.raises(ValueError, match="interval and max_moves must be >= 1, got 0, 4"):

@@ -30,6 +30,7 @@ from hetmoe.engine.expert_split import (
 from hetmoe.engine.host_link import HostLink, check_stream_memops
 from hetmoe.engine.layer_stream import LayerStreamer, streaming_refusal
 from hetmoe.engine.placement import Placement
+from hetmoe.engine.placement_fetch import StagingPool
 from hetmoe.engine.placement_link import PlacementLink
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.ops.moe import moe_layers
@@ -95,21 +96,27 @@ class MoEOverlap(MoEStep):
         self.placed: dict[tuple[bool, int], PlacementLink] = {}  # (host link?, layer)
         self.attach()
 
-    def place(self, placement: Placement | None) -> None:
+    def place(self, placement: Placement | None, pool: StagingPool | None = None) -> None:
         """Computes `placement`'s resident experts on the GPU and sends only the misses to the
-        CPU (engine/placement_link.py); None: every expert on the CPU again. Captured graphs
-        bake in which layers start CPU jobs: reset them after a change."""
+        CPU (engine/placement_link.py), less those `pool` fetches (fetch-or-compute, steps
+        outside graphs); None: every expert on the CPU again. Captured graphs bake in which
+        layers start CPU jobs: reset them after a change."""
         self.placement, self.placed = placement, {}
         if placement is None:
             return
         for i, slots in enumerate(placement.layers):
-            if not slots.slots:
+            if not slots.slots and pool is None:
                 continue
             self.placed[False, i] = PlacementLink(self.direct[i], slots, self.direct[i].hidden,
-                                                  self.top_k)
+                                                  self.top_k, pool)
             if self.host:
                 self.placed[True, i] = PlacementLink(self.host[i], slots, self.host[i].hidden,
-                                                     self.top_k)
+                                                     self.top_k, pool)
+
+    def staging_pool(self, slots: int) -> StagingPool | None:
+        """Fetch-or-compute's staging pool of `slots` experts (None for 0), planned with this
+        machine's costs (`split_costs`)."""
+        return StagingPool(self.cpu, slots, self.split_costs(), self.device) if slots else None
 
     def _link(self, i: int) -> Link:
         if self.streamer is not None and self.streaming and not (self.decoding and self.host):

@@ -19,10 +19,10 @@ from contextlib import nullcontext
 
 import torch
 
-from hetmoe.engine.placement_compute import packed_all, packed_pairs, use_kernel
+from hetmoe.engine.placement_compute import packed_slots
 from hetmoe.engine.placement_plan import PlacementPlan, auto_budget, clamp_budget, plan_placement
 from hetmoe.experts.cpu_moe import CpuMoE
-from hetmoe.experts.packed_layout import host_tensor
+from hetmoe.experts.packed_layout import PackedGroup, host_tensor
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ class LayerSlots:
         self.resident: list[int] = [-1] * n  # slot -> expert (-1: empty or being filled)
         self._moving: dict[int, tuple[int, torch.cuda.Event | None]] = {}  # slot -> (expert,
         # its copy's event)
-        self._host = self._sources()
+        self.host = self._sources()
+        """The packed group mappings on the host (pinned on CUDA): where copies come from."""
         for slot, expert in enumerate(experts):
             self.move(slot, expert)
 
@@ -99,10 +100,7 @@ class LayerSlots:
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             with copy:
-                for dst, src, part in zip(self.packed, self._host, self.parts, strict=True):
-                    b = part.expert_bytes
-                    dst[slot * b:(slot + 1) * b].copy_(src[expert * b:(expert + 1) * b],
-                                                       non_blocking=True)
+                copy_expert(self.packed, slot, self.host, expert, self.parts)
             done = None
             if stream is not None:
                 done = torch.cuda.Event()
@@ -141,23 +139,18 @@ class LayerSlots:
                 weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], expert ids and their slots [T, K] (-1: not here), weights [T, K] ->
         [T, H] fp32 of the resident experts' pairs."""
-        fmt, group, hidden = self.moe.weight_format, self.moe.group_size, self.moe.hidden
-        # The torch path gathers each pair's expert: past `slots` pairs unpacking every slot
-        # once is cheaper (the kernel reads each expert once at any length).
-        torch_path = not use_kernel(x.device, fmt)
-        if torch_path and slot.numel() > self.slots and not _capturing(x.device):
-            return packed_all(x, ids, torch.where(slot >= 0, weights, 0.0), self.packed,
-                              self.parts, fmt, hidden, group, self.table[:-1])
-        out: torch.Tensor | None = None
-        for packed, part in zip(self.packed, self.parts, strict=True):
-            y = packed_pairs(x, slot, weights, packed, part, fmt, hidden, group)
-            out = y if out is None else out + y
-        assert out is not None
-        return out
+        return packed_slots(x, ids, slot, weights, self.packed, self.parts,
+                            self.moe.weight_format, self.moe.hidden, self.moe.group_size,
+                            self.table[:-1])
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def copy_expert(dst: Sequence[torch.Tensor], slot: int, src: Sequence[torch.Tensor],
+                expert: int, parts: Sequence[PackedGroup]) -> None:
+    """Copies `expert`'s packed bytes (every NUMA group of `src`, the host mappings) into `slot`
+    of `dst` (one GPU tensor per group, slots back to back), on the current stream."""
+    for d, s, part in zip(dst, src, parts, strict=True):
+        b = part.expert_bytes
+        d[slot * b:(slot + 1) * b].copy_(s[expert * b:(expert + 1) * b], non_blocking=True)
 
 
 class Placement:

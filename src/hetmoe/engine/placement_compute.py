@@ -7,7 +7,8 @@ an index into `packed` (-1: skipped). On CUDA it is `hetmoe.kernels.packed_moe` 
 kernel runs (`use_kernel`); else torch: only the (token, slot) pairs' experts are gathered and
 unpacked (few pairs at decode), so the call has fixed shapes and a CUDA graph can capture it.
 `packed_all` serves long inputs (prefill): every slot unpacked once and a grouped GEMM over the
-rows (experts/routed_mlp.py).
+rows (experts/routed_mlp.py). `packed_slots` picks between them for a set of slots (a layer's
+resident experts, or the staging pool's fetched ones).
 """
 
 from __future__ import annotations
@@ -62,6 +63,33 @@ def packed_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
         return packed_moe(x, ids, weights.float(), packed, part, fmt, hidden, group)
     return packed_pairs_torch(x, ids, weights, packed, part, fmt, hidden, group)
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on `device`'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def packed_slots(x: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
+                 weights: torch.Tensor, packed: Sequence[torch.Tensor],
+                 parts: Sequence[PackedGroup], fmt: str, hidden: int, group: int | None,
+                 table: torch.Tensor) -> torch.Tensor:
+    """x [T, H], expert ids and their slots [T, K] (-1: not here) in `packed` (per NUMA group,
+    slots back to back; table [E]: expert -> slot or -1), weights [T, K] -> [T, H] fp32 of the
+    pairs that have a slot."""
+    slots = packed[0].numel() // parts[0].expert_bytes
+    # The torch path gathers each pair's expert: past `slots` pairs unpacking every slot
+    # once is cheaper (the kernel reads each expert once at any length).
+    torch_path = not use_kernel(x.device, fmt)
+    if torch_path and slot.numel() > slots and not capturing(x.device):
+        return packed_all(x, ids, torch.where(slot >= 0, weights, 0.0), packed, parts, fmt,
+                          hidden, group, table)
+    out: torch.Tensor | None = None
+    for data, part in zip(packed, parts, strict=True):
+        y = packed_pairs(x, slot, weights, data, part, fmt, hidden, group)
+        out = y if out is None else out + y
+    assert out is not None
+    return out
 
 
 def packed_all(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

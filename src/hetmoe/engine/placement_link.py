@@ -5,14 +5,20 @@ reads the slot table on the device (`LayerSlots.split`), hands the CPU link the 
 (resident ids set to -1) and computes the resident pairs on the GPU in the same stream while the
 CPU works; `finish` adds both. A layer whose every expert is resident starts no CPU job at all.
 With Expert Deferral the resident experts of the deferred slots are kept apart and join
-`finish_late`, exactly as the CPU's deferred experts do. Implements `ops.moe_step.Link`.
+`finish_late`, exactly as the CPU's deferred experts do. With a `StagingPool` (fetch-or-compute,
+engine/placement_fetch.py) a step outside CUDA graphs may also copy its heaviest misses to the
+GPU and compute them there; the CPU gets the other misses. Implements `ops.moe_step.Link`.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from hetmoe.engine.placement import LayerSlots
+from hetmoe.engine.placement_fetch import StagingPool
 from hetmoe.ops.deferral import split_ids
 from hetmoe.ops.fused import unpack_moe_inputs
 from hetmoe.ops.moe_step import Link
@@ -21,8 +27,9 @@ from hetmoe.ops.moe_step import Link
 class PlacementLink:
     """Resident experts on the GPU, the misses through `cpu` (see the module docstring)."""
 
-    def __init__(self, cpu: Link, slots: LayerSlots, hidden: int, top_k: int) -> None:
-        self.cpu, self.slots = cpu, slots
+    def __init__(self, cpu: Link, slots: LayerSlots, hidden: int, top_k: int,
+                 pool: StagingPool | None = None) -> None:
+        self.cpu, self.slots, self.pool = cpu, slots, pool
         self.hidden, self.top_k = hidden, top_k
         self._dtype = torch.float32
         self._cpu_started = False
@@ -31,36 +38,60 @@ class PlacementLink:
 
     def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               deferred: int = 0) -> None:
-        slot, cpu_ids = self.slots.split(ids)
-        self._cpu_started = cpu_ids is not None
+        slot, cpu_ids, fetched = self._split(ids)
         if cpu_ids is not None:
             self.cpu.start(x, cpu_ids, weights, deferred)
-        self._gpu(x, ids, slot, weights, deferred)
+        self._gpu(x, ids, slot, fetched, weights, deferred)
 
     def start_packed(self, stage: torch.Tensor, rows: int, deferred: int = 0) -> None:
         x, ids, weights = unpack_moe_inputs(stage, rows, self.hidden, self.top_k)
-        slot, cpu_ids = self.slots.split(ids)
-        self._cpu_started = cpu_ids is not None
+        slot, cpu_ids, fetched = self._split(ids)
         if cpu_ids is not None:
-            misses = stage.clone()  # the same vector with the resident ids set to -1
+            misses = stage.clone()  # the same vector with the GPU's ids set to -1
             unpack_moe_inputs(misses, rows, self.hidden, self.top_k)[1].copy_(cpu_ids)
             self.cpu.start_packed(misses, rows, deferred)
-        self._gpu(x, ids, slot, weights, deferred)
+        self._gpu(x, ids, slot, fetched, weights, deferred)
+
+    def _split(self, ids: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """ids [T, K] -> (resident slots, the CPU's ids or None, the pool's slots or None):
+        the misses the pool fetches (`StagingPool.take`) leave the CPU's share."""
+        slot, cpu_ids = self.slots.split(ids)
+        fetched = None
+        if cpu_ids is not None and self.pool is not None:
+            fetched, cpu_ids = self.pool.take(self.slots, cpu_ids)
+        self._cpu_started = cpu_ids is not None
+        return slot, cpu_ids, fetched
 
     def _gpu(self, x: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
-             weights: torch.Tensor, deferred: int) -> None:
-        """Queues the resident pairs' compute (immediate and deferred apart)."""
+             fetched: torch.Tensor | None, weights: torch.Tensor, deferred: int) -> None:
+        """Queues the resident pairs' compute, then the fetched ones' (immediate and deferred
+        apart)."""
         self._dtype = x.dtype
-        if not deferred:
-            self._out, self._late = self.slots.compute(x, ids, slot, weights), None
-            return
-        # One call over the rows twice (immediate slots, then deferred): each expert is read
-        # once, as a token's experts are distinct.
-        now, late = split_ids(slot, deferred)
         t = x.shape[0]
-        both = self.slots.compute(torch.cat((x, x)), torch.cat((ids, ids)),
-                                  torch.cat((now, late)), torch.cat((weights, weights)))
-        self._out, self._late = both[:t], both[t:]
+        parts: list[tuple[Callable[..., torch.Tensor], torch.Tensor]] = []
+        if self.slots.slots:
+            parts.append((self.slots.compute, slot))
+        if fetched is not None:
+            assert self.pool is not None
+            parts.append((functools.partial(self.pool.compute, self.slots), fetched))
+        outs: list[torch.Tensor] = []  # [T, H] fp32 each
+        lates: list[torch.Tensor] = []
+        for compute, where in parts:
+            if not deferred:
+                outs.append(compute(x, ids, where, weights))
+                continue
+            # One call over the rows twice (immediate slots, then deferred): each expert is
+            # read once, as a token's experts are distinct.
+            now, later = split_ids(where, deferred)
+            both = compute(torch.cat((x, x)), torch.cat((ids, ids)), torch.cat((now, later)),
+                           torch.cat((weights, weights)))
+            outs.append(both[:t])
+            lates.append(both[t:])
+        if not outs:  # no resident slot and nothing fetched this step
+            outs = lates = [x.new_zeros(t, x.shape[1], dtype=torch.float32)]
+        self._out = functools.reduce(torch.add, outs)
+        self._late = functools.reduce(torch.add, lates) if deferred else None
 
     def finish(self) -> torch.Tensor:
         assert self._out is not None, "PlacementLink.finish before start"
