@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from decode_steps import PROMPT, SAME_BACKEND_ATOL, greedy
+from decode_steps import SAME_BACKEND_ATOL, greedy
 from test_placement import FORMAT_RTOL, _layer
 
 from hetmoe import LLM
