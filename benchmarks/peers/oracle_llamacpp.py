@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -35,12 +33,9 @@ import numpy as np
 import torch
 
 from hetmoe import env
+from hetmoe.bench.llama_cpp import VERSION as LLAMA_CPP_PYTHON
+from hetmoe.bench.llama_cpp import convert, ensure_llama_cpp
 from hetmoe.machine import machine_report, source_commit
-
-# The pinned llama-cpp-python and its build live with the tests that also use them.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "loading"))
-from llama_converter import VERSION as LLAMA_CPP_PYTHON  # noqa: E402
-from llama_converter import ensure_llama_cpp  # noqa: E402
 
 # DeepSeek-V2 baby as V2-Lite: llama.cpp reads a V2 without q LoRA only at V2-Lite's depth (26/27
 # layers), and scores expert groups by their top-2 sum (V3's rule) where V2's group_limited_greedy
@@ -48,25 +43,6 @@ from llama_converter import ensure_llama_cpp  # noqa: E402
 V2_LITE = {"num_layers": 26, "topk_method": "greedy", "n_group": 1, "topk_group": 1}
 TINY_PROMPT = [0, 7, 42, 99, 123, 200, 301, 17, 64, 88, 250, 400]
 DEMO_MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
-
-# Baby tokenizers are unknown to the converter's pre-tokenizer table; the oracle feeds token ids,
-# so the label only names a regex llama.cpp never runs here.
-_CONVERT = """
-import sys
-sys.path[0:0] = [{llama!r}, {gguf_py!r}, {site!r}]
-import conversion.base as base
-known = base.TextModel.get_vocab_base_pre
-def pre(self, tokenizer):
-    try:
-        return known(self, tokenizer)
-    except NotImplementedError:
-        return "gpt-2"
-base.TextModel.get_vocab_base_pre = pre
-import convert_hf_to_gguf
-sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outtype", "f32", "--outfile", {out!r}]
-convert_hf_to_gguf.main()
-"""
-
 
 @dataclass(frozen=True)
 class OracleRow:
@@ -90,19 +66,6 @@ class OracleRow:
     """Tokens our greedy decode produced (fewer than `continuation` when it met EOS)."""
     max_abs_dlogit: float
     max_abs_logit: float
-
-
-def convert(model_dir: Path, out: Path, llama: Path, site: Path) -> Path:
-    """f32 GGUF of a HF checkpoint by llama.cpp's own converter."""
-    code = _CONVERT.format(
-        llama=str(llama), gguf_py=str(llama / "gguf-py"), site=str(site), model=str(model_dir),
-        out=str(out),
-    )
-    print(f"converting {model_dir.name} to f32 GGUF", flush=True)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf failed on {model_dir}:\n{done.stderr[-4000:]}")
-    return out
 
 
 QUANTIZE = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
@@ -256,7 +219,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for name, path, prompt in _models(args.models.split(","), work, args.v2_grouped):
-            f32 = convert(path, work / f"{name.split(' ')[0]}.f32.gguf", llama, site)
+            print(f"converting {path.name} to f32 GGUF", flush=True)
+            f32 = convert(path, work / f"{name.split(' ')[0]}.f32.gguf", "f32", llama, site)
             for fmt in formats:
                 gguf = f32 if fmt == "f32" else quantize(f32, fmt)
                 for source in sources:

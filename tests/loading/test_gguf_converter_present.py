@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from llama_converter import converter_dir
+
+from hetmoe.bench.llama_cpp import converter_dir
 
 
 def test_the_converter_is_unpacked_where_ci_provides_it() -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from baby import assert_logits_close, reference_logits, reference_model
-from llama_converter import convert, converter_dir
 
 from hetmoe import LLM
+from hetmoe.bench.llama_cpp import convert, converter_dir
 from hetmoe.loading import Checkpoint
 from hetmoe.loading.gguf import open_gguf
 from hetmoe.loading.gguf_checkpoint import write_checkpoint

@@ -168,9 +168,8 @@ def test_the_deepseek_llm_split_is_deepseeks() -> None:
 def _llama_cpp() -> tuple[type, Path]:
     """llama-cpp-python's `Llama` (built once by the llama.cpp oracle) and the sdist it was built
     from (llama.cpp's source, its test vocabularies included)."""
-    from llama_converter import VERSION, ensure_llama_cpp
-
     from hetmoe import env
+    from hetmoe.bench.llama_cpp import VERSION, ensure_llama_cpp
 
     home = env.cache_dir() / "oracle-llamacpp"
     ensure_llama_cpp(home)

@@ -1,5 +1,7 @@
-"""llama.cpp's own `convert_hf_to_gguf.py`, from the llama-cpp-python sdist that `.ci/run` unpacks
-(never committed here): HF checkpoint directories to GGUF files, as users get them."""
+"""llama.cpp as a peer: the pinned llama-cpp-python sdist, its CPU-only build (`ensure_llama_cpp`)
+and the sdist's own `convert_hf_to_gguf.py` (`convert`: HF checkpoint directories to GGUF files,
+as users get them). The GGUF tests and benchmarks/peers/oracle_llamacpp.py both use it; nothing
+here runs unless they call it (the sdist is fetched by tests/provision.py or `ensure_llama_cpp`)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from hetmoe import env
 
 VERSION = "0.3.36"
 """The pinned llama-cpp-python sdist (it vendors llama.cpp and its converter): the one `.ci/run`
-unpacks, `ensure_llama_cpp` builds, and benchmarks/peers/oracle_llamacpp.py runs."""
+(tests/provision.py) unpacks, `ensure_llama_cpp` builds, and benchmarks/peers/oracle_llamacpp.py
+runs."""
 CMAKE_ARGS = (
     "-DLLAVA_BUILD=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF "
     "-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF "
@@ -21,11 +24,13 @@ CMAKE_ARGS = (
 )
 """llama-cpp-python's CPU-only build (`ensure_llama_cpp`)."""
 
-# Baby tokenizers are unknown to the converter's pre-tokenizer table and the llama vocab path
-# needs sentencepiece: the tests feed token ids, so both take the plain GPT-2 path.
+# Baby tokenizers are unknown to the converter's pre-tokenizer table: they take the GPT-2 label
+# (the callers feed token ids, so the label only names a regex llama.cpp never runs here). Without
+# llama-cpp-python's install dir (its sentencepiece) the llama vocab path cannot run either, so
+# llama models take the plain GPT-2 path too.
 _CONVERT = """
 import sys
-sys.path[0:0] = [{llama!r}, {gguf_py!r}]
+sys.path[0:0] = {path!r}
 import conversion.base as base
 import conversion.llama as llama
 known = base.TextModel.get_vocab_base_pre
@@ -35,7 +40,8 @@ def pre(self, tokenizer):
     except NotImplementedError:
         return "gpt-2"
 base.TextModel.get_vocab_base_pre = pre
-llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
+if {gpt2_vocab!r}:
+    llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outtype", {outtype!r}, "--outfile", {out!r}]
 convert_hf_to_gguf.main()
@@ -51,11 +57,16 @@ def converter_dir() -> Path:
             / "llama.cpp")
 
 
-def convert(model_dir: Path, out: Path, outtype: str) -> Path:
-    """`outtype` (f32, f16, bf16, q8_0) GGUF of the HF checkpoint `model_dir`."""
-    llama = converter_dir()
-    code = _CONVERT.format(llama=str(llama), gguf_py=str(llama / "gguf-py"),
-                           model=str(model_dir), outtype=outtype, out=str(out))
+def convert(model_dir: Path, out: Path, outtype: str, llama: Path | None = None,
+            site: Path | None = None) -> Path:
+    """`outtype` (f32, f16, bf16, q8_0) GGUF of the HF checkpoint `model_dir` by the converter in
+    `llama` (None: `converter_dir()`). `site`: llama-cpp-python's install dir
+    (`ensure_llama_cpp`), whose sentencepiece lets llama models take the converter's own vocab
+    path; None: they take the GPT-2 path (see `_CONVERT`)."""
+    llama = converter_dir() if llama is None else llama
+    path = [str(llama), str(llama / "gguf-py"), *([str(site)] if site is not None else [])]
+    code = _CONVERT.format(path=path, gpt2_vocab=site is None, model=str(model_dir),
+                           outtype=outtype, out=str(out))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     if done.returncode != 0:
