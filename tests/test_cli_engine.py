@@ -45,3 +45,22 @@ def test_the_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     done = CliRunner().invoke(cli.app, ["chat", "m", "--gpu-expert-gib", "lots"])
     assert done.exit_code == 1 and "--gpu-expert-gib takes auto or GiB >= 0, got 'lots'" in (
         done.output)
+
+
+def test_deferred_takes_a_count_or_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, object] = {}
+
+    def load(model: str, device: str | None, rules: object, **options: object) -> None:
+        seen.update(options)
+        raise typer.Exit(0)
+
+    monkeypatch.setattr("hetmoe.cli_engine.load_llm", load)
+    for given, want in (("auto", "auto"), ("3", 3), ("0", 0)):
+        done = CliRunner().invoke(cli.app, ["generate", "m", "hi", "--deferred", given])
+        assert done.exit_code == 0 and seen["deferred"] == want, done.output
+    for bad in ("two", "1.5", "-1", "Auto", ""):
+        seen.clear()
+        done = CliRunner().invoke(cli.app, ["serve", "m", "--deferred", bad])
+        assert done.exit_code == 1, done.output
+        assert f"error: --deferred takes auto or an integer >= 0, got {bad!r}" in done.output
+        assert seen == {}  # refused before loading

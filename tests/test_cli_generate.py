@@ -102,6 +102,15 @@ def test_deferral_without_a_gpu_is_refused(cache: Path) -> None:
     assert "error: option deferred=2 needs GPU decode" in result.output
 
 
+def test_deferred_auto_says_what_it_chose_at_start(cache: Path) -> None:
+    from hetmoe.engine.deferral_auto import NO_GPU
+
+    result = runner.invoke(app, ["generate", "tiny-qwen3-moe", "Hi", "--device", "cpu",
+                                 "--deferred", "auto", "--max-new-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    assert f"deferred auto: 0 ({NO_GPU})\n" in result.stderr
+
+
 def test_gpu_prefill_on_a_cpu_run_is_refused_before_loading(cache: Path) -> None:
     result = runner.invoke(app, ["generate", "tiny-qwen3-moe", "Hi", "--device", "cpu",
                                  "--prefill-experts", "split"])

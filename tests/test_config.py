@@ -17,5 +17,8 @@ def test_deferred_needs_gpu_decode_then_cpu_experts() -> None:
     with pytest.raises(ValueError, match=r"^option deferred=1 needs every MoE layer's routed "
                        r"experts in the cpu backend \(use deferred=0\)$"):
         EngineConfig(deferred=1).check_deferred("cuda", cpu_experts=False)
-    with pytest.raises(ValueError, match=r"option deferred must be an integer >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"option deferred must be 'auto' or an integer >= 0, "
+                                         r"got -1"):
         EngineConfig(deferred=-1)
+    # auto fits any run: it picks 0 where deferral cannot run (engine/deferral_auto.py).
+    EngineConfig(deferred="auto").check_deferred("cpu", cpu_experts=False)

@@ -140,6 +140,7 @@ def print_plan(path: Path, fmt: str, group: int | None, device: object,
     typer.echo(gpu_experts_plan(mem))
     if plan.layers:
         typer.echo(prefill_plan(plan.layers[0], fmt, config))
+        typer.echo(deferral_plan(path, chosen))
 
 
 def gpu_experts_plan(mem: Any) -> str:
@@ -150,6 +151,22 @@ def gpu_experts_plan(mem: Any) -> str:
     if plan is None:
         return "GPU experts: none (no GPU, or no routed experts in the cpu backend)"
     return f"{plan.describe()} [--gpu-expert-gib auto]"
+
+
+def deferral_plan(path: Path, device: Any) -> str:
+    """What `--deferred auto` picks for `path` on `device`: 0 without a GPU, else the choice
+    last made when the model loaded here (engine/deferral_auto.py), or that none was."""
+    from hetmoe.engine.deferral_auto import NO_GPU, recorded_deferral
+
+    if device.type != "cuda":
+        return f"deferred auto: 0 ({NO_GPU})"
+    try:
+        line = recorded_deferral(path, device)
+    except ValueError as exc:
+        return f"deferred auto: {exc}"
+    return line or ("deferred auto: chosen when the model loads with --deferred auto (decode "
+                    "step times measured, then a probe's KL); not yet run for this model on "
+                    "this machine")
 
 
 PREFILL_LENGTHS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)

@@ -22,6 +22,15 @@ if TYPE_CHECKING:
 _DEFAULTS = EngineConfig()
 
 
+def deferred_count(value: str) -> int | str:
+    """`--deferred` as `EngineConfig.deferred`: "auto" or an integer >= 0."""
+    if value == "auto":
+        return value
+    if not value.isdigit():
+        fail(ValueError(f"--deferred takes auto or an integer >= 0, got {value!r}"))
+    return int(value)
+
+
 def gpu_expert_bytes(gib: str) -> int | str:
     """`--gpu-expert-gib` as `EngineConfig.gpu_expert_bytes`: "auto" or GiB >= 0 in bytes."""
     if gib == "auto":
@@ -54,10 +63,11 @@ class EngineOptions:
     experts: Annotated[str | None, typer.Option(
         help="Routed-expert backend: torch or cpu")] = None
     """Routed-expert backend."""
-    deferred: Annotated[int, typer.Option(
+    deferred: Annotated[str, typer.Option(
         help="GPU decode with CPU experts: experts per token deferred to the next layer "
-             "(0 = exact)")] = _DEFAULTS.deferred
-    """Expert Deferral."""
+             "(0 = exact; auto = by this machine's measured step times, lowered when a probe's "
+             "answers move)")] = str(_DEFAULTS.deferred)
+    """Expert Deferral: a count or auto."""
     prefill_experts: Annotated[str, typer.Option(
         help="GPU with CPU experts: where prefill runs the routed experts: auto (by this "
              "machine's measured costs, see hetmoe calibrate), cpu, gpu (streamed) or split "
@@ -84,11 +94,15 @@ class EngineOptions:
         a user error ends the command with a one-line message."""
         options: dict[str, Any] = dict(
             dtype=self.dtype, max_seq_len=self.max_seq_len, experts=self.experts,
-            deferred=self.deferred, prefill_experts=self.prefill_experts,
+            deferred=deferred_count(self.deferred), prefill_experts=self.prefill_experts,
             chat_template=self.chat_template, verbose=self.verbose)
         if "gpu_expert_bytes" not in more:
             options["gpu_expert_bytes"] = self.expert_bytes()
-        return load_llm(model, self.device, self.rules, **{**options, **more})
+        options.update(more)
+        llm = load_llm(model, self.device, self.rules, **options)
+        if options["deferred"] == "auto" and llm.deferral is not None:  # before any answer
+            typer.echo(llm.deferral.describe(), err=True)
+        return llm
 
 
 def engine_options(command: Callable[..., None]) -> Callable[..., None]:

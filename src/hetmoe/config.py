@@ -24,9 +24,11 @@ class EngineConfig:
     torch_threads: int | None = None
     """CPU-device runs: torch's intra-op threads beside the CPU expert pool; None: the cores the
     pool leaves free (at least 1), so torch and the spinning pool never fight for a core."""
-    deferred: int = 0
+    deferred: int | str = 0
     """GPU decode with CPU experts: Expert Deferral, each token's `deferred` lowest-scored experts
-    per MoE layer join the next layer's output while its attention runs (0: exact decode)."""
+    per MoE layer join the next layer's output while its attention runs (0: exact decode);
+    "auto": chosen when the model loads from measured step times and guarded by a probe's KL
+    (engine/deferral_auto.py; 0 without a GPU)."""
     compile_decode: bool = True
     """GPU decode with CPU experts: compile the per-layer decode step with torch.compile (needs
     Triton and a C compiler); False runs the same functions uncompiled."""
@@ -92,8 +94,10 @@ class EngineConfig:
             raise ValueError(f"option max_seq_len must be positive, got {self.max_seq_len}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"option torch_threads must be positive, got {self.torch_threads}")
-        if not isinstance(self.deferred, int) or self.deferred < 0:
-            raise ValueError(f"option deferred must be an integer >= 0, got {self.deferred!r}")
+        if self.deferred != "auto" and (not isinstance(self.deferred, int)
+                                        or isinstance(self.deferred, bool) or self.deferred < 0):
+            raise ValueError(f"option deferred must be 'auto' or an integer >= 0, got "
+                             f"{self.deferred!r}")
         if self.max_batch < 1:
             raise ValueError(f"option max_batch must be a positive integer, got {self.max_batch}")
         sizes = self.graph_batch_sizes
@@ -133,8 +137,9 @@ class EngineConfig:
     def check_deferred(self, device: str, cpu_experts: bool) -> None:
         """`deferred` against the run it is for, before any model work: GPU decode (`device`)
         with every MoE layer's routed experts in the cpu backend (`cpu_experts`). Its bound by
-        the router's top-k is checked where the MoE step is made (ops/deferral.py)."""
-        if not self.deferred:
+        the router's top-k is checked where the MoE step is made (ops/deferral.py). "auto" fits
+        any run (it picks 0 where deferral cannot run)."""
+        if not self.deferred or self.deferred == "auto":
             return
         if device != "cuda":
             raise ValueError(

@@ -107,7 +107,8 @@ def test_bad_arguments_are_named(llm_of) -> None:
 
 
 def test_deferral_option_is_checked(tiny_dir) -> None:
-    with pytest.raises(ValueError, match=r"option deferred must be an integer >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"option deferred must be 'auto' or an integer >= 0, "
+                                         r"got -1"):
         LLM(tiny_dir("qwen3_moe"), device="cpu", deferred=-1, progress=False)
     # Deferral overlaps CPU experts with GPU attention: a CPU-only run refuses it, never ignores.
     with pytest.raises(ValueError, match=r"option deferred=2 needs GPU decode .* decodes on cpu "

@@ -16,6 +16,12 @@ from hetmoe.engine.adapters import LoraAdapters, assign_adapter, with_lora
 from hetmoe.engine.chat_template import read_chat_template
 from hetmoe.engine.collected_output import CollectedOutput
 from hetmoe.engine.constrained import Constraints
+from hetmoe.engine.deferral_auto import (
+    DeferralChoice,
+    choose_deferred,
+    probe_ids,
+    record_deferral,
+)
 from hetmoe.engine.logprobs import TokenLogprob
 from hetmoe.engine.model_setup import (
     check_device,
@@ -117,11 +123,20 @@ class LLM:
         )
         self.options.check_deferred(self.device.type, all_on_cpu_backend(self.model))
         # The fused decode step cuts GPU launches; on the CPU device the HF layers run.
+        auto = self.options.deferred == "auto"
         runner_options = dataclasses.replace(
-            self.options, fused_decode=self.options.fused_decode and self.device.type == "cuda")
+            self.options, fused_decode=self.options.fused_decode and self.device.type == "cuda",
+            deferred=0 if auto else self.options.deferred)
         self.runner = ModelRunner(self.model, self.device, self.dtype, self.options.max_batch,
                                   window, runner_options)
         self.runner.adapters = LoraAdapters.load(self.model, adapters, lora)
+        self.deferral: DeferralChoice | None = None
+        """What `deferred="auto"` chose and why (None: a fixed count), before any request."""
+        if auto:
+            self.deferral = choose_deferred(self.runner,
+                                            probe_ids(self.tokenizer, self.runner.vocab_size))
+            if self.device.type == "cuda":
+                record_deferral(self.path, self.deferral, self.device)
         self.eos_token_ids = eos_ids(self.path, config, self.tokenizer)
         self.constraints = Constraints(self.tokenizer, self.eos_token_ids, self.runner.vocab_size,
                                        str(self.path))

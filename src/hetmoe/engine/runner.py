@@ -68,6 +68,8 @@ class ModelRunner:
         self.fused: FusedDecoder | None = None
         self.graph_cache: GraphCache | None = None
         self.windows: Counter[int] = Counter()  # decode steps per window bucket (CPU experts)
+        if isinstance(config.deferred, str):  # LLM resolves "auto" on a runner built at 0
+            raise ValueError("ModelRunner takes a deferred count, not 'auto' (LLM picks it)")
         if all_on_cpu_backend(model):
             fits = config.fused_decode and fits_fused(model)
             rows = max(max_batch, *config.graph_batch_sizes)
