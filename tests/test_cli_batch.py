@@ -147,3 +147,27 @@ def test_an_invalid_line_never_hides_a_request_of_the_same_custom_id(tmp_path: P
     files.close()
     again = JobFiles(tmp_path / "out.jsonl", tmp_path / "errors.jsonl")
     assert not again.finished(first) and again.finished(repeat)
+
+
+def test_a_sample_of_the_job_places_its_most_routed_experts(cache: Path, tmp_path: Path) -> None:
+    lines = [chat_line(f"q{i}", f"Question number {i}", 4) for i in range(6)]
+    source = write(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    # On the CPU device the "GPU" experts are host memory: the plan and its counts still hold.
+    result = runner.invoke(app, ["batch", str(source), str(out), "--device", "cpu",
+                                 "--experts", "cpu", "--gpu-expert-gib", "0.0001",
+                                 "--placement-sample", "3", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "pre-placement: 3 sampled prompts (" in result.output
+    assert "GiB of experts on the GPU, the most routed per layer: " in result.output
+    assert sorted(results(out)) == sorted(line["custom_id"] for line in lines)
+    refused = runner.invoke(app, ["batch", str(source), str(tmp_path / "o2.jsonl"),
+                                  "--device", "cpu", "--gpu-expert-gib", "0",
+                                  "--placement-sample", "3", "--no-progress"])
+    assert refused.exit_code == 1
+    assert ("error: --placement-sample needs a GPU expert budget to place experts in "
+            "(--gpu-expert-gib > 0 or auto), got --gpu-expert-gib 0") in refused.output
+    negative = runner.invoke(app, ["batch", str(source), str(tmp_path / "o3.jsonl"),
+                                   "--placement-sample", "-1", "--no-progress"])
+    assert negative.exit_code == 1
+    assert "error: --placement-sample must be >= 0 prompts, got -1" in negative.output

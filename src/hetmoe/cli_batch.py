@@ -42,6 +42,10 @@ def batch(
         help="KV slots: requests decoded together")] = _DEFAULTS.max_batch,
     prefill_chunk: Annotated[int, typer.Option(
         help="Prompt tokens prefilled per step (0 = no limit)")] = _DEFAULTS.prefill_chunk or 0,
+    placement_sample: Annotated[int, typer.Option(
+        help="Prompts of the job (evenly spaced) prefilled first to count the experts they "
+             "route to; the most routed go resident under --gpu-expert-gib (0 = no sample: the "
+             "first experts of each layer)")] = 0,
     progress: Annotated[bool, typer.Option("--progress/--no-progress",
                                            help="Show the progress bar")] = True,
     *,
@@ -56,6 +60,12 @@ def batch(
 
     if not input.is_file():
         fail(FileNotFoundError(f"input file {input} does not exist"))
+    budget = engine.expert_bytes()
+    if placement_sample < 0:
+        fail(ValueError(f"--placement-sample must be >= 0 prompts, got {placement_sample}"))
+    if placement_sample and budget == 0:
+        fail(ValueError("--placement-sample needs a GPU expert budget to place experts in "
+                        "(--gpu-expert-gib > 0 or auto), got --gpu-expert-gib 0"))
     errors = errors or output.with_name(output.name.removesuffix(".jsonl") + ".errors.jsonl")
     try:
         lines = list(read_lines(input))
@@ -75,13 +85,28 @@ def batch(
     if name is None:
         files.close()
         fail(ValueError("no model to load: pass --model or name it in the requests' `model`"))
+    # With a sample the experts are placed once, by its counts (not first at load).
+    more = {"gpu_expert_bytes": 0} if placement_sample else {}
     llm = engine.load(name, max_batch=max_batch, prefill_chunk=prefill_chunk or None,
-                      progress=progress)
+                      progress=progress, **more)
     try:
+        if placement_sample:
+            _preplace(llm, todo, placement_sample, budget)
         asyncio.run(_serve(llm, name, todo, files, progress))
     finally:
         files.close()
     typer.echo(f"{len(todo)} requests answered into {output} (errors: {errors})")
+
+
+def _preplace(llm: LLM, todo: list[JobLine], sample: int, budget: int | str) -> None:
+    """Places the experts a sample of the job routes to most (engine/preplacement.py)."""
+    from hetmoe.engine.preplacement import preplace
+
+    try:
+        done = preplace(llm, todo, sample, budget)
+    except ValueError as exc:
+        fail(exc)
+    typer.echo(done.describe(), err=True)
 
 
 async def _serve(llm: LLM, name: str, todo: list[JobLine], files: JobFiles,
