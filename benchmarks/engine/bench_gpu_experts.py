@@ -1,19 +1,23 @@
-"""Decode speed against the GPU expert budget (engine/placement.py), one model build, one process.
+"""Decode and prefill speed against the GPU expert budget (engine/placement.py), one model build.
 
 For each budget (GB of packed experts resident on the GPU; `all` = every expert) the runner is
-re-placed (`ModelRunner.place`) and a greedy decode timed (median step, first step untimed). The
-floor of each row: the CPU reads the misses' bytes per token at the host's measured read
-bandwidth (before the build), the GPU its resident experts' bytes at HBM speed, so
+re-placed (`ModelRunner.place`), a greedy decode timed (median step, first step untimed) per
+Expert Deferral value and, with `--prefill`, each prompt length's prefill per `prefill_experts`
+mode. The floor of each decode row: the CPU reads the misses' bytes per token at the host's
+measured read bandwidth (before the build), the GPU its resident experts' bytes at HBM speed, so
 floor_tok_s = 1 / max(cpu_bytes / host_bw, gpu_bytes / hbm_bw) (the rest of the step, attention
-and launches, comes on top: `no_cpu_work` of hetmoe bench says how much).
+and launches, comes on top: `no_cpu_work` of hetmoe bench says how much). The JSON is written
+after every budget. llama.cpp beside it, same budgets, one command:
+benchmarks/engine/gpu_experts_sweep.py.
 
     python benchmarks/engine/bench_gpu_experts.py --shape qwen3-30b-a3b --weight-format int8 \\
-        --budgets 0,8,15,23,all --json gpu_experts.json
+        --budgets 0,8,15,23,all --prefill 4096,16384 --json gpu_experts.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from typing import Any
@@ -21,10 +25,13 @@ from typing import Any
 import torch
 
 from hetmoe.bench import measure
+from hetmoe.bench.budget_peer import budget_bytes, parse_budgets
+from hetmoe.bench.budget_report import plot
 from hetmoe.bench.harness import _git_sha, _machine, _now
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
+from hetmoe.engine.expert_split import PrefillTuner
 from hetmoe.engine.placement_compute import use_kernel
 from hetmoe.engine.placement_policy import TrafficPolicy
 from hetmoe.engine.runner import ModelRunner
@@ -72,34 +79,81 @@ def profile_steps(runner: ModelRunner, prompt: list[int], steps: int = 16) -> di
             "top": [(name[:120], round(calls, 2), round(us, 1)) for name, calls, us in rows[:30]]}
 
 
-PEER_TG128 = {"0": 28.0, "8": 30.6, "15": 43.2, "23": 65.8, "all": 255.2}
-"""llama.cpp Q8_0 tg128 with `-ngl 99 -ncmoe N -t 15` per budget (12 / 24 / 36 / 48 layers'
-experts on the GPU), from issue 27's lease on the same machine type (not this run)."""
+def record_picks(overlap: Any) -> list[int]:
+    """The list that each later `overlap.prefill_gpu_experts` call appends its k to (until
+    `del overlap.prefill_gpu_experts` gives the method back)."""
+    chosen: list[int] = []
+    pick = overlap.prefill_gpu_experts
+
+    def recorded(tokens: int, mode: str = "auto") -> int:
+        chosen.append(pick(tokens, mode))
+        return chosen[-1]
+
+    overlap.prefill_gpu_experts = recorded
+    return chosen
 
 
-def plot(result: dict[str, Any], path: str) -> None:
-    """Decode tok/s against the GB of experts on the GPU, per deferral, static placement."""
-    import matplotlib
+def prefill_rows(runner: ModelRunner, lengths: list[int], modes: list[str], repeats: int,
+                 vocab: int, everything: bool) -> list[dict[str, Any]]:
+    """Prefill tok/s of each length under the current placement, per `prefill_experts` mode:
+    auto (the engine's pick; a fresh tuner per placement, since the old one's timings were of
+    another placement) and cpu (the resident experts on the GPU, the misses on the CPU: the
+    placement's own path). With every expert resident both are the same path: auto alone.
+    Each row also lists the GPU expert count k of every timed pass (0: the resident path)."""
+    overlap = runner.overlap
+    assert overlap is not None
+    rows = []
+    for mode in modes if not everything else ["auto"]:
+        runner.config = dataclasses.replace(runner.config, prefill_experts=mode)
+        overlap.tuner = PrefillTuner()
+        chosen = record_picks(overlap)
+        try:
+            for n in lengths:
+                chosen.clear()
+                tok_s = measure.prefill_speed(runner, n, vocab, repeats)
+                rows.append({"mode": mode, "tokens": n, "tok_s": round(tok_s, 1),
+                             "gpu_experts_per_pass": list(chosen)})
+                print(f"  prefill {n:>6} ({mode}): {tok_s:8.1f} tok/s, k per pass {chosen}",
+                      flush=True)
+        finally:
+            del overlap.prefill_gpu_experts  # the method again
+    runner.config = dataclasses.replace(runner.config, prefill_experts="auto")
+    return rows
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    rows = [r for r in result["rows"] if r["placement_interval"] == 0]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for d in sorted({r["deferred"] for r in rows}):
-        mine = [r for r in rows if r["deferred"] == d]
-        ax.plot([r["gpu_expert_bytes"] / GB for r in mine], [r["tok_s"] for r in mine], "o-",
-                label=f"hetmoe INT8, deferred={d}")
-    peer = [r for r in rows if r["deferred"] == 0 and r["budget"] in PEER_TG128]
-    ax.plot([r["gpu_expert_bytes"] / GB for r in peer], [PEER_TG128[r["budget"]] for r in peer],
-            "s--", label="llama.cpp Q8_0 -ncmoe (issue 27, other lease)")
-    ax.set_xlabel("routed experts on the GPU (GB)")
-    ax.set_ylabel("decode tok/s (batch 1)")
-    ax.set_title(f"Qwen3-30B-A3B shape, {result['machine']['gpu']}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def write(result: dict[str, Any], path: str | None) -> None:
+    """The result so far (after every budget: a run cut short keeps its rows)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def decode_rows(runner: ModelRunner, plan: Any, args: argparse.Namespace, prompt: list[int],
+                base: list[list[int]]) -> list[dict[str, Any]]:
+    """Greedy decode under the current placement, per (deferred, placement_interval)."""
+    rows = []
+    settings = [(int(d), int(n)) for d in args.deferred.split(",")
+                for n in args.intervals.split(",")]
+    for d, interval in settings:
+        runner.reset_graphs(d)
+        runner.policy = None
+        for slots in runner.placement.layers if runner.placement is not None else []:
+            slots.counting = False  # a policy below turns it on again
+        if interval and runner.placement is not None and not plan.everything:
+            runner.policy = TrafficPolicy(runner.placement, interval)
+        run = measure.greedy_decode(runner, prompt, args.new_tokens)
+        if not base:
+            base.append(run.tokens)
+        same = next((i for i, (a, b) in enumerate(zip(run.tokens, base[0], strict=True))
+                     if a != b), len(run.tokens))
+        rows.append({"deferred": d, "placement_interval": interval,
+                     "moves": runner.policy.moves if runner.policy is not None else 0,
+                     "tok_s": round(run.tok_s, 2), "mean_tok_s": round(run.mean_tok_s, 2),
+                     "tokens_equal_budget0_first": same})
+        print(f"  decode d={d} interval {interval}: {run.tok_s:7.2f} tok/s, "
+              f"{rows[-1]['moves']} moves, tokens equal to the first run's for "
+              f"{same}/{len(run.tokens)}", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -110,6 +164,12 @@ def main() -> None:
     p.add_argument("--deferred", default="0", help="Expert Deferral values per budget")
     p.add_argument("--intervals", default="0",
                    help="placement_interval values per budget (0: static placement)")
+    p.add_argument("--prefill", default="",
+                   help="prompt lengths whose prefill is timed per budget, e.g. 4096,16384")
+    p.add_argument("--prefill-modes", default="auto,cpu",
+                   help="prefill_experts modes timed per length (auto: the engine's pick; cpu: "
+                        "resident experts on the GPU, the misses on the CPU)")
+    p.add_argument("--prefill-repeats", type=int, default=2, help="best of this many passes")
     p.add_argument("--profile", action="store_true",
                    help="GPU kernels of 16 graph steps at the last budget (torch.profiler)")
     p.add_argument("--num-layers", type=int, default=None)
@@ -123,6 +183,9 @@ def main() -> None:
         with open(args.json) as f:
             plot(json.load(f), args.plot)
         return
+    budgets = parse_budgets(args.budgets)
+    lengths = [int(n) for n in args.prefill.split(",") if n]
+    modes = [m for m in args.prefill_modes.split(",") if m]
     device = torch.device("cuda")
     host_gb_s = measure.read_bandwidth(2.0)
     hbm = hbm_read_gb_s(device)
@@ -133,66 +196,52 @@ def main() -> None:
     routed = measure.routed_bytes_per_token(model)
     prompt = torch.randint(0, config.vocab_size, (args.prompt_len,),
                            generator=torch.Generator().manual_seed(0)).tolist()
-    window = args.prompt_len + args.new_tokens + 8
+    window = max(args.prompt_len + args.new_tokens, *lengths) + 8
     runner = ModelRunner(model, device, torch.bfloat16, 1, window,
-                         EngineConfig(gpu_expert_bytes=0))
+                         EngineConfig(gpu_expert_bytes=0))  # placed per budget below
+    assert runner.overlap is not None
+    moe = runner.overlap.cpu[0]
     result: dict[str, Any] = {
         "command": "benchmarks/engine/bench_gpu_experts.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "date": _now(), "git": _git_sha(), "machine": _machine(device),
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+            if v not in (None, False, "")),
+        "date": _now(), "git": _git_sha(), "machine": _machine(device), "shape": args.shape,
+        "weight_format": args.weight_format, "group_size": moe.group_size,
+        "moe_layers": len(runner.overlap.cpu),
         "host_read_gb_s": round(host_gb_s, 1), "hbm_read_gb_s": round(hbm, 1),
         "build_s": round(build_s, 1), "routed_bytes_per_token": routed,
         "gpu_compute": ("triton packed_moe" if use_kernel(device, args.weight_format)
                         else "torch (unpack + bmm)"),
-        "rows": [],
+        "rows": [], "prefill": [],
     }
     print(f"host {host_gb_s:.1f} GB/s, HBM {hbm:.0f} GB/s, built in {build_s:.1f} s, "
           f"{routed / 1e6:.1f} MB of routed experts per token, GPU compute: "
           f"{result['gpu_compute']}", flush=True)
-    base_tokens: list[int] | None = None
-    for budget in args.budgets.split(","):
-        asked = 10**15 if budget == "all" else int(float(budget) * GB)
-        plan = runner.place(asked)
+    base: list[list[int]] = []
+    for budget in budgets:
+        limit = budget_bytes(budget)
+        plan = runner.place(10**15 if limit is None else limit)  # all: more than there is
         share = plan.gpu_share()
         gpu_bytes, cpu_bytes = routed * share, routed * (1 - share)
         floor = 1 / max(cpu_bytes / (host_gb_s * GB), gpu_bytes / (hbm * GB), 1e-9)
-        settings = [(int(d), int(n)) for d in args.deferred.split(",")
-                    for n in args.intervals.split(",")]
-        for d, interval in settings:
-            runner.reset_graphs(d)
-            runner.policy = None
-            for slots in runner.placement.layers if runner.placement is not None else []:
-                slots.counting = False  # a policy below turns it on again
-            if interval and runner.placement is not None and not plan.everything:
-                runner.policy = TrafficPolicy(runner.placement, interval)
-            run = measure.greedy_decode(runner, prompt, args.new_tokens)
-            if base_tokens is None:
-                base_tokens = run.tokens
-            same = next((i for i, (a, b) in enumerate(zip(run.tokens, base_tokens,
-                                                                strict=True)) if a != b),
-                        len(run.tokens))
-            row = {"budget": budget, "deferred": d, "placement_interval": interval,
-                   "moves": runner.policy.moves if runner.policy is not None else 0,
-                   "gpu_expert_bytes": plan.bytes,
-                   "experts_per_layer": [len(r) for r in plan.resident][:1] + [
-                       min(len(r) for r in plan.resident)],
-                   "gpu_share": round(share, 4), "cpu_bytes_per_token": int(cpu_bytes),
-                   "floor_tok_s": round(floor, 1), "tok_s": round(run.tok_s, 2),
-                   "mean_tok_s": round(run.mean_tok_s, 2),
-                   "of_floor": round(run.tok_s / floor, 3),
-                   "tokens_equal_budget0_first": same,
-                   "gpu_allocated_gb": round(torch.cuda.memory_allocated(device) / GB, 2)}
-            result["rows"].append(row)
-            print(f"budget {budget:>4} GB d={d} interval {interval}: {plan.bytes / GB:6.2f} GB "
-                  f"resident, {row['moves']} moves "
-                  f"({share:.1%} of routed work), {run.tok_s:7.2f} tok/s, floor "
-                  f"{floor:7.1f} ({row['of_floor']:.0%}), tokens equal to budget 0's for "
-                  f"{same}/{len(run.tokens)}", flush=True)
+        facts = {"budget": budget, "gpu_expert_bytes": plan.bytes,
+                 "experts_per_layer": [len(r) for r in plan.resident][:1] + [
+                     min(len(r) for r in plan.resident)],
+                 "gpu_share": round(share, 4), "cpu_bytes_per_token": int(cpu_bytes),
+                 "floor_tok_s": round(floor, 1),
+                 "gpu_allocated_gb": round(torch.cuda.memory_allocated(device) / GB, 2)}
+        print(f"budget {budget:>4} GB: {plan.bytes / GB:6.2f} GB resident ({share:.1%} of "
+              f"routed work), floor {floor:7.1f} tok/s", flush=True)
+        for row in decode_rows(runner, plan, args, prompt, base):
+            row["of_floor"] = round(row["tok_s"] / floor, 3)
+            result["rows"].append({**facts, **row})
+        for row in prefill_rows(runner, lengths, modes, args.prefill_repeats,
+                                config.vocab_size, plan.everything):
+            result["prefill"].append({"budget": budget, "gpu_expert_bytes": plan.bytes, **row})
+        write(result, args.json)
     if args.profile:
         result["profile"] = profile_steps(runner, prompt)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write(result, args.json)
 
 
 if __name__ == "__main__":
