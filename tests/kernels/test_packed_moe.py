@@ -269,8 +269,8 @@ def test_auto_takes_the_pair_kernels_up_to_the_threshold(monkeypatch: pytest.Mon
     assert taken == [want]
 
 
-def test_auto_keeps_the_sorted_path_until_the_pairs_are_timed_on_a_gpu() -> None:
-    assert kernel.DECODE_MAX_PAIRS == 0
+def test_auto_takes_the_pairs_up_to_the_measured_64() -> None:
+    assert kernel.DECODE_MAX_PAIRS == 64
 
 
 GROUP = PackedGroup(address=0, bytes=40960, expert_bytes=20480, down_offset=12288, begin=0,

@@ -63,10 +63,12 @@ LARGE_M = TileConfig(block_m=128, block_n_gate_up=64, block_n_down=64, num_warps
 PAIRS = TileConfig(block_m=1, block_n_gate_up=32, block_n_down=64, num_warps=4, num_stages=3)
 """The unsorted decode kernels: one (token, slot) pair per program."""
 
-DECODE_MAX_PAIRS = 0
-"""Up to this many (token, slot) pairs `path="auto"` runs the unsorted pair kernels. 0 (off)
-until they are timed on a GPU against the sorted path (bench_packed_moe.py; they were checked
-under Triton's interpreter only); 64 (decode and batches of up to 8 at top-8) is the aim."""
+DECODE_MAX_PAIRS = 64
+"""Up to this many (token, slot) pairs `path="auto"` runs the unsorted pair kernels (decode and
+batches of up to 8 at top-8). Measured on an H100 at the Qwen3-30B-A3B layer, graph replays
+(docs/benchmarks/gpu_kernels.md, round 2): the pairs win or tie the sorted path at 8 and 64
+pairs for every format (int8 at 8 pairs 0.049 against 0.103 ms) and lose at 128 (int8 0.340
+against 0.254 ms)."""
 
 PATHS = ("auto", "sorted", "pairs")
 """`packed_moe` paths: by pair count, grouped by expert, or one pair per program."""
