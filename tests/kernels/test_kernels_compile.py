@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hetmoe.kernels import dequant, packed_moe as pm
+from hetmoe.kernels import dequant, gqa_decode as gqa, packed_moe as pm
 from hetmoe.kernels.moe_down import moe_down_kernel
 from hetmoe.kernels.moe_gate_up import moe_gate_up_kernel
 from hetmoe.kernels.pair_down import pair_down_kernel
@@ -46,6 +46,23 @@ for cfg in (pm.SMALL_M, pm.LARGE_M):
           BN=cfg.block_n_gate_up, MEM=False)
     build(moe_down_kernel, cfg, TOP_K=8, G=32, FMT=2, BM=cfg.block_m, BN=cfg.block_n_down,
           MEM=False)
+
+
+def build_gqa(fn, sig, **consts):
+    sig = {**sig, **dict.fromkeys(consts, "constexpr")}
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                   target=GPUTarget("cuda", 90, 32))
+
+
+for dtype, d, group in (("bf16", 128, 8), ("fp16", 80, 3), ("fp32", 16, 2)):
+    dims = dict(D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), ROUND_BITS=False)
+    sig = dict.fromkeys(("q_ptr", "k_new_ptr", "v_new_ptr", "cache_ptr"), "*" + dtype)
+    sig.update(slots_ptr="*i64", lo_ptr="*i64", pos_ptr="*i64", part_ptr="*fp32",
+               stat_ptr="*fp32", s_slot="i64", s_key="i64", s_kv="i32", s_head="i32",
+               scale="fp32")
+    build_gqa(gqa.split_kernel, sig, H_KV=4, G=group, BLOCK_G=16, IEEE=dtype == "fp32", **dims)
+    build_gqa(gqa.combine_kernel, {"part_ptr": "*fp32", "stat_ptr": "*fp32",
+                                   "out_ptr": "*" + dtype, "splits": "i32"}, BLOCK_S=16, **dims)
 print("compiled")
 """
 

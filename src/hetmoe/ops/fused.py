@@ -66,6 +66,15 @@ def window_mask(pos: torch.Tensor, width: int, window: int | None) -> torch.Tens
     return allowed
 
 
+def window_bounds(pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[B] the first cached entry each row attends (kernels/gqa_decode.py's `lo`; `window_mask`
+    as bounds): 0, or with a sliding window of `window` entries, which hold the row's own entry
+    and the `window` - 1 before it, pos - window + 1 (at least 0)."""
+    if window is None:
+        return torch.zeros_like(pos)
+    return (pos - window + 1).clamp(min=0)
+
+
 def window_rows(cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Each row's cache slot over the window of `mask` [B, n, c]: cache [N, C, ...] ->
     [B, n, c, ...]. Entries past C (padding, masked) read the last entry instead.

@@ -1,0 +1,201 @@
+"""GQA decode attention (flash-decoding) on the runner's KV cache, with the step's cache write.
+
+One query per row (sequence) over the row's cached entries plus its own new entry, which the
+kernel also stores at the row's position. The math of `ops/fused.py` `gqa_decode_attention`
+(the torch form, which the compiled decode step otherwise spreads over ~10 Inductor kernels
+per layer) in two kernels:
+
+- `split_kernel`, one program per (row, key head, split of the row's window): all query heads
+  of the key head's group at once (q [G, D] against keys [64, D] as one dot), an online
+  softmax over the split's entries; split 0 also takes the own entry and writes the cache.
+  Probabilities are rounded to q's dtype before the value product (relative to the running
+  maximum, as flash attention rounds them; the torch form rounds them normalized: the same
+  rounding error, not the same bits). Writes each split's (max, sum, unnormalized output).
+- `combine_kernel`, one program per (row, query head): the splits' outputs rescaled to the
+  common maximum and divided by the common sum.
+
+The split count follows the attended window (the runner's bucket, in chunks of 64 entries)
+with no branch on it, so a compiled decode step keeps the window's chunk count dynamic.
+`gqa_decode_attention` is a `torch.library.triton_op`: inside `torch.compile` Inductor puts
+both kernels into the compiled graph and fuses the ops around them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from hetmoe.kernels.dequant import INTERPRETED, to_bf16
+
+BLOCK_N = tl.constexpr(64)
+"""Cache entries per inner step (the fused step's window chunk, ops/fused.py)."""
+CHUNKS_PER_SPLIT = 2
+"""Window chunks of 64 entries per split program: the split count is the window's chunk count
+over this (a window of 256 entries: 2 splits; 32K: 256)."""
+
+
+@triton.jit
+def _rounded(v, ROUND_BITS: tl.constexpr, dtype: tl.constexpr):
+    """fp32 -> `dtype`, rounded to nearest (ROUND_BITS: bf16 under the interpreter, which
+    truncates; `to_bf16` rounds on the bits)."""
+    if ROUND_BITS:
+        return to_bf16(v)
+    return v.to(dtype)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation: fp32 inputs (fp32 models, or the interpreter, which
+    multiplies 16-bit operands as raw bits) in full precision, 16-bit inputs on tensor cores
+    (their products are exact in fp32)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_ptr, part_ptr,
+                 stat_ptr, s_slot, s_key, s_kv, s_head, scale, H_KV: tl.constexpr,
+                 G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+                 BLOCK_D: tl.constexpr, ROUND_BITS: tl.constexpr, IEEE: tl.constexpr):
+    """q [B, H_KV*G, D], k_new / v_new [B, H_KV, D] (contiguous); cache [N, C, 2, H_KV, D] by
+    strides; part [B, H_KV*G, S, D] fp32 and stat [B, H_KV*G, S, 2] fp32 (max, sum) written.
+    Row b attends its cached entries [lo[b], pos[b]) and its own."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    splits = tl.num_programs(2)
+    dtype = q_ptr.dtype.element_ty
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    live_g, live_d = g < G, d < D
+    pos = tl.load(pos_ptr + b)
+    slot = tl.load(slots_ptr + b)
+    head = kvh * G + g  # [BLOCK_G] query heads of this key head
+    q = tl.load(q_ptr + (b * H_KV * G + head)[:, None] * D + d[None, :],
+                mask=live_g[:, None] & live_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    row = cache_ptr + slot * s_slot + kvh * s_head  # this row's slot, this key head
+    lo = tl.load(lo_ptr + b)
+    per = tl.cdiv(tl.cdiv(pos - lo, splits), BLOCK_N) * BLOCK_N  # entries per split
+    start = lo + split * per
+    end = tl.minimum(start + per, pos)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    if split == 0:  # the own entry: stored, and the softmax's first term
+        new = (b * H_KV + kvh) * D + d
+        k_own = tl.load(k_new_ptr + new, mask=live_d, other=0.0)
+        v_own = tl.load(v_new_ptr + new, mask=live_d, other=0.0)
+        tl.store(row + pos * s_key + d, k_own.to(cache_ptr.dtype.element_ty), mask=live_d)
+        tl.store(row + pos * s_key + s_kv + d, v_own.to(cache_ptr.dtype.element_ty),
+                 mask=live_d)
+        m = tl.sum(q.to(tl.float32) * k_own.to(tl.float32)[None, :], 1) * scale
+        total += 1.0
+        acc += v_own.to(tl.float32)[None, :]
+    n = tl.arange(0, BLOCK_N)
+    for key0 in range(start, end, BLOCK_N):
+        keys = key0 + n
+        live_n = keys < end
+        at = row + keys.to(tl.int64)[:, None] * s_key + d[None, :]  # [BLOCK_N, BLOCK_D]
+        cached = live_n[:, None] & live_d[None, :]
+        k = tl.load(at, mask=cached, other=0.0)
+        scores = _dot(q, tl.trans(k), IEEE) * scale  # [BLOCK_G, BLOCK_N]
+        scores = tl.where(live_n[None, :], scores, float("-inf"))
+        top = tl.maximum(m, tl.max(scores, 1))  # finite: one live entry per step
+        alpha = tl.exp(m - top)
+        p = tl.exp(scores - top[:, None])
+        total = total * alpha + tl.sum(p, 1)
+        v = tl.load(at + s_kv, mask=cached, other=0.0)
+        acc = acc * alpha[:, None] + _dot(_rounded(p, ROUND_BITS, dtype), v, IEEE)
+        m = top
+    part = (b * H_KV * G + head)[:, None] * splits + split  # [BLOCK_G, 1]
+    tl.store(part_ptr + part * D + d[None, :], acc, mask=live_g[:, None] & live_d[None, :])
+    stat = stat_ptr + (b * H_KV * G + head) * splits * 2 + split * 2
+    tl.store(stat, m, mask=live_g)
+    tl.store(stat + 1, total, mask=live_g)
+
+
+@triton.jit
+def combine_kernel(part_ptr, stat_ptr, out_ptr, splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_D: tl.constexpr, ROUND_BITS: tl.constexpr):
+    """part [B, h, S, D] and stat [B, h, S, 2] of `split_kernel` -> out [B, h, D] (out's
+    dtype). An empty split (max -inf, sum 0) weighs 0; split 0 always holds the own entry."""
+    bh = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    s = tl.arange(0, BLOCK_S)
+    live_d = d < D
+    stat = stat_ptr + bh * splits * 2
+    top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        top = tl.maximum(top, tl.load(stat + (s0 + s) * 2, mask=s0 + s < splits,
+                                      other=float("-inf")))
+    m = tl.max(top, 0)  # finite (split 0)
+    total = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        live_s = s0 + s < splits
+        weight = tl.exp(tl.load(stat + (s0 + s) * 2, mask=live_s, other=float("-inf")) - m)
+        total += weight * tl.load(stat + (s0 + s) * 2 + 1, mask=live_s, other=0.0)
+        at = part_ptr + (bh * splits + s0 + s)[:, None] * D + d[None, :]
+        acc += weight[:, None] * tl.load(at, mask=live_s[:, None] & live_d[None, :], other=0.0)
+    out = tl.sum(acc, 0) / tl.sum(total, 0)
+    out = _rounded(out, ROUND_BITS, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + bh * D + d, out, mask=live_d)
+
+
+def check_inputs(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 kv_cache: torch.Tensor, slots: torch.Tensor, lo: torch.Tensor,
+                 pos: torch.Tensor) -> None:
+    """ValueError naming the first argument whose shape, dtype or layout does not fit."""
+    if q.dim() != 3 or k_new.dim() != 3:
+        raise ValueError(f"gqa_decode_attention: q [B, h, D] and k_new [B, h_kv, D] expected, "
+                         f"got {tuple(q.shape)} and {tuple(k_new.shape)}")
+    b, h, d = q.shape
+    kv_heads = k_new.shape[1]
+    if k_new.shape != (b, kv_heads, d) or v_new.shape != k_new.shape or h % kv_heads:
+        raise ValueError(f"gqa_decode_attention: k_new / v_new {tuple(k_new.shape)} / "
+                         f"{tuple(v_new.shape)} do not fit q {tuple(q.shape)} (h a multiple "
+                         "of h_kv)")
+    if kv_cache.dim() != 5 or kv_cache.shape[2:] != (2, kv_heads, d) or kv_cache.stride(-1) != 1:
+        raise ValueError(f"gqa_decode_attention: kv_cache [N, C, 2, {kv_heads}, {d}] with unit "
+                         f"stride last expected, got {tuple(kv_cache.shape)}")
+    if slots.shape != (b,) or lo.shape != (b,) or pos.shape != (b,):
+        raise ValueError(f"gqa_decode_attention: slots, lo and pos [{b}] expected, got "
+                         f"{tuple(slots.shape)}, {tuple(lo.shape)} and {tuple(pos.shape)}")
+    if not q.dtype == k_new.dtype == v_new.dtype == kv_cache.dtype:
+        raise ValueError(f"gqa_decode_attention: q, k_new, v_new and kv_cache share one dtype, "
+                         f"got {q.dtype}, {k_new.dtype}, {v_new.dtype}, {kv_cache.dtype}")
+
+
+@triton_op("hetmoe::gqa_decode_attention", mutates_args={"kv_cache"})
+def gqa_decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                         kv_cache: torch.Tensor, slots: torch.Tensor, lo: torch.Tensor,
+                         pos: torch.Tensor, num_chunks: int, scale: float) -> torch.Tensor:
+    """Attention of q [B, h, D] over row b's cached entries [lo[b], pos[b]) of slot
+    `slots[b]` plus its own k_new / v_new [B, h_kv, D], which are stored at cache[slot, pos]
+    -> [B, h, D] in q's dtype. kv_cache [N, C, 2, h_kv, D] (keys, values); lo: 0 attends every
+    cached entry, pos - window + 1 a sliding window (ops/fused.py `window_bounds`);
+    `num_chunks`: the attended window in chunks of 64 (sets the splits); 0 <= lo <= pos < C
+    (not checked: no host sync)."""
+    check_inputs(q, k_new, v_new, kv_cache, slots, lo, pos)
+    b, h, d = q.shape
+    kv_heads = k_new.shape[1]
+    splits = (num_chunks + CHUNKS_PER_SPLIT - 1) // CHUNKS_PER_SPLIT
+    part = q.new_empty((b, h, splits, d), dtype=torch.float32)
+    stat = q.new_empty((b, h, splits, 2), dtype=torch.float32)
+    out = torch.empty_like(q)
+    bits = q.dtype == torch.bfloat16 and bool(INTERPRETED)  # round bf16 on the bits
+    ieee = q.dtype == torch.float32 or bool(INTERPRETED)
+    block_d = max(16, triton.next_power_of_2(d))
+    wrap_triton(split_kernel)[(b, kv_heads, splits)](
+        q.contiguous(), k_new.contiguous(), v_new.contiguous(), kv_cache, slots, lo, pos, part,
+        stat, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        scale, H_KV=kv_heads, G=h // kv_heads, D=d,
+        BLOCK_G=max(16, triton.next_power_of_2(h // kv_heads)), BLOCK_D=block_d,
+        ROUND_BITS=bits, IEEE=ieee)
+    wrap_triton(combine_kernel)[(b * h,)](part, stat, out, splits, D=d, BLOCK_S=16,
+                                          BLOCK_D=block_d, ROUND_BITS=bits)
+    return out
+
