@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from hetmoe.experts.fp8_weight import FP8_DTYPES, Fp8Scheme, Fp8Weight
 from hetmoe.loading.errors import CheckpointError
@@ -73,8 +74,6 @@ class Checkpoint:
     @classmethod
     def open(cls, path: str | Path, *, trust_remote_code: bool = False) -> Checkpoint:
         """Opens `path` (a directory with config.json and safetensors); reads headers only."""
-        from transformers import AutoConfig
-
         path = Path(path).expanduser()
         config_file = path / "config.json"
         if not config_file.is_file():

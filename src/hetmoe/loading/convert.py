@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from hetmoe.experts.backend import ExpertSpec
+from hetmoe.experts.cpu_backend import CpuExperts
+from hetmoe.experts.packed_layout import host_tensor
 from hetmoe.loading.checkpoint import Checkpoint
 from hetmoe.loading.convert_plan import (
     WEIGHTS_FILE,
@@ -110,10 +113,6 @@ def _write_layer(plan: ConvertPlan, layer: LayerPlan, f: Any, *,
                  advance: Callable[[int], None]) -> None:
     """Packs the layer's experts exactly as loading the checkpoint would, then writes each
     NUMA group's mapping at its offset."""
-    from hetmoe.experts.backend import ExpertSpec
-    from hetmoe.experts.cpu_backend import CpuExperts
-    from hetmoe.experts.packed_layout import host_tensor
-
     spec = ExpertSpec(*layer.shape, activation=layer.activation)
     experts = CpuExperts(spec, torch.device("cpu"), plan.dtype, plan.weight_format,
                          plan.group_size)

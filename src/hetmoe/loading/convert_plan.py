@@ -19,8 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetmoe.experts.cpu_backend import CpuExperts
+from hetmoe.experts.cpu_moe import CpuMoE
+from hetmoe.inject.apply import apply_rules
+from hetmoe.inject.registry import OpContext
+from hetmoe.inject.rules import load_rules, shipped_rules_path
 from hetmoe.loading.checkpoint import Checkpoint, CheckpointTensor
 from hetmoe.loading.converted import ALIGN
+from hetmoe.loading.load import _config_dtype
+from hetmoe.loading.skeleton import build_skeleton
 from hetmoe.loading.tensor_file import _DTYPES
 
 WEIGHTS_FILE = "model.safetensors"
@@ -98,14 +105,6 @@ class ConvertPlan:
 def plan_convert(checkpoint: Checkpoint, weight_format: str,
                  group_size: int | None) -> ConvertPlan:
     """The plan of converting `checkpoint` with experts in `weight_format` (see module doc)."""
-    from hetmoe.experts.cpu_backend import CpuExperts
-    from hetmoe.experts.cpu_moe import CpuMoE
-    from hetmoe.inject.apply import apply_rules
-    from hetmoe.inject.registry import OpContext
-    from hetmoe.inject.rules import load_rules, shipped_rules_path
-    from hetmoe.loading.load import _config_dtype
-    from hetmoe.loading.skeleton import build_skeleton
-
     dtype = _config_dtype(checkpoint)
     model = build_skeleton(checkpoint.config, dtype)
     rules = load_rules(shipped_rules_path(checkpoint.family.model_type))

@@ -18,6 +18,8 @@ from hetmoe import env
 from hetmoe.loading.convert import ConvertOptions, check_disk, convert
 from hetmoe.loading.converted import MANIFEST
 from hetmoe.loading.fp8 import config_fp8_scheme
+from hetmoe.loading.gguf import open_gguf
+from hetmoe.loading.gguf_checkpoint import write_checkpoint
 
 STAGING = ".gguf-source"
 _LOSSLESS = {"F32": "bf16", "F16": "bf16", "BF16": "bf16"}
@@ -35,8 +37,6 @@ def default_format(path: Path) -> tuple[str, int | None, str]:
     """The packed format for a GGUF's routed experts: (format, group, why). F32/F16/BF16 become
     bf16; Q8_0 int8 in its own 32-wide groups; every other quant type int8 with 32-groups too
     (a re-quantization of 8 bits over a grid of 6 or fewer: the smallest loss on offer)."""
-    from hetmoe.loading.gguf import open_gguf
-
     g = open_gguf(path)
     types = sorted({t.tensor_type.name for t in g.reader.tensors if "_exps" in t.name
                     or ".ffn_gate." in t.name})
@@ -69,8 +69,6 @@ def convert_source(path: Path, out: Path, options: ConvertOptions) -> Path:
         return out
     staging = out / STAGING
     if not (staging / ".complete").is_file():
-        from hetmoe.loading.gguf_checkpoint import write_checkpoint
-
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         check_disk(out, 2 * staging_bytes(path))
@@ -83,8 +81,6 @@ def convert_source(path: Path, out: Path, options: ConvertOptions) -> Path:
 
 def staging_bytes(path: Path) -> int:
     """Bytes of a GGUF's tensors in float32 (the staging checkpoint)."""
-    from hetmoe.loading.gguf import open_gguf
-
     return sum(int(t.n_elements) * 4 for t in open_gguf(path).reader.tensors)
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 from torch import nn
 
+from hetmoe.experts.cpu_backend import CpuExperts
+from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.loading.errors import CheckpointError
 
 MANIFEST = "manifest.json"
@@ -83,9 +85,6 @@ class ConvertedModel:
     def map_experts(self, model: nn.Module, populate: bool = False) -> None:
         """Serves every routed-expert layer of `model` (its cpu backend modules, injected as
         the manifest lists them) from its layer file. Shapes and NUMA groups are checked first."""
-        from hetmoe.experts.cpu_backend import CpuExperts
-        from hetmoe.experts.cpu_moe import CpuMoE
-
         modules = dict(model.named_modules())
         for layer in self.manifest["layers"]:
             file = self.path / layer["file"]

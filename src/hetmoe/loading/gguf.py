@@ -20,6 +20,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from hetmoe.loading.errors import CheckpointError
 from hetmoe.loading.gguf_check import truncated_tensor
+from hetmoe.loading.gguf_split import open_reader
 
 ARCHITECTURES = ("deepseek2", "llama", "qwen2moe", "qwen3moe")
 """`general.architecture` values read here (llama with `expert_count`: Mixtral)."""
@@ -80,6 +81,7 @@ class GGUFFile:
     def read(self, tensor: Any) -> torch.Tensor:
         """One `reader.tensors` entry as an fp32 tensor in HF (row-major, numpy) order: quantized
         blocks dequantized by `gguf.quants.dequantize`; a type it lacks is named with the file."""
+        # gguf is optional: the `demo` extra (pip install 'hetmoe[demo]')
         from gguf.quants import dequantize
 
         try:
@@ -159,8 +161,6 @@ class GGUFFile:
 
 def open_gguf(path: str | Path) -> GGUFFile:
     """Reads the metadata of a GGUF file of one of `ARCHITECTURES` (tensors are read lazily)."""
-    from hetmoe.loading.gguf_split import open_reader
-
     path = Path(path)
     try:
         reader = open_reader(path)  # part 1 of a split: all its parts

@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hetmoe.loading.errors import CheckpointError
 
 
@@ -24,7 +26,7 @@ def check_magic(path: Path) -> None:
 def truncated_tensor(path: Path) -> str | None:
     """The first tensor of GGUF file `path` whose bytes run past the file's end, with the bytes
     it needs and the bytes there; None when every tensor fits (or the header itself is bad)."""
-    import numpy as np
+    # gguf is optional: the `demo` extra (pip install 'hetmoe[demo]')
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
     class Bounds(GGUFReader):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from hetmoe.loading.errors import CheckpointError
 from hetmoe.loading.gguf import GGUFFile, open_gguf
@@ -69,8 +70,6 @@ def _cast(tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
 
 def _write_tokenizer(g: GGUFFile, out: Path) -> None:
     if g.arch in _HF_TOKENIZER_ARCHS:
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(str(g.path.parent), gguf_file=g.path.name)
     else:
         problem = why_not(g)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from hetmoe.loading.errors import CheckpointError
 from hetmoe.loading.gguf import GGUFFile, unpermute_rotary_rows
@@ -73,8 +74,6 @@ _ARCHS = {
 
 def gguf_config(g: GGUFFile) -> Any:
     """The HF config of the GGUF's family (a transformers `PretrainedConfig`)."""
-    from transformers import AutoConfig
-
     model_type, fields = _config_fields(g)
     return AutoConfig.for_model(model_type, **fields)
 

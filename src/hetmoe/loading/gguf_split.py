@@ -56,6 +56,7 @@ class SplitReader:
 
 def open_reader(path: Path) -> Any:
     """A `gguf.GGUFReader` of `path`, or a `SplitReader` over its parts."""
+    # gguf is optional: the `demo` extra (pip install 'hetmoe[demo]')
     from gguf import GGUFReader
 
     parts = split_parts(path)

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.processors import TemplateProcessing
+from transformers import PreTrainedTokenizerFast
+
 from hetmoe.loading.gguf import GGUFFile
 
 DIGITS = "Digits(individual_digits=True)"
@@ -103,8 +107,6 @@ def why_not(g: GGUFFile) -> str:
 def pre_tokenizer(pre: str) -> Any:
     """The `tokenizers` pre-tokenizer of `PRE_SPLITS[pre]`: its steps in order, then the byte-level
     mapping (no regex of its own)."""
-    from tokenizers import Regex, pre_tokenizers
-
     steps = [pre_tokenizers.Digits(individual_digits=True) if step == DIGITS
              else pre_tokenizers.Split(Regex(step), behavior="isolated")
              for step in PRE_SPLITS[pre]]
@@ -120,10 +122,6 @@ def _pair(merge: str) -> tuple[str, str]:
 def build_tokenizer(g: GGUFFile) -> Any:
     """The file's tokenizer as a transformers `PreTrainedTokenizerFast` (BOS added when the file
     says so, its chat template kept). ValueError (`why_not`) when it cannot be built."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
-    from tokenizers.processors import TemplateProcessing
-    from transformers import PreTrainedTokenizerFast
-
     problem = why_not(g)
     if problem:
         raise ValueError(f"{g.path}: {problem}")

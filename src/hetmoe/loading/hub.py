@@ -21,7 +21,18 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from huggingface_hub import HfApi
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
 from hetmoe import env
+from hetmoe.loading import memory_plan
+from hetmoe.loading.hub_download import download
 from hetmoe.loading.hub_names import (
     HubName,
     RepoFile,
@@ -120,13 +131,12 @@ def fetch_model(name: HubName, token: str | None = None, progress: bool = True,
                   file=sys.stderr, flush=True)
             return known
         raise FileNotFoundError(_offline_miss(name, known, why)) from None
-    from hetmoe.loading.memory_plan import host_available
 
     files = [RepoFile(s.rfilename, int(s.size or 0)) for s in info.siblings or []]
     if adapter:
         chosen, quant, note = adapter_files(name, files), None, None
     else:
-        chosen, quant, note = model_files(name, files, host_available())
+        chosen, quant, note = model_files(name, files, memory_plan.host_available())
     if note:
         print(f"hetmoe: {note}", file=sys.stderr, flush=True)
     snapshot = _repo_folder(name.repo_id) / "snapshots" / str(info.sha)
@@ -166,8 +176,6 @@ def check_disk(model: HubModel, sizes: dict[str, int]) -> None:
 
 
 def _api(token: str | None) -> Any:
-    from huggingface_hub import HfApi
-
     return HfApi(endpoint=env.hf_endpoint(), token=token)
 
 
@@ -177,8 +185,6 @@ def _repo_folder(repo_id: str) -> Path:
 
 def _download(model: HubModel, sizes: dict[str, int], token: str | None,
               progress: bool) -> None:
-    from hetmoe.loading.hub_download import download
-
     if model.missing():
         print(f"hetmoe: fetching {model.name} ({model.commit[:12]}): "
               f"{', '.join(model.missing())}", file=sys.stderr, flush=True)
@@ -197,8 +203,6 @@ def _write_record(model: HubModel) -> None:
 
 
 def _is_unreachable(exc: Exception) -> bool:
-    from huggingface_hub.errors import OfflineModeIsEnabled
-
     # By class name: huggingface_hub's HTTP client (httpx, or its fork httpx2) varies by version.
     names = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
     return isinstance(exc, OfflineModeIsEnabled) or bool(
@@ -215,13 +219,6 @@ def _offline_miss(name: HubName, known: HubModel | None, why: str) -> str:
 
 def _hub_error(name: HubName, exc: Exception, token: str | None) -> Exception:
     """A Hub failure as a message naming the repo and what to do; other errors unchanged."""
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
     where = env.hf_endpoint() or "https://huggingface.co"
     status = getattr(getattr(exc, "response", None), "status_code", None)
     if isinstance(exc, GatedRepoError):

@@ -17,9 +17,11 @@ from pathlib import Path
 from urllib.parse import unquote
 
 from hetmoe import env
+from hetmoe.loading.convert import ConvertOptions
+from hetmoe.loading.convert_source import checkpoint_format, convert_source, default_format
 from hetmoe.loading.converted import MANIFEST
-from hetmoe.loading.hub import HubModel, cached_model, records_dir
-from hetmoe.loading.hub_names import HubName
+from hetmoe.loading.hub import HubModel, cached_model, record_path, records_dir
+from hetmoe.loading.hub_names import HubName, parse_hub_name
 
 
 @dataclass(frozen=True)
@@ -48,9 +50,6 @@ def hub_conversion(model: HubModel, fmt: str | None = None, group: int | None = 
     """The converted layout of `model` in `fmt` (None: the one made last for this commit, else
     the format of the one made last for an older commit, else the format a local load would
     pick), converted on first use."""
-    from hetmoe.loading.convert import ConvertOptions
-    from hetmoe.loading.convert_source import checkpoint_format, convert_source, default_format
-
     base = conversions_dir(model.name.repo_id) / model.commit
     source = model.quant or "safetensors"
     if fmt is None:
@@ -115,8 +114,6 @@ def remove(text: str) -> list[str]:
     """Removes the models named `text` (`org/name`: every revision and quant of the repo;
     `@rev` or `:QUANT` narrow it): records, converted layouts, and the downloaded files no
     other record uses. Returns what was removed; a name with nothing cached is refused."""
-    from hetmoe.loading.hub_names import parse_hub_name
-
     name = parse_hub_name(text)
     if name is None:
         raise ValueError(f"{text!r} is not a Hub model name (org/name[@revision][:QUANT])")
@@ -129,8 +126,6 @@ def remove(text: str) -> list[str]:
         raise FileNotFoundError(f"{text}: not in the cache (cached: {cached})")
     kept = [m for m in every if m not in gone]
     for model in gone:
-        from hetmoe.loading.hub import record_path
-
         record_path(model.name, model.adapter).unlink()
         used = {(m.commit, f) for m in kept if m.name.repo_id == model.name.repo_id
                 for f in m.files}

@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+from huggingface_hub import get_hf_file_metadata, hf_hub_url, snapshot_download
+from huggingface_hub.file_download import http_get
+from huggingface_hub.utils import WeakFileLock, build_hf_headers
+from huggingface_hub.utils import tqdm as hf_tqdm
 
 from hetmoe import env
 
@@ -27,11 +33,6 @@ def download(repo_id: str, commit: str, sizes: dict[str, int], token: str | None
              progress: bool) -> None:
     """Fetches the files of `sizes` ({path: bytes}) of `repo_id` at `commit` into the HF
     cache (see module doc), up to `WORKERS` at once, under one bar: bytes, rate, ETA."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import tqdm as hf_tqdm
-
     silent = _silent()
     folder = env.hf_hub_cache() / f"models--{repo_id.replace('/', '--')}"
     todo = [f for f in sizes if not (folder / "snapshots" / commit / f).is_file()]
@@ -49,9 +50,6 @@ def download(repo_id: str, commit: str, sizes: dict[str, int], token: str | None
 def _fill_blob(folder: Path, repo_id: str, commit: str, name: str, token: str | None,
                tqdm_class: Any) -> None:
     """`blobs/<etag>` of one file, continued from `<etag>.incomplete` when a run was cut."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.utils import WeakFileLock
-
     endpoint = env.hf_endpoint()
     url = hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint)
     meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
@@ -70,9 +68,6 @@ def _fill_blob(folder: Path, repo_id: str, commit: str, name: str, token: str | 
 def _fill(blob: Path, meta: Any, url: str, name: str, token: str | None,
           tqdm_class: Any) -> None:
     """Appends the rest of `blob`'s bytes to `<etag>.incomplete`, then renames it `blob`."""
-    from huggingface_hub.file_download import http_get
-    from huggingface_hub.utils import build_hf_headers
-
     partial = blob.with_name(f"{blob.name}.incomplete")
     headers = build_hf_headers(token=token)
     if urlparse(meta.location).netloc != urlparse(url).netloc:
@@ -90,8 +85,6 @@ def _fill(blob: Path, meta: Any, url: str, name: str, token: str | None,
 
 
 def _silent() -> Any:
-    from huggingface_hub.utils import tqdm as hf_tqdm
-
     class Silent(hf_tqdm):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **{**kwargs, "disable": True})

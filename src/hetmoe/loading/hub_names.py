@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
 _NAME = re.compile(
     r"^(?P<repo>[^/@:\s]+/[^/@:\s]+)(?:@(?P<rev>[^@:\s]+))?(?::(?P<quant>[^@:\s]+))?$")
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})$")
@@ -62,8 +64,6 @@ class RepoFile:
 
 def parse_hub_name(text: str) -> HubName | None:
     """`text` as a Hub name, or None when it cannot be one (a path, a preset, a bad repo id)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     if text.startswith((".", "/", "~")) or text.endswith(".gguf"):
         return None
     match = _NAME.match(text)

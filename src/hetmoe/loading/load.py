@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoTokenizer
 
 from hetmoe.loading.checkpoint import Checkpoint
 from hetmoe.loading.materialize import materialize
@@ -81,6 +82,5 @@ def _tokenizer(path: Path) -> Any | None:
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         log.info("%s has no tokenizer files; text in and out is unavailable", path)
         return None
-    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))

@@ -14,6 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetmoe.experts.cpu_backend import CpuExperts
+from hetmoe.experts.cpu_moe import CpuMoE
+
 GB = 1e9
 
 
@@ -77,9 +80,6 @@ def memory_plan(model: nn.Module, device: torch.device, dtype: torch.dtype, conf
                 group_size: int | None = None) -> MemoryPlan:
     """The plan of the injected skeleton `model` loaded onto `device`, with a KV cache of
     `kv_tokens` (slots x window); `weight_format`/`group_size` override the cpu experts'."""
-    from hetmoe.experts.cpu_backend import CpuExperts
-    from hetmoe.experts.cpu_moe import CpuMoE
-
     place = "gpu" if device.type == "cuda" else "host"
     packed, formats, layers = 0, set(), []
     for module in model.modules():

@@ -7,13 +7,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 
 def write_shards(out: Path, tensors: Iterable[tuple[str, torch.Tensor]], shard_bytes: int) -> None:
     """Safetensors shards of about `shard_bytes` each (one in memory at a time) plus the HF index
     file `model.safetensors.index.json`, written into the directory `out`."""
-    from safetensors.torch import save_file
-
     shards: list[dict[str, torch.Tensor]] = [{}]
     files: list[str] = []
     weight_map: dict[str, str] = {}

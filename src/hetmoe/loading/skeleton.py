@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 
 def build_skeleton(config: Any, dtype: torch.dtype) -> nn.Module:
@@ -16,8 +17,6 @@ def build_skeleton(config: Any, dtype: torch.dtype) -> nn.Module:
     `_keep_in_fp32_modules` for fp16; e.g. DeepSeek-V3's `e_score_correction_bias`) stay float32,
     as `from_pretrained` does. Nothing is allocated: materialization gives each tensor its memory.
     """
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     keep = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
