@@ -10,11 +10,17 @@ session:
     PYTHONPATH=<build of tree A> python benchmarks/engine/decode_ab.py --json a1.json
     PYTHONPATH=<build of tree B> python benchmarks/engine/decode_ab.py --json b1.json
     # then A and B again
+
+With `--prefill 512,4096` it then times `runner.prefill` of each length (random tokens into a
+fresh slot) per `--prefill-modes` value of `EngineConfig.prefill_experts`: the median of
+`--prefill-passes` passes after one untimed (auto: after the tuner's turns). ab_trees.sh builds
+the trees and runs this alternating in one call; hetmoe.bench.tree_ab tabulates the runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -24,6 +30,7 @@ from typing import Any
 
 import torch
 
+import hetmoe
 from hetmoe import _cpu
 from hetmoe.bench import measure
 from hetmoe.bench.random_model import build_random_model
@@ -58,21 +65,75 @@ def plain_tok_s(runner: Any, prompt: list[int], steps: int) -> float:
     return 1.0 / statistics.median(times[2:])
 
 
+def prefill_s(runner: Any, ids: list[int]) -> float:
+    """Seconds of one prefill of `ids` into a fresh slot (to its last logits on the host)."""
+    slot = runner.cache.allocate()
+    try:
+        measure.sync(runner.device)
+        start = time.perf_counter()
+        int(runner.prefill(slot, ids).argmax())
+        return time.perf_counter() - start
+    finally:
+        runner.free(slot)
+
+
+def prefill_rows(runner: Any, lengths: list[int], modes: list[str], passes: int,
+                 cpu_max: int) -> list[dict[str, Any]]:
+    """Per prompt length and `prefill_experts` mode: the median of `passes` timed prefills
+    after one untimed (auto: after the tuner's 2 x TRIES turns, so it has settled); "cpu"
+    only up to `cpu_max` tokens."""
+    # Here, not at the top: trees from before the prefill tuner (decode-only runs) lack it.
+    from hetmoe.engine.expert_split import TRIES
+
+    base, rows = runner.config, []
+    for n in lengths:
+        gen = torch.Generator().manual_seed(n)
+        ids = torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist()
+        for mode in modes:
+            if mode == "cpu" and n > cpu_max:
+                continue
+            runner.config = dataclasses.replace(base, prefill_experts=mode)
+            try:
+                warm = 2 * TRIES if mode == "auto" else 1
+                times = [prefill_s(runner, ids) for _ in range(warm + passes)][warm:]
+            finally:
+                runner.config = base
+            median = statistics.median(times)
+            overlap = runner.overlap
+            row = {"tokens": n, "mode": mode, "tok_s": round(n / median, 1),
+                   "median_s": round(median, 4), "passes_s": [round(t, 4) for t in times],
+                   "gpu_experts": overlap.prefill_gpu_experts(n, mode) if overlap else 0}
+            rows.append(row)
+            print("prefill", row, flush=True)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_shape_arguments(parser)
     parser.add_argument("--new-tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--window", type=int, default=512, help="KV cache length per sequence")
+    parser.add_argument("--window", type=int, default=512,
+                        help="KV cache length per sequence (at least the longest prefill + 64)")
+    parser.add_argument("--prefill", default="", help="prompt lengths to time prefill at "
+                        "(comma-separated; empty: decode only)")
+    parser.add_argument("--prefill-modes", default="gpu,cpu,auto",
+                        help="EngineConfig.prefill_experts values timed at each length")
+    parser.add_argument("--prefill-passes", type=int, default=5)
+    parser.add_argument("--cpu-max", type=int, default=512,
+                        help="longest prompt timed with prefill_experts=cpu")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("decode_ab needs a CUDA device", file=sys.stderr)
         return 2
     device = torch.device("cuda")
+    lengths = [int(v) for v in args.prefill.split(",") if v]
+    modes = [v for v in args.prefill_modes.split(",") if v]
+    window = max([args.window, *(n + 64 for n in lengths)])
     model = build_random_model(shape_config(args.shape, args.num_layers), device,
                                torch.bfloat16, "cpu", args.weight_format, 0)
-    tree, runner = make_runner(model, device, args.window)
+    tree, runner = make_runner(model, device, window)
     prompt = list(range(1, 33))
     runs = []
     for _ in range(args.repeats):
@@ -86,8 +147,11 @@ def main() -> int:
                    "read_gb_s_around": [round(before, 1), round(after, 1)]}
             runs.append(row)
             print(tree, row, flush=True)
-    args.json.write_text(json.dumps({"tree": tree, "shape": args.shape,
-                                     "weight_format": args.weight_format, "runs": runs},
+    prefill = prefill_rows(runner, lengths, modes, args.prefill_passes, args.cpu_max)
+    args.json.write_text(json.dumps({"tree": tree, "hetmoe": str(Path(hetmoe.__file__).parent),
+                                     "shape": args.shape, "weight_format": args.weight_format,
+                                     "layers": model.config.num_hidden_layers,
+                                     "window": window, "runs": runs, "prefill": prefill},
                                     indent=1))
     return 0
 
