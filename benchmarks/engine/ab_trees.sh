@@ -48,14 +48,15 @@ EOF
 build_all() {  # $1: build jobs per tree
   local pids=() label
   for label in $LABELS; do
-    ( CMAKE_BUILD_PARALLEL_LEVEL=$1 python3 -m pip install --no-deps --no-build-isolation \
+    ( CMAKE_BUILD_PARALLEL_LEVEL=$1 python3 -m pip install --no-deps --no-build-isolation -U \
         --no-index -q --target "$WORK/$label" -C build-dir="$WORK/build_$label" "$AB/$label" \
         > "$OUT/build_$label.log" 2>&1 ) &
     pids+=($!)
   done
   local ok=1 i=0
   for label in $LABELS; do
-    wait "${pids[$i]}" || { ok=0; echo "build of $label failed:"; tail -30 "$OUT/build_$label.log"; }
+    wait "${pids[$i]}" || { ok=0; echo "build of $label failed:"
+                            tail -30 "$OUT/build_$label.log"; }
     i=$((i + 1))
   done
   [ $ok = 1 ] || exit 1
@@ -85,8 +86,9 @@ run() {
   write_site "$WORK/site"
   build_all "${JOBS:-$(( $(nproc) / n ))}"
   # The machine profile (prefill's auto mode) measured once, by the first tree, for all.
-  PYTHONPATH="$WORK/site:$WORK/${LABELS%% *}" HETMOE_CACHE_DIR="$WORK/cache" python3 -c \
-    "import torch; from hetmoe.calibration import current; current(torch.device('cuda'), formats=('$FORMAT',))" \
+  local measure="import torch; from hetmoe.calibration import current
+current(torch.device('cuda'), formats=('$FORMAT',))"
+  PYTHONPATH="$WORK/site:$WORK/${LABELS%% *}" HETMOE_CACHE_DIR="$WORK/cache" python3 -c "$measure" \
     > "$OUT/calibrate.log" 2>&1 || { echo "calibration failed:"; tail -20 "$OUT/calibrate.log"; }
   echo "== machine profile at $(el) s"
   local round=1 start took=0 label
