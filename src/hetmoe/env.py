@@ -76,3 +76,13 @@ def gpu_expert_kernel() -> str:
     if value not in ("packed", "unpack"):
         raise ValueError(f"HETMOE_GPU_EXPERTS must be packed or unpack, got {value!r}")
     return value
+
+
+def decode_attention() -> str:
+    """HETMOE_DECODE_ATTENTION=triton|torch: the compiled decode step's GQA attention on a CUDA
+    GPU: the Triton kernel with the cache write (kernels/gqa_decode.py, the default) or the torch
+    form of ops/fused.py (the reference, and A/B benchmarks). Without a GPU: the torch form."""
+    value = _get("HETMOE_DECODE_ATTENTION", "triton")
+    if value not in ("triton", "torch"):
+        raise ValueError(f"HETMOE_DECODE_ATTENTION must be triton or torch, got {value!r}")
+    return value

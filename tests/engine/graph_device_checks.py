@@ -12,7 +12,8 @@ For every family's baby model (fp32, routed experts in the C++ CPU backend, the 
   decodes the same tokens;
 - decode through the compiled fused layer functions (engine/fused_decode.py, the default) and
   through the HF layers give the same tokens and logits within fp32 rounding (batch 1 and 3,
-  with and without deferral); GPU kernels per token of both;
+  with and without deferral), and so do the fused step's GQA attention by the Triton kernel
+  (kernels/gqa_decode.py, the default) and by the torch form; GPU kernels per token of each;
 - attention over window buckets (a cache of 300 entries: 32, 64, 128, 256, 300) in graph mode,
   decoding across every bucket boundary up to a full window, batch 1 and 3: the same tokens as
   eager decode with the same buckets (logits within fp32 rounding at batch 1) and as graph
@@ -38,6 +39,7 @@ from deferral_reference import DeferralReference
 from hetmoe import LLM
 from hetmoe.bench.measure import count_launches
 from hetmoe.config import EngineConfig
+from hetmoe.engine.fused_decode import FusedDecoder
 from hetmoe.engine.layer_plan import fits_fused
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.presets.tiny import FAMILIES, build_tiny_model
@@ -182,27 +184,34 @@ def check_family(family: str, root: Path) -> dict[str, object]:
 def check_fused(llm: LLM) -> dict[str, object]:
     """Graph decode through the compiled fused layer functions vs through the HF layers (both
     CUDA graphs, same CPU experts): same tokens, logits within fp32 rounding, batch 1 and 3,
-    with and without deferral; kernels per token of both."""
+    with and without deferral; the same for the fused step's GQA attention by the Triton kernel
+    (the default) vs the torch form; kernels per token of each."""
     d_late = min(2, int(llm.model.config.num_experts_per_tok) - 2)
     out: dict[str, object] = {}
     for d in sorted({0, d_late}):
         runs = {}
-        for fused in (False, True):
+        for name in ("module", "fused", "fused_torch_attention"):
             runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
-                                 EngineConfig(deferred=d, fused_decode=fused,
+                                 EngineConfig(deferred=d, fused_decode=name != "module",
                                               gpu_expert_bytes=0))
-            if fused:
+            if name == "fused":
                 out["fused_used"] = runner.fused is not None
-            runs[fused] = [decode(runner, batch) for batch in (1, 3)]
+                out["fused_attention"] = getattr(runner.fused, "attention", None)
+            if name == "fused_torch_attention" and runner.fused is not None:
+                assert runner.overlap is not None
+                runner.fused = FusedDecoder(llm.model, runner.overlap, True, "torch")
+            runs[name] = [decode(runner, batch) for batch in (1, 3)]
             if d == 0:
-                name = "fused" if fused else "module"
                 out[f"kernels_per_token_{name}"] = count_launches(
                     runner, PROMPTS[0], 4)["gpu_kernels_per_token"]
             runner.overlap.detach()
         for i, batch in enumerate((1, 3)):
-            (want_tokens, want), (tokens, logits) = runs[False][i], runs[True][i]
+            (want_tokens, want), (tokens, logits) = runs["module"][i], runs["fused"][i]
             out[f"graph_fused_eq_module_b{batch}_d{d}"] = tokens == want_tokens
             out[f"fused_vs_module_max_dlogit_b{batch}_d{d}"] = max_delta(logits, want)
+            want_tokens, want = runs["fused_torch_attention"][i]
+            out[f"graph_kernel_attention_eq_torch_b{batch}_d{d}"] = tokens == want_tokens
+            out[f"kernel_vs_torch_attention_max_dlogit_b{batch}_d{d}"] = max_delta(logits, want)
     return out
 
 
@@ -310,8 +319,11 @@ def main() -> int:
         print(f"{'':<12} max |Δlogit| {deltas}")
         launches = row["launches"]
         print(f"{'':<12} per token: graph {launches['graph']}\n{'':<12} eager {launches['eager']}")
-        print(f"{'':<12} fused path used: {row['fused_used']}; GPU kernels per token: fused "
-              f"{row['kernels_per_token_fused']}, module {row['kernels_per_token_module']}")
+        print(f"{'':<12} fused path used: {row['fused_used']} (attention "
+              f"{row['fused_attention']}); GPU kernels per token: fused "
+              f"{row['kernels_per_token_fused']} (torch attention "
+              f"{row['kernels_per_token_fused_torch_attention']}), module "
+              f"{row['kernels_per_token_module']}")
         print(f"{'':<12} window buckets {row['bucket_widths_b1']}, compiles for them "
               f"{row['bucket_compiles_b1']} / {row['bucket_compiles_b3']} (batch 1 / 3), capture "
               f"ms {row['bucket_capture_ms_b1']} / {row['bucket_capture_ms_b3']}")

@@ -9,7 +9,9 @@ the previous layer's MoE output to the packed router output:
     the cache plus the new token -> o_proj -> h += attn -> RMSNorm -> router -> pack(x, ids, w)
 
 then, outside it: the CPU experts' start (one copy, `MoEStep.forward_packed`), the
-cache write (one kernel, off the CPU's critical path), the shared experts, the wait. On a GPU the
+cache write (one kernel, off the CPU's critical path), the shared experts, the wait. On a GPU
+GQA attention is kernels/gqa_decode.py (HETMOE_DECODE_ATTENTION=torch: the torch form), which
+stores the new cache entries itself, inside the compiled graph (a `triton_op`). On a GPU the
 layer functions go through `torch.compile` (Inductor); the weights are arguments, so every layer
 of a model shares one compiled graph. Attention reads the first `kv_len` cache entries (the
 runner's window bucket, ops/kv_batch.py) in chunks of 64 whose count is a dynamic dimension, so
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from hetmoe import env
 from hetmoe.engine.layer_plan import LayerPlan, LayerStatics, eps_of, plan_layers
 from hetmoe.ops import fused
 from hetmoe.ops.kv_batch import KVBatch
@@ -68,13 +71,19 @@ def _layer_tail(s: LayerStatics, h: torch.Tensor, attn: torch.Tensor, o_w: torch
     return h, x, new, fused.pack_moe_inputs(x, ids, weights)
 
 
-def make_gqa_layer(s: LayerStatics) -> Callable[..., tuple[Any, ...]]:
-    """The pure layer function of a GQA layer with statics `s` (see the module docstring)."""
+def make_gqa_layer(s: LayerStatics, kernel: bool = False) -> Callable[..., tuple[Any, ...]]:
+    """The pure layer function of a GQA layer with statics `s` (see the module docstring).
+    `kernel`: attention by kernels/gqa_decode.py, which also stores the new cache entries (the
+    function returns none to write), over `window` = (mask, lo, pos) (`FusedDecoder._window`);
+    else the torch form over `window` = (mask,)."""
     kv_heads, head_dim = s.dims
+    if kernel:  # Triton is loaded only where the kernel runs (kernels/ is imported lazily)
+        from hetmoe.kernels.gqa_decode import gqa_decode_attention
 
     def layer(h: torch.Tensor, terms: tuple[torch.Tensor, ...], norms: tuple[torch.Tensor, ...],
               weights: tuple[torch.Tensor | None, ...], cos: torch.Tensor, sin: torch.Tensor,
-              caches: tuple[torch.Tensor, ...], slots: torch.Tensor, mask: torch.Tensor,
+              caches: tuple[torch.Tensor, ...], slots: torch.Tensor,
+              window: tuple[torch.Tensor, ...],
               router: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
         qkv_w, qkv_b, qn_w, kn_w, o_w = weights
         assert qkv_w is not None and o_w is not None
@@ -89,7 +98,12 @@ def make_gqa_layer(s: LayerStatics) -> Callable[..., tuple[Any, ...]]:
         q = fused.rotate(q.transpose(1, 2), cos, sin, s.rope)[:, :, 0]  # [B, h, D]
         k = fused.rotate(k.transpose(1, 2), cos, sin, s.rope)[:, :, 0]  # [B, h_kv, D]
         v = v.view(b, kv_heads, head_dim)
-        kv_cache = caches[0]
+        kv_cache, mask = caches[0], window[0]
+        if kernel:
+            _, lo, pos = window
+            attn = gqa_decode_attention(q, k, v, kv_cache, slots, lo, pos, mask.shape[1],
+                                        s.scale).view(b, s.heads * head_dim)
+            return _layer_tail(s, h, attn, o_w, norms[1], (), router)
         attn = fused.gqa_decode_attention(q, k, v, kv_cache[:, :, 0], kv_cache[:, :, 1],
                                           slots, mask, s.scale)
         new = (torch.stack((k, v), dim=1).to(kv_cache.dtype),)  # [B, 2, h_kv, D]
@@ -104,7 +118,8 @@ def make_mla_layer(s: LayerStatics) -> Callable[..., tuple[Any, ...]]:
 
     def layer(h: torch.Tensor, terms: tuple[torch.Tensor, ...], norms: tuple[torch.Tensor, ...],
               weights: tuple[torch.Tensor | None, ...], cos: torch.Tensor, sin: torch.Tensor,
-              caches: tuple[torch.Tensor, ...], slots: torch.Tensor, mask: torch.Tensor,
+              caches: tuple[torch.Tensor, ...], slots: torch.Tensor,
+              window: tuple[torch.Tensor, ...],
               router: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
         q_w, kv_a_w, kv_ln_w, w_k, w_v, o_w = weights
         assert q_w is not None and kv_a_w is not None and kv_ln_w is not None
@@ -120,7 +135,7 @@ def make_mla_layer(s: LayerStatics) -> Callable[..., tuple[Any, ...]]:
         k_rot = fused.rotate(k_rot[:, None, None], cos, sin, s.rope)[:, 0, 0]  # [B, d]
         q_latent = torch.einsum("bhn,hnr->bhr", q_pass[:, :, 0], w_k)  # [B, h, r]
         out = fused.mla_decode_attention(q_latent, q_rot, latent, k_rot, caches[0], caches[1],
-                                         slots, mask, s.scale)
+                                         slots, window[0], s.scale)
         out = torch.einsum("bhr,hvr->bhv", out, w_v).reshape(b, s.heads * v_dim)
         new = (latent.to(caches[0].dtype), k_rot.to(caches[1].dtype))
         return _layer_tail(s, h, out, o_w, norms[1], new, router)
@@ -166,13 +181,22 @@ def explain_compile_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 class FusedDecoder:
     """Runs decode steps of `model` through the layer functions, MoE layers via `overlap`."""
 
-    def __init__(self, model: Any, overlap: MoEStep, compile: bool) -> None:
-        """`compile`: run the layer functions through torch.compile (GPU), else eagerly."""
+    def __init__(self, model: Any, overlap: MoEStep, compile: bool,
+                 attention: str | None = None) -> None:
+        """`compile`: run the layer functions through torch.compile (GPU), else eagerly.
+        `attention`: `triton` or `torch` (GQA layers, `make_gqa_layer`); None: the Triton
+        kernel on a CUDA GPU unless HETMOE_DECODE_ATTENTION=torch, the torch form elsewhere."""
         self.base = getattr(model, model.base_model_prefix)
         self.plans = plan_layers(model)
         self.overlap = overlap
         self.moe_index = {id(m): i for i, m in enumerate(overlap.layers)}
         self.compile = compile
+        if attention is None:
+            on_gpu = self.base.embed_tokens.weight.device.type == "cuda"
+            attention = env.decode_attention() if on_gpu else "torch"
+        if attention not in ("triton", "torch"):
+            raise ValueError(f"FusedDecoder: attention must be triton or torch, got {attention!r}")
+        self.attention = attention
         if compile:
             import torch._dynamo
 
@@ -189,8 +213,10 @@ class FusedDecoder:
         return fn
 
     def _layer_fn(self, statics: LayerStatics) -> Callable[..., tuple[Any, ...]]:
-        maker = make_gqa_layer if statics.attention == "gqa" else make_mla_layer
-        return self._fn(statics, lambda: maker(statics))
+        if statics.attention == "mla":
+            return self._fn(statics, lambda: make_mla_layer(statics))
+        kernel = self.attention == "triton"
+        return self._fn((statics, kernel), lambda: make_gqa_layer(statics, kernel))
 
     def forward(self, ids: torch.Tensor, kv: KVBatch,
                 before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -206,7 +232,7 @@ class FusedDecoder:
             cos, sin = rotary
         h = h[:, 0]  # [B, H]
         pos = kv.positions[:, 0]  # [B]
-        masks: dict[int | None, torch.Tensor] = {}
+        windows: dict[int | None, tuple[torch.Tensor, ...]] = {}
         terms: tuple[torch.Tensor, ...] = ()
         overlap = self.overlap
         for n, plan in enumerate(self.plans):
@@ -214,12 +240,12 @@ class FusedDecoder:
                 before_layer(n)
             window = plan.window
             caches = plan.caches()
-            if window not in masks:
-                masks[window] = self._mask(pos, kv.kv_len, window)
+            if window not in windows:
+                windows[window] = self._window(pos, kv.kv_len, window)
             statics = plan.statics
             router = plan.router if plan.moe is not None else (None, None)
             h, x, new, stage = self._layer_fn(statics)(
-                h, terms, plan.norms, plan.weights, cos, sin, caches, kv.slots, masks[window],
+                h, terms, plan.norms, plan.weights, cos, sin, caches, kv.slots, windows[window],
                 router)
             if plan.moe is None:
                 self._write(caches, new, kv.slots, pos)
@@ -234,15 +260,19 @@ class FusedDecoder:
         out = self._fn("final", lambda: final_norm)(h, terms, norm.weight.detach(), eps_of(norm))
         return out.view(b, 1, -1)
 
-    def _mask(self, pos: torch.Tensor, width: int, window: int | None) -> torch.Tensor:
-        """`fused.window_mask` over the first `width` cache entries; compiled, its chunk count
-        is marked dynamic, so every window bucket shares one compiled graph."""
+    def _window(self, pos: torch.Tensor, width: int, window: int | None
+                ) -> tuple[torch.Tensor, ...]:
+        """What a layer's attention takes over the first `width` cache entries: the
+        `fused.window_mask` (compiled, its chunk count is marked dynamic, so every window bucket
+        shares one compiled graph), then for the Triton kernel each row's bounds lo, pos [B]."""
         allowed = fused.window_mask(pos, width, window)  # [B, n, c]
         if self.compile:
             from torch._dynamo import mark_dynamic
 
             mark_dynamic(allowed, 1)
-        return allowed
+        if self.attention == "torch":
+            return (allowed,)
+        return allowed, fused.window_bounds(pos, window), pos
 
     def _between(self, plan: LayerPlan, x: torch.Tensor, caches: tuple[torch.Tensor, ...],
                  new: tuple[torch.Tensor, ...], slots: torch.Tensor,
@@ -257,6 +287,9 @@ class FusedDecoder:
     @staticmethod
     def _write(caches: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...],
                slots: torch.Tensor, pos: torch.Tensor) -> None:
-        """Stores the step's new cache entries (one kernel per cache tensor)."""
+        """Stores the step's new cache entries (one kernel per cache tensor; none when the
+        attention kernel stored them: `new` is empty)."""
+        if not new:
+            return
         for cache, entry in zip(caches, new, strict=True):
             cache.index_put_((slots, pos), entry)

@@ -1,0 +1,87 @@
+"""The fused decode step (engine/fused_decode.py, eager) with its GQA attention and cache write
+by kernels/gqa_decode.py against the same step with the torch form: batched greedy decode on
+the baby GQA families (q/k norms, a sliding window, sliding and full layers in one model), rows
+at different positions, across window buckets (1 to 3 splits). Uncompiled, on the GPU when
+there is one, else under Triton's interpreter (tests/kernels/conftest.py); the compiled step is
+a device test (tests/engine/test_graph_device.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from hetmoe import LLM, env
+from hetmoe.config import EngineConfig
+from hetmoe.engine.fused_decode import FusedDecoder
+from hetmoe.engine.runner import ModelRunner
+
+HERE = "cuda" if torch.cuda.is_available() else "cpu"
+
+PROMPTS = [[5, 9, 33, 100, 7], [11, 12, 13], [(7 * i) % 200 + 1 for i in range(121)]]
+"""The third row crosses 128 cache entries: windows of 64, 128 and 160 entries."""
+STEPS = 10
+ATOL = 1e-2
+"""fp32 on both sides, the same C++ experts: only the attention's summation order differs, which
+can flip one bf16 rounding of an expert input (tests/engine/decode_steps.py SAME_BACKEND_ATOL);
+a wrong window or cache entry moves the logits by 0.1 or more."""
+
+
+def decode(llm: LLM, attention: str) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy decode of PROMPTS together (window buckets from 32 entries up) -> tokens, logits."""
+    runner = ModelRunner(llm.model, llm.device, llm.dtype, len(PROMPTS), llm.max_seq_len,
+                         EngineConfig(smallest_window=32))
+    assert runner.overlap is not None and runner.fused is not None
+    runner.fused = FusedDecoder(llm.model, runner.overlap, compile=False, attention=attention)
+    try:
+        slots = [runner.cache.allocate() for _ in PROMPTS]
+        tokens = [[int(runner.prefill(s, p).argmax())] for s, p in zip(slots, PROMPTS,
+                                                                       strict=True)]
+        logits = []
+        for _ in range(STEPS):
+            out = runner.decode(slots, [t[-1] for t in tokens])  # [B, V]
+            logits.append(out.float().cpu())
+            for row, t in zip(out.argmax(-1).tolist(), tokens, strict=True):
+                t.append(row)
+        return tokens, logits
+    finally:
+        runner.overlap.detach()
+
+
+@pytest.mark.parametrize(("family", "config"), [
+    ("qwen3_moe", {}),
+    ("mixtral", {"sliding_window": 6}),
+    ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}),
+])
+def test_kernel_step_equals_the_torch_step(tiny_dir: Callable[..., Any], family: str,
+                                           config: dict[str, Any]) -> None:
+    llm = LLM(tiny_dir(family, **config), device=HERE, dtype="float32", experts="cpu",
+              progress=False, max_seq_len=160, gpu_expert_bytes=0)
+    want_tokens, want = decode(llm, "torch")
+    tokens, logits = decode(llm, "triton")
+    assert tokens == want_tokens
+    for step, (ours, ref) in enumerate(zip(logits, want, strict=True)):
+        delta = (ours - ref).abs().max().item()
+        assert delta <= ATOL, f"{family} step {step}: max |Δlogits| {delta:.3g}"
+
+
+def test_attention_choice_is_checked(monkeypatch: pytest.MonkeyPatch,
+                                     tiny_dir: Callable[..., Any]) -> None:
+    llm = LLM(tiny_dir("qwen3_moe"), device=HERE, dtype="float32", experts="cpu",
+              progress=False, max_seq_len=32, gpu_expert_bytes=0)
+    runner = ModelRunner(llm.model, llm.device, llm.dtype, 1, 32)
+    assert runner.overlap is not None and runner.fused is not None
+    try:  # the kernel by default on a GPU; elsewhere the torch form, whatever the variable
+        assert runner.fused.attention == ("triton" if HERE == "cuda" else "torch")
+        monkeypatch.setenv("HETMOE_DECODE_ATTENTION", "torch")
+        assert FusedDecoder(llm.model, runner.overlap, compile=False).attention == "torch"
+        with pytest.raises(ValueError, match=r"attention must be triton or torch, got 'flash'"):
+            FusedDecoder(llm.model, runner.overlap, compile=False, attention="flash")
+        monkeypatch.setenv("HETMOE_DECODE_ATTENTION", "flash")
+        with pytest.raises(ValueError, match=r"HETMOE_DECODE_ATTENTION must be triton or "
+                                             r"torch, got 'flash'"):
+            env.decode_attention()
+    finally:
+        runner.overlap.detach()
