@@ -15,6 +15,13 @@ length (with llama.cpp's rows when given).
     python benchmarks/engine/bench_prefill.py --shape qwen3-30b-a3b --weight-format int8 --out DIR \
         [--lengths 128,512,...] [--cpu-max 4096] [--llamacpp FILE.json]
 
+`--model PATH` times a real file instead of a random-weight shape (a GGUF, converted as `hetmoe
+bench MODEL` converts it, or with `--weight-format`/`--group` into that packed format: the very
+GGUF llama.cpp ran). `--count-experts` adds, per length, the distinct routed experts per MoE layer
+per `--ubatch` of a random-id prompt (llama-bench's prompt), the bytes a copy of only those
+experts moves (ours packed; the GGUF's blocks with --model GGUF) and the PCIe floor it implies
+(hetmoe/bench/expert_count.py); `--count-only` skips the timing (runs without a GPU too).
+
 HETMOE_GPU_EXPERTS=unpack times the torch unpack + grouped GEMM instead of the packed kernels
 (the A/B of docs/benchmarks/gpu_kernels.md; the file name gets an `_unpack` suffix).
 """
@@ -30,7 +37,8 @@ from typing import Any
 
 import torch
 
-from hetmoe.bench import measure
+from hetmoe.bench import expert_count, measure
+from hetmoe.bench.bench_model import open_bench_model
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
@@ -147,6 +155,34 @@ def unpack_row(runner: ModelRunner, row: dict[str, Any], n: int, top_k: int, con
                       "resident_compute_unpack_s": row["resident_compute_unpack_s"]}), flush=True)
 
 
+def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, str, float, Any]:
+    """(model, transformers config, label, build seconds, GGUF path or None) of `--model` (as
+    `hetmoe bench MODEL` loads it) or of `--shape` with random weights."""
+    start = time.perf_counter()
+    if args.model is not None:
+        loaded = open_bench_model(args.model, device, args.weight_format, args.group)
+        label = loaded.gguf.stem if loaded.gguf is not None else Path(args.model).name
+        return (loaded.model, loaded.config, label, time.perf_counter() - start, loaded.gguf)
+    config = shape_config(args.shape, args.num_layers)
+    model = build_random_model(config, device, torch.bfloat16, "cpu", args.weight_format)
+    return model, config, args.shape, time.perf_counter() - start, None
+
+
+def count_only(args: argparse.Namespace, lengths: list[int]) -> None:
+    """`--count-only`: the expert counts alone (on the GPU when there is one, else the CPU)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, config, label, build_s, gguf = build(args, device)
+    dtype = next(model.parameters()).dtype
+    runner = ModelRunner(model, device, dtype, 1, max(lengths) + 64, EngineConfig())
+    h2d = measure.h2d_bandwidth(device) if device.type == "cuda" else None
+    rows = expert_count.count_rows(runner, config, lengths, args.ubatch, h2d, gguf)
+    result = {"model": label, "device": device.type, "layers": config.num_hidden_layers,
+              "build_s": round(build_s, 1), "h2d_gb_s": round(h2d / 1e9, 1) if h2d else None,
+              "expert_counts": rows, "machine": machine_report()}
+    (args.out / f"experts_{label}.json").write_text(json.dumps(result, indent=1))
+    expert_count.print_counts(rows)
+
+
 def plot(rows: list[dict[str, Any]], peer: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -176,8 +212,21 @@ def plot(rows: list[dict[str, Any]], peer: list[dict[str, Any]], path: Path, tit
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="qwen3-30b-a3b")
-    parser.add_argument("--weight-format", default="int8")
+    parser.add_argument("--shape", help="random-weight shape (default qwen3-30b-a3b)")
+    parser.add_argument("--model", help="a GGUF file or checkpoint/converted directory instead "
+                                        "of --shape, loaded as `hetmoe bench MODEL` loads it")
+    parser.add_argument("--weight-format",
+                        help="expert format: of the random shape (default int8); with --model "
+                             "a GGUF is converted into it (default: the loader's choice)")
+    parser.add_argument("--group", type=int,
+                        help="with --model GGUF and --weight-format: its quantization group")
+    parser.add_argument("--count-experts", action="store_true",
+                        help="count distinct routed experts per layer per --ubatch tokens of a "
+                             "random-id prompt, and the used-experts-only copy's bytes and floor")
+    parser.add_argument("--count-only", action="store_true",
+                        help="only count experts (no timing; runs on the CPU without a GPU)")
+    parser.add_argument("--ubatch", type=int, default=expert_count.UBATCH,
+                        help="tokens per ubatch for --count-experts (llama.cpp's default 512)")
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--lengths", default="128,512,1024,2048,4096,8192,16384")
     parser.add_argument("--cpu-max", type=int, default=4096, help="longest prompt timed on CPU")
@@ -193,15 +242,19 @@ def main() -> None:
                              "unpack + grouped GEMM (the path the packed kernels replaced)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    check_args(parser, args)
     args.out.mkdir(parents=True, exist_ok=True)
     lengths = [int(n) for n in args.lengths.split(",")]
+    if args.count_only:
+        count_only(args, lengths)
+        return
+    if not torch.cuda.is_available():
+        parser.error("the prefill sweep needs a CUDA GPU (--count-only counts experts without)")
     device = torch.device("cuda")
-    config = shape_config(args.shape, args.num_layers)
-    start = time.perf_counter()
-    model = build_random_model(config, device, torch.bfloat16, "cpu", args.weight_format)
-    build_s = time.perf_counter() - start
+    model, config, label, build_s, gguf = build(args, device)
     window = max(lengths) + 64
-    runner = ModelRunner(model, device, torch.bfloat16, 1, window, EngineConfig())
+    dtype = next(model.parameters()).dtype if args.model else torch.bfloat16
+    runner = ModelRunner(model, device, dtype, 1, window, EngineConfig())
     overlap = runner.overlap
     assert overlap is not None and overlap.can_stream(), "GPU prefill needs packed CPU experts"
     h2d = measure.h2d_bandwidth(device)
@@ -256,7 +309,7 @@ def main() -> None:
                               generator=gen).tolist()
     distinct = distinct_experts(runner, chunk_ids)
     result = {
-        "shape": args.shape, "weight_format": args.weight_format,
+        "shape": label, "weight_format": args.weight_format, "model": args.model,
         "layers": config.num_hidden_layers, "experts": int(config.num_experts),
         "build_s": round(build_s, 1), "h2d_gb_s": round(h2d / 1e9, 1),
         "packed_bytes_per_pass": pass_bytes,
@@ -267,11 +320,15 @@ def main() -> None:
                                      "max": round(max(distinct), 1)},
         "rows": rows, "machine": machine_report(),
     }
+    if args.count_experts:
+        result["expert_counts"] = expert_count.count_rows(runner, config, lengths, args.ubatch,
+                                                          h2d, gguf)
     peer = json.loads(args.llamacpp.read_text()) if args.llamacpp else []
     result["llamacpp"] = peer
-    stem = f"prefill_{args.shape}_{args.weight_format}" + ("" if packed_kernel else "_unpack")
+    fmt = args.weight_format or "loaded"
+    stem = f"prefill_{label}_{fmt}" + ("" if packed_kernel else "_unpack")
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    plot(rows, peer, args.out / f"{stem}.png", f"{args.shape} {args.weight_format} prefill")
+    plot(rows, peer, args.out / f"{stem}.png", f"{label} {fmt} prefill")
     print(f"| tokens | auto tok/s (GPU experts) | GPU stream | CPU+GPU split (GPU experts) | "
           f"CPU | PCIe floor tok/s | resident compute s | resident pass s | "
           f"(H2D {result['h2d_gb_s']} GB/s, {result['packed_bytes_per_pass'] / 1e9:.1f} GB/pass)")
@@ -284,6 +341,21 @@ def main() -> None:
               f"{r.get('resident_pass_s', '')} |")
     print("split costs (s per expert):", result["split_costs"])
     print("distinct experts per layer per 512 tokens:", result["distinct_experts_per_512"])
+    if args.count_experts:
+        expert_count.print_counts(result["expert_counts"])
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--model or --shape (default qwen3-30b-a3b); --group only for a converted GGUF."""
+    if args.model is not None and (args.shape is not None or args.num_layers is not None):
+        parser.error("--model loads a file: --shape and --num-layers are for random weights")
+    if args.model is None:
+        args.shape = args.shape or "qwen3-30b-a3b"
+        args.weight_format = args.weight_format or "int8"
+    if args.group is not None and (args.model is None or args.weight_format is None):
+        parser.error("--group applies with --model GGUF and --weight-format")
+    if args.ubatch < 1:
+        parser.error(f"--ubatch must be >= 1 token, got {args.ubatch}")
 
 
 if __name__ == "__main__":
