@@ -8,12 +8,19 @@ graph replay (decode's use), and both paths of the kernels at those T: pairs gro
 
     python benchmarks/kernels/bench_packed_moe.py --out DIR [--formats bf16,int8,int4,fp8]
         [--tokens 1,8,64,512,4096] [--experts 128 --hidden 2048 --intermediate 768 --top-k 8]
+
+`--pair-sweep FORMATS` instead times the pair kernels' launch shapes (`PairConfig`) at
+`--pair-tokens` (1,8,16) as CUDA graph replays, gate/up shapes first then down shapes with the
+best gate/up one, and prints each format's best against its bytes floor and the line for
+`PAIR_CONFIGS` (JSON: packed_moe_pair_sweep.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +32,7 @@ from hetmoe.experts.packed_layout import host_tensor, unpack_group
 from hetmoe.experts.routed_mlp import routed_mlp
 from hetmoe.kernels import dequant
 from hetmoe.kernels import packed_moe as kernel
-from hetmoe.kernels.packed_moe import TileConfig, packed_moe, tile_config
+from hetmoe.kernels.packed_moe import PairConfig, TileConfig, packed_moe, tile_config
 from hetmoe.machine import machine_report
 
 BF16_PEAK = 790e12
@@ -167,6 +174,103 @@ def sweep(moe: CpuMoE, raw: torch.Tensor, tokens: list[int], k: int,
     return rows
 
 
+PAIR_SWEEP_GATE_UP = [(32, 1, 4, 4), (16, 1, 4, 4), (16, 2, 4, 4), (16, 4, 4, 4), (32, 2, 4, 4),
+                      (32, 4, 4, 4), (64, 4, 4, 4), (64, 8, 8, 4), (16, 2, 2, 4), (16, 4, 2, 4),
+                      (32, 4, 2, 4), (16, 4, 4, 2), (32, 2, 4, 8)]
+"""Gate/up shapes `--pair-sweep` times first, the format's down shape kept: (block_n_gate_up,
+split_gate_up, warps_gate_up, k_unroll). At 8 pairs (S = 768) they give 192 to 1,536 programs."""
+
+PAIR_SWEEP_DOWN = [(64, 1, 4), (32, 1, 4), (32, 2, 2), (64, 2, 4), (64, 3, 4), (64, 2, 2),
+                   (128, 2, 4), (128, 3, 4), (128, 4, 8), (256, 4, 8)]
+"""Then down shapes with the best gate/up one: (block_n_down, split_down, warps_down)."""
+
+
+def pair_sweep(moe: CpuMoE, raw: torch.Tensor, tokens: list[int], k: int, bandwidth: float,
+               repeats: int) -> list[dict[str, Any]]:
+    """Graph ms of the pair kernels per launch shape (`PAIR_SWEEP_*`) at each T, beside the
+    bytes floor (the distinct experts routed to) and the largest relative difference from
+    the format's current `PAIR_CONFIGS` shape (fp32 sums in another order: ~1e-6)."""
+    (part,) = moe.packed_groups()
+    fmt, h, e = moe.weight_format, moe.hidden, moe.num_experts
+    cases, dev = [], raw.device
+    for t in tokens:
+        g = torch.Generator(device=dev).manual_seed(t)
+        ids = torch.rand(t, e, device=dev, generator=g).topk(k, dim=1).indices
+        cases.append((t, torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=g),
+                      ids, torch.rand(t, k, device=dev, generator=g),
+                      ids.unique().numel() * part.expert_bytes / bandwidth * 1e3))
+
+    def run(cfg: PairConfig, x: torch.Tensor, ids: torch.Tensor,
+            w: torch.Tensor) -> torch.Tensor:
+        return packed_moe(x, ids, w, raw, part, fmt, h, moe.group_size, "pairs", cfg)
+
+    base = kernel.PAIR_CONFIGS[fmt]
+    refs = [run(base, *case[1:4]) for case in cases]
+    rows: list[dict[str, Any]] = []
+
+    def time_config(cfg: PairConfig) -> dict[str, Any]:
+        row: dict[str, Any] = {"format": fmt, "config": dataclasses.astuple(cfg), "ms": {},
+                               "floor_ms": {}, "max_rel_diff": 0.0}
+        for (t, x, ids, w, floor), ref in zip(cases, refs, strict=True):
+            row["ms"][t] = round(graph_ms(
+                lambda x=x, ids=ids, w=w: run(cfg, x, ids, w), repeats), 4)
+            row["floor_ms"][t] = round(floor, 4)
+            diff = float((run(cfg, x, ids, w) - ref).norm() / ref.norm())
+            row["max_rel_diff"] = max(row["max_rel_diff"], round(diff, 7))
+        row["score"] = round(math.exp(sum(map(math.log, row["ms"].values())) / len(cases)), 4)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        return row
+
+    best = min((time_config(dataclasses.replace(
+        base, block_n_gate_up=bn, split_gate_up=split, warps_gate_up=warps, k_unroll=unroll))
+        for bn, split, warps, unroll in PAIR_SWEEP_GATE_UP), key=lambda r: r["score"])
+    for bn, split, warps in PAIR_SWEEP_DOWN:
+        time_config(dataclasses.replace(PairConfig(*best["config"]), block_n_down=bn,
+                                        split_down=split, warps_down=warps))
+    return rows
+
+
+def print_pair_sweep(rows: list[dict[str, Any]]) -> None:
+    """Per format: the current shape (its first row), the best per T and the best overall
+    (geometric mean over T), each against the bytes floor; then the `PAIR_CONFIGS` line."""
+    print("| format | shape | T: graph ms (% of bytes floor) | vs current | max rel diff |")
+    print("|---|---|---|---:|---:|")
+    for fmt in dict.fromkeys(r["format"] for r in rows):
+        mine = [r for r in rows if r["format"] == fmt]
+        best = min(mine, key=lambda r: r["score"])
+        picks = [("current", mine[0]), ("best", best)] + [
+            (f"best at T={t}", min(mine, key=lambda r, t=t: r["ms"][t])) for t in mine[0]["ms"]]
+        for name, r in picks:
+            times = ", ".join(f"{t}: {ms} ({100 * r['floor_ms'][t] / ms:.0f} %)"
+                              for t, ms in r["ms"].items())
+            print(f"| {fmt} {name} | {r['config']} | {times} | "
+                  f"{mine[0]['score'] / r['score']:.2f}x | {r['max_rel_diff']} |")
+        print(f'    "{fmt}": PairConfig{tuple(best["config"])},  # PAIR_CONFIGS line')
+
+
+def run_pair_sweep(args: argparse.Namespace, bandwidth: float) -> None:
+    """`--pair-sweep`: the pair kernels' launch shapes per format, JSON and tables."""
+    rows: list[dict[str, Any]] = []
+    tokens = [int(n) for n in args.pair_tokens.split(",")]
+    for fmt in args.pair_sweep.split(","):
+        start = time.perf_counter()
+        moe = build_layer(fmt, args.experts, args.hidden, args.intermediate)
+        (part,) = moe.packed_groups()
+        raw = host_tensor(part).to("cuda")
+        rows += pair_sweep(moe, raw, tokens, args.top_k, bandwidth, args.repeats)
+        print(f"{fmt}: swept in {time.perf_counter() - start:.0f} s", flush=True)
+        del raw
+        torch.cuda.empty_cache()
+    result = {"shape": {"experts": args.experts, "hidden": args.hidden,
+                        "intermediate": args.intermediate, "top_k": args.top_k},
+              "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "rows": rows,
+              "fields": [f.name for f in dataclasses.fields(PairConfig)],
+              "device": torch.cuda.get_device_name(), "machine": machine_report()}
+    (args.out / "packed_moe_pair_sweep.json").write_text(json.dumps(result, indent=1))
+    print_pair_sweep(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", default="bf16,int8,int4,fp8")
@@ -177,6 +281,9 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sweep", default="", help="formats whose tile configs are swept")
+    parser.add_argument("--pair-sweep", default="",
+                        help="formats whose pair kernel shapes are swept (nothing else runs)")
+    parser.add_argument("--pair-tokens", default="1,8,16", help="T values of --pair-sweep")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -184,6 +291,9 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s; bf16 peak taken "
           f"{BF16_PEAK / 1e12:.0f} TFLOP/s", flush=True)
+    if args.pair_sweep:
+        run_pair_sweep(args, bandwidth)
+        return
     rows: list[dict[str, Any]] = []
     swept: list[dict[str, Any]] = []
     for fmt in args.formats.split(","):

@@ -1,7 +1,8 @@
 """The Triton kernels compile for a Hopper GPU (sm_90) on any machine: Triton's compiler and its
 bundled ptxas need no GPU. The interpreter (the other tests here, without a GPU) runs the kernels
 as Python and accepts code the compiler refuses, and it takes `dequant.INTERPRETED`'s branches:
-this checks the compiled branches, in a process without the interpreter."""
+this checks the compiled branches, in a process without the interpreter (the pair kernels,
+every launch shape: test_pair_kernels.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ from triton.compiler import ASTSource
 from hetmoe.kernels import dequant, gqa_decode as gqa, packed_moe as pm
 from hetmoe.kernels.moe_down import moe_down_kernel
 from hetmoe.kernels.moe_gate_up import moe_gate_up_kernel
-from hetmoe.kernels.pair_down import pair_down_kernel
-from hetmoe.kernels.pair_gate_up import pair_gate_up_kernel
 
 assert not dequant.INTERPRETED
 POINTERS = {"x_ptr": "*bf16", "act_ptr": "*bf16", "ids_ptr": "*i64", "packed_ptr": "*u8",
@@ -35,12 +34,6 @@ def build(fn, cfg, **consts):
                    options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
-for fmt, code in dequant.FORMAT_CODES.items():
-    mem, g = dequant.MEMORY_ORDER[fmt], 32 if fmt == "int4" else 128
-    build(pair_gate_up_kernel, pm.PAIRS, TOP_K=8, KU=4, G=g, FMT=code,
-          BN=pm.PAIRS.block_n_gate_up, ZN=128, MEM=mem)
-    build(pair_down_kernel, pm.PAIRS, TOP_K=8, KU=4, G=g, FMT=code, BN=pm.PAIRS.block_n_down,
-          MEM=mem)
 for cfg in (pm.SMALL_M, pm.LARGE_M):
     build(moe_gate_up_kernel, cfg, TOP_K=8, G=32, FMT=2, BM=cfg.block_m,
           BN=cfg.block_n_gate_up, MEM=False)

@@ -11,7 +11,8 @@ are grouped by expert on the GPU (`routing_tiles`) and two Triton kernels run ov
 decode steps can be captured in a CUDA graph. Few pairs (`path="pairs"`, or T K <=
 `DECODE_MAX_PAIRS` under "auto": decode, small batches) skip the grouping: `pair_gate_up` and
 `pair_down` take each pair straight from `ids`, two launches per call instead of the ~10 small
-routing ops beside the two kernels.
+routing ops beside the two kernels; `PAIR_CONFIGS` holds their launch shape per format (rows
+and k shares per program, so that a few pairs still give every SM loads to wait on).
 """
 
 from __future__ import annotations
@@ -60,8 +61,53 @@ LARGE_M = TileConfig(block_m=128, block_n_gate_up=64, block_n_down=64, num_warps
 """128 rows per expert and more (long prompts): each dequantized weight tile serves 128 rows."""
 
 
-PAIRS = TileConfig(block_m=1, block_n_gate_up=32, block_n_down=64, num_warps=4, num_stages=3)
-"""The unsorted decode kernels: one (token, slot) pair per program."""
+@dataclass(frozen=True)
+class PairConfig:
+    """Launch shape of the two unsorted pair kernels (decode's path): programs per pair and
+    loads in flight per program."""
+
+    block_n_gate_up: int
+    """Gate rows (and as many up rows) per gate/up program: 16, 32 or 64."""
+    split_gate_up: int
+    """Programs sharing one pair's k loop over H in gate/up, at most (the largest count that
+    divides the loop's 64-k blocks); above 1 they write fp32 sums and `pair_down` applies
+    the SiLU."""
+    block_n_down: int
+    """Output columns per down program: a power of two from 16 to 256."""
+    split_down: int
+    """Programs sharing one pair's k loop over the slice in down, at most (as gate/up's);
+    each adds its share to the output by atomics."""
+    k_unroll: int
+    """64-k blocks one loop step takes, at most (the largest count that divides a share's
+    blocks): 4 half-block loads each in gate/up, 2 in down, independent of each other."""
+    warps_gate_up: int
+    """Warps per gate/up program."""
+    warps_down: int
+    """Warps per down program."""
+
+    def __post_init__(self) -> None:
+        checks = [("block_n_gate_up", (16, 32, 64)), ("block_n_down", (16, 32, 64, 128, 256)),
+                  ("split_gate_up", range(1, 17)), ("split_down", range(1, 17)),
+                  ("k_unroll", range(1, 9)), ("warps_gate_up", (1, 2, 4, 8)),
+                  ("warps_down", (1, 2, 4, 8))]
+        for name, allowed in checks:
+            value = getattr(self, name)
+            if value not in allowed:
+                shown = f"from {allowed[0]} to {allowed[-1]}" if isinstance(allowed, range) \
+                    else "one of " + ", ".join(map(str, allowed))
+                raise ValueError(f"PairConfig: {name} must be {shown}, got {value}")
+
+
+# Fields in order: block_n_gate_up, split_gate_up, block_n_down, split_down, k_unroll,
+# warps_gate_up, warps_down. Round 2's shape for every format (the pair kernels' first timing,
+# docs/benchmarks/gpu_kernels.md); `bench_packed_moe.py --pair-sweep` times the others.
+PAIR_CONFIGS = {
+    "bf16": PairConfig(32, 1, 64, 1, 4, 4, 4),
+    "int8": PairConfig(32, 1, 64, 1, 4, 4, 4),
+    "int4": PairConfig(32, 1, 64, 1, 4, 4, 4),
+    "fp8": PairConfig(32, 1, 64, 1, 4, 4, 4),
+}
+"""The pair kernels' launch shape per packed format."""
 
 DECODE_MAX_PAIRS = 64
 """Up to this many (token, slot) pairs `path="auto"` runs the unsorted pair kernels (decode and
@@ -122,18 +168,20 @@ def matrix_geometry(fmt: str, n: int, k: int, group: int | None) -> tuple[int, i
 
 def packed_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: torch.Tensor,
                part: PackedGroup, fmt: str, hidden: int, group: int | None,
-               path: str = "auto") -> torch.Tensor:
+               path: str = "auto", pair_config: PairConfig | None = None) -> torch.Tensor:
     """x [T, H] (bf16; other floats are rounded to it), ids [T, K] int (an expert's index in
     `packed`, -1 = skip), weights [T, K] -> [T, H] fp32, this group's share of the routed
     output. packed: uint8 on x's GPU, experts back to back (e at e * part.expert_bytes).
-    path: one of `PATHS` ("auto": the pair kernels up to `DECODE_MAX_PAIRS` pairs)."""
+    path: one of `PATHS` ("auto": the pair kernels up to `DECODE_MAX_PAIRS` pairs);
+    pair_config: the pair kernels' launch shape (None: `PAIR_CONFIGS[fmt]`)."""
     _check_call(x, ids, weights, packed, part, hidden)
     check_packed(part, fmt, hidden, group)
     if path not in PATHS:
         raise ValueError(f"packed_moe: path {path!r} is not one of {', '.join(PATHS)}")
     t, top_k = ids.shape
     if t and top_k and (path == "pairs" or path == "auto" and t * top_k <= DECODE_MAX_PAIRS):
-        return _pairs(x, ids, weights, packed, part, fmt, hidden, group)
+        cfg = pair_config or PAIR_CONFIGS[fmt]
+        return _pairs(x, ids, weights, packed, part, fmt, hidden, group, cfg)
     if t == 0 or top_k == 0:
         return torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
     return _sorted(x, ids, weights, packed, part, fmt, hidden, group)
@@ -178,43 +226,51 @@ def _sorted(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: t
 
 
 def _pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: torch.Tensor,
-           part: PackedGroup, fmt: str, hidden: int, group: int | None) -> torch.Tensor:
+           part: PackedGroup, fmt: str, hidden: int, group: int | None,
+           cfg: PairConfig) -> torch.Tensor:
     """`packed_moe` by the pair kernels: two launches, no sort, no fill (x, ids and weights
     read in their own dtypes, out cleared by the gate/up kernel)."""
     from hetmoe.kernels.dequant import FORMAT_CODES, MEMORY_ORDER
     from hetmoe.kernels.pair_down import pair_down_kernel
     from hetmoe.kernels.pair_gate_up import pair_gate_up_kernel
 
-    t, top_k = ids.shape
+    pairs = ids.numel()
     q = None if fmt == "bf16" else group
     slice_ = part.end - part.begin
     hp, hn = padded_hidden(hidden, q), -(-hidden // 16) * 16
     num_e = packed.numel() // part.expert_bytes
-    cfg, mem, code, g = PAIRS, MEMORY_ORDER[fmt], FORMAT_CODES[fmt], q or 64
+    mem, code, g = MEMORY_ORDER[fmt], FORMAT_CODES[fmt], q or 64
     x = x if x.stride(1) == 1 else x.contiguous()
     flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)  # [T K] views when contiguous
-    act = torch.empty(t * top_k, slice_, dtype=torch.bfloat16, device=x.device)
-    out = torch.empty(t, hidden, dtype=torch.float32, device=x.device)
+    split_gu, ku_gu = share_steps(hp // 64, cfg.split_gate_up, cfg.k_unroll)
+    act = torch.empty((pairs, slice_) if split_gu == 1 else (pairs, split_gu, 2 * slice_),
+                      dtype=torch.bfloat16 if split_gu == 1 else torch.float32, device=x.device)
+    out = torch.empty(ids.shape[0], hidden, dtype=torch.float32, device=x.device)
     n_gate_up = slice_ // cfg.block_n_gate_up
     zero_cols = 1 << (-(-hidden // n_gate_up) - 1).bit_length()  # pow2 >= H / n_gate_up
     nb_bytes, scale_off = matrix_geometry(fmt, 2 * slice_, hp, q)
-    pair_gate_up_kernel[(t * top_k, n_gate_up)](
+    pair_gate_up_kernel[(pairs, n_gate_up, split_gu)](
         x, x.stride(0), flat_ids, packed, act, out, hidden, slice_, part.expert_bytes, nb_bytes,
-        scale_off, num_e, TOP_K=top_k, K_BLOCKS=hp // 64, KU=_unroll(hp // 64), G=g, FMT=code,
-        BN=cfg.block_n_gate_up, ZN=zero_cols, MEM=mem, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        scale_off, num_e, TOP_K=ids.shape[1], K_BLOCKS=hp // 64 // split_gu, KU=ku_gu, G=g,
+        FMT=code, BN=cfg.block_n_gate_up, ZN=zero_cols, MEM=mem, SPLIT=split_gu,
+        num_warps=cfg.warps_gate_up)
+    split_d, ku_d = share_steps(slice_ // 64, cfg.split_down, cfg.k_unroll)
     nb_bytes, scale_off = matrix_geometry(fmt, hn, slice_, q)
-    pair_down_kernel[(t * top_k, -(-hidden // cfg.block_n_down))](
+    pair_down_kernel[(pairs, -(-hidden // cfg.block_n_down), split_d)](
         act, flat_ids, flat_w, packed, out, hidden, slice_, hn, part.expert_bytes,
-        part.down_offset, nb_bytes, scale_off, num_e, TOP_K=top_k, K_BLOCKS=slice_ // 64,
-        KU=_unroll(slice_ // 64), G=g, FMT=code, BN=cfg.block_n_down, MEM=mem,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        part.down_offset, nb_bytes, scale_off, num_e, TOP_K=ids.shape[1],
+        K_BLOCKS=slice_ // 64 // split_d, KU=ku_d, G=g, FMT=code, BN=cfg.block_n_down, MEM=mem,
+        SPLIT_GU=split_gu, num_warps=cfg.warps_down)
     return out
 
 
-def _unroll(k_blocks: int) -> int:
-    """64-k blocks a pair kernel's loop step takes: 4, 2 or 1, whichever divides `k_blocks`."""
-    return 4 if k_blocks % 4 == 0 else 2 if k_blocks % 2 == 0 else 1
+def share_steps(blocks: int, split: int, unroll: int) -> tuple[int, int]:
+    """(programs, 64-k blocks a loop step) for a pair kernel's loop of `blocks` 64-k blocks:
+    the most programs up to `split` that share it equally, then the most blocks up to
+    `unroll` that divide a share (no program runs a partial step)."""
+    split = max(d for d in range(1, min(split, blocks) + 1) if blocks % d == 0)
+    share = blocks // split
+    return split, max(u for u in range(1, min(unroll, share) + 1) if share % u == 0)
 
 
 def _check_call(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

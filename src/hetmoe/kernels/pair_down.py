@@ -1,11 +1,13 @@
 """Down projection of routed experts for few (token, slot) pairs, weighted and summed per token.
 
-Decode's path beside `pair_gate_up`: one program takes one pair straight from `ids`, its bf16
-activations [S] and BN rows of its expert's packed down matrix (dequantized in registers), and
-adds routing weight * result to out[token] (fp32 atomics over the token's K slots; the row was
-cleared by `pair_gate_up`). Negative ids add nothing; an id past the experts adds NaN to its
-token's row, so a bad routing shows in the output without a host sync (the sorted path fails a
-device-side assert instead).
+Decode's path beside `pair_gate_up`: one program takes one pair straight from `ids`, one of
+SPLIT equal shares of its activations' k range, and BN rows of its expert's packed down matrix
+(dequantized in registers), and adds routing weight * result to out[token] (fp32 atomics over
+the token's K slots and the shares; the row was cleared by `pair_gate_up`). The activations are
+`pair_gate_up`'s bf16 row, or (SPLIT_GU > 1) its shares' fp32 gate and up sums, added here and
+put through the SiLU with the one bf16 rounding. Negative ids add nothing; an id past the
+experts adds NaN to its token's row, so a bad routing shows in the output without a host sync
+(the sorted path fails a device-side assert instead).
 """
 
 from __future__ import annotations
@@ -13,31 +15,52 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hetmoe.kernels.dequant import dequant_half
+from hetmoe.kernels.dequant import dequant_half, to_bf16
+
+
+@triton.jit
+def _activation_half(act_ptr, pair, kh, S, SPLIT_GU: tl.constexpr):
+    """[32] fp32 activations kh * 32 ... + 31 of `pair` (bf16 values): the bf16 row [T K, S],
+    or silu(g) * u of the summed [T K, SPLIT_GU, 2S] fp32 gate/up shares, rounded to bf16."""
+    k = kh * 32 + tl.arange(0, 32)
+    if SPLIT_GU == 1:
+        at = tl.load(act_ptr + pair.to(tl.int64) * S + k).to(tl.float32)
+    else:
+        row = act_ptr + pair.to(tl.int64) * SPLIT_GU * 2 * S + k
+        g = tl.load(row)
+        u = tl.load(row + S)
+        for share in tl.static_range(1, SPLIT_GU):
+            g += tl.load(row + share * 2 * S)
+            u += tl.load(row + share * 2 * S + S)
+        at = to_bf16(g / (1.0 + tl.exp(-g)) * u).to(tl.float32)
+    return at
 
 
 @triton.jit
 def pair_down_kernel(act_ptr, ids_ptr, weights_ptr, packed_ptr, out_ptr, H, S, HN, EXPERT_BYTES,
                      DOWN_OFFSET, NB_BYTES, SCALE_OFF, NUM_E, TOP_K: tl.constexpr, K_BLOCKS,
                      KU: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
-                     MEM: tl.constexpr):
-    """act [T K, S] bf16; ids, weights [T K] (weights any float, used in fp32); out [T, H]
-    fp32; HN = H padded to 16 (the down matrix's rows); K_BLOCKS = S / 64, a multiple of KU."""
+                     MEM: tl.constexpr, SPLIT_GU: tl.constexpr):
+    """act: `pair_gate_up`'s output for SPLIT_GU shares; ids, weights [T K] (weights any
+    float, used in fp32); out [T, H] fp32; HN = H padded to 16 (the down matrix's rows). Grid
+    (T K, cdiv(H, BN), SPLIT). K_BLOCKS: 64-k blocks of one share (S / 64 / SPLIT), a
+    multiple of KU."""
     pair = tl.program_id(0)  # pairs on the grid's first axis: no 65,535 limit
     pid_n = tl.program_id(1)
+    share = tl.program_id(2)
     expert = tl.load(ids_ptr + pair)
     n = pid_n * BN + tl.arange(0, BN)
     dst = out_ptr + (pair // TOP_K).to(tl.int64) * H + n
     if (expert >= 0) & (expert < NUM_E):
-        a_row = act_ptr + pair.to(tl.int64) * S
         base = packed_ptr + expert.to(tl.int64) * EXPERT_BYTES + DOWN_OFFSET
         # n-blocks past the matrix read its last one (never stored)
         nb = tl.minimum(pid_n * (BN // 16) + tl.arange(0, BN // 16), HN // 16 - 1)
         acc = tl.zeros((BN, 32), dtype=tl.float32)  # reduced once, KU blocks a step (as gate/up)
-        for kb in range(0, K_BLOCKS, KU):
+        k0 = share * K_BLOCKS
+        for kb in range(k0, k0 + K_BLOCKS, KU):
             for j in tl.static_range(2 * KU):
                 kh = kb * 2 + j
-                at = tl.load(a_row + kh * 32 + tl.arange(0, 32)).to(tl.float32)
+                at = _activation_half(act_ptr, pair, kh, S, SPLIT_GU)
                 w = dequant_half(base, nb, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16, MEM)
                 acc += w.to(tl.float32) * at[None, :]
         weight = tl.load(weights_ptr + pair).to(tl.float32)

@@ -1,11 +1,14 @@
 """Gate/up projection + SiLU of routed experts for few (token, slot) pairs, no sorting.
 
 Decode's path (`packed_moe` with T K <= `DECODE_MAX_PAIRS`): one program takes one pair straight
-from `ids` and BN rows of its expert's gate and the same BN rows of its up matrix (n-blocks 2j
-and 2j + 1), dequantized in registers by `dequant_half`, and writes silu(gate x) * (up x) in
-bf16 (fp32 products and SiLU, one rounding, as `moe_gate_up`) at the pair's row. Pairs with a
-negative id (or one past the experts) write nothing. The slot-0 programs of each token also
-clear its output row for `pair_down`'s atomic adds, so no separate fill runs.
+from `ids`, BN rows of its expert's gate and the same BN rows of its up matrix (n-blocks 2j
+and 2j + 1), dequantized in registers by `dequant_half`, and one of SPLIT equal shares of the
+k loop over H. With SPLIT = 1 it writes silu(gate x) * (up x) in bf16 (fp32 products and SiLU,
+one rounding, as `moe_gate_up`) at the pair's row; with SPLIT > 1 (more programs, more loads in
+flight, for few pairs) each share writes its fp32 gate and up sums and `pair_down` adds the
+shares and applies the SiLU. Pairs with a negative id (or one past the experts) write nothing.
+The slot-0 programs of each token's first share also clear its output row for `pair_down`'s
+atomic adds, so no separate fill runs.
 """
 
 from __future__ import annotations
@@ -20,15 +23,18 @@ from hetmoe.kernels.dequant import dequant_half, to_bf16
 def pair_gate_up_kernel(x_ptr, stride_x, ids_ptr, packed_ptr, act_ptr, out_ptr, H, S,
                         EXPERT_BYTES, NB_BYTES, SCALE_OFF, NUM_E, TOP_K: tl.constexpr,
                         K_BLOCKS, KU: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
-                        BN: tl.constexpr, ZN: tl.constexpr, MEM: tl.constexpr):
+                        BN: tl.constexpr, ZN: tl.constexpr, MEM: tl.constexpr,
+                        SPLIT: tl.constexpr):
     """x [T, H] any float (rounded to bf16 here; row stride stride_x); ids [T K] int; packed
-    uint8 (expert e at e * EXPERT_BYTES); act [T K, S] bf16 out; out [T, H] fp32, columns
-    [pid_n ZN, pid_n ZN + ZN) of each token zeroed. K_BLOCKS: 64-k blocks of Hp, a multiple
-    of KU."""
+    uint8 (expert e at e * EXPERT_BYTES); act out: [T K, S] bf16 (SPLIT 1) or [T K, SPLIT, 2S]
+    fp32 gate (first S) and up sums per share; out [T, H] fp32, columns
+    [pid_n ZN, pid_n ZN + ZN) of each token zeroed. Grid (T K, S / BN, SPLIT). K_BLOCKS: 64-k
+    blocks of one share (Hp / 64 / SPLIT), a multiple of KU."""
     pair = tl.program_id(0)  # pairs on the grid's first axis: no 65,535 limit
     pid_n = tl.program_id(1)
+    share = tl.program_id(2)
     token = pair // TOP_K
-    if pair % TOP_K == 0:
+    if (pair % TOP_K == 0) & (share == 0):
         z = pid_n * ZN + tl.arange(0, ZN)
         tl.store(out_ptr + token.to(tl.int64) * H + z, tl.zeros((ZN,), tl.float32), mask=z < H)
     expert = tl.load(ids_ptr + pair)
@@ -36,11 +42,12 @@ def pair_gate_up_kernel(x_ptr, stride_x, ids_ptr, packed_ptr, act_ptr, out_ptr, 
         x_row = x_ptr + token.to(tl.int64) * stride_x
         base = packed_ptr + expert.to(tl.int64) * EXPERT_BYTES
         gate_nb = (pid_n * (BN // 16) + tl.arange(0, BN // 16)) * 2  # [BN / 16] n-blocks
-        # [BN, 32] partial sums, reduced once after the loop; KU blocks a step keep 2 KU
+        # [BN, 32] partial sums, reduced once after the loop; KU blocks a step keep 4 KU
         # half-block loads in flight (the loop is not software-pipelined without a dot)
         acc_g = tl.zeros((BN, 32), dtype=tl.float32)
         acc_u = tl.zeros((BN, 32), dtype=tl.float32)
-        for kb in range(0, K_BLOCKS, KU):
+        k0 = share * K_BLOCKS
+        for kb in range(k0, k0 + K_BLOCKS, KU):
             for j in tl.static_range(2 * KU):
                 kh = kb * 2 + j
                 k = kh * 32 + tl.arange(0, 32)
@@ -53,6 +60,11 @@ def pair_gate_up_kernel(x_ptr, stride_x, ids_ptr, packed_ptr, act_ptr, out_ptr, 
                 acc_g += wg.to(tl.float32) * xt[None, :]
                 acc_u += wu.to(tl.float32) * xt[None, :]
         g = tl.sum(acc_g, axis=1)
-        act = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=1)
+        u = tl.sum(acc_u, axis=1)
         r = pid_n * BN + tl.arange(0, BN)  # rows of the group's slice (S is a multiple of 64)
-        tl.store(act_ptr + pair.to(tl.int64) * S + r, to_bf16(act))
+        if SPLIT == 1:
+            tl.store(act_ptr + pair.to(tl.int64) * S + r, to_bf16(g / (1.0 + tl.exp(-g)) * u))
+        else:
+            row = act_ptr + (pair.to(tl.int64) * SPLIT + share) * (2 * S)
+            tl.store(row + r, g)
+            tl.store(row + S + r, u)

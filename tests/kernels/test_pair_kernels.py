@@ -1,0 +1,142 @@
+"""The pair kernels' launch shapes (`PairConfig`: rows and k shares per program, blocks a loop
+step, warps) against float64 in every format: k shares of gate/up write fp32 sums that the down
+kernel adds and puts through the SiLU, k shares of down add by atomics; shares and unroll capped
+to what divides the loop; bad configs named; every variant compiled for sm_90 (the compiled
+branches the interpreter skips). Runs on the GPU when there is one, else under Triton's
+interpreter (tests/kernels/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_packed_moe import HERE, make_layer, reference, rel_error, routing
+
+from hetmoe.kernels.packed_moe import PairConfig, packed_moe, share_steps
+
+CONFIGS = [
+    PairConfig(16, 2, 128, 2, 2, 2, 2),  # 2 gate/up shares: fp32 sums, the SiLU in down
+    PairConfig(64, 4, 16, 4, 1, 1, 8),  # 4 shares each where the blocks allow, a block a step
+    PairConfig(16, 8, 32, 3, 8, 4, 4),  # more shares and unroll than blocks: the most that fit
+]
+
+# (format, experts, hidden, intermediate, group) x launch shape: every format with gate/up
+# shares and with one, gate/up loops of 2-4 64-k blocks (hidden padded inside), down loops of
+# 2-3 (3: 2 shares fall back to 1, 3 run)
+CASES = [
+    (("bf16", 4, 200, 128, None), CONFIGS[0]), (("bf16", 4, 200, 128, None), CONFIGS[2]),
+    (("int8", 4, 100, 192, 32), CONFIGS[1]), (("int8", 4, 100, 192, 32), CONFIGS[2]),
+    (("int4", 4, 72, 128, 32), CONFIGS[0]), (("int4", 3, 256, 128, 128), CONFIGS[1]),
+    (("fp8", 4, 128, 128, 64), CONFIGS[0]), (("fp8", 4, 128, 128, 64), CONFIGS[2]),
+]
+
+
+@pytest.fixture
+def interpreted() -> None:
+    """The kernels need Triton (the GPU's, or its interpreter on CPU)."""
+    pytest.importorskip("triton", reason="the kernels need Triton (pip install triton)")
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize(("shape", "cfg"), CASES,
+                         ids=["-".join(map(str, (*s, *vars(c).values()))) for s, c in CASES])
+def test_every_launch_shape_equals_float64(shape: tuple, cfg: PairConfig) -> None:
+    fmt, e, h, i, group = shape
+    layer = make_layer(fmt, e, h, i, group, seed=e + h)
+    x = torch.randn(3, h, generator=torch.Generator().manual_seed(1))
+    ids, weights = routing(3, 2, e, seed=2)
+    ids[1] = -1  # a row routed nowhere
+    ids[2, 0] = ids[2, 1] = e - 2  # one expert in every slot of a row
+    out = packed_moe(x.to(HERE), ids.to(HERE), weights.to(HERE), layer.raw.to(HERE), layer.part,
+                     fmt, h, layer.moe.group_size, path="pairs", pair_config=cfg).cpu()
+    assert out.shape == (3, h) and out.dtype == torch.float32
+    assert rel_error(out, reference(layer, x, ids, weights)) < 2e-3
+    assert torch.equal(out[1], torch.zeros(h))  # cleared by the first share, nothing added
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_shares_mark_an_id_past_the_experts() -> None:
+    """With k shares on both kernels an id >= E still turns its token's row to NaN, and the
+    other rows equal float64."""
+    layer = make_layer("int8", 4, 128, 128, 64, seed=5)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(6))
+    ids, weights = routing(3, 2, 4, seed=7)
+    ids[2, 1] = 4
+    out = packed_moe(x.to(HERE), ids.to(HERE), weights.to(HERE), layer.raw.to(HERE), layer.part,
+                     "int8", 128, 64, path="pairs", pair_config=CONFIGS[0]).cpu()
+    assert out[2].isnan().all()
+    ids[2, 1] = -1
+    assert rel_error(out[:2], reference(layer, x, ids, weights)[:2]) < 2e-3
+
+
+@pytest.mark.parametrize(("blocks", "split", "unroll", "want"), [
+    (32, 4, 4, (4, 4)), (32, 1, 4, (1, 4)), (12, 8, 4, (6, 2)), (12, 4, 4, (4, 3)),
+    (3, 2, 4, (1, 3)), (1, 16, 8, (1, 1)), (12, 16, 8, (12, 1))])
+def test_shares_and_unroll_are_the_most_that_divide_the_loop(
+        blocks: int, split: int, unroll: int, want: tuple[int, int]) -> None:
+    assert share_steps(blocks, split, unroll) == want
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"block_n_gate_up": 48}, "block_n_gate_up must be one of 16, 32, 64, got 48"),
+    ({"block_n_down": 96}, "block_n_down must be one of 16, 32, 64, 128, 256, got 96"),
+    ({"split_gate_up": 0}, "split_gate_up must be from 1 to 16, got 0"),
+    ({"split_down": 17}, "split_down must be from 1 to 16, got 17"),
+    ({"k_unroll": 9}, "k_unroll must be from 1 to 8, got 9"),
+    ({"warps_down": 3}, "warps_down must be one of 1, 2, 4, 8, got 3"),
+])
+def test_a_bad_launch_shape_is_named(change: dict, message: str) -> None:
+    fields = {**vars(CONFIGS[0]), **change}
+    with pytest.raises(ValueError, match=f"PairConfig: {message}"):
+        PairConfig(**fields)
+
+
+SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from hetmoe.kernels import dequant, packed_moe as pm
+from hetmoe.kernels.pair_down import pair_down_kernel
+from hetmoe.kernels.pair_gate_up import pair_gate_up_kernel
+
+assert not dequant.INTERPRETED
+POINTERS = {"x_ptr": "*bf16", "ids_ptr": "*i64", "packed_ptr": "*u8", "out_ptr": "*fp32",
+            "weights_ptr": "*fp32"}
+
+
+def build(fn, warps, act, **consts):
+    # every pointer and int 16-divisible, as the launches at the Qwen3-30B-A3B shape specialize
+    sig = {p.name: "constexpr" if p.name in consts else "*" + act if p.name == "act_ptr" else
+           POINTERS.get(p.name, "i32") for p in fn.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
+             if sig[p.name] != "constexpr"}
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+# Hp = 2048 (32 blocks), S = 768 (12 blocks), top-8: each format's chosen shape and 4 shares
+for fmt, code in dequant.FORMAT_CODES.items():
+    mem, g = dequant.MEMORY_ORDER[fmt], 32 if fmt == "int4" else 128
+    chosen = pm.PAIR_CONFIGS[fmt]
+    for cfg in (chosen, pm.PairConfig(16, 4, 128, 4, 3, 2, 8)):
+        split, ku = pm.share_steps(32, cfg.split_gate_up, cfg.k_unroll)
+        build(pair_gate_up_kernel, cfg.warps_gate_up, "bf16" if split == 1 else "fp32",
+              TOP_K=8, KU=ku, G=g, FMT=code, BN=cfg.block_n_gate_up, ZN=128, MEM=mem,
+              SPLIT=split)
+        ku = pm.share_steps(12, cfg.split_down, cfg.k_unroll)[1]
+        build(pair_down_kernel, cfg.warps_down, "bf16" if split == 1 else "fp32", TOP_K=8,
+              KU=ku, G=g, FMT=code, BN=cfg.block_n_down, MEM=mem, SPLIT_GU=split)
+print("compiled")
+"""
+
+
+def test_every_variant_compiles_for_hopper() -> None:
+    pytest.importorskip("triton", reason="the kernels need Triton (pip install triton)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "compiled", run.stderr[-3000:]
