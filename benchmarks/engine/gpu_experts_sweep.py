@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deferred", default="0,3", help="hetmoe Expert Deferral values")
     p.add_argument("--new-tokens", type=int, default=48, help="hetmoe decode tokens per run")
     p.add_argument("--prefill", default="4096,16384", help="hetmoe prefill lengths per budget")
-    p.add_argument("--prefill-modes", default="auto,cpu")
+    p.add_argument("--prefill-modes", default="auto")
     p.add_argument("--deepseek-budgets", default="0,8")
     p.add_argument("--threads", type=int, default=15, help="llama-bench -t (our pool: 15)")
     p.add_argument("--lcpp-ubatch", default="512,4096", help="pp4096 ubatches; the best is kept")
