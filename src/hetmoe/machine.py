@@ -7,6 +7,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+from hetmoe import __version__
+
 
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo)."""
@@ -56,7 +58,7 @@ def huge_page_bytes() -> int:
 
 def machine_report() -> dict[str, str]:
     """Facts about CPU, ISA, NUMA, GPU and library versions, as printable strings."""
-    from hetmoe import __version__
+    # The C++ extension may be absent (cpu_backend.unavailable): imported when reported.
     from hetmoe._cpu import AMX_EMULATION, cpu_features
 
     feats = cpu_features()
@@ -80,7 +82,7 @@ def machine_report() -> dict[str, str]:
         "huge_pages": transparent_huge_pages(),
         "kernel": platform.release(),
     }
-    try:
+    try:  # a report, not a requirement: a missing library is a line of it
         import torch
 
         report["torch"] = torch.__version__
@@ -91,7 +93,7 @@ def machine_report() -> dict[str, str]:
             report["gpu"] = "none (everything runs on the CPU device)"
     except ImportError:
         report["torch"] = "not installed"
-    try:
+    try:  # as torch above
         import transformers
 
         report["transformers"] = transformers.__version__

@@ -29,7 +29,7 @@ def _is_routed_experts(name: str) -> bool:
 def build_offloaded_hf_model(config: Any, dtype: torch.dtype = torch.bfloat16,
                              seed: int = 0) -> GenerationMixin:
     """The plain HF model of `config`, random weights, experts offloaded to the CPU (accelerate)."""
-    from accelerate import dispatch_model
+    from accelerate import dispatch_model  # the test extra: the accelerate baseline only
 
     model = build_skeleton(config, dtype)
     gpu = torch.device("cuda")

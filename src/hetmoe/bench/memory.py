@@ -15,7 +15,11 @@ from typing import Any
 import torch
 
 from hetmoe.bench.shapes import routed_expert_shape, shape_config
-from hetmoe.loading.memory_plan import GB, MemoryPlan
+from hetmoe.inject.apply import apply_rules
+from hetmoe.inject.registry import OpContext
+from hetmoe.inject.rules import load_rules, shipped_rules_path
+from hetmoe.loading.memory_plan import GB, MemoryPlan, memory_plan
+from hetmoe.loading.skeleton import build_skeleton
 
 PROCESS_BYTES = int(0.5 * GB)
 """The bench process without the model (torch, the CPU backend's pool, prefill activations);
@@ -25,12 +29,6 @@ with it the plan of qwen3-30b-a3b at 2 layers is 6.0 GB, its measured peak RSS 5
 def bench_plan(shape: str, num_layers: int | None, device: torch.device, weight_format: str,
                kv_tokens: int, probe_bytes: int) -> MemoryPlan:
     """The memory plan of `shape` (with `num_layers`) as the bench builds and runs it."""
-    from hetmoe.inject.apply import apply_rules
-    from hetmoe.inject.registry import OpContext
-    from hetmoe.inject.rules import load_rules, shipped_rules_path
-    from hetmoe.loading.memory_plan import memory_plan
-    from hetmoe.loading.skeleton import build_skeleton
-
     config: Any = shape_config(shape, num_layers)
     skeleton = build_skeleton(config, torch.bfloat16)  # meta: no bytes
     apply_rules(skeleton, load_rules(shipped_rules_path(config.model_type)),

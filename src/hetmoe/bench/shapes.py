@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from transformers import AutoConfig
+
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-30b-a3b": ("qwen3_moe", dict(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
@@ -53,8 +55,6 @@ def _shape(name: str) -> tuple[str, dict[str, Any]]:
 
 def shape_config(name: str, num_layers: int | None = None) -> Any:
     """The transformers config of shape `name` (optionally with fewer decoder layers)."""
-    from transformers import AutoConfig
-
     model_type, fields = _shape(name)
     if num_layers is not None:
         fields = {**fields, "num_hidden_layers": num_layers}

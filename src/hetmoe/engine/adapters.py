@@ -23,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from hetmoe.config import EngineConfig
+from hetmoe.train.lora import peft_wrapping
 
 BASE = "__base__"
 """peft's adapter name for rows that run the base model."""
@@ -54,10 +55,9 @@ class LoraAdapters:
 
     def __init__(self, model: nn.Module, adapters: Mapping[str, Path],
                  default: str | None = None) -> None:
+        # peft takes seconds to import: only when adapters are served
         from peft import PeftModel
         from peft.tuners.lora import LoraLayer
-
-        from hetmoe.train.lora import peft_wrapping
 
         items = list(adapters.items())
         if not items:

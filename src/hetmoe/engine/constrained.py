@@ -23,6 +23,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from outlines_core import Guide, Index, Vocabulary
+from outlines_core.json_schema import (
+    BOOLEAN,
+    NULL,
+    NUMBER,
+    STRING,
+    WHITESPACE,
+    build_regex_from_schema,
+)
 
 from hetmoe.engine.token_bytes import token_bytes
 
@@ -94,8 +103,6 @@ class ResponseFormat:
     def regex(self) -> str:
         """The regular expression of the answers this format allows (ValueError naming
         `response_format` when outlines-core cannot follow the schema)."""
-        from outlines_core.json_schema import build_regex_from_schema
-
         if self.pattern is not None:
             return self.pattern
         if self.schema is None or json.loads(self.schema) == {"type": "object"}:
@@ -109,8 +116,6 @@ class ResponseFormat:
 
 def json_object_regex(nesting: int = JSON_OBJECT_NESTING) -> str:
     """A JSON object whose values nest at most `nesting` levels deep (arrays or objects)."""
-    from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING, WHITESPACE
-
     ws = WHITESPACE
     value = f"{STRING}|{NUMBER}|{BOOLEAN}|{NULL}"
     for level in range(nesting):
@@ -143,8 +148,6 @@ class JsonConstraint:
     """One choice's state in a compiled format: which tokens may come next."""
 
     def __init__(self, compiled: CompiledFormat) -> None:
-        from outlines_core import Guide
-
         self.compiled = compiled
         self.guide = Guide(compiled.index, max_rollback=0)
         self._bits = torch.zeros((compiled.vocab_size + 31) // 32, dtype=torch.int32)  # [V/32]
@@ -195,7 +198,6 @@ class Constraints:
             if hit is not None:
                 self._indexes.move_to_end(fmt)
                 return hit
-        from outlines_core import Index
 
         regex = fmt.regex()
         try:
@@ -218,8 +220,6 @@ class Constraints:
             return self._vocabulary
 
     def _build_vocabulary(self) -> Any:
-        from outlines_core import Vocabulary
-
         if self.tokenizer is None:
             raise ValueError(f"response_format needs a tokenizer; {self._where} has none")
         if not self.eos_token_ids:

@@ -42,6 +42,7 @@ from hetmoe.experts.backend import get_backend
 from hetmoe.inject.apply import InjectionReport, apply_rules
 from hetmoe.inject.registry import OpContext
 from hetmoe.inject.rules import Rule, load_rules, shipped_rules_path
+from hetmoe.loading import load_model
 from hetmoe.loading.fp8 import config_fp8_scheme
 
 _DEFAULT_MAX_SEQ_LEN = 4096
@@ -68,8 +69,6 @@ class LLM:
         chat_template: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
-        from hetmoe.loading import load_model
-
         template = read_chat_template(chat_template) if chat_template is not None else None
         self.options, adapters = with_lora(EngineConfig.from_options(**options), lora)
         self.device = check_device(device)

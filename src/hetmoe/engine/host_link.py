@@ -26,7 +26,7 @@ def check_stream_memops(device: torch.device) -> None:
     driver since CUDA 12 has them enabled; hetmoe's GPU decode needs them)."""
     if device.type != "cuda":
         return
-    from hetmoe import _cpu
+    from hetmoe import _cpu  # the C++ extension may be absent (cpu_backend.unavailable)
 
     torch.cuda.init()
     if not _cpu.stream_memops_available():
@@ -50,7 +50,7 @@ class HostLink:
     def __init__(self, moe: CpuMoE, max_rows: int, top_k: int, dtype: torch.dtype,
                  device: torch.device, queue: Callable[[HostLink, int], None],
                  packed: bool = False) -> None:
-        from hetmoe import _cpu
+        from hetmoe import _cpu  # the C++ extension may be absent (cpu_backend.unavailable)
 
         self.moe, self.device = moe, device
         h = moe.hidden

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hetmoe.experts.backend import ExpertBackend
+from hetmoe.experts.cpu_backend import CpuExperts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,12 +58,10 @@ def share_cores(model: torch.nn.Module, device: torch.device, requested: int | N
     The pool's workers spin between layers, so torch threads on the same cores would be
     preempted by them and every torch op would wait for its slowest thread.
     """
-    from hetmoe.experts.cpu_backend import CpuExperts
-
     if device.type != "cpu" or not any(isinstance(m, CpuExperts) for m in model.modules()):
         return
     if requested is None:
-        from hetmoe._cpu import pool_info
+        from hetmoe._cpu import pool_info  # present: CpuExperts are loaded
 
         info = pool_info()
         requested = max(1, int(info["allowed_cpus"]) - int(info["threads"]))

@@ -9,9 +9,14 @@ from typing import Any
 
 import torch
 
+import hetmoe.presets
 from hetmoe.loading.convert import STATE
+from hetmoe.loading.convert_source import cached_conversion, is_gguf
 from hetmoe.loading.converted import MANIFEST, ConvertedModel, is_converted, open_converted
 from hetmoe.loading.errors import CheckpointError
+from hetmoe.loading.hub import fetch_named
+from hetmoe.loading.hub_cache import hub_conversion
+from hetmoe.loading.memory_plan import memory_plan
 
 DEFAULT_MAX_SEQ_LEN = 4096
 
@@ -23,13 +28,9 @@ def open_model(model: str | os.PathLike[str], verify: bool, progress: bool,
     its checked manifest (`verify`: full checksums too). Bad files
     are refused here, before any GPU work; so is an expert backend other than `cpu` for a
     GGUF file or a converted model (their experts exist only in its packed layout)."""
-    from hetmoe.loading.convert_source import cached_conversion, is_gguf
-    from hetmoe.loading.hub import fetch_named
-    from hetmoe.presets import presets, resolve_model
-
     # a Hub name: its files in the HF cache
-    hub = None if str(model) in presets() else fetch_named(model, progress=progress)
-    path = resolve_model(model) if hub is None else hub.path
+    hub = None if str(model) in hetmoe.presets.presets() else fetch_named(model, progress=progress)
+    path = hetmoe.presets.resolve_model(model) if hub is None else hub.path
     gguf = is_gguf(path)
     if (gguf or is_converted(path)) and experts not in (None, "cpu"):
         raise ValueError(
@@ -38,8 +39,6 @@ def open_model(model: str | os.PathLike[str], verify: bool, progress: bool,
             "backends load a checkpoint directory (hetmoe.loading.gguf_checkpoint"
             ".write_checkpoint writes one from a GGUF)")
     if hub is not None and experts in (None, "cpu"):
-        from hetmoe.loading.hub_cache import hub_conversion
-
         path = hub_conversion(hub, progress=progress)  # per repo + commit + format, made once
     elif gguf:
         path = cached_conversion(path, progress)
@@ -53,8 +52,6 @@ def check_fits(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                options: Any, converted: ConvertedModel | None) -> None:
     """Refuses, before any weight is read, a model whose memory plan exceeds what this machine
     has free (the numbers in the message); converted experts count in their packed format."""
-    from hetmoe.loading.memory_plan import memory_plan
-
     config = model.config
     window = options.max_seq_len or min(
         int(getattr(config, "max_position_embeddings", DEFAULT_MAX_SEQ_LEN)), DEFAULT_MAX_SEQ_LEN)

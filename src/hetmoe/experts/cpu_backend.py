@@ -44,7 +44,7 @@ class CpuExperts(ExpertBackend):
         """Why this backend cannot run here (None when it can)."""
         if importlib.util.find_spec("hetmoe._cpu") is None:
             return "the C++ extension hetmoe._cpu is not built"
-        from hetmoe import _cpu
+        from hetmoe import _cpu  # found above; imported only here, as every user of it
 
         if not hasattr(_cpu, "MoELayer"):
             return "the C++ extension hetmoe._cpu has no MoE kernels (rebuild it)"

@@ -82,7 +82,7 @@ class CpuMoE:
         isa: str | None = None,
         amx_min_tokens: int | None = None,
     ) -> None:
-        from hetmoe import _cpu
+        from hetmoe import _cpu  # the C++ extension may be absent (cpu_backend.unavailable)
 
         for name, value in (("num_experts", num_experts), ("hidden", hidden),
                             ("intermediate", intermediate)):

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetmoe import env
+from hetmoe.loading.gguf_check import check_magic
+from hetmoe.loading.hub import fetch_named
 
 # Modules that register presets when imported; kept lazy so that a path argument imports nothing.
 _PRESET_MODULES = ("hetmoe.presets.tiny", "hetmoe.presets.demo", "hetmoe.presets.demo_moe")
@@ -60,8 +62,6 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
     Hub model's files in the HF cache (fetched on first use)."""
     path = Path(model).expanduser()
     if path.is_file():
-        from hetmoe.loading.gguf_check import check_magic
-
         check_magic(path)  # else read as a directory: "junk.gguf/config.json: Not a directory"
     if path.exists():
         return path
@@ -70,8 +70,6 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
     if preset is None and path.suffix == ".gguf":
         raise FileNotFoundError(f"{path}: no such GGUF file")
     if preset is None:
-        from hetmoe.loading.hub import fetch_named
-
         hub = fetch_named(model)  # org/name[@rev], org/name-GGUF[:QUANT]: fetched once
         if hub is not None:
             return hub.path

@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from transformers import GenerationConfig, MixtralConfig, PreTrainedTokenizerFast
 
+from hetmoe.loading.gguf import open_gguf
+from hetmoe.loading.progress import step_progress
 from hetmoe.loading.shards import write_shards
 from hetmoe.presets import Preset, register_preset
 
@@ -58,9 +61,6 @@ def smollm2_gguf() -> Path:
 
 def build_demo(out: Path, sparse: bool = False) -> None:
     """Writes the `demo` (or `demo-sparse`) Mixtral checkpoint into the empty directory `out`."""
-    from hetmoe.loading.gguf import open_gguf
-    from hetmoe.loading.progress import step_progress
-
     gguf = open_gguf(smollm2_gguf())
     llama = gguf.llama_config()
     write_config(out, llama, sparse)
@@ -135,8 +135,6 @@ def _experts(
 
 
 def write_config(out: Path, llama: dict, sparse: bool) -> None:
-    from transformers import MixtralConfig
-
     intermediate = llama["intermediate_size"] // (1 if sparse else NUM_EXPERTS)
     config = MixtralConfig(
         vocab_size=llama["vocab_size"],
@@ -166,8 +164,6 @@ def write_config(out: Path, llama: dict, sparse: bool) -> None:
 
 def write_generation_config(out: Path, llama: dict) -> None:
     """generation_config.json: the special tokens and the model card's sampling."""
-    from transformers import GenerationConfig
-
     GenerationConfig(
         bos_token_id=llama["bos_token_id"],
         eos_token_id=llama["eos_token_id"],
@@ -177,8 +173,6 @@ def write_generation_config(out: Path, llama: dict) -> None:
 
 
 def write_tokenizer(out: Path, gguf: GGUFFile) -> None:
-    from transformers import PreTrainedTokenizerFast
-
     tokens = gguf.field("tokenizer.ggml.tokens")
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=gguf.tokenizer(),

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from hetmoe.presets import Preset, register_preset
 from hetmoe.presets.tokenizer import save_tiny_tokenizer
@@ -91,8 +92,6 @@ _FAMILY_CONFIG: dict[str, tuple[int, dict[str, Any]]] = {
 
 def tiny_config(family: str, *, num_layers: int | None = None, **overrides: Any) -> Any:
     """The transformers config of the tiny `family` model (a `model_type`, `-` or `_` separated)."""
-    from transformers import AutoConfig
-
     family = family.replace("-", "_")
     if family not in _FAMILY_CONFIG:
         raise ValueError(f"unknown tiny model family {family!r}; expected one of {FAMILIES}")
@@ -121,8 +120,6 @@ def build_tiny_model(
     weights into at least two files with `model.safetensors.index.json`; `mtp_layer` adds tensors of
     a layer numbered `num_hidden_layers`, as DeepSeek-V3's multi-token-prediction layer.
     """
-    from transformers import AutoModelForCausalLM
-
     path = Path(path)
     config = tiny_config(family, num_layers=num_layers, **config_overrides)
     # Built on meta and filled once by `_randomize`: transformers' own init would be wasted work.

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
 VOCAB_SIZE = 512
 """Tokens in the vocabulary, special tokens included; equals the tiny models' `vocab_size`."""
 
@@ -47,9 +50,6 @@ all to sleep.
 
 def save_tiny_tokenizer(path: str | Path) -> None:
     """Trains the tiny tokenizer; writes tokenizer.json, its config and chat template to `path`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

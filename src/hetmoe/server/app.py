@@ -6,6 +6,7 @@ import logging
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException
@@ -83,8 +84,6 @@ def _page_route(content: bytes, media_type: str) -> Any:
 
 def serve(llm: LLM, name: str, config: ServerConfig) -> None:
     """Serves `llm` as model `name` with uvicorn until interrupted."""
-    import uvicorn
-
     if config.api_key is None and config.host not in LOOPBACK_HOSTS:
         log.warning("serving on %s without an API key: whoever reaches it may use it", config.host)
     service = ModelService(llm, name, config.max_queue)

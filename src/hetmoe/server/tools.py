@@ -15,6 +15,7 @@ leaves the answer as text (`finish_reason` from generation); parsed calls end it
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -182,8 +183,6 @@ def template_messages(messages: Sequence[ChatMessage],
     """The history as chat templates take it. Arguments of earlier calls go as objects (the
     transformers convention), or as JSON text with `text_arguments` (DeepSeek's templates join
     them as strings)."""
-    import json
-
     turns: list[dict[str, Any]] = []
     for m in messages:
         turn: dict[str, Any] = {"role": m.role, "content": m.text()}

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
 
 from hetmoe.train.data import Row
 from hetmoe.train.report import StepLog
@@ -74,9 +76,6 @@ def load_checkpoint(path: Path, peft_model: Any, config: dict[str, Any],
                     data: str) -> TrainerState:
     """Loads the adapter weights of checkpoint `path` into `peft_model` and returns its state;
     ValueError when the run's options or data differ from the checkpoint's."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
     raw = torch.load(path / STATE, weights_only=False)
     changed = sorted(k for k in set(config) | set(raw["config"])
                      if config.get(k) != raw["config"].get(k))

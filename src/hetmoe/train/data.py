@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from datasets import load_dataset
+
 IGNORE = -100
 """Label of tokens without loss (transformers' ignore index)."""
 ROLES = ("system", "user", "assistant", "tool")
@@ -93,8 +95,6 @@ def check_file(path: str | Path) -> int:
 def read_examples(path: str | Path) -> list[dict[str, Any]]:
     """The checked file's examples as chat messages (prompt/completion: one user and one
     assistant turn), read with `datasets`."""
-    from datasets import load_dataset
-
     check_file(path)
     data = load_dataset("json", data_files=str(path), split="train")
     if "messages" in data.column_names:

@@ -50,7 +50,7 @@ class LoraSettings:
 
     def peft_config(self, **extra: Any) -> Any:
         """The `peft.LoraConfig` of these settings (extra: more LoraConfig fields)."""
-        from peft import LoraConfig
+        from peft import LoraConfig  # seconds to import; this module loads at `hetmoe --help`
 
         targets = self.target_modules if self.target_modules is not None else default_targets()
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
@@ -72,7 +72,7 @@ def peft_wrapping() -> Iterator[None]:
 def attach_lora(model: nn.Module, settings: LoraSettings, **extra: Any) -> Any:
     """Wraps `model` (a loaded hetmoe or transformers model) in a `peft.PeftModel` whose only
     trainable parameters are the adapters; ValueError when no module matches the targets."""
-    from peft import get_peft_model
+    from peft import get_peft_model  # as in peft_config
 
     try:
         with peft_wrapping():

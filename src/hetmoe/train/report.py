@@ -71,6 +71,7 @@ def write_log(path: Path, history: list[StepLog], summary: dict[str, Any]) -> No
 
 def plot_loss(path: Path, history: list[StepLog], title: str) -> None:
     """The loss per step as a PNG (matplotlib, no display needed)."""
+    # Here: choosing the Agg backend at import would change it for a program importing hetmoe.
     import matplotlib
 
     matplotlib.use("Agg")

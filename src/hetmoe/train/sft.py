@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import get_cosine_schedule_with_warmup
 
 from hetmoe.train.checkpoint import (
     TrainerState,
@@ -67,8 +68,6 @@ def train(model: Any, rows: list[Row], config: SftConfig, out: Path,
     packed `rows`; writes the adapter to `out` (PEFT format) and checkpoints under
     `out/checkpoints`. `resume` continues from the newest checkpoint (same options and data:
     the run ends as the uninterrupted one would). `on_step` sees each step's log."""
-    from transformers import get_cosine_schedule_with_warmup
-
     device = next(model.parameters()).device
     torch.manual_seed(config.seed)
     peft_model = attach_lora(model, config.lora)
