@@ -153,3 +153,77 @@ def test_bad_inputs_are_named() -> None:
         call(slots=slots[:, None])
     with pytest.raises(ValueError, match=r"share one dtype, got torch.bfloat16, torch.float32"):
         call(q=q.bfloat16())
+
+
+def prepared64(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               eps: float) -> torch.Tensor:
+    """float64 RMSNorm per head then rotate-half rope: x [B, n, D], cos / sin [B, D]."""
+    xf = x.double()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    half = x.shape[-1] // 2
+    turned = torch.cat((-normed[..., half:], normed[..., :half]), dim=-1)
+    return normed * cos.double()[:, None] + turned * sin.double()[:, None]
+
+
+def prepared_torch(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """The fused step's torch ops (ops/fused.py rms_norm, rotate) on x [B, n, D]."""
+    normed = fused.rms_norm(x[:, None], weight, eps)  # [B, 1, n, D]
+    return fused.rotate(normed.transpose(1, 2), cos[:, None], sin[:, None], "half")[:, :, 0]
+
+
+@pytest.mark.parametrize(("b", "h", "kv_heads", "d", "dtype"), [
+    (1, 32, 4, 128, torch.bfloat16), (3, 4, 2, 16, torch.float32), (2, 6, 2, 64, torch.bfloat16)])
+def test_norms_and_rope_in_the_kernel(b: int, h: int, kv_heads: int, d: int,
+                                      dtype: torch.dtype) -> None:
+    """q and k as projected (views of one fused q/k/v row, as the decode step hands them over),
+    normed and rotated in the kernel: against float64 norm, rope and attention, its error at
+    most the torch ops' (rms_norm, rotate, then the torch form) plus one output rounding; the
+    cache holds the rotated key."""
+    g = torch.Generator().manual_seed(d + b)
+    length, eps, scale = 100, 1e-6, 1 / math.sqrt(d)
+    qkv = (torch.randn(b, (h + 2 * kv_heads) * d, generator=g) * 3).to(dtype)
+    q, k_new, v_new = (t.view(b, -1, d) for t in qkv.split([h * d, kv_heads * d,
+                                                             kv_heads * d], dim=-1))
+    q_norm, k_norm = (torch.rand(d, generator=g) + 0.5).to(dtype), torch.rand(d).to(dtype)
+    pos = torch.randint(0, length, (b,), generator=g)
+    angles = pos[:, None] * 10000.0 ** (-torch.arange(d // 2) / (d // 2))  # [B, D/2]
+    cos, sin = (f(torch.cat((angles, angles), -1)).to(dtype) for f in (torch.cos, torch.sin))
+    cache = torch.randn(b + 1, length, 2, kv_heads, d, generator=g).to(dtype)
+    slots = torch.randperm(b + 1, generator=g)[:b]
+    q64, k64 = (prepared64(x, w, cos, sin, eps) for x, w in ((q, q_norm), (k_new, k_norm)))
+    want = reference(q64, k64, v_new, cache, slots, pos, 0, scale)
+    q_t, k_t = (prepared_torch(x, w, cos, sin, eps) for x, w in ((q, q_norm), (k_new, k_norm)))
+    width = int(pos.max()) + 1
+    theirs = torch_form(q_t, k_t, v_new, cache, slots, pos, width, 0, scale)
+    after = cache.to(HERE)
+    out = gqa_decode_attention(
+        q.to(HERE), k_new.to(HERE), v_new.to(HERE), after, slots.to(HERE), (pos * 0).to(HERE),
+        pos.to(HERE), max(2, -(-width // 64)), scale, q_norm.to(HERE), k_norm.to(HERE), eps,
+        cos.to(HERE), sin.to(HERE)).cpu()
+    ours, theirs_err = ((x.double() - want).abs().max().item() for x in (out, theirs))
+    ulp = torch.finfo(dtype).eps * want.abs().max().item()
+    assert ours <= theirs_err + ulp, f"kernel error {ours:.3g} vs the torch ops' {theirs_err:.3g}"
+    stored = after.cpu()[slots, pos, 0].double()  # [B, h_kv, D]
+    key_err = (stored - k64).abs().max().item()
+    torch_key_err = (k_t.double() - k64).abs().max().item()
+    assert key_err <= torch_key_err + torch.finfo(dtype).eps * k64.abs().max().item()
+    assert torch.equal(after.cpu()[slots, pos, 1], v_new)
+
+
+def test_bad_prologue_inputs_are_named() -> None:
+    q, k_new, v_new, cache, slots, pos = make_case(0, 2, 4, 2, 16, 10, torch.float32)
+    base = (q, k_new, v_new, cache, slots, pos * 0, pos, 2, 1.0)
+    weight, angle = torch.ones(16), torch.zeros(2, 16)
+    with pytest.raises(ValueError, match=r"q_norm / k_norm are given together, got one"):
+        gqa_decode_attention(*base, weight, None)
+    with pytest.raises(ValueError, match=r"q_norm / k_norm of \[16\] expected, got \[\(16,\), "
+                                         r"\(8,\)\]"):
+        gqa_decode_attention(*base, weight, torch.ones(8))
+    with pytest.raises(ValueError, match=r"cos / sin of \[2, 16\] expected, got \[\(2, 16\), "
+                                         r"\(1, 16\)\]"):
+        gqa_decode_attention(*base, cos=angle, sin=angle[:1])
+    q, k_new, v_new, cache, slots, pos = make_case(0, 2, 4, 2, 15, 10, torch.float32)
+    with pytest.raises(ValueError, match=r"rope needs an even head dim, got 15"):
+        gqa_decode_attention(q, k_new, v_new, cache, slots, pos * 0, pos, 2, 1.0,
+                             cos=torch.zeros(2, 15), sin=torch.zeros(2, 15))

@@ -47,13 +47,16 @@ def build_gqa(fn, sig, **consts):
                    target=GPUTarget("cuda", 90, 32))
 
 
-for dtype, d, group in (("bf16", 128, 8), ("fp16", 80, 3), ("fp32", 16, 2)):
+for dtype, d, group, prologue in (("bf16", 128, 8, True), ("fp16", 80, 3, False),
+                                  ("fp32", 16, 2, True)):
     dims = dict(D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), ROUND_BITS=False)
-    sig = dict.fromkeys(("q_ptr", "k_new_ptr", "v_new_ptr", "cache_ptr"), "*" + dtype)
+    sig = dict.fromkeys(("q_ptr", "k_new_ptr", "v_new_ptr", "cache_ptr", "q_norm_ptr",
+                         "k_norm_ptr", "cos_ptr", "sin_ptr"), "*" + dtype)
     sig.update(slots_ptr="*i64", lo_ptr="*i64", pos_ptr="*i64", part_ptr="*fp32",
-               stat_ptr="*fp32", s_slot="i64", s_key="i64", s_kv="i32", s_head="i32",
-               scale="fp32")
-    build_gqa(gqa.split_kernel, sig, H_KV=4, G=group, BLOCK_G=16, IEEE=dtype == "fp32", **dims)
+               stat_ptr="*fp32", s_slot="i64", scale="fp32", eps="fp32")
+    sig.update(dict.fromkeys(("s_q", "s_k", "s_v", "s_cos", "s_key", "s_kv", "s_head"), "i32"))
+    build_gqa(gqa.split_kernel, sig, H_KV=4, G=group, BLOCK_G=16, NORM=prologue, ROPE=prologue,
+              IEEE=dtype == "fp32", **dims)
     build_gqa(gqa.combine_kernel, {"part_ptr": "*fp32", "stat_ptr": "*fp32",
                                    "out_ptr": "*" + dtype, "splits": "i32"}, BLOCK_S=16, **dims)
 print("compiled")

@@ -10,8 +10,9 @@ the previous layer's MoE output to the packed router output:
 
 then, outside it: the CPU experts' start (one copy, `MoEStep.forward_packed`), the
 cache write (one kernel, off the CPU's critical path), the shared experts, the wait. On a GPU
-GQA attention is kernels/gqa_decode.py (HETMOE_DECODE_ATTENTION=torch: the torch form), which
-stores the new cache entries itself, inside the compiled graph (a `triton_op`). On a GPU the
+q/k norms, rope and GQA attention are kernels/gqa_decode.py (HETMOE_DECODE_ATTENTION=torch:
+the torch ops), which stores the new cache entries itself, inside the compiled graph (a
+`triton_op`). On a GPU the
 layer functions go through `torch.compile` (Inductor); the weights are arguments, so every layer
 of a model shares one compiled graph. Attention reads the first `kv_len` cache entries (the
 runner's window bucket, ops/kv_batch.py) in chunks of 64 whose count is a dynamic dimension, so
@@ -73,10 +74,12 @@ def _layer_tail(s: LayerStatics, h: torch.Tensor, attn: torch.Tensor, o_w: torch
 
 def make_gqa_layer(s: LayerStatics, kernel: bool = False) -> Callable[..., tuple[Any, ...]]:
     """The pure layer function of a GQA layer with statics `s` (see the module docstring).
-    `kernel`: attention by kernels/gqa_decode.py, which also stores the new cache entries (the
-    function returns none to write), over `window` = (mask, lo, pos) (`FusedDecoder._window`);
-    else the torch form over `window` = (mask,)."""
+    `kernel`: q/k norms, rope, attention and the cache write by kernels/gqa_decode.py (the
+    function returns no entries to write) over `window` = (mask, lo, pos)
+    (`FusedDecoder._window`); else the torch ops over `window` = (mask,)."""
     kv_heads, head_dim = s.dims
+    if kernel and s.rope != "half":
+        raise ValueError(f"the GQA decode kernel rotates rotate-half rope, not {s.rope!r}")
     if kernel:  # Triton is loaded only where the kernel runs (kernels/ is imported lazily)
         from hetmoe.kernels.gqa_decode import gqa_decode_attention
 
@@ -90,20 +93,19 @@ def make_gqa_layer(s: LayerStatics, kernel: bool = False) -> Callable[..., tuple
         b = h.shape[0]
         h = _residual(h, terms)  # [B, H]
         qkv = fused.linear(fused.rms_norm(h, norms[0], s.eps[0]), qkv_w, qkv_b)
-        q, k, v = qkv.split([s.heads * head_dim, kv_heads * head_dim,
-                             kv_heads * head_dim], dim=-1)
-        q, k = q.view(b, 1, s.heads, head_dim), k.view(b, 1, kv_heads, head_dim)
+        q, k, v = (t.view(b, -1, head_dim) for t in qkv.split(
+            [s.heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+        kv_cache, mask = caches[0], window[0]
+        if kernel:  # q [B, h, D], k / v [B, h_kv, D] as projected (views of qkv)
+            _, lo, pos = window
+            attn = gqa_decode_attention(q, k, v, kv_cache, slots, lo, pos, mask.shape[1],
+                                        s.scale, qn_w, kn_w, s.eps[2], cos, sin)
+            return _layer_tail(s, h, attn.view(b, -1), o_w, norms[1], (), router)
+        q, k = q[:, None], k[:, None]  # [B, 1, heads, D]
         if qn_w is not None and kn_w is not None:
             q, k = fused.rms_norm(q, qn_w, s.eps[2]), fused.rms_norm(k, kn_w, s.eps[2])
         q = fused.rotate(q.transpose(1, 2), cos, sin, s.rope)[:, :, 0]  # [B, h, D]
         k = fused.rotate(k.transpose(1, 2), cos, sin, s.rope)[:, :, 0]  # [B, h_kv, D]
-        v = v.view(b, kv_heads, head_dim)
-        kv_cache, mask = caches[0], window[0]
-        if kernel:
-            _, lo, pos = window
-            attn = gqa_decode_attention(q, k, v, kv_cache, slots, lo, pos, mask.shape[1],
-                                        s.scale).view(b, s.heads * head_dim)
-            return _layer_tail(s, h, attn, o_w, norms[1], (), router)
         attn = fused.gqa_decode_attention(q, k, v, kv_cache[:, :, 0], kv_cache[:, :, 1],
                                           slots, mask, s.scale)
         new = (torch.stack((k, v), dim=1).to(kv_cache.dtype),)  # [B, 2, h_kv, D]

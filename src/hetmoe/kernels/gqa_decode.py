@@ -1,9 +1,10 @@
 """GQA decode attention (flash-decoding) on the runner's KV cache, with the step's cache write.
 
 One query per row (sequence) over the row's cached entries plus its own new entry, which the
-kernel also stores at the row's position. The math of `ops/fused.py` `gqa_decode_attention`
-(the torch form, which the compiled decode step otherwise spreads over ~10 Inductor kernels
-per layer) in two kernels:
+kernel also stores at the row's position; optionally q and k as projected, RMSNormed per head
+and rotated (rotate-half rope) on the way in. The math of `ops/fused.py` (`rms_norm`,
+`rotate`, `gqa_decode_attention`: the torch ops, which the compiled decode step otherwise
+spreads over ~10 Inductor kernels and an index_put per layer) in two kernels:
 
 - `split_kernel`, one program per (row, key head, split of the row's window): all query heads
   of the key head's group at once (q [G, D] against keys [64, D] as one dot), an online
@@ -21,6 +22,8 @@ both kernels into the compiled graph and fuses the ops around them.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -56,13 +59,48 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _heads(base, rows, live_rows, w_ptr, cos, sin, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
+           NORM: tl.constexpr, ROPE: tl.constexpr, ROUND_BITS: tl.constexpr,
+           dtype: tl.constexpr):
+    """Head vectors `rows` [R] at base + row * D -> [R, BLOCK_D] in `dtype`: as projected, or
+    RMSNormed with the weights at w_ptr [D] (fp32 statistics, rounded to dtype, times the
+    weight, rounded: ops/fused.py `rms_norm`), then rotated by cos / sin [BLOCK_D] fp32
+    (rotate-half rope: x cos + rotate_half(x) sin, rounded once)."""
+    d = tl.arange(0, BLOCK_D)
+    at = live_rows[:, None] & (d < D)[None, :]
+    x = tl.load(base + rows[:, None] * D + d[None, :], mask=at, other=0.0).to(tl.float32)
+    partner = (d + D // 2) % D  # rotate_half's source of each element
+    xr = x
+    if ROPE:
+        xr = tl.load(base + rows[:, None] * D + partner[None, :], mask=at, other=0.0)
+        xr = xr.to(tl.float32)
+    if NORM:
+        inv = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]  # [R, 1]
+        w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        x = _rounded(_rounded(x * inv, ROUND_BITS, dtype).to(tl.float32) * w[None, :],
+                     ROUND_BITS, dtype).to(tl.float32)
+        if ROPE:
+            w = tl.load(w_ptr + partner, mask=d < D, other=0.0).to(tl.float32)
+            xr = _rounded(_rounded(xr * inv, ROUND_BITS, dtype).to(tl.float32) * w[None, :],
+                          ROUND_BITS, dtype).to(tl.float32)
+    if ROPE:
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        x = x * cos[None, :] + sign[None, :] * xr * sin[None, :]
+    return _rounded(x, ROUND_BITS, dtype)
+
+
+@triton.jit
 def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_ptr, part_ptr,
-                 stat_ptr, s_slot, s_key, s_kv, s_head, scale, H_KV: tl.constexpr,
-                 G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-                 BLOCK_D: tl.constexpr, ROUND_BITS: tl.constexpr, IEEE: tl.constexpr):
-    """q [B, H_KV*G, D], k_new / v_new [B, H_KV, D] (contiguous); cache [N, C, 2, H_KV, D] by
-    strides; part [B, H_KV*G, S, D] fp32 and stat [B, H_KV*G, S, 2] fp32 (max, sum) written.
-    Row b attends its cached entries [lo[b], pos[b]) and its own."""
+                 stat_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, s_q, s_k, s_v, s_cos,
+                 s_slot, s_key, s_kv, s_head, scale, eps, H_KV: tl.constexpr, G: tl.constexpr,
+                 D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                 NORM: tl.constexpr, ROPE: tl.constexpr, ROUND_BITS: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """q [B, H_KV*G, D], k_new / v_new [B, H_KV, D] (rows s_q / s_k / s_v apart, heads D);
+    NORM: q / k RMSNorms (weights [D]), ROPE: cos / sin [B, D] (rows s_cos apart) applied to
+    them here; cache [N, C, 2, H_KV, D] by strides; part [B, H_KV*G, S, D] fp32 and stat
+    [B, H_KV*G, S, 2] fp32 (max, sum) written. Row b attends its cached entries
+    [lo[b], pos[b]) and its own."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -73,9 +111,14 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
     live_g, live_d = g < G, d < D
     pos = tl.load(pos_ptr + b)
     slot = tl.load(slots_ptr + b)
+    cos = tl.zeros([BLOCK_D], dtype=tl.float32)
+    sin = cos
+    if ROPE:
+        cos = tl.load(cos_ptr + b * s_cos + d, mask=live_d, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + b * s_cos + d, mask=live_d, other=0.0).to(tl.float32)
     head = kvh * G + g  # [BLOCK_G] query heads of this key head
-    q = tl.load(q_ptr + (b * H_KV * G + head)[:, None] * D + d[None, :],
-                mask=live_g[:, None] & live_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    q = _heads(q_ptr + b * s_q, head, live_g, q_norm_ptr, cos, sin, eps, D, BLOCK_D, NORM, ROPE,
+               ROUND_BITS, dtype)  # [BLOCK_G, BLOCK_D]
     row = cache_ptr + slot * s_slot + kvh * s_head  # this row's slot, this key head
     lo = tl.load(lo_ptr + b)
     per = tl.cdiv(tl.cdiv(pos - lo, splits), BLOCK_N) * BLOCK_N  # entries per split
@@ -85,15 +128,17 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
     total = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     if split == 0:  # the own entry: stored, and the softmax's first term
-        new = (b * H_KV + kvh) * D + d
-        k_own = tl.load(k_new_ptr + new, mask=live_d, other=0.0)
-        v_own = tl.load(v_new_ptr + new, mask=live_d, other=0.0)
-        tl.store(row + pos * s_key + d, k_own.to(cache_ptr.dtype.element_ty), mask=live_d)
-        tl.store(row + pos * s_key + s_kv + d, v_own.to(cache_ptr.dtype.element_ty),
-                 mask=live_d)
-        m = tl.sum(q.to(tl.float32) * k_own.to(tl.float32)[None, :], 1) * scale
+        one = kvh + tl.zeros([1], tl.int32)
+        k_own = _heads(k_new_ptr + b * s_k, one, one >= 0, k_norm_ptr, cos, sin, eps, D,
+                       BLOCK_D, NORM, ROPE, ROUND_BITS, dtype)  # [1, BLOCK_D]
+        v_own = tl.load(v_new_ptr + b * s_v + kvh * D + d[None, :], mask=live_d[None, :],
+                        other=0.0)
+        own = row + pos * s_key + d[None, :]
+        tl.store(own, k_own.to(cache_ptr.dtype.element_ty), mask=live_d[None, :])
+        tl.store(own + s_kv, v_own.to(cache_ptr.dtype.element_ty), mask=live_d[None, :])
+        m = tl.sum(q.to(tl.float32) * k_own.to(tl.float32), 1) * scale
         total += 1.0
-        acc += v_own.to(tl.float32)[None, :]
+        acc += v_own.to(tl.float32)
     n = tl.arange(0, BLOCK_N)
     for key0 in range(start, end, BLOCK_N):
         keys = key0 + n
@@ -169,33 +214,67 @@ def check_inputs(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                          f"got {q.dtype}, {k_new.dtype}, {v_new.dtype}, {kv_cache.dtype}")
 
 
+def check_prologue(q: torch.Tensor, norms: tuple[torch.Tensor | None, ...],
+                   rope: tuple[torch.Tensor | None, ...]) -> None:
+    """ValueError unless q/k norms and cos/sin are both given or both absent, with [D]
+    weights and [B, D] (or [B, 1, D]) angles; rope needs an even D."""
+    b, _, d = q.shape
+    for pair, name, shape in ((norms, "q_norm / k_norm", (d,)), (rope, "cos / sin", (b, d))):
+        given = [t is not None for t in pair]
+        if any(given) and not all(given):
+            raise ValueError(f"gqa_decode_attention: {name} are given together, got one")
+        if all(given) and any(t.numel() != math.prod(shape) or t.shape[0] != shape[0]
+                              for t in pair if t is not None):
+            raise ValueError(f"gqa_decode_attention: {name} of {list(shape)} expected, got "
+                             f"{[tuple(t.shape) for t in pair if t is not None]}")
+    if rope[0] is not None and d % 2:
+        raise ValueError(f"gqa_decode_attention: rope needs an even head dim, got {d}")
+
+
+def _heads_layout(x: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, D] with unit element and D head strides (rows may be apart, as q, k and v
+    are in the fused projection's output), else a contiguous copy."""
+    return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
+
+
 @triton_op("hetmoe::gqa_decode_attention", mutates_args={"kv_cache"})
 def gqa_decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                          kv_cache: torch.Tensor, slots: torch.Tensor, lo: torch.Tensor,
-                         pos: torch.Tensor, num_chunks: int, scale: float) -> torch.Tensor:
+                         pos: torch.Tensor, num_chunks: int, scale: float,
+                         q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                         eps: float = 0.0, cos: torch.Tensor | None = None,
+                         sin: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [B, h, D] over row b's cached entries [lo[b], pos[b]) of slot
     `slots[b]` plus its own k_new / v_new [B, h_kv, D], which are stored at cache[slot, pos]
     -> [B, h, D] in q's dtype. kv_cache [N, C, 2, h_kv, D] (keys, values); lo: 0 attends every
     cached entry, pos - window + 1 a sliding window (ops/fused.py `window_bounds`);
     `num_chunks`: the attended window in chunks of 64 (sets the splits); 0 <= lo <= pos < C
-    (not checked: no host sync)."""
+    (not checked: no host sync). With q_norm / k_norm [D] (eps) and cos / sin [B, D], q and
+    k_new are as projected: RMSNormed per head and rotated (rotate-half) here first."""
     check_inputs(q, k_new, v_new, kv_cache, slots, lo, pos)
+    check_prologue(q, (q_norm, k_norm), (cos, sin))
     b, h, d = q.shape
     kv_heads = k_new.shape[1]
+    norm, rope = q_norm is not None, cos is not None
+    q, k_new, v_new = _heads_layout(q), _heads_layout(k_new), _heads_layout(v_new)
+    # q stands in for absent tensors (NORM / ROPE off: the kernel never reads them)
+    q_norm, k_norm = q_norm if q_norm is not None else q, k_norm if k_norm is not None else q
+    cos = cos.reshape(b, d).contiguous() if cos is not None else q
+    sin = sin.reshape(b, d).contiguous() if sin is not None else q
     splits = (num_chunks + CHUNKS_PER_SPLIT - 1) // CHUNKS_PER_SPLIT
     part = q.new_empty((b, h, splits, d), dtype=torch.float32)
     stat = q.new_empty((b, h, splits, 2), dtype=torch.float32)
-    out = torch.empty_like(q)
+    out = q.new_empty((b, h, d))
     bits = q.dtype == torch.bfloat16 and bool(INTERPRETED)  # round bf16 on the bits
-    ieee = q.dtype == torch.float32 or bool(INTERPRETED)
     block_d = max(16, triton.next_power_of_2(d))
     wrap_triton(split_kernel)[(b, kv_heads, splits)](
-        q.contiguous(), k_new.contiguous(), v_new.contiguous(), kv_cache, slots, lo, pos, part,
-        stat, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        scale, H_KV=kv_heads, G=h // kv_heads, D=d,
-        BLOCK_G=max(16, triton.next_power_of_2(h // kv_heads)), BLOCK_D=block_d,
-        ROUND_BITS=bits, IEEE=ieee)
+        q, k_new, v_new, kv_cache, slots.contiguous(), lo.contiguous(), pos.contiguous(), part,
+        stat, q_norm, k_norm, cos, sin,
+        q.stride(0), k_new.stride(0), v_new.stride(0), cos.stride(0), kv_cache.stride(0),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), scale, eps, H_KV=kv_heads,
+        G=h // kv_heads, D=d, BLOCK_G=max(16, triton.next_power_of_2(h // kv_heads)),
+        BLOCK_D=block_d, NORM=norm, ROPE=rope, ROUND_BITS=bits,
+        IEEE=q.dtype == torch.float32 or bool(INTERPRETED))
     wrap_triton(combine_kernel)[(b * h,)](part, stat, out, splits, D=d, BLOCK_S=16,
                                           BLOCK_D=block_d, ROUND_BITS=bits)
     return out
-
