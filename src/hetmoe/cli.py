@@ -5,16 +5,23 @@ Help is rendered in click's plain style: typer's rich style labels every flag `<
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from hetmoe import cli_batch, cli_convert, cli_engine, cli_models, cli_train
+from hetmoe import __version__, cli_batch, cli_convert, cli_engine, cli_models, cli_train
 from hetmoe.chat_session import ChatSession
 from hetmoe.cli_engine import EngineOptions, adapter_path, engine_options, named_adapters
 from hetmoe.cli_exit import fail
 from hetmoe.config import EngineConfig
+from hetmoe.server.client import ChatClient, ServerError, remote_chat
+from hetmoe.server.config import ServerConfig
+
+# Commands import what they run inside their functions: `hetmoe --help` imports no torch and
+# no transformers (tests/test_cli_basics.py).
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -37,8 +44,6 @@ LoraOpt = Annotated[Path | None, typer.Option(
 
 def _version(value: bool) -> None:
     if value:
-        from hetmoe import __version__
-
         typer.echo(f"hetmoe {__version__}")
         raise typer.Exit()
 
@@ -52,8 +57,6 @@ def main(token: Annotated[str | None, typer.Option(
              help="Print hetmoe's version and exit")] = False) -> None:
     """hetmoe: MoE LLMs on one workstation, GPU and CPU as one machine."""
     if token:  # huggingface_hub reads HF_TOKEN at each request
-        import os
-
         os.environ["HF_TOKEN"] = token
 
 
@@ -133,8 +136,6 @@ def chat(
     checked_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                      top_k=top_k, seed=seed)
     if url is not None:
-        from hetmoe.server.client import ChatClient, ServerError, remote_chat
-
         if engine.chat_template is not None:
             fail(ValueError("--chat-template applies to a model loaded here; the server at --url "
                             "renders with its own (hetmoe serve --chat-template FILE)"))
@@ -213,7 +214,6 @@ def serve(
     OpenAI-compatible HTTP API with a chat page at /.
     """
     from hetmoe.server.app import serve as serve_app
-    from hetmoe.server.config import ServerConfig
 
     given: dict[str, Any] = dict(host=host, port=port, api_key=api_key, max_queue=max_queue,
                                  model_name=model_name)
@@ -262,8 +262,6 @@ def bench(
 
     Times MODEL, or a real shape with random weights, and prints a table (and JSON).
     """
-    import json
-
     from hetmoe.bench.harness import BenchConfig, run_bench, table
 
     try:

@@ -18,6 +18,10 @@ import typer
 from hetmoe.cli_engine import EngineOptions, engine_options
 from hetmoe.cli_exit import fail
 from hetmoe.config import EngineConfig
+from hetmoe.server.config import ServerConfig
+
+# Commands import what they run inside their functions: `hetmoe --help` imports no torch and
+# no transformers (tests/test_cli_basics.py).
 
 if TYPE_CHECKING:
     from hetmoe.engine.batch_job import JobFiles, JobLine
@@ -124,7 +128,6 @@ async def _serve(llm: LLM, name: str, todo: list[JobLine], files: JobFiles,
 
     from hetmoe.engine.batch_job import run_job
     from hetmoe.server.app import build_app
-    from hetmoe.server.config import ServerConfig
     from hetmoe.server.service import ModelService
 
     service = ModelService(llm, name, max_queue=2**31)  # the job's own requests only

@@ -10,6 +10,10 @@ import typer
 
 from hetmoe.cli_exit import fail
 from hetmoe.config import EngineConfig
+from hetmoe.machine import machine_report
+
+# Commands import what they run inside their functions: `hetmoe --help` imports no torch and
+# no transformers (tests/test_cli_basics.py).
 
 _DEFAULTS = EngineConfig()
 ExpertFormatOpt = Annotated[str | None, typer.Option(
@@ -74,8 +78,6 @@ def info(
     rates are the machine profile that `hetmoe calibrate` stores. With MODEL: host and GPU
     bytes per component in the chosen expert format, and whether they fit.
     """
-    from hetmoe.machine import machine_report
-
     if model is None:
         for key, value in {**machine_report(), **profile_report()}.items():
             typer.echo(f"{key:<16} {value}")
