@@ -187,7 +187,8 @@ PAIR_SWEEP_DOWN = [(64, 1, 4), (32, 1, 4), (32, 2, 2), (64, 2, 4), (64, 3, 4), (
 
 def pair_sweep(moe: CpuMoE, raw: torch.Tensor, tokens: list[int], k: int, bandwidth: float,
                repeats: int) -> list[dict[str, Any]]:
-    """Graph ms of the pair kernels per launch shape (`PAIR_SWEEP_*`) at each T, beside the
+    """Graph ms of the pair kernels at each T for the format's `PAIR_CONFIGS` shape, then
+    per launch shape of `PAIR_SWEEP_*` (down shapes on the best gate/up one), beside the
     bytes floor (the distinct experts routed to) and the largest relative difference from
     the format's current `PAIR_CONFIGS` shape (fp32 sums in another order: ~1e-6)."""
     (part,) = moe.packed_groups()
@@ -222,9 +223,10 @@ def pair_sweep(moe: CpuMoE, raw: torch.Tensor, tokens: list[int], k: int, bandwi
         print(json.dumps(row), flush=True)
         return row
 
-    best = min((time_config(dataclasses.replace(
+    gate_up = [time_config(base)] + [time_config(dataclasses.replace(  # first: the one to beat
         base, block_n_gate_up=bn, split_gate_up=split, warps_gate_up=warps, k_unroll=unroll))
-        for bn, split, warps, unroll in PAIR_SWEEP_GATE_UP), key=lambda r: r["score"])
+        for bn, split, warps, unroll in PAIR_SWEEP_GATE_UP]
+    best = min(gate_up, key=lambda r: r["score"])
     for bn, split, warps in PAIR_SWEEP_DOWN:
         time_config(dataclasses.replace(PairConfig(*best["config"]), block_n_down=bn,
                                         split_down=split, warps_down=warps))
@@ -250,25 +252,27 @@ def print_pair_sweep(rows: list[dict[str, Any]]) -> None:
 
 
 def run_pair_sweep(args: argparse.Namespace, bandwidth: float) -> None:
-    """`--pair-sweep`: the pair kernels' launch shapes per format, JSON and tables."""
+    """`--pair-sweep`: the pair kernels' launch shapes per format; the JSON and the tables
+    rewritten after each format (a call cut short keeps the formats done)."""
     rows: list[dict[str, Any]] = []
     tokens = [int(n) for n in args.pair_tokens.split(",")]
-    for fmt in args.pair_sweep.split(","):
-        start = time.perf_counter()
-        moe = build_layer(fmt, args.experts, args.hidden, args.intermediate)
-        (part,) = moe.packed_groups()
-        raw = host_tensor(part).to("cuda")
-        rows += pair_sweep(moe, raw, tokens, args.top_k, bandwidth, args.repeats)
-        print(f"{fmt}: swept in {time.perf_counter() - start:.0f} s", flush=True)
-        del raw
-        torch.cuda.empty_cache()
     result = {"shape": {"experts": args.experts, "hidden": args.hidden,
                         "intermediate": args.intermediate, "top_k": args.top_k},
               "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "rows": rows,
               "fields": [f.name for f in dataclasses.fields(PairConfig)],
               "device": torch.cuda.get_device_name(), "machine": machine_report()}
-    (args.out / "packed_moe_pair_sweep.json").write_text(json.dumps(result, indent=1))
-    print_pair_sweep(rows)
+    for fmt in args.pair_sweep.split(","):
+        start = time.perf_counter()
+        moe = build_layer(fmt, args.experts, args.hidden, args.intermediate)
+        (part,) = moe.packed_groups()
+        raw = host_tensor(part).to("cuda")
+        print(f"{fmt}: layer packed in {time.perf_counter() - start:.0f} s", flush=True)
+        rows += pair_sweep(moe, raw, tokens, args.top_k, bandwidth, args.repeats)
+        print(f"{fmt}: swept in {time.perf_counter() - start:.0f} s", flush=True)
+        del raw
+        torch.cuda.empty_cache()
+        (args.out / "packed_moe_pair_sweep.json").write_text(json.dumps(result, indent=1))
+        print_pair_sweep(rows)
 
 
 def main() -> None:
