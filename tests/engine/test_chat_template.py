@@ -9,7 +9,7 @@ import pytest
 
 from hetmoe import LLM
 from hetmoe.engine import engine
-from hetmoe.engine.chat_template import read_chat_template
+from hetmoe.engine.chat_template import read_chat_template, set_chat_template
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n"
             "{% endfor %}{% if add_generation_prompt %}[ASSISTANT] {% endif %}")
@@ -48,3 +48,16 @@ def test_bad_files_are_named_before_loading(tmp_path: Path, monkeypatch: pytest.
     assert str(caught.value).startswith(f"chat template {str(file)!r}: {message}")
     with pytest.raises(ValueError, match="is a directory"):
         read_chat_template(tmp_path)
+
+
+def test_a_model_without_tokenizer_refuses_the_template(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"chat template 'chat.jinja': .*model has no tokenizer "
+                                         r"to render it with"):
+        set_chat_template(None, "{{ messages }}", "chat.jinja", tmp_path / "model")
+
+    class Tokenizer:
+        chat_template = "old"
+
+    tokenizer = Tokenizer()
+    set_chat_template(tokenizer, "{{ messages }}", "chat.jinja", tmp_path / "model")
+    assert tokenizer.chat_template == "{{ messages }}"

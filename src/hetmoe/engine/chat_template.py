@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 
 def read_chat_template(path: str | os.PathLike[str]) -> str:
@@ -31,6 +32,14 @@ def read_chat_template(path: str | os.PathLike[str]) -> str:
         at = f" (line {line})" if line else ""
         raise ValueError(f"{where}: not a valid Jinja template{at}: {exc}") from None
     return text
+
+
+def set_chat_template(tokenizer: Any, template: str, source: str, model: Path) -> None:
+    """Gives `tokenizer` the checked `template` read from `source`; ValueError when the model at
+    `model` has no tokenizer to render it with."""
+    if tokenizer is None:
+        raise ValueError(f"chat template {source!r}: {model} has no tokenizer to render it with")
+    tokenizer.chat_template = template
 
 
 def _compile(text: str) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from hetmoe.config import EngineConfig
 from hetmoe.engine.adapters import LoraAdapters, assign_adapter, with_lora
-from hetmoe.engine.chat_template import read_chat_template
+from hetmoe.engine.chat_template import read_chat_template, set_chat_template
 from hetmoe.engine.collected_output import CollectedOutput
 from hetmoe.engine.constrained import Constraints
 from hetmoe.engine.deferral_auto import (
@@ -108,10 +108,7 @@ class LLM:
         share_cores(self.model, self.device, self.options.torch_threads)
         self.tokenizer = loaded.tokenizer
         if template is not None:
-            if self.tokenizer is None:
-                raise ValueError(f"chat template {str(chat_template)!r}: {self.path} has no "
-                                 "tokenizer to render it with")
-            self.tokenizer.chat_template = template
+            set_chat_template(self.tokenizer, template, str(chat_template), self.path)
         self.family = loaded.family
         if self.options.verbose:
             print(self.injection.details())

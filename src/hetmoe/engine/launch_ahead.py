@@ -5,6 +5,7 @@ GPU) before this one's tokens are read, so the GPU never waits for the host. At 
 ahead; a plan that does not continue it (other slots, other inputs, not greedy) waits for it and
 rolls its slots' lengths back, as does `settle` before anything else touches the cache. Launches
 and reads go through the runner's `_launch` / `_read` (tests stand in for them without a GPU).
+`sleep_until_done` waits for the GPU without spinning (the CPU experts need the cores).
 """
 
 from __future__ import annotations
@@ -103,3 +104,10 @@ class LaunchAhead:
         """Releases the CPU jobs of failed or abandoned launched steps."""
         if self.runner.overlap is not None:
             self.runner.overlap.abort_step([job for s in steps for job in s.jobs])
+
+
+def sleep_until_done() -> None:
+    """Sleeps until the current stream is done (a CUDA sync spins; the CPU experts need cores)."""
+    done = torch.cuda.Event(blocking=True)
+    done.record()
+    done.synchronize()

@@ -39,7 +39,7 @@ from hetmoe.engine.adapters import LoraAdapters
 from hetmoe.engine.fused_decode import FusedDecoder
 from hetmoe.engine.graphs import GraphCache
 from hetmoe.engine.kv_cache import StaticKVCache
-from hetmoe.engine.launch_ahead import LaunchAhead, Launched
+from hetmoe.engine.launch_ahead import LaunchAhead, Launched, sleep_until_done
 from hetmoe.engine.layer_plan import fits_fused
 from hetmoe.engine.overlap import MoEOverlap, all_on_cpu_backend
 from hetmoe.engine.placement import Placement, placement_plan
@@ -256,7 +256,7 @@ class ModelRunner:
                 hidden = self._decode_forward(ids, KVBatch(index[2], positions, max(starts) + 1))
                 logits = self.model.lm_head(hidden[:, 0]).float()  # [B, V]
                 if self.device.type == "cuda":
-                    _sleep_until_done()
+                    sleep_until_done()
             except BaseException:
                 if self.overlap is not None:
                     self.overlap.abort_step()  # queued CPU jobs must not wait for a lost step
@@ -283,7 +283,7 @@ class ModelRunner:
         token = self.model.lm_head(hidden).float().argmax(-1, keepdim=True)  # [B, 1]
         host = torch.empty(len(slots), 1, dtype=torch.int64, pin_memory=True)
         host.copy_(token, non_blocking=True)
-        done = torch.cuda.Event(blocking=True)  # sleep, not spin, on it (_sleep_until_done)
+        done = torch.cuda.Event(blocking=True)  # sleep, not spin, on it (sleep_until_done)
         done.record()
         return Launched(slots, token, host, done, self.overlap.take_pending())
 
@@ -347,11 +347,3 @@ class ModelRunner:
             hidden = layer(hidden, attention_mask=None, position_ids=kv.positions,
                            position_embeddings=rotary, kv=kv)
         return self.base.norm(hidden)
-
-
-def _sleep_until_done() -> None:
-    """Sleeps until the current stream is done (a CUDA sync spins; the CPU experts need cores)."""
-    done = torch.cuda.Event(blocking=True)
-    done.record()
-    done.synchronize()
-
