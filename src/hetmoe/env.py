@@ -78,11 +78,11 @@ def gpu_expert_kernel() -> str:
     return value
 
 
-def decode_attention() -> str:
-    """HETMOE_DECODE_ATTENTION=triton|torch: the compiled decode step's GQA attention on a CUDA
-    GPU: the Triton kernel with the cache write (kernels/gqa_decode.py, the default) or the torch
-    form of ops/fused.py (the reference, and A/B benchmarks). Without a GPU: the torch form."""
-    value = _get("HETMOE_DECODE_ATTENTION", "triton")
+def decode_kernels() -> str:
+    """HETMOE_DECODE_KERNELS=triton|torch: the fused decode step's GQA layers on a CUDA GPU: with
+    the Triton kernels (kernels/gqa_decode.py, kernels/moe_router.py; the default) or all in
+    torch ops (ops/fused.py: the reference, and A/B benchmarks). Without a GPU: torch ops."""
+    value = _get("HETMOE_DECODE_KERNELS", "triton")
     if value not in ("triton", "torch"):
-        raise ValueError(f"HETMOE_DECODE_ATTENTION must be triton or torch, got {value!r}")
+        raise ValueError(f"HETMOE_DECODE_KERNELS must be triton or torch, got {value!r}")
     return value

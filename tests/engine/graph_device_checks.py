@@ -12,8 +12,9 @@ For every family's baby model (fp32, routed experts in the C++ CPU backend, the 
   decodes the same tokens;
 - decode through the compiled fused layer functions (engine/fused_decode.py, the default) and
   through the HF layers give the same tokens and logits within fp32 rounding (batch 1 and 3,
-  with and without deferral), and so do the fused step's GQA attention by the Triton kernel
-  (kernels/gqa_decode.py, the default) and by the torch form; GPU kernels per token of each;
+  with and without deferral), and so do the fused step with its Triton kernels
+  (kernels/gqa_decode.py, kernels/moe_router.py: the default) and in torch ops; GPU kernels per
+  token of each;
 - attention over window buckets (a cache of 300 entries: 32, 64, 128, 256, 300) in graph mode,
   decoding across every bucket boundary up to a full window, batch 1 and 3: the same tokens as
   eager decode with the same buckets (logits within fp32 rounding at batch 1) and as graph
@@ -184,20 +185,20 @@ def check_family(family: str, root: Path) -> dict[str, object]:
 def check_fused(llm: LLM) -> dict[str, object]:
     """Graph decode through the compiled fused layer functions vs through the HF layers (both
     CUDA graphs, same CPU experts): same tokens, logits within fp32 rounding, batch 1 and 3,
-    with and without deferral; the same for the fused step's GQA attention by the Triton kernel
-    (the default) vs the torch form; kernels per token of each."""
+    with and without deferral; the same for the fused step with its Triton kernels (the default)
+    vs in torch ops; kernels per token of each."""
     d_late = min(2, int(llm.model.config.num_experts_per_tok) - 2)
     out: dict[str, object] = {}
     for d in sorted({0, d_late}):
         runs = {}
-        for name in ("module", "fused", "fused_torch_attention"):
+        for name in ("module", "fused", "fused_torch_ops"):
             runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
                                  EngineConfig(deferred=d, fused_decode=name != "module",
                                               gpu_expert_bytes=0))
             if name == "fused":
                 out["fused_used"] = runner.fused is not None
-                out["fused_attention"] = getattr(runner.fused, "attention", None)
-            if name == "fused_torch_attention" and runner.fused is not None:
+                out["fused_kernels"] = getattr(runner.fused, "kernels", None)
+            if name == "fused_torch_ops" and runner.fused is not None:
                 assert runner.overlap is not None
                 runner.fused = FusedDecoder(llm.model, runner.overlap, True, "torch")
             runs[name] = [decode(runner, batch) for batch in (1, 3)]
@@ -209,9 +210,9 @@ def check_fused(llm: LLM) -> dict[str, object]:
             (want_tokens, want), (tokens, logits) = runs["module"][i], runs["fused"][i]
             out[f"graph_fused_eq_module_b{batch}_d{d}"] = tokens == want_tokens
             out[f"fused_vs_module_max_dlogit_b{batch}_d{d}"] = max_delta(logits, want)
-            want_tokens, want = runs["fused_torch_attention"][i]
-            out[f"graph_kernel_attention_eq_torch_b{batch}_d{d}"] = tokens == want_tokens
-            out[f"kernel_vs_torch_attention_max_dlogit_b{batch}_d{d}"] = max_delta(logits, want)
+            want_tokens, want = runs["fused_torch_ops"][i]
+            out[f"graph_fused_kernels_eq_torch_ops_b{batch}_d{d}"] = tokens == want_tokens
+            out[f"fused_kernels_vs_torch_ops_max_dlogit_b{batch}_d{d}"] = max_delta(logits, want)
     return out
 
 
@@ -319,10 +320,10 @@ def main() -> int:
         print(f"{'':<12} max |Δlogit| {deltas}")
         launches = row["launches"]
         print(f"{'':<12} per token: graph {launches['graph']}\n{'':<12} eager {launches['eager']}")
-        print(f"{'':<12} fused path used: {row['fused_used']} (attention "
-              f"{row['fused_attention']}); GPU kernels per token: fused "
-              f"{row['kernels_per_token_fused']} (torch attention "
-              f"{row['kernels_per_token_fused_torch_attention']}), module "
+        print(f"{'':<12} fused path used: {row['fused_used']} (kernels "
+              f"{row['fused_kernels']}); GPU kernels per token: fused "
+              f"{row['kernels_per_token_fused']} (torch ops "
+              f"{row['kernels_per_token_fused_torch_ops']}), module "
               f"{row['kernels_per_token_module']}")
         print(f"{'':<12} window buckets {row['bucket_widths_b1']}, compiles for them "
               f"{row['bucket_compiles_b1']} / {row['bucket_compiles_b3']} (batch 1 / 3), capture "

@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hetmoe.kernels import dequant, gqa_decode as gqa, packed_moe as pm
+from hetmoe.kernels import dequant, gqa_decode as gqa, moe_router as mr, packed_moe as pm
 from hetmoe.kernels.moe_down import moe_down_kernel
 from hetmoe.kernels.moe_gate_up import moe_gate_up_kernel
 
@@ -41,7 +41,7 @@ for cfg in (pm.SMALL_M, pm.LARGE_M):
           MEM=False)
 
 
-def build_gqa(fn, sig, **consts):
+def build_signed(fn, sig, **consts):
     sig = {**sig, **dict.fromkeys(consts, "constexpr")}
     triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                    target=GPUTarget("cuda", 90, 32))
@@ -55,10 +55,20 @@ for dtype, d, group, prologue in (("bf16", 128, 8, True), ("fp16", 80, 3, False)
     sig.update(slots_ptr="*i64", lo_ptr="*i64", pos_ptr="*i64", part_ptr="*fp32",
                stat_ptr="*fp32", s_slot="i64", scale="fp32", eps="fp32")
     sig.update(dict.fromkeys(("s_q", "s_k", "s_v", "s_cos", "s_key", "s_kv", "s_head"), "i32"))
-    build_gqa(gqa.split_kernel, sig, H_KV=4, G=group, BLOCK_G=16, NORM=prologue, ROPE=prologue,
+    build_signed(gqa.split_kernel, sig, H_KV=4, G=group, BLOCK_G=16, NORM=prologue, ROPE=prologue,
               IEEE=dtype == "fp32", **dims)
-    build_gqa(gqa.combine_kernel, {"part_ptr": "*fp32", "stat_ptr": "*fp32",
+    build_signed(gqa.combine_kernel, {"part_ptr": "*fp32", "stat_ptr": "*fp32",
                                    "out_ptr": "*" + dtype, "splits": "i32"}, BLOCK_S=16, **dims)
+for dtype, sigmoid in (("bf16", False), ("fp32", True)):
+    sig = dict.fromkeys(("h_ptr", "o_ptr", "norm_ptr", "router_ptr", "h_out_ptr", "x_out_ptr"),
+                        "*" + dtype)
+    sig.update(stage_ptr="*i32", logits_ptr="*fp32", H="i32", E="i32", eps="fp32")
+    build_signed(mr.logits_kernel, sig, BLOCK_E=8, BLOCK_H=1024, LOGITS_FP32=sigmoid,
+                 ROUND_BITS=False)
+    sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "x_ptr": "*" + dtype, "stage_ptr": "*i32",
+           "B": "i32", "H": "i32", "E": "i32", "scaling": "fp32"}
+    build_signed(mr.topk_kernel, sig, K=8, BLOCK_E=128, BLOCK_K=8, SIGMOID=sigmoid,
+                 BIAS=sigmoid, NORM=True, ROUND_WEIGHTS=not sigmoid, ROUND_BITS=False)
 print("compiled")
 """
 

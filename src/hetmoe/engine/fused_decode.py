@@ -10,9 +10,9 @@ the previous layer's MoE output to the packed router output:
 
 then, outside it: the CPU experts' start (one copy, `MoEStep.forward_packed`), the
 cache write (one kernel, off the CPU's critical path), the shared experts, the wait. On a GPU
-q/k norms, rope and GQA attention are kernels/gqa_decode.py (HETMOE_DECODE_ATTENTION=torch:
-the torch ops), which stores the new cache entries itself, inside the compiled graph (a
-`triton_op`). On a GPU the
+q/k norms, rope and GQA attention are kernels/gqa_decode.py, which stores the new cache entries
+itself, and the MoE layer's residual, norm, router and pack kernels/moe_router.py, inside the
+compiled graph (`triton_op`s; HETMOE_DECODE_KERNELS=torch: the torch ops). On a GPU the
 layer functions go through `torch.compile` (Inductor); the weights are arguments, so every layer
 of a model shares one compiled graph. Attention reads the first `kv_len` cache entries (the
 runner's window bucket, ops/kv_batch.py) in chunks of 64 whose count is a dynamic dimension, so
@@ -58,16 +58,24 @@ def _residual(h: torch.Tensor, terms: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 def _layer_tail(s: LayerStatics, h: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor,
                 post_norm: torch.Tensor, new: tuple[torch.Tensor, ...],
-                router: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
+                router: tuple[torch.Tensor | None, ...],
+                entry: Callable[..., tuple[torch.Tensor, ...]] | None = None
+                ) -> tuple[Any, ...]:
     """Every layer function's end: o_proj + residual, the post-attention norm, and on MoE layers
     the router with the CPU experts' packed inputs (all K ids: the CPU job splits off deferred
-    ones). Returns (h, x, new cache entries, stage or None)."""
-    h = h + fused.linear(attn, o_w, None)
-    x = fused.rms_norm(h, post_norm, s.eps[1])
+    ones); `entry(h, o, post_norm, router weight, bias) -> (h, x, stage)`: kernels doing all
+    but o_proj (`make_gqa_layer`). Returns (h, x, new cache entries, stage or None)."""
+    o = fused.linear(attn, o_w, None)
     if s.router is None:
-        return h, x, new, None
+        h = h + o
+        return h, fused.rms_norm(h, post_norm, s.eps[1]), new, None
     router_w, router_b = router
     assert router_w is not None
+    if entry is not None:
+        h, x, stage = entry(h, o, post_norm, router_w, router_b)
+        return h, x, new, stage
+    h = h + o
+    x = fused.rms_norm(h, post_norm, s.eps[1])
     ids, weights = route(x, router_w, router_b, s.router, fused=True)
     return h, x, new, fused.pack_moe_inputs(x, ids, weights)
 
@@ -76,12 +84,23 @@ def make_gqa_layer(s: LayerStatics, kernel: bool = False) -> Callable[..., tuple
     """The pure layer function of a GQA layer with statics `s` (see the module docstring).
     `kernel`: q/k norms, rope, attention and the cache write by kernels/gqa_decode.py (the
     function returns no entries to write) over `window` = (mask, lo, pos)
-    (`FusedDecoder._window`); else the torch ops over `window` = (mask,)."""
+    (`FusedDecoder._window`), and on MoE layers with a greedy router the residual, norm,
+    router and pack by kernels/moe_router.py; else the torch ops over `window` = (mask,)."""
     kv_heads, head_dim = s.dims
     if kernel and s.rope != "half":
         raise ValueError(f"the GQA decode kernel rotates rotate-half rope, not {s.rope!r}")
-    if kernel:  # Triton is loaded only where the kernel runs (kernels/ is imported lazily)
+    entry = None
+    if kernel:  # Triton is loaded only where the kernels run (kernels/ is imported lazily)
+        from hetmoe.kernels import moe_router
         from hetmoe.kernels.gqa_decode import gqa_decode_attention
+
+        if s.router is not None and moe_router.fits(s.router):
+            args = moe_router.router_args(s.router)
+
+            def entry(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor,
+                      weight: torch.Tensor, bias: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, ...]:
+                return moe_router.moe_router(h, o, norm, s.eps[1], weight, bias, *args)
 
     def layer(h: torch.Tensor, terms: tuple[torch.Tensor, ...], norms: tuple[torch.Tensor, ...],
               weights: tuple[torch.Tensor | None, ...], cos: torch.Tensor, sin: torch.Tensor,
@@ -100,7 +119,7 @@ def make_gqa_layer(s: LayerStatics, kernel: bool = False) -> Callable[..., tuple
             _, lo, pos = window
             attn = gqa_decode_attention(q, k, v, kv_cache, slots, lo, pos, mask.shape[1],
                                         s.scale, qn_w, kn_w, s.eps[2], cos, sin)
-            return _layer_tail(s, h, attn.view(b, -1), o_w, norms[1], (), router)
+            return _layer_tail(s, h, attn.view(b, -1), o_w, norms[1], (), router, entry)
         q, k = q[:, None], k[:, None]  # [B, 1, heads, D]
         if qn_w is not None and kn_w is not None:
             q, k = fused.rms_norm(q, qn_w, s.eps[2]), fused.rms_norm(k, kn_w, s.eps[2])
@@ -184,21 +203,21 @@ class FusedDecoder:
     """Runs decode steps of `model` through the layer functions, MoE layers via `overlap`."""
 
     def __init__(self, model: Any, overlap: MoEStep, compile: bool,
-                 attention: str | None = None) -> None:
+                 kernels: str | None = None) -> None:
         """`compile`: run the layer functions through torch.compile (GPU), else eagerly.
-        `attention`: `triton` or `torch` (GQA layers, `make_gqa_layer`); None: the Triton
-        kernel on a CUDA GPU unless HETMOE_DECODE_ATTENTION=torch, the torch form elsewhere."""
+        `kernels`: `triton` or `torch` (GQA layers, `make_gqa_layer`); None: the Triton kernels
+        on a CUDA GPU unless HETMOE_DECODE_KERNELS=torch, torch ops elsewhere."""
         self.base = getattr(model, model.base_model_prefix)
         self.plans = plan_layers(model)
         self.overlap = overlap
         self.moe_index = {id(m): i for i, m in enumerate(overlap.layers)}
         self.compile = compile
-        if attention is None:
+        if kernels is None:
             on_gpu = self.base.embed_tokens.weight.device.type == "cuda"
-            attention = env.decode_attention() if on_gpu else "torch"
-        if attention not in ("triton", "torch"):
-            raise ValueError(f"FusedDecoder: attention must be triton or torch, got {attention!r}")
-        self.attention = attention
+            kernels = env.decode_kernels() if on_gpu else "torch"
+        if kernels not in ("triton", "torch"):
+            raise ValueError(f"FusedDecoder: kernels must be triton or torch, got {kernels!r}")
+        self.kernels = kernels
         if compile:
             import torch._dynamo
 
@@ -217,7 +236,7 @@ class FusedDecoder:
     def _layer_fn(self, statics: LayerStatics) -> Callable[..., tuple[Any, ...]]:
         if statics.attention == "mla":
             return self._fn(statics, lambda: make_mla_layer(statics))
-        kernel = self.attention == "triton"
+        kernel = self.kernels == "triton"
         return self._fn((statics, kernel), lambda: make_gqa_layer(statics, kernel))
 
     def forward(self, ids: torch.Tensor, kv: KVBatch,
@@ -272,7 +291,7 @@ class FusedDecoder:
             from torch._dynamo import mark_dynamic
 
             mark_dynamic(allowed, 1)
-        if self.attention == "torch":
+        if self.kernels == "torch":
             return (allowed,)
         return allowed, fused.window_bounds(pos, window), pos
 

@@ -1,9 +1,10 @@
-"""The fused decode step (engine/fused_decode.py, eager) with its GQA attention and cache write
-by kernels/gqa_decode.py against the same step with the torch form: batched greedy decode on
-the baby GQA families (q/k norms, a sliding window, sliding and full layers in one model), rows
-at different positions, across window buckets (1 to 3 splits). Uncompiled, on the GPU when
-there is one, else under Triton's interpreter (tests/kernels/conftest.py); the compiled step is
-a device test (tests/engine/test_graph_device.py)."""
+"""The fused decode step (engine/fused_decode.py, eager) with its Triton kernels (q/k norms,
+rope, attention and cache write by kernels/gqa_decode.py; residual, norm, router and pack by
+kernels/moe_router.py) against the same step in torch ops: batched greedy decode on the baby
+GQA families (q/k norms, a sliding window, sliding and full layers in one model, a shared
+expert), rows at different positions, across window buckets (1 to 3 splits). Uncompiled, on
+the GPU when there is one, else under Triton's interpreter (tests/kernels/conftest.py); the
+compiled step is a device test (tests/engine/test_graph_device.py)."""
 
 from __future__ import annotations
 
@@ -24,17 +25,17 @@ PROMPTS = [[5, 9, 33, 100, 7], [11, 12, 13], [(7 * i) % 200 + 1 for i in range(1
 """The third row crosses 128 cache entries: windows of 64, 128 and 160 entries."""
 STEPS = 10
 ATOL = 1e-2
-"""fp32 on both sides, the same C++ experts: only the attention's summation order differs, which
+"""fp32 on both sides, the same C++ experts: only summation orders differ, which
 can flip one bf16 rounding of an expert input (tests/engine/decode_steps.py SAME_BACKEND_ATOL);
 a wrong window or cache entry moves the logits by 0.1 or more."""
 
 
-def decode(llm: LLM, attention: str) -> tuple[list[list[int]], list[torch.Tensor]]:
+def decode(llm: LLM, kernels: str) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy decode of PROMPTS together (window buckets from 32 entries up) -> tokens, logits."""
     runner = ModelRunner(llm.model, llm.device, llm.dtype, len(PROMPTS), llm.max_seq_len,
                          EngineConfig(smallest_window=32))
     assert runner.overlap is not None and runner.fused is not None
-    runner.fused = FusedDecoder(llm.model, runner.overlap, compile=False, attention=attention)
+    runner.fused = FusedDecoder(llm.model, runner.overlap, compile=False, kernels=kernels)
     try:
         slots = [runner.cache.allocate() for _ in PROMPTS]
         tokens = [[int(runner.prefill(s, p).argmax())] for s, p in zip(slots, PROMPTS,
@@ -67,21 +68,21 @@ def test_kernel_step_equals_the_torch_step(tiny_dir: Callable[..., Any], family:
         assert delta <= ATOL, f"{family} step {step}: max |Δlogits| {delta:.3g}"
 
 
-def test_attention_choice_is_checked(monkeypatch: pytest.MonkeyPatch,
+def test_kernels_choice_is_checked(monkeypatch: pytest.MonkeyPatch,
                                      tiny_dir: Callable[..., Any]) -> None:
     llm = LLM(tiny_dir("qwen3_moe"), device=HERE, dtype="float32", experts="cpu",
               progress=False, max_seq_len=32, gpu_expert_bytes=0)
     runner = ModelRunner(llm.model, llm.device, llm.dtype, 1, 32)
     assert runner.overlap is not None and runner.fused is not None
     try:  # the kernel by default on a GPU; elsewhere the torch form, whatever the variable
-        assert runner.fused.attention == ("triton" if HERE == "cuda" else "torch")
-        monkeypatch.setenv("HETMOE_DECODE_ATTENTION", "torch")
-        assert FusedDecoder(llm.model, runner.overlap, compile=False).attention == "torch"
-        with pytest.raises(ValueError, match=r"attention must be triton or torch, got 'flash'"):
-            FusedDecoder(llm.model, runner.overlap, compile=False, attention="flash")
-        monkeypatch.setenv("HETMOE_DECODE_ATTENTION", "flash")
-        with pytest.raises(ValueError, match=r"HETMOE_DECODE_ATTENTION must be triton or "
+        assert runner.fused.kernels == ("triton" if HERE == "cuda" else "torch")
+        monkeypatch.setenv("HETMOE_DECODE_KERNELS", "torch")
+        assert FusedDecoder(llm.model, runner.overlap, compile=False).kernels == "torch"
+        with pytest.raises(ValueError, match=r"kernels must be triton or torch, got 'flash'"):
+            FusedDecoder(llm.model, runner.overlap, compile=False, kernels="flash")
+        monkeypatch.setenv("HETMOE_DECODE_KERNELS", "flash")
+        with pytest.raises(ValueError, match=r"HETMOE_DECODE_KERNELS must be triton or "
                                              r"torch, got 'flash'"):
-            env.decode_attention()
+            env.decode_kernels()
     finally:
         runner.overlap.detach()

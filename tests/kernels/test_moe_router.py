@@ -1,0 +1,98 @@
+"""`kernels.moe_router` (the decode step's residual, norm, router and pack in two kernels)
+against the torch ops it replaces (ops/fused.py `rms_norm`, `pack_moe_inputs`; ops/router.py
+`route`, fused form): h exactly, x within one rounding, the same expert ids and the same
+weights, for each greedy router family's semantics (softmax renormalized, rounded weights,
+sigmoid with a steering bias and a scale), odd expert and hidden counts, batch 1..5. On the GPU
+when there is one, else under Triton's interpreter (tests/kernels/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetmoe.kernels.moe_router import fits, moe_router, router_args
+from hetmoe.ops import fused
+from hetmoe.ops.router import RouterConfig, route
+
+HERE = "cuda" if torch.cuda.is_available() else "cpu"
+
+ROUTERS = {
+    "qwen3": RouterConfig(0, 0, norm_topk_prob=True, round_weights=True),
+    "qwen2": RouterConfig(0, 0, round_weights=True),
+    "mixtral": RouterConfig(0, 0, norm_topk_prob=True),
+    "sigmoid": RouterConfig(0, 0, scoring="sigmoid", norm_topk_prob=True, scaling_factor=2.5,
+                            logits_fp32=True),
+    "scaled": RouterConfig(0, 0, scaling_factor=1.5, scale_when_normalized=False),
+}
+
+
+def separated_router(x: torch.Tensor, experts: int, g: torch.Generator) -> torch.Tensor:
+    """Router weights [E, H] whose logits for every row of x [B, H] are well apart (0.05 plus
+    noise of 1e-3: several bf16 roundings), so every implementation picks the same experts:
+    w_e = a_e x_mean / |x_mean|^2 + noise, with the rows of x close to their mean."""
+    mean = x.double().mean(0)
+    levels = torch.randperm(experts, generator=g).double() * 0.05 - 0.025 * experts
+    noise = torch.randn(experts, x.shape[1], generator=g, dtype=torch.float64) * 1e-5
+    return levels[:, None] * mean / mean.pow(2).sum() + noise
+
+
+def case(b: int, hidden: int, experts: int, dtype: torch.dtype, seed: int
+         ) -> tuple[torch.Tensor, ...]:
+    """h, o [B, H] (rows alike, so one router separates them all), norm [H], router [E, H]."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(hidden, generator=g)
+    h = (base + 0.01 * torch.randn(b, hidden, generator=g)).to(dtype)
+    o = (0.3 * base + 0.01 * torch.randn(b, hidden, generator=g)).to(dtype)
+    norm = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    x = fused.rms_norm(h + o, norm, 1e-6)
+    return h, o, norm, separated_router(x, experts, g).to(dtype)
+
+
+@pytest.mark.parametrize(("name", "b", "hidden", "experts", "top_k", "dtype"), [
+    ("qwen3", 1, 2048, 128, 8, torch.bfloat16),
+    ("qwen2", 3, 200, 60, 4, torch.bfloat16),
+    ("mixtral", 2, 96, 8, 2, torch.float32),
+    ("sigmoid", 5, 2500, 16, 1, torch.bfloat16),
+    ("scaled", 2, 64, 20, 6, torch.float32),
+])
+def test_matches_the_torch_ops(name: str, b: int, hidden: int, experts: int, top_k: int,
+                               dtype: torch.dtype) -> None:
+    c = RouterConfig(experts, top_k, **{k: getattr(ROUTERS[name], k) for k in (
+        "scoring", "norm_topk_prob", "scaling_factor", "scale_when_normalized", "logits_fp32",
+        "round_weights")})
+    h, o, norm, router = case(b, hidden, experts, dtype, seed=experts + b)
+    bias = torch.linspace(-0.01, 0.01, experts) if c.scoring == "sigmoid" else None
+    want_h = h + o
+    want_x = fused.rms_norm(want_h, norm, 1e-6)
+    ids, weights = route(want_x, router, bias, c, fused=True)
+    want_stage = fused.pack_moe_inputs(want_x, ids, weights)
+    got_h, got_x, stage = (t.cpu() for t in moe_router(
+        h.to(HERE), o.to(HERE), norm.to(HERE), 1e-6, router.to(HERE),
+        None if bias is None else bias.to(HERE), *router_args(c)))
+    assert torch.equal(got_h, want_h)
+    torch.testing.assert_close(got_x, want_x, atol=0, rtol=torch.finfo(dtype).eps)
+    x, got_ids, got_weights = fused.unpack_moe_inputs(stage, b, hidden, top_k)
+    assert torch.equal(x, got_x.float()), "the stage holds x as stored"
+    assert torch.equal(got_ids, ids)
+    eps = torch.finfo(dtype).eps if c.round_weights else 1e-6
+    torch.testing.assert_close(got_weights, weights, atol=1e-7, rtol=eps)
+    assert stage.shape == want_stage.shape and stage.dtype == torch.int32
+
+
+def test_fits_greedy_routers_only() -> None:
+    assert fits(RouterConfig(8, 2)) and fits(RouterConfig(8, 2, scoring="sigmoid"))
+    assert not fits(RouterConfig(8, 2, topk_method="group_limited_greedy", num_groups=4,
+                                 topk_groups=2))
+
+
+def test_bad_inputs_are_named() -> None:
+    h, o, norm, router = case(2, 64, 8, torch.float32, seed=0)
+    args = (False, True, 1.0, False, False)
+    with pytest.raises(ValueError, match=r"h / o \[B, H\], norm \[H\] and router \[E, H\] "
+                                         r"expected, got \(2, 64\), \(2, 64\), \(63,\) and "
+                                         r"\(8, 64\)"):
+        moe_router(h, o, norm[:63], 1e-6, router, None, 2, *args)
+    with pytest.raises(ValueError, match=r"top_k 9 of 8 experts, bias None: 1 <= top_k <= E"):
+        moe_router(h, o, norm, 1e-6, router, None, 9, *args)
+    with pytest.raises(ValueError, match=r"bias \(7,\): 1 <= top_k <= E and a bias of \[8\]"):
+        moe_router(h, o, norm, 1e-6, router, torch.zeros(7), 2, *args)
