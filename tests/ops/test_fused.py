@@ -126,3 +126,14 @@ def test_top_k_ids_is_topk_best_first() -> None:
 
     scores = torch.randn(4, 32, generator=torch.Generator().manual_seed(7))
     assert torch.equal(top_k_ids(scores, 5), torch.topk(scores, 5).indices)
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 70])
+def test_window_bounds_are_the_masks_first_entries(window: int | None) -> None:
+    """The kernels' lo: each row's attended entries are exactly [lo, pos) of `window_mask`."""
+    pos = torch.tensor([0, 1, 4, 5, 63, 64, 100])
+    mask = fused.window_mask(pos, 101, window).flatten(1)  # [B, n c]
+    lo = fused.window_bounds(pos, window)
+    for row in range(len(pos)):
+        keys = mask[row].nonzero().flatten().tolist()
+        assert keys == list(range(int(lo[row]), int(pos[row]))), f"row {row}"
