@@ -104,23 +104,19 @@ def resident_compute_s(streamer: LayerStreamer, tokens: int, top_k: int, hidden:
 def resident_pass(runner: ModelRunner, rows: list[dict[str, Any]], vocab: int,
                   repeats: int) -> None:
     """Adds each row's `resident_pass_s`: the whole prefill (attention included) with every
-    layer's packed experts resident on the GPU, so nothing is copied (skipped, with a note,
-    when they do not fit)."""
+    layer's packed experts resident on the GPU (the engine's placement of them all), so
+    nothing is copied (skipped, with a note, when they do not fit)."""
     overlap = runner.overlap
     assert overlap is not None and overlap.streamer is not None
-    streamer = overlap.streamer
-    need = sum(streamer.layer_bytes)
-    free = torch.cuda.mem_get_info(runner.device)[0]
-    if need > 0.85 * free:
-        print(f"resident pass skipped: {need / 1e9:.1f} GB of experts, {free / 1e9:.1f} GB "
-              "free", flush=True)
-        return
-    overlap.streamer = None
-    del streamer
+    need = sum(overlap.streamer.layer_bytes)
+    overlap.streamer = None  # its staging buffers go before the experts come
     torch.cuda.empty_cache()
-    overlap.resident_bytes = need
-    auto = runner.config
-    runner.config = dataclasses.replace(auto, prefill_experts="gpu")
+    plan = runner.place(need)
+    if not plan.everything:
+        print(f"resident pass skipped: {need / 1e9:.1f} GB of experts, "
+              f"{plan.bytes / 1e9:.1f} GB fit", flush=True)
+        runner.place(0)
+        return
     try:
         for row in rows:
             n = row["tokens"]
@@ -131,9 +127,7 @@ def resident_pass(runner: ModelRunner, rows: list[dict[str, Any]], vocab: int,
             print(json.dumps({"tokens": n, "resident_pass_s": row["resident_pass_s"]}),
                   flush=True)
     finally:
-        runner.config = auto
-        overlap.streamer = None
-        overlap.resident_bytes = 0
+        runner.place(0)
         torch.cuda.empty_cache()
 
 
@@ -254,7 +248,9 @@ def main() -> None:
     model, config, label, build_s, gguf = build(args, device)
     window = max(lengths) + 64
     dtype = next(model.parameters()).dtype if args.model else torch.bfloat16
-    runner = ModelRunner(model, device, dtype, 1, window, EngineConfig())
+    # No resident experts: the sweep times every expert streamed (bench_gpu_experts.py times
+    # prefill per GPU expert budget).
+    runner = ModelRunner(model, device, dtype, 1, window, EngineConfig(gpu_expert_bytes=0))
     overlap = runner.overlap
     assert overlap is not None and overlap.can_stream(), "GPU prefill needs packed CPU experts"
     h2d = measure.h2d_bandwidth(device)

@@ -200,7 +200,8 @@ def serve(
         help="Prompt tokens prefilled per step while other requests decode (0 = a prompt at "
              "once)")] = _DEFAULTS.prefill_chunk or 0,
     prefill_resident_gib: Annotated[float, typer.Option(
-        help="The former name of --gpu-expert-gib (GiB; used instead of it when > 0)")] = 0.0,
+        help="Deprecated: the former name of --gpu-expert-gib (GiB; used instead of it when "
+             "> 0)")] = 0.0,
     lora: Annotated[list[str] | None, typer.Option(
         metavar="NAME=PATH",
         help="A PEFT LoRA adapter (directory or Hub repo org/name) that requests select with "

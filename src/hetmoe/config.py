@@ -53,7 +53,7 @@ class EngineConfig:
     on the GPU while the CPU computes the rest (engine/expert_split.py); "cpu", "gpu" (every
     expert streamed) or "split" force one."""
     prefill_resident_bytes: int = 0
-    """The former name of `gpu_expert_bytes` (bytes): when set, it replaces a
+    """Deprecated: the former name of `gpu_expert_bytes` (bytes): when set, it replaces a
     `gpu_expert_bytes` of "auto" or 0 (the resident experts serve prefill and decode alike)."""
     gpu_expert_bytes: int | str = "auto"
     """Routed experts resident on the GPU, computed there (engine/placement.py): "auto" = the

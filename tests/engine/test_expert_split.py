@@ -3,6 +3,7 @@ of a subset of experts (`routed_mlp(local=...)`), on the CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
@@ -14,6 +15,8 @@ from hetmoe.engine.expert_split import (
     SplitCosts,
     costs_from_profile,
     layer_seconds,
+    most_misses,
+    pass_seconds,
     plan_gpu_experts,
 )
 from hetmoe.experts.cpu_moe import CpuMoE
@@ -186,3 +189,67 @@ def test_tuner_never_tries_a_rival_the_model_finds_far_slower() -> None:
         assert k in (128, rival)
         tuner.record(16384, k, 128, 1.3 if k == 128 else 2.0)
     assert tuner.choose(16384, 8, 128, COSTS) == 128
+
+
+def test_resident_experts_cost_their_gpu_compute_and_no_copy() -> None:
+    tokens, n = 4096, 4096 * 8 / 128  # pairs per expert
+    gpu_one = COSTS.gpu_fixed + n * COSTS.gpu_token
+    assert layer_seconds(0, tokens, 8, 128, COSTS, resident=128) == pytest.approx(128 * gpu_one)
+    # 96 resident, 32 misses streamed: the copies of the 32 against the GPU's 128 computes.
+    assert layer_seconds(32, tokens, 8, 128, COSTS, resident=96) == pytest.approx(
+        max(32 * COSTS.gpu_expert, 128 * gpu_one))
+    # 96 resident, the 32 misses on the CPU: a split's round trip, then the later side.
+    cpu = COSTS.cpu_call + 32 * (COSTS.cpu_fixed + n * COSTS.cpu_token)
+    assert layer_seconds(0, tokens, 8, 128, COSTS, resident=96) == pytest.approx(
+        COSTS.split_fixed + tokens * COSTS.split_token + max(cpu, 96 * gpu_one))
+    with pytest.raises(ValueError, match=r"k must be in \[0, 32\], got 33"):
+        layer_seconds(33, tokens, 8, 128, COSTS, resident=96)
+    with pytest.raises(ValueError, match=r"resident experts must be in \[0, 128\], got 129"):
+        layer_seconds(0, tokens, 8, 128, COSTS, resident=129)
+
+
+def test_a_pass_streams_at_most_each_layers_misses() -> None:
+    resident = [96, 100, 96]  # misses 32, 28, 32
+    assert most_misses(128, resident) == 32 and most_misses(128) == 128
+    for k in (0, 20, 30, 32):
+        want = sum(layer_seconds(min(k, 128 - r), 4096, 8, 128, COSTS, r) for r in resident)
+        assert pass_seconds(k, 4096, 8, 128, COSTS, resident) == pytest.approx(want)
+    k = plan_gpu_experts(4096, 8, 128, COSTS, resident=resident)
+    assert pass_seconds(k, 4096, 8, 128, COSTS, resident) == min(
+        pass_seconds(j, 4096, 8, 128, COSTS, resident) for j in range(33))
+    with pytest.raises(ValueError, match=r"need 0 <= least <= most <= 32, got 1, 33"):
+        plan_gpu_experts(4096, 8, 128, COSTS, 1, 33, resident)
+
+
+def test_the_misses_go_to_the_faster_side_and_the_placement_saves_time() -> None:
+    resident = [96] * 48  # 75 % of each layer on the GPU
+    fast_cpu = dataclasses.replace(COSTS, cpu_fixed=5e-6, cpu_token=0.05e-6)
+    slow_cpu = dataclasses.replace(COSTS, cpu_fixed=500e-6, cpu_token=20e-6)
+    assert plan_gpu_experts(4096, 8, 128, fast_cpu, resident=resident) == 0  # misses: CPU
+    assert plan_gpu_experts(4096, 8, 128, slow_cpu, resident=resident) == 32  # all streamed
+    # The packed kernels read a resident expert from GPU memory (4.9 MB at ~2 TB/s), far
+    # sooner than its copy: the placement saves time at every length, most where the copies
+    # bound the pass (16K: the GPU's products do).
+    kernels = dataclasses.replace(COSTS, gpu_fixed=2.5e-6)
+    for tokens, gain in ((512, 3.0), (4096, 3.0), (16384, 1.2)):
+        placed = plan_gpu_experts(tokens, 8, 128, kernels, resident=resident)
+        none = plan_gpu_experts(tokens, 8, 128, kernels)
+        assert (gain * pass_seconds(placed, tokens, 8, 128, kernels, resident)
+                < 48 * layer_seconds(none, tokens, 8, 128, kernels)), tokens
+
+
+def test_tuner_counts_the_misses_of_a_placement() -> None:
+    tuner = PrefillTuner()
+    resident = [96] * 4
+    model = tuner.choose(16384, 8, 128, COSTS, resident)
+    assert model == plan_gpu_experts(16384, 8, 128, COSTS, resident=resident)
+    assert tuner.strategy(32, 32) == "stream" and tuner.strategy(31, 32) == "split"
+    one_miss = [127] * 4  # no split exists: the stream and the CPU take turns
+    seen = []
+    for seconds in (1.0, 2.0, 1.0, 2.0):
+        k = tuner.choose(16384, 8, 128, COSTS, one_miss)
+        seen.append(k)
+        tuner.record(16384, k, 1, seconds if k == 1 else 3.0)
+    assert sorted(set(seen)) == [0, 1]
+    assert tuner.choose(16384, 8, 128, COSTS, one_miss) == 1
+    assert PrefillTuner().choose(16384, 8, 128, COSTS, [128] * 4) == 0  # nothing to stream

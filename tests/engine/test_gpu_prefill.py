@@ -13,6 +13,7 @@ import torch
 from hetmoe import LLM
 from hetmoe.engine.expert_split import SplitCosts
 from hetmoe.engine.overlap import cpu_moe_of
+from hetmoe.engine.placement import expert_bytes
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.presets.tiny import FAMILIES
 
@@ -76,3 +77,42 @@ def test_a_16k_token_prompt(tiny_dir: Callable[..., Path]) -> None:
     assert (gpu - cpu).abs().max() <= CROSS_BACKEND_ATOL
     out = llm.generate(ids, max_new_tokens=4)  # decode goes on from the long prompt
     assert len(out.token_ids) == 4
+
+
+def _logits(runner: ModelRunner, ids: list[int], mode: str) -> torch.Tensor:
+    """Prefill logits [T, V] with `prefill_experts` = `mode`."""
+    runner.config = dataclasses.replace(runner.config, prefill_experts=mode)
+    slot = runner.cache.allocate()
+    try:
+        return runner.prefill_logits(slot, ids).cpu()
+    finally:
+        runner.free(slot)
+
+
+@pytest.mark.parametrize("mode", ["gpu", "split"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resident_experts_stream_only_the_misses(family: str, mode: str,
+                                                 tiny_dir: Callable[..., Path]) -> None:
+    """3 experts of each layer resident: a streamed or split pass copies only the misses (the
+    streamer counts the bytes it queued) and its logits equal the all-CPU prefill's."""
+    llm = LLM(tiny_dir(family), device="cuda", dtype="float32", experts="cpu", progress=False,
+              max_seq_len=512, gpu_expert_bytes=0)
+    ids = torch.randint(0, llm.runner.vocab_size, (300,),
+                        generator=torch.Generator().manual_seed(1)).tolist()
+    runner, overlap = llm.runner, llm.runner.overlap
+    assert overlap is not None and overlap.can_stream()
+    cpu = _logits(runner, ids, "cpu")  # no placement: every expert on the CPU
+    per_expert = sum(expert_bytes(overlap.cpu))  # one expert of every layer
+    runner.place(3 * per_expert)
+    assert overlap.resident() == [3] * len(overlap.cpu)
+    overlap.costs = SplitCosts(cpu_fixed=1e-6, cpu_token=1e-7, gpu_expert=2e-6)
+    misses = cpu_moe_of(overlap.layers[0].experts).num_experts - 3
+    k = overlap.prefill_gpu_experts(len(ids), mode)
+    assert k == misses if mode == "gpu" else 0 < k < misses
+    gpu = _logits(runner, ids, mode)
+    assert overlap.streamer is not None and overlap.streamer.gpu_experts == k
+    assert overlap.streamer.copied_bytes == k * per_expert
+    assert overlap.streamer.bytes_per_pass() == misses * per_expert
+    worst = (gpu - cpu).abs().amax(-1)  # [T]: per position
+    assert (worst <= CROSS_BACKEND_ATOL).float().mean() >= 0.95, worst.sort().values[-20:]
+    assert (gpu.argmax(-1) == cpu.argmax(-1)).float().mean() >= 0.97

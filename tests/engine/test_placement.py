@@ -256,7 +256,7 @@ def test_prefill_streams_nothing_when_every_expert_is_resident(
         monkeypatch.setattr(overlap, "can_stream", lambda: True)  # as on a GPU with room
         assert overlap.prefill_gpu_experts(4096, "gpu") == 8
         runner.place(_layer_bytes(runner, 5))
-        assert overlap.prefill_gpu_experts(4096, "gpu") == 8  # some resident: streaming stays
+        assert overlap.prefill_gpu_experts(4096, "gpu") == 3  # some resident: the misses stream
         runner.place(_layer_bytes(runner, 8))
         assert overlap.prefill_gpu_experts(4096, "gpu") == 0  # all resident: nothing streamed
         with _counted_submits(llm) as calls:

@@ -28,11 +28,5 @@ def test_too_little_gpu_memory_is_named() -> None:
     cpu = layers("bf16")
     need = streaming_bytes(cpu)
     reason = streaming_refusal(cpu, need)  # 80 % of it is usable: not enough
-    assert reason.startswith(f"GPU prefill needs {need / 2**30:.1f} GiB of GPU memory for one "
-                             "layer's experts (staged twice and unpacked) and 0.0 GiB kept "
-                             "resident, ")
-    assert reason.endswith("GiB are free")
-    resident = 2**30
-    assert streaming_bytes(cpu, resident) == need + resident
-    reason = streaming_refusal(cpu, 10 * need, resident)  # the resident layers do not fit
-    assert "and 1.0 GiB kept resident" in reason
+    assert reason == (f"GPU prefill needs {need / 2**30:.1f} GiB of GPU memory for one layer's "
+                      f"experts (staged twice and unpacked), {need / 2**30:.1f} GiB are free")

@@ -1,5 +1,6 @@
-"""`LayerStreamer` (GPU prefill's expert compute on the packed bytes copied to the GPU) against
-the float64 oracle and the CPU backend: device tests (`pytest -m device` on a GPU host)."""
+"""`LayerStreamer` (GPU prefill's expert compute on the packed bytes copied to the GPU, and on
+resident experts' slots) against the float64 oracle and the CPU backend: device tests
+(`pytest -m device` on a GPU host; tests/engine/test_stream_placement.py runs it on the CPU)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from moe_oracle import make_experts, rel_error
 
 from hetmoe.engine.layer_stream import LayerStreamer
+from hetmoe.engine.placement import LayerSlots
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.gpu_view import gpu_view
 
@@ -19,21 +21,28 @@ pytestmark = [
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("tokens", [1, 33, 700])
-@pytest.mark.parametrize(("gpu_experts", "resident_layers"), [(16, 0), (5, 0), (9, 1)])
+@pytest.mark.parametrize(("gpu_experts", "resident"), [
+    (16, None), (5, None),  # every expert streamed; a split of the first 5
+    (16, [tuple(range(16)), (0, 3, 4, 9), ()]),  # resident: a whole layer, some, none
+    (3, [(1, 2), (0, 3, 4, 9), (15,)]),  # 3 misses streamed, the CPU computes the others
+])
 def test_streamed_layers_equal_the_cpu_experts(fmt: str, tokens: int, gpu_experts: int,
-                                               resident_layers: int) -> None:
-    """Every expert streamed (16), or split: the first experts copied and run on the GPU while
-    the CPU runs the rest at once; a resident first layer runs wholly on the GPU, no copy."""
+                                               resident: list[tuple[int, ...]] | None) -> None:
+    """Every expert streamed (16), or split: the first misses copied and run on the GPU while
+    the CPU runs the rest at once; resident experts run from their slots, never copied."""
     layers = [CpuMoE(16, 256, 384, fmt) for _ in range(3)]
     weights = [make_experts(16, 256, 384, seed=s) for s in range(3)]
     for moe, w in zip(layers, weights, strict=True):
         moe.load(w.gate, w.up, w.down)
-    layer_bytes = sum(p.bytes for p in layers[0].packed_groups())
-    streamer = LayerStreamer(layers, torch.device("cuda"), resident_layers * layer_bytes)
-    assert streamer.resident_layers() == resident_layers
-    assert streamer.bytes_per_pass() == (3 - resident_layers) * layer_bytes
+    device = torch.device("cuda")
+    slots = None if resident is None else [LayerSlots(m, r, device)
+                                           for m, r in zip(layers, resident, strict=True)]
+    expert_bytes = sum(p.expert_bytes for p in layers[0].packed_groups())
+    misses = [16 - len(r) for r in resident or [()] * 3]
+    streamer = LayerStreamer(layers, device)
     for _ in range(2):  # two passes: the staging buffers are reused across passes
-        streamer.begin(tokens, 4, gpu_experts)
+        streamer.begin(tokens, 4, gpu_experts, slots)
+        assert streamer.bytes_per_pass() == sum(misses) * expert_bytes
         for i, (moe, w) in enumerate(zip(layers, weights, strict=True)):
             g = torch.Generator().manual_seed(100 * i + tokens)
             x = torch.randn(tokens, 256, generator=g)
@@ -48,6 +57,8 @@ def test_streamed_layers_equal_the_cpu_experts(fmt: str, tokens: int, gpu_expert
             else:
                 assert rel_error(out, ref) < (0.01 if fmt == "bf16" else 0.03)
                 assert rel_error(out, cpu.double()) < 0.03
+        torch.cuda.synchronize()
+        assert streamer.copied_bytes == sum(min(gpu_experts, m) for m in misses) * expert_bytes
 
 
 def test_bad_gpu_expert_counts_are_refused() -> None:

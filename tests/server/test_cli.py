@@ -145,6 +145,8 @@ def test_serve_passes_prefill_options_and_checks_them_before_loading(
     done = runner.invoke(cli.app, ["serve", "m", "--prefill-resident-gib", "-1"])
     assert done.exit_code == 1 and "--prefill-resident-gib must be >= 0" in done.output
     assert seen == {}  # refused before loading
+    words = " ".join(runner.invoke(cli.app, ["serve", "--help"]).output.split())
+    assert "--prefill-resident-gib <float> Deprecated: the former name of" in words
 
 
 def test_chat_template_option_reaches_the_engine_and_is_checked_first(

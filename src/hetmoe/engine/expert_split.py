@@ -1,30 +1,35 @@
 """Where a prefill pass runs each MoE layer's routed experts: the CPU, the GPU, or both at once.
 
-A pass of T tokens gives each layer P = T * top_k (token, slot) pairs. The GPU computes the first
-k experts of every layer (ids 0..k-1), their packed bytes copied over PCIe ahead of use (layer
-i + 2's copy during layer i's compute: the copy does not wait for the router, so both sides work
-from the start of a layer); the CPU computes the other E - k experts of the same layer at the
-same time. k = E streams every expert (the CPU idles), k = 0 is the CPU alone (no copy).
+A pass of T tokens gives each layer P = T * top_k (token, slot) pairs. Of a layer's E experts, r
+are resident on the GPU (a placement, engine/placement.py: computed from their slots, never
+copied); the GPU also computes k of the E - r misses, their packed bytes copied over PCIe ahead
+of use (layer i + 2's copy during layer i's compute: the copy does not wait for the router, so
+both sides work from the start of a layer); the CPU computes the other E - r - k misses of the
+same layer at the same time. k = E - r streams every miss (the CPU idles), k = 0 leaves the
+misses to the CPU (no copy; the resident experts still run on the GPU).
 
 Per layer, with an even spread of the pairs (n = P / E per expert; an expert of the CPU's share
 costs its fixed part only if some pair chose it: probability a = 1 - (1 - 1/E)^P):
 
     copy(k) = k * gpu_expert                               (the copy engine, ahead of use)
-    GPU(k)  = k * (gpu_fixed + n * gpu_token)              (unpack, grouped GEMM)
-    CPU(k)  = cpu_call + (E - k) * (a * cpu_fixed + n * cpu_token)
+    GPU(k)  = (r + k) * (gpu_fixed + n * gpu_token)        (unpack, grouped GEMM)
+    CPU(k)  = cpu_call + (E - r - k) * (a * cpu_fixed + n * cpu_token)
 
-    k = E:       max(copy(E), GPU(E))
-    k = 0:       CPU(0)
+    k = E - r:   max(copy(k), GPU(k))                       (no CPU share)
+    r = k = 0:   CPU(0)                                     (no GPU share)
     otherwise:   max(copy(k), split_fixed + T * split_token + max(CPU(k), GPU(k)))
 
 (a split layer's round trip, its activations to the host and the CPU's sum back, is serial with
-both sides). `plan_gpu_experts` takes the k of the smallest time. The costs come from this
+both sides). A pass takes one k for every layer, each layer streaming at most its own misses;
+`plan_gpu_experts` takes the k of the smallest sum over the layers. The costs come from this
 machine's measured rates (`costs_from_profile`, hetmoe.calibration), so where the GPU starts to
 pay off is measured, not a constant.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,34 +60,57 @@ class SplitCosts:
     """A split layer: each token's activations to the host and the CPU's sum back."""
 
 
-def layer_seconds(k: int, tokens: int, top_k: int, num_experts: int, costs: SplitCosts) -> float:
-    """Expected seconds of one layer whose first `k` experts run on the GPU, the rest on the
-    CPU, for `tokens` tokens spread evenly (the later side)."""
-    if not 0 <= k <= num_experts:
-        raise ValueError(f"k must be in [0, {num_experts}], got {k}")
+def layer_seconds(k: int, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
+                  resident: int = 0) -> float:
+    """Expected seconds of one layer with `resident` experts resident on the GPU and `k` of
+    its misses streamed there, the other misses on the CPU, for `tokens` tokens spread evenly
+    (the later side)."""
+    if not 0 <= resident <= num_experts:
+        raise ValueError(f"resident experts must be in [0, {num_experts}], got {resident}")
+    if not 0 <= k <= num_experts - resident:
+        raise ValueError(f"k must be in [0, {num_experts - resident}], got {k}")
     pairs = tokens * top_k
     n = pairs / num_experts
     active = 1.0 - (1.0 - 1.0 / num_experts) ** pairs
+    rest = num_experts - resident - k  # the CPU's experts
     copy = k * costs.gpu_expert
-    gpu = k * (costs.gpu_fixed + n * costs.gpu_token)
-    cpu = costs.cpu_call + (num_experts - k) * (active * costs.cpu_fixed + n * costs.cpu_token)
-    if k == num_experts:
+    gpu = (resident + k) * (costs.gpu_fixed + n * costs.gpu_token)
+    cpu = costs.cpu_call + rest * (active * costs.cpu_fixed + n * costs.cpu_token)
+    if rest == 0:
         return max(copy, gpu)
-    if k == 0:
+    if resident + k == 0:
         return cpu
     return max(copy, costs.split_fixed + tokens * costs.split_token + max(cpu, gpu))
 
 
+def most_misses(num_experts: int, resident: Sequence[int] = ()) -> int:
+    """The largest count of non-resident experts over the layers (`resident`: per layer; none
+    given: no placement, E): the k that streams every miss."""
+    return num_experts - min(resident, default=0)
+
+
+def pass_seconds(k: int, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
+                 resident: Sequence[int] = ()) -> float:
+    """Expected seconds of a pass's MoE layers, each streaming min(k, its misses) experts
+    (`resident`: resident experts per layer; none given: one layer without a placement)."""
+    layers = Counter(resident) if resident else Counter([0])
+    return sum(count * layer_seconds(min(k, num_experts - r), tokens, top_k, num_experts, costs, r)
+               for r, count in layers.items())
+
+
 def plan_gpu_experts(tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
-                     least: int = 0, most: int | None = None) -> int:
-    """The k in [least, most] (default [0, E]) of the fewest expected seconds per layer: how
-    many experts of each layer (its first k) a pass of `tokens` tokens runs on the GPU. Ties
-    go to the smaller k (fewer bytes over PCIe)."""
-    most = num_experts if most is None else most
-    if not 0 <= least <= most <= num_experts:
-        raise ValueError(f"need 0 <= least <= most <= {num_experts}, got {least}, {most}")
+                     least: int = 0, most: int | None = None,
+                     resident: Sequence[int] = ()) -> int:
+    """The k in [least, most] (default [0, the most misses of a layer]) of the fewest expected
+    seconds per pass: how many of each layer's misses (experts not resident, `resident` per
+    layer) a pass of `tokens` tokens streams to the GPU. Ties go to the smaller k (fewer bytes
+    over PCIe)."""
+    top = most_misses(num_experts, resident)
+    most = top if most is None else most
+    if not 0 <= least <= most <= top:
+        raise ValueError(f"need 0 <= least <= most <= {top}, got {least}, {most}")
     return min(range(least, most + 1),
-               key=lambda k: (layer_seconds(k, tokens, top_k, num_experts, costs), k))
+               key=lambda k: (pass_seconds(k, tokens, top_k, num_experts, costs, resident), k))
 
 
 def costs_from_profile(profile: MachineProfile, moe: CpuMoE) -> SplitCosts:
@@ -122,7 +150,7 @@ def layer_costs(profile: MachineProfile, fmt: str, hidden: int, intermediate: in
 
 
 def describe_plan(k: int, num_experts: int) -> str:
-    """A plan's k in words."""
+    """A plan's k in words (without a placement)."""
     if k == 0:
         return "CPU"
     if k == num_experts:
@@ -145,11 +173,13 @@ first pass of a strategy may carry one-time costs (pinned buffers, kernel select
 class PrefillTuner:
     """Measured prefill seconds per token of each strategy (CPU, split, stream) per prompt-length
     bucket (a power of two): in a new bucket the model's k and its most likely rival of another
-    strategy (the stream if the model split, its best split if it streamed or stayed on the CPU)
-    take turns, `TRIES` passes each, then the k of the strategy with the best pass is kept. The
-    cost model ranks; what this machine measured decides. Passes with fewer (token, expert)
-    pairs than experts (a chat turn's few new tokens) keep the model's pick: no rival there
-    could pay for experts copied ahead that no token uses."""
+    strategy (the stream if the model split, its best split if it streamed or stayed on the CPU;
+    with at most one miss per layer, no split: the other one) take turns, `TRIES` passes each,
+    then the k of the strategy with the best pass is kept. The cost model ranks; what this
+    machine measured decides. Passes with fewer (token, expert) pairs than experts (a chat
+    turn's few new tokens) keep the model's pick: no rival there could pay for experts copied
+    ahead that no token uses. Its timings are of one placement: `MoEOverlap.place` starts a new
+    tuner."""
 
     def __init__(self) -> None:
         self.measured: dict[int, dict[str, list[float]]] = {}
@@ -160,31 +190,39 @@ class PrefillTuner:
         return max(1, tokens).bit_length()
 
     @staticmethod
-    def strategy(k: int, num_experts: int) -> str:
-        return "cpu" if k == 0 else "stream" if k == num_experts else "split"
+    def strategy(k: int, most: int) -> str:
+        """"cpu", "stream" or "split" for a pass streaming k misses per layer (`most`: the k
+        that streams every miss)."""
+        return "cpu" if k == 0 else "stream" if k >= most else "split"
 
-    def choose(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts) -> int:
-        """The k for a pass of `tokens` tokens (see the class docstring)."""
-        model = plan_gpu_experts(tokens, top_k, num_experts, costs)
-        if 0 < model < num_experts:
-            rival = num_experts
+    def choose(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
+               resident: Sequence[int] = ()) -> int:
+        """The k for a pass of `tokens` tokens (see the class docstring); `resident`: resident
+        experts per layer (none given: no placement)."""
+        most = most_misses(num_experts, resident)
+        model = plan_gpu_experts(tokens, top_k, num_experts, costs, resident=resident)
+        if 0 < model < most:
+            rival = most
+        elif most >= 2:
+            rival = plan_gpu_experts(tokens, top_k, num_experts, costs, 1, most - 1, resident)
         else:
-            rival = plan_gpu_experts(tokens, top_k, num_experts, costs, 1, num_experts - 1)
-        if tokens * top_k < num_experts:
+            rival = most if model == 0 else 0
+        if tokens * top_k < num_experts or rival == model:
             return model  # most experts idle: copying experts ahead moves weights nobody uses
-        predicted = layer_seconds(model, tokens, top_k, num_experts, costs)
-        if layer_seconds(rival, tokens, top_k, num_experts, costs) > EXPLORE_WITHIN * predicted:
+        predicted = pass_seconds(model, tokens, top_k, num_experts, costs, resident)
+        if (pass_seconds(rival, tokens, top_k, num_experts, costs, resident)
+                > EXPLORE_WITHIN * predicted):
             return model
         times = self.measured.get(self.bucket(tokens), {})
-        mine, theirs = (times.get(self.strategy(k, num_experts), []) for k in (model, rival))
+        mine, theirs = (times.get(self.strategy(k, most), []) for k in (model, rival))
         if min(len(mine), len(theirs)) < TRIES:
             return rival if len(theirs) < len(mine) else model
         return model if min(mine) <= min(theirs) else rival
 
-    def record(self, tokens: int, k: int, num_experts: int, seconds: float) -> None:
-        """A pass of `tokens` tokens with k of `num_experts` experts on the GPU took
-        `seconds`."""
-        strategy = self.strategy(k, num_experts)
+    def record(self, tokens: int, k: int, most: int, seconds: float) -> None:
+        """A pass of `tokens` tokens streaming k misses per layer took `seconds` (`most`: the k
+        that streams every miss; E without a placement)."""
+        strategy = self.strategy(k, most)
         passes = self.measured.setdefault(self.bucket(tokens), {}).setdefault(strategy, [])
         passes.append(seconds / max(1, tokens))
         del passes[:-8]  # the latest few

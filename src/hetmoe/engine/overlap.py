@@ -25,6 +25,7 @@ from hetmoe.engine.expert_split import (
     PrefillTuner,
     SplitCosts,
     costs_from_profile,
+    most_misses,
     plan_gpu_experts,
 )
 from hetmoe.engine.host_link import HostLink, check_stream_memops
@@ -69,7 +70,7 @@ class MoEOverlap(MoEStep):
     attached at construction. `packed`: decode steps start with `start_packed` (fused decode)."""
 
     def __init__(self, model: nn.Module, device: torch.device, max_batch: int,
-                 deferred: int = 0, packed: bool = False, resident_bytes: int = 0) -> None:
+                 deferred: int = 0, packed: bool = False) -> None:
         layers = moe_layers(model)
         if not layers:
             raise ValueError("MoEOverlap: the model has no hybrid_moe layer")
@@ -88,9 +89,8 @@ class MoEOverlap(MoEStep):
         self.pending: list[tuple[HostLink, int]] = []  # flag jobs submitted for this step
         self.streamer: LayerStreamer | None = None  # GPU prefill (made at its first pass)
         self.stream_refusal: str | None = None  # why it cannot ("" if it can; None: unchecked)
-        self.resident_bytes = resident_bytes  # packed experts kept on the GPU (first layers)
         self.costs: SplitCosts | None = None  # prefill costs per expert (`split_costs`)
-        self.tuner = PrefillTuner()  # measured prefill passes (auto mode)
+        self.tuner = PrefillTuner()  # measured prefill passes (auto mode; per placement)
         self.streaming = False
         self.placement: Placement | None = None  # experts resident on the GPU (`place`)
         self.placed: dict[tuple[bool, int], PlacementLink] = {}  # (host link?, layer)
@@ -99,9 +99,13 @@ class MoEOverlap(MoEStep):
     def place(self, placement: Placement | None, pool: StagingPool | None = None) -> None:
         """Computes `placement`'s resident experts on the GPU and sends only the misses to the
         CPU (engine/placement_link.py), less those `pool` fetches (fetch-or-compute, steps
-        outside graphs); None: every expert on the CPU again. Captured graphs bake in which
-        layers start CPU jobs: reset them after a change."""
+        outside graphs); None: every expert on the CPU again. A streamed prefill copies only
+        the misses. Captured graphs bake in which layers start CPU jobs: reset them after a
+        change. The prefill tuner starts again: its timings were of the old placement."""
         self.placement, self.placed = placement, {}
+        self.tuner = PrefillTuner()
+        if self.streamer is None:
+            self.stream_refusal = None  # checked again against the memory now free
         if placement is None:
             return
         for i, slots in enumerate(placement.layers):
@@ -135,30 +139,40 @@ class MoEOverlap(MoEStep):
             return False
         if self.stream_refusal is None:
             free = torch.cuda.mem_get_info(self.device)[0]
-            self.stream_refusal = streaming_refusal(self.cpu, free, self.resident_bytes)
+            self.stream_refusal = streaming_refusal(self.cpu, free)
             if self.stream_refusal:
                 log.warning("%s: long prompts prefill on the CPU", self.stream_refusal)
         return not self.stream_refusal
 
+    def resident(self) -> list[int]:
+        """Experts resident on the GPU per MoE layer (the placement's; none: zeros)."""
+        if self.placement is None:
+            return [0] * len(self.cpu)
+        return [len(slots.experts()) for slots in self.placement.layers]
+
     def prefill_gpu_experts(self, tokens: int, mode: str = "auto") -> int:
-        """How many experts of each MoE layer (its first) a prefill of `tokens` tokens runs on
-        the GPU: 0 = all on the CPU, E = every expert streamed, between: split with the CPU.
-        `mode` (EngineConfig.prefill_experts): "cpu", "gpu", "split" (the best k in
-        [1, E - 1]) or "auto" (the best k in [0, E]) by this machine's measured costs
-        (engine/expert_split.py; hetmoe.calibration measures them once per machine). With
-        resident experts (`place`) the CPU path computes them on the GPU and only the misses
-        on the CPU; when every expert is resident nothing is streamed."""
+        """How many of each MoE layer's misses (its experts not resident on the GPU; without a
+        placement every expert) a prefill of `tokens` tokens streams to the GPU, in expert
+        order: 0 = none (the misses on the CPU, the resident experts on the GPU), the most
+        misses of a layer = every miss streamed, between: split with the CPU. `mode`
+        (EngineConfig.prefill_experts): "cpu", "gpu", "split" (the best k in [1, misses - 1];
+        1 when a layer has at most one miss) or "auto" (the best k in [0, misses]) by this
+        machine's measured costs, counting the resident experts' GPU compute
+        (engine/expert_split.py; hetmoe.calibration measures them once per machine). When
+        every expert is resident nothing is streamed."""
         experts = self.cpu[0].num_experts
         if self.placement is not None and self.placement.everything:
             return 0  # every expert already on the GPU: the resident links, nothing streamed
         if mode == "cpu" or not self.can_stream():
             return 0
+        resident = self.resident()
+        most = most_misses(experts, resident)
         if mode == "gpu":
-            return experts
+            return most
         if mode == "split":
             return plan_gpu_experts(tokens, self.top_k, experts, self.split_costs(), 1,
-                                    experts - 1)
-        return self.tuner.choose(tokens, self.top_k, experts, self.split_costs())
+                                    max(1, most - 1), resident)
+        return self.tuner.choose(tokens, self.top_k, experts, self.split_costs(), resident)
 
     @contextmanager
     def prefill_pass(self, tokens: int, mode: str = "auto") -> Iterator[None]:
@@ -173,7 +187,8 @@ class MoEOverlap(MoEStep):
             yield
         if mode == "auto" and self.host:
             torch.cuda.synchronize(self.device)
-            self.tuner.record(tokens, k, self.cpu[0].num_experts, time.perf_counter() - start)
+            most = most_misses(self.cpu[0].num_experts, self.resident())
+            self.tuner.record(tokens, k, most, time.perf_counter() - start)
 
     def split_costs(self) -> SplitCosts:
         """Per-expert costs of this model's layer shape on this machine (measured rates, loaded
@@ -188,18 +203,20 @@ class MoEOverlap(MoEStep):
     def _streamer(self) -> LayerStreamer:
         """The streamer, made at the first GPU prefill (the experts' host memory registered)."""
         if self.streamer is None:
-            self.streamer = LayerStreamer(self.cpu, self.device, self.resident_bytes)
+            self.streamer = LayerStreamer(self.cpu, self.device)
         return self.streamer
 
     @contextmanager
     def streamed(self, tokens: int, gpu_experts: int | None = None) -> Iterator[None]:
-        """A prefill pass of `tokens` tokens whose routed experts run on the GPU, streamed layer
-        by layer; with `gpu_experts` < E only the first that many of each layer, the rest on
-        the CPU at the same time (`LayerStreamer.begin`). The streamer is made and the
-        experts' host memory registered at the first such pass."""
+        """A prefill pass of `tokens` tokens whose routed experts run on the GPU: the resident
+        ones (`place`) from their slots, the misses streamed layer by layer; with `gpu_experts`
+        below a layer's misses only the first that many of them, the rest on the CPU at the
+        same time (`LayerStreamer.begin`). The streamer is made and the experts' host memory
+        registered at the first such pass."""
         streamer = self._streamer()
         self.streaming = True
-        streamer.begin(tokens, self.top_k, gpu_experts)
+        slots = self.placement.layers if self.placement is not None else None
+        streamer.begin(tokens, self.top_k, gpu_experts, slots)
         try:
             yield
         finally:

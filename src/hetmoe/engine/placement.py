@@ -64,6 +64,10 @@ class LayerSlots:
         """Whether every expert of the layer is resident (the CPU has nothing to do)."""
         return self.slots == self.num_experts and -1 not in self.resident
 
+    def experts(self) -> set[int]:
+        """The experts in the table now (a slot still being filled holds none)."""
+        return {e for e in self.resident if e >= 0}
+
     def _sources(self) -> list[torch.Tensor]:
         """The group mappings as host tensors (registered for DMA on CUDA)."""
         if self.device.type == "cuda":
