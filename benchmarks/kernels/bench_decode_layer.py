@@ -1,0 +1,139 @@
+"""The fused decode step's GQA layer function alone (no experts, no lm_head), compiled and
+replayed as one CUDA graph over every layer of a real shape (random weights, one set per layer,
+so nothing stays in L2): with its Triton kernels (kernels/gqa_decode.py, kernels/moe_router.py)
+against the same function in torch ops plus its cache write. Prints microseconds and GPU kernels
+per layer for each, and the step's GPU time without experts; JSON with --json.
+
+    python benchmarks/kernels/bench_decode_layer.py [--shape qwen3-30b-a3b] [--batch 1]
+        [--position 96] [--window 256] [--replays 50] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from typing import Any
+
+import torch
+from torch._dynamo import mark_dynamic
+from torch.profiler import ProfilerActivity, profile
+
+from hetmoe.bench.shapes import shape_config
+from hetmoe.engine.fused_decode import FusedDecoder, make_gqa_layer
+from hetmoe.engine.layer_plan import LayerStatics
+from hetmoe.machine import machine_report
+from hetmoe.ops import fused
+from hetmoe.ops.router import RouterConfig
+
+
+def statics_of(cfg: Any) -> LayerStatics:
+    """A GQA MoE layer's statics from a transformers config (as engine/layer_plan.py reads)."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    eps = float(cfg.rms_norm_eps)
+    return LayerStatics("gqa", (eps, eps, eps), cfg.num_attention_heads,
+                        (cfg.num_key_value_heads, head_dim), head_dim ** -0.5, "half",
+                        RouterConfig.from_hf(cfg))
+
+
+def layer_inputs(cfg: Any, s: LayerStatics, batch: int, length: int) -> list[tuple[Any, ...]]:
+    """Per layer: norms, weights (q/k norms when the family has them), caches, router."""
+    kv_heads, d = s.dims
+    hidden, qn = cfg.hidden_size, cfg.model_type == "qwen3_moe"
+    assert s.router is not None
+
+    def rand(*shape: int, scale: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda") * scale).bfloat16()
+
+    layers = []
+    for _ in range(cfg.num_hidden_layers):
+        norms = (rand(hidden, scale=1.0), rand(hidden, scale=1.0))
+        weights = (rand((s.heads + 2 * kv_heads) * d, hidden), None,
+                   rand(d, scale=1.0) if qn else None, rand(d, scale=1.0) if qn else None,
+                   rand(hidden, s.heads * d))
+        cache = rand(batch, length, 2, kv_heads, d, scale=1.0)
+        layers.append((norms, weights, (cache,), (rand(s.router.num_experts, hidden), None)))
+    return layers
+
+
+def step_fn(s: LayerStatics, kernel: bool, layers: list[tuple[Any, ...]], pos: torch.Tensor,
+            slots: torch.Tensor, cos: torch.Tensor, window: tuple[torch.Tensor, ...]) -> Any:
+    """h [B, H] -> h after every layer (the MoE output replaced by a fixed term)."""
+    fn = torch.compile(make_gqa_layer(s, kernel), fullgraph=True, dynamic=False)
+
+    def step(h: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+        for norms, weights, caches, router in layers:
+            h, _, new, _ = fn(h, (term,), norms, weights, cos, cos, caches, slots, window,
+                              router)
+            FusedDecoder._write(caches, new, slots, pos)  # the torch path's cache write
+        return h
+
+    return step
+
+
+def measure(step: Any, h: torch.Tensor, term: torch.Tensor, replays: int, layers: int
+            ) -> dict[str, float]:
+    """Microseconds and GPU kernels per layer of `step` as one CUDA graph's replays."""
+    for _ in range(2):
+        step(h, term)  # compile, then warm
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(h, term)
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / replays
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    return {"us_per_layer": seconds / layers * 1e6, "kernels_per_layer": kernels / layers,
+            "ms_per_step": seconds * 1e3}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--position", type=int, default=96, help="cached entries per row")
+    p.add_argument("--window", type=int, default=256, help="attended window (the bucket)")
+    p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    cfg = shape_config(args.shape)
+    s = statics_of(cfg)
+    layers = layer_inputs(cfg, s, args.batch, max(args.window, args.position + 1))
+    pos = torch.full((args.batch,), args.position, device="cuda")
+    slots = torch.arange(args.batch, device="cuda")
+    cos = torch.ones(args.batch, 1, s.dims[1], device="cuda", dtype=torch.bfloat16)
+    mask = fused.window_mask(pos, args.window, None)
+    mark_dynamic(mask, 1)  # as FusedDecoder marks it: one graph for every bucket
+    h = torch.randn(args.batch, cfg.hidden_size, device="cuda").bfloat16()
+    term = torch.randn(args.batch, cfg.hidden_size, device="cuda") * 0.1
+    rows = {}
+    for name, kernel, window in (("torch", False, (mask,)),
+                                 ("triton", True, (mask, fused.window_bounds(pos, None), pos))):
+        step = step_fn(s, kernel, layers, pos, slots, cos, window)
+        rows[name] = measure(step, h, term, args.replays, cfg.num_hidden_layers)
+    print(f"{args.shape}, batch {args.batch}, {args.position} cached, window {args.window}, "
+          f"{torch.cuda.get_device_name()}")
+    print(f"{'path':<8} {'us/layer':>9} {'kernels/layer':>14} {'ms/step':>8}")
+    for name, row in rows.items():
+        print(f"{name:<8} {row['us_per_layer']:>9.2f} {row['kernels_per_layer']:>14.1f} "
+              f"{row['ms_per_step']:>8.3f}")
+    print(f"triton / torch: {rows['triton']['ms_per_step'] / rows['torch']['ms_per_step']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip()
+            json.dump({"config": vars(args), "git": git, "device": torch.cuda.get_device_name(),
+                       "machine": machine_report(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
