@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetmoe.kernels.moe_router import fits, moe_router, router_args
+from hetmoe.kernels.moe_router import moe_router
 from hetmoe.ops import fused
 from hetmoe.ops.router import RouterConfig, route
 
@@ -68,7 +68,7 @@ def test_matches_the_torch_ops(name: str, b: int, hidden: int, experts: int, top
     want_stage = fused.pack_moe_inputs(want_x, ids, weights)
     got_h, got_x, stage = (t.cpu() for t in moe_router(
         h.to(HERE), o.to(HERE), norm.to(HERE), 1e-6, router.to(HERE),
-        None if bias is None else bias.to(HERE), *router_args(c)))
+        None if bias is None else bias.to(HERE), *c.kernel_args()))
     assert torch.equal(got_h, want_h)
     torch.testing.assert_close(got_x, want_x, atol=0, rtol=torch.finfo(dtype).eps)
     x, got_ids, got_weights = fused.unpack_moe_inputs(stage, b, hidden, top_k)
@@ -80,9 +80,10 @@ def test_matches_the_torch_ops(name: str, b: int, hidden: int, experts: int, top
 
 
 def test_fits_greedy_routers_only() -> None:
-    assert fits(RouterConfig(8, 2)) and fits(RouterConfig(8, 2, scoring="sigmoid"))
-    assert not fits(RouterConfig(8, 2, topk_method="group_limited_greedy", num_groups=4,
-                                 topk_groups=2))
+    assert RouterConfig(8, 2).kernel_fits()
+    assert RouterConfig(8, 2, scoring="sigmoid").kernel_fits()
+    assert not RouterConfig(8, 2, topk_method="group_limited_greedy", num_groups=4,
+                            topk_groups=2).kernel_fits()
 
 
 def test_bad_inputs_are_named() -> None:

@@ -94,8 +94,8 @@ def make_gqa_layer(s: LayerStatics, kernel: bool = False) -> Callable[..., tuple
         from hetmoe.kernels import moe_router
         from hetmoe.kernels.gqa_decode import gqa_decode_attention
 
-        if s.router is not None and moe_router.fits(s.router):
-            args = moe_router.router_args(s.router)
+        if s.router is not None and s.router.kernel_fits():
+            args = s.router.kernel_args()
 
             def entry(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor,
                       weight: torch.Tensor, bias: torch.Tensor | None

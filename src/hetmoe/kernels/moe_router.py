@@ -23,7 +23,6 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from hetmoe.kernels.dequant import INTERPRETED, to_bf16
-from hetmoe.ops.router import RouterConfig
 
 
 @triton.jit
@@ -114,18 +113,6 @@ def topk_kernel(logits_ptr, bias_ptr, x_ptr, stage_ptr, B, H, E, scaling, K: tl.
     tl.store(pairs + 1, ids >> 31, mask=k < K)
     tl.store(stage_ptr + B * H + 2 * B * K + b * K + k, weights.to(tl.int32, bitcast=True),
              mask=k < K)
-
-
-def fits(c: RouterConfig) -> bool:
-    """Whether the kernels take this router (greedy top-k, no expert groups)."""
-    return c.topk_method == "greedy" and c.num_groups == 1
-
-
-def router_args(c: RouterConfig) -> tuple[int, bool, bool, float, bool, bool]:
-    """`moe_router`'s arguments from top_k on for router `c`."""
-    scaling = c.scaling_factor if c.scale_when_normalized or not c.norm_topk_prob else 1.0
-    return (c.top_k, c.scoring == "sigmoid", c.norm_topk_prob, scaling, c.logits_fp32,
-            c.round_weights)
 
 
 @triton_op("hetmoe::moe_router", mutates_args=())

@@ -52,6 +52,17 @@ class RouterConfig:
     round_weights: bool = False
     """Qwen rounds the weights to the activations' dtype before use."""
 
+    def kernel_fits(self) -> bool:
+        """Whether kernels/moe_router.py takes this router (greedy top-k, no expert groups)."""
+        return self.topk_method == "greedy" and self.num_groups == 1
+
+    def kernel_args(self) -> tuple[int, bool, bool, float, bool, bool]:
+        """kernels/moe_router.py `moe_router`'s arguments from top_k on."""
+        scaling = self.scaling_factor if self.scale_when_normalized or not self.norm_topk_prob \
+            else 1.0
+        return (self.top_k, self.scoring == "sigmoid", self.norm_topk_prob, scaling,
+                self.logits_fp32, self.round_weights)
+
     def __post_init__(self) -> None:
         if self.scoring not in SCORING:
             raise ValueError(f"scoring_func must be one of {SCORING}, got {self.scoring!r}")
