@@ -134,9 +134,12 @@ def decode_rows(runner: ModelRunner, plan: Any, args: argparse.Namespace, prompt
                 base: list[list[int]]) -> list[dict[str, Any]]:
     """Greedy decode under the current placement, per (deferred, placement_interval)."""
     rows = []
-    settings = [(int(d), int(n)) for d in args.deferred.split(",")
-                for n in args.intervals.split(",")]
-    for d, interval in settings:
+    kernels = [k for k in args.decode_kernels.split(",") if k] or [None]
+    settings = [(int(d), int(n), k) for d in args.deferred.split(",")
+                for n in args.intervals.split(",") for k in kernels]
+    for d, interval, kernel in settings:
+        if kernel is not None and runner.fused is not None:
+            runner.fused.kernels = kernel  # the layer functions are keyed by it: no recompile
         runner.reset_graphs(d)
         runner.policy = None
         for slots in runner.placement.layers if runner.placement is not None else []:
@@ -149,10 +152,12 @@ def decode_rows(runner: ModelRunner, plan: Any, args: argparse.Namespace, prompt
         same = next((i for i, (a, b) in enumerate(zip(run.tokens, base[0], strict=True))
                      if a != b), len(run.tokens))
         rows.append({"deferred": d, "placement_interval": interval,
+                     "decode_kernels": runner.fused.kernels if runner.fused else None,
                      "moves": runner.policy.moves if runner.policy is not None else 0,
                      "tok_s": round(run.tok_s, 2), "mean_tok_s": round(run.mean_tok_s, 2),
                      "tokens_equal_budget0_first": same})
-        print(f"  decode d={d} interval {interval}: {run.tok_s:7.2f} tok/s, "
+        print(f"  decode d={d} interval {interval} kernels {rows[-1]['decode_kernels']}: "
+              f"{run.tok_s:7.2f} tok/s, "
               f"{rows[-1]['moves']} moves, tokens equal to the first run's for "
               f"{same}/{len(run.tokens)}", flush=True)
     return rows
@@ -172,6 +177,9 @@ def main() -> None:
                    help="prefill_experts modes timed per length (auto: the engine's pick; cpu: "
                         "resident experts on the GPU, the misses on the CPU)")
     p.add_argument("--prefill-repeats", type=int, default=2, help="best of this many passes")
+    p.add_argument("--decode-kernels", default="",
+                   help="fused decode step's GQA kernels per budget, e.g. torch,triton (an A/B "
+                        "in one process; default: HETMOE_DECODE_KERNELS)")
     p.add_argument("--profile", action="store_true",
                    help="GPU kernels of 16 graph steps at the last budget (torch.profiler)")
     p.add_argument("--num-layers", type=int, default=None)
