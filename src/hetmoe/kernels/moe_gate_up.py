@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from hetmoe.kernels.dequant import dequant_half, dot_bf16, to_bf16
+from hetmoe.kernels.routing_tiles import tile_rows
 
 
 @triton.jit
@@ -27,11 +28,7 @@ def moe_gate_up_kernel(x_ptr, stride_x, packed_ptr, order_ptr, tile_expert_ptr, 
     pid_t = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + pid_t)
     if expert < NUM_E:
-        row0 = tl.load(tile_row_ptr + pid_t)
-        row_end = tl.load(tile_end_ptr + pid_t)
-        rows = row0 + tl.arange(0, BM)
-        live = rows < row_end
-        pair = tl.load(order_ptr + rows, mask=live, other=0)
+        rows, live, pair = tile_rows(order_ptr, tile_row_ptr, tile_end_ptr, pid_t, BM)
         x_rows = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x  # [BM]
         base = packed_ptr + expert.to(tl.int64) * EXPERT_BYTES
         r = pid_n * BN + tl.arange(0, BN)  # rows of the group's slice (S is a multiple of 64)

@@ -3,7 +3,7 @@
 The expert kernels (`moe_gate_up`, `moe_down`) run one program per (tile, column block); a
 tile is up to `block_m` consecutive sorted pairs of one expert. The grid is fixed by T and K
 alone (`max_tiles`): every shape here is bounded by T * K, never read back to the host, so a
-CUDA graph can capture the whole computation.
+CUDA graph can capture the whole computation. `tile_rows` is the kernels' read of one tile.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 
 @dataclass(frozen=True)
@@ -50,3 +52,16 @@ def routing_tiles(ids: torch.Tensor, num_experts: int, block_m: int) -> RoutingT
     valid = expert.clamp(max=num_experts - 1)
     row = starts[valid] + (i - (tile_ends[valid] - tiles[valid])) * block_m
     return RoutingTiles(order.int(), expert.int(), row.int(), ends[valid].int())
+
+
+@triton.jit
+def tile_rows(order_ptr, tile_row_ptr, tile_end_ptr, tile, BM: tl.constexpr):
+    """Tile `tile` of a `RoutingTiles` (its expert already checked live): its BM positions in
+    `order` [BM], which of them are its expert's (`live`: a tile stops at the expert's end) and
+    the (token * K + slot) pair at each (0 where not live)."""
+    row0 = tl.load(tile_row_ptr + tile)
+    row_end = tl.load(tile_end_ptr + tile)
+    rows = row0 + tl.arange(0, BM)
+    live = rows < row_end
+    pair = tl.load(order_ptr + rows, mask=live, other=0)
+    return rows, live, pair
