@@ -253,3 +253,42 @@ def test_info_prints_where_prefill_runs_from_the_profile(cache: Cache, profile: 
     for tokens in PREFILL_LENGTHS:
         k = plan_gpu_experts(tokens, top_k, experts, costs)
         assert f"{tokens:>6} tokens  {describe_plan(k, experts)}" in done.output
+
+
+def test_info_counts_the_placement_in_its_prefill_plan(cache: Cache, profile: MachineProfile,
+                                                       tiny_dir: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from hetmoe.cli_convert import PREFILL_LENGTHS
+    from hetmoe.engine import placement_plan
+    from hetmoe.engine.expert_split import layer_costs
+    from hetmoe.engine.prefill_planner import PrefillPlanner
+    from hetmoe.loading.checkpoint import Checkpoint
+    from hetmoe.loading.convert_plan import plan_convert
+
+    path = tiny_dir("qwen3_moe")
+    calibration.save(dataclasses.replace(
+        profile, h2d_bytes_s=50e9, d2h_bytes_s=50e9, gpu_host_read_bytes_s=20e9,
+        gpu_flops={f: 100e12 for f in profile.cpu_flops},
+        gpu_expert_bytes_s={f: 60e9 for f in profile.cpu_flops}))
+    layer = plan_convert(Checkpoint.open(path), "bf16", None).layers[0]
+    experts, hidden, intermediate = layer.shape
+    size = sum(g["expert_bytes"] for g in layer.groups)
+    layers = int(Checkpoint.open(path).config.num_hidden_layers)
+    placed = placement_plan.plan_placement([experts] * layers, [size] * layers, 3 * size * layers)
+    # As a GPU's `auto` budget would keep 3 experts of each layer (this machine may have none).
+    monkeypatch.setattr(placement_plan, "planned_placement", lambda mem: placed)
+    done = runner.invoke(app, ["info", str(path), "--device", "cpu"])
+    assert done.exit_code == 0, done.output
+    assert f"{placed.describe()} [--gpu-expert-gib auto]" in done.output
+    assert "prefill plan (cost model, this machine's profile and the GPU experts above;" in (
+        done.output)
+    stored = calibration.load()
+    assert stored is not None
+    costs = layer_costs(stored, "bf16", hidden, intermediate, size)
+    planner = PrefillPlanner(experts, int(Checkpoint.open(path).config.num_experts_per_tok),
+                             layers, costs, refusal=lambda: "")
+    planner.place(placed)
+    assert planner.resident == (3,) * layers
+    for tokens in PREFILL_LENGTHS:
+        line = f"{tokens:>6} tokens  {planner.describe(planner.gpu_experts(tokens))}"
+        assert line in done.output and "3 resident experts per layer on the GPU" in line

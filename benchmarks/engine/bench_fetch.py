@@ -162,8 +162,8 @@ def main() -> None:
         r["speedup_vs_slots0"] = round(base[r["mode"], r["tokens"]] / r["seconds"], 3)
         print(json.dumps(r), flush=True)
     probe = ModelRunner(model, device, torch.bfloat16, 1, 8, EngineConfig(gpu_expert_bytes=0))
-    assert probe.overlap is not None
-    costs = probe.overlap.split_costs()
+    assert probe.overlap is not None and probe.planner is not None
+    costs = probe.planner.load_costs()
     probe.overlap.detach()
     result = {"command": "benchmarks/engine/bench_fetch.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),

@@ -79,17 +79,17 @@ def profile_steps(runner: ModelRunner, prompt: list[int], steps: int = 16) -> di
             "top": [(name[:120], round(calls, 2), round(us, 1)) for name, calls, us in rows[:30]]}
 
 
-def record_picks(overlap: Any) -> list[int]:
-    """The list that each later `overlap.prefill_gpu_experts` call appends its k to (until
-    `del overlap.prefill_gpu_experts` gives the method back)."""
+def record_picks(planner: Any) -> list[int]:
+    """The list that each later `planner.gpu_experts` call appends its k to (until
+    `del planner.gpu_experts` gives the method back)."""
     chosen: list[int] = []
-    pick = overlap.prefill_gpu_experts
+    pick = planner.gpu_experts
 
     def recorded(tokens: int, mode: str = "auto") -> int:
         chosen.append(pick(tokens, mode))
         return chosen[-1]
 
-    overlap.prefill_gpu_experts = recorded
+    planner.gpu_experts = recorded
     return chosen
 
 
@@ -100,13 +100,13 @@ def prefill_rows(runner: ModelRunner, lengths: list[int], modes: list[str], repe
     another placement) and cpu (the resident experts on the GPU, the misses on the CPU: the
     placement's own path). With every expert resident both are the same path: auto alone.
     Each row also lists the GPU expert count k of every timed pass (0: the resident path)."""
-    overlap = runner.overlap
-    assert overlap is not None
+    planner = runner.planner
+    assert planner is not None
     rows = []
     for mode in modes if not everything else ["auto"]:
         runner.config = dataclasses.replace(runner.config, prefill_experts=mode)
-        overlap.tuner = PrefillTuner()
-        chosen = record_picks(overlap)
+        planner.tuner = PrefillTuner()
+        chosen = record_picks(planner)
         try:
             for n in lengths:
                 chosen.clear()
@@ -118,7 +118,7 @@ def prefill_rows(runner: ModelRunner, lengths: list[int], modes: list[str], repe
                 print(f"  prefill {n:>6} ({mode}): {tok_s:8.1f} tok/s, k per pass {chosen}",
                       flush=True)
         finally:
-            del overlap.prefill_gpu_experts  # the method again
+            del planner.gpu_experts  # the method again
     runner.config = dataclasses.replace(runner.config, prefill_experts="auto")
     return rows
 

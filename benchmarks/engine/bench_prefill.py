@@ -251,12 +251,12 @@ def main() -> None:
     # No resident experts: the sweep times every expert streamed (bench_gpu_experts.py times
     # prefill per GPU expert budget).
     runner = ModelRunner(model, device, dtype, 1, window, EngineConfig(gpu_expert_bytes=0))
-    overlap = runner.overlap
-    assert overlap is not None and overlap.can_stream(), "GPU prefill needs packed CPU experts"
+    overlap, planner = runner.overlap, runner.planner
+    assert overlap is not None and planner is not None and planner.can_stream(), \
+        "GPU prefill needs packed CPU experts"
     h2d = measure.h2d_bandwidth(device)
-    start = time.perf_counter()
-    costs = overlap.split_costs()  # loads or measures this machine's profile
-    print(f"costs per expert ({time.perf_counter() - start:.1f} s): {costs}", flush=True)
+    costs = planner.load_costs()  # loaded (or measured) when the runner started
+    print(f"costs per expert: {costs}", flush=True)
     gen = torch.Generator().manual_seed(0)
     auto = runner.config
     top_k = int(config.num_experts_per_tok)
@@ -266,7 +266,7 @@ def main() -> None:
         for name in ("auto", "gpu", "split", "cpu"):
             if (name == "cpu" and n > args.cpu_max) or (name == "split" and n > args.split_max):
                 continue
-            row[f"{name}_gpu_experts"] = overlap.prefill_gpu_experts(n, name)
+            row[f"{name}_gpu_experts"] = planner.gpu_experts(n, name)
             runner.config = dataclasses.replace(auto, prefill_experts=name)
             try:
                 if name == "auto":  # its tuner's turns first (not timed): then what it settled on
@@ -278,7 +278,7 @@ def main() -> None:
                 continue
             row[f"{name}_ttft_s"], row[f"{name}_tok_s"] = round(n / tok_s, 4), round(tok_s, 1)
             if name == "auto":  # after its passes: what the tuner settled on
-                row["auto_gpu_experts"] = overlap.prefill_gpu_experts(n, name)
+                row["auto_gpu_experts"] = planner.gpu_experts(n, name)
         runner.config = auto
         assert overlap.streamer is not None
         pass_bytes = overlap.streamer.bytes_per_pass()

@@ -99,10 +99,10 @@ def prefill_rows(runner: Any, lengths: list[int], modes: list[str], passes: int,
             finally:
                 runner.config = base
             median = statistics.median(times)
-            overlap = runner.overlap
+            planner = runner.planner
             row = {"tokens": n, "mode": mode, "tok_s": round(n / median, 1),
                    "median_s": round(median, 4), "passes_s": [round(t, 4) for t in times],
-                   "gpu_experts": overlap.prefill_gpu_experts(n, mode) if overlap else 0}
+                   "gpu_experts": planner.gpu_experts(n, mode) if planner else 0}
             rows.append(row)
             print("prefill", row, flush=True)
     return rows

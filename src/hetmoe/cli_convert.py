@@ -121,6 +121,7 @@ def print_plan(path: Path, fmt: str, group: int | None, device: object,
 
     from hetmoe.engine.model_setup import default_device
     from hetmoe.engine.model_source import DEFAULT_MAX_SEQ_LEN
+    from hetmoe.engine.placement_plan import planned_placement
     from hetmoe.loading.checkpoint import Checkpoint
     from hetmoe.loading.convert_plan import plan_convert
     from hetmoe.loading.memory_plan import memory_plan
@@ -139,20 +140,12 @@ def print_plan(path: Path, fmt: str, group: int | None, device: object,
     mem = memory_plan(plan.skeleton, chosen, plan.dtype, config, _DEFAULTS.max_batch * window,
                       fmt, plan.group_size)
     typer.echo(mem.table())
-    typer.echo(gpu_experts_plan(mem))
+    placement = planned_placement(mem)  # what `--gpu-expert-gib auto` keeps on the GPU
+    typer.echo("GPU experts: none (no GPU, or no routed experts in the cpu backend)"
+               if placement is None else f"{placement.describe()} [--gpu-expert-gib auto]")
     if plan.layers:
-        typer.echo(prefill_plan(plan.layers[0], fmt, config))
+        typer.echo(prefill_plan(plan.layers[0], fmt, config, placement))
         typer.echo(deferral_plan(path, chosen))
-
-
-def gpu_experts_plan(mem: Any) -> str:
-    """What `--gpu-expert-gib auto` keeps on the GPU (engine/placement_plan.py)."""
-    from hetmoe.engine.placement_plan import planned_placement
-
-    plan = planned_placement(mem)
-    if plan is None:
-        return "GPU experts: none (no GPU, or no routed experts in the cpu backend)"
-    return f"{plan.describe()} [--gpu-expert-gib auto]"
 
 
 def deferral_plan(path: Path, device: Any) -> str:
@@ -174,14 +167,15 @@ def deferral_plan(path: Path, device: Any) -> str:
 PREFILL_LENGTHS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
-def prefill_plan(layer: Any, fmt: str, config: Any) -> str:
-    """Where the cost model puts a prefill's routed experts per prompt length on this machine
-    (the stored profile; `auto` then measures its pick against the rival), or why it cannot
-    say."""
+def prefill_plan(layer: Any, fmt: str, config: Any, placement: Any = None) -> str:
+    """Where the prefill planner puts a prefill's routed experts per prompt length on this
+    machine (the stored profile; `placement`'s resident experts counted; `auto` then measures
+    its pick against the rival), or why it cannot say."""
     import torch
 
     from hetmoe import calibration
-    from hetmoe.engine.expert_split import describe_plan, layer_costs, plan_gpu_experts
+    from hetmoe.engine.expert_split import layer_costs
+    from hetmoe.engine.prefill_planner import PrefillPlanner
 
     try:
         profile = calibration.load()
@@ -198,10 +192,13 @@ def prefill_plan(layer: Any, fmt: str, config: Any) -> str:
         costs = layer_costs(profile, fmt, hidden, intermediate, expert_bytes)
     except ValueError as exc:
         return f"prefill plan: {exc}"
-    top_k = int(config.num_experts_per_tok)
-    lines = ["prefill plan (cost model, this machine's profile; auto measures its pick "
-             "against the rival):"]
+    layers = len(placement.resident) if placement is not None else 1
+    planner = PrefillPlanner(experts, int(config.num_experts_per_tok), layers, costs,
+                             refusal=lambda: "")  # on paper: the GPU's room taken as there
+    planner.place(placement)
+    counted = " and the GPU experts above" if placement is not None else ""
+    lines = [f"prefill plan (cost model, this machine's profile{counted}; auto measures its "
+             "pick against the rival):"]
     for tokens in PREFILL_LENGTHS:
-        k = plan_gpu_experts(tokens, top_k, experts, costs)
-        lines.append(f"  {tokens:>6} tokens  {describe_plan(k, experts)}")
+        lines.append(f"  {tokens:>6} tokens  {planner.describe(planner.gpu_experts(tokens))}")
     return "\n".join(lines)

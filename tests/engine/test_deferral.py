@@ -96,3 +96,17 @@ def test_hybrid_runner_refuses_too_much_deferral(engine: Callable[[str, str], LL
     with pytest.raises(ValueError, match="deferred=2 leaves 1 immediate experts"):
         ModelRunner(llm.model, llm.device, llm.dtype, 1, llm.max_seq_len,
                     EngineConfig(deferred=2))
+
+
+def test_a_changed_count_is_checked_where_it_is_set(engine: Callable[[str, str], LLM]) -> None:
+    runner = engine("deepseek_v2", "cpu").runner  # top-3
+    assert runner.overlap is not None
+    with pytest.raises(ValueError, match=r"^deferred=2 leaves 1 immediate experts of the "
+                       r"router's top-3"):
+        runner.reset_graphs(2)
+    assert runner.overlap.deferred == 0  # unchanged
+    plain = engine("qwen3_moe", "torch").runner
+    plain.reset_graphs(0)  # nothing deferred: nothing to refuse
+    with pytest.raises(ValueError, match=r"^deferred=1 needs every MoE layer's routed experts in "
+                       r"the cpu backend$"):
+        plain.reset_graphs(1)

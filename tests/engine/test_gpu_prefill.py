@@ -51,10 +51,11 @@ def test_gpu_prefill_equals_cpu_prefill(family: str, mode: str,
     ids = torch.randint(0, llm.runner.vocab_size, (300,),
                         generator=torch.Generator().manual_seed(1)).tolist()
     overlap = llm.runner.overlap
-    assert overlap is not None and overlap.can_stream()
+    planner = llm.runner.planner
+    assert overlap is not None and planner is not None and planner.can_stream()
     # Costs of equal CPU and GPU work per expert: a split near the middle.
-    overlap.costs = SplitCosts(cpu_fixed=1e-6, cpu_token=1e-7, gpu_expert=2e-6)
-    experts = overlap.prefill_gpu_experts(len(ids), mode)
+    planner.costs = SplitCosts(cpu_fixed=1e-6, cpu_token=1e-7, gpu_expert=2e-6)
+    experts = planner.gpu_experts(len(ids), mode)
     total = cpu_moe_of(overlap.layers[0].experts).num_experts
     assert 0 < experts <= total and (mode == "gpu") == (experts == total)
     gpu, cpu = prefill_both(llm.runner, ids, mode)
@@ -99,15 +100,15 @@ def test_resident_experts_stream_only_the_misses(family: str, mode: str,
               max_seq_len=512, gpu_expert_bytes=0)
     ids = torch.randint(0, llm.runner.vocab_size, (300,),
                         generator=torch.Generator().manual_seed(1)).tolist()
-    runner, overlap = llm.runner, llm.runner.overlap
-    assert overlap is not None and overlap.can_stream()
+    runner, overlap, planner = llm.runner, llm.runner.overlap, llm.runner.planner
+    assert overlap is not None and planner is not None and planner.can_stream()
     cpu = _logits(runner, ids, "cpu")  # no placement: every expert on the CPU
     per_expert = sum(expert_bytes(overlap.cpu))  # one expert of every layer
     runner.place(3 * per_expert)
-    assert overlap.resident() == [3] * len(overlap.cpu)
-    overlap.costs = SplitCosts(cpu_fixed=1e-6, cpu_token=1e-7, gpu_expert=2e-6)
+    assert planner.resident == (3,) * len(overlap.cpu)
+    planner.costs = SplitCosts(cpu_fixed=1e-6, cpu_token=1e-7, gpu_expert=2e-6)
     misses = cpu_moe_of(overlap.layers[0].experts).num_experts - 3
-    k = overlap.prefill_gpu_experts(len(ids), mode)
+    k = planner.gpu_experts(len(ids), mode)
     assert k == misses if mode == "gpu" else 0 < k < misses
     gpu = _logits(runner, ids, mode)
     assert overlap.streamer is not None and overlap.streamer.gpu_experts == k

@@ -251,14 +251,14 @@ def test_prefill_streams_nothing_when_every_expert_is_resident(
     llm = engine("qwen3_moe", "cpu")
     runner = _runner(llm, 0)
     try:
-        overlap = runner.overlap
-        assert overlap is not None
-        monkeypatch.setattr(overlap, "can_stream", lambda: True)  # as on a GPU with room
-        assert overlap.prefill_gpu_experts(4096, "gpu") == 8
+        planner = runner.planner
+        assert planner is not None
+        monkeypatch.setattr(planner, "can_stream", lambda: True)  # as on a GPU with room
+        assert planner.gpu_experts(4096, "gpu") == 8
         runner.place(_layer_bytes(runner, 5))
-        assert overlap.prefill_gpu_experts(4096, "gpu") == 3  # some resident: the misses stream
+        assert planner.gpu_experts(4096, "gpu") == 3  # some resident: the misses stream
         runner.place(_layer_bytes(runner, 8))
-        assert overlap.prefill_gpu_experts(4096, "gpu") == 0  # all resident: nothing streamed
+        assert planner.gpu_experts(4096, "gpu") == 0  # all resident: nothing streamed
         with _counted_submits(llm) as calls:
             runner.lengths[0] = 0
             runner.prefill(0, PROMPT)

@@ -114,8 +114,8 @@ def _runner(llm: LLM, experts: int, fetch: int, deferred: int = 0) -> ModelRunne
     """A runner with `experts` resident per layer and `fetch` staging slots (EAGER costs)."""
     runner = ModelRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len,
                          EngineConfig(gpu_expert_bytes=0, deferred=deferred))
-    assert runner.overlap is not None
-    runner.overlap.costs = EAGER
+    assert runner.planner is not None
+    runner.planner.costs = EAGER
     runner.place(experts * sum(expert_bytes(runner.overlap.cpu)), fetch_slots=fetch)
     return runner
 

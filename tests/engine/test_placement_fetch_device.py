@@ -77,8 +77,8 @@ def test_decode_with_a_pool_equals_no_pool(tiny_dir: Callable[..., Path], graphs
         runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
                              EngineConfig(gpu_expert_bytes=0, cuda_graphs=graphs,
                                           graph_split_layer=1, prefill_experts="cpu"))
-        assert runner.overlap is not None
-        runner.overlap.costs = EAGER
+        assert runner.overlap is not None and runner.planner is not None
+        runner.planner.costs = EAGER
         runner.place(2 * sum(expert_bytes(runner.overlap.cpu)), fetch_slots=fetch)
         made.append((runner, _decode(runner, 3)))
         runner.overlap.detach()

@@ -83,7 +83,7 @@ def test_streamed_passes_with_resident_experts_equal_the_cpu_prefill(
     try:
         overlap = runner.overlap
         assert overlap is not None and runner.placement is not None
-        assert overlap.resident() == [3] * len(overlap.cpu)
+        assert runner.planner is not None and runner.planner.resident == (3,) * len(overlap.cpu)
         resident = [s.experts() for s in runner.placement.layers]
         for k in (5, 2):  # every miss streamed, then a split: 2 streamed, 3 on the CPU
             with _cpu_ids(runner) as seen:
@@ -169,25 +169,25 @@ def test_the_modes_count_the_misses_and_a_placement_change_starts_the_tuner_agai
     llm = engine("qwen3_moe", "cpu")
     runner = _runner(llm, 0)
     try:
-        overlap = runner.overlap
-        assert overlap is not None
-        monkeypatch.setattr(overlap, "can_stream", lambda: True)  # as on a GPU with room
-        overlap.costs = SplitCosts(cpu_fixed=1e-6, cpu_token=1e-7, gpu_expert=2e-6)
+        overlap, planner = runner.overlap, runner.planner
+        assert overlap is not None and planner is not None
+        monkeypatch.setattr(planner, "can_stream", lambda: True)  # as on a GPU with room
+        planner.costs = SplitCosts(cpu_fixed=1e-6, cpu_token=1e-7, gpu_expert=2e-6)
         per_expert = sum(expert_bytes(overlap.cpu))
         layers = len(overlap.cpu)
-        overlap.tuner.record(4096, 8, 8, 1.0)
+        planner.tuner.record(4096, 8, 8, 1.0)
         runner.place(5 * per_expert)
-        assert overlap.tuner.measured == {}  # its timings were of no placement
-        assert overlap.resident() == [5] * layers
-        assert overlap.prefill_gpu_experts(4096, "gpu") == 3
-        assert overlap.prefill_gpu_experts(4096, "split") == plan_gpu_experts(
-            4096, overlap.top_k, 8, overlap.costs, 1, 2, [5] * layers)
-        assert overlap.prefill_gpu_experts(4096, "cpu") == 0
-        assert overlap.prefill_gpu_experts(4096, "auto") == plan_gpu_experts(
-            4096, overlap.top_k, 8, overlap.costs, resident=[5] * layers)
+        assert planner.tuner.measured == {}  # its timings were of no placement
+        assert planner.resident == (5,) * layers
+        assert planner.gpu_experts(4096, "gpu") == 3
+        assert planner.gpu_experts(4096, "split") == plan_gpu_experts(
+            4096, overlap.top_k, 8, planner.costs, 1, 2, [5] * layers)
+        assert planner.gpu_experts(4096, "cpu") == 0
+        assert planner.gpu_experts(4096, "auto") == plan_gpu_experts(
+            4096, overlap.top_k, 8, planner.costs, resident=[5] * layers)
         runner.place(7 * per_expert)
-        assert overlap.prefill_gpu_experts(4096, "split") == 1  # one miss: no split exists
+        assert planner.gpu_experts(4096, "split") == 1  # one miss: no split exists
         runner.place(8 * per_expert)
-        assert overlap.prefill_gpu_experts(4096, "gpu") == 0  # every expert resident
+        assert planner.gpu_experts(4096, "gpu") == 0  # every expert resident
     finally:
         runner.overlap.detach()

@@ -183,7 +183,7 @@ def _prefill(runner: ModelRunner, cfg: BenchConfig, vocab: int,
     routed experts on the CPU, or streamed to the GPU layer by layer, with the PCIe floor of
     the latter (packed bytes per pass over the pinned host-to-device bandwidth)."""
     overlap = runner.overlap
-    streams = overlap is not None and overlap.can_stream()
+    streams = runner.planner is not None and runner.planner.can_stream()
     out: dict[str, Any] = {"prefill_tok_s": {}, "prefill_cpu_tok_s": {}}
     if streams:
         out.update(prefill_gpu_tok_s={}, prefill_gpu_floor_tok_s={},

@@ -34,6 +34,7 @@ from hetmoe.engine.model_setup import (
 )
 from hetmoe.engine.model_source import check_fits, open_model
 from hetmoe.engine.overlap import all_on_cpu_backend
+from hetmoe.engine.prefill_planner import check_prefill_mode
 from hetmoe.engine.request import Event
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.engine.sampler import GenerationOutput, SamplingParams, request_params
@@ -72,10 +73,7 @@ class LLM:
         template = read_chat_template(chat_template) if chat_template is not None else None
         self.options, adapters = with_lora(EngineConfig.from_options(**options), lora)
         self.device = check_device(device)
-        if self.options.prefill_experts in ("gpu", "split") and self.device.type != "cuda":
-            raise ValueError(
-                f"option prefill_experts={self.options.prefill_experts!r} computes experts on "
-                f"a GPU; this run is on {self.device.type} (use 'auto' or 'cpu')")
+        check_prefill_mode(self.options.prefill_experts, self.device)
         if self.options.experts is not None:
             get_backend(self.options.experts)  # unknown or unusable here: say so before loading
         self.path, converted = open_model(model_path, verify, self.options.progress,

@@ -6,12 +6,13 @@ decode steps on a GPU use its `HostLink` (engine/host_link.py): pinned buffers, 
 start/wait in stream order through ready/done words, so a CUDA graph can capture it. The step's
 CPU jobs wait in the pool for their ready words: `MoEOverlap` submits them as the step is
 launched (recorded at capture, queued as each replay is launched) and waits them in
-`finish_step`; `abort_step` releases them when a step fails.
+`finish_step`; `abort_step` releases them when a step fails. A prefill pass streamed to the GPU
+runs through `streamed`; where its experts run is the prefill planner's
+(engine/prefill_planner.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -20,14 +21,6 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from hetmoe.calibration import current
-from hetmoe.engine.expert_split import (
-    PrefillTuner,
-    SplitCosts,
-    costs_from_profile,
-    most_misses,
-    plan_gpu_experts,
-)
 from hetmoe.engine.host_link import HostLink, check_stream_memops
 from hetmoe.engine.layer_stream import LayerStreamer, streaming_refusal
 from hetmoe.engine.placement import Placement
@@ -88,9 +81,6 @@ class MoEOverlap(MoEStep):
         # of a step being captured
         self.pending: list[tuple[HostLink, int]] = []  # flag jobs submitted for this step
         self.streamer: LayerStreamer | None = None  # GPU prefill (made at its first pass)
-        self.stream_refusal: str | None = None  # why it cannot ("" if it can; None: unchecked)
-        self.costs: SplitCosts | None = None  # prefill costs per expert (`split_costs`)
-        self.tuner = PrefillTuner()  # measured prefill passes (auto mode; per placement)
         self.streaming = False
         self.placement: Placement | None = None  # experts resident on the GPU (`place`)
         self.placed: dict[tuple[bool, int], PlacementLink] = {}  # (host link?, layer)
@@ -101,11 +91,8 @@ class MoEOverlap(MoEStep):
         CPU (engine/placement_link.py), less those `pool` fetches (fetch-or-compute, steps
         outside graphs); None: every expert on the CPU again. A streamed prefill copies only
         the misses. Captured graphs bake in which layers start CPU jobs: reset them after a
-        change. The prefill tuner starts again: its timings were of the old placement."""
+        change (and tell the prefill planner: `ModelRunner.place` does both)."""
         self.placement, self.placed = placement, {}
-        self.tuner = PrefillTuner()
-        if self.streamer is None:
-            self.stream_refusal = None  # checked again against the memory now free
         if placement is None:
             return
         for i, slots in enumerate(placement.layers):
@@ -117,11 +104,6 @@ class MoEOverlap(MoEStep):
                 self.placed[True, i] = PlacementLink(self.host[i], slots, self.host[i].hidden,
                                                      self.top_k, pool)
 
-    def staging_pool(self, slots: int) -> StagingPool | None:
-        """Fetch-or-compute's staging pool of `slots` experts (None for 0), planned with this
-        machine's costs (`split_costs`)."""
-        return StagingPool(self.cpu, slots, self.split_costs(), self.device) if slots else None
-
     def _link(self, i: int) -> Link:
         if self.streamer is not None and self.streaming and not (self.decoding and self.host):
             return self.streamer.links[i]
@@ -131,76 +113,16 @@ class MoEOverlap(MoEStep):
             return placed
         return self.host[i] if host else self.direct[i]
 
-    def can_stream(self) -> bool:
-        """Whether prefill can stream these experts to the GPU: a GPU, bf16/int8/int4 experts,
-        and room for a layer on it (checked once; a refusal is logged as a warning, and
-        prefill stays on the CPU)."""
+    def streaming_refusal(self) -> str:
+        """Why prefill cannot stream these experts to the GPU now ("" if it can: a GPU, packed
+        experts, room for two staged layers and one unpacked; "" once the streamer is made)."""
         if not self.host:
-            return False
-        if self.stream_refusal is None:
-            free = torch.cuda.mem_get_info(self.device)[0]
-            self.stream_refusal = streaming_refusal(self.cpu, free)
-            if self.stream_refusal:
-                log.warning("%s: long prompts prefill on the CPU", self.stream_refusal)
-        return not self.stream_refusal
+            return "no GPU"
+        if self.streamer is not None:
+            return ""
+        return streaming_refusal(self.cpu, torch.cuda.mem_get_info(self.device)[0])
 
-    def resident(self) -> list[int]:
-        """Experts resident on the GPU per MoE layer (the placement's; none: zeros)."""
-        if self.placement is None:
-            return [0] * len(self.cpu)
-        return [len(slots.experts()) for slots in self.placement.layers]
-
-    def prefill_gpu_experts(self, tokens: int, mode: str = "auto") -> int:
-        """How many of each MoE layer's misses (its experts not resident on the GPU; without a
-        placement every expert) a prefill of `tokens` tokens streams to the GPU, in expert
-        order: 0 = none (the misses on the CPU, the resident experts on the GPU), the most
-        misses of a layer = every miss streamed, between: split with the CPU. `mode`
-        (EngineConfig.prefill_experts): "cpu", "gpu", "split" (the best k in [1, misses - 1];
-        1 when a layer has at most one miss) or "auto" (the best k in [0, misses]) by this
-        machine's measured costs, counting the resident experts' GPU compute
-        (engine/expert_split.py; hetmoe.calibration measures them once per machine). When
-        every expert is resident nothing is streamed."""
-        experts = self.cpu[0].num_experts
-        if self.placement is not None and self.placement.everything:
-            return 0  # every expert already on the GPU: the resident links, nothing streamed
-        if mode == "cpu" or not self.can_stream():
-            return 0
-        resident = self.resident()
-        most = most_misses(experts, resident)
-        if mode == "gpu":
-            return most
-        if mode == "split":
-            return plan_gpu_experts(tokens, self.top_k, experts, self.split_costs(), 1,
-                                    max(1, most - 1), resident)
-        return self.tuner.choose(tokens, self.top_k, experts, self.split_costs(), resident)
-
-    @contextmanager
-    def prefill_pass(self, tokens: int, mode: str = "auto") -> Iterator[None]:
-        """A prefill pass of `tokens` tokens with its routed experts where
-        `prefill_gpu_experts` puts them; in "auto" mode the pass is timed (to its last GPU
-        work) for `tuner`, which weighs what was measured against the cost model next time."""
-        k = self.prefill_gpu_experts(tokens, mode)
-        if k:
-            self._streamer()  # made (host memory registered) before the pass is timed
-        start = time.perf_counter()
-        with self.streamed(tokens, k) if k else contextlib.nullcontext():
-            yield
-        if mode == "auto" and self.host:
-            torch.cuda.synchronize(self.device)
-            most = most_misses(self.cpu[0].num_experts, self.resident())
-            self.tuner.record(tokens, k, most, time.perf_counter() - start)
-
-    def split_costs(self) -> SplitCosts:
-        """Per-expert costs of this model's layer shape on this machine (measured rates, loaded
-        or measured at the first use)."""
-        if self.costs is None:
-            moe = self.cpu[0]
-            profile = current(self.device, formats=(moe.weight_format,))
-            self.costs = costs_from_profile(profile, moe)
-            log.info("prefill costs per expert on this machine: %s", self.costs)
-        return self.costs
-
-    def _streamer(self) -> LayerStreamer:
+    def make_streamer(self) -> LayerStreamer:
         """The streamer, made at the first GPU prefill (the experts' host memory registered)."""
         if self.streamer is None:
             self.streamer = LayerStreamer(self.cpu, self.device)
@@ -213,7 +135,7 @@ class MoEOverlap(MoEStep):
         below a layer's misses only the first that many of them, the rest on the CPU at the
         same time (`LayerStreamer.begin`). The streamer is made and the experts' host memory
         registered at the first such pass."""
-        streamer = self._streamer()
+        streamer = self.make_streamer()
         self.streaming = True
         slots = self.placement.layers if self.placement is not None else None
         streamer.begin(tokens, self.top_k, gpu_experts, slots)

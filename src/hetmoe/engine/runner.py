@@ -2,26 +2,24 @@
 
 The one runner for prefill and decode, single-threaded (one owner at a time). ONE entry:
 
-- `step(StepPlan) -> StepOutput`: the plan's prefill chunks (any number of sequences, each into
-  its slot from its own start) and one new token for each of its B decode rows, each at its own
+- `step(StepPlan) -> StepOutput`: the plan's prefill chunks (any number of sequences, each into its
+  slot from its own start) and one new token for each of its B decode rows, each at its own
   position. A plan with chunks runs as ONE forward pass, its decode rows included
-  (engine/prefill_batch.py: one expert call per MoE layer; long passes stream experts to the
-  GPU), on the HF layers: CUDA graphs and the fused decode layers hold decode rows alone (with
-  LoRA adapters, which peft names per batch row, the decode rows run apart). A plan of decode
-  rows alone is one decode step; greedy plans get tokens, and with CUDA graphs a plan with
-  `ahead` also launches the next step of the same slots before this one's tokens are read
+  (engine/prefill_batch.py: one expert call per MoE layer; long passes stream experts to the GPU),
+  on the HF layers: CUDA graphs and the fused decode layers hold decode rows alone (with LoRA
+  adapters, which peft names per batch row, the decode rows run apart). A plan of decode rows alone
+  is one decode step; greedy plans get tokens, and with CUDA graphs a plan with `ahead` also
+  launches the next step of the same slots before this one's tokens are read
   (engine/launch_ahead.py; `settle` rolls back a step launched ahead nobody continues).
 - Shorthands of `step` for tests and scripts: `prefill(slot, token_ids, start=0) -> [V]`,
-  `prefill_logits -> [T, V]`, `decode(slots, token_ids) -> [B, V]`, `greedy(slot, token,
-  limit)` (greedy plans with `ahead`, token by token). `max_batch`,
-  `max_seq_len`, `vocab_size`, `lengths[slot]`, `cache.allocate()`, `free(slot)`, `check_chunk`;
-  `adapters`: LoRA adapters per slot.
+  `prefill_logits -> [T, V]`, `decode(slots, token_ids) -> [B, V]`, `greedy(slot, token, limit)`.
+  `max_batch`, `max_seq_len`, `vocab_size`, `lengths`, `cache`, `free`, `check_chunk`, `adapters`.
 
 With every MoE layer's experts in the CPU backend it composes `MoEOverlap` (the MoE step over
-Python, GPU-streamed or stream-ordered links), `FusedDecoder` and `GraphCache`; their decode steps
-attend over a window bucket of the cache (ops/kv_batch.py). Logits are float32. The HF decoder
-layers run unchanged on the module path; the runner owns embedding, rotary positions, the final
-norm and `lm_head`, and passes a `KVBatch` down.
+Python, GPU-streamed or stream-ordered links), `PrefillPlanner` (where prefill experts run),
+`FusedDecoder` and `GraphCache`; decode steps attend over a window bucket of the cache
+(ops/kv_batch.py). Logits are float32. The HF decoder layers run unchanged on the module path; the
+runner owns embedding, rotary positions, the final norm and `lm_head`, and passes a `KVBatch` down.
 """
 
 from __future__ import annotations
@@ -43,12 +41,13 @@ from hetmoe.engine.launch_ahead import LaunchAhead, Launched, sleep_until_done
 from hetmoe.engine.layer_plan import fits_fused
 from hetmoe.engine.overlap import MoEOverlap, all_on_cpu_backend
 from hetmoe.engine.placement import Placement, placement_plan
+from hetmoe.engine.placement_fetch import StagingPool
 from hetmoe.engine.placement_plan import PlacementPlan
 from hetmoe.engine.placement_policy import TrafficPolicy
 from hetmoe.engine.prefill_batch import StepLayout, step_layouts
+from hetmoe.engine.prefill_planner import PrefillPlanner
 from hetmoe.engine.step import PrefillChunk, StepOutput, StepPlan
 from hetmoe.engine.step_checks import check_chunk, check_decode_rows
-from hetmoe.ops.deferral import check_deferred
 from hetmoe.ops.kv_batch import KVBatch, RaggedKV, window_bucket
 
 
@@ -65,6 +64,7 @@ class ModelRunner:
         self.max_seq_len = max_seq_len
         self.vocab_size = int(model.config.vocab_size)
         self.overlap: MoEOverlap | None = None
+        self.planner: PrefillPlanner | None = None  # where prefill experts run (costs loaded)
         self.fused: FusedDecoder | None = None
         self.graph_cache: GraphCache | None = None
         self.windows: Counter[int] = Counter()  # decode steps per window bucket (CPU experts)
@@ -74,15 +74,16 @@ class ModelRunner:
             fits = config.fused_decode and fits_fused(model)
             rows = max(max_batch, *config.graph_batch_sizes)
             self.overlap = MoEOverlap(model, device, rows, config.deferred, packed=fits)
+            self.planner = PrefillPlanner.for_overlap(self.overlap, config.prefill_experts,
+                                                      config.fetch_slots)
             if fits:
                 compile_ = config.compile_decode and device.type == "cuda"
                 self.fused = FusedDecoder(model, self.overlap, compile_)
             if device.type == "cuda":
                 self.graph_cache = GraphCache(config, device, self.overlap, self._step_forward,
                                               max_batch)
-        elif config.deferred:
-            raise ValueError(f"deferred={config.deferred} needs every MoE layer's routed "
-                             "experts in the cpu backend")
+        else:
+            self._set_deferred(config.deferred)  # a count without the overlap is refused
         self.use_graphs = self.graph_cache is not None and config.cuda_graphs
         """Replay decode steps as CUDA graphs (settable: False launches the same steps)."""
         self.cache = StaticKVCache(model, max_batch, max_seq_len, dtype)
@@ -132,9 +133,8 @@ class ModelRunner:
 
     def greedy(self, slot: int, token: int,
                limit: int | None = None) -> Generator[int, None, None]:
-        """Greedy decode of `slot` after `token` (its last sampled token, not in the cache yet):
-        each step's token until the caller stops, `limit` tokens or a full window; greedy plans
-        with `ahead`, so each step is launched before the previous one's token is read."""
+        """Greedy decode of `slot` after `token` (sampled, not cached yet): each step's token until
+        the caller stops, `limit` tokens or a full window (plans with `ahead`: launched early)."""
         yielded = 0
         try:
             while self.lengths[slot] < self.max_seq_len and (limit is None or yielded < limit):
@@ -158,8 +158,7 @@ class ModelRunner:
             self.check_chunk(chunk)
         if plan.decodes:
             self._check_step(plan)
-        # peft's mixed-batch path names an adapter per batch row, so a row of mixed shapes cannot
-        # carry them: with adapters each pass runs apart, then the decode rows.
+        # peft names an adapter per batch row: with adapters each pass runs apart, then decodes.
         apart = self.adapters is not None
         logits = [torch.empty(0)] * len(plan.prefills)
         for layout in step_layouts(plan, self.lengths, self.max_seq_len, apart):
@@ -195,46 +194,51 @@ class ModelRunner:
         """Drops the captured graphs (e.g. to change `deferred`, which graphs bake in)."""
         self.settle()
         if deferred is not None:
-            if self.overlap is None:
-                raise ValueError("deferred needs every MoE layer's experts in the cpu backend")
-            check_deferred(deferred, self.overlap.top_k)
-            self.overlap.deferred = deferred
+            self._set_deferred(deferred)
         self.graphs.clear()
+
+    def _set_deferred(self, deferred: int) -> None:
+        """Expert Deferral's count on the MoE step (`MoEStep.deferred` checks its bound)."""
+        if self.overlap is None and deferred:
+            raise ValueError(f"deferred={deferred} needs every MoE layer's routed experts in the "
+                             "cpu backend")
+        if self.overlap is not None:
+            self.overlap.deferred = deferred
 
     def place(self, budget: int | str, counts: Sequence[torch.Tensor] | None = None,
               fetch_slots: int | None = None) -> PlacementPlan:
         """Keeps routed experts resident on the GPU under `budget` (bytes or "auto", as
-        `EngineConfig.gpu_expert_bytes`), the most routed by `counts` [E] per MoE layer when
-        given, else the first ones; 0 puts every expert back on the CPU. `fetch_slots`
-        (default `EngineConfig.fetch_slots`): the staging pool of fetch-or-compute. Between
-        steps only: the captured graphs are dropped (they bake in which layers start CPU
-        jobs)."""
-        if self.overlap is None:
+        `EngineConfig.gpu_expert_bytes`), the most routed by `counts` [E] per MoE layer, else the
+        first; 0: every expert on the CPU. `fetch_slots` (default the config's): fetch-or-compute's
+        pool. Between steps only: the graphs (which bake in the CPU jobs) are dropped."""
+        if self.overlap is None or self.planner is None:
             raise ValueError("GPU-resident experts need every MoE layer's routed experts in the "
                              "cpu backend")
         self.settle()
         self.overlap.place(None)
-        self.placement, self.policy = None, None  # the old slots (and graph pools) go before
-        # the new slots come
+        self.planner.place(None)
+        self.placement, self.policy = None, None  # the old slots (graph pools) go before the new
         self.graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # so `auto` and the clamp see the memory given back
         slots = self.config.fetch_slots if fetch_slots is None else fetch_slots
-        pool = self.overlap.staging_pool(slots)  # before the plan: `auto` sees its bytes gone
+        pool = StagingPool(self.overlap.cpu, slots, self.planner.load_costs(),  # fetch-or-compute
+                           self.device) if slots else None  # before the plan: `auto` sees it
         plan = placement_plan(self.overlap.cpu, self.device, budget, counts)
         if plan.bytes or (pool is not None and not plan.everything):
             self.placement = Placement(self.overlap.cpu, plan, self.device)
             self.overlap.place(self.placement, None if plan.everything else pool)
             if self.config.placement_interval and not plan.everything:
                 self.policy = TrafficPolicy(self.placement, self.config.placement_interval)
+        self.planner.place(self.placement)
         return plan
 
     def _check_step(self, plan: StepPlan) -> None:
         check_decode_rows(plan, self.cache, self.max_seq_len, self.vocab_size)
 
     def _phase(self, decoding: bool, slots: Sequence[int]) -> contextlib.ExitStack:
-        """The MoE step's phase and the rows' LoRA adapters; re-attaches this runner's step when
-        the model's layers run another's (runners may share a model; a test's step stays)."""
+        """The MoE step's phase and the rows' adapters; re-attaches this runner's step over another
+        runner's (runners may share a model; a test's step stays)."""
         stack = contextlib.ExitStack()
         if self.adapters is not None:
             stack.enter_context(self.adapters.rows(slots))
@@ -296,8 +300,8 @@ class ModelRunner:
         return tuple(launched.host[:, 0].tolist())
 
     def _decode_forward(self, ids: torch.Tensor, kv: KVBatch) -> torch.Tensor:
-        """ids [B, 1] -> final hidden [B, 1, H] of a decode step: graphs or eager, fused or the
-        HF layers; CPU-expert models attend over the step's window bucket."""
+        """ids [B, 1] -> final hidden [B, 1, H] of a decode step: graphs or eager, fused or HF
+        layers (CPU-expert models over the step's window bucket)."""
         if self.overlap is None:
             return self._forward(ids, kv)
         width = window_bucket(kv.kv_len, self.config.smallest_window, self.max_seq_len)
@@ -311,8 +315,7 @@ class ModelRunner:
 
     def _step_forward(self, ids: torch.Tensor, kv: KVBatch,
                       before_layer: Callable[[int], None] | None) -> torch.Tensor:
-        """One decode step's forward: fused layer functions (calling `before_layer(n)` before
-        decoder layer n), or the HF layers."""
+        """A decode step's forward: fused layer functions (`before_layer(n)` first), or HF's."""
         if self.fused is not None:
             return self.fused.forward(ids, kv, before_layer)
         return self._forward(ids, kv)
@@ -323,14 +326,12 @@ class ModelRunner:
 
     def _joined(self, layout: StepLayout, logits: list[torch.Tensor],
                 greedy: bool) -> StepOutput:
-        """Runs checked chunks and decode rows in ONE forward pass (engine/prefill_batch.py:
-        one expert call per MoE layer for all of them); each chunk's logits into `logits` (by
-        chunk index), the decode rows' logits or argmax tokens returned."""
+        """Checked chunks and decode rows in ONE forward pass (one expert call per MoE layer);
+        chunks' logits into `logits` (by chunk index); returns the decode rows' logits or tokens."""
         ids, kv = layout.tensors(self.device)  # [B, S] or [1, T]
-        # Where its routed experts compute (EngineConfig.prefill_experts): on the CPU, streamed
-        # to the GPU, or split between them (MoEOverlap.prefill_pass).
-        experts = contextlib.nullcontext() if self.overlap is None else \
-            self.overlap.prefill_pass(ids.numel(), self.config.prefill_experts)
+        # CPU, streamed to the GPU or split (EngineConfig.prefill_experts; engine/prefill_planner)
+        experts = contextlib.nullcontext() if self.planner is None else \
+            self.planner.prefill_pass(ids.numel(), self.config.prefill_experts)
         with self._phase(decoding=False, slots=layout.row_slots), experts:
             hidden = self._forward(ids, kv)  # [B, S, H] or [1, T, H]
         layout.advance(self.lengths)

@@ -122,13 +122,22 @@ class MoEStep:
         self.layers = list(layers)
         self.index = {id(m): i for i, m in enumerate(self.layers)}
         self.top_k = self.layers[0].gate.config.top_k
-        check_deferred(deferred, self.top_k)
         self.deferred = deferred
         self.links = links
         self.decoding = False
         self.trace: Any = None
         self._carry: Callable[[], torch.Tensor] | None = None  # awaits layer k-1's deferred
         # experts (in flight)
+
+    @property
+    def deferred(self) -> int:
+        """Experts per token each MoE layer defers in decode (ops/deferral.py)."""
+        return self._deferred
+
+    @deferred.setter
+    def deferred(self, deferred: int) -> None:
+        check_deferred(deferred, self.top_k)  # the one check of the router's bound
+        self._deferred = deferred
 
     def attach(self) -> None:
         """Makes every MoE layer's forward run through this step."""

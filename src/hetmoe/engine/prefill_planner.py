@@ -1,0 +1,208 @@
+"""`PrefillPlanner`: where a prefill pass runs each MoE layer's routed experts, decided once.
+
+Its answer is k, how many of each layer's misses (experts not resident on the GPU; without a
+placement every expert) a pass streams to the GPU: 0 = none (the misses on the CPU, the resident
+experts on the GPU), the most misses of a layer = every miss streamed, between: split with the
+CPU. It weighs the mode (`EngineConfig.prefill_experts`), this machine's per-expert costs
+(engine/expert_split.py's cost model over `calibration.MachineProfile`; loaded when the runner
+starts, measured then when no stored profile covers them, never inside a request), the
+placement's resident experts per layer, whether the GPU has room to stream (checked at the first
+pass that could stream, against the memory free then) and what the passes measured
+(`PrefillTuner`, per placement). `MoEOverlap` only carries a pass out (`streamed`); `hetmoe info
+MODEL` prints the same plan for a model before it loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+from hetmoe.calibration import current
+from hetmoe.engine.expert_split import (
+    PrefillTuner,
+    SplitCosts,
+    costs_from_profile,
+    describe_plan,
+    most_misses,
+    plan_gpu_experts,
+)
+from hetmoe.engine.placement import Placement
+from hetmoe.engine.placement_plan import PlacementPlan
+
+if TYPE_CHECKING:
+    from hetmoe.engine.overlap import MoEOverlap
+    from hetmoe.experts.cpu_moe import CpuMoE
+
+log = logging.getLogger(__name__)
+
+
+def check_prefill_mode(mode: str, device: torch.device) -> None:
+    """ValueError when `mode` (EngineConfig.prefill_experts) needs a GPU this run lacks."""
+    if mode in ("gpu", "split") and device.type != "cuda":
+        raise ValueError(f"option prefill_experts={mode!r} computes experts on a GPU; this run "
+                         f"is on {device.type} (use 'auto' or 'cpu')")
+
+
+def needs_costs(gpu: bool, mode: str, fetch_slots: int) -> bool:
+    """Whether a runner loads this machine's costs when it starts: a GPU prefill may split or be
+    chosen by them (`mode` "auto" or "split"), or fetch-or-compute plans with them."""
+    return (gpu and mode in ("auto", "split")) or fetch_slots > 0
+
+
+def load_costs(moe: CpuMoE, device: torch.device) -> SplitCosts:
+    """Per-expert costs of `moe`'s layer shape and format on this machine: the stored profile,
+    or measured now (seconds, logged) when none covers them, as `hetmoe calibrate` would."""
+    costs = costs_from_profile(current(device, formats=(moe.weight_format,)), moe)
+    log.info("prefill costs per expert on this machine: %s", costs)
+    return costs
+
+
+class PrefillPlanner:
+    """Where prefill passes of a model with `layers` MoE layers of `num_experts` experts (top
+    `top_k`) run their routed experts (see the module docstring). `costs`: this machine's, or
+    None until `load_costs`; `refusal`: why the GPU cannot stream now ("" if it can; None: no GPU
+    to stream to); `loader`: the costs' source for `load_costs`."""
+
+    def __init__(self, num_experts: int, top_k: int, layers: int,
+                 costs: SplitCosts | None = None,
+                 refusal: Callable[[], str] | None = None,
+                 loader: Callable[[], SplitCosts] | None = None) -> None:
+        self.num_experts, self.top_k = num_experts, top_k
+        self.costs = costs
+        self.layers = layers
+        self.placement: Placement | PlacementPlan | None = None
+        """Experts resident on the GPU (`place`): the runner's, or a plan (`hetmoe info`)."""
+        self.tuner = PrefillTuner()
+        """Measured passes ("auto"), of the current placement."""
+        self.stream_refusal: str | None = None  # "" streams; None: not checked yet
+        self.overlap: MoEOverlap | None = None
+        """The MoE step whose passes this plans (`for_overlap`; None: a plan on paper)."""
+        self._refusal = refusal
+        self._loader = loader
+
+    @classmethod
+    def for_overlap(cls, overlap: MoEOverlap, mode: str, fetch_slots: int) -> PrefillPlanner:
+        """The planner of `overlap`'s layers, its costs loaded now when `needs_costs`."""
+        gpu = bool(overlap.host)
+        planner = cls(overlap.cpu[0].num_experts, overlap.top_k, len(overlap.cpu),
+                      refusal=overlap.streaming_refusal if gpu else None,
+                      loader=lambda: load_costs(overlap.cpu[0], overlap.device))
+        planner.overlap = overlap
+        if needs_costs(gpu, mode, fetch_slots):
+            planner.load_costs()
+        return planner
+
+    def load_costs(self) -> SplitCosts:
+        """The costs, loaded (or measured) through the loader when not there yet; call when the
+        runner starts or between steps, never inside a request."""
+        if self.costs is None:
+            if self._loader is None:
+                raise ValueError("PrefillPlanner: no costs and no loader for them")
+            self.costs = self._loader()
+        return self.costs
+
+    def place(self, placement: Placement | PlacementPlan | None) -> None:
+        """A new placement (None: every expert on the CPU): the tuner starts again (its timings
+        were of the old one) and the room to stream is checked again at the next pass."""
+        layers = None if placement is None else (
+            len(placement.layers) if isinstance(placement, Placement) else
+            len(placement.resident))
+        if layers is not None and layers != self.layers:
+            raise ValueError(f"PrefillPlanner: a placement of {layers} MoE layers for a model "
+                             f"of {self.layers}")
+        self.placement = placement
+        self.tuner = PrefillTuner()
+        self.stream_refusal = None
+
+    @property
+    def resident(self) -> tuple[int, ...]:
+        """Experts resident on the GPU per MoE layer now (a slot being filled holds none)."""
+        if isinstance(self.placement, Placement):
+            return tuple(len(slots.experts()) for slots in self.placement.layers)
+        if isinstance(self.placement, PlacementPlan):
+            return tuple(len(ids) for ids in self.placement.resident)
+        return (0,) * self.layers
+
+    @property
+    def everything(self) -> bool:
+        """Whether every expert is resident (nothing to stream)."""
+        return self.placement is not None and self.placement.everything
+
+    def can_stream(self) -> bool:
+        """Whether prefill can stream these experts to the GPU (checked once per placement; a
+        refusal is logged as a warning, and prefill stays on the CPU)."""
+        if self._refusal is None:
+            return False
+        if self.stream_refusal is None:
+            self.stream_refusal = self._refusal()
+            if self.stream_refusal:
+                log.warning("%s: long prompts prefill on the CPU", self.stream_refusal)
+        return not self.stream_refusal
+
+    @property
+    def most(self) -> int:
+        """The k that streams every miss of every layer."""
+        return most_misses(self.num_experts, self.resident)
+
+    def _costs(self, mode: str) -> SplitCosts:
+        if self.costs is None:
+            raise RuntimeError(f"prefill_experts={mode!r} plans with this machine's costs, which "
+                               "were not loaded when the runner started (PrefillPlanner."
+                               "load_costs)")
+        return self.costs
+
+    def gpu_experts(self, tokens: int, mode: str = "auto") -> int:
+        """k for a pass of `tokens` tokens (see the module docstring). `mode`: "cpu", "gpu",
+        "split" (the best k in [1, misses - 1]; 1 when a layer has at most one miss) or "auto"
+        (the best k in [0, misses], the tuner's measurements deciding between close rivals).
+        When every expert is resident nothing is streamed."""
+        if self.everything or mode == "cpu" or not self.can_stream():
+            return 0
+        most = self.most
+        if mode == "gpu":
+            return most
+        if mode == "split":
+            return plan_gpu_experts(tokens, self.top_k, self.num_experts, self._costs(mode), 1,
+                                    max(1, most - 1), self.resident)
+        return self.tuner.choose(tokens, self.top_k, self.num_experts, self._costs(mode),
+                                 self.resident)
+
+    def describe(self, k: int) -> str:
+        """A pass's k in words, the resident experts counted."""
+        resident = max(self.resident, default=0)
+        if self.everything:
+            return "GPU (every expert resident)"
+        if not resident:
+            return describe_plan(k, self.num_experts)
+        on_gpu = f"{resident} resident experts per layer on the GPU"
+        if k == 0:
+            return f"CPU ({on_gpu})"
+        if k >= self.most:
+            return f"GPU stream ({on_gpu})"
+        return f"split ({k} of {self.most} misses per layer streamed to the GPU; {on_gpu})"
+
+    @contextmanager
+    def prefill_pass(self, tokens: int, mode: str = "auto") -> Iterator[None]:
+        """A prefill pass of `tokens` tokens with its routed experts where `gpu_experts` puts
+        them (the overlap streams them); in "auto" mode on a GPU the pass is timed (to its last
+        GPU work) for the tuner, which weighs what was measured against the cost model next
+        time."""
+        overlap = self.overlap
+        if overlap is None:
+            raise ValueError("PrefillPlanner.prefill_pass: a planner without a MoE step "
+                             "(made by for_overlap) plans on paper only")
+        k = self.gpu_experts(tokens, mode)
+        if k:
+            overlap.make_streamer()  # made (host memory registered) before the pass is timed
+        start = time.perf_counter()
+        with overlap.streamed(tokens, k) if k else contextlib.nullcontext():
+            yield
+        if mode == "auto" and overlap.host:
+            torch.cuda.synchronize(overlap.device)
+            self.tuner.record(tokens, k, self.most, time.perf_counter() - start)
