@@ -1,4 +1,5 @@
-"""Greedy decode on a runner with every step's logits, shared by the hybrid runtime's tests."""
+"""Greedy decode on a runner with every step's logits, and the check that two such runs agree,
+shared by the hybrid runtime's tests."""
 
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ logits at up to ~7e-3 (seen on an AMD EPYC host at single deepseek_v2 steps; ~2e
 by 0.1 or more, and tokens must match exactly."""
 
 
+Greedy = tuple[list[int], list[torch.Tensor]]
+"""`greedy`'s tokens and logits per step."""
+
+
 def greedy(runner: ModelRunner, steps: int, reference: DeferralReference | None = None,
-           ) -> tuple[list[int], list[torch.Tensor]]:
+           ) -> Greedy:
     """Prefill PROMPT into slot 0, then `steps` greedy decode steps; frees nothing (fresh slot).
     `reference`, when given, is installed during decode only, as prefill never defers."""
     runner.lengths[0] = 0
@@ -35,3 +40,11 @@ def greedy(runner: ModelRunner, steps: int, reference: DeferralReference | None 
         logits.append(out[0])
         tokens.append(int(logits[-1].argmax()))
     return tokens, logits
+
+
+def assert_same_greedy(ours: Greedy, ref: Greedy, label: str) -> None:
+    """The same tokens, and every step's logits within SAME_BACKEND_ATOL of the reference's."""
+    assert ours[0] == ref[0], f"{label}: tokens {ours[0]} != {ref[0]}"
+    for step, (a, b) in enumerate(zip(ours[1], ref[1], strict=True)):
+        delta = (a - b).abs().max().item()
+        assert delta <= SAME_BACKEND_ATOL, f"{label} step {step}: |Δlogits| {delta:.3g}"

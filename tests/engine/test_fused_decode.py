@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from decode_steps import SAME_BACKEND_ATOL, greedy
+from decode_steps import assert_same_greedy, greedy
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
@@ -35,10 +35,7 @@ def test_fused_decode_matches_the_module_path(
     want_tokens, want, _ = _run(llm, fused=False, deferred=deferred)
     tokens, logits, used = _run(llm, fused=True, deferred=deferred)
     assert used, f"{family}: the fused path should fit"
-    assert tokens == want_tokens
-    for step, (ours, ref) in enumerate(zip(logits, want, strict=True)):
-        delta = (ours - ref).abs().max().item()
-        assert delta <= SAME_BACKEND_ATOL, f"{family} step {step}: max |Δlogits| {delta:.3g}"
+    assert_same_greedy((tokens, logits), (want_tokens, want), family)
 
 
 def test_unfit_model_keeps_the_module_path(engine: Callable[[str, str], LLM]) -> None:

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from decode_steps import PROMPT, SAME_BACKEND_ATOL, greedy
+from decode_steps import PROMPT, SAME_BACKEND_ATOL, assert_same_greedy, greedy
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
@@ -108,7 +108,7 @@ def test_resident_decode_equals_all_cpu_decode(engine: Callable[[str, str], LLM]
     plain = _runner(llm, 0)
     try:
         assert plain.placement is None and not plain.overlap.placed
-        ref_tokens, ref_logits = greedy(plain, 5)
+        ref = greedy(plain, 5)
     finally:
         plain.overlap.detach()
     for experts in (3, 8):  # some experts of each layer, then all
@@ -117,13 +117,10 @@ def test_resident_decode_equals_all_cpu_decode(engine: Callable[[str, str], LLM]
             assert runner.placement is not None
             assert [s.slots for s in runner.placement.layers] == \
                 [experts] * len(runner.placement.layers)
-            tokens, logits = greedy(runner, 5)
+            ours = greedy(runner, 5)
         finally:
             runner.overlap.detach()
-        assert tokens == ref_tokens, f"{family}, {experts} resident"
-        for step, (a, b) in enumerate(zip(logits, ref_logits, strict=True)):
-            delta = (a - b).abs().max().item()
-            assert delta <= SAME_BACKEND_ATOL, f"{family} step {step}: |Δlogits| {delta:.3g}"
+        assert_same_greedy(ours, ref, f"{family}, {experts} resident")
 
 
 def test_everything_resident_submits_no_cpu_job(engine: Callable[[str, str], LLM]) -> None:
@@ -212,19 +209,16 @@ def test_resident_decode_with_deferral_equals_all_cpu_deferral(
     llm = engine("qwen3_moe", "cpu")  # top-4: up to 2 deferred
     plain = _runner(llm, 0, deferred)
     try:
-        ref_tokens, ref_logits = greedy(plain, 5)
+        ref = greedy(plain, 5)
     finally:
         plain.overlap.detach()
     for experts in (3, 8):
         runner = _runner(llm, _layer_bytes(plain, experts), deferred)
         try:
-            tokens, logits = greedy(runner, 5)
+            ours = greedy(runner, 5)
         finally:
             runner.overlap.detach()
-        assert tokens == ref_tokens, f"deferred={deferred}, {experts} resident"
-        for step, (a, b) in enumerate(zip(logits, ref_logits, strict=True)):
-            delta = (a - b).abs().max().item()
-            assert delta <= SAME_BACKEND_ATOL, f"d={deferred} step {step}: |Δlogits| {delta:.3g}"
+        assert_same_greedy(ours, ref, f"deferred={deferred}, {experts} resident")
 
 
 def test_batched_decode_with_resident_experts_equals_all_cpu(

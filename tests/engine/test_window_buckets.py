@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from decode_rows import greedy_rows
 from decode_steps import SAME_BACKEND_ATOL
 
 from hetmoe import LLM
@@ -57,16 +58,8 @@ def decode_batch(llm: LLM, fused: bool, smallest: int
     runner = ModelRunner(llm.model, llm.device, llm.dtype, 2, MAX_SEQ_LEN,
                          EngineConfig(fused_decode=fused, smallest_window=smallest))
     try:
-        slots = [runner.cache.allocate() for _ in PROMPTS]
-        tokens = [[int(runner.prefill(s, p).argmax())] for s, p in zip(slots, PROMPTS,
-                                                                       strict=True)]
-        logits = []
-        for _ in range(STEPS):
-            out = runner.decode(slots, [t[-1] for t in tokens])
-            logits.append(out)
-            for row, t in zip(out.argmax(-1).tolist(), tokens, strict=True):
-                t.append(row)
-        assert runner.lengths[slots[0]] == MAX_SEQ_LEN - 1
+        tokens, logits = greedy_rows(runner, PROMPTS, STEPS)
+        assert max(runner.lengths) == MAX_SEQ_LEN - 1
     finally:
         runner.overlap.detach()
     return tokens, logits, dict(runner.windows), runner.fused is not None

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from decode_rows import greedy_rows
 
 from hetmoe import LLM, env
 from hetmoe.config import EngineConfig
@@ -37,16 +38,7 @@ def decode(llm: LLM, kernels: str) -> tuple[list[list[int]], list[torch.Tensor]]
     assert runner.overlap is not None and runner.fused is not None
     runner.fused = FusedDecoder(llm.model, runner.overlap, compile=False, kernels=kernels)
     try:
-        slots = [runner.cache.allocate() for _ in PROMPTS]
-        tokens = [[int(runner.prefill(s, p).argmax())] for s, p in zip(slots, PROMPTS,
-                                                                       strict=True)]
-        logits = []
-        for _ in range(STEPS):
-            out = runner.decode(slots, [t[-1] for t in tokens])  # [B, V]
-            logits.append(out.float().cpu())
-            for row, t in zip(out.argmax(-1).tolist(), tokens, strict=True):
-                t.append(row)
-        return tokens, logits
+        return greedy_rows(runner, PROMPTS, STEPS)
     finally:
         runner.overlap.detach()
 
