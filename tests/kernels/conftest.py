@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def interpreted() -> None:
+    """Tests that run the kernels need Triton (the GPU's, or its interpreter on the CPU)."""
+    pytest.importorskip("triton", reason="the kernels need Triton (pip install triton)")

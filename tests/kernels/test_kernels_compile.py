@@ -1,16 +1,10 @@
-"""The Triton kernels compile for a Hopper GPU (sm_90) on any machine: Triton's compiler and its
-bundled ptxas need no GPU. The interpreter (the other tests here, without a GPU) runs the kernels
-as Python and accepts code the compiler refuses, and it takes `dequant.INTERPRETED`'s branches:
-this checks the compiled branches, in a process without the interpreter (the pair kernels,
-every launch shape: test_pair_kernels.py)."""
+"""The Triton kernels compile for a Hopper GPU (sm_90) on any machine, in a process without the
+interpreter (hopper_compile.py): the compiled branches the interpreted tests here skip (the pair
+kernels, every launch shape: test_pair_kernels.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-import pytest
+from hopper_compile import assert_compiles_for_hopper
 
 SCRIPT = """
 import triton
@@ -74,8 +68,4 @@ print("compiled")
 
 
 def test_the_kernels_compile_for_hopper() -> None:
-    pytest.importorskip("triton", reason="the kernels need Triton (pip install triton)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip() == "compiled", run.stderr[-3000:]
+    assert_compiles_for_hopper(SCRIPT)

@@ -110,6 +110,19 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double().cpu() - ref).norm() / ref.norm())
 
 
+def edge_case(shape: tuple, t: int) -> tuple[Layer, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The small-shape tests' inputs: a layer of `shape` (format, experts, hidden, intermediate,
+    group), x [t, H] and top-2 `routing` with row 1 routed nowhere and row t - 1 sending both
+    slots to one expert -> (layer, x, ids, weights)."""
+    fmt, e, h, i, group = shape
+    layer = make_layer(fmt, e, h, i, group, seed=e + h)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(1))
+    ids, weights = routing(t, 2, e, seed=2)
+    ids[1] = -1  # a row routed nowhere
+    ids[t - 1, 0] = ids[t - 1, 1] = e - 2  # one expert in every slot of a row
+    return layer, x, ids, weights
+
+
 @pytest.mark.device
 @cuda
 @pytest.mark.parametrize("tokens", [1, 37, 700])
@@ -211,21 +224,11 @@ SMALL = [("bf16", 4, 200, 64, None), ("int8", 4, 100, 64, 32), ("int4", 4, 72, 6
          ("int4", 3, 128, 128, 128), ("fp8", 4, 100, 128, 128)]
 
 
-@pytest.fixture
-def interpreted() -> None:
-    """The small-shape tests need Triton (the GPU's, or its interpreter on CPU)."""
-    pytest.importorskip("triton", reason="the kernels need Triton (pip install triton)")
-
-
 @pytest.mark.usefixtures("interpreted")
 @pytest.mark.parametrize("shape", SMALL, ids=lambda s: "-".join(map(str, s)))
 def test_small_shapes_equal_float64_on_both_paths(shape: tuple) -> None:
-    fmt, e, h, i, group = shape
-    layer = make_layer(fmt, e, h, i, group, seed=e + h)
-    x = torch.randn(4, h, generator=torch.Generator().manual_seed(1))
-    ids, weights = routing(4, 2, e, seed=2)
-    ids[1] = -1  # a row routed nowhere
-    ids[3, 0] = ids[3, 1] = e - 2  # one expert in every slot of a row
+    fmt, _, h, _, _ = shape
+    layer, x, ids, weights = edge_case(shape, 4)
     ref = reference(layer, x, ids, weights)
     for path in ("sorted", "pairs"):
         out = packed_moe(x.to(HERE), ids.to(HERE), weights.to(HERE), layer.raw.to(HERE),

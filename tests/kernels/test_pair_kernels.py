@@ -7,13 +7,10 @@ interpreter (tests/kernels/conftest.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from test_packed_moe import HERE, make_layer, reference, rel_error, routing
+from hopper_compile import assert_compiles_for_hopper
+from test_packed_moe import HERE, edge_case, make_layer, reference, rel_error, routing
 
 from hetmoe.kernels.packed_moe import PairConfig, packed_moe, share_steps
 
@@ -34,22 +31,12 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def interpreted() -> None:
-    """The kernels need Triton (the GPU's, or its interpreter on CPU)."""
-    pytest.importorskip("triton", reason="the kernels need Triton (pip install triton)")
-
-
 @pytest.mark.usefixtures("interpreted")
 @pytest.mark.parametrize(("shape", "cfg"), CASES,
                          ids=["-".join(map(str, (*s, *vars(c).values()))) for s, c in CASES])
 def test_every_launch_shape_equals_float64(shape: tuple, cfg: PairConfig) -> None:
-    fmt, e, h, i, group = shape
-    layer = make_layer(fmt, e, h, i, group, seed=e + h)
-    x = torch.randn(3, h, generator=torch.Generator().manual_seed(1))
-    ids, weights = routing(3, 2, e, seed=2)
-    ids[1] = -1  # a row routed nowhere
-    ids[2, 0] = ids[2, 1] = e - 2  # one expert in every slot of a row
+    fmt, _, h, _, _ = shape
+    layer, x, ids, weights = edge_case(shape, 3)
     out = packed_moe(x.to(HERE), ids.to(HERE), weights.to(HERE), layer.raw.to(HERE), layer.part,
                      fmt, h, layer.moe.group_size, path="pairs", pair_config=cfg).cpu()
     assert out.shape == (3, h) and out.dtype == torch.float32
@@ -135,8 +122,4 @@ print("compiled")
 
 
 def test_every_variant_compiles_for_hopper() -> None:
-    pytest.importorskip("triton", reason="the kernels need Triton (pip install triton)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip() == "compiled", run.stderr[-3000:]
+    assert_compiles_for_hopper(SCRIPT)
