@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from hetmoe import LLM
 from hetmoe.cli import app
-from hetmoe.engine.batch_job import JobFiles, LineError, read_lines
+from hetmoe.engine.requests.batch_job import JobFiles, LineError, read_lines
 
 MODEL = "tiny-qwen3-moe"
 runner = CliRunner()

@@ -103,7 +103,7 @@ def test_deferral_without_a_gpu_is_refused(cache: Path) -> None:
 
 
 def test_deferred_auto_says_what_it_chose_at_start(cache: Path) -> None:
-    from hetmoe.engine.deferral_auto import NO_GPU
+    from hetmoe.engine.model.deferral_auto import NO_GPU
 
     result = runner.invoke(app, ["generate", "tiny-qwen3-moe", "Hi", "--device", "cpu",
                                  "--deferred", "auto", "--max-new-tokens", "2"])

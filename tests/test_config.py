@@ -20,5 +20,5 @@ def test_deferred_needs_gpu_decode_then_cpu_experts() -> None:
     with pytest.raises(ValueError, match=r"option deferred must be 'auto' or an integer >= 0, "
                                          r"got -1"):
         EngineConfig(deferred=-1)
-    # auto fits any run: it picks 0 where deferral cannot run (engine/deferral_auto.py).
+    # auto fits any run: it picks 0 where deferral cannot run (engine/model/deferral_auto.py).
     EngineConfig(deferred="auto").check_deferred("cpu", cpu_experts=False)

@@ -30,6 +30,26 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("hetmoe", "engine"): "`hetmoe.LLM` / `hetmoe.GenerationOutput`: the public facade, lazy",
 }
 
+# The rooms of `engine/`, bottom to top, by the same rule: a room is a subpackage of engine or a
+# module directly in it (`step`: the runner contract both sides speak; `engine`: LLM on top).
+ENGINE_ROOMS: tuple[frozenset[str], ...] = tuple(frozenset(room.split()) for room in (
+    "step",
+    "placement",
+    "executor",
+    "requests model",
+    "engine preplacement",
+))
+
+# Modules still directly in engine/, counted in the room whose folder they move to next.
+PENDING_ROOMS: dict[str, str] = {
+    **dict.fromkeys(("expert_split fetch_plan layer_stream stream_plan placement placement_compute"
+                     " placement_fetch placement_link placement_plan placement_policy").split(),
+                    "placement"),
+    **dict.fromkeys(("adapters fused_decode graphs host_link kv_cache launch_ahead layer_plan"
+                     " overlap prefill_batch prefill_planner runner step_checks").split(),
+                    "executor"),
+}
+
 EXTENSIONS = ("_cpu", "_cpu_testing")  # compiled modules: no .py file to find
 
 
@@ -138,6 +158,47 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (found := visit(node)) is not None:
             return found
     return None
+
+
+def room_of(module: str) -> str:
+    name = module.split(".")[2]  # hetmoe.engine.<room>[.module]
+    return PENDING_ROOMS.get(name, name)
+
+
+def room_layer(room: str) -> int:
+    found = [i for i, layer in enumerate(ENGINE_ROOMS) if room in layer]
+    assert found, f"engine room {room!r} is in no room of tests/test_layers.py: draw it there"
+    return found[0]
+
+
+def engine_edges() -> list[tuple[str, str, str]]:
+    """The edges between two modules of `engine/` (its package docstring aside)."""
+    return [(s, t, w) for s, t, w in edges()
+            if s.startswith("hetmoe.engine.") and t.startswith("hetmoe.engine.")]
+
+
+def test_every_engine_module_is_in_a_room() -> None:
+    for path in (PACKAGE / "engine").rglob("*.py"):
+        if (name := module_name(path)) != "hetmoe.engine":
+            room_layer(room_of(name))
+
+
+def test_no_engine_import_climbs_a_room() -> None:
+    climbs = [
+        f"{where}: {source} ({room_of(source)}) imports {target} ({room_of(target)})"
+        for source, target, where in engine_edges()
+        if room_layer(room_of(target)) > room_layer(room_of(source))
+    ]
+    assert not climbs, "engine imports that climb a room:\n" + "\n".join(climbs)
+
+
+def test_engine_rooms_import_each_other_in_no_cycle() -> None:
+    graph: dict[str, set[str]] = {}
+    for source, target, _ in engine_edges():
+        if room_of(source) != room_of(target):
+            graph.setdefault(room_of(source), set()).add(room_of(target))
+    cycle = find_cycle(graph)
+    assert cycle is None, f"engine rooms import each other in a cycle: {' -> '.join(cycle or [])}"
 
 
 def test_find_cycle_finds_one_and_only_one() -> None:

@@ -2,8 +2,8 @@
 
 Writes the job's JSONL (OpenAI Batch lines, completions with random token-id prompts of
 `--prompt-len`, `--new-tokens` each), then runs it through the job core of `hetmoe batch`
-(engine/batch_job.py: lines read and checked, every request handed to the scheduler at once,
-results written as they end) over the hybrid runner (CUDA graphs, CPU experts, batched prefill
+(engine/requests/batch_job.py: lines read and checked, every request handed to the scheduler at
+once, results written as they end) over the hybrid runner (CUDA graphs, CPU experts, batched prefill
 and mixed steps). Random weights have no tokenizer, so requests go straight to the scheduler
 (token ids in and out, `ignore_eos`) instead of through the API's routes. Per GPU expert budget
 (`--budgets`, GiB; the same model, re-placed between jobs), with `--placement-sample N` the
@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from hetmoe.engine.batch_job import JobFiles, JobLine, read_lines, run_job
 from hetmoe.engine.preplacement import count_routing, sample_lines
+from hetmoe.engine.requests.batch_job import JobFiles, JobLine, read_lines, run_job
+from hetmoe.engine.requests.sampler import SamplingParams
+from hetmoe.engine.requests.scheduler import Event, Scheduler
 from hetmoe.engine.runner import ModelRunner
-from hetmoe.engine.sampler import SamplingParams
-from hetmoe.engine.scheduler import Event, Scheduler
 from hetmoe.machine import machine_report, source_commit
 
 GIB = 2**30

@@ -9,7 +9,7 @@ __all__ = ["LLM", "GenerationOutput", "__version__"]
 
 if TYPE_CHECKING:
     from hetmoe.engine.engine import LLM
-    from hetmoe.engine.sampler import GenerationOutput
+    from hetmoe.engine.requests.sampler import GenerationOutput
 
 
 def __getattr__(name: str) -> Any:
@@ -19,7 +19,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "GenerationOutput":
-        from hetmoe.engine.sampler import GenerationOutput
+        from hetmoe.engine.requests.sampler import GenerationOutput
 
         return GenerationOutput
     raise AttributeError(f"module 'hetmoe' has no attribute {name!r}")

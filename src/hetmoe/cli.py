@@ -63,7 +63,7 @@ def main(token: Annotated[str | None, typer.Option(
 def checked_sampling(**sampling: Any) -> dict[str, Any]:
     """`sampling` (LLM.generate keywords), checked before any model loads: a bad value ends the
     command with a one-line message instead of after minutes of loading."""
-    from hetmoe.engine.sampler import sampling_params
+    from hetmoe.engine.requests.sampler import sampling_params
 
     try:
         sampling_params(**{"stop": None, **sampling})
@@ -301,7 +301,7 @@ def calibrate(
     from rich.table import Table
 
     from hetmoe import calibration
-    from hetmoe.engine.model_setup import check_device
+    from hetmoe.engine.model.model_setup import check_device
 
     try:
         chosen = calibration.check_formats([f.strip() for f in formats.split(",") if f.strip()])

@@ -2,7 +2,7 @@
 
 Every line is answered by the server's own routes in this process (so its outputs are what the
 API answers the same request), all submitted together to one scheduler so they batch; the job
-itself (lines, resuming, result files) is engine/batch_job.py.
+itself (lines, resuming, result files) is engine/requests/batch_job.py.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from hetmoe.server.config import ServerConfig
 # no transformers (tests/test_cli_basics.py).
 
 if TYPE_CHECKING:
-    from hetmoe.engine.batch_job import JobFiles, JobLine
     from hetmoe.engine.engine import LLM
+    from hetmoe.engine.requests.batch_job import JobFiles, JobLine
 
 _DEFAULTS = EngineConfig()
 IN_FLIGHT = 4096
@@ -60,7 +60,7 @@ def batch(
     Results are written as requests end; a job killed midway continues where it stopped when
     run again with the same files.
     """
-    from hetmoe.engine.batch_job import JobFiles, JobLine, LineError, read_lines
+    from hetmoe.engine.requests.batch_job import JobFiles, JobLine, LineError, read_lines
 
     if not input.is_file():
         fail(FileNotFoundError(f"input file {input} does not exist"))
@@ -126,7 +126,7 @@ async def _serve(llm: LLM, name: str, todo: list[JobLine], files: JobFiles,
         TimeRemainingColumn,
     )
 
-    from hetmoe.engine.batch_job import run_job
+    from hetmoe.engine.requests.batch_job import run_job
     from hetmoe.server.app import build_app
     from hetmoe.server.service import ModelService
 

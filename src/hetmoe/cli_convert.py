@@ -82,7 +82,7 @@ def info(
         for key, value in {**machine_report(), **profile_report()}.items():
             typer.echo(f"{key:<16} {value}")
         return
-    from hetmoe.engine.model_setup import check_device
+    from hetmoe.engine.model.model_setup import check_device
     from hetmoe.loading.convert_source import is_gguf
     from hetmoe.loading.converted import is_converted, open_converted
     from hetmoe.presets import resolve_model
@@ -119,8 +119,8 @@ def print_plan(path: Path, fmt: str, group: int | None, device: object,
     """The memory plan of `path` with `fmt` experts (and with `files`, what convert writes)."""
     import torch
 
-    from hetmoe.engine.model_setup import default_device
-    from hetmoe.engine.model_source import DEFAULT_MAX_SEQ_LEN
+    from hetmoe.engine.model.model_setup import default_device
+    from hetmoe.engine.model.model_source import DEFAULT_MAX_SEQ_LEN
     from hetmoe.engine.placement_plan import planned_placement
     from hetmoe.loading.checkpoint import Checkpoint
     from hetmoe.loading.convert_plan import plan_convert
@@ -150,8 +150,8 @@ def print_plan(path: Path, fmt: str, group: int | None, device: object,
 
 def deferral_plan(path: Path, device: Any) -> str:
     """What `--deferred auto` picks for `path` on `device`: 0 without a GPU, else the choice
-    last made when the model loaded here (engine/deferral_auto.py), or that none was."""
-    from hetmoe.engine.deferral_auto import NO_GPU, recorded_deferral
+    last made when the model loaded here (engine/model/deferral_auto.py), or that none was."""
+    from hetmoe.engine.model.deferral_auto import NO_GPU, recorded_deferral
 
     if device.type != "cuda":
         return f"deferred auto: 0 ({NO_GPU})"

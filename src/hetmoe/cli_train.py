@@ -58,7 +58,7 @@ def sft(
     CPU. Writes the adapter, checkpoints, train_log.json and loss.png into --out.
     """
     # torch, the engine and the train package load when the command runs, not at `hetmoe --help`.
-    from hetmoe.engine.model_setup import check_device
+    from hetmoe.engine.model.model_setup import check_device
     from hetmoe.train.data import build_rows, check_file
     from hetmoe.train.report import TrainProgress
     from hetmoe.train.sft import train

@@ -28,7 +28,7 @@ class EngineConfig:
     """GPU decode with CPU experts: Expert Deferral, each token's `deferred` lowest-scored experts
     per MoE layer join the next layer's output while its attention runs (0: exact decode);
     "auto": chosen when the model loads from measured step times and guarded by a probe's KL
-    (engine/deferral_auto.py; 0 without a GPU)."""
+    (engine/model/deferral_auto.py; 0 without a GPU)."""
     compile_decode: bool = True
     """GPU decode with CPU experts: compile the per-layer decode step with torch.compile (needs
     Triton and a C compiler); False runs the same functions uncompiled."""
@@ -78,8 +78,8 @@ class EngineConfig:
     chunks, so a long prompt stalls them one chunk at a time); None: a prompt at once."""
     prefix_cache: bool = True
     """Reuse the KV cache of earlier requests (kept in their slots) for a new prompt that starts
-    with the same tokens (engine/prefix_cache.py). Exact with torch experts in float32; the C++
-    CPU experts (and, in bf16, torch's matmuls) round by how many tokens a call carries, so a
+    with the same tokens (engine/requests/prefix_cache.py). Exact with torch experts in float32; the
+    C++ CPU experts (and, in bf16, torch's matmuls) round by how many tokens a call carries, so a
     cached prefix may differ in the last bits and a near tie may flip a greedy token (off for
     bit-reproducible evaluation)."""
     verbose: bool = False

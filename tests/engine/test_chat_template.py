@@ -9,7 +9,7 @@ import pytest
 
 from hetmoe import LLM
 from hetmoe.engine import engine
-from hetmoe.engine.chat_template import read_chat_template, set_chat_template
+from hetmoe.engine.model.chat_template import read_chat_template, set_chat_template
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n"
             "{% endfor %}{% if add_generation_prompt %}[ASSISTANT] {% endif %}")

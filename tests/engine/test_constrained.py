@@ -14,9 +14,9 @@ import torch
 from json_check import SCHEMAS, check, json_schema_format
 
 from hetmoe import LLM
-from hetmoe.engine.constrained import Constraints, ResponseFormat, json_object_regex
-from hetmoe.engine.sampler import Sampler, SamplingParams
-from hetmoe.engine.token_bytes import token_bytes
+from hetmoe.engine.requests.constrained import Constraints, ResponseFormat, json_object_regex
+from hetmoe.engine.requests.sampler import Sampler, SamplingParams
+from hetmoe.engine.requests.token_bytes import token_bytes
 
 JSON_OBJECT = ResponseFormat("json_object")
 

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from hetmoe import LLM
 from hetmoe.cli import app
 from hetmoe.config import EngineConfig
-from hetmoe.engine import deferral_auto
-from hetmoe.engine.deferral_auto import (
+from hetmoe.engine.model import deferral_auto
+from hetmoe.engine.model.deferral_auto import (
     KL_THRESHOLD,
     NO_GPU,
     DeferralChoice,
@@ -26,7 +26,7 @@ from hetmoe.engine.deferral_auto import (
     recorded_deferral,
     timed_count,
 )
-from hetmoe.engine.deferral_probe import KLProbe, step_seconds, without_cpu_experts
+from hetmoe.engine.model.deferral_probe import KLProbe, step_seconds, without_cpu_experts
 from hetmoe.engine.runner import ModelRunner
 from hetmoe.ops.deferral import MIN_IMMEDIATE
 

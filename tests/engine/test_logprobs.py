@@ -8,8 +8,8 @@ import torch
 from sampling_reference import penalized_reference
 
 from hetmoe import LLM
-from hetmoe.engine.logprobs import prompt_logprobs, token_logprobs
-from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.requests.logprobs import prompt_logprobs, token_logprobs
+from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.engine.step import StepOutput, StepPlan
 
 PROMPT = "Hello! The harbour town woke slowly that morning."

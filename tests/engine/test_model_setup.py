@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hetmoe.engine.model_setup import sampling_defaults
+from hetmoe.engine.model.model_setup import sampling_defaults
 
 
 def write(tmp_path: Path, text: str) -> Path:

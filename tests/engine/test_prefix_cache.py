@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from hetmoe import LLM
-from hetmoe.engine.prefix_cache import Placement, PrefixCache
-from hetmoe.engine.request import Event
-from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.requests.prefix_cache import Placement, PrefixCache
+from hetmoe.engine.requests.request import Event
+from hetmoe.engine.requests.sampler import SamplingParams
 
 PROMPT = "Hello! The harbour town woke slowly that morning."
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from hetmoe import LLM
-from hetmoe.engine.batch_job import JobLine
 from hetmoe.engine.placement import expert_bytes
 from hetmoe.engine.placement_plan import plan_placement
 from hetmoe.engine.preplacement import count_routing, line_prompt, preplace, sample_lines
+from hetmoe.engine.requests.batch_job import JobLine
 from hetmoe.ops.moe import moe_layers
 
 PROMPTS = [list(range(10, 30)), list(range(50, 57)), [3, 4, 5, 6, 7, 8, 9, 11, 200, 201]]

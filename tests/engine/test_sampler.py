@@ -8,7 +8,7 @@ import pytest
 import torch
 from sampling_reference import penalized_reference
 
-from hetmoe.engine.sampler import Sampler, SamplingParams, sampling_params
+from hetmoe.engine.requests.sampler import Sampler, SamplingParams, sampling_params
 
 LOGITS = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from hetmoe import LLM
-from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.engine.step import StepOutput, StepPlan
 
 REQUESTS = 50

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hetmoe.engine.text_stream import TextStream
+from hetmoe.engine.requests.text_stream import TextStream
 
 TEXT = "héllo → 世界 ✓ done"
 

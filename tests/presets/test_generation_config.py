@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hetmoe import LLM
-from hetmoe.engine.model_setup import sampling_defaults
+from hetmoe.engine.model.model_setup import sampling_defaults
 from hetmoe.presets import presets, resolve_model
 from hetmoe.presets.demo import write_generation_config
 from hetmoe.server.sampling import request_sampling

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from hetmoe.engine.request import Event
-from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.requests.request import Event
+from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.server.service import ModelService
 
 PIECE = 3

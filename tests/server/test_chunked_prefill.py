@@ -13,8 +13,8 @@ from test_scheduler import Collector
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
-from hetmoe.engine.sampler import SamplingParams
-from hetmoe.engine.scheduler import Scheduler
+from hetmoe.engine.requests.sampler import SamplingParams
+from hetmoe.engine.requests.scheduler import Scheduler
 from hetmoe.engine.step import StepPlan
 
 LONG = list(range(5, 45))  # 40 prompt tokens

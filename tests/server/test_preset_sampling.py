@@ -11,8 +11,8 @@ from typing import Any
 
 from live_server import API_KEY, MODEL, LiveServer, tiny_llm
 
-from hetmoe.engine.request import Event
-from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.requests.request import Event
+from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.presets.demo import write_generation_config
 from hetmoe.server.config import ServerConfig
 

@@ -12,7 +12,7 @@ from json_check import SCHEMAS, check, json_schema_format
 from live_server import MODEL, LiveServer
 from outlines_core import Guide, Index, Vocabulary
 
-from hetmoe.engine.constrained import json_object_regex
+from hetmoe.engine.requests.constrained import json_object_regex
 
 ASK = [{"role": "user", "content": "Describe someone as JSON."}]
 

@@ -12,8 +12,8 @@ import torch
 from live_server import MODEL, LiveServer, tiny_llm
 
 from hetmoe import LLM
-from hetmoe.engine.sampler import SamplingParams
-from hetmoe.engine.scheduler import Event, QueueFull, Scheduler
+from hetmoe.engine.requests.sampler import SamplingParams
+from hetmoe.engine.requests.scheduler import Event, QueueFull, Scheduler
 from hetmoe.engine.step import StepOutput, StepPlan
 from hetmoe.ops.moe import HybridMoE
 from hetmoe.server.config import ServerConfig

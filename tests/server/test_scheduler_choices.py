@@ -10,9 +10,9 @@ import pytest
 from live_server import tiny_llm
 
 from hetmoe import LLM
-from hetmoe.engine.request import Event
-from hetmoe.engine.sampler import SamplingParams
-from hetmoe.engine.scheduler import Scheduler
+from hetmoe.engine.requests.request import Event
+from hetmoe.engine.requests.sampler import SamplingParams
+from hetmoe.engine.requests.scheduler import Scheduler
 from hetmoe.engine.step import StepPlan
 
 

@@ -1,5 +1,5 @@
 """The logprobs' token bytes (`TokenText`) and constrained decoding's alphabet (`token_bytes`)
-spell every token alike: one rule, engine/token_bytes.py `TokenSpelling`."""
+spell every token alike: one rule, engine/requests/token_bytes.py `TokenSpelling`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from transformers import AutoTokenizer
 
-from hetmoe.engine.token_bytes import token_bytes
+from hetmoe.engine.requests.token_bytes import token_bytes
 from hetmoe.server.logprobs import TokenText
 
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hetmoe.engine.batch_job import JobLine
 from hetmoe.engine.placement_plan import GIB, PlacementPlan
+from hetmoe.engine.requests.batch_job import JobLine
 from hetmoe.engine.step import PrefillChunk, StepPlan
 from hetmoe.ops.moe import moe_layers
 

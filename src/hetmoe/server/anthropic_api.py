@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from hetmoe.engine.request import Event, QueueFull
+from hetmoe.engine.requests.request import Event, QueueFull
 from hetmoe.server import api, tools
 from hetmoe.server.anthropic_protocol import (
     MessagesRequest,

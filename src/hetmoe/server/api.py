@@ -12,9 +12,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from hetmoe.engine.constrained import ResponseFormat
-from hetmoe.engine.request import Event, QueueFull
-from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.requests.constrained import ResponseFormat
+from hetmoe.engine.requests.request import Event, QueueFull
+from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.server import protocol, responses, tools
 from hetmoe.server.errors import APIError, from_validation
 from hetmoe.server.metrics import Metrics

@@ -1,10 +1,10 @@
 """Log-probabilities in OpenAI's shapes: chat `ChoiceLogprobs` and completions `Logprobs`.
 
 Each token is shown as its text and its exact bytes, spelled as constrained decoding spells it
-(engine/token_bytes.py `TokenSpelling`: byte-level BPE characters as their bytes, a SentencePiece
-byte token `<0xNN>` as that byte, added tokens as their text); a token outside its decoder's
-alphabet is the tokenizer's decoding of it alone. A token that holds part of a character shows
-U+FFFD in `token`, its bytes in `bytes`.
+(engine/requests/token_bytes.py `TokenSpelling`: byte-level BPE characters as their bytes, a
+SentencePiece byte token `<0xNN>` as that byte, added tokens as their text); a token outside its
+decoder's alphabet is the tokenizer's decoding of it alone. A token that holds part of a character
+shows U+FFFD in `token`, its bytes in `bytes`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hetmoe.engine.logprobs import TokenLogprob
-from hetmoe.engine.token_bytes import TokenSpelling
+from hetmoe.engine.requests.logprobs import TokenLogprob
+from hetmoe.engine.requests.token_bytes import TokenSpelling
 
 
 class TokenText:

@@ -98,7 +98,8 @@ class _Sampling(_Request):
     ignore_eos: bool = False
     """Extension (as in vLLM): generate exactly the token budget; for benchmarks."""
     response_format: ResponseFormat | None = None
-    """JSON by constrained decoding (engine/constrained.py), on chat and text completions."""
+    """JSON by constrained decoding (engine/requests/constrained.py), on chat and text
+    completions."""
 
     @field_validator("stop")
     @classmethod

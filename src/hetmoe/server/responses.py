@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetmoe.engine.logprobs import TokenLogprob
-from hetmoe.engine.request import Event
+from hetmoe.engine.requests.logprobs import TokenLogprob
+from hetmoe.engine.requests.request import Event
 from hetmoe.server import protocol
 from hetmoe.server.errors import APIError
 from hetmoe.server.logprobs import TokenText, chat_logprobs, completion_logprobs

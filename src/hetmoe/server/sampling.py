@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hetmoe.engine.constrained import ResponseFormat
-from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.requests.constrained import ResponseFormat
+from hetmoe.engine.requests.sampler import SamplingParams
 
 GREEDY_BELOW = 1e-4
 """Temperatures below this are greedy, the limit of sampling as T -> 0 (dividing logits by a

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hetmoe.engine.constrained import ResponseFormat
+from hetmoe.engine.requests.constrained import ResponseFormat
 
 _META = set("\\.+*?()|[]{}^$#&-~")
 """Characters that mean something in outlines-core's (Rust) regex syntax. `<` and `>` stay

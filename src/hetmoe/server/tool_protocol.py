@@ -65,8 +65,8 @@ class ToolCallIn(_Strict):
 
 
 class ResponseFormat(_Strict):
-    """`response_format`: `text`, or JSON by constrained decoding (engine/constrained.py checks
-    `json_schema`: {"name", "schema", "strict"})."""
+    """`response_format`: `text`, or JSON by constrained decoding (engine/requests/constrained.py
+    checks `json_schema`: {"name", "schema", "strict"})."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None

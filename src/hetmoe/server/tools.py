@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hetmoe.engine.constrained import ResponseFormat
+from hetmoe.engine.requests.constrained import ResponseFormat
 from hetmoe.server.errors import APIError
 from hetmoe.server.tool_generic import GENERIC, generic_turns, template_format, with_tool_prompt
 from hetmoe.server.tool_grammar import ForcedReply, forced_calls

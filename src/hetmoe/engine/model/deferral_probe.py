@@ -1,6 +1,6 @@
-"""The two measurements `--deferred auto` decides on (engine/deferral_auto.py), made on a loaded
-runner before its first request: decode step times with and without the CPU experts' work, and
-the KL between exact and deferred next-token distributions on a probe prompt.
+"""The two measurements `--deferred auto` decides on (engine/model/deferral_auto.py), made on a
+loaded runner before its first request: decode step times with and without the CPU experts' work,
+and the KL between exact and deferred next-token distributions on a probe prompt.
 
 Both use their own KV slot (freed after), so they leave no state behind but the captured graphs.
 """

@@ -1,7 +1,7 @@
 """`PromptFill`: the requests whose prompt is being prefilled, and the chunks each step gives them.
 
 A request's first choice is placed in a slot holding the longest cached prefix of its prompt
-(engine/prefix_cache.py); its prompt then runs in chunks under `EngineConfig.prefill_chunk`
+(engine/requests/prefix_cache.py); its prompt then runs in chunks under `EngineConfig.prefill_chunk`
 tokens a step, beside the decode rows; once the whole prompt is in, its KV is copied into the
 other choices' slots and each choice samples its first token. Part of the `Scheduler` (its
 requests, failures and sampling), on the loop's thread.
@@ -12,14 +12,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hetmoe.engine.adapters import assign_adapter
-from hetmoe.engine.logprobs import TokenLogprob, prompt_logprobs
-from hetmoe.engine.request import Request
+from hetmoe.engine.requests.logprobs import TokenLogprob, prompt_logprobs
+from hetmoe.engine.requests.request import Request
 from hetmoe.engine.step import PrefillChunk
 
 if TYPE_CHECKING:  # for hints only: the scheduler owns this object
     import torch
 
-    from hetmoe.engine.scheduler import Scheduler
+    from hetmoe.engine.requests.scheduler import Scheduler
 
 
 class PromptFill:
@@ -31,7 +31,7 @@ class PromptFill:
 
     def place(self, first: Request) -> None:
         """Gives a request's first choice a slot holding the longest cached prefix of its
-        prompt (engine/prefix_cache.py); its prefill starts after that prefix."""
+        prompt (engine/requests/prefix_cache.py); its prefill starts after that prefix."""
         ids, cache = first.prompt_ids, self.scheduler.runner.cache
         try:
             echo = first.params.prompt_logprobs is not None  # scores every position

@@ -2,14 +2,14 @@
 matches a JSON schema) or follows a regular expression the server builds (a forced tool call in
 the chat template's format), through outlines-core's token index.
 
-A format becomes a regular expression (outlines-core's `build_regex_from_schema`; `json_object`
-our own, nested `JSON_OBJECT_NESTING` levels; `regex` is one already), the regex and the
-tokenizer's vocabulary as bytes (engine/token_bytes.py, built once per `Constraints`) an `Index`:
-for each state of the regex's automaton, the tokens that keep the text on a path to a match.
-Indexes are cached by format (least recently used out), so a repeated schema is built once. Each
-choice of a request walks its own `JsonConstraint` over the index: before a draw its allowed
-tokens become a mask on the logits' device (a bitmask of V/32 words copied there and unpacked);
-each token taken advances the state.
+A format becomes a regular expression (outlines-core's `build_regex_from_schema`; `json_object` our
+own, nested `JSON_OBJECT_NESTING` levels; `regex` is one already), the regex and the tokenizer's
+vocabulary as bytes (engine/requests/token_bytes.py, built once per `Constraints`) an `Index`: for
+each state of the regex's automaton, the tokens that keep the text on a path to a match. Indexes are
+cached by format (least recently used out), so a repeated schema is built once. Each choice of a
+request walks its own `JsonConstraint` over the index: before a draw its allowed tokens become a
+mask on the logits' device (a bitmask of V/32 words copied there and unpacked); each token taken
+advances the state.
 EOS is allowed only in a final state, so a generation that ends with EOS is a whole document.
 """
 
@@ -33,7 +33,7 @@ from outlines_core.json_schema import (
     build_regex_from_schema,
 )
 
-from hetmoe.engine.token_bytes import token_bytes
+from hetmoe.engine.requests.token_bytes import token_bytes
 
 JSON_OBJECT_NESTING = 2
 """Levels of a `json_object` answer: an object whose values may be arrays or objects of scalars

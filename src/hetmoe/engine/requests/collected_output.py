@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hetmoe.engine.logprobs import TokenLogprob
-from hetmoe.engine.request import Event
-from hetmoe.engine.sampler import GenerationOutput, SamplingParams
+from hetmoe.engine.requests.logprobs import TokenLogprob
+from hetmoe.engine.requests.request import Event
+from hetmoe.engine.requests.sampler import GenerationOutput, SamplingParams
 
 
 class CollectedOutput:

@@ -1,9 +1,10 @@
 """Sampling: per-request parameters, the token sampler, and what a generation returns.
 
-A request's logits go through, in order: its `response_format`'s mask (engine/constrained.py:
-tokens that would leave the format at -inf, on the logits' device), repetition / frequency /
-presence penalties (over the tokens seen so far), temperature (0 or top_k 1: the argmax of the
-penalized logits), top_k, min_p, top_p, then one draw from the request's own seeded generator.
+A request's logits go through, in order: its `response_format`'s mask
+(engine/requests/constrained.py: tokens that would leave the format at -inf, on the logits' device),
+repetition / frequency / presence penalties (over the tokens seen so far), temperature (0 or top_k
+1: the argmax of the penalized logits), top_k, min_p, top_p, then one draw from the request's own
+seeded generator.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Any
 
 import torch
 
-from hetmoe.engine.constrained import JsonConstraint, ResponseFormat
-from hetmoe.engine.logprobs import TokenLogprob
+from hetmoe.engine.requests.constrained import JsonConstraint, ResponseFormat
+from hetmoe.engine.requests.logprobs import TokenLogprob
 
 MAX_LOGPROBS = 20
 """Alternatives per position that `logprobs` / `prompt_logprobs` may ask for at most."""

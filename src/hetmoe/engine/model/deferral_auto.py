@@ -3,8 +3,8 @@ this machine, chosen once when the model loads, before the first request.
 
 1. **Timing rule** (KTransformers'): defer the fewest experts that fill the CPU's idle time,
    keeping at least `MIN_IMMEDIATE` immediate. Two decode steps are timed on the loaded model
-   (engine/deferral_probe.py): with every expert (`full_s`) and with the CPU experts masked out
-   (`gpu_s`: GPU work, copies, signals). Per MoE layer the GPU runs `gpu_s / L` while the CPU
+   (engine/model/deferral_probe.py): with every expert (`full_s`) and with the CPU experts masked
+   out (`gpu_s`: GPU work, copies, signals). Per MoE layer the GPU runs `gpu_s / L` while the CPU
    waits, and each routed expert costs the CPU `(full_s - gpu_s) / (L K)`; deferred experts run
    during the next layer's GPU time, so d = ceil(GPU layer time / CPU expert time) fills it
    (more only moves work the CPU is busy with anyway), capped at K - `MIN_IMMEDIATE`.
@@ -30,7 +30,7 @@ from typing import Any
 
 from hetmoe import env
 from hetmoe.calibration import fingerprint
-from hetmoe.engine.deferral_probe import (
+from hetmoe.engine.model.deferral_probe import (
     WARMUP_STEPS,
     KLProbe,
     step_seconds,

@@ -11,13 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hetmoe.engine.constrained import CompiledFormat
-from hetmoe.engine.logprobs import TokenLogprob
-from hetmoe.engine.sampler import Sampler, SamplingParams
-from hetmoe.engine.text_stream import CONTEXT_TOKENS, TextStream
+from hetmoe.engine.requests.constrained import CompiledFormat
+from hetmoe.engine.requests.logprobs import TokenLogprob
+from hetmoe.engine.requests.sampler import Sampler, SamplingParams
+from hetmoe.engine.requests.text_stream import CONTEXT_TOKENS, TextStream
 
 if TYPE_CHECKING:
-    from hetmoe.engine.scheduler import Scheduler
+    from hetmoe.engine.requests.scheduler import Scheduler
 
 
 @dataclass(frozen=True)

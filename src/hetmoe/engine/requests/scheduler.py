@@ -26,12 +26,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from hetmoe.engine.constrained import Constraints, compile_format
-from hetmoe.engine.logprobs import TokenLogprob, token_logprobs
-from hetmoe.engine.prefix_cache import PrefixCache
-from hetmoe.engine.prompt_fill import PromptFill
-from hetmoe.engine.request import Event, QueueFull, Request, RequestHandle, choices
-from hetmoe.engine.sampler import SamplingParams
+from hetmoe.engine.requests.constrained import Constraints, compile_format
+from hetmoe.engine.requests.logprobs import TokenLogprob, token_logprobs
+from hetmoe.engine.requests.prefix_cache import PrefixCache
+from hetmoe.engine.requests.prompt_fill import PromptFill
+from hetmoe.engine.requests.request import Event, QueueFull, Request, RequestHandle, choices
+from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.engine.step import StepPlan
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ class Scheduler:
                  threaded: bool = True, prefix_cache: bool = True,
                  constraints: Constraints | None = None) -> None:
         """`threaded`: run the loop on a thread of its own (a server); else the caller drives it
-        with `run_once`. `prefix_cache`: reuse earlier requests' KV (engine/prefix_cache.py).
+        with `run_once`. `prefix_cache`: reuse earlier requests' KV
+        (engine/requests/prefix_cache.py).
         `constraints`: compiles requests' `response_format` (None: such requests are refused)."""
         self.runner = runner
         self.constraints = constraints
