@@ -34,6 +34,15 @@ def _round(v, ROUND_BITS: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _residual(h_ptr, o_ptr, b, H, i0, i, live, ROUND_BITS: tl.constexpr, dtype: tl.constexpr):
+    """Row b's h + o at columns i0 + i (where `live`, 0 elsewhere) in fp32, rounded to `dtype` as
+    h_out holds it: both passes of `logits_kernel` read the same values."""
+    v = tl.load(h_ptr + b * H + i0 + i, mask=live, other=0.0).to(tl.float32)
+    return _round(v + tl.load(o_ptr + b * H + i0 + i, mask=live, other=0.0).to(tl.float32),
+                  ROUND_BITS, dtype)
+
+
+@triton.jit
 def logits_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stage_ptr,
                   logits_ptr, H, E, eps, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
                   LOGITS_FP32: tl.constexpr, ROUND_BITS: tl.constexpr):
@@ -47,17 +56,13 @@ def logits_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stag
     squares = tl.zeros([BLOCK_H], dtype=tl.float32)
     for i0 in range(0, H, BLOCK_H):
         live = i0 + i < H
-        v = tl.load(h_ptr + b * H + i0 + i, mask=live, other=0.0).to(tl.float32)
-        v = _round(v + tl.load(o_ptr + b * H + i0 + i, mask=live, other=0.0).to(tl.float32),
-                   ROUND_BITS, dtype)
+        v = _residual(h_ptr, o_ptr, b, H, i0, i, live, ROUND_BITS, dtype)
         squares += v * v
     inv = tl.rsqrt(tl.sum(squares, 0) / H + eps)
     acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
     for i0 in range(0, H, BLOCK_H):
         live = i0 + i < H
-        v = tl.load(h_ptr + b * H + i0 + i, mask=live, other=0.0).to(tl.float32)
-        v = _round(v + tl.load(o_ptr + b * H + i0 + i, mask=live, other=0.0).to(tl.float32),
-                   ROUND_BITS, dtype)
+        v = _residual(h_ptr, o_ptr, b, H, i0, i, live, ROUND_BITS, dtype)
         w = tl.load(norm_ptr + i0 + i, mask=live, other=0.0).to(tl.float32)
         x = _round(_round(v * inv, ROUND_BITS, dtype) * w, ROUND_BITS, dtype)
         if block == 0:
