@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from json_check import SCHEMAS, check
+from forced_tools import ASK, DESCRIBE, TAG, check_calls
+from json_check import SCHEMAS
 from live_server import MODEL, TEMPLATES, LiveServer, template_server
 from scripted import scripted
 from transformers import AutoTokenizer
@@ -22,12 +23,6 @@ from hetmoe.server.tool_grammar import arguments_regex
 from hetmoe.server.tool_parsers import FORMATS
 from hetmoe.server.tools import template_messages
 
-DESCRIBE = {"type": "function", "function": {
-    "name": "describe", "description": "Describe a person", "parameters": SCHEMAS["person"]}}
-TAG = {"type": "function", "function": {
-    "name": "tag.items-v2", "description": "Tag items", "parameters": SCHEMAS["tags"]}}
-SCHEMA_OF = {"describe": SCHEMAS["person"], "tag.items-v2": SCHEMAS["tags"]}
-ASK = [{"role": "user", "content": "Describe Ada."}]
 NAMED = {"type": "function", "function": {"name": "describe"}}
 TEMPLATE_OF = {"mistral": "mistral.jinja", "deepseek_v3": "deepseek_v3.jinja",
                "deepseek_v3_1": "deepseek_v3_1.jinja"}
@@ -47,13 +42,6 @@ def _chat(server: LiveServer, **options: Any) -> Any:
     return server.openai().chat.completions.create(model=MODEL, messages=ASK, **options)
 
 
-def _check(calls: Any, names: set[str]) -> None:
-    assert calls
-    for call in calls:
-        assert call.function.name in names
-        check(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
-
-
 def test_a_named_call_is_written_by_the_model(marker_server: tuple[str, LiveServer]) -> None:
     form, server = marker_server
     raw = server.openai().chat.completions.with_raw_response.create(
@@ -63,7 +51,7 @@ def test_a_named_call_is_written_by_the_model(marker_server: tuple[str, LiveServ
     choice = raw.parse().choices[0]
     assert choice.finish_reason == "tool_calls", choice.message.content
     (call,) = choice.message.tool_calls
-    _check([call], {"describe"})
+    check_calls([call], {"describe"})
     chunks = list(_chat(server, tools=[DESCRIBE, TAG], tool_choice=NAMED, temperature=0,
                         max_tokens=120, stream=True))
     deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
@@ -82,12 +70,12 @@ def test_required_calls(marker_server: tuple[str, LiveServer]) -> None:
                                        json={"model": MODEL, "messages": ASK, **options})
         assert response.status_code == 422 and "without a tool call" in response.text
         single = _chat(server, **{**options, "tools": [TAG]})  # one function: constrained
-        _check(single.choices[0].message.tool_calls, {"tag.items-v2"})
+        check_calls(single.choices[0].message.tool_calls, {"tag.items-v2"})
         return
     reply = _chat(server, n=2, **options)
     for choice in reply.choices:
         assert choice.finish_reason == "tool_calls", choice.message.content
-        _check(choice.message.tool_calls, {"describe", "tag.items-v2"})
+        check_calls(choice.message.tool_calls, {"describe", "tag.items-v2"})
         if form == "deepseek_v3":  # after one call the constrained reply can only end
             assert len(choice.message.tool_calls) == 1
 

@@ -4,25 +4,17 @@ and `any` / `tool` (Anthropic) make the random baby model itself write calls in 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from json_check import SCHEMAS, check
-from live_server import MODEL, LiveServer
+from forced_tools import ASK, DESCRIBE, SCHEMA_OF, TAG, check_calls
+from json_check import check
+from live_server import MODEL, TEMPLATES, LiveServer
 from transformers import AutoTokenizer
 
 from hetmoe.server.tool_grammar import arguments_regex, literal, qwen_calls
-
-TEMPLATES = Path(__file__).parent / "templates"
-DESCRIBE = {"type": "function", "function": {
-    "name": "describe", "description": "Describe a person", "parameters": SCHEMAS["person"]}}
-TAG = {"type": "function", "function": {
-    "name": "tag.items-v2", "description": "Tag items", "parameters": SCHEMAS["tags"]}}
-SCHEMA_OF = {"describe": SCHEMAS["person"], "tag.items-v2": SCHEMAS["tags"]}
-ASK = [{"role": "user", "content": "Describe Ada."}]
 
 
 def _chat(server: LiveServer, **options: Any) -> Any:
@@ -31,11 +23,8 @@ def _chat(server: LiveServer, **options: Any) -> Any:
 
 
 def _check_calls(calls: Any, names: set[str]) -> None:
-    assert calls
-    for call in calls:
-        assert call.type == "function" and call.id.startswith("call_")
-        assert call.function.name in names
-        check(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+    check_calls(calls, names)
+    assert all(c.type == "function" and c.id.startswith("call_") for c in calls)
 
 
 def test_the_grammar_matches_what_the_template_writes(tiny_qwen3_moe: Path) -> None:
