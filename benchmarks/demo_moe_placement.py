@@ -33,8 +33,8 @@ from demo_moe_routing import record_picks
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
-from hetmoe.engine.placement_policy import TrafficPolicy
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.engine.placement.placement_policy import TrafficPolicy
 from hetmoe.machine import cpu_model, source_commit
 from hetmoe.presets import resolve_model
 from hetmoe.presets.demo_moe_corpus import held_out_texts, token_windows, train_texts

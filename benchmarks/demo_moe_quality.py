@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from demo_moe_routing import routing_stats, routing_table  # noqa: E402
 
 from hetmoe import LLM  # noqa: E402
-from hetmoe.engine.runner import ModelRunner  # noqa: E402
+from hetmoe.engine.executor.runner import ModelRunner  # noqa: E402
 from hetmoe.machine import cpu_model, source_commit  # noqa: E402
 from hetmoe.ops.moe import moe_layers  # noqa: E402
 from hetmoe.ops.moe_step import BackendLink, MoEStep  # noqa: E402

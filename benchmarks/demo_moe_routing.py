@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from hetmoe import LLM
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.machine import cpu_model, source_commit
 from hetmoe.ops.moe import moe_layers
 from hetmoe.presets import resolve_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
 
 
 def greedy_rows(runner: ModelRunner, prompts: list[list[int]], steps: int,

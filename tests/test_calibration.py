@@ -227,7 +227,7 @@ def test_calibrate_refuses_bad_options_before_measuring(cache: Cache, args: list
 def test_info_prints_where_prefill_runs_from_the_profile(cache: Cache, profile: MachineProfile,
                                                           tiny_dir: Any) -> None:
     from hetmoe.cli_convert import PREFILL_LENGTHS
-    from hetmoe.engine.expert_split import describe_plan, layer_costs, plan_gpu_experts
+    from hetmoe.engine.placement.expert_split import describe_plan, layer_costs, plan_gpu_experts
     from hetmoe.loading.checkpoint import Checkpoint
     from hetmoe.loading.convert_plan import plan_convert
 
@@ -259,9 +259,9 @@ def test_info_counts_the_placement_in_its_prefill_plan(cache: Cache, profile: Ma
                                                        tiny_dir: Any,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from hetmoe.cli_convert import PREFILL_LENGTHS
-    from hetmoe.engine import placement_plan
-    from hetmoe.engine.expert_split import layer_costs
-    from hetmoe.engine.prefill_planner import PrefillPlanner
+    from hetmoe.engine.executor.prefill_planner import PrefillPlanner
+    from hetmoe.engine.placement import placement_plan
+    from hetmoe.engine.placement.expert_split import layer_costs
     from hetmoe.loading.checkpoint import Checkpoint
     from hetmoe.loading.convert_plan import plan_convert
 

@@ -40,16 +40,6 @@ ENGINE_ROOMS: tuple[frozenset[str], ...] = tuple(frozenset(room.split()) for roo
     "engine preplacement",
 ))
 
-# Modules still directly in engine/, counted in the room whose folder they move to next.
-PENDING_ROOMS: dict[str, str] = {
-    **dict.fromkeys(("expert_split fetch_plan layer_stream stream_plan placement placement_compute"
-                     " placement_fetch placement_link placement_plan placement_policy").split(),
-                    "placement"),
-    **dict.fromkeys(("adapters fused_decode graphs host_link kv_cache launch_ahead layer_plan"
-                     " overlap prefill_batch prefill_planner runner step_checks").split(),
-                    "executor"),
-}
-
 EXTENSIONS = ("_cpu", "_cpu_testing")  # compiled modules: no .py file to find
 
 
@@ -161,8 +151,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def room_of(module: str) -> str:
-    name = module.split(".")[2]  # hetmoe.engine.<room>[.module]
-    return PENDING_ROOMS.get(name, name)
+    return module.split(".")[2]  # hetmoe.engine.<room>[.module]
 
 
 def room_layer(room: str) -> int:

@@ -1,4 +1,4 @@
-"""Fetch-or-compute (engine/placement_fetch.py) off and on at a partial GPU expert budget.
+"""Fetch-or-compute (engine/placement/placement_fetch.py) off and on at a partial GPU expert budget.
 
 One random-weight model; per staging-slot count (0 = off, then each of --fetch-slots) the
 runner is re-placed at --budget GB (`ModelRunner.place(fetch_slots=...)`) and timed on:
@@ -35,9 +35,9 @@ from hetmoe.bench.harness import _git_sha, _machine, _now
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
-from hetmoe.engine.fetch_plan import least_tokens
-from hetmoe.engine.placement_fetch import StagingPool
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.engine.placement.fetch_plan import least_tokens
+from hetmoe.engine.placement.placement_fetch import StagingPool
 
 GB = 1e9
 

@@ -1,4 +1,4 @@
-"""Decode and prefill speed against the GPU expert budget (engine/placement.py), one model build.
+"""Decode and prefill speed per GPU expert budget (engine/placement/slots.py), one model build.
 
 For each budget (GB of packed experts resident on the GPU; `all` = every expert) the runner is
 re-placed (`ModelRunner.place`), a greedy decode timed (median step, first step untimed) per
@@ -31,10 +31,10 @@ from hetmoe.bench.harness import _git_sha, _machine, _now
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
-from hetmoe.engine.expert_split import TRIES, PrefillTuner
-from hetmoe.engine.placement_compute import use_kernel
-from hetmoe.engine.placement_policy import TrafficPolicy
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.engine.placement.expert_split import TRIES, PrefillTuner
+from hetmoe.engine.placement.placement_compute import use_kernel
+from hetmoe.engine.placement.placement_policy import TrafficPolicy
 
 GB = 1e9
 

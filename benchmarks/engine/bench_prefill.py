@@ -1,13 +1,13 @@
 """Prefill sweep of one real shape with random weights: where the routed experts run, and how fast.
 
 For each prompt length: the engine's choice (`auto`, by this machine's measured costs), the
-experts on the CPU (AMX / AVX-512), streamed to the GPU layer by layer (engine/layer_stream.py)
-and split (the first experts of each layer on the GPU, the rest on the CPU at once), each with
-time-to-first-token and tok/s and the GPU's expert count per layer, beside the floors measured
-in the same run: PCIe (packed expert bytes per pass over the pinned host-to-device bandwidth),
-the GPU's expert compute with the weights resident (unpack + grouped GEMM of one layer, times
-the layers; attention excluded) and, with `--resident-pass`, the whole pass (attention
-included) with every layer's packed experts resident on the GPU: the pass without copies.
+experts on the CPU (AMX / AVX-512), streamed to the GPU layer by layer
+(engine/placement/layer_stream.py) and split (the first experts of each layer on the GPU, the rest
+on the CPU at once), each with time-to-first-token and tok/s and the GPU's expert count per layer,
+beside the floors measured in the same run: PCIe (packed expert bytes per pass over the pinned
+host-to-device bandwidth), the GPU's expert compute with the weights resident (unpack + grouped GEMM
+of one layer, times the layers; attention excluded) and, with `--resident-pass`, the whole pass
+(attention included) with every layer's packed experts resident on the GPU: the pass without copies.
 Also the distinct experts each layer's router picks per 512-token chunk (llama.cpp copies only
 those at its default ubatch). Prints a table, writes JSON and a PNG of tok/s against prompt
 length (with llama.cpp's rows when given).
@@ -42,9 +42,9 @@ from hetmoe.bench.bench_model import open_bench_model
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
-from hetmoe.engine.expert_split import TRIES
-from hetmoe.engine.layer_stream import LayerStreamer
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.engine.placement.expert_split import TRIES
+from hetmoe.engine.placement.layer_stream import LayerStreamer
 from hetmoe.experts.routed_mlp import routed_mlp
 from hetmoe.machine import machine_report
 from hetmoe.ops.moe import moe_layers

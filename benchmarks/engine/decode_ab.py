@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import statistics
 import sys
@@ -37,16 +38,27 @@ from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import add_shape_arguments, shape_config
 
 
+def engine_module(room: str, name: str) -> Any:
+    """`hetmoe.engine.<room>.<name>`, or `hetmoe.engine.<name>` in a tree from before engine/ was
+    split into rooms (issue 29): the script is this checkout's, the tree may be older."""
+    try:
+        return importlib.import_module(f"hetmoe.engine.{room}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name not in (f"hetmoe.engine.{room}", f"hetmoe.engine.{room}.{name}"):
+            raise
+        return importlib.import_module(f"hetmoe.engine.{name}")
+
+
 def make_runner(model: Any, device: torch.device, window: int) -> tuple[str, Any]:
-    """This tree's runner (engine/runner.py), or the pre-change tree's `HybridRunner`."""
+    """This tree's runner (engine/executor/runner.py), or the pre-change tree's `HybridRunner`."""
     try:
         from hetmoe.engine.cuda_graph import HybridConfig, HybridRunner  # type: ignore
     except ImportError:
         from hetmoe.config import EngineConfig
-        from hetmoe.engine.runner import ModelRunner
 
-        return "this", ModelRunner(model, device, torch.bfloat16, 1, window,
-                                   EngineConfig(gpu_expert_bytes=0))
+        runner = engine_module("executor", "runner")
+        return "this", runner.ModelRunner(model, device, torch.bfloat16, 1, window,
+                                          EngineConfig(gpu_expert_bytes=0))
     return "pre-change", HybridRunner(model, device, torch.bfloat16, 1, window, HybridConfig())
 
 
@@ -83,7 +95,7 @@ def prefill_rows(runner: Any, lengths: list[int], modes: list[str], passes: int,
     after one untimed (auto: after the tuner's 2 x TRIES turns, so it has settled); "cpu"
     only up to `cpu_max` tokens."""
     # Here, not at the top: trees from before the prefill tuner (decode-only runs) lack it.
-    from hetmoe.engine.expert_split import TRIES
+    tries = engine_module("placement", "expert_split").TRIES
 
     base, rows = runner.config, []
     for n in lengths:
@@ -94,7 +106,7 @@ def prefill_rows(runner: Any, lengths: list[int], modes: list[str], passes: int,
                 continue
             runner.config = dataclasses.replace(base, prefill_experts=mode)
             try:
-                warm = 2 * TRIES if mode == "auto" else 1
+                warm = 2 * tries if mode == "auto" else 1
                 times = [prefill_s(runner, ids) for _ in range(warm + passes)][warm:]
             finally:
                 runner.config = base

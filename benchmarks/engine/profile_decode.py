@@ -1,7 +1,7 @@
 """Where a graph-replayed decode step spends its GPU time, module path vs fused path (needs CUDA).
 
-Builds a random-weight model of a real shape (routed experts in the CPU backend), then for each
-decode path (`module`: the HF layers; `fused`: engine/fused_decode.py, compiled) in ONE process:
+Builds a random-weight model of a real shape (routed experts in the CPU backend), then per decode
+path (`module`: the HF layers; `fused`: engine/executor/fused_decode.py, compiled) in ONE process:
 - the floor: graph decode with every routed expert masked out of the CPU jobs (ms/token);
 - GPU kernels per token by name (torch.profiler over graph replays of that floor): count and
   GPU microseconds per token, the top entries printed;
@@ -30,8 +30,8 @@ from hetmoe.bench import measure
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import add_shape_arguments, shape_config
 from hetmoe.config import EngineConfig
-from hetmoe.engine.overlap import cpu_moe_of
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.overlap import cpu_moe_of
+from hetmoe.engine.executor.runner import ModelRunner
 
 
 def graph_node_us(nodes: int = 400, replays: int = 50) -> float:

@@ -45,8 +45,8 @@ from hetmoe.bench import measure
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import add_shape_arguments, shape_config
 from hetmoe.config import EngineConfig
-from hetmoe.engine.overlap import cpu_moe_of
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.overlap import cpu_moe_of
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.machine import huge_page_bytes
 
 # Columns of a take_timeline row: start, built, done, (first, last) per phase slot, then picked

@@ -21,15 +21,16 @@ from torch._dynamo import mark_dynamic
 from torch.profiler import ProfilerActivity, profile
 
 from hetmoe.bench.shapes import shape_config
-from hetmoe.engine.fused_decode import FusedDecoder, make_gqa_layer
-from hetmoe.engine.layer_plan import LayerStatics
+from hetmoe.engine.executor.fused_decode import FusedDecoder, make_gqa_layer
+from hetmoe.engine.executor.layer_plan import LayerStatics
 from hetmoe.machine import machine_report
 from hetmoe.ops import fused
 from hetmoe.ops.router import RouterConfig
 
 
 def statics_of(cfg: Any) -> LayerStatics:
-    """A GQA MoE layer's statics from a transformers config (as engine/layer_plan.py reads)."""
+    """A GQA MoE layer's statics from a transformers config (as engine/executor/layer_plan.py
+    reads)."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     eps = float(cfg.rms_norm_eps)
     return LayerStatics("gqa", (eps, eps, eps), cfg.num_attention_heads,

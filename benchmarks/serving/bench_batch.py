@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.preplacement import count_routing, sample_lines
 from hetmoe.engine.requests.batch_job import JobFiles, JobLine, read_lines, run_job
 from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.engine.requests.scheduler import Event, Scheduler
-from hetmoe.engine.runner import ModelRunner
 from hetmoe.machine import machine_report, source_commit
 
 GIB = 2**30

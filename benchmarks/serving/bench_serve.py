@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.engine.requests.scheduler import Event, Scheduler
-from hetmoe.engine.runner import ModelRunner
 from hetmoe.machine import machine_report, source_commit
 
 

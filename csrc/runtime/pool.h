@@ -81,7 +81,7 @@ class ThreadPool {
 
 // Queue and spin settings, fixed at build time (reported by the introspection API).
 // Queued jobs; submit() blocks beyond it. A decode step queues up to two jobs per MoE layer
-// before the GPU starts it (engine/overlap.py), so this bounds the layers of one step.
+// before the GPU starts it (engine/executor/overlap.py), so this bounds the layers of one step.
 inline constexpr int kPoolQueueCapacity = 256;
 inline constexpr int kPoolIdleBeforeParkUs = 50000;   // workers spin this long before parking
 inline constexpr int kPoolWaitSpinUs = 100;           // wait() spins this long, then yields

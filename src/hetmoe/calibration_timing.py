@@ -104,8 +104,8 @@ def gpu_line(moe: CpuMoE, experts: int, device: torch.device, tokens: tuple[int,
               repeats: int) -> tuple[float, float]:
     """(fixed seconds per expert, seconds per (token, expert) pair) on the GPU of `experts` of
     `moe`'s packed experts, resident on `device`, computed for tokens[0] then tokens[1] tokens
-    each as engine/layer_stream.py's `LayerStreamer.start` does: the packed kernels where they
-    run, else unpacked and a grouped GEMM."""
+    each as engine/placement/layer_stream.py's `LayerStreamer.start` does: the packed kernels where
+    they run, else unpacked and a grouped GEMM."""
     # GPU only: Triton and the GPU expert paths load when a CUDA device is timed.
     from hetmoe.experts.packed_layout import host_tensor, unpack_group
     from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp

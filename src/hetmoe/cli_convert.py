@@ -121,7 +121,7 @@ def print_plan(path: Path, fmt: str, group: int | None, device: object,
 
     from hetmoe.engine.model.model_setup import default_device
     from hetmoe.engine.model.model_source import DEFAULT_MAX_SEQ_LEN
-    from hetmoe.engine.placement_plan import planned_placement
+    from hetmoe.engine.placement.placement_plan import planned_placement
     from hetmoe.loading.checkpoint import Checkpoint
     from hetmoe.loading.convert_plan import plan_convert
     from hetmoe.loading.memory_plan import memory_plan
@@ -174,8 +174,8 @@ def prefill_plan(layer: Any, fmt: str, config: Any, placement: Any = None) -> st
     import torch
 
     from hetmoe import calibration
-    from hetmoe.engine.expert_split import layer_costs
-    from hetmoe.engine.prefill_planner import PrefillPlanner
+    from hetmoe.engine.executor.prefill_planner import PrefillPlanner
+    from hetmoe.engine.placement.expert_split import layer_costs
 
     try:
         profile = calibration.load()

@@ -34,42 +34,43 @@ class EngineConfig:
     Triton and a C compiler); False runs the same functions uncompiled."""
     fused_decode: bool = True
     """GPU decode with CPU experts through one function per decoder layer
-    (engine/fused_decode.py) when the model fits; False runs the HF decoder layers (as `LLM`
-    always does on the CPU device)."""
+    (engine/executor/fused_decode.py) when the model fits; False runs the HF decoder layers (as
+    `LLM` always does on the CPU device)."""
     cuda_graphs: bool = True
     """GPU decode with CPU experts: replay decode steps as CUDA graphs (False: the same steps
     launched eagerly, for debugging)."""
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     """Decode batch sizes that get a CUDA graph (a batch is padded to the next one); beyond
-    the largest, doublings up to `max_batch` get one too (engine/graphs.py `graph_sizes`)."""
+    the largest, doublings up to `max_batch` get one too (engine/executor/graphs.py
+    `graph_sizes`)."""
     smallest_window: int = 256
-    """Smallest attention window bucket of a decode step with CPU experts (engine/graphs.py);
-    at least 2; >= the context window: always the whole window."""
+    """Smallest attention window bucket of a decode step with CPU experts
+    (engine/executor/graphs.py); at least 2; >= the context window: always the whole window."""
     prefill_experts: str = "auto"
     """GPU with CPU experts: where a prefill runs each MoE layer's routed experts. "auto": by
     this machine's measured costs (hetmoe.calibration; measured once and stored), on the CPU,
     streamed to the GPU layer by layer from the packed host copy (bf16, int8, int4 or fp8;
-    engine/layer_stream.py), or split: the first experts of each layer streamed and computed
-    on the GPU while the CPU computes the rest (engine/expert_split.py); "cpu", "gpu" (every
-    expert streamed) or "split" force one."""
+    engine/placement/layer_stream.py), or split: the first experts of each layer streamed and
+    computed on the GPU while the CPU computes the rest (engine/placement/expert_split.py); "cpu",
+    "gpu" (every expert streamed) or "split" force one."""
     prefill_resident_bytes: int = 0
     """Deprecated: the former name of `gpu_expert_bytes` (bytes): when set, it replaces a
     `gpu_expert_bytes` of "auto" or 0 (the resident experts serve prefill and decode alike)."""
     gpu_expert_bytes: int | str = "auto"
-    """Routed experts resident on the GPU, computed there (engine/placement.py): "auto" = the
+    """Routed experts resident on the GPU, computed there (engine/placement/slots.py): "auto" = the
     GPU memory left after the other weights, KV cache, graphs, prefill staging and a margin
     (none without a GPU); bytes (clamped to that room, with a warning); 0: every expert on the
     CPU (what benchmarks of the CPU path pass)."""
     placement_interval: int = 0
     """Resident experts follow the routing: every this many decode steps the most routed
-    experts are promoted into the slots of the least routed (engine/placement_policy.py);
+    experts are promoted into the slots of the least routed (engine/placement/placement_policy.py);
     0: the placement stays as planned."""
     fetch_slots: int = 0
-    """Fetch-or-compute (engine/placement_fetch.py): GPU staging slots, one expert's packed
-    bytes each and on top of `gpu_expert_bytes`, into which a step outside CUDA graphs (a
+    """Fetch-or-compute (engine/placement/placement_fetch.py): GPU staging slots, one expert's
+    packed bytes each and on top of `gpu_expert_bytes`, into which a step outside CUDA graphs (a
     prefill chunk on the CPU path, eager batched decode) copies the CPU misses whose tokens make
-    the GPU finish them sooner (engine/fetch_plan.py, this machine's measured costs); 0: every
-    miss on the CPU."""
+    the GPU finish them sooner (engine/placement/fetch_plan.py, this machine's measured costs); 0:
+    every miss on the CPU."""
     graph_split_layer: int = 4
     """Fused decode graphs are captured as two, split before this decoder layer (0 or beyond
     the last layer: one graph), so the GPU starts while the CPU still launches the rest."""

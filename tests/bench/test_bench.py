@@ -17,8 +17,8 @@ from hetmoe.bench.shapes import SHAPES, routed_expert_shape, shape_config
 from hetmoe.bench.trace import TraceRecorder
 from hetmoe.cli import app
 from hetmoe.config import EngineConfig
-from hetmoe.engine.overlap import cpu_moe_of
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.overlap import cpu_moe_of
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.experts.torch_backend import TorchExperts
 from hetmoe.ops.moe import moe_layers
 from hetmoe.presets.tiny import tiny_config
@@ -70,7 +70,7 @@ def test_random_model_is_complete_and_runs(family: str, experts: str, weight_for
         moe = cpu_moe_of(layers[0].experts)
         assert moe.weight_format == weight_format
         assert per_layer == int(moe.packed_bytes / config.num_experts * k)  # K experts' packing
-    from hetmoe.engine.runner import ModelRunner
+    from hetmoe.engine.executor.runner import ModelRunner
 
     runner = ModelRunner(model, torch.device("cpu"), torch.bfloat16, 1, 16)
     logits = runner.prefill(0, PROMPT)

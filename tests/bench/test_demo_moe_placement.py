@@ -13,7 +13,7 @@ import torch
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 

@@ -20,7 +20,7 @@ from hetmoe.bench.expert_count import (
     gguf_expert_bytes,
     packed_expert_bytes,
 )
-from hetmoe.engine.overlap import cpu_moe_of
+from hetmoe.engine.executor.overlap import cpu_moe_of
 from hetmoe.ops.moe import moe_layers
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from deferral_reference import DeferralReference
 
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
 
 PROMPT = [5, 9, 33, 100, 7]
 """Prompt token ids (inside the baby vocabulary)."""

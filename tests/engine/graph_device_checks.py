@@ -10,8 +10,8 @@ For every family's baby model (fp32, routed experts in the C++ CPU backend, the 
 - graph decode with deferral equals the pure-torch deferral reference on the same model;
 - a step that raises after its CPU jobs were queued releases them (abort), and the next step
   decodes the same tokens;
-- decode through the compiled fused layer functions (engine/fused_decode.py, the default) and
-  through the HF layers give the same tokens and logits within fp32 rounding (batch 1 and 3,
+- decode through the compiled fused layer functions (engine/executor/fused_decode.py, the default)
+  and through the HF layers give the same tokens and logits within fp32 rounding (batch 1 and 3,
   with and without deferral), and so do the fused step with its Triton kernels
   (kernels/gqa_decode.py, kernels/moe_router.py: the default) and in torch ops; GPU kernels per
   token of each;
@@ -40,9 +40,9 @@ from deferral_reference import DeferralReference
 from hetmoe import LLM
 from hetmoe.bench.measure import count_launches
 from hetmoe.config import EngineConfig
-from hetmoe.engine.fused_decode import FusedDecoder
-from hetmoe.engine.layer_plan import fits_fused
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.fused_decode import FusedDecoder
+from hetmoe.engine.executor.layer_plan import fits_fused
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.presets.tiny import FAMILIES, build_tiny_model
 
 PROMPTS = [[5, 9, 33, 100, 7], [11, 12, 13], [200, 3, 3, 40, 41, 42, 43]]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hetmoe import LLM
-from hetmoe.engine.prefill_batch import prefill_passes
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.prefill_batch import prefill_passes
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.step import PrefillChunk, StepPlan
 from hetmoe.presets.tiny import FAMILIES
 

@@ -11,7 +11,7 @@ from deferral_reference import DeferralReference
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.ops.deferral import check_deferred, split_ids
 from hetmoe.ops.moe import moe_layers
 

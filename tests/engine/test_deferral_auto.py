@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from hetmoe import LLM
 from hetmoe.cli import app
 from hetmoe.config import EngineConfig
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.model import deferral_auto
 from hetmoe.engine.model.deferral_auto import (
     KL_THRESHOLD,
@@ -27,7 +28,6 @@ from hetmoe.engine.model.deferral_auto import (
     timed_count,
 )
 from hetmoe.engine.model.deferral_probe import KLProbe, step_seconds, without_cpu_experts
-from hetmoe.engine.runner import ModelRunner
 from hetmoe.ops.deferral import MIN_IMMEDIATE
 
 PROMPT = [5, 9, 33, 100, 7, 12, 40, 3]

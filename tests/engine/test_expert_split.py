@@ -1,5 +1,5 @@
-"""Where a GPU prefill layer's experts run (engine/expert_split.py) and the GPU side's compute
-of a subset of experts (`routed_mlp(local=...)`), on the CPU."""
+"""Where a GPU prefill layer's experts run (engine/placement/expert_split.py) and the GPU side's
+compute of a subset of experts (`routed_mlp(local=...)`), on the CPU."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hetmoe.config import EngineConfig
-from hetmoe.engine.expert_split import (
+from hetmoe.engine.placement.expert_split import (
     PrefillTuner,
     SplitCosts,
     costs_from_profile,

@@ -1,4 +1,4 @@
-"""The fused decode path (engine/fused_decode.py, eager on the CPU) against the HF-layer path."""
+"""Fused decode (engine/executor/fused_decode.py, eager on the CPU) against the HF-layer path."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from decode_steps import assert_same_greedy, greedy
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
-from hetmoe.engine.fused_decode import explain_compile_errors
-from hetmoe.engine.layer_plan import plan_layers
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.fused_decode import explain_compile_errors
+from hetmoe.engine.executor.layer_plan import plan_layers
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.ops.kv_batch import KVBatch
 
 

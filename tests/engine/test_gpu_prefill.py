@@ -1,4 +1,4 @@
-"""Layer-wise GPU prefill (engine/layer_stream.py) against the CPU experts: device tests
+"""Layer-wise GPU prefill (engine/placement/layer_stream.py) against the CPU experts: device tests
 (`pytest -m device` on a GPU host)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from hetmoe import LLM
-from hetmoe.engine.expert_split import SplitCosts
-from hetmoe.engine.overlap import cpu_moe_of
-from hetmoe.engine.placement import expert_bytes
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.overlap import cpu_moe_of
+from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.engine.placement.expert_split import SplitCosts
+from hetmoe.engine.placement.slots import expert_bytes
 from hetmoe.presets.tiny import FAMILIES
 
 pytestmark = [

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hetmoe import LLM
-from hetmoe.engine.prefill_batch import PrefillPass, StepLayout
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.prefill_batch import PrefillPass, StepLayout
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.step import PrefillChunk, StepPlan
 from hetmoe.ops.kv_batch import KVBatch, RaggedKV
 from hetmoe.presets.tiny import FAMILIES

@@ -11,8 +11,8 @@ from decode_steps import SAME_BACKEND_ATOL, greedy
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
-from hetmoe.engine.overlap import cpu_moe_of
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.overlap import cpu_moe_of
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.step import StepPlan
 from hetmoe.ops.moe import moe_layers
 
@@ -220,7 +220,7 @@ def test_a_step_queues_its_cpu_jobs_before_a_launch_that_could_block(
     """A step captured as one graph queues its CPU jobs before the launch (a long launch blocks
     once the GPU waits on a done word whose job is not queued: a deadlock); a split step launches
     its short first part, queues the jobs, then launches the rest. CUDA calls stood in for."""
-    from hetmoe.engine.graphs import GraphCache, _Graph
+    from hetmoe.engine.executor.graphs import GraphCache, _Graph
     from hetmoe.ops.kv_batch import KVBatch, window_bucket
 
     runner = hybrid(engine("qwen3_moe", "cpu"))

@@ -13,8 +13,8 @@ from decode_steps import PROMPT
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
-from hetmoe.engine.placement import expert_bytes
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.engine.placement.slots import expert_bytes
 
 pytestmark = [
     pytest.mark.device,

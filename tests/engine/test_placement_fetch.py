@@ -1,6 +1,6 @@
-"""Fetch-or-compute (engine/fetch_plan.py, engine/placement_fetch.py; the "GPU" is the CPU
-device here): the plan picks nothing at batch 1 or on spread routing, the heavy misses when a
-few experts carry many tokens, never more than the staging slots; resident + fetched + CPU
+"""Fetch-or-compute (engine/placement/fetch_plan.py, engine/placement/placement_fetch.py; the "GPU"
+is the CPU device here): the plan picks nothing at batch 1 or on spread routing, the heavy misses
+when a few experts carry many tokens, never more than the staging slots; resident + fetched + CPU
 misses equal the CPU alone; prefill and decode with a pool give the tokens of no pool."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from test_placement import FORMAT_RTOL, _layer
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
-from hetmoe.engine.expert_split import SplitCosts
-from hetmoe.engine.fetch_plan import fetch_seconds, least_tokens, plan_fetch
-from hetmoe.engine.placement import LayerSlots, expert_bytes
-from hetmoe.engine.placement_fetch import StagingPool
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.engine.placement.expert_split import SplitCosts
+from hetmoe.engine.placement.fetch_plan import fetch_seconds, least_tokens, plan_fetch
+from hetmoe.engine.placement.placement_fetch import StagingPool
+from hetmoe.engine.placement.slots import LayerSlots, expert_bytes
 
 # Per expert of the Qwen3-30B-A3B shape in int8 on an H100 host (tests/engine/test_expert_split.py).
 COSTS = SplitCosts(cpu_fixed=49e-6, cpu_token=2.0e-6, gpu_expert=92e-6, gpu_token=0.07e-6,

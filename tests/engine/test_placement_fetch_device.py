@@ -16,9 +16,9 @@ from test_placement_fetch import EAGER
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
-from hetmoe.engine.placement import LayerSlots, expert_bytes
-from hetmoe.engine.placement_fetch import StagingPool
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.engine.placement.placement_fetch import StagingPool
+from hetmoe.engine.placement.slots import LayerSlots, expert_bytes
 
 pytestmark = [
     pytest.mark.device,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hetmoe.config import EngineConfig
-from hetmoe.engine.placement_plan import (
+from hetmoe.engine.placement.placement_plan import (
     GIB,
     auto_budget,
     clamp_budget,
@@ -105,7 +105,7 @@ def test_the_cli_option_reads_gib_or_auto(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_info_plans_auto_from_the_memory_plan() -> None:
-    from hetmoe.engine.placement_plan import planned_placement
+    from hetmoe.engine.placement.placement_plan import planned_placement
     from hetmoe.loading.memory_plan import MemoryPlan
 
     rows = (("other weights", "gpu", 2 * GIB), ("KV cache", "gpu", GIB))

@@ -11,10 +11,10 @@ from decode_steps import greedy
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
-from hetmoe.engine.placement import Placement, expert_bytes
-from hetmoe.engine.placement_plan import plan_placement
-from hetmoe.engine.placement_policy import TrafficPolicy
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.engine.placement.placement_plan import plan_placement
+from hetmoe.engine.placement.placement_policy import TrafficPolicy
+from hetmoe.engine.placement.slots import Placement, expert_bytes
 from hetmoe.experts.cpu_moe import CpuMoE
 
 

@@ -1,4 +1,4 @@
-"""`PrefillPlanner` (engine/prefill_planner.py): its k per mode is the cost model's and the
+"""`PrefillPlanner` (engine/executor/prefill_planner.py): its k per mode is the cost model's and the
 tuner's for the same inputs, the placement counted; its costs are loaded when the runner starts,
 never inside a request; a GPU it cannot stream to keeps prefill on the CPU."""
 
@@ -13,11 +13,16 @@ import torch
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
-from hetmoe.engine import prefill_planner
-from hetmoe.engine.expert_split import PrefillTuner, SplitCosts, describe_plan, plan_gpu_experts
-from hetmoe.engine.placement_plan import plan_placement
-from hetmoe.engine.prefill_planner import PrefillPlanner, check_prefill_mode, needs_costs
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor import prefill_planner
+from hetmoe.engine.executor.prefill_planner import PrefillPlanner, check_prefill_mode, needs_costs
+from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.engine.placement.expert_split import (
+    PrefillTuner,
+    SplitCosts,
+    describe_plan,
+    plan_gpu_experts,
+)
+from hetmoe.engine.placement.placement_plan import plan_placement
 
 COSTS = SplitCosts(cpu_fixed=49e-6, cpu_token=2.0e-6, gpu_expert=92e-6, gpu_token=0.07e-6,
                    gpu_fixed=70e-6, cpu_call=100e-6, split_fixed=100e-6, split_token=0.16e-6)
@@ -73,7 +78,7 @@ def test_nothing_streams_without_a_gpu_room_or_misses(caplog: pytest.LogCaptureF
         return "needs 9 GB of free GPU memory"
 
     full = PrefillPlanner(128, 8, 4, COSTS, refusal=refusal)
-    with caplog.at_level(logging.WARNING, logger="hetmoe.engine.prefill_planner"):
+    with caplog.at_level(logging.WARNING, logger="hetmoe.engine.executor.prefill_planner"):
         assert full.gpu_experts(4096, "gpu") == full.gpu_experts(4096, "auto") == 0
     assert len(checks) == 1  # checked once per placement, logged once
     assert caplog.messages == ["needs 9 GB of free GPU memory: long prompts prefill on the CPU"]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hetmoe import LLM
-from hetmoe.engine.placement import expert_bytes
-from hetmoe.engine.placement_plan import plan_placement
+from hetmoe.engine.placement.placement_plan import plan_placement
+from hetmoe.engine.placement.slots import expert_bytes
 from hetmoe.engine.preplacement import count_routing, line_prompt, preplace, sample_lines
 from hetmoe.engine.requests.batch_job import JobLine
 from hetmoe.ops.moe import moe_layers

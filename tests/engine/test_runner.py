@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetmoe.engine.graphs import graph_sizes
+from hetmoe.engine.executor.graphs import graph_sizes
 
 FOLLOW = [17, 230, 5, 99]  # tokens fed after each prompt, one per decode step
 

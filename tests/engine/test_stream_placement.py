@@ -12,11 +12,11 @@ import torch
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
-from hetmoe.engine.expert_split import SplitCosts, plan_gpu_experts
-from hetmoe.engine.layer_stream import LayerStreamer
-from hetmoe.engine.placement import expert_bytes
-from hetmoe.engine.runner import ModelRunner
-from hetmoe.engine.stream_plan import LayerPass, layer_pass
+from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.engine.placement.expert_split import SplitCosts, plan_gpu_experts
+from hetmoe.engine.placement.layer_stream import LayerStreamer
+from hetmoe.engine.placement.slots import expert_bytes
+from hetmoe.engine.placement.stream_plan import LayerPass, layer_pass
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.presets.tiny import FAMILIES
 

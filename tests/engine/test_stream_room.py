@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hetmoe.engine.layer_stream import streaming_bytes, streaming_refusal
+from hetmoe.engine.placement.layer_stream import streaming_bytes, streaming_refusal
 from hetmoe.experts.cpu_moe import CpuMoE
 
 

@@ -18,7 +18,7 @@ from decode_steps import SAME_BACKEND_ATOL
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.ops import fused
 from hetmoe.ops.kv_batch import window_bucket
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from moe_oracle import make_experts, rel_error
 
-from hetmoe.engine.layer_stream import LayerStreamer
-from hetmoe.engine.placement import LayerSlots
+from hetmoe.engine.placement.layer_stream import LayerStreamer
+from hetmoe.engine.placement.slots import LayerSlots
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.gpu_view import gpu_view
 

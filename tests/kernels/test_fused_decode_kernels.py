@@ -1,5 +1,5 @@
-"""The fused decode step (engine/fused_decode.py, eager) with its Triton kernels (q/k norms,
-rope, attention and cache write by kernels/gqa_decode.py; residual, norm, router and pack by
+"""The fused decode step (engine/executor/fused_decode.py, eager) with its Triton kernels (q/k
+norms, rope, attention and cache write by kernels/gqa_decode.py; residual, norm, router and pack by
 kernels/moe_router.py) against the same step in torch ops: batched greedy decode on the baby
 GQA families (q/k norms, a sliding window, sliding and full layers in one model, a shared
 expert), rows at different positions, across window buckets (1 to 3 splits). Uncompiled, on
@@ -17,8 +17,8 @@ from decode_rows import greedy_rows
 
 from hetmoe import LLM, env
 from hetmoe.config import EngineConfig
-from hetmoe.engine.fused_decode import FusedDecoder
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.fused_decode import FusedDecoder
+from hetmoe.engine.executor.runner import ModelRunner
 
 HERE = "cuda" if torch.cuda.is_available() else "cpu"
 

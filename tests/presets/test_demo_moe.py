@@ -17,7 +17,7 @@ import torch
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.ops.moe import moe_layers
 from hetmoe.ops.moe_step import MoEStep, backend_link
 from hetmoe.presets import presets, resolve_model

@@ -12,8 +12,8 @@ import torch
 from hetmoe.bench import measure
 from hetmoe.bench.trace import TraceRecorder
 from hetmoe.config import EngineConfig
-from hetmoe.engine.overlap import MoEOverlap, cpu_moe_of
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.overlap import MoEOverlap, cpu_moe_of
+from hetmoe.engine.executor.runner import ModelRunner
 
 if TYPE_CHECKING:  # for hints only: the harness imports this module
     from hetmoe.bench.harness import BenchConfig
@@ -73,7 +73,7 @@ def graph_variants(runner: ModelRunner, model: Any, cfg: BenchConfig, prompt: li
         runner.use_graphs = True
         log(f"decode eager_d0: {decode['eager_d0']['tok_s']} tok/s")
     if cfg.eager and cfg.alternatives and runner.use_graphs:
-        # Before the fused decode (engine/fused_decode.py): the HF layers, same process.
+        # Before the fused decode (engine/executor/fused_decode.py): the HF layers, same process.
         module = ModelRunner(model, device, dtype, 1, window,
                              EngineConfig(fused_decode=False,
                                           gpu_expert_bytes=cfg.gpu_expert_bytes))

@@ -28,7 +28,7 @@ import torch
 from hetmoe.ops.moe import moe_layers
 
 if TYPE_CHECKING:
-    from hetmoe.engine.runner import ModelRunner
+    from hetmoe.engine.executor.runner import ModelRunner
 
 UBATCH = 512
 """llama.cpp's default ubatch (tokens per graph evaluation, per expert copy)."""
@@ -77,7 +77,7 @@ def distinct_per_ubatch(picks: torch.Tensor, ubatch: int = UBATCH) -> list[int]:
 
 def packed_expert_bytes(model: torch.nn.Module) -> list[float]:
     """Our packed bytes of one expert (gate, up, down, scales) per MoE layer."""
-    from hetmoe.engine.overlap import cpu_moe_of
+    from hetmoe.engine.executor.overlap import cpu_moe_of
 
     return [cpu_moe_of(m.experts).packed_bytes / m.experts.spec.num_experts
             for m in moe_layers(model)]

@@ -42,7 +42,7 @@ from hetmoe.bench.memory import check_memory
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.machine import huge_page_bytes, source_commit
 
 MODES = ("cpu", "torch-cpu", "accelerate")

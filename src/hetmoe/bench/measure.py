@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetmoe.engine.overlap import cpu_moe_of
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.overlap import cpu_moe_of
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.step import PrefillChunk, StepPlan
 from hetmoe.ops.moe import moe_layers
 

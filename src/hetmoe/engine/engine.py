@@ -12,7 +12,10 @@ from typing import Any, overload
 import torch
 
 from hetmoe.config import EngineConfig
-from hetmoe.engine.adapters import LoraAdapters, assign_adapter, with_lora
+from hetmoe.engine.executor.adapters import LoraAdapters, assign_adapter, with_lora
+from hetmoe.engine.executor.overlap import all_on_cpu_backend
+from hetmoe.engine.executor.prefill_planner import check_prefill_mode
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.model.chat_template import read_chat_template, set_chat_template
 from hetmoe.engine.model.deferral_auto import (
     DeferralChoice,
@@ -30,15 +33,12 @@ from hetmoe.engine.model.model_setup import (
     share_cores,
 )
 from hetmoe.engine.model.model_source import check_fits, open_model
-from hetmoe.engine.overlap import all_on_cpu_backend
-from hetmoe.engine.prefill_planner import check_prefill_mode
 from hetmoe.engine.requests.collected_output import CollectedOutput
 from hetmoe.engine.requests.constrained import Constraints
 from hetmoe.engine.requests.logprobs import TokenLogprob
 from hetmoe.engine.requests.request import Event
 from hetmoe.engine.requests.sampler import GenerationOutput, SamplingParams, request_params
 from hetmoe.engine.requests.scheduler import Scheduler
-from hetmoe.engine.runner import ModelRunner
 from hetmoe.experts.backend import get_backend
 from hetmoe.inject.apply import InjectionReport, apply_rules
 from hetmoe.inject.registry import OpContext

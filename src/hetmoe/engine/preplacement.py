@@ -4,8 +4,8 @@ before the job starts (CoX-MoE's expert-aware stratification, for `hetmoe batch`
 A sample of the job's prompts (evenly spaced over its lines) is prefilled, each prompt alone, while
 a forward hook on every MoE layer's router counts the experts it picks: prefill only, nothing
 decoded or sampled, and every slot freed after. The counts [E] per MoE layer go to
-`ModelRunner.place(budget, counts)`, whose planner (engine/placement_plan.py) keeps each layer's
-most routed experts resident; the rest stay on the CPU.
+`ModelRunner.place(budget, counts)`, whose planner (engine/placement/placement_plan.py) keeps each
+layer's most routed experts resident; the rest stay on the CPU.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hetmoe.engine.placement_plan import GIB, PlacementPlan
+from hetmoe.engine.placement.placement_plan import GIB, PlacementPlan
 from hetmoe.engine.requests.batch_job import JobLine
 from hetmoe.engine.step import PrefillChunk, StepPlan
 from hetmoe.ops.moe import moe_layers
 
 if TYPE_CHECKING:
     from hetmoe.engine.engine import LLM
-    from hetmoe.engine.runner import ModelRunner
+    from hetmoe.engine.executor.runner import ModelRunner
 
 SAMPLE_CHUNK = 2048
 """Prompt tokens per prefill step of the sample (longer prompts continue in later steps)."""

@@ -1,5 +1,5 @@
 """A pinned host tensor seen by the GPU in place: GPU prefill reads the CPU experts' sums through
-it (engine/layer_stream.py) and calibration times such reads (calibration.py)."""
+it (engine/placement/layer_stream.py) and calibration times such reads (calibration.py)."""
 
 from __future__ import annotations
 

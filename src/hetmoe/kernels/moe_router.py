@@ -1,6 +1,6 @@
 """The decode step's MoE layer entry after attention, in two kernels: residual, norm, router.
 
-From o_proj's output to the packed inputs of the layer's experts (engine/fused_decode.py's
+From o_proj's output to the packed inputs of the layer's experts (engine/executor/fused_decode.py's
 layer tail), which Inductor otherwise spreads over ~5 kernels per layer:
 
     h += o -> x = RMSNorm(h) -> logits = router x -> softmax / sigmoid -> top-k -> weights

@@ -3,8 +3,8 @@
 One decode step of a decoder layer is a chain of small operations; launched one by one they cost
 ~70 GPU kernels per layer at batch 1. Written as pure functions, `torch.compile` (Inductor) fuses
 them into a few kernels, and since the weights are arguments, every layer of a model shares one
-compiled graph (engine/fused_decode.py). Eagerly they are the same math, which the CPU tests
-compare with the module path (HF layers + ops/attention.py, ops/mla.py).
+compiled graph (engine/executor/fused_decode.py). Eagerly they are the same math, which the CPU
+tests compare with the module path (HF layers + ops/attention.py, ops/mla.py).
 
 Shapes: B rows (sequences), one new token each; H hidden, h query heads, h_kv key/value heads,
 D head dim, K experts per token; N cache slots, C cache length; the attended window (the
@@ -162,8 +162,8 @@ def pack_moe_inputs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -
     """One int32 staging vector [T*(H + 3K)] = x (fp32 bits) | ids (int64 as int32 pairs) |
     weights (fp32 bits).
 
-    So one copy moves a layer's CPU-expert inputs; engine/host_link.py views the same bytes as
-    x [T, H] float32, ids [T, K] int64 and weights [T, K] float32 (little-endian: an int64 id is
+    So one copy moves a layer's CPU-expert inputs; engine/executor/host_link.py views the same bytes
+    as x [T, H] float32, ids [T, K] int64 and weights [T, K] float32 (little-endian: an int64 id is
     its low int32 word, then the sign word). Integers, not floats, carry the bits: a float copy
     may rewrite the NaN patterns that small negative ids make."""
     low = ids.to(torch.int32)

@@ -62,7 +62,7 @@ class KVBatch:
 @dataclass(frozen=True)
 class RaggedKV:
     """Several `KVBatch` parts laid end to end as one row of tokens: part i's [B_i, S_i] tokens
-    (row-major) follow part i-1's. Built by the model runner (engine/prefill_batch.py)."""
+    (row-major) follow part i-1's. Built by the model runner (engine/executor/prefill_batch.py)."""
 
     parts: tuple[KVBatch, ...]
     """Each part's slots [B_i] and positions [B_i, S_i]."""

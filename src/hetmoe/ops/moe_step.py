@@ -13,9 +13,9 @@ MoE layer defers nothing and at least 2 experts stay immediate (ops/deferral.py)
 A `Link` moves one layer's inputs to its routed experts, starts them and brings the output
 back; a start with `deferred=d` computes the immediate slots, then the deferred ones
 (`finish_late`). `BackendLink` drives any expert backend from Python (`submit` / `sync`: prefill,
-and every step without a GPU); `engine/host_link.py`'s `HostLink` does the same in CUDA stream
-order for graph decode. Both the HF-module path (`HybridMoE.forward`) and the fused decode step
-(`forward_packed`) run the one `MoEStep._combine`.
+and every step without a GPU); `engine/executor/host_link.py`'s `HostLink` does the same in CUDA
+stream order for graph decode. Both the HF-module path (`HybridMoE.forward`) and the fused decode
+step (`forward_packed`) run the one `MoEStep._combine`.
 """
 
 from __future__ import annotations
@@ -181,9 +181,9 @@ class MoEStep:
 
     def forward_packed(self, i: int, stage: torch.Tensor, rows: int,
                        shared: Callable[[], torch.Tensor | None]) -> list[torch.Tensor]:
-        """MoE layer i of a fused decode step (engine/fused_decode.py), whose compiled layer
-        already routed: `stage` = `pack_moe_inputs(x, ids, weights)` of `rows` tokens with all K
-        ids. Returns the terms the caller adds to the residual (routed, the previous layer's
+        """MoE layer i of a fused decode step (engine/executor/fused_decode.py), whose compiled
+        layer already routed: `stage` = `pack_moe_inputs(x, ids, weights)` of `rows` tokens with all
+        K ids. Returns the terms the caller adds to the residual (routed, the previous layer's
         deferred output, shared)."""
         link = self.links(i)
         self._mark("moe_start", i)

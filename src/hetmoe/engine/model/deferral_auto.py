@@ -30,13 +30,13 @@ from typing import Any
 
 from hetmoe import env
 from hetmoe.calibration import fingerprint
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.model.deferral_probe import (
     WARMUP_STEPS,
     KLProbe,
     step_seconds,
     without_cpu_experts,
 )
-from hetmoe.engine.runner import ModelRunner
 from hetmoe.ops.deferral import MIN_IMMEDIATE
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from hetmoe.engine.runner import ModelRunner
+from hetmoe.engine.executor.runner import ModelRunner
 
 WARMUP_STEPS = 2
 """Decode steps not timed: the first captures the step's CUDA graph, the second warms caches."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hetmoe.engine.kv_cache import StaticKVCache
+from hetmoe.engine.executor.kv_cache import StaticKVCache
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hetmoe.engine.adapters import assign_adapter
+from hetmoe.engine.executor.adapters import assign_adapter
 from hetmoe.engine.requests.logprobs import TokenLogprob, prompt_logprobs
 from hetmoe.engine.requests.request import Request
 from hetmoe.engine.step import PrefillChunk

@@ -37,7 +37,7 @@ from hetmoe.engine.step import StepPlan
 if TYPE_CHECKING:
     import torch
 
-    from hetmoe.engine.runner import ModelRunner
+    from hetmoe.engine.executor.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,12 @@ layer's experts are computed on their packed bytes by the Triton kernels of kern
 to bf16 (experts/packed_layout.py) and computed as a grouped GEMM (experts/routed_mlp.py).
 `GpuLink` is the layer's `ops.moe_step.Link`.
 
-Experts resident on the GPU (a placement's `LayerSlots`, engine/placement.py) are never copied:
-they are computed from their slots, and only the misses stream (engine/stream_plan.py). A pass
-may *split* each layer (engine/expert_split.py): only k of its misses are copied (as early as a
-whole layer would be) and computed on the GPU, while the CPU computes the other misses at the
-same time; the activations cross to the host once the router has run and the CPU's sum comes
-back to be added.
+Experts resident on the GPU (a placement's `LayerSlots`, engine/placement/slots.py) are never
+copied: they are computed from their slots, and only the misses stream
+(engine/placement/stream_plan.py). A pass may *split* each layer (engine/placement/expert_split.py):
+only k of its misses are copied (as early as a whole layer would be) and computed on the GPU, while
+the CPU computes the other misses at the same time; the activations cross to the host once the
+router has run and the CPU's sum comes back to be added.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetmoe import env
-from hetmoe.engine.stream_plan import layer_pass
+from hetmoe.engine.placement.stream_plan import layer_pass
 from hetmoe.experts.cpu_moe import CpuMoE, PendingCall
 from hetmoe.experts.gpu_view import gpu_view
 from hetmoe.experts.packed_layout import host_tensor, unpack_group
@@ -39,7 +39,7 @@ from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
 from hetmoe.kernels.packed_moe import packed_moe, unsupported
 
 if TYPE_CHECKING:
-    from hetmoe.engine.placement import LayerSlots
+    from hetmoe.engine.placement.slots import LayerSlots
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class LayerStreamer:
         layer's resident experts (a `Placement`'s layers), computed from their slots and never
         copied. Of each layer's other experts (the misses) the first `gpu_experts` (None: all)
         are streamed and the rest computed on the CPU at the same time
-        (engine/stream_plan.py); queues the first two layers' copies."""
+        (engine/placement/stream_plan.py); queues the first two layers' copies."""
         k = self.num_experts if gpu_experts is None else gpu_experts
         if not 0 < k <= self.num_experts:
             raise ValueError(f"gpu_experts must be in [1, {self.num_experts}], got {k}")

@@ -5,12 +5,12 @@ The one runner for prefill and decode, single-threaded (one owner at a time). ON
 - `step(StepPlan) -> StepOutput`: the plan's prefill chunks (any number of sequences, each into its
   slot from its own start) and one new token for each of its B decode rows, each at its own
   position. A plan with chunks runs as ONE forward pass, its decode rows included
-  (engine/prefill_batch.py: one expert call per MoE layer; long passes stream experts to the GPU),
-  on the HF layers: CUDA graphs and the fused decode layers hold decode rows alone (with LoRA
-  adapters, which peft names per batch row, the decode rows run apart). A plan of decode rows alone
-  is one decode step; greedy plans get tokens, and with CUDA graphs a plan with `ahead` also
+  (engine/executor/prefill_batch.py: one expert call per MoE layer; long passes stream experts to
+  the GPU), on the HF layers: CUDA graphs and the fused decode layers hold decode rows alone (with
+  LoRA adapters, which peft names per batch row, the decode rows run apart). A plan of decode rows
+  alone is one decode step; greedy plans get tokens, and with CUDA graphs a plan with `ahead` also
   launches the next step of the same slots before this one's tokens are read
-  (engine/launch_ahead.py; `settle` rolls back a step launched ahead nobody continues).
+  (engine/executor/launch_ahead.py; `settle` rolls back a step launched ahead nobody continues).
 - Shorthands of `step` for tests and scripts: `prefill(slot, token_ids, start=0) -> [V]`,
   `prefill_logits -> [T, V]`, `decode(slots, token_ids) -> [B, V]`, `greedy(slot, token, limit)`.
   `max_batch`, `max_seq_len`, `vocab_size`, `lengths`, `cache`, `free`, `check_chunk`, `adapters`.
@@ -33,21 +33,21 @@ from typing import Any
 import torch
 
 from hetmoe.config import EngineConfig
-from hetmoe.engine.adapters import LoraAdapters
-from hetmoe.engine.fused_decode import FusedDecoder
-from hetmoe.engine.graphs import GraphCache
-from hetmoe.engine.kv_cache import StaticKVCache
-from hetmoe.engine.launch_ahead import LaunchAhead, Launched, sleep_until_done
-from hetmoe.engine.layer_plan import fits_fused
-from hetmoe.engine.overlap import MoEOverlap, all_on_cpu_backend
-from hetmoe.engine.placement import Placement, placement_plan
-from hetmoe.engine.placement_fetch import StagingPool
-from hetmoe.engine.placement_plan import PlacementPlan
-from hetmoe.engine.placement_policy import TrafficPolicy
-from hetmoe.engine.prefill_batch import StepLayout, step_layouts
-from hetmoe.engine.prefill_planner import PrefillPlanner
+from hetmoe.engine.executor.adapters import LoraAdapters
+from hetmoe.engine.executor.fused_decode import FusedDecoder
+from hetmoe.engine.executor.graphs import GraphCache
+from hetmoe.engine.executor.kv_cache import StaticKVCache
+from hetmoe.engine.executor.launch_ahead import LaunchAhead, Launched, sleep_until_done
+from hetmoe.engine.executor.layer_plan import fits_fused
+from hetmoe.engine.executor.overlap import MoEOverlap, all_on_cpu_backend
+from hetmoe.engine.executor.prefill_batch import StepLayout, step_layouts
+from hetmoe.engine.executor.prefill_planner import PrefillPlanner
+from hetmoe.engine.executor.step_checks import check_chunk, check_decode_rows
+from hetmoe.engine.placement.placement_fetch import StagingPool
+from hetmoe.engine.placement.placement_plan import PlacementPlan
+from hetmoe.engine.placement.placement_policy import TrafficPolicy
+from hetmoe.engine.placement.slots import Placement, placement_plan
 from hetmoe.engine.step import PrefillChunk, StepOutput, StepPlan
-from hetmoe.engine.step_checks import check_chunk, check_decode_rows
 from hetmoe.ops.kv_batch import KVBatch, RaggedKV, window_bucket
 
 
@@ -329,7 +329,7 @@ class ModelRunner:
         """Checked chunks and decode rows in ONE forward pass (one expert call per MoE layer);
         chunks' logits into `logits` (by chunk index); returns the decode rows' logits or tokens."""
         ids, kv = layout.tensors(self.device)  # [B, S] or [1, T]
-        # CPU, streamed to the GPU or split (EngineConfig.prefill_experts; engine/prefill_planner)
+        # CPU, streamed to the GPU or split (EngineConfig.prefill_experts; prefill_planner.py)
         experts = contextlib.nullcontext() if self.planner is None else \
             self.planner.prefill_pass(ids.numel(), self.config.prefill_experts)
         with self._phase(decoding=False, slots=layout.row_slots), experts:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from hetmoe.engine.placement import LayerSlots, Placement
+from hetmoe.engine.placement.slots import LayerSlots, Placement
 
 MARGIN = 1.5
 """A hot expert replaces a cold one only when routed more than this many times as often..."""

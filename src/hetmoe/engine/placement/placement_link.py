@@ -6,8 +6,8 @@ reads the slot table on the device (`LayerSlots.split`), hands the CPU link the 
 CPU works; `finish` adds both. A layer whose every expert is resident starts no CPU job at all.
 With Expert Deferral the resident experts of the deferred slots are kept apart and join
 `finish_late`, exactly as the CPU's deferred experts do. With a `StagingPool` (fetch-or-compute,
-engine/placement_fetch.py) a step outside CUDA graphs may also copy its heaviest misses to the
-GPU and compute them there; the CPU gets the other misses. Implements `ops.moe_step.Link`.
+engine/placement/placement_fetch.py) a step outside CUDA graphs may also copy its heaviest misses to
+the GPU and compute them there; the CPU gets the other misses. Implements `ops.moe_step.Link`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from hetmoe.engine.placement import LayerSlots
-from hetmoe.engine.placement_fetch import StagingPool
+from hetmoe.engine.placement.placement_fetch import StagingPool
+from hetmoe.engine.placement.slots import LayerSlots
 from hetmoe.ops.deferral import split_ids
 from hetmoe.ops.fused import unpack_moe_inputs
 from hetmoe.ops.moe_step import Link

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hetmoe.engine.kv_cache import StaticKVCache
+from hetmoe.engine.executor.kv_cache import StaticKVCache
 from hetmoe.engine.step import PrefillChunk, StepPlan
 
 

@@ -1,12 +1,12 @@
 """Which experts of one MoE layer a GPU prefill pass copies: the misses of the placement only.
 
-Resident experts (engine/placement.py) are already on the GPU, so a streamed pass copies only a
-layer's misses, the experts without a slot. Of the misses (in expert order) it streams the first
+Resident experts (engine/placement/slots.py) are already on the GPU, so a streamed pass copies only
+a layer's misses, the experts without a slot. Of the misses (in expert order) it streams the first
 k into the layer's staging buffer, side by side in that order; the CPU computes the other misses
 (a split). k covering every miss streams them all and leaves the CPU nothing. Without a placement
 the misses are every expert, so this is the first k experts, as before placements existed.
-`LayerPass` is one layer's share for one pass; `LayerStreamer` (engine/layer_stream.py) copies
-and computes by it.
+`LayerPass` is one layer's share for one pass; `LayerStreamer` (engine/placement/layer_stream.py)
+copies and computes by it.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
 The story of a MoE layer is `ops.moe_step.MoEStep`'s; this adds its transports and jobs:
 prefill (and every pass without a GPU) uses each layer's `BackendLink` (Python submit / sync);
-decode steps on a GPU use its `HostLink` (engine/host_link.py): pinned buffers, async copies and
-start/wait in stream order through ready/done words, so a CUDA graph can capture it. The step's
-CPU jobs wait in the pool for their ready words: `MoEOverlap` submits them as the step is
+decode steps on a GPU use its `HostLink` (engine/executor/host_link.py): pinned buffers, async
+copies and start/wait in stream order through ready/done words, so a CUDA graph can capture it. The
+step's CPU jobs wait in the pool for their ready words: `MoEOverlap` submits them as the step is
 launched (recorded at capture, queued as each replay is launched) and waits them in
 `finish_step`; `abort_step` releases them when a step fails. A prefill pass streamed to the GPU
 runs through `streamed`; where its experts run is the prefill planner's
-(engine/prefill_planner.py).
+(engine/executor/prefill_planner.py).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from hetmoe.engine.host_link import HostLink, check_stream_memops
-from hetmoe.engine.layer_stream import LayerStreamer, streaming_refusal
-from hetmoe.engine.placement import Placement
-from hetmoe.engine.placement_fetch import StagingPool
-from hetmoe.engine.placement_link import PlacementLink
+from hetmoe.engine.executor.host_link import HostLink, check_stream_memops
+from hetmoe.engine.placement.layer_stream import LayerStreamer, streaming_refusal
+from hetmoe.engine.placement.placement_fetch import StagingPool
+from hetmoe.engine.placement.placement_link import PlacementLink
+from hetmoe.engine.placement.slots import Placement
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.ops.moe import moe_layers
 from hetmoe.ops.moe_step import BackendLink, Link, MoEStep, backend_link
@@ -88,7 +88,7 @@ class MoEOverlap(MoEStep):
 
     def place(self, placement: Placement | None, pool: StagingPool | None = None) -> None:
         """Computes `placement`'s resident experts on the GPU and sends only the misses to the
-        CPU (engine/placement_link.py), less those `pool` fetches (fetch-or-compute, steps
+        CPU (engine/placement/placement_link.py), less those `pool` fetches (fetch-or-compute, steps
         outside graphs); None: every expert on the CPU again. A streamed prefill copies only
         the misses. Captured graphs bake in which layers start CPU jobs: reset them after a
         change (and tell the prefill planner: `ModelRunner.place` does both)."""

@@ -18,7 +18,8 @@ of a model shares one compiled graph. Attention reads the first `kv_len` cache e
 runner's window bucket, ops/kv_batch.py) in chunks of 64 whose count is a dynamic dimension, so
 every bucket shares that graph too. Without compile (CPU) the same functions run eagerly.
 
-`engine/layer_plan.py` says whether a model fits; `ModelRunner` uses the module path otherwise.
+`engine/executor/layer_plan.py` says whether a model fits; `ModelRunner` uses the module path
+otherwise.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from hetmoe import env
-from hetmoe.engine.layer_plan import LayerPlan, LayerStatics, eps_of, plan_layers
+from hetmoe.engine.executor.layer_plan import LayerPlan, LayerStatics, eps_of, plan_layers
 from hetmoe.ops import fused
 from hetmoe.ops.kv_batch import KVBatch
 from hetmoe.ops.moe_step import MoEStep

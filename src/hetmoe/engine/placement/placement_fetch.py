@@ -1,8 +1,8 @@
 """`StagingPool`: a few GPU slots that a step's heavy CPU misses are copied into and computed from.
 
-Fetch-or-compute (engine/fetch_plan.py says which misses): a layer's step reads its misses'
-ids on the host (one sync, which the Python link does anyway to start the CPU), plans, copies
-the chosen experts' packed bytes from the same pinned host mappings the placement copies from
+Fetch-or-compute (engine/placement/fetch_plan.py says which misses): a layer's step reads its
+misses' ids on the host (one sync, which the Python link does anyway to start the CPU), plans,
+copies the chosen experts' packed bytes from the same pinned host mappings the placement copies from
 (`placement.copy_expert`) into the pool's slots on a copy stream, and computes them with the
 resident experts' kernel (`placement_compute.packed_slots`) once the copies are there; the CPU
 gets the other misses only. One pool serves every layer (layers run one after another): a
@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 import torch
 
-from hetmoe.engine.expert_split import SplitCosts
-from hetmoe.engine.fetch_plan import least_tokens, plan_fetch
-from hetmoe.engine.placement import LayerSlots, copy_expert
-from hetmoe.engine.placement_compute import capturing, packed_slots
+from hetmoe.engine.placement.expert_split import SplitCosts
+from hetmoe.engine.placement.fetch_plan import least_tokens, plan_fetch
+from hetmoe.engine.placement.placement_compute import capturing, packed_slots
+from hetmoe.engine.placement.slots import LayerSlots, copy_expert
 from hetmoe.experts.cpu_moe import CpuMoE
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import torch
 from hetmoe.engine.step import StepOutput, StepPlan
 
 if TYPE_CHECKING:  # for hints only: the runner owns this object
-    from hetmoe.engine.runner import ModelRunner
+    from hetmoe.engine.executor.runner import ModelRunner
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Which routed experts live on the GPU: the plan under one byte budget, and that budget.
 
 A plan names, per MoE layer, the experts kept resident on the GPU in their packed bytes
-(`engine/placement.py` holds them); the CPU computes only the others. Static plans are uniform
+(`engine/placement/slots.py` holds them); the CPU computes only the others. Static plans are uniform
 by layer (every layer the same count, the leftover bytes one more expert each for the first
 layers); within a layer the experts with the most routing counts when counts are given, else the
 first ones. `auto_budget` is what a GPU has left for experts after everything else.

@@ -4,8 +4,8 @@ Its answer is k, how many of each layer's misses (experts not resident on the GP
 placement every expert) a pass streams to the GPU: 0 = none (the misses on the CPU, the resident
 experts on the GPU), the most misses of a layer = every miss streamed, between: split with the
 CPU. It weighs the mode (`EngineConfig.prefill_experts`), this machine's per-expert costs
-(engine/expert_split.py's cost model over `calibration.MachineProfile`; loaded when the runner
-starts, measured then when no stored profile covers them, never inside a request), the
+(engine/placement/expert_split.py's cost model over `calibration.MachineProfile`; loaded when the
+runner starts, measured then when no stored profile covers them, never inside a request), the
 placement's resident experts per layer, whether the GPU has room to stream (checked at the first
 pass that could stream, against the memory free then) and what the passes measured
 (`PrefillTuner`, per placement). `MoEOverlap` only carries a pass out (`streamed`); `hetmoe info
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetmoe.calibration import current
-from hetmoe.engine.expert_split import (
+from hetmoe.engine.placement.expert_split import (
     PrefillTuner,
     SplitCosts,
     costs_from_profile,
@@ -32,11 +32,11 @@ from hetmoe.engine.expert_split import (
     most_misses,
     plan_gpu_experts,
 )
-from hetmoe.engine.placement import Placement
-from hetmoe.engine.placement_plan import PlacementPlan
+from hetmoe.engine.placement.placement_plan import PlacementPlan
+from hetmoe.engine.placement.slots import Placement
 
 if TYPE_CHECKING:
-    from hetmoe.engine.overlap import MoEOverlap
+    from hetmoe.engine.executor.overlap import MoEOverlap
     from hetmoe.experts.cpu_moe import CpuMoE
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,11 @@
 """Fetch-or-compute: which of a step's CPU misses are copied to the GPU and computed there.
 
-In a step with resident experts (engine/placement.py) the CPU computes every miss. When a few
+In a step with resident experts (engine/placement/slots.py) the CPU computes every miss. When a few
 misses carry many tokens (a prefill chunk, batched decode on skewed routing) the CPU is the
 long pole: such an expert costs the CPU its weights' read plus every token's products, while
 the GPU would pay its bytes over PCIe once and little per token. Per layer and step, with n_e
-the tokens of missed expert e (`SplitCosts` from this machine's profile, engine/expert_split.py):
+the tokens of missed expert e (`SplitCosts` from this machine's profile,
+engine/placement/expert_split.py):
 
     cpu(n)   = cpu_fixed + n * cpu_token                    (one miss on the CPU)
     fetch(n) = gpu_expert + gpu_fixed + n * gpu_token       (its copy, then its GPU compute)
@@ -25,7 +26,7 @@ import math
 
 import torch
 
-from hetmoe.engine.expert_split import SplitCosts
+from hetmoe.engine.placement.expert_split import SplitCosts
 
 
 def cpu_seconds(tokens: int, costs: SplitCosts) -> float:

@@ -3,9 +3,9 @@
 Each decode batch size (`graph_sizes`: `EngineConfig.graph_batch_sizes`, then doublings up to
 `max_batch`) and window bucket gets one CUDA graph of the forward pass (embedding to final norm),
 captured at its first use; the CPU experts' start and wait enter it as stream memory operations on
-ready/done words (engine/host_link.py). A fused step is captured in two parts, split before decoder
-layer `graph_split_layer`: a launch costs the CPU about a microsecond per node, and the GPU runs
-the first part while the CPU launches the second. The CPU jobs a step starts are recorded at
+ready/done words (engine/executor/host_link.py). A fused step is captured in two parts, split before
+decoder layer `graph_split_layer`: a launch costs the CPU about a microsecond per node, and the GPU
+runs the first part while the CPU launches the second. The CPU jobs a step starts are recorded at
 capture and queued in the pool between the two launches, where each waits for its ready word. A
 batch is padded to the next captured size by repeating its first row (same token, slot and
 position: the cache write is the same, the extra outputs are dropped).
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from hetmoe.config import EngineConfig
-from hetmoe.engine.host_link import HostLink
-from hetmoe.engine.overlap import MoEOverlap
+from hetmoe.engine.executor.host_link import HostLink
+from hetmoe.engine.executor.overlap import MoEOverlap
 from hetmoe.ops.kv_batch import KVBatch
 
 StepFn = Callable[[torch.Tensor, KVBatch, Callable[[int], None] | None], torch.Tensor]

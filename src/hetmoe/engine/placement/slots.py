@@ -7,8 +7,8 @@ entry, -1, so an id of -1 reads -1). A step reads the table on the device: the r
 among a token's top-k run on the GPU, the CPU gets only the misses (`LayerSlots.split`; the CPU
 backend skips ids < 0). Routing counts accumulate on the device in the same step. `move` puts
 another expert into a slot (a copy on a side stream, then the table entries): only between
-steps, never while a step or a captured graph runs. engine/placement_plan.py chooses which
-experts; engine/placement_link.py is the MoE step's view of a layer.
+steps, never while a step or a captured graph runs. engine/placement/placement_plan.py chooses which
+experts; engine/placement/placement_link.py is the MoE step's view of a layer.
 """
 
 from __future__ import annotations
@@ -19,8 +19,13 @@ from contextlib import nullcontext
 
 import torch
 
-from hetmoe.engine.placement_compute import packed_slots
-from hetmoe.engine.placement_plan import PlacementPlan, auto_budget, clamp_budget, plan_placement
+from hetmoe.engine.placement.placement_compute import packed_slots
+from hetmoe.engine.placement.placement_plan import (
+    PlacementPlan,
+    auto_budget,
+    clamp_budget,
+    plan_placement,
+)
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.packed_layout import PackedGroup, host_tensor
 
@@ -45,7 +50,7 @@ class LayerSlots:
             self._one = torch.ones(1, dtype=torch.int64, device=device)  # a count's increment
         self.counting = False
         """Count routing in `split` (two small kernels per layer and step; the traffic policy,
-        engine/placement_policy.py, turns it on)."""
+        engine/placement/placement_policy.py, turns it on)."""
         self.resident: list[int] = [-1] * n  # slot -> expert (-1: empty or being filled)
         self._moving: dict[int, tuple[int, torch.cuda.Event | None]] = {}  # slot -> (expert,
         # its copy's event)
@@ -71,7 +76,7 @@ class LayerSlots:
     def _sources(self) -> list[torch.Tensor]:
         """The group mappings as host tensors (registered for DMA on CUDA)."""
         if self.device.type == "cuda":
-            from hetmoe.engine.layer_stream import pinned_groups
+            from hetmoe.engine.placement.layer_stream import pinned_groups
 
             return pinned_groups(self.moe)
         return [host_tensor(p) for p in self.parts]
@@ -193,7 +198,7 @@ def gpu_room(cpu: Sequence[CpuMoE], device: torch.device) -> int:
     """What `auto` may use on `device` now (placement_plan.auto_budget); 0 without a GPU."""
     if device.type != "cuda":
         return 0
-    from hetmoe.engine.layer_stream import streaming_bytes
+    from hetmoe.engine.placement.layer_stream import streaming_bytes
 
     free, total = torch.cuda.mem_get_info(device)
     return auto_budget(int(free), int(total), streaming_bytes(cpu))

@@ -1,7 +1,7 @@
 """Where a prefill pass runs each MoE layer's routed experts: the CPU, the GPU, or both at once.
 
 A pass of T tokens gives each layer P = T * top_k (token, slot) pairs. Of a layer's E experts, r
-are resident on the GPU (a placement, engine/placement.py: computed from their slots, never
+are resident on the GPU (a placement, engine/placement/slots.py: computed from their slots, never
 copied); the GPU also computes k of the E - r misses, their packed bytes copied over PCIe ahead
 of use (layer i + 2's copy during layer i's compute: the copy does not wait for the router, so
 both sides work from the start of a layer); the CPU computes the other E - r - k misses of the

@@ -1,0 +1,1 @@
+"""Which routed experts the GPU computes: resident experts, layer streaming, split/fetch plans."""
