@@ -75,7 +75,7 @@ def _heads(base, rows, live_rows, w_ptr, cos, sin, eps, D: tl.constexpr, BLOCK_D
         xr = tl.load(base + rows[:, None] * D + partner[None, :], mask=at, other=0.0)
         xr = xr.to(tl.float32)
     if NORM:
-        inv = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]  # [R, 1]
+        inv = tl.rsqrt((tl.sum(x * x, 1) / D + eps).to(tl.float32))[:, None]  # [R, 1]
         w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
         x = _rounded(_rounded(x * inv, ROUND_BITS, dtype).to(tl.float32) * w[None, :],
                      ROUND_BITS, dtype).to(tl.float32)
@@ -100,7 +100,8 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
     NORM: q / k RMSNorms (weights [D]), ROPE: cos / sin [B, D] (rows s_cos apart) applied to
     them here; cache [N, C, 2, H_KV, D] by strides; part [B, H_KV*G, S, D] fp32 and stat
     [B, H_KV*G, S, 2] fp32 (max, sum) written. Row b attends its cached entries
-    [lo[b], pos[b]) and its own."""
+    [lo[b], pos[b]) and its own. Products with the float arguments scale and eps are cast to
+    fp32: inside a compiled step Inductor passes Python floats as fp64 scalars."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -136,7 +137,7 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
         own = row + pos * s_key + d[None, :]
         tl.store(own, k_own.to(cache_ptr.dtype.element_ty), mask=live_d[None, :])
         tl.store(own + s_kv, v_own.to(cache_ptr.dtype.element_ty), mask=live_d[None, :])
-        m = tl.sum(q.to(tl.float32) * k_own.to(tl.float32), 1) * scale
+        m = (tl.sum(q.to(tl.float32) * k_own.to(tl.float32), 1) * scale).to(tl.float32)
         total += 1.0
         acc += v_own.to(tl.float32)
     n = tl.arange(0, BLOCK_N)
@@ -146,7 +147,7 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
         at = row + keys.to(tl.int64)[:, None] * s_key + d[None, :]  # [BLOCK_N, BLOCK_D]
         cached = live_n[:, None] & live_d[None, :]
         k = tl.load(at, mask=cached, other=0.0)
-        scores = _dot(q, tl.trans(k), IEEE) * scale  # [BLOCK_G, BLOCK_N]
+        scores = (_dot(q, tl.trans(k), IEEE) * scale).to(tl.float32)  # [BLOCK_G, BLOCK_N]
         scores = tl.where(live_n[None, :], scores, float("-inf"))
         top = tl.maximum(m, tl.max(scores, 1))  # finite: one live entry per step
         alpha = tl.exp(m - top)

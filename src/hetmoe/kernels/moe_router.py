@@ -58,7 +58,7 @@ def logits_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stag
         live = i0 + i < H
         v = _residual(h_ptr, o_ptr, b, H, i0, i, live, ROUND_BITS, dtype)
         squares += v * v
-    inv = tl.rsqrt(tl.sum(squares, 0) / H + eps)
+    inv = tl.rsqrt((tl.sum(squares, 0) / H + eps).to(tl.float32))  # fp64 eps in Inductor
     acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
     for i0 in range(0, H, BLOCK_H):
         live = i0 + i < H
@@ -110,7 +110,7 @@ def topk_kernel(logits_ptr, bias_ptr, x_ptr, stage_ptr, B, H, E, scaling, K: tl.
         choice = tl.where(e == best, float("-inf"), choice)
     if NORM:
         weights = weights / (tl.sum(weights, 0) + 1e-20)
-    weights = weights * scaling
+    weights = (weights * scaling).to(tl.float32)  # fp64 scaling in Inductor
     if ROUND_WEIGHTS:
         weights = _round(weights, ROUND_BITS, dtype)
     pairs = stage_ptr + B * H + (b * K + k) * 2

@@ -23,17 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from outlines_core import Guide, Index, Vocabulary
-from outlines_core.json_schema import (
-    BOOLEAN,
-    NULL,
-    NUMBER,
-    STRING,
-    WHITESPACE,
-    build_regex_from_schema,
-)
 
 from hetmoe.engine.requests.token_bytes import token_bytes
+
+# outlines-core is imported where a format is used (the functions below), not here: the engine
+# imports this module on every path, and a request without a format never needs the library
+# (GPU hosts with a bare runtime environment run and test the engine without it).
 
 JSON_OBJECT_NESTING = 2
 """Levels of a `json_object` answer: an object whose values may be arrays or objects of scalars
@@ -107,6 +102,8 @@ class ResponseFormat:
             return self.pattern
         if self.schema is None or json.loads(self.schema) == {"type": "object"}:
             return json_object_regex()  # the library's free-form object: ~10 s per index
+        from outlines_core.json_schema import build_regex_from_schema
+
         try:
             return str(build_regex_from_schema(self.schema))
         except Exception as exc:  # the library's message says what it cannot follow
@@ -116,6 +113,8 @@ class ResponseFormat:
 
 def json_object_regex(nesting: int = JSON_OBJECT_NESTING) -> str:
     """A JSON object whose values nest at most `nesting` levels deep (arrays or objects)."""
+    from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING, WHITESPACE
+
     ws = WHITESPACE
     value = f"{STRING}|{NUMBER}|{BOOLEAN}|{NULL}"
     for level in range(nesting):
@@ -148,6 +147,8 @@ class JsonConstraint:
     """One choice's state in a compiled format: which tokens may come next."""
 
     def __init__(self, compiled: CompiledFormat) -> None:
+        from outlines_core import Guide
+
         self.compiled = compiled
         self.guide = Guide(compiled.index, max_rollback=0)
         self._bits = torch.zeros((compiled.vocab_size + 31) // 32, dtype=torch.int32)  # [V/32]
@@ -199,6 +200,8 @@ class Constraints:
                 self._indexes.move_to_end(fmt)
                 return hit
 
+        from outlines_core import Index
+
         regex = fmt.regex()
         try:
             index = Index(regex, self.vocabulary())
@@ -225,6 +228,8 @@ class Constraints:
         if not self.eos_token_ids:
             raise ValueError(f"response_format needs an end-of-sequence token; {self._where} "
                              "has none")
+        from outlines_core import Vocabulary
+
         spelled = token_bytes(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return Vocabulary(self.eos_token_ids[0], spelled)
 
