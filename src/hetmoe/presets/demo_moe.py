@@ -63,8 +63,8 @@ def build_demo_moe(out: Path, config: MoEficationConfig = MOEFICATION) -> None:
     layers = llama["num_hidden_layers"]
     with step_progress(NUM_WINDOWS + 3 * layers + 2, f"building {NAME} (once)") as advance:
         tensors = dict(gguf.llama_tensors())
-        model = _dense_llama(llama, tensors)
-        chats = _dense_chats(model, tokenizer)
+        model = dense_llama(llama, tensors)
+        chats = dense_chats(model, tokenizer)
         advance(1)
         windows = [chats[i:i + WINDOW] for i in range(0, len(chats) - WINDOW + 1, WINDOW)]
         texts = [tokenizer.encode(t, add_special_tokens=False) for t in train_texts()]
@@ -105,7 +105,7 @@ def build_demo_moe(out: Path, config: MoEficationConfig = MOEFICATION) -> None:
 
 
 @torch.no_grad()
-def _dense_chats(model: Any, tokenizer: Any) -> list[int]:
+def dense_chats(model: Any, tokenizer: Any) -> list[int]:
     """CHAT_PROMPTS and the dense model's greedy replies (REPLY_TOKENS at most), as one token
     stream of chat-formatted conversations."""
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -119,7 +119,7 @@ def _dense_chats(model: Any, tokenizer: Any) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _dense_llama(llama: dict, tensors: dict[str, torch.Tensor]) -> Any:
+def dense_llama(llama: dict, tensors: dict[str, torch.Tensor]) -> Any:
     """The dense SmolLM2 in transformers (fp32, eval), sharing `tensors`' storage."""
     from transformers.models.llama import LlamaConfig, LlamaForCausalLM
 
