@@ -47,29 +47,13 @@ from hetmoe.engine.placement.expert_split import TRIES
 from hetmoe.engine.placement.layer_stream import LayerStreamer
 from hetmoe.experts.routed_mlp import routed_mlp
 from hetmoe.machine import machine_report
-from hetmoe.ops.moe import moe_layers
 
 
 def distinct_experts(runner: ModelRunner, ids: list[int], chunk: int = 512) -> list[float]:
     """Per MoE layer, the mean count of distinct experts its router picks per `chunk` tokens."""
-    picked: list[list[torch.Tensor]] = []
-    hooks = []
-    for moe in moe_layers(runner.model):
-        picked.append([])
-        sink = picked[-1]
-        hooks.append(moe.gate.register_forward_hook(
-            lambda mod, args, out, sink=sink: sink.append(out[0].detach().cpu())))
-    try:
-        slot = runner.cache.allocate()
-        runner.prefill(slot, ids)
-        runner.free(slot)
-    finally:
-        for hook in hooks:
-            hook.remove()
     out = []
-    for layer in picked:
-        chosen = torch.cat(layer)  # [T, K]
-        counts = [chosen[i:i + chunk].unique().numel() for i in range(0, len(chosen), chunk)]
+    for picks in expert_count.routed_picks(runner, ids):  # [T, K] per MoE layer
+        counts = expert_count.distinct_per_ubatch(picks, chunk)
         out.append(sum(counts) / len(counts))
     return out
 
