@@ -44,21 +44,6 @@ class PrefillPass:
     width: int
     """S: the longest chunk of the pass; shorter rows are padded to it."""
 
-    def tensors(self, chunks: Sequence[PrefillChunk],
-                device: torch.device) -> tuple[torch.Tensor, KVBatch]:
-        """ids [B, S] and the pass's `KVBatch` (positions [B, S], slots [B])."""
-        ids, positions, slots = [], [], []
-        for i in self.rows:
-            chunk = chunks[i]
-            pad = self.width - len(chunk.token_ids)
-            ids.append([*chunk.token_ids, *[PAD_TOKEN] * pad])
-            positions.append(list(range(chunk.start, chunk.start + self.width)))
-            slots.append(chunk.slot)
-        kv_len = max(chunks[i].start for i in self.rows) + self.width
-        index = torch.tensor([*ids, *positions]).to(device)  # one copy: [2B, S]
-        b = len(self.rows)
-        return index[:b], KVBatch(torch.tensor(slots, device=device), index[b:], kv_len)
-
 
 def prefill_passes(chunks: Sequence[PrefillChunk], max_len: int) -> list[PrefillPass]:
     """The chunks grouped into padded passes (see the module docstring), longest first."""
@@ -136,8 +121,6 @@ class StepLayout:
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, KVBatch | RaggedKV]:
         """ids [B, S] and a `KVBatch` for a step of one pass; else ids [1, T] and a `RaggedKV`
         whose parts are the passes, then the decode rows."""
-        if not self.ragged:
-            return self.passes[0].tensors(self.chunks, device)
         ids: list[int] = []
         positions: list[int] = []
         shapes: list[tuple[int, int, int]] = []  # per part: B, S, kv_len
@@ -159,6 +142,8 @@ class StepLayout:
             parts.append(KVBatch(index[row:row + b], index[offset:offset + b * s].view(b, s),
                                  kv_len))
             offset, row = offset + b * s, row + b
+        if not self.ragged:
+            return index[:t].view(parts[0].positions.shape), parts[0]
         return index[None, :t], RaggedKV(tuple(parts), index[None, t:2 * t])
 
     def advance(self, lengths: list[int]) -> None:
@@ -173,9 +158,7 @@ class StepLayout:
         """From the pass's final hidden ([B, S, H], or [1, T, H] when ragged): per chunk of
         `rows` the states [T_i, H] whose logits it wants (`chunk_rows`), and the decode rows'
         [Bd, H]."""
-        if not self.ragged:
-            return chunk_rows(hidden, self.chunks, self.passes[0]), hidden[:0, 0]
-        flat, out, offset = hidden[0], [], 0  # [T, H]
+        flat, out, offset = hidden.reshape(-1, hidden.shape[-1]), [], 0  # [T, H]
         for p in self.passes:
             n = len(p.rows) * p.width
             out += chunk_rows(flat[offset:offset + n].view(len(p.rows), p.width, -1),
