@@ -248,12 +248,13 @@ class LayerStreamer:
         returns the layer's routed output [T, H], every part summed once."""
         share, slots = self.passes[i], self.slots[i]
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
-        slot = slots.split(ids)[0] if slots is not None and slots.slots else None  # [T, K]
+        # slot [T, K]: resident slots (-1 elsewhere); cpu_ids: the ids less the resident ones
+        slot, cpu_ids = slots.split(ids) if slots is not None and slots.slots else (None, ids)
         local = self._local[i]
         here = local[ids] if local is not None else None  # [T, K] staging index or -1
         call = None
         if share.cpu:  # the CPU's ids: neither resident nor streamed
-            cpu_ids = ids if slot is None else torch.where(slot < 0, ids, -1)
+            assert cpu_ids is not None  # split gives None only when every expert is resident
             if here is not None:
                 cpu_ids = torch.where(here < 0, cpu_ids, -1)
             call = self._start_cpu(i, x, cpu_ids, weights, stream)
