@@ -63,14 +63,15 @@ def plan_fetch(tokens: torch.Tensor, costs: SplitCosts, slots: int) -> list[int]
     cpu = costs.cpu_call + sum(cpu_seconds(n, costs) for n in counts if n)
     gpu = 0.0
     picked: list[int] = []
-    for n, expert in sorted(((n, e) for e, n in enumerate(counts) if n), key=lambda p: (-p[0],
-                                                                                          p[1])):
+    routed = sorted((e for e, n in enumerate(counts) if n), key=lambda e: (-counts[e], e))
+    for expert in routed:
         if len(picked) == slots:
             break
-        if fetch_seconds(n, costs) >= cpu_seconds(n, costs):
+        on_cpu, fetched = cpu_seconds(counts[expert], costs), fetch_seconds(counts[expert], costs)
+        if fetched >= on_cpu:
             continue
-        if max(cpu - cpu_seconds(n, costs), gpu + fetch_seconds(n, costs)) >= max(cpu, gpu):
+        if max(cpu - on_cpu, gpu + fetched) >= max(cpu, gpu):
             continue  # the GPU side would become the long pole (a lighter one may still fit)
-        cpu, gpu = cpu - cpu_seconds(n, costs), gpu + fetch_seconds(n, costs)
+        cpu, gpu = cpu - on_cpu, gpu + fetched
         picked.append(expert)
     return picked
