@@ -95,7 +95,7 @@ class ModelRunner:
         """Routed experts resident on the GPU (`place`); None: every expert on the CPU."""
         self.policy: TrafficPolicy | None = None
         """Moves resident experts toward the routing between steps (`place`)."""
-        budget = config.gpu_expert_bytes or config.prefill_resident_bytes  # the old name
+        budget = config.gpu_expert_bytes  # EngineConfig folds in the former name's budget
         if self.overlap is not None and (budget != 0 or config.fetch_slots):
             self.place(budget)  # after the KV cache: `auto` sees what is left
 
