@@ -4,7 +4,8 @@ choice made at load (never inside a request) and kept for `hetmoe info`."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,19 @@ def test_auto_on_the_cpu_device_is_zero_with_its_reason(tiny_dir: Callable[..., 
         EngineConfig(deferred=True)
 
 
+@contextmanager
+def side_runner(cpu: LLM, max_batch: int,
+                config: EngineConfig | None = None) -> Iterator[ModelRunner]:
+    """A second runner on `cpu`'s model (CPU experts), its MoE step detached after."""
+    runner = ModelRunner(cpu.model, cpu.device, cpu.dtype, max_batch, cpu.max_seq_len,
+                         config)
+    try:
+        yield runner
+    finally:
+        assert runner.overlap is not None
+        runner.overlap.detach()
+
+
 def first(runner: ModelRunner) -> torch.Tensor:
     """The logits [V] after prefilling PROMPT into a fresh slot (freed after)."""
     slot = runner.cache.allocate()
@@ -143,21 +157,15 @@ def first(runner: ModelRunner) -> torch.Tensor:
 def kl_by_hand(cpu: LLM, tokens: list[int], deferred: int) -> torch.Tensor:
     """Log-probabilities [steps, V] of teacher-forced decode of `tokens` after PROMPT on a
     runner built with `deferred` (the probe's reference)."""
-    runner = ModelRunner(cpu.model, cpu.device, cpu.dtype, 1, cpu.max_seq_len,
-                         EngineConfig(deferred=deferred))
-    try:
+    with side_runner(cpu, 1, EngineConfig(deferred=deferred)) as runner:
         runner.prefill(0, PROMPT)
         rows = [torch.log_softmax(runner.decode([0], [t])[0].double(), -1) for t in tokens]
-    finally:
-        assert runner.overlap is not None
-        runner.overlap.detach()
     return torch.stack(rows)
 
 
 def test_kl_probe_matches_a_hand_computation(engine: Callable[[str, str], LLM]) -> None:
     cpu = engine("qwen3_moe", "cpu")  # top-4: up to 2 deferred
-    runner = ModelRunner(cpu.model, cpu.device, cpu.dtype, 2, cpu.max_seq_len)
-    try:
+    with side_runner(cpu, 2) as runner:
         probe = KLProbe(runner, PROMPT, 6)
         assert len(probe.tokens) == 6 and probe.tokens[0] == int(first(runner).argmax())
         exact = kl_by_hand(cpu, probe.tokens, 0)
@@ -173,15 +181,11 @@ def test_kl_probe_matches_a_hand_computation(engine: Callable[[str, str], LLM]) 
         with pytest.raises(ValueError, match=r"a 8-token probe and 60 decode steps exceed the "
                                              r"context window \(64 tokens\)"):
             KLProbe(runner, PROMPT, 60)
-    finally:
-        assert runner.overlap is not None
-        runner.overlap.detach()
 
 
 def test_step_times_with_and_without_cpu_experts(engine: Callable[[str, str], LLM]) -> None:
     cpu = engine("qwen3_moe", "cpu")
-    runner = ModelRunner(cpu.model, cpu.device, cpu.dtype, 1, cpu.max_seq_len)
-    try:
+    with side_runner(cpu, 1) as runner:
         assert 0 < step_seconds(runner, PROMPT, 3) < 10
         exact = first(runner)
         with without_cpu_experts(runner):
@@ -191,9 +195,6 @@ def test_step_times_with_and_without_cpu_experts(engine: Callable[[str, str], LL
         with pytest.raises(ValueError, match=r"context window \(64 tokens\) has no room for 80 "
                                              r"timed decode steps after a 8-token probe"):
             step_seconds(runner, PROMPT, 80)
-    finally:
-        assert runner.overlap is not None
-        runner.overlap.detach()
 
 
 def test_choice_kept_for_hetmoe_info(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
