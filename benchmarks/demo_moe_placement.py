@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from demo_moe_routing import record_picks
+from demo_moe_routing import record_picks, replace_marked
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
@@ -99,13 +99,9 @@ def table(rows: list[dict[str, Any]], interval: int) -> str:
 
 def write_doc(doc: Path, text: str) -> None:
     """Replaces the text between the doc's hit-rate markers (the prose around them is kept)."""
-    begin, end = ("<!-- hit rate: written by benchmarks/demo_moe_placement.py -->",
-                  "<!-- /hit rate -->")
-    old = doc.read_text()
-    if begin not in old or end not in old:
-        raise ValueError(f"{doc} lacks the hit-rate markers {begin!r} ... {end!r}")
-    head, rest = old.split(begin, 1)
-    doc.write_text(f"{head}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}")
+    replace_marked(doc, "hit-rate",
+                   "<!-- hit rate: written by benchmarks/demo_moe_placement.py -->",
+                   "<!-- /hit rate -->", text)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

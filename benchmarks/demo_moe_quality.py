@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from demo_moe_routing import routing_stats, routing_table  # noqa: E402
+from demo_moe_routing import replace_marked, routing_stats, routing_table  # noqa: E402
 
 from hetmoe import LLM  # noqa: E402
 from hetmoe.engine.executor.runner import ModelRunner  # noqa: E402
@@ -232,16 +232,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def write_doc(doc: Path, result: dict[str, Any], command: str) -> None:
     """Replaces the text between the doc's table markers (the prose around them is kept)."""
     begin, end = "<!-- tables: written by benchmarks/demo_moe_quality.py -->", "<!-- /tables -->"
-    text = doc.read_text() if doc.exists() else f"# demo-moe\n\n{begin}\n{end}\n"
-    if begin not in text or end not in text:
-        raise ValueError(f"{doc} lacks the table markers {begin!r} ... {end!r}")
-    head, rest = text.split(begin, 1)
-    tail = rest.split(end, 1)[1]
+    if not doc.exists():
+        doc.write_text(f"# demo-moe\n\n{begin}\n{end}\n")
     body = (f"`{command}` ({result['date']}, {result['machine']}, git {result['git']}; "
             f"{result['held_out_tokens']} held-out tokens, {len(result['questions'])} questions)"
             f"\n\n{deferral_table(result)}\n\n![deferral vs skipping](demo_moe_deferral.png)\n\n"
-            f"{routing_table(result['routing'])}\n")
-    doc.write_text(f"{head}{begin}\n{body}{end}{tail}")
+            f"{routing_table(result['routing'])}")
+    replace_marked(doc, "table", begin, end, body)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

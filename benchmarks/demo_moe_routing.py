@@ -264,15 +264,21 @@ def predictor_table(pred: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_doc(doc: Path, table: str, header: str) -> None:
-    """Replaces the text between the doc's predictor markers (the prose around them is kept)."""
-    begin = "<!-- predictor: written by benchmarks/demo_moe_routing.py -->"
-    end = "<!-- /predictor -->"
+def replace_marked(doc: Path, what: str, begin: str, end: str, body: str) -> None:
+    """Replaces the text between the doc's `what` markers `begin` and `end` by `body` (the prose
+    around them is kept); the demo scripts' reports each own a pair."""
     text = doc.read_text()
     if begin not in text or end not in text:
-        raise ValueError(f"{doc} lacks the predictor markers {begin!r} ... {end!r}")
+        raise ValueError(f"{doc} lacks the {what} markers {begin!r} ... {end!r}")
     head, rest = text.split(begin, 1)
-    doc.write_text(f"{head}{begin}\n{header}\n\n{table}\n{end}{rest.split(end, 1)[1]}")
+    doc.write_text(f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}")
+
+
+def write_doc(doc: Path, table: str, header: str) -> None:
+    """Replaces the text between the doc's predictor markers (the prose around them is kept)."""
+    replace_marked(doc, "predictor",
+                   "<!-- predictor: written by benchmarks/demo_moe_routing.py -->",
+                   "<!-- /predictor -->", f"{header}\n\n{table}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
