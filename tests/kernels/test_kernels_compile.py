@@ -43,7 +43,7 @@ def build_signed(fn, sig, **consts):
 
 for dtype, d, group, prologue in (("bf16", 128, 8, True), ("fp16", 80, 3, False),
                                   ("fp32", 16, 2, True)):
-    dims = dict(D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), ROUND_BITS=False)
+    dims = dict(D=d, BLOCK_D=max(16, triton.next_power_of_2(d)))
     sig = dict.fromkeys(("q_ptr", "k_new_ptr", "v_new_ptr", "cache_ptr", "q_norm_ptr",
                          "k_norm_ptr", "cos_ptr", "sin_ptr"), "*" + dtype)
     sig.update(slots_ptr="*i64", lo_ptr="*i64", pos_ptr="*i64", part_ptr="*fp32",
@@ -57,12 +57,11 @@ for dtype, sigmoid in (("bf16", False), ("fp32", True)):
     sig = dict.fromkeys(("h_ptr", "o_ptr", "norm_ptr", "router_ptr", "h_out_ptr", "x_out_ptr"),
                         "*" + dtype)
     sig.update(stage_ptr="*i32", logits_ptr="*fp32", H="i32", E="i32", eps="fp32")
-    build_signed(mr.logits_kernel, sig, BLOCK_E=8, BLOCK_H=1024, LOGITS_FP32=sigmoid,
-                 ROUND_BITS=False)
+    build_signed(mr.logits_kernel, sig, BLOCK_E=8, BLOCK_H=1024, LOGITS_FP32=sigmoid)
     sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "x_ptr": "*" + dtype, "stage_ptr": "*i32",
            "B": "i32", "H": "i32", "E": "i32", "scaling": "fp32"}
     build_signed(mr.topk_kernel, sig, K=8, BLOCK_E=128, BLOCK_K=8, SIGMOID=sigmoid,
-                 BIAS=sigmoid, NORM=True, ROUND_WEIGHTS=not sigmoid, ROUND_BITS=False)
+                 BIAS=sigmoid, NORM=True, ROUND_WEIGHTS=not sigmoid)
 print("compiled")
 """
 

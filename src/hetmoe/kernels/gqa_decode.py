@@ -40,10 +40,10 @@ over this (a window of 256 entries: 2 splits; 32K: 256)."""
 
 
 @triton.jit
-def _rounded(v, ROUND_BITS: tl.constexpr, dtype: tl.constexpr):
-    """fp32 -> `dtype`, rounded to nearest (ROUND_BITS: bf16 under the interpreter, which
-    truncates; `to_bf16` rounds on the bits)."""
-    if ROUND_BITS:
+def _rounded(v, dtype: tl.constexpr):
+    """fp32 -> `dtype`, rounded to nearest (bf16 by `to_bf16`: on the bits under the
+    interpreter, which truncates)."""
+    if dtype == tl.bfloat16:
         return to_bf16(v)
     return v.to(dtype)
 
@@ -60,8 +60,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _heads(base, rows, live_rows, w_ptr, cos, sin, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
-           NORM: tl.constexpr, ROPE: tl.constexpr, ROUND_BITS: tl.constexpr,
-           dtype: tl.constexpr):
+           NORM: tl.constexpr, ROPE: tl.constexpr, dtype: tl.constexpr):
     """Head vectors `rows` [R] at base + row * D -> [R, BLOCK_D] in `dtype`: as projected, or
     RMSNormed with the weights at w_ptr [D] (fp32 statistics, rounded to dtype, times the
     weight, rounded: ops/fused.py `rms_norm`), then rotated by cos / sin [BLOCK_D] fp32
@@ -77,16 +76,15 @@ def _heads(base, rows, live_rows, w_ptr, cos, sin, eps, D: tl.constexpr, BLOCK_D
     if NORM:
         inv = tl.rsqrt((tl.sum(x * x, 1) / D + eps).to(tl.float32))[:, None]  # [R, 1]
         w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-        x = _rounded(_rounded(x * inv, ROUND_BITS, dtype).to(tl.float32) * w[None, :],
-                     ROUND_BITS, dtype).to(tl.float32)
+        x = _rounded(_rounded(x * inv, dtype).to(tl.float32) * w[None, :], dtype).to(tl.float32)
         if ROPE:
             w = tl.load(w_ptr + partner, mask=d < D, other=0.0).to(tl.float32)
-            xr = _rounded(_rounded(xr * inv, ROUND_BITS, dtype).to(tl.float32) * w[None, :],
-                          ROUND_BITS, dtype).to(tl.float32)
+            xr = _rounded(_rounded(xr * inv, dtype).to(tl.float32) * w[None, :],
+                          dtype).to(tl.float32)
     if ROPE:
         sign = tl.where(d < D // 2, -1.0, 1.0)
         x = x * cos[None, :] + sign[None, :] * xr * sin[None, :]
-    return _rounded(x, ROUND_BITS, dtype)
+    return _rounded(x, dtype)
 
 
 @triton.jit
@@ -94,8 +92,7 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
                  stat_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, s_q, s_k, s_v, s_cos,
                  s_slot, s_key, s_kv, s_head, scale, eps, H_KV: tl.constexpr, G: tl.constexpr,
                  D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                 NORM: tl.constexpr, ROPE: tl.constexpr, ROUND_BITS: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 NORM: tl.constexpr, ROPE: tl.constexpr, IEEE: tl.constexpr):
     """q [B, H_KV*G, D], k_new / v_new [B, H_KV, D] (rows s_q / s_k / s_v apart, heads D);
     NORM: q / k RMSNorms (weights [D]), ROPE: cos / sin [B, D] (rows s_cos apart) applied to
     them here; cache [N, C, 2, H_KV, D] by strides; part [B, H_KV*G, S, D] fp32 and stat
@@ -119,7 +116,7 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
         sin = tl.load(sin_ptr + b * s_cos + d, mask=live_d, other=0.0).to(tl.float32)
     head = kvh * G + g  # [BLOCK_G] query heads of this key head
     q = _heads(q_ptr + b * s_q, head, live_g, q_norm_ptr, cos, sin, eps, D, BLOCK_D, NORM, ROPE,
-               ROUND_BITS, dtype)  # [BLOCK_G, BLOCK_D]
+               dtype)  # [BLOCK_G, BLOCK_D]
     row = cache_ptr + slot * s_slot + kvh * s_head  # this row's slot, this key head
     lo = tl.load(lo_ptr + b)
     per = tl.cdiv(tl.cdiv(pos - lo, splits), BLOCK_N) * BLOCK_N  # entries per split
@@ -131,7 +128,7 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
     if split == 0:  # the own entry: stored, and the softmax's first term
         one = kvh + tl.zeros([1], tl.int32)
         k_own = _heads(k_new_ptr + b * s_k, one, one >= 0, k_norm_ptr, cos, sin, eps, D,
-                       BLOCK_D, NORM, ROPE, ROUND_BITS, dtype)  # [1, BLOCK_D]
+                       BLOCK_D, NORM, ROPE, dtype)  # [1, BLOCK_D]
         v_own = tl.load(v_new_ptr + b * s_v + kvh * D + d[None, :], mask=live_d[None, :],
                         other=0.0)
         own = row + pos * s_key + d[None, :]
@@ -154,7 +151,7 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
         p = tl.exp(scores - top[:, None])
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(at + s_kv, mask=cached, other=0.0)
-        acc = acc * alpha[:, None] + _dot(_rounded(p, ROUND_BITS, dtype), v, IEEE)
+        acc = acc * alpha[:, None] + _dot(_rounded(p, dtype), v, IEEE)
         m = top
     part = (b * H_KV * G + head)[:, None] * splits + split  # [BLOCK_G, 1]
     tl.store(part_ptr + part * D + d[None, :], acc, mask=live_g[:, None] & live_d[None, :])
@@ -165,7 +162,7 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
 
 @triton.jit
 def combine_kernel(part_ptr, stat_ptr, out_ptr, splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_D: tl.constexpr, ROUND_BITS: tl.constexpr):
+                   BLOCK_D: tl.constexpr):
     """part [B, h, S, D] and stat [B, h, S, 2] of `split_kernel` -> out [B, h, D] (out's
     dtype). An empty split (max -inf, sum 0) weighs 0; split 0 always holds the own entry."""
     bh = tl.program_id(0)
@@ -187,7 +184,7 @@ def combine_kernel(part_ptr, stat_ptr, out_ptr, splits, D: tl.constexpr, BLOCK_S
         at = part_ptr + (bh * splits + s0 + s)[:, None] * D + d[None, :]
         acc += weight[:, None] * tl.load(at, mask=live_s[:, None] & live_d[None, :], other=0.0)
     out = tl.sum(acc, 0) / tl.sum(total, 0)
-    out = _rounded(out, ROUND_BITS, out_ptr.dtype.element_ty)
+    out = _rounded(out, out_ptr.dtype.element_ty)
     tl.store(out_ptr + bh * D + d, out, mask=live_d)
 
 
@@ -266,7 +263,6 @@ def gqa_decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     part = q.new_empty((b, h, splits, d), dtype=torch.float32)
     stat = q.new_empty((b, h, splits, 2), dtype=torch.float32)
     out = q.new_empty((b, h, d))
-    bits = q.dtype == torch.bfloat16 and bool(INTERPRETED)  # round bf16 on the bits
     block_d = max(16, triton.next_power_of_2(d))
     wrap_triton(split_kernel)[(b, kv_heads, splits)](
         q, k_new, v_new, kv_cache, slots.contiguous(), lo.contiguous(), pos.contiguous(), part,
@@ -274,8 +270,8 @@ def gqa_decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
         q.stride(0), k_new.stride(0), v_new.stride(0), cos.stride(0), kv_cache.stride(0),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), scale, eps, H_KV=kv_heads,
         G=h // kv_heads, D=d, BLOCK_G=max(16, triton.next_power_of_2(h // kv_heads)),
-        BLOCK_D=block_d, NORM=norm, ROPE=rope, ROUND_BITS=bits,
+        BLOCK_D=block_d, NORM=norm, ROPE=rope,
         IEEE=q.dtype == torch.float32 or bool(INTERPRETED))
     wrap_triton(combine_kernel)[(b * h,)](part, stat, out, splits, D=d, BLOCK_S=16,
-                                          BLOCK_D=block_d, ROUND_BITS=bits)
+                                          BLOCK_D=block_d)
     return out

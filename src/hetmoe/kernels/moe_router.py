@@ -22,30 +22,30 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from hetmoe.kernels.dequant import INTERPRETED, to_bf16
+from hetmoe.kernels.dequant import to_bf16
 
 
 @triton.jit
-def _round(v, ROUND_BITS: tl.constexpr, dtype: tl.constexpr):
+def _round(v, dtype: tl.constexpr):
     """fp32 -> `dtype` -> fp32, rounded to nearest (bf16 on the bits under the interpreter)."""
-    if ROUND_BITS:
+    if dtype == tl.bfloat16:
         return to_bf16(v).to(tl.float32)
     return v.to(dtype).to(tl.float32)
 
 
 @triton.jit
-def _residual(h_ptr, o_ptr, b, H, i0, i, live, ROUND_BITS: tl.constexpr, dtype: tl.constexpr):
+def _residual(h_ptr, o_ptr, b, H, i0, i, live, dtype: tl.constexpr):
     """Row b's h + o at columns i0 + i (where `live`, 0 elsewhere) in fp32, rounded to `dtype` as
     h_out holds it: both passes of `logits_kernel` read the same values."""
     v = tl.load(h_ptr + b * H + i0 + i, mask=live, other=0.0).to(tl.float32)
     return _round(v + tl.load(o_ptr + b * H + i0 + i, mask=live, other=0.0).to(tl.float32),
-                  ROUND_BITS, dtype)
+                  dtype)
 
 
 @triton.jit
 def logits_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stage_ptr,
                   logits_ptr, H, E, eps, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                  LOGITS_FP32: tl.constexpr, ROUND_BITS: tl.constexpr):
+                  LOGITS_FP32: tl.constexpr):
     """h, o [B, H] -> h_out = h + o, x_out = RMSNorm(h_out) (h's dtype), stage[b H + i] = x
     as fp32 bits, logits [B, E] fp32 (rounded to h's dtype unless LOGITS_FP32)."""
     b = tl.program_id(0)
@@ -56,15 +56,15 @@ def logits_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stag
     squares = tl.zeros([BLOCK_H], dtype=tl.float32)
     for i0 in range(0, H, BLOCK_H):
         live = i0 + i < H
-        v = _residual(h_ptr, o_ptr, b, H, i0, i, live, ROUND_BITS, dtype)
+        v = _residual(h_ptr, o_ptr, b, H, i0, i, live, dtype)
         squares += v * v
     inv = tl.rsqrt((tl.sum(squares, 0) / H + eps).to(tl.float32))  # fp64 eps in Inductor
     acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
     for i0 in range(0, H, BLOCK_H):
         live = i0 + i < H
-        v = _residual(h_ptr, o_ptr, b, H, i0, i, live, ROUND_BITS, dtype)
+        v = _residual(h_ptr, o_ptr, b, H, i0, i, live, dtype)
         w = tl.load(norm_ptr + i0 + i, mask=live, other=0.0).to(tl.float32)
-        x = _round(_round(v * inv, ROUND_BITS, dtype) * w, ROUND_BITS, dtype)
+        x = _round(_round(v * inv, dtype) * w, dtype)
         if block == 0:
             tl.store(h_out_ptr + b * H + i0 + i, v.to(dtype), mask=live)
             tl.store(x_out_ptr + b * H + i0 + i, x.to(dtype), mask=live)
@@ -74,15 +74,14 @@ def logits_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stag
         acc += r.to(tl.float32) * x[None, :]
     logits = tl.sum(acc, 1)
     if not LOGITS_FP32:
-        logits = _round(logits, ROUND_BITS, dtype)
+        logits = _round(logits, dtype)
     tl.store(logits_ptr + b * E + e, logits, mask=e < E)
 
 
 @triton.jit
 def topk_kernel(logits_ptr, bias_ptr, x_ptr, stage_ptr, B, H, E, scaling, K: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr,
-                BIAS: tl.constexpr, NORM: tl.constexpr, ROUND_WEIGHTS: tl.constexpr,
-                ROUND_BITS: tl.constexpr):
+                BIAS: tl.constexpr, NORM: tl.constexpr, ROUND_WEIGHTS: tl.constexpr):
     """logits [B, E] -> stage[B H + (b K + k) 2 + {0, 1}] = id k as an int64's int32 words,
     stage[B H + 2 B K + b K + k] = weight k as fp32 bits (ops/router.py `route`, greedy);
     ROUND_WEIGHTS: to x's dtype."""
@@ -112,7 +111,7 @@ def topk_kernel(logits_ptr, bias_ptr, x_ptr, stage_ptr, B, H, E, scaling, K: tl.
         weights = weights / (tl.sum(weights, 0) + 1e-20)
     weights = (weights * scaling).to(tl.float32)  # fp64 scaling in Inductor
     if ROUND_WEIGHTS:
-        weights = _round(weights, ROUND_BITS, dtype)
+        weights = _round(weights, dtype)
     pairs = stage_ptr + B * H + (b * K + k) * 2
     tl.store(pairs, ids, mask=k < K)
     tl.store(pairs + 1, ids >> 31, mask=k < K)
@@ -142,15 +141,13 @@ def moe_router(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor, eps: float,
     h_out, x = torch.empty_like(h), torch.empty_like(h)
     stage = h.new_empty(b * (hidden + 3 * top_k), dtype=torch.int32)
     logits = h.new_empty((b, experts), dtype=torch.float32)
-    bits = h.dtype == torch.bfloat16 and bool(INTERPRETED)  # round bf16 on the bits
     block_e = 8
     wrap_triton(logits_kernel)[(b, triton.cdiv(experts, block_e))](
         h, o, norm, router, h_out, x, stage, logits, hidden, experts, eps, BLOCK_E=block_e,
-        BLOCK_H=min(1024, triton.next_power_of_2(hidden)), LOGITS_FP32=logits_fp32,
-        ROUND_BITS=bits)
+        BLOCK_H=min(1024, triton.next_power_of_2(hidden)), LOGITS_FP32=logits_fp32)
     wrap_triton(topk_kernel)[(b,)](
         logits, logits if bias is None else bias, x, stage, b, hidden, experts, scaling,
         K=top_k, BLOCK_E=triton.next_power_of_2(experts),
         BLOCK_K=max(2, triton.next_power_of_2(top_k)), SIGMOID=sigmoid, BIAS=bias is not None,
-        NORM=norm_topk_prob, ROUND_WEIGHTS=round_weights, ROUND_BITS=bits)
+        NORM=norm_topk_prob, ROUND_WEIGHTS=round_weights)
     return h_out, x, stage
