@@ -160,7 +160,7 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
     tl.store(stat + 1, total, mask=live_g)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])  # a compiled step keeps the split count dynamic
 def combine_kernel(part_ptr, stat_ptr, out_ptr, splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
                    BLOCK_D: tl.constexpr):
     """part [B, h, S, D] and stat [B, h, S, 2] of `split_kernel` -> out [B, h, D] (out's

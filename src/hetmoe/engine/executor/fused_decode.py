@@ -290,9 +290,11 @@ class FusedDecoder:
         shares one compiled graph), then for the Triton kernel each row's bounds lo, pos [B]."""
         allowed = fused.window_mask(pos, width, window)  # [B, n, c]
         if self.compile:
-            from torch._dynamo import mark_dynamic
+            from torch._dynamo import mark_dynamic, maybe_mark_dynamic
 
-            mark_dynamic(allowed, 1)
+            # the Triton path's chunk count reaches kernel arguments: where Inductor still
+            # specializes one, that window bucket compiles its own graph instead of failing
+            (mark_dynamic if self.kernels == "torch" else maybe_mark_dynamic)(allowed, 1)
         if self.kernels == "torch":
             return (allowed,)
         return allowed, fused.window_bounds(pos, window), pos
