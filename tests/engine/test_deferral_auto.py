@@ -48,12 +48,14 @@ def test_timing_rule_defers_the_fewest_that_fill_the_gpu_time() -> None:
     assert timed_count(times(0.8, 0.4)) == 2  # exactly filled
     assert timed_count(times(0.01, 0.4)) == 1
     assert timed_count(StepTimes(0.5, 0.5, 4, 8)) == 0  # CPU experts cost nothing measurable
+    assert timed_count(StepTimes(1.0, 0.96, 4, 8)) == 0  # 4 % of a step: noise, not work
+    assert timed_count(StepTimes(1.0, 0.94, 4, 8)) == 6  # 6 %: the GPU time dwarfs it, the cap
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 3, 4, 8, 12])
 @pytest.mark.parametrize("gpu_ms", [0.01, 0.5, 3.0, 100.0])
 def test_timing_rule_keeps_two_immediate(top_k: int, gpu_ms: float) -> None:
-    count = timed_count(times(gpu_ms, 0.1, top_k))
+    count = timed_count(times(gpu_ms, 2.0, top_k))  # the CPU over MIN_CPU_SHARE of a step
     assert 0 <= count <= max(top_k - MIN_IMMEDIATE, 0)
     assert top_k <= MIN_IMMEDIATE or top_k - count >= MIN_IMMEDIATE
     if gpu_ms == 100.0:  # the CPU can never fill it: the cap

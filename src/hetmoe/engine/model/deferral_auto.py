@@ -85,12 +85,20 @@ class StepTimes:
         return max(self.full_s - self.gpu_s, 0.0) / (self.moe_layers * self.top_k)
 
 
+MIN_CPU_SHARE = 0.05
+"""Below this share of a step the CPU experts are not worth hiding: with every expert resident
+on the GPU (no CPU job at all) the timing rule would divide by noise and defer the most, and
+deferral then costs time (Qwen3-30B-A3B shape, all resident: 214 tok/s exact, 176 with 3
+deferred; docs/benchmarks/gpu_experts.md, second sweep)."""
+
+
 def timed_count(times: StepTimes) -> int:
     """The timing rule: the fewest deferred experts whose CPU time fills a layer's GPU time,
-    at most K - MIN_IMMEDIATE."""
+    at most K - MIN_IMMEDIATE; 0 where the CPU experts are under MIN_CPU_SHARE of a step."""
     most = max(times.top_k - MIN_IMMEDIATE, 0)
-    if times.cpu_expert_s <= 0:
-        return 0  # the CPU experts cost nothing measurable: nothing to hide
+    cpu_s = times.cpu_expert_s * times.moe_layers * times.top_k
+    if times.cpu_expert_s <= 0 or cpu_s < MIN_CPU_SHARE * times.full_s:
+        return 0  # the CPU experts cost (next to) nothing: nothing to hide
     return min(most, math.ceil(times.gpu_layer_s / times.cpu_expert_s))
 
 
