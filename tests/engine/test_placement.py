@@ -14,7 +14,7 @@ from decode_steps import PROMPT, SAME_BACKEND_ATOL, assert_same_greedy, greedy
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
-from hetmoe.engine.placement.slots import LayerSlots, expert_bytes
+from hetmoe.engine.placement.slots import LayerSlots, expert_bytes, slot_table
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.presets.tiny import FAMILIES
 
@@ -68,6 +68,13 @@ def test_moving_an_expert_updates_its_bytes_and_the_table() -> None:
         slots.move(1, 3)
     with pytest.raises(ValueError, match="slot 2 of 2, expert 1 of 8"):
         slots.move(2, 1)
+
+
+def test_a_slot_table_maps_each_expert_to_its_index_and_minus_one_to_minus_one() -> None:
+    table = slot_table(6, [4, 1])  # [E + 1]
+    assert table.tolist() == [-1, 1, -1, -1, 0, -1, -1]
+    assert table[torch.tensor([[4, -1], [1, 2]])].tolist() == [[0, -1], [1, -1]]
+    assert slot_table(3, []).tolist() == [-1, -1, -1, -1]
 
 
 def _runner(llm: LLM, budget: int | str, deferred: int = 0) -> ModelRunner:

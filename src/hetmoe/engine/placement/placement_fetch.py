@@ -23,7 +23,7 @@ import torch
 from hetmoe.engine.placement.expert_split import SplitCosts
 from hetmoe.engine.placement.fetch_plan import least_tokens, plan_fetch
 from hetmoe.engine.placement.placement_compute import capturing, packed_slots
-from hetmoe.engine.placement.slots import LayerSlots, copy_expert
+from hetmoe.engine.placement.slots import LayerSlots, copy_expert, slot_table
 from hetmoe.experts.cpu_moe import CpuMoE
 
 log = logging.getLogger(__name__)
@@ -81,10 +81,8 @@ class StagingPool:
         self.fetched += len(experts)
         if not experts:
             return None, cpu_ids
-        table = torch.full((layer.num_experts + 1,), -1, dtype=torch.int64)  # [E + 1], last -1
-        table[experts] = torch.arange(len(experts))
         self._copy(layer, experts)
-        self._table = table.to(cpu_ids.device)
+        self._table = slot_table(layer.num_experts, experts).to(cpu_ids.device)  # [E + 1]
         slot = self._table[cpu_ids]
         return slot, torch.where(slot >= 0, -1, cpu_ids)
 

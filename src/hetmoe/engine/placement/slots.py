@@ -153,6 +153,15 @@ class LayerSlots:
                             self.table[:-1])
 
 
+def slot_table(num_experts: int, experts: Sequence[int]) -> torch.Tensor:
+    """[E + 1] int64 on the host: experts[i] -> i, -1 for every other expert and in the last
+    entry (so an id of -1 reads -1): a lookup from expert ids to slots of a set of experts."""
+    table = torch.full((num_experts + 1,), -1, dtype=torch.int64)
+    if experts:
+        table[list(experts)] = torch.arange(len(experts))
+    return table
+
+
 def copy_expert(dst: Sequence[torch.Tensor], slot: int, src: Sequence[torch.Tensor],
                 expert: int, parts: Sequence[PackedGroup]) -> None:
     """Copies `expert`'s packed bytes (every NUMA group of `src`, the host mappings) into `slot`

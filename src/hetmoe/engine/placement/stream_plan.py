@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hetmoe.engine.placement.slots import slot_table
+
 
 @dataclass(frozen=True)
 class LayerPass:
@@ -44,10 +46,7 @@ class LayerPass:
     def local(self, device: torch.device) -> torch.Tensor:
         """[E + 1] int64: each expert's staging index, -1 for one not streamed (the last entry
         -1, as the slot table's, so an id of -1 reads -1)."""
-        table = torch.full((self.num_experts + 1,), -1, dtype=torch.int64)
-        if self.streamed:
-            table[list(self.streamed)] = torch.arange(len(self.streamed))
-        return table.to(device)
+        return slot_table(self.num_experts, self.streamed).to(device)
 
 
 def layer_pass(num_experts: int, resident: Collection[int], k: int) -> LayerPass:
