@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from hetmoe.bench import measure
-from hetmoe.bench.harness import _git_sha, _machine, _now
+from hetmoe.bench.harness import git_sha, machine_facts, now_utc
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
@@ -167,7 +167,7 @@ def main() -> None:
     probe.overlap.detach()
     result = {"command": "benchmarks/engine/bench_fetch.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-              "date": _now(), "git": _git_sha(), "machine": _machine(device),
+              "date": now_utc(), "git": git_sha(), "machine": machine_facts(device),
               "costs": dataclasses.asdict(costs), "least_tokens": least_tokens(costs),
               "rows": rows}
     if args.json:

@@ -27,7 +27,7 @@ import torch
 from hetmoe.bench import measure
 from hetmoe.bench.budget_peer import budget_bytes, parse_budgets
 from hetmoe.bench.budget_report import plot
-from hetmoe.bench.harness import _git_sha, _machine, _now
+from hetmoe.bench.harness import git_sha, machine_facts, now_utc
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
@@ -215,7 +215,7 @@ def main() -> None:
         "command": "benchmarks/engine/bench_gpu_experts.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
             if v not in (None, False, "")),
-        "date": _now(), "git": _git_sha(), "machine": _machine(device), "shape": args.shape,
+        "date": now_utc(), "git": git_sha(), "machine": machine_facts(device), "shape": args.shape,
         "weight_format": args.weight_format, "group_size": moe.group_size,
         "moe_layers": len(runner.overlap.cpu),
         "host_read_gb_s": round(host_gb_s, 1), "hbm_read_gb_s": round(hbm, 1),

@@ -180,13 +180,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.report:
         report(args.out)
         return
-    from hetmoe.bench.harness import _git_sha, _now
+    from hetmoe.bench.harness import git_sha, now_utc
 
     end = time.monotonic() + args.deadline
     left = lambda reserve: end - time.monotonic() - reserve  # noqa: E731
     sweep: dict[str, Any] = {"command": " ".join(["benchmarks/engine/gpu_experts_sweep.py",
                                                   *(argv if argv is not None else sys.argv[1:])]),
-                             "date": _now(), "git": _git_sha(), "hetmoe": {}, "timings": {}}
+                             "date": now_utc(), "git": git_sha(), "hetmoe": {}, "timings": {}}
     stages = args.stages
 
     def stage(name: str, work: Any) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import tempfile
 import time
@@ -30,12 +29,13 @@ from typing import Any
 
 import torch
 
+from hetmoe.bench.harness import git_sha, now_utc
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.preplacement import count_routing, sample_lines
 from hetmoe.engine.requests.batch_job import JobFiles, JobLine, read_lines, run_job
 from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.engine.requests.scheduler import Event, Scheduler
-from hetmoe.machine import machine_report, source_commit
+from hetmoe.machine import machine_report
 
 GIB = 2**30
 
@@ -182,8 +182,7 @@ def main() -> None:
     if args.json is not None:
         args.json.write_text(json.dumps({
             "config": vars(args) | {"json": str(args.json)},
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "git": source_commit(Path(__file__).resolve().parents[2]),
+            "date": now_utc(), "git": git_sha(),
             "machine": machine_report() | {
                 "gpu_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
             "build_s": round(build_s, 1), "budgets": results}, indent=1))

@@ -21,7 +21,6 @@ Prints a table; `--json` writes config, git SHA, machine facts and every number.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import threading
 import time
@@ -30,10 +29,11 @@ from typing import Any
 
 import torch
 
+from hetmoe.bench.harness import git_sha, now_utc
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.engine.requests.scheduler import Event, Scheduler
-from hetmoe.machine import machine_report, source_commit
+from hetmoe.machine import machine_report
 
 
 def build_runner(args: argparse.Namespace, max_batch: int, window: int) -> ModelRunner:
@@ -165,8 +165,8 @@ def main() -> None:
     if args.json is not None:
         result: dict[str, Any] = {
             "config": vars(args) | {"json": str(args.json)},
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "git": _git_sha(),
+            "date": now_utc(),
+            "git": git_sha(),
             "machine": machine_report() | {
                 "gpu_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None
             },
@@ -184,10 +184,6 @@ def _rounded(run: dict[str, Any]) -> dict[str, Any]:
     """A run's numbers to 4 decimals (per-request lists too)."""
     return {k: [round(x, 4) for x in v] if isinstance(v, list) else round(v, 4)
             for k, v in run.items()}
-
-
-def _git_sha() -> str:
-    return source_commit(Path(__file__).resolve().parents[2])
 
 
 if __name__ == "__main__":

@@ -104,8 +104,8 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
                             int(cfg.bandwidth_gib * 2**30))
         log(f"memory plan: {plan.total('host') / 1e9:.1f} GB of host memory "
             f"({plan.host_free / 1e9:.1f} GB available)")
-    result: dict[str, Any] = {"config": asdict(cfg), "date": _now(), "git": _git_sha(),
-                              "machine": _machine(device)}
+    result: dict[str, Any] = {"config": asdict(cfg), "date": now_utc(), "git": git_sha(),
+                              "machine": machine_facts(device)}
     result["read_gb_s"] = round(measure.read_bandwidth(cfg.bandwidth_gib), 1)
     log(f"host read bandwidth {result['read_gb_s']} GB/s")
     config: Any  # the transformers config of the model or of the shape
@@ -229,15 +229,18 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def _now() -> str:
+def now_utc() -> str:
+    """The date and minute of a benchmark JSON ("2025-01-31 12:00 UTC")."""
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def _git_sha() -> str:
+def git_sha() -> str:
+    """The source tree's commit, for benchmark JSON (`machine.source_commit`)."""
     return source_commit(Path(__file__).resolve().parents[3])
 
 
-def _machine(device: torch.device) -> dict[str, Any]:
+def machine_facts(device: torch.device) -> dict[str, Any]:
+    """CPU model, core count, torch version and the GPU's name, for benchmark JSON."""
     facts: dict[str, Any] = {"cpu": platform.processor() or platform.machine(),
                              "cores": os.cpu_count(), "torch": torch.__version__}
     if device.type == "cuda":
