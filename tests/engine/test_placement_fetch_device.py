@@ -47,7 +47,8 @@ def test_fetched_misses_on_the_gpu_equal_the_cpu_alone(fmt: str) -> None:
         slot, cpu_ids = slots.split(idd)
         assert cpu_ids is not None
         fetched, rest = pool.take(slots, cpu_ids)
-        assert fetched is not None
+        assert fetched is not None and fetched.device.type == "cuda"
+        assert rest.device.type == "cpu"  # the plan's host copy, handed on to the CPU link
         gpu = slots.compute(xd, idd, slot, wd) + pool.compute(slots, xd, idd, fetched, wd)
         ours = gpu.cpu() + moe.forward(x, rest.cpu(), weights)
         ref = moe.forward(x, ids, weights)

@@ -1,11 +1,11 @@
 """`StagingPool`: a few GPU slots that a step's heavy CPU misses are copied into and computed from.
 
 Fetch-or-compute (engine/placement/fetch_plan.py says which misses): a layer's step reads its
-misses' ids on the host (one sync, which the Python link does anyway to start the CPU), plans,
-copies the chosen experts' packed bytes from the same pinned host mappings the placement copies from
-(`placement.copy_expert`) into the pool's slots on a copy stream, and computes them with the
-resident experts' kernel (`placement_compute.packed_slots`) once the copies are there; the CPU
-gets the other misses only. One pool serves every layer (layers run one after another): a
+misses' ids on the host (one sync; the CPU link is handed those host ids, so they cross once),
+plans, copies the chosen experts' packed bytes from the same pinned host mappings the placement
+copies from (`placement.copy_expert`) into the pool's slots on a copy stream, and computes them
+with the resident experts' kernel (`placement_compute.packed_slots`) once the copies are there;
+the CPU gets the other misses only. One pool serves every layer (layers run one after another): a
 layer's copies wait until the previous layer's fetched compute is done.
 
 Only outside CUDA graphs: the plan needs the ids on the host, which a captured step never has.
@@ -71,20 +71,23 @@ class StagingPool:
              ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """cpu_ids [T, K]: the layer's misses (-1 elsewhere) -> (the pool slot of each pair
         [T, K], -1 where not fetched, or None when nothing is; the CPU's ids with the fetched
-        pairs -1). Queues the chosen experts' copies; `compute` uses them."""
+        pairs -1, on the host once a plan read them there). Queues the chosen experts' copies;
+        `compute` uses them."""
         if cpu_ids.shape[0] < self.least or capturing(cpu_ids.device):
             return None, cpu_ids
-        host = cpu_ids.cpu().reshape(-1)  # the step's one sync
-        tokens = torch.bincount(host[host >= 0], minlength=layer.num_experts)  # [E]
+        host = cpu_ids.cpu()  # [T, K]: the step's one sync, these ids go on to the CPU link
+        flat = host.reshape(-1)
+        tokens = torch.bincount(flat[flat >= 0], minlength=layer.num_experts)  # [E]
         experts = plan_fetch(tokens, self.costs, self.slots)
         self.steps += 1
         self.fetched += len(experts)
         if not experts:
-            return None, cpu_ids
+            return None, host
+        table = slot_table(layer.num_experts, experts)  # [E + 1]
         self._copy(layer, experts)
-        self._table = slot_table(layer.num_experts, experts).to(cpu_ids.device)  # [E + 1]
-        slot = self._table[cpu_ids]
-        return slot, torch.where(slot >= 0, -1, cpu_ids)
+        self._table = table.to(cpu_ids.device)
+        # The pool's slots on the device for its compute; the CPU's ids from the host copy.
+        return self._table[cpu_ids], torch.where(table[host] >= 0, -1, host)
 
     def _copy(self, layer: LayerSlots, experts: list[int]) -> None:
         """Copies `experts` into slots 0.. on the copy stream, after the last fetch's compute."""

@@ -55,7 +55,8 @@ class PlacementLink:
     def _split(self, ids: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """ids [T, K] -> (resident slots, the CPU's ids or None, the pool's slots or None):
-        the misses the pool fetches (`StagingPool.take`) leave the CPU's share."""
+        the misses the pool fetches (`StagingPool.take`) leave the CPU's share (on the host
+        when the pool read them there: the CPU link then copies nothing back)."""
         slot, cpu_ids = self.slots.split(ids)
         fetched = None
         if cpu_ids is not None and self.pool is not None:
