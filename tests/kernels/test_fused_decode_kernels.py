@@ -66,8 +66,10 @@ def test_kernels_choice_is_checked(monkeypatch: pytest.MonkeyPatch,
               progress=False, max_seq_len=32, gpu_expert_bytes=0)
     runner = ModelRunner(llm.model, llm.device, llm.dtype, 1, 32)
     assert runner.overlap is not None and runner.fused is not None
-    try:  # torch ops by default; the kernels only when asked for, and only on a GPU
-        assert runner.fused.kernels == "torch"
+    try:  # the kernels by default on a GPU, torch ops when asked for, and always on the CPU
+        assert runner.fused.kernels == ("triton" if HERE == "cuda" else "torch")
+        monkeypatch.setenv("HETMOE_DECODE_KERNELS", "torch")
+        assert FusedDecoder(llm.model, runner.overlap, compile=False).kernels == "torch"
         monkeypatch.setenv("HETMOE_DECODE_KERNELS", "triton")
         asked = FusedDecoder(llm.model, runner.overlap, compile=False).kernels
         assert asked == ("triton" if HERE == "cuda" else "torch")

@@ -101,8 +101,14 @@ def test_matches_the_float64_reference(b: int, h: int, kv_heads: int, d: int, le
     ours = (out.double() - want).abs().max().item()
     theirs = (torch_form(*case, width, window, scale).double() - want).abs().max().item()
     ulp = torch.finfo(dtype).eps * want.abs().max().item()  # one rounding of the output
+    allowed = theirs + ulp
+    if HERE == "cuda" and dtype == torch.float32:
+        # the GPU sums fp32 dot products in FMA chains in another order than torch's CPU ops and
+        # its exp is approximate: an error of the torch form's size, not the same error (a wrong
+        # entry or window moves the output by 1e-2 or more)
+        allowed = 2 * theirs + 4 * ulp
     assert out.dtype == dtype and out.shape == (b, h, d)
-    assert ours <= theirs + ulp, f"kernel error {ours:.3g} vs the torch form's {theirs:.3g}"
+    assert ours <= allowed, f"kernel error {ours:.3g} vs the torch form's {theirs:.3g}"
     written = cache.clone()
     written[slots, pos, 0], written[slots, pos, 1] = k_new, v_new
     assert torch.equal(after, written), "the cache holds the new entries and nothing else changed"

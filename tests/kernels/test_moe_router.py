@@ -70,7 +70,10 @@ def test_matches_the_torch_ops(name: str, b: int, hidden: int, experts: int, top
         h.to(HERE), o.to(HERE), norm.to(HERE), 1e-6, router.to(HERE),
         None if bias is None else bias.to(HERE), *c.kernel_args()))
     assert torch.equal(got_h, want_h)
-    torch.testing.assert_close(got_x, want_x, atol=0, rtol=torch.finfo(dtype).eps)
+    # one rounding; fp32 on the GPU: a few (its rsqrt is approximate, its mean square sums in
+    # another order)
+    roundings = 4 if HERE == "cuda" and dtype == torch.float32 else 1
+    torch.testing.assert_close(got_x, want_x, atol=0, rtol=roundings * torch.finfo(dtype).eps)
     x, got_ids, got_weights = fused.unpack_moe_inputs(stage, b, hidden, top_k)
     assert torch.equal(x, got_x.float()), "the stage holds x as stored"
     assert torch.equal(got_ids, ids)

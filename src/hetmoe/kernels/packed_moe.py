@@ -103,11 +103,14 @@ class PairConfig:
 # docs/benchmarks/gpu_kernels.md); `bench_packed_moe.py --pair-sweep` times the others.
 PAIR_CONFIGS = {
     "bf16": PairConfig(32, 1, 64, 1, 4, 4, 4),
-    "int8": PairConfig(32, 1, 64, 1, 4, 4, 4),
+    "int8": PairConfig(32, 1, 64, 3, 4, 4, 4),
     "int4": PairConfig(32, 1, 64, 1, 4, 4, 4),
     "fp8": PairConfig(32, 1, 64, 1, 4, 4, 4),
 }
-"""The pair kernels' launch shape per packed format."""
+"""The pair kernels' launch shape per packed format. int8's down kernel splits its k loop in 3
+(`bench_packed_moe.py --pair-sweep int8`, H100, Qwen3-30B-A3B layer: T = 1 0.049 -> 0.044 ms,
+T = 8 0.187 -> 0.182, best of 24 shapes; docs/benchmarks/gpu_kernels.md round 5); the other
+formats keep round 2's shape until swept."""
 
 DECODE_MAX_PAIRS = 64
 """Up to this many (token, slot) pairs `path="auto"` runs the unsorted pair kernels (decode and

@@ -9,10 +9,11 @@ the previous layer's MoE output to the packed router output:
     the cache plus the new token -> o_proj -> h += attn -> RMSNorm -> router -> pack(x, ids, w)
 
 then, outside it: the CPU experts' start (one copy, `MoEStep.forward_packed`), the
-cache write (one kernel, off the CPU's critical path), the shared experts, the wait. With
-HETMOE_DECODE_KERNELS=triton (opt-in, see env.decode_kernels) q/k norms, rope and GQA attention
+cache write (one kernel, off the CPU's critical path), the shared experts, the wait. On a GPU
+(HETMOE_DECODE_KERNELS, env.decode_kernels: triton by default) q/k norms, rope and GQA attention
 are kernels/gqa_decode.py, which stores the new cache entries itself, and the MoE layer's
-residual, norm, router and pack kernels/moe_router.py, inside the compiled graph (`triton_op`s).
+residual, norm, router and pack kernels/moe_router.py, inside the compiled graph (`triton_op`s);
+the chunk count is then dynamic where Inductor keeps it so (else one graph per bucket).
 On a GPU the layer functions go through `torch.compile` (Inductor); the weights are arguments,
 so every layer of a model shares one compiled graph. Attention reads the first `kv_len` cache
 entries (the runner's window bucket, ops/kv_batch.py) in chunks of 64 whose count is a dynamic
@@ -208,7 +209,7 @@ class FusedDecoder:
                  kernels: str | None = None) -> None:
         """`compile`: run the layer functions through torch.compile (GPU), else eagerly.
         `kernels`: `triton` or `torch` (GQA layers, `make_gqa_layer`); None: on a CUDA GPU as
-        HETMOE_DECODE_KERNELS says (torch by default), torch ops elsewhere."""
+        HETMOE_DECODE_KERNELS says (triton by default), torch ops elsewhere."""
         self.base = getattr(model, model.base_model_prefix)
         self.plans = plan_layers(model)
         self.overlap = overlap
