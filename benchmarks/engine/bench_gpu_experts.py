@@ -27,6 +27,7 @@ import torch
 from hetmoe.bench import measure
 from hetmoe.bench.budget_peer import budget_bytes, parse_budgets
 from hetmoe.bench.budget_report import plot
+from hetmoe.bench.gpu_profile import kernel_profile
 from hetmoe.bench.harness import git_sha, machine_facts, now_utc
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
@@ -57,26 +58,16 @@ def profile_steps(runner: ModelRunner, prompt: list[int], steps: int = 16) -> di
     """GPU time per kernel name of `steps` greedy graph steps alone: a run of steps + 1 tokens
     minus a run of 1 (the prompt's prefill and the first step cancel out). Returns the kernels
     per step, the GPU busy time per step and the top 30 names [(name, calls/step, us/step)]."""
-    from torch.profiler import ProfilerActivity, profile
-
-    def kernels(tokens: int) -> dict[str, tuple[int, float]]:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            measure.greedy_decode(runner, prompt, tokens)
-        return {e.key: (e.count, e.device_time_total) for e in prof.key_averages()
-                if e.device_time_total > 0}
-
     measure.greedy_decode(runner, prompt, 4)  # graphs captured before profiling
-    base, full = kernels(2), kernels(steps + 2)
-    rows = [(name, (calls - base.get(name, (0, 0.0))[0]) / steps,
-             (us - base.get(name, (0, 0.0))[1]) / steps) for name, (calls, us) in full.items()]
-    rows = sorted((r for r in rows if r[1] > 0), key=lambda r: -r[2])
-    busy = sum(r[2] for r in rows)
-    count = sum(r[1] for r in rows)
+    base = kernel_profile(lambda: measure.greedy_decode(runner, prompt, 2), 1)
+    full = kernel_profile(lambda: measure.greedy_decode(runner, prompt, steps + 2), 1)
+    per_step = full.minus(base, steps)
+    busy, count = per_step.busy_us, per_step.calls
     print(f"GPU busy {busy:.0f} us/step over {count:.0f} kernels/step")
-    for name, calls, us in rows[:30]:
-        print(f"{us:9.1f} us/step {calls:6.1f} calls/step  {name[:90]}")
+    for r in per_step.rows[:30]:
+        print(f"{r.us:9.1f} us/step {r.calls:6.1f} calls/step  {r.name[:90]}")
     return {"busy_us_per_step": round(busy, 1), "kernels_per_step": round(count, 1),
-            "top": [(name[:120], round(calls, 2), round(us, 1)) for name, calls, us in rows[:30]]}
+            "top": [(r.name[:120], round(r.calls, 2), round(r.us, 1)) for r in per_step.rows[:30]]}
 
 
 def record_picks(planner: Any) -> list[int]:

@@ -20,13 +20,13 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hetmoe.bench import measure
+from hetmoe.bench.gpu_profile import COPIES, decode_kernels
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import add_shape_arguments, shape_config
 from hetmoe.config import EngineConfig
@@ -88,30 +88,9 @@ def gpu_weight_bytes(model: Any) -> int:
 
 def kernel_table(runner: ModelRunner, prompt: list[int], steps: int) -> dict[str, Any]:
     """GPU activity per token by name over `steps` graph decode steps."""
-    from torch.profiler import ProfilerActivity, profile
-
-    slot = runner.cache.allocate()
-    try:
-        token = int(runner.prefill(slot, prompt).argmax())
-        for _ in range(3):
-            token = int(runner.decode([slot], [token])[0].argmax())
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                token = int(runner.decode([slot], [token])[0].argmax())
-            torch.cuda.synchronize()
-    finally:
-        runner.cache.free(slot)
-    count: dict[str, float] = defaultdict(float)
-    us: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = event.name[:90]
-            count[name] += 1 / steps
-            us[name] += event.device_time_total / steps
-    rows = sorted(((n, round(count[n], 2), round(us[n], 1)) for n in count),
-                  key=lambda r: -r[2])
-    kernels = sum(c for n, c, _ in rows if not n.startswith(("Memcpy", "Memset")))
+    profile = decode_kernels(runner, prompt, steps, warmup=3, name_width=90)
+    rows = [(r.name, round(r.calls, 2), round(r.us, 1)) for r in profile.rows]
+    kernels = sum(c for n, c, _ in rows if not n.startswith(COPIES))
     return {"gpu_us_per_token": round(sum(r[2] for r in rows), 1),
             "kernels_per_token": round(kernels, 1), "rows": rows}
 

@@ -42,6 +42,7 @@ import torch
 
 from hetmoe import _cpu, _cpu_testing
 from hetmoe.bench import measure
+from hetmoe.bench.gpu_profile import decode_kernels
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import add_shape_arguments, shape_config
 from hetmoe.config import EngineConfig
@@ -188,24 +189,10 @@ def profiled_decode(runner: ModelRunner, layers: list[Any], prompt: list[int],
 def gpu_activity(runner: ModelRunner, prompt: list[int], steps: int) -> dict[str, Any]:
     """What the GPU itself runs per graph decode step (torch.profiler's CUDA activities: kernels
     and copies, not the waits on done words): busy ms per step and the largest items."""
-    from torch.profiler import ProfilerActivity, profile
-
-    slot = runner.cache.allocate()
-    try:
-        token = int(runner.prefill(slot, prompt).argmax())
-        for _ in range(4):
-            token = int(runner.decode([slot], [token])[0].argmax())
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                token = int(runner.decode([slot], [token])[0].argmax())
-    finally:
-        runner.cache.free(slot)
-    items = [(e.key, e.device_time_total / steps, e.count / steps)
-             for e in prof.key_averages() if e.device_time_total > 0]
-    items.sort(key=lambda kv: -kv[1])
-    return {"gpu_busy_ms": round(sum(us for _, us, _ in items) / 1e3, 3),
-            "items": [{"name": name[:90], "us_per_step": round(us, 1), "per_step": n}
-                      for name, us, n in items[:14]]}
+    profile = decode_kernels(runner, prompt, steps, warmup=4)
+    return {"gpu_busy_ms": round(profile.busy_us / 1e3, 3),
+            "items": [{"name": r.name[:90], "us_per_step": round(r.us, 1), "per_step": r.calls}
+                      for r in profile.rows[:14]]}
 
 
 def alone(moes: list[Any], top_k: int, repeats: int) -> dict[str, Any]:
