@@ -8,24 +8,21 @@ from hopper_compile import assert_compiles_for_hopper
 
 SCRIPT = """
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from hopper_compile import compile_for_hopper
 
-from hetmoe.kernels import dequant, gqa_decode as gqa, moe_router as mr, packed_moe as pm
+from hetmoe.kernels import gqa_decode as gqa, moe_router as mr, packed_moe as pm
 from hetmoe.kernels.moe_down import moe_down_kernel
 from hetmoe.kernels.moe_gate_up import moe_gate_up_kernel
 
-assert not dequant.INTERPRETED
 POINTERS = {"x_ptr": "*bf16", "act_ptr": "*bf16", "ids_ptr": "*i64", "packed_ptr": "*u8",
             "out_ptr": "*fp32", "weights_ptr": "*fp32"}
 
 
 def build(fn, cfg, **consts):
-    sig = {p.name: POINTERS.get(p.name, "*i32" if p.name.endswith("_ptr") else
-                                "constexpr" if p.name in consts else "i32") for p in fn.params}
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                   target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    types = {p.name: POINTERS.get(p.name, "*i32" if p.name.endswith("_ptr") else "i32")
+             for p in fn.params}
+    compile_for_hopper(fn, types, options={"num_warps": cfg.num_warps,
+                                          "num_stages": cfg.num_stages}, **consts)
 
 
 for cfg in (pm.SMALL_M, pm.LARGE_M):
@@ -33,14 +30,6 @@ for cfg in (pm.SMALL_M, pm.LARGE_M):
           BN=cfg.block_n_gate_up, MEM=False)
     build(moe_down_kernel, cfg, TOP_K=8, G=32, FMT=2, BM=cfg.block_m, BN=cfg.block_n_down,
           MEM=False)
-
-
-def build_signed(fn, sig, **consts):
-    sig = {**sig, **dict.fromkeys(consts, "constexpr")}
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                   target=GPUTarget("cuda", 90, 32))
-
-
 for dtype, d, group, prologue in (("bf16", 128, 8, True), ("fp16", 80, 3, False),
                                   ("fp32", 16, 2, True)):
     dims = dict(D=d, BLOCK_D=max(16, triton.next_power_of_2(d)))
@@ -49,19 +38,20 @@ for dtype, d, group, prologue in (("bf16", 128, 8, True), ("fp16", 80, 3, False)
     sig.update(slots_ptr="*i64", lo_ptr="*i64", pos_ptr="*i64", part_ptr="*fp32",
                stat_ptr="*fp32", s_slot="i64", scale="fp32", eps="fp32")
     sig.update(dict.fromkeys(("s_q", "s_k", "s_v", "s_cos", "s_key", "s_kv", "s_head"), "i32"))
-    build_signed(gqa.split_kernel, sig, H_KV=4, G=group, BLOCK_G=16, NORM=prologue, ROPE=prologue,
-              IEEE=dtype == "fp32", **dims)
-    build_signed(gqa.combine_kernel, {"part_ptr": "*fp32", "stat_ptr": "*fp32",
-                                   "out_ptr": "*" + dtype, "splits": "i32"}, BLOCK_S=16, **dims)
+    compile_for_hopper(gqa.split_kernel, sig, H_KV=4, G=group, BLOCK_G=16, NORM=prologue,
+                       ROPE=prologue, IEEE=dtype == "fp32", **dims)
+    compile_for_hopper(gqa.combine_kernel, {"part_ptr": "*fp32", "stat_ptr": "*fp32",
+                                            "out_ptr": "*" + dtype, "splits": "i32"},
+                       BLOCK_S=16, **dims)
 for dtype, sigmoid in (("bf16", False), ("fp32", True)):
     sig = dict.fromkeys(("h_ptr", "o_ptr", "norm_ptr", "router_ptr", "h_out_ptr", "x_out_ptr"),
                         "*" + dtype)
     sig.update(stage_ptr="*i32", logits_ptr="*fp32", H="i32", E="i32", eps="fp32")
-    build_signed(mr.logits_kernel, sig, BLOCK_E=8, BLOCK_H=1024, LOGITS_FP32=sigmoid)
+    compile_for_hopper(mr.logits_kernel, sig, BLOCK_E=8, BLOCK_H=1024, LOGITS_FP32=sigmoid)
     sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "x_ptr": "*" + dtype, "stage_ptr": "*i32",
            "B": "i32", "H": "i32", "E": "i32", "scaling": "fp32"}
-    build_signed(mr.topk_kernel, sig, K=8, BLOCK_E=128, BLOCK_K=8, SIGMOID=sigmoid,
-                 BIAS=sigmoid, NORM=True, ROUND_WEIGHTS=not sigmoid)
+    compile_for_hopper(mr.topk_kernel, sig, K=8, BLOCK_E=128, BLOCK_K=8, SIGMOID=sigmoid,
+                       BIAS=sigmoid, NORM=True, ROUND_WEIGHTS=not sigmoid)
 print("compiled")
 """
 

@@ -82,27 +82,21 @@ def test_a_bad_launch_shape_is_named(change: dict, message: str) -> None:
 
 
 SCRIPT = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from hopper_compile import compile_for_hopper
 
 from hetmoe.kernels import dequant, packed_moe as pm
 from hetmoe.kernels.pair_down import pair_down_kernel
 from hetmoe.kernels.pair_gate_up import pair_gate_up_kernel
 
-assert not dequant.INTERPRETED
 POINTERS = {"x_ptr": "*bf16", "ids_ptr": "*i64", "packed_ptr": "*u8", "out_ptr": "*fp32",
             "weights_ptr": "*fp32"}
 
 
 def build(fn, warps, act, **consts):
     # every pointer and int 16-divisible, as the launches at the Qwen3-30B-A3B shape specialize
-    sig = {p.name: "constexpr" if p.name in consts else "*" + act if p.name == "act_ptr" else
-           POINTERS.get(p.name, "i32") for p in fn.params}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
-             if sig[p.name] != "constexpr"}
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    types = {p.name: "*" + act if p.name == "act_ptr" else POINTERS.get(p.name, "i32")
+             for p in fn.params}
+    compile_for_hopper(fn, types, aligned=True, options={"num_warps": warps}, **consts)
 
 
 # Hp = 2048 (32 blocks), S = 768 (12 blocks), top-8: each format's chosen shape and 4 shares
