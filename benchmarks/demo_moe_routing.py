@@ -36,6 +36,7 @@ from hetmoe import LLM
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.machine import cpu_model, source_commit
 from hetmoe.ops.moe import moe_layers
+from hetmoe.ops.routing_record import record_routing
 from hetmoe.presets import resolve_model
 from hetmoe.presets.demo_moe_corpus import held_out_texts, token_windows, train_texts
 
@@ -58,13 +59,9 @@ def prefill_with(runner: ModelRunner, windows: list[list[int]],
 @torch.inference_mode()
 def record_picks(llm: LLM, runner: ModelRunner, windows: list[list[int]]) -> list[torch.Tensor]:
     """Expert ids [N, K] each MoE layer's router picks over the windows (prefill, exact)."""
-    layers = moe_layers(llm.model)
-    picks: list[list[torch.Tensor]] = [[] for _ in layers]
-    hooks = [moe.gate.register_forward_hook(
-        lambda _m, _a, out, i=i: picks[i].append(out[0].reshape(-1, out[0].shape[-1])))
-        for i, moe in enumerate(layers)]
-    prefill_with(runner, windows, hooks)
-    return [torch.cat(p) for p in picks]
+    with record_routing(llm.model) as routing:
+        prefill_with(runner, windows, [])
+    return routing.picks()
 
 
 def gini(counts: torch.Tensor) -> float:

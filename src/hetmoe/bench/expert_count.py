@@ -10,9 +10,10 @@ llama-bench's prompt (tools/llama-bench/llama-bench.cpp, `test_prompt`): token i
 adds one; Qwen2's does not), fed `n_batch` (2048) at a time and cut into ubatches of 512. The
 ids here are `torch.randint(0, vocab)`: the same distribution.
 
-`count_row` prefills one random prompt with a forward hook on every router, counts the distinct
-expert ids per MoE layer per ubatch, and prices a used-experts-only copy with per-expert bytes
-(ours packed, or the GGUF's quant blocks) against a host-to-device bandwidth.
+`count_row` prefills one random prompt while every router's calls are recorded
+(ops/routing_record.py), counts the distinct expert ids per MoE layer per ubatch, and prices a
+used-experts-only copy with per-expert bytes (ours packed, or the GGUF's quant blocks) against a
+host-to-device bandwidth.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hetmoe.ops.moe import moe_layers
+from hetmoe.ops.routing_record import record_routing
 
 if TYPE_CHECKING:
     from hetmoe.engine.executor.runner import ModelRunner
@@ -37,25 +39,15 @@ UBATCH = 512
 def routed_picks(runner: ModelRunner, ids: list[int]) -> list[torch.Tensor]:
     """Expert ids [T, K] (int64, host) per MoE layer of one prefill of `ids` in a fresh slot;
     the router's calls of a layer joined in call order (token order: chunks run in turn)."""
-    layers = moe_layers(runner.model)
-    if not layers:
-        raise ValueError("counting experts needs a model with hybrid_moe layers")
-    picked: list[list[torch.Tensor]] = [[] for _ in layers]
-
-    def hook(sink: list[torch.Tensor]) -> Any:
-        def record(_module: Any, _args: Any, out: tuple[torch.Tensor, torch.Tensor]) -> None:
-            sink.append(out[0].detach().to("cpu", torch.int64))
-        return record
-
-    handles = [m.gate.register_forward_hook(hook(picked[i])) for i, m in enumerate(layers)]
-    slot = runner.cache.allocate()
-    try:
-        runner.prefill(slot, ids)
-    finally:
-        runner.free(slot)
-        for handle in handles:
-            handle.remove()
-    out = [torch.cat(calls) for calls in picked]
+    with record_routing(runner.model) as routing:
+        if not routing.layers:
+            raise ValueError("counting experts needs a model with hybrid_moe layers")
+        slot = runner.cache.allocate()
+        try:
+            runner.prefill(slot, ids)
+        finally:
+            runner.free(slot)
+    out = [picks.to("cpu", torch.int64) for picks in routing.picks()]
     for i, picks in enumerate(out):
         if picks.shape[0] != len(ids):
             raise RuntimeError(f"MoE layer {i}: the router saw {picks.shape[0]} tokens for a "

@@ -2,16 +2,15 @@
 before the job starts (CoX-MoE's expert-aware stratification, for `hetmoe batch`).
 
 A sample of the job's prompts (evenly spaced over its lines) is prefilled, each prompt alone, while
-a forward hook on every MoE layer's router counts the experts it picks: prefill only, nothing
-decoded or sampled, and every slot freed after. The counts [E] per MoE layer go to
-`ModelRunner.place(budget, counts)`, whose planner (engine/placement/placement_plan.py) keeps each
-layer's most routed experts resident; the rest stay on the CPU.
+every MoE layer's router calls are recorded (ops/routing_record.py) and their experts counted:
+prefill only, nothing decoded or sampled, and every slot freed after. The counts [E] per MoE
+layer go to `ModelRunner.place(budget, counts)`, whose planner (engine/placement/placement_plan.py)
+keeps each layer's most routed experts resident; the rest stay on the CPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +19,7 @@ import torch
 from hetmoe.engine.placement.placement_plan import GIB, PlacementPlan
 from hetmoe.engine.requests.batch_job import JobLine
 from hetmoe.engine.step import PrefillChunk, StepPlan
-from hetmoe.ops.moe import moe_layers
+from hetmoe.ops.routing_record import record_routing
 
 if TYPE_CHECKING:
     from hetmoe.engine.engine import LLM
@@ -70,30 +69,6 @@ def _text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
-@contextmanager
-def routing_counts(runner: ModelRunner) -> Iterator[list[torch.Tensor]]:
-    """Inside, every MoE layer's router adds the experts it picks to the yielded counts: [E]
-    int64 per MoE layer, on the router's device (no sync per call)."""
-    layers = moe_layers(runner.model)
-    if not layers:
-        raise ValueError("routing counts need a model with hybrid_moe layers")
-    counts = [torch.zeros(m.experts.spec.num_experts, dtype=torch.int64,
-                          device=m.gate.weight.device) for m in layers]
-
-    def hook(i: int) -> Any:
-        def count(_module: Any, _args: Any, out: tuple[torch.Tensor, torch.Tensor]) -> None:
-            ids = out[0].reshape(-1)  # [T * K] expert ids of the call
-            counts[i] += torch.bincount(ids, minlength=counts[i].numel())
-        return count
-
-    hooks = [m.gate.register_forward_hook(hook(i)) for i, m in enumerate(layers)]
-    try:
-        yield counts
-    finally:
-        for handle in hooks:
-            handle.remove()
-
-
 def count_routing(runner: ModelRunner, prompts: Sequence[Sequence[int]],
                   chunk: int = SAMPLE_CHUNK) -> list[torch.Tensor]:
     """Routing counts [E] per MoE layer (on the host) of prefilling each prompt alone (cut to
@@ -102,12 +77,19 @@ def count_routing(runner: ModelRunner, prompts: Sequence[Sequence[int]],
         raise ValueError(f"count_routing: chunk must be >= 1 token, got {chunk}")
     slot = runner.cache.allocate()
     try:
-        with routing_counts(runner) as counts:
+        with record_routing(runner.model) as routing:
+            if not routing.layers:
+                raise ValueError("routing counts need a model with hybrid_moe layers")
+            counts = routing.counts()  # [E] zeros per MoE layer, on the router's device
             for prompt in prompts:
                 ids = [int(t) for t in prompt[:runner.max_seq_len]]
                 for start in range(0, len(ids), chunk):
                     part = PrefillChunk(slot, tuple(ids[start:start + chunk]), start)
                     runner.step(StepPlan(prefills=(part,)))
+                    # Counted on the device step by step: no step's ids are kept.
+                    for total, step in zip(counts, routing.counts(), strict=True):
+                        total += step
+                    routing.clear()
         return [c.cpu() for c in counts]
     finally:
         runner.free(slot)
