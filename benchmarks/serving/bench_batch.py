@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from hetmoe.bench.harness import git_sha, now_utc
+from hetmoe.bench.serving_runner import serving_runner
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.preplacement import count_routing, sample_lines
 from hetmoe.engine.requests.batch_job import JobFiles, JobLine, read_lines, run_job
@@ -42,22 +43,8 @@ GIB = 2**30
 
 def build_runner(args: argparse.Namespace, window: int) -> ModelRunner:
     """The hybrid runner over a random-weight shape (or a checkpoint's), experts on the CPU."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.model is not None:
-        from hetmoe.engine.engine import LLM
-
-        return LLM(args.model, device=device, progress=False, max_batch=args.max_batch,
-                   max_seq_len=window, gpu_expert_bytes=0,
-                   prefill_chunk=args.prefill_chunk).runner
-    from hetmoe.bench.random_model import build_random_model
-    from hetmoe.bench.shapes import shape_config
-    from hetmoe.config import EngineConfig
-
-    config = shape_config(args.shape, args.num_layers)
-    model = build_random_model(config, device, torch.bfloat16, "cpu", args.weight_format,
-                               args.seed)
-    return ModelRunner(model, device, torch.bfloat16, args.max_batch, window,
-                       EngineConfig(gpu_expert_bytes=0, prefill_chunk=args.prefill_chunk))
+    return serving_runner(args, args.max_batch, window,
+                          {"gpu_expert_bytes": 0, "prefill_chunk": args.prefill_chunk})
 
 
 def write_job(path: Path, n: int, prompt_len: int, new_tokens: int, vocab: int,

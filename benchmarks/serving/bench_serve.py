@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from hetmoe.bench.harness import git_sha, now_utc
+from hetmoe.bench.serving_runner import serving_runner
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.engine.requests.scheduler import Event, Scheduler
@@ -38,24 +39,10 @@ from hetmoe.machine import machine_report
 
 def build_runner(args: argparse.Namespace, max_batch: int, window: int) -> ModelRunner:
     """The hybrid runner over a random-weight shape, or the engine's runner of a checkpoint."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     budget = int(args.gpu_expert_gib * 2**30)  # 0: every routed expert on the CPU
-    if args.model is not None:
-        from hetmoe.engine.engine import LLM
-
-        llm = LLM(args.model, device=device, progress=False, max_batch=max_batch,
-                  max_seq_len=window, gpu_expert_bytes=budget)
-        return llm.runner
-    from hetmoe.bench.random_model import build_random_model
-    from hetmoe.bench.shapes import shape_config
-    from hetmoe.config import EngineConfig
-
-    config = shape_config(args.shape, args.num_layers)
-    model = build_random_model(config, device, torch.bfloat16, args.experts, args.weight_format,
-                               args.seed)
     sizes = tuple(sorted({1, 2, 4, 8, *range(16, max_batch + 1, 8), max_batch}))
-    return ModelRunner(model, device, torch.bfloat16, max_batch, window,
-                       EngineConfig(graph_batch_sizes=sizes, gpu_expert_bytes=budget))
+    return serving_runner(args, max_batch, window, {"gpu_expert_bytes": budget}, args.experts,
+                          graph_batch_sizes=sizes)
 
 
 def serve_together(scheduler: Scheduler, prompts: list[list[int]], new_tokens: int

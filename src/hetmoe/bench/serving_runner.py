@@ -1,0 +1,38 @@
+"""The runner the serving benchmarks drive (`benchmarks/serving/bench_serve.py`,
+`bench_batch.py`): the hybrid runner over a random-weight real shape, or the engine's runner of
+a checkpoint, built from the scripts' shared arguments."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from hetmoe.bench.random_model import build_random_model
+from hetmoe.bench.shapes import shape_config
+from hetmoe.config import EngineConfig
+from hetmoe.engine.engine import LLM
+from hetmoe.engine.executor.runner import ModelRunner
+
+
+def serving_runner(args: argparse.Namespace, max_batch: int, window: int,
+                   options: dict[str, Any], experts: str = "cpu",
+                   graph_batch_sizes: tuple[int, ...] | None = None) -> ModelRunner:
+    """`args.model` (a checkpoint or preset) opened by `LLM` with the engine `options`, or
+    `args.shape` with random weights (`args.num_layers`, `args.weight_format`, `args.seed`;
+    routed experts in `experts`) under a runner of `EngineConfig(**options)`, with
+    `graph_batch_sizes` if given (a checkpoint keeps the engine's); `max_batch` KV slots of
+    `window` tokens either way."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.model is not None:
+        llm = LLM(args.model, device=device, progress=False, max_batch=max_batch,
+                  max_seq_len=window, **options)
+        return llm.runner
+    config = shape_config(args.shape, args.num_layers)
+    model = build_random_model(config, device, torch.bfloat16, experts, args.weight_format,
+                               args.seed)
+    engine = dict(options)
+    if graph_batch_sizes is not None:
+        engine["graph_batch_sizes"] = graph_batch_sizes
+    return ModelRunner(model, device, torch.bfloat16, max_batch, window, EngineConfig(**engine))
