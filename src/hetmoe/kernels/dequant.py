@@ -12,6 +12,7 @@ straddles a half: so a half needs one scale (and int4 bias) per output row, and 
   run's inline bf16 metadata.
 
 Weights come out as bf16 (w rounded once, as `unpack_matrix` rounds them).
+Also the rounding every kernel shares: `to_bf16`, `to_dtype` (fp32 to a kernel's dtype).
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def to_bf16(v):
         u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
         v = u.to(tl.float32, bitcast=True)
     return v.to(tl.bfloat16)
+
+
+@triton.jit
+def to_dtype(v, dtype: tl.constexpr):
+    """fp32 -> `dtype` (bf16, fp16, fp32), rounded to nearest: bf16 by `to_bf16`, so on the bits
+    under the interpreter too."""
+    if dtype == tl.bfloat16:
+        return to_bf16(v)
+    return v.to(dtype)
 
 
 @triton.jit

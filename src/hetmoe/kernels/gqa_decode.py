@@ -30,22 +30,13 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from hetmoe.kernels.dequant import INTERPRETED, to_bf16
+from hetmoe.kernels.dequant import INTERPRETED, to_dtype
 
 BLOCK_N = tl.constexpr(64)
 """Cache entries per inner step (the fused step's window chunk, ops/fused.py)."""
 CHUNKS_PER_SPLIT = 2
 """Window chunks of 64 entries per split program: the split count is the window's chunk count
 over this (a window of 256 entries: 2 splits; 32K: 256)."""
-
-
-@triton.jit
-def _rounded(v, dtype: tl.constexpr):
-    """fp32 -> `dtype`, rounded to nearest (bf16 by `to_bf16`: on the bits under the
-    interpreter, which truncates)."""
-    if dtype == tl.bfloat16:
-        return to_bf16(v)
-    return v.to(dtype)
 
 
 @triton.jit
@@ -76,15 +67,15 @@ def _heads(base, rows, live_rows, w_ptr, cos, sin, eps, D: tl.constexpr, BLOCK_D
     if NORM:
         inv = tl.rsqrt((tl.sum(x * x, 1) / D + eps).to(tl.float32))[:, None]  # [R, 1]
         w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-        x = _rounded(_rounded(x * inv, dtype).to(tl.float32) * w[None, :], dtype).to(tl.float32)
+        x = to_dtype(to_dtype(x * inv, dtype).to(tl.float32) * w[None, :], dtype).to(tl.float32)
         if ROPE:
             w = tl.load(w_ptr + partner, mask=d < D, other=0.0).to(tl.float32)
-            xr = _rounded(_rounded(xr * inv, dtype).to(tl.float32) * w[None, :],
+            xr = to_dtype(to_dtype(xr * inv, dtype).to(tl.float32) * w[None, :],
                           dtype).to(tl.float32)
     if ROPE:
         sign = tl.where(d < D // 2, -1.0, 1.0)
         x = x * cos[None, :] + sign[None, :] * xr * sin[None, :]
-    return _rounded(x, dtype)
+    return to_dtype(x, dtype)
 
 
 @triton.jit
@@ -151,7 +142,7 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
         p = tl.exp(scores - top[:, None])
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(at + s_kv, mask=cached, other=0.0)
-        acc = acc * alpha[:, None] + _dot(_rounded(p, dtype), v, IEEE)
+        acc = acc * alpha[:, None] + _dot(to_dtype(p, dtype), v, IEEE)
         m = top
     part = (b * H_KV * G + head)[:, None] * splits + split  # [BLOCK_G, 1]
     tl.store(part_ptr + part * D + d[None, :], acc, mask=live_g[:, None] & live_d[None, :])
@@ -184,7 +175,7 @@ def combine_kernel(part_ptr, stat_ptr, out_ptr, splits, D: tl.constexpr, BLOCK_S
         at = part_ptr + (bh * splits + s0 + s)[:, None] * D + d[None, :]
         acc += weight[:, None] * tl.load(at, mask=live_s[:, None] & live_d[None, :], other=0.0)
     out = tl.sum(acc, 0) / tl.sum(total, 0)
-    out = _rounded(out, out_ptr.dtype.element_ty)
+    out = to_dtype(out, out_ptr.dtype.element_ty)
     tl.store(out_ptr + bh * D + d, out, mask=live_d)
 
 

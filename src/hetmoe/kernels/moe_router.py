@@ -22,15 +22,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from hetmoe.kernels.dequant import to_bf16
-
-
-@triton.jit
-def _round(v, dtype: tl.constexpr):
-    """fp32 -> `dtype` -> fp32, rounded to nearest (bf16 on the bits under the interpreter)."""
-    if dtype == tl.bfloat16:
-        return to_bf16(v).to(tl.float32)
-    return v.to(dtype).to(tl.float32)
+from hetmoe.kernels.dequant import to_dtype
 
 
 @triton.jit
@@ -38,8 +30,8 @@ def _residual(h_ptr, o_ptr, b, H, i0, i, live, dtype: tl.constexpr):
     """Row b's h + o at columns i0 + i (where `live`, 0 elsewhere) in fp32, rounded to `dtype` as
     h_out holds it: both passes of `logits_kernel` read the same values."""
     v = tl.load(h_ptr + b * H + i0 + i, mask=live, other=0.0).to(tl.float32)
-    return _round(v + tl.load(o_ptr + b * H + i0 + i, mask=live, other=0.0).to(tl.float32),
-                  dtype)
+    v += tl.load(o_ptr + b * H + i0 + i, mask=live, other=0.0).to(tl.float32)
+    return to_dtype(v, dtype).to(tl.float32)
 
 
 @triton.jit
@@ -64,7 +56,7 @@ def logits_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stag
         live = i0 + i < H
         v = _residual(h_ptr, o_ptr, b, H, i0, i, live, dtype)
         w = tl.load(norm_ptr + i0 + i, mask=live, other=0.0).to(tl.float32)
-        x = _round(_round(v * inv, dtype) * w, dtype)
+        x = to_dtype(to_dtype(v * inv, dtype).to(tl.float32) * w, dtype).to(tl.float32)
         if block == 0:
             tl.store(h_out_ptr + b * H + i0 + i, v.to(dtype), mask=live)
             tl.store(x_out_ptr + b * H + i0 + i, x.to(dtype), mask=live)
@@ -74,7 +66,7 @@ def logits_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stag
         acc += r.to(tl.float32) * x[None, :]
     logits = tl.sum(acc, 1)
     if not LOGITS_FP32:
-        logits = _round(logits, dtype)
+        logits = to_dtype(logits, dtype).to(tl.float32)
     tl.store(logits_ptr + b * E + e, logits, mask=e < E)
 
 
@@ -111,7 +103,7 @@ def topk_kernel(logits_ptr, bias_ptr, x_ptr, stage_ptr, B, H, E, scaling, K: tl.
         weights = weights / (tl.sum(weights, 0) + 1e-20)
     weights = (weights * scaling).to(tl.float32)  # fp64 scaling in Inductor
     if ROUND_WEIGHTS:
-        weights = _round(weights, dtype)
+        weights = to_dtype(weights, dtype).to(tl.float32)
     pairs = stage_ptr + B * H + (b * K + k) * 2
     tl.store(pairs, ids, mask=k < K)
     tl.store(pairs + 1, ids >> 31, mask=k < K)
