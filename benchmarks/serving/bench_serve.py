@@ -1,18 +1,21 @@
-"""Serving throughput: aggregate decode tok/s of N concurrent streams through the scheduler.
+"""Serving throughput: aggregate tok/s of N concurrent streams through the scheduler, swept.
 
 The server's path without HTTP: the `Scheduler` of `hetmoe serve` over the hybrid runner (CUDA
 graphs per batch size, CPU experts) of a random-weight model of a real shape. All N requests
 start together (distinct random prompts, greedy, `ignore_eos`, `--new-tokens` each); prompts are
 prefilled together under the scheduler's token budget and each step is ONE runner step (prompt
 chunks and decode rows in one forward pass), so each MoE layer reads an expert once per step.
-Reported per concurrency: aggregate tok/s, decode tok/s once every request has its first token,
-ms per step, and the time to first token of each request (p50 and max in the table, every
-request's in the JSON). `--gpu-expert-gib` keeps that many GiB of experts on the GPU.
-The baseline, measured in the same run, is the same requests served one after another.
+One model build; per GPU expert budget (`--budgets`, GiB, in the given order) the runner is
+re-placed (`ModelRunner.place`), then every `--streams` count is a point (a 4-token warm-up run,
+then the timed one): aggregate tok/s, decode tok/s once every request has its first token, ms
+per step, the time to first token of each request (p50 and max in the table, every request's in
+the JSON), and the ratio to the 1-stream point of the same budget (one request alone, the
+baseline). The JSON is rewritten after every point, so a run cut short keeps the finished ones;
+past `--deadline` seconds from the start no new point begins. `--wait-for FILE` holds the first
+point until FILE exists (another program building on this machine must not share its cores).
 
-    python benchmarks/serving/bench_serve.py --shape qwen3-30b-a3b --streams 1,4,16 --json out.json
-    python benchmarks/serving/bench_serve.py --weight-format int8 --streams 1,4,16,32 \
-        --new-tokens 48 --gpu-expert-gib 15 --json serve_15g.json
+    python benchmarks/serving/bench_serve.py --weight-format int8 --budgets 0,15 \
+        --streams 1,2,4,8,16,32,64,128,256 --new-tokens 48 --deadline 300 --json serve.json
     python benchmarks/serving/bench_serve.py --model tiny-qwen3-moe --streams 1,4   # CPU smoke run
 
 Prints a table; `--json` writes config, git SHA, machine facts and every number.
@@ -24,6 +27,7 @@ import argparse
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +40,23 @@ from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.engine.requests.scheduler import Event, Scheduler
 from hetmoe.machine import machine_report
 
+GIB = 2**30
+
 
 def build_runner(args: argparse.Namespace, max_batch: int, window: int) -> ModelRunner:
-    """The hybrid runner over a random-weight shape, or the engine's runner of a checkpoint."""
-    budget = int(args.gpu_expert_gib * 2**30)  # 0: every routed expert on the CPU
+    """The hybrid runner over a random-weight shape, or the engine's runner of a checkpoint;
+    every routed expert on the CPU until `place`."""
     sizes = tuple(sorted({1, 2, 4, 8, *range(16, max_batch + 1, 8), max_batch}))
-    return serving_runner(args, max_batch, window, {"gpu_expert_bytes": budget}, args.experts,
+    return serving_runner(args, max_batch, window, {"gpu_expert_bytes": 0}, args.experts,
                           graph_batch_sizes=sizes)
+
+
+def place(runner: ModelRunner, gib: float) -> dict[str, Any]:
+    """Re-places the runner's experts under `gib` GiB on the GPU (0: all on the CPU); the
+    point's budget facts."""
+    plan = runner.place(int(gib * GIB)) if gib or runner.overlap is not None else None
+    return {"budget_gib": gib, "gpu_expert_bytes": plan.bytes if plan is not None else 0,
+            "gpu_share": round(plan.gpu_share(), 4) if plan is not None else 0.0}
 
 
 def serve_together(scheduler: Scheduler, prompts: list[list[int]], new_tokens: int
@@ -101,70 +115,122 @@ def serve_together(scheduler: Scheduler, prompts: list[list[int]], new_tokens: i
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="qwen3-30b-a3b", help="random-weight shape")
-    parser.add_argument("--model", default=None, help="a checkpoint or preset instead of --shape")
-    parser.add_argument("--num-layers", type=int, default=None, help="fewer decoder layers")
-    parser.add_argument("--experts", default="cpu", help="cpu (ours) or torch-cpu")
-    parser.add_argument("--weight-format", default="bf16", help="bf16, int8 or int4 experts")
-    parser.add_argument("--streams", default="1,4,16", help="concurrent streams to time")
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gpu-expert-gib", type=float, default=0.0,
-                        help="GiB of routed experts resident on the GPU (0: all on the CPU)")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    args = parser.parse_args()
-    streams = [int(s) for s in args.streams.split(",")]
-    window = args.prompt_len + args.new_tokens + 8
-
-    started = time.perf_counter()
-    runner = build_runner(args, max(streams), window)
-    build_s = time.perf_counter() - started
-    scheduler = Scheduler(runner, lambda ids: "", eos_token_ids=(), max_queue=max(streams))
+def sweep(runner: ModelRunner, args: argparse.Namespace, result: dict[str, Any],
+          past_deadline: Callable[[], bool]) -> None:
+    """Every (budget, streams) point in order into `result["points"]`, the JSON written after
+    each; stops before a point once `past_deadline()` (the reason in `result["stopped"]`)."""
     generator = torch.Generator().manual_seed(args.seed)
 
     def prompts(n: int) -> list[list[int]]:
         ids = torch.randint(0, runner.vocab_size, (n, args.prompt_len), generator=generator)
         return ids.tolist()
 
-    try:
-        for n in streams:  # warm-up: CUDA graphs of each batch size, allocator, CPU pool
-            serve_together(scheduler, prompts(n), 4)
-        together = {n: serve_together(scheduler, prompts(n), args.new_tokens) for n in streams}
-        base_n = 4 if 4 in streams else max(streams)
-        sequential = [serve_together(scheduler, prompts(1), args.new_tokens)
-                      for _ in range(base_n)]
-    finally:
-        scheduler.stop()
-    seq_tok_s = base_n * args.new_tokens / sum(r["wall_s"] for r in sequential)
+    print(f"{'GiB':>6}{'streams':>8}{'tok/s':>10}{'decode tok/s':>14}{'ms/step':>10}"
+          f"{'TTFT p50 s':>12}{'TTFT max s':>12}{'x 1 stream':>12}", flush=True)
+    for gib in args.budgets:
+        placed = place(runner, gib)
+        one: float | None = None  # the 1-stream point's tok/s
+        scheduler = Scheduler(runner, lambda ids: "", eos_token_ids=(),
+                              max_queue=max(args.streams))
+        try:
+            for n in args.streams:
+                if past_deadline():
+                    result["stopped"] = (f"--deadline {args.deadline:g} s: before {gib:g} GiB, "
+                                         f"{n} streams")
+                    return
+                serve_together(scheduler, prompts(n), 4)  # CUDA graphs, allocator, CPU pool
+                run = serve_together(scheduler, prompts(n), args.new_tokens)
+                one = run["tok_s"] if n == 1 else one
+                ratio = run["tok_s"] / one if one else None
+                result["points"].append(placed | {"streams": n} | _rounded(run) | {
+                    "x_one_stream": None if ratio is None else round(ratio, 3)})
+                write(result, args.json)
+                print(f"{gib:>6g}{n:>8}{run['tok_s']:>10.2f}{run['decode_tok_s']:>14.2f}"
+                      f"{run['ms_per_step']:>10.2f}{run['ttft_p50_s']:>12.3f}"
+                      f"{run['ttft_s']:>12.3f}{'' if ratio is None else f'{ratio:.2f}':>12}",
+                      flush=True)
+        finally:
+            scheduler.stop()
 
-    rows = [f"{'streams':>8}{'tok/s':>10}{'decode tok/s':>14}{'ms/step':>10}"
-            f"{'TTFT p50 s':>12}{'TTFT max s':>12}"]
-    for n, r in together.items():
-        rows.append(f"{n:>8}{r['tok_s']:>10.2f}{r['decode_tok_s']:>14.2f}"
-                    f"{r['ms_per_step']:>10.2f}{r['ttft_p50_s']:>12.3f}{r['ttft_s']:>12.3f}")
-    speedup = together[base_n]["tok_s"] / seq_tok_s
-    rows.append(f"{base_n} requests one after another: {seq_tok_s:.2f} tok/s; "
-                f"{base_n} streams together: {speedup:.2f}x that")
-    print("\n".join(rows))
-    if args.json is not None:
-        result: dict[str, Any] = {
-            "config": vars(args) | {"json": str(args.json)},
-            "date": now_utc(),
-            "git": git_sha(),
-            "machine": machine_report() | {
-                "gpu_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None
-            },
-            "runner": type(runner).__name__,
-            "build_s": round(build_s, 1),
-            "together": {str(n): _rounded(r) for n, r in together.items()},
-            "sequential": {"requests": base_n, "tok_s": round(seq_tok_s, 4),
-                           "runs": [_rounded(r) for r in sequential]},
-            "speedup_vs_sequential": round(speedup, 3),
-        }
-        args.json.write_text(json.dumps(result, indent=1))
+
+def wait_for(path: Path, past_deadline: Callable[[], bool]) -> bool:
+    """Waits until `path` exists; False when the deadline came first."""
+    while not path.exists():
+        if past_deadline():
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def write(result: dict[str, Any], path: Path | None) -> None:
+    """The result so far (a run cut short keeps its points)."""
+    if path is not None:
+        path.write_text(json.dumps(result, indent=1))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-30b-a3b", help="random-weight shape")
+    parser.add_argument("--model", default=None, help="a checkpoint or preset instead of --shape")
+    parser.add_argument("--num-layers", type=int, default=None, help="fewer decoder layers")
+    parser.add_argument("--experts", default="cpu", help="cpu (ours) or torch-cpu")
+    parser.add_argument("--weight-format", default="bf16", help="bf16, int8 or int4 experts")
+    parser.add_argument("--streams", type=_numbers(int, 1), default=[1, 4, 16],
+                        help="concurrent streams per point, e.g. 1,2,4,...,256")
+    parser.add_argument("--budgets", type=_numbers(float, 0), default=[0.0],
+                        help="GiB of routed experts on the GPU per sweep, e.g. 0,15")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds from the start after which no new point begins")
+    parser.add_argument("--wait-for", type=Path, default=None, metavar="FILE",
+                        help="hold the first point until FILE exists (at most to --deadline)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    started = time.perf_counter()
+    args = parse_args(argv)
+
+    def past_deadline() -> bool:
+        return args.deadline is not None and time.perf_counter() - started > args.deadline
+
+    runner = build_runner(args, max(args.streams), args.prompt_len + args.new_tokens + 8)
+    build_s = time.perf_counter() - started
+    result: dict[str, Any] = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "date": now_utc(),
+        "git": git_sha(),
+        "machine": machine_report() | {
+            "gpu_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        },
+        "runner": type(runner).__name__,
+        "build_s": round(build_s, 1),
+        "points": [],
+        "stopped": None,
+    }
+    waited = time.perf_counter()
+    if args.wait_for is not None and not wait_for(args.wait_for, past_deadline):
+        result["stopped"] = f"--deadline {args.deadline:g} s: {args.wait_for} never came"
+    result["waited_s"] = round(time.perf_counter() - waited, 1)
+    write(result, args.json)
+    if result["stopped"] is None:
+        sweep(runner, args, result, past_deadline)
+    write(result, args.json)
+    if result["stopped"] is not None:
+        print(f"stopped: {result['stopped']}")
+
+
+def _numbers(kind: Callable[[str], Any], least: int) -> Callable[[str], list[Any]]:
+    """An argparse type: "1,4,16" as a list of `kind` values >= `least`."""
+    def parse(text: str) -> list[Any]:
+        values = [kind(v) for v in text.split(",")]
+        if min(values) < least:
+            raise argparse.ArgumentTypeError(f"numbers >= {least} expected, got {text!r}")
+        return values
+    return parse
 
 
 def _rounded(run: dict[str, Any]) -> dict[str, Any]:
