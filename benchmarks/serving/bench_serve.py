@@ -16,8 +16,13 @@ point until FILE exists (another program building on this machine must not share
 
     python benchmarks/serving/bench_serve.py --weight-format int8 --budgets 0,15 \
         --streams 1,2,4,8,16,32,64,128,256 --new-tokens 48 --deadline 300 --json serve.json
+    python benchmarks/serving/bench_serve.py --json serve.json --peer batched_bench.md \
+        --plot serve.png                               # the PNG of an earlier run, no GPU
     python benchmarks/serving/bench_serve.py --model tiny-qwen3-moe --streams 1,4   # CPU smoke run
 
+`--plot`: aggregate tok/s against streams (log2) per budget, beside llama.cpp's
+`llama-batched-bench` rows of each `--peer [LABEL=]FILE` (its markdown table or JSONL, as
+batch_peer.sh saves it); bench/serve_report.py says which of its columns match ours.
 Prints a table; `--json` writes config, git SHA, machine facts and every number.
 """
 
@@ -33,7 +38,9 @@ from typing import Any
 
 import torch
 
+from hetmoe.bench.batched_bench import parse_batched_bench
 from hetmoe.bench.harness import git_sha, now_utc
+from hetmoe.bench.serve_report import plot, table
 from hetmoe.bench.serving_runner import serving_runner
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.requests.sampler import SamplingParams
@@ -186,13 +193,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds from the start after which no new point begins")
     parser.add_argument("--wait-for", type=Path, default=None, metavar="FILE",
                         help="hold the first point until FILE exists (at most to --deadline)")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    return parser.parse_args(argv)
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write the results here (with --plot: read them)")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                        help="draw the PNG of the --json of an earlier run (no GPU needed)")
+    parser.add_argument("--peer", action="append", default=[], metavar="[LABEL=]FILE",
+                        help="with --plot: llama-batched-bench's output to draw beside ours")
+    args = parser.parse_args(argv)
+    if args.plot is not None and args.json is None:
+        parser.error("--plot draws the results of --json FILE, and none was given")
+    return args
+
+
+def draw(args: argparse.Namespace) -> None:
+    """`--plot`: the PNG (and its series as text) from --json and each --peer."""
+    peers = {}
+    for spec in args.peer:
+        label, _, name = spec.rpartition("=")
+        peers[label or "llama.cpp"] = parse_batched_bench(Path(name).read_text(), name)
+    drawn = plot(json.loads(args.json.read_text()), peers, str(args.plot))
+    print(table(drawn))
 
 
 def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     args = parse_args(argv)
+    if args.plot is not None:
+        draw(args)
+        return
 
     def past_deadline() -> bool:
         return args.deadline is not None and time.perf_counter() - started > args.deadline

@@ -94,6 +94,7 @@ def test_deadline_and_wait_for_from_the_command_line(tmp_path: Path,
 
 
 @pytest.mark.parametrize(("argv", "message"), [
+    (["--plot", "x.png"], "--plot draws the results of --json FILE, and none was given"),
     (["--streams", "1,0"], "numbers >= 1 expected, got '1,0'"),
     (["--budgets", "0,x"], "invalid parse value: '0,x'"),
 ])
