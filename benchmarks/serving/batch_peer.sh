@@ -6,19 +6,26 @@
 #
 #   bash benchmarks/serving/batch_peer.sh            (carry .peers; see .peers/README.md)
 #
-# env (defaults): NPL=256 NPP=512 NTG=128 THREADS=15 UB=4096 (prefill ubatch: llama.cpp copies
-#   the experts to the GPU once per ubatch) NCMOE= (empty: every routed expert on the CPU with
-#   -ot exps=CPU; N: -ncmoe N, the experts of all but N layers on the GPU: 24 is ~15 GB)
+# env (defaults): NPL=256 (or a list, 1,2,4,...,256: a row each) NPP=512 NTG=128 THREADS=15
+#   UB=4096 (prefill ubatch: llama.cpp copies the experts to the GPU once per ubatch)
+#   NCMOE= (empty: every routed expert on the CPU with -ot exps=CPU; N: -ncmoe N, the experts
+#   of all but N layers on the GPU: 24 is ~15 GB)
 #   LAYERS=48 TYPE=q8_0 EXTRA= (more llama-batched-bench args) DEADLINE=560 (s, whole script)
-# Output: llama-batched-bench's markdown table on stdout (S_TG: output tok/s; T: job seconds);
-# logs and its JSONL under $OUT when set.
+#   READY= (a file touched once built and the GGUF written, or on failure: another program may
+#   start timing) AFTER= (a file to wait for before timing: another program's timed work done)
+#   DEST=/tmp/llama.cpp (the build)
+# Output: llama-batched-bench's markdown table on stdout (S_TG: output tok/s; T: job seconds),
+# also saved as batched_bench.md beside the logs in $OUT (default /tmp/peer_logs); rows of a
+# run cut by DEADLINE stay (bench_serve.py --plot --peer reads it).
 set -uo pipefail
 PEERS=${PEERS:-$(pwd)/.peers}
 NPL=${NPL:-256}; NPP=${NPP:-512}; NTG=${NTG:-128}; THREADS=${THREADS:-15}; UB=${UB:-4096}
 NCMOE=${NCMOE:-}; LAYERS=${LAYERS:-48}; TYPE=${TYPE:-q8_0}; EXTRA=${EXTRA:-}
-DEADLINE=${DEADLINE:-560}
-DEST=/tmp/llama.cpp; LOG=${OUT:-/tmp/peer_logs}; mkdir -p "$LOG"
+DEADLINE=${DEADLINE:-560}; READY=${READY:-}; AFTER=${AFTER:-}
+DEST=${DEST:-/tmp/llama.cpp}; LOG=${OUT:-/tmp/peer_logs}; mkdir -p "$LOG"
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+ready() { [ -z "$READY" ] || touch "$READY"; }
+trap ready EXIT
 [ -f "$PEERS/lcpp/src.tar.gz" ] || { echo "no $PEERS/lcpp/src.tar.gz: carry .peers"; exit 1; }
 
 shm=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
@@ -47,12 +54,19 @@ if [ -n "$build_pid" ]; then
   grep -q BUILD_OK "$LOG/build.txt" || { tail -20 "$LOG/build.txt"; exit 1; }
 fi
 echo "== built at $(el)s"
+ready
+if [ -n "$AFTER" ]; then
+  while [ ! -e "$AFTER" ] && [ "$(el)" -lt "$DEADLINE" ]; do sleep 1; done
+  echo "== $AFTER at $(el)s"
+fi
 
 if [ -n "$NCMOE" ]; then PLACE=(-ncmoe "$NCMOE"); else PLACE=(-ot exps=CPU); fi
-ARGS=(-m "$GGUF" -ngl 99 "${PLACE[@]}" -t "$THREADS" -c $(( NPL * (NPP + NTG) ))
+npl_max=$(tr ',' '\n' <<< "$NPL" | sort -n | tail -1)
+ARGS=(-m "$GGUF" -ngl 99 "${PLACE[@]}" -t "$THREADS" -c $(( npl_max * (NPP + NTG) ))
       -b "$UB" -ub "$UB" -npp "$NPP" -ntg "$NTG" -npl "$NPL")
 left=$(( DEADLINE - $(el) ))
 echo "+ llama-batched-bench ${ARGS[*]} $EXTRA   (${left}s left)"
+[ "$left" -ge 10 ] || { echo "no time left for llama-batched-bench (DEADLINE=$DEADLINE)"; exit 1; }
 # shellcheck disable=SC1091
 source "$DEST/build/env.sh"
 # shellcheck disable=SC2086
