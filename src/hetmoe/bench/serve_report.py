@@ -71,6 +71,7 @@ def plot(result: dict[str, Any], peers: dict[str, list[dict[str, Any]]], path: s
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
     drawn = series(result, peers)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -81,6 +82,7 @@ def plot(result: dict[str, Any], peers: dict[str, list[dict[str, Any]]], path: s
             style = "o-" if label.startswith("hetmoe") else "s--"
             ax.plot([n for n, _ in points], [y for _, y in points], style, label=label)
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%d"))  # 1, 2, 4, ..., not 2^k
         ax.set_yscale("log")
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel("aggregate tok/s")
