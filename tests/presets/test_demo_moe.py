@@ -22,7 +22,8 @@ from hetmoe.ops.moe import moe_layers
 from hetmoe.ops.moe_step import MoEStep, backend_link
 from hetmoe.presets import presets, resolve_model
 from hetmoe.presets.demo import smollm2_gguf
-from hetmoe.presets.demo_moe import MOEFICATION, NAME, ROUTER_SCALE
+from hetmoe.presets.demo_moe import MOEFICATION, NAME, ROUTER_SCALE, build_demo_moe
+from hetmoe.presets.moefication import MoEficationConfig
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT_TEXT = "The Python interpreter reads a program from a file and"
@@ -68,6 +69,13 @@ def test_preset_is_registered_with_its_facts(demo_moe_dir: Path) -> None:
     facts = json.loads((demo_moe_dir / "moefication.json").read_text())
     assert facts["top_k"] == MOEFICATION.top_k
     assert facts["train_top_k_recall"] > 0.6  # a trained router, far above chance (k/E)
+
+
+def test_build_refuses_a_shared_expert(tmp_path: Path) -> None:
+    config = MoEficationConfig(num_experts=16, top_k=10, shared_neurons=512)
+    with pytest.raises(ValueError, match="no shared expert: shared_neurons must be 0, not 512"):
+        build_demo_moe(tmp_path, config)
+    assert not any(tmp_path.iterdir())  # refused before writing anything
 
 
 def test_transformers_and_our_engine_give_equal_logits(demo_moe_dir: Path,

@@ -25,14 +25,7 @@ from hetmoe.loading.shards import write_shards
 from hetmoe.presets import Preset, register_preset
 from hetmoe.presets.demo import smollm2_gguf, write_config, write_tokenizer
 from hetmoe.presets.demo_moe_corpus import CHAT_PROMPTS, token_windows, train_texts
-from hetmoe.presets.moefication import (
-    MoEficationConfig,
-    collect,
-    expert_groups,
-    expert_norms,
-    refit_down,
-    train_routers,
-)
+from hetmoe.presets.moefication import MoEficationConfig, MoEfied, collect, moefy
 
 NAME = "demo-moe"
 MOEFICATION = MoEficationConfig(num_experts=16, top_k=12)
@@ -51,6 +44,10 @@ _SHARD_BYTES = 1 << 30
 
 def build_demo_moe(out: Path, config: MoEficationConfig = MOEFICATION) -> None:
     """Writes the `demo-moe` Mixtral checkpoint into the empty directory `out`."""
+    if config.shared_neurons:
+        raise ValueError(f"{NAME} is a Mixtral, which has no shared expert: shared_neurons "
+                         f"must be 0, not {config.shared_neurons} (demo_moe_shared.py measures "
+                         "shared variants by masking)")
     from transformers import PreTrainedTokenizerFast
 
     from hetmoe.loading.gguf import open_gguf
@@ -64,44 +61,36 @@ def build_demo_moe(out: Path, config: MoEficationConfig = MOEFICATION) -> None:
     with step_progress(NUM_WINDOWS + 3 * layers + 2, f"building {NAME} (once)") as advance:
         tensors = dict(gguf.llama_tensors())
         model = dense_llama(llama, tensors)
-        chats = dense_chats(model, tokenizer)
+        windows, chat_tokens = training_windows(model, tokenizer)
         advance(1)
-        windows = [chats[i:i + WINDOW] for i in range(0, len(chats) - WINDOW + 1, WINDOW)]
-        texts = [tokenizer.encode(t, add_special_tokens=False) for t in train_texts()]
-        windows += token_windows(texts, WINDOW, NUM_WINDOWS - len(windows))
-        if len(windows) < NUM_WINDOWS:
-            raise ValueError(f"the corpus gives {len(windows)} windows of {WINDOW} tokens, "
-                             f"{NUM_WINDOWS} needed")
         acts = collect(model, windows, advance)
         del model
-        groups, norms = [], []
-        for i, layer_acts in enumerate(acts):
-            generator = torch.Generator().manual_seed(config.seed + i)
-            groups.append(expert_groups(layer_acts.a, config, generator))
-            down = tensors[f"model.layers.{i}.mlp.down_proj.weight"]
-            norms.append(expert_norms(layer_acts.a, down, groups[-1]))
-            advance(1)
-        xs = torch.stack([layer_acts.x for layer_acts in acts])  # [L, N, H]
-        # Every other token trains the router (enough for H x E weights, half the time).
-        routers = train_routers(xs[:, ::2], torch.stack(norms)[:, ::2], config)  # [L, E, H]
-        advance(1)
-        recall = _top_k_recall(xs, torch.stack(norms), routers, config.top_k)
-        for i, layer_acts in enumerate(acts):
-            name = f"model.layers.{i}.mlp.down_proj.weight"
-            picks = (layer_acts.x.float() @ routers[i].T).topk(config.top_k, dim=-1).indices
-            tensors[name] = refit_down(layer_acts.a, tensors[name], groups[i], picks,
-                                       config.ridge)
-            advance(1)
-        del acts, xs
+        downs = [tensors[f"model.layers.{i}.mlp.down_proj.weight"] for i in range(layers)]
+        fit = moefy(acts, downs, config, advance)
+        del acts
+        for i, down in enumerate(fit.downs):
+            tensors[f"model.layers.{i}.mlp.down_proj.weight"] = down
         _write_moe_config(out, llama, config)
-        write_shards(out, _mixtral_tensors(tensors, groups, routers, config, advance),
-                     _SHARD_BYTES)
+        write_shards(out, _mixtral_tensors(tensors, fit, config, advance), _SHARD_BYTES)
     facts = {"corpus": f"the dense model's replies to {len(CHAT_PROMPTS)} chat prompts "
-                       f"({len(chats)} tokens), pydoc_data.topics (training split, chat-wrapped)",
+                       f"({chat_tokens} tokens), pydoc_data.topics (training split, chat-wrapped)",
              "tokens": NUM_WINDOWS * WINDOW, "num_experts": config.num_experts,
              "top_k": config.top_k, "router_scale": ROUTER_SCALE, "ridge": config.ridge,
-             "train_top_k_recall": round(recall, 4)}
+             "train_top_k_recall": round(fit.recall, 4)}
     (out / "moefication.json").write_text(json.dumps(facts, indent=1) + "\n")
+
+
+def training_windows(model: Any, tokenizer: Any) -> tuple[list[list[int]], int]:
+    """The build's NUM_WINDOWS windows of WINDOW tokens (the dense model's chats, then the
+    training topics), and how many tokens the chats gave."""
+    chats = dense_chats(model, tokenizer)
+    windows = [chats[i:i + WINDOW] for i in range(0, len(chats) - WINDOW + 1, WINDOW)]
+    texts = [tokenizer.encode(t, add_special_tokens=False) for t in train_texts()]
+    windows += token_windows(texts, WINDOW, NUM_WINDOWS - len(windows))
+    if len(windows) < NUM_WINDOWS:
+        raise ValueError(f"the corpus gives {len(windows)} windows of {WINDOW} tokens, "
+                         f"{NUM_WINDOWS} needed")
+    return windows, len(chats)
 
 
 @torch.no_grad()
@@ -131,15 +120,7 @@ def dense_llama(llama: dict, tensors: dict[str, torch.Tensor]) -> Any:
     return model.eval()
 
 
-def _top_k_recall(xs: torch.Tensor, norms: torch.Tensor, routers: torch.Tensor, k: int) -> float:
-    """Share of each token's k largest-norm experts that its router's top-k picks."""
-    want = norms.topk(k, dim=-1).indices  # [L, N, k]
-    got = torch.bmm(xs.float(), routers.transpose(1, 2)).topk(k, dim=-1).indices
-    return float((got.unsqueeze(-1) == want.unsqueeze(-2)).any(-1).float().mean())
-
-
-def _mixtral_tensors(tensors: dict[str, torch.Tensor], groups: list[torch.Tensor],
-                     routers: torch.Tensor, config: MoEficationConfig,
+def _mixtral_tensors(tensors: dict[str, torch.Tensor], fit: MoEfied, config: MoEficationConfig,
                      advance: Callable[[int], None]) -> Iterator[tuple[str, torch.Tensor]]:
     """The dense tensors under Mixtral names, each MLP replaced by its experts and router."""
     for name, tensor in tensors.items():
@@ -152,8 +133,8 @@ def _mixtral_tensors(tensors: dict[str, torch.Tensor], groups: list[torch.Tensor
         prefix = f"model.layers.{layer}"
         mlp = {p: tensors[f"{prefix}.mlp.{p}_proj.weight"] for p in ("gate", "up", "down")}
         moe = f"{prefix}.block_sparse_moe"
-        yield f"{moe}.gate.weight", routers[layer] * ROUTER_SCALE
-        for e, idx in enumerate(groups[layer]):
+        yield f"{moe}.gate.weight", fit.routers[layer] * ROUTER_SCALE
+        for e, idx in enumerate(fit.groups[layer]):
             yield f"{moe}.experts.{e}.w1.weight", mlp["gate"][idx].contiguous()
             yield f"{moe}.experts.{e}.w3.weight", mlp["up"][idx].contiguous()
             yield f"{moe}.experts.{e}.w2.weight", (mlp["down"][:, idx] * config.top_k).contiguous()

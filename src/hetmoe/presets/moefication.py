@@ -4,6 +4,8 @@ linear router per layer trained to pick the experts whose outputs matter most fo
 Per layer (x [N, H] the MLP input after its norm, a [N, I] = silu(gate x) * up x):
 - experts: balanced k-means over the neurons' |a| patterns on a token sample (cosine), so
   neurons that fire on the same tokens share an expert (MoEfication, Zhang et al. 2022);
+- shared expert (optional): the neurons of largest mean |a| kept on for every token, out of
+  the clustering (measured, not adopted: docs/benchmarks/demo_moe.md);
 - targets: expert e's output norm |down[:, e] a[:, e]| per token; the router is trained with
   cross-entropy against the top-k of those norms (each 1/k), on x;
 - refit: SwiGLU activations are dense, so the dropped experts' share of the output is large;
@@ -40,6 +42,9 @@ class MoEficationConfig:
     energy (0: plain least squares)."""
     seed: int = 0
     """Seeds the k-means start and nothing else (the rest is deterministic)."""
+    shared_neurons: int = 0
+    """Neurons of largest mean |activation| kept in an always-on shared expert, out of the
+    routed experts (0: none); the rest split into the num_experts routed experts."""
 
 
 @dataclass
@@ -119,13 +124,23 @@ def _balanced_assign(similarity: torch.Tensor, size: int) -> torch.Tensor:
     return labels
 
 
-def expert_groups(acts: torch.Tensor, config: MoEficationConfig,
-                  generator: torch.Generator) -> torch.Tensor:
-    """Neuron indices [E, I/E] of each expert, from a layer's activations a [N, I]."""
-    sample = acts[: config.cluster_tokens].float().abs().T  # [I, S]
+def shared_neurons(acts: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices [count] (ascending) of the neurons of largest mean |a| over a layer's
+    activations a [N, I]: those every token leans on, kept out of routing."""
+    mean = acts.float().abs().mean(0)  # [I]
+    return mean.topk(count).indices.sort().values
+
+
+def expert_groups(acts: torch.Tensor, config: MoEficationConfig, generator: torch.Generator,
+                  shared: torch.Tensor | None = None) -> torch.Tensor:
+    """Neuron indices [E, (I - S)/E] of each routed expert, from a layer's activations a [N, I],
+    the `shared` neurons [S] left out."""
+    neurons = torch.arange(acts.shape[1])
+    if shared is not None:
+        neurons = neurons[~torch.isin(neurons, shared)]
+    sample = acts[: config.cluster_tokens, neurons].float().abs().T  # [I - S, S_tokens]
     labels = balanced_kmeans(sample, config.num_experts, config.kmeans_iters, generator)
-    return torch.stack([torch.nonzero(labels == e).flatten()
-                        for e in range(config.num_experts)])
+    return torch.stack([neurons[labels == e] for e in range(config.num_experts)])
 
 
 @torch.no_grad()
@@ -159,17 +174,64 @@ def train_routers(xs: torch.Tensor, norms: torch.Tensor,
 
 @torch.no_grad()
 def refit_down(acts: torch.Tensor, down: torch.Tensor, groups: torch.Tensor,
-               picks: torch.Tensor, ridge: float) -> torch.Tensor:
-    """down [H, I] refit so that sum over each token's picked experts [N, k] of
-    down[:, e] a[:, e] best matches the dense output down a (ridge toward `down`)."""
+               picks: torch.Tensor, ridge: float,
+               shared: torch.Tensor | None = None) -> torch.Tensor:
+    """down [H, I] refit so that the shared neurons [S] plus each token's picked experts
+    [N, k] (sum of down[:, e] a[:, e]) best match the dense output down a (ridge toward
+    `down`)."""
     a = acts.float()  # [N, I]
     num_experts, size = groups.shape
     picked = torch.zeros(a.shape[0], num_experts).scatter_(1, picks, 1.0)  # [N, E]
     mask = torch.zeros_like(a)
     mask[:, groups.flatten()] = picked.repeat_interleave(size, dim=1)
+    if shared is not None:
+        mask[:, shared] = 1.0
     masked = a * mask
     gram = masked.T @ masked  # [I, I]
     penalty = ridge * gram.diagonal().mean()
     rhs = masked.T @ (a @ down.T) + penalty * down.T  # [I, H]
     eye = torch.eye(gram.shape[0])
     return torch.linalg.solve(gram + penalty * eye, rhs).T.contiguous()
+
+
+@dataclass
+class MoEfied:
+    """Every layer's split of its MLP: what a checkpoint is written from."""
+
+    shared: list[torch.Tensor]
+    """Shared neuron indices [S] per layer (empty without a shared expert)."""
+    groups: list[torch.Tensor]
+    """Routed experts' neuron indices [E, (I - S)/E] per layer."""
+    routers: torch.Tensor
+    """Router weights [L, E, H]."""
+    downs: list[torch.Tensor]
+    """Refit down projections [H, I] per layer."""
+    recall: float
+    """Share of each token's top-k largest-norm experts its router picks (the corpus)."""
+
+
+def moefy(acts: list[Activations], downs: list[torch.Tensor], config: MoEficationConfig,
+          advance: Callable[[int], None] = lambda n: None) -> MoEfied:
+    """Splits each layer (activations, dense down [H, I]) into a shared expert and routed
+    experts, trains the routers and refits the down projections; advance(1) per layer twice,
+    and once for the routers."""
+    shared, groups, norms = [], [], []
+    for i, (layer, down) in enumerate(zip(acts, downs, strict=True)):
+        generator = torch.Generator().manual_seed(config.seed + i)
+        shared.append(shared_neurons(layer.a, config.shared_neurons))
+        groups.append(expert_groups(layer.a, config, generator, shared[-1]))
+        norms.append(expert_norms(layer.a, down, groups[-1]))
+        advance(1)
+    xs = torch.stack([layer.x for layer in acts])  # [L, N, H]
+    all_norms = torch.stack(norms)  # [L, N, E]
+    # Every other token trains the router (enough for H x E weights, half the time).
+    routers = train_routers(xs[:, ::2], all_norms[:, ::2], config)  # [L, E, H]
+    advance(1)
+    want = all_norms.topk(config.top_k, dim=-1).indices  # [L, N, k]
+    got = torch.bmm(xs.float(), routers.transpose(1, 2)).topk(config.top_k, dim=-1).indices
+    recall = float((got.unsqueeze(-1) == want.unsqueeze(-2)).any(-1).float().mean())
+    refit = []
+    for i, (layer, down) in enumerate(zip(acts, downs, strict=True)):
+        refit.append(refit_down(layer.a, down, groups[i], got[i], config.ridge, shared[i]))
+        advance(1)
+    return MoEfied(shared, groups, routers, refit, recall)
