@@ -14,7 +14,8 @@ from decode_steps import PROMPT, SAME_BACKEND_ATOL, assert_same_greedy, greedy
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
-from hetmoe.engine.placement.slots import LayerSlots, expert_bytes, slot_table
+from hetmoe.engine.placement.placement_plan import slot_table
+from hetmoe.engine.placement.slots import LayerSlots, expert_bytes
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.presets.tiny import FAMILIES
 

@@ -23,7 +23,8 @@ import torch
 from hetmoe.engine.placement.expert_split import SplitCosts
 from hetmoe.engine.placement.fetch_plan import least_tokens, plan_fetch
 from hetmoe.engine.placement.placement_compute import capturing, packed_slots
-from hetmoe.engine.placement.slots import LayerSlots, copy_expert, slot_table
+from hetmoe.engine.placement.placement_plan import slot_table
+from hetmoe.engine.placement.slots import LayerSlots, copy_expert
 from hetmoe.experts.cpu_moe import CpuMoE
 
 log = logging.getLogger(__name__)

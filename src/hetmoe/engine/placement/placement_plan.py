@@ -161,3 +161,12 @@ def planned_placement(mem: MemoryPlan) -> PlacementPlan | None:
     unpacked = max(e * 3 * b for e, b in mem.expert_layers)  # int8 ~ half, int4 ~ quarter
     room = auto_budget(mem.gpu_free - mem.total("gpu"), mem.gpu_total, 2 * layer + unpacked)
     return plan_placement(experts, sizes, room)
+
+
+def slot_table(num_experts: int, experts: Sequence[int]) -> torch.Tensor:
+    """[E + 1] int64 on the host: experts[i] -> i, -1 for every other expert and in the last
+    entry (so an id of -1 reads -1): a lookup from expert ids to slots of a set of experts."""
+    table = torch.full((num_experts + 1,), -1, dtype=torch.int64)
+    if experts:
+        table[list(experts)] = torch.arange(len(experts))
+    return table

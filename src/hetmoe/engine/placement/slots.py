@@ -19,6 +19,7 @@ from contextlib import nullcontext
 
 import torch
 
+from hetmoe.engine.placement.layer_stream import pinned_groups, streaming_bytes
 from hetmoe.engine.placement.placement_compute import packed_slots
 from hetmoe.engine.placement.placement_plan import (
     PlacementPlan,
@@ -76,8 +77,6 @@ class LayerSlots:
     def _sources(self) -> list[torch.Tensor]:
         """The group mappings as host tensors (registered for DMA on CUDA)."""
         if self.device.type == "cuda":
-            from hetmoe.engine.placement.layer_stream import pinned_groups
-
             return pinned_groups(self.moe)
         return [host_tensor(p) for p in self.parts]
 
@@ -153,15 +152,6 @@ class LayerSlots:
                             self.table[:-1])
 
 
-def slot_table(num_experts: int, experts: Sequence[int]) -> torch.Tensor:
-    """[E + 1] int64 on the host: experts[i] -> i, -1 for every other expert and in the last
-    entry (so an id of -1 reads -1): a lookup from expert ids to slots of a set of experts."""
-    table = torch.full((num_experts + 1,), -1, dtype=torch.int64)
-    if experts:
-        table[list(experts)] = torch.arange(len(experts))
-    return table
-
-
 def copy_expert(dst: Sequence[torch.Tensor], slot: int, src: Sequence[torch.Tensor],
                 expert: int, parts: Sequence[PackedGroup]) -> None:
     """Copies `expert`'s packed bytes (every NUMA group of `src`, the host mappings) into `slot`
@@ -207,8 +197,6 @@ def gpu_room(cpu: Sequence[CpuMoE], device: torch.device) -> int:
     """What `auto` may use on `device` now (placement_plan.auto_budget); 0 without a GPU."""
     if device.type != "cuda":
         return 0
-    from hetmoe.engine.placement.layer_stream import streaming_bytes
-
     free, total = torch.cuda.mem_get_info(device)
     return auto_budget(int(free), int(total), streaming_bytes(cpu))
 

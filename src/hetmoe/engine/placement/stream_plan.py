@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hetmoe.engine.placement.slots import slot_table
+from hetmoe.engine.placement.placement_plan import slot_table
 
 
 @dataclass(frozen=True)
