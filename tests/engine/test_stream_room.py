@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from hetmoe.engine.placement.layer_stream import streaming_bytes, streaming_refusal
+from hetmoe.engine.placement.layer_stream import streaming_refusal
+from hetmoe.engine.placement.stream_memory import streaming_bytes
 from hetmoe.experts.cpu_moe import CpuMoE
 
 

@@ -19,7 +19,6 @@ from contextlib import nullcontext
 
 import torch
 
-from hetmoe.engine.placement.layer_stream import pinned_groups, streaming_bytes
 from hetmoe.engine.placement.placement_compute import packed_slots
 from hetmoe.engine.placement.placement_plan import (
     PlacementPlan,
@@ -27,6 +26,7 @@ from hetmoe.engine.placement.placement_plan import (
     clamp_budget,
     plan_placement,
 )
+from hetmoe.engine.placement.stream_memory import pinned_groups, streaming_bytes
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.packed_layout import PackedGroup, host_tensor
 

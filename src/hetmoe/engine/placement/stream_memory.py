@@ -1,0 +1,60 @@
+"""The memory a GPU pass over packed experts takes: the host mappings it copies from, registered
+as pinned memory once per layer (the layer stream's copies and the placement's slot fills are
+DMA from them), and the GPU bytes a streamed pass stages (which the placement's `auto` budget
+leaves free). Below both engine/placement/layer_stream.py and engine/placement/slots.py.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from hetmoe.experts.cpu_moe import CpuMoE
+from hetmoe.experts.packed_layout import host_tensor
+
+_PINNED: weakref.WeakKeyDictionary[CpuMoE, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+"""Each layer's registered mappings as host tensors; unregistered when its `CpuMoE` goes (before
+the memory is unmapped, so a later mapping at the same address can be registered again)."""
+
+
+_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
+
+
+def pinned_groups(moe: CpuMoE) -> list[torch.Tensor]:
+    """`moe`'s packed group mappings as uint8 host tensors, registered with the CUDA driver as
+    pinned memory (once per layer, shared by every streamer) so copies from them are DMA."""
+    known = _PINNED.get(moe)
+    if known is not None:
+        return known
+    cudart = torch.cuda.cudart()
+    tensors: list[torch.Tensor] = []
+    addresses: list[int] = []
+    for part in moe.packed_groups():
+        # A converted model's layer file is mapped read-only: the driver must not ask to write.
+        flags = _REGISTER_READ_ONLY if part.read_only else 0
+        code = int(cudart.cudaHostRegister(part.address, part.bytes, flags))
+        if code != 0:
+            _unregister(addresses)
+            raise RuntimeError(f"GPU prefill: cudaHostRegister of {part.bytes} bytes of packed "
+                               f"experts failed with CUDA error {code}")
+        addresses.append(part.address)
+        tensors.append(host_tensor(part))
+    weakref.finalize(moe, _unregister, addresses)
+    _PINNED[moe] = tensors
+    return tensors
+
+
+def _unregister(addresses: list[int]) -> None:
+    cudart = torch.cuda.cudart()
+    for address in addresses:
+        cudart.cudaHostUnregister(address)
+
+
+def streaming_bytes(cpu: Sequence[CpuMoE]) -> int:
+    """GPU bytes a streamed pass needs beyond activations: two staging buffers of the largest
+    layer's packed experts and that layer unpacked to bf16 (gate/up and down)."""
+    staging = max(sum(p.bytes for p in m.packed_groups()) for m in cpu)
+    unpacked = max(m.num_experts * 3 * m.hidden * m.intermediate * 2 for m in cpu)
+    return 2 * staging + unpacked
