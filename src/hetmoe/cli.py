@@ -263,7 +263,8 @@ def bench(
 
     Times MODEL, or a real shape with random weights, and prints a table (and JSON).
     """
-    from hetmoe.bench.harness import BenchConfig, run_bench, table
+    from hetmoe.bench.bench_config import BenchConfig
+    from hetmoe.bench.harness import run_bench, table
 
     try:
         cfg = BenchConfig(

@@ -177,8 +177,9 @@ def test_bench_command_errors() -> None:
 
 def test_bench_command_places_experts_as_generate_does(monkeypatch: pytest.MonkeyPatch) -> None:
     from hetmoe.bench import harness
+    from hetmoe.bench.bench_config import BenchConfig
 
-    seen: list[harness.BenchConfig] = []
+    seen: list[BenchConfig] = []
     monkeypatch.setattr(harness, "run_bench", lambda cfg, log: seen.append(cfg) or {})
     monkeypatch.setattr(harness, "table", lambda results: "table")
     for extra, budget in (([], "auto"), (["--gpu-expert-gib", "0"], 0),
@@ -186,7 +187,7 @@ def test_bench_command_places_experts_as_generate_does(monkeypatch: pytest.Monke
         result = CliRunner().invoke(app, ["bench", "--random-weights", "qwen3-30b-a3b", *extra])
         assert result.exit_code == 0, result.output
         assert seen[-1].gpu_expert_bytes == budget
-    assert harness.BenchConfig(shape="qwen3-30b-a3b").gpu_expert_bytes == "auto"
+    assert BenchConfig(shape="qwen3-30b-a3b").gpu_expert_bytes == "auto"
 
 
 def test_bench_hybrid_times_the_cpu_path_with_no_resident_experts(tmp_path: Path) -> None:

@@ -5,18 +5,16 @@ variants (without CPU work, eager, the HF layers' module path), a trace of eager
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from hetmoe.bench import measure
+from hetmoe.bench.bench_config import BenchConfig
 from hetmoe.bench.trace import TraceRecorder
 from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.overlap import MoEOverlap, cpu_moe_of
 from hetmoe.engine.executor.runner import ModelRunner
-
-if TYPE_CHECKING:  # for hints only: the harness imports this module
-    from hetmoe.bench.harness import BenchConfig
 
 
 def decode_each_deferred(runner: ModelRunner, cfg: BenchConfig, prompt: list[int],
