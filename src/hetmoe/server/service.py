@@ -11,9 +11,9 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hetmoe.engine.requests.request import Event, RequestHandle
+from hetmoe.engine.requests.request import Event
 from hetmoe.engine.requests.sampler import SamplingParams
-from hetmoe.engine.requests.scheduler import Scheduler
+from hetmoe.engine.requests.scheduler import RequestHandle, Scheduler
 from hetmoe.server.logprobs import TokenText
 from hetmoe.server.tool_generic import template_format
 from hetmoe.server.tool_parsers import ToolFormat, detect

@@ -9,23 +9,40 @@ requests, failures and sampling), on the loop's thread.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from hetmoe.engine.executor.adapters import assign_adapter
 from hetmoe.engine.requests.logprobs import TokenLogprob, prompt_logprobs
+from hetmoe.engine.requests.prefix_cache import PrefixCache
 from hetmoe.engine.requests.request import Request
 from hetmoe.engine.step import PrefillChunk
 
-if TYPE_CHECKING:  # for hints only: the scheduler owns this object
+if TYPE_CHECKING:
     import torch
 
-    from hetmoe.engine.requests.scheduler import Scheduler
+    from hetmoe.engine.executor.runner import ModelRunner
+
+
+class FillOwner(Protocol):
+    """What `PromptFill` uses of the `Scheduler` that owns it (engine/requests/scheduler.py):
+    said here so this module does not import the scheduler, which imports it."""
+
+    runner: ModelRunner
+    prefix: PrefixCache
+    _running: list[Request]
+
+    def _fail(self, group: list[Request], exc: Exception) -> None: ...
+
+    def _sample(self, batch: list[Request], logits: torch.Tensor | None,
+                tokens: Sequence[int] | None,
+                scored: tuple[TokenLogprob | None, ...] | None = None) -> None: ...
 
 
 class PromptFill:
     """First choices being prefilled, in order of admission, for one `Scheduler`."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: FillOwner) -> None:
         self.scheduler = scheduler
         self.requests: list[Request] = []
 

@@ -1,4 +1,4 @@
-"""A submitted request as the scheduler keeps it, what it emits (`Event`), and the caller's handle.
+"""A submitted request as the scheduler keeps it and what it emits (`Event`).
 
 A request with `n` choices is n `Request`s: the first carries the others as `siblings`; they
 are admitted together, share its prefill (the prompt's KV copied into their slots) and sample
@@ -9,15 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from hetmoe.engine.requests.constrained import CompiledFormat
 from hetmoe.engine.requests.logprobs import TokenLogprob
 from hetmoe.engine.requests.sampler import Sampler, SamplingParams
 from hetmoe.engine.requests.text_stream import CONTEXT_TOKENS, TextStream
-
-if TYPE_CHECKING:
-    from hetmoe.engine.requests.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -93,15 +89,3 @@ def choices(ids: list[int], params: SamplingParams, sink: Callable[[Event], None
         group.append(Request(ids, choice, sink, sampler, text, ignore_eos, index))
     group[0].siblings = group[1:]
     return group
-
-
-class RequestHandle:
-    """The caller's side of a submitted request (all its choices)."""
-
-    def __init__(self, requests: list[Request], scheduler: Scheduler) -> None:
-        self._requests = requests
-        self._scheduler = scheduler
-
-    def cancel(self) -> None:
-        """Stops generation; the slots and their KV cache are freed at the next step."""
-        self._scheduler._cancel(self._requests)

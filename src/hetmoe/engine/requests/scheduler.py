@@ -30,7 +30,7 @@ from hetmoe.engine.requests.constrained import Constraints, compile_format
 from hetmoe.engine.requests.logprobs import TokenLogprob, token_logprobs
 from hetmoe.engine.requests.prefix_cache import PrefixCache
 from hetmoe.engine.requests.prompt_fill import PromptFill
-from hetmoe.engine.requests.request import Event, QueueFull, Request, RequestHandle, choices
+from hetmoe.engine.requests.request import Event, QueueFull, Request, choices
 from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.engine.step import StepPlan
 
@@ -289,3 +289,15 @@ class Scheduler:
         except Exception:  # a broken consumer loses its request, not the loop
             log.exception("a request's sink failed; the request is cancelled")
             request.cancelled = True
+
+
+class RequestHandle:
+    """The caller's side of a submitted request (all its choices)."""
+
+    def __init__(self, requests: list[Request], scheduler: Scheduler) -> None:
+        self._requests = requests
+        self._scheduler = scheduler
+
+    def cancel(self) -> None:
+        """Stops generation; the slots and their KV cache are freed at the next step."""
+        self._scheduler._cancel(self._requests)
