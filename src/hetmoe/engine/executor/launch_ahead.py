@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from hetmoe.engine.step import StepOutput, StepPlan
 
-if TYPE_CHECKING:  # for hints only: the runner owns this object
-    from hetmoe.engine.executor.runner import ModelRunner
+if TYPE_CHECKING:
+    from hetmoe.engine.executor.overlap import MoEOverlap
 
 
 @dataclass
@@ -33,10 +33,24 @@ class Launched:
     jobs: list[Any]  # the step's flag jobs (MoEOverlap.take_pending)
 
 
+class AheadRunner(Protocol):
+    """What `LaunchAhead` uses of the `ModelRunner` that owns it (engine/executor/runner.py):
+    said here so this module does not import the runner, which imports it."""
+
+    device: torch.device
+    max_seq_len: int
+    lengths: list[int]
+    overlap: MoEOverlap | None
+
+    def _launch(self, slots: tuple[int, ...], ids: torch.Tensor) -> Launched: ...
+
+    def _read(self, launched: Launched) -> tuple[int, ...]: ...
+
+
 class LaunchAhead:
     """The step launched ahead of the caller's read, if any, of one `ModelRunner`."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: AheadRunner) -> None:
         self.runner = runner
         self.step: Launched | None = None
         self.tokens: tuple[int, ...] = ()  # the inputs `step` was launched on
