@@ -146,7 +146,7 @@ def test_modules_import_each_other_in_no_cycle() -> None:
     members the importing module uses (an owner it calls back, a layer it runs), so two modules
     that name each other's classes must be read together whichever side is type-only. Where a
     lower module needs what a higher one is, it says so as a `Protocol` of the members it uses
-    (ops/moe_step.py `MoELayer`, engine/executor/launch_ahead.py `AheadRunner`,
+    (ops/moe_step.py `StepLayer`, engine/executor/launch_ahead.py `AheadRunner`,
     engine/requests/prompt_fill.py `FillOwner`), and mypy checks the higher module's class
     against it."""
     graph: dict[str, set[str]] = {}

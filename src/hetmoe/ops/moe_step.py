@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from hetmoe.ops.router import Router
 
 
-class MoELayer(Protocol):
+class StepLayer(Protocol):
     """What the MoE step uses of a MoE layer (ops/moe.py's `HybridMoE`, which imports this module
     for its plain step): its router, routed experts, shared experts and the step attached."""
 
@@ -114,7 +114,7 @@ class BackendLink:
         return self.experts.sync().to(self.device)
 
 
-def backend_link(moe: MoELayer) -> BackendLink:
+def backend_link(moe: StepLayer) -> BackendLink:
     """A `BackendLink` over `moe`'s routed experts."""
     return BackendLink(moe.experts, moe.experts.spec.hidden_size, moe.gate.config.top_k)
 
@@ -127,7 +127,7 @@ class MoEStep:
     when set, receives marks (`mark(label, layer)`) around each stage.
     """
 
-    def __init__(self, layers: Sequence[MoELayer], links: Callable[[int], Link],
+    def __init__(self, layers: Sequence[StepLayer], links: Callable[[int], Link],
                  deferred: int = 0) -> None:
         if not layers:
             raise ValueError("MoEStep: the model has no hybrid_moe layer")
@@ -176,7 +176,7 @@ class MoEStep:
         last MoE layer."""
         return self.deferred if self.decoding and i < len(self.layers) - 1 else 0
 
-    def forward(self, moe: MoELayer, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, moe: StepLayer, hidden_states: torch.Tensor) -> torch.Tensor:
         """The MoE output (without the residual) of `hidden_states` [..., H] at layer `moe`."""
         shape = hidden_states.shape
         i = self.index[id(moe)]
