@@ -2,8 +2,9 @@
 `pytest -m device tests/experts/test_amx_device.py`): CpuMoE with AMX for every expert call
 against a float64 reference on the unquantized weights, at Qwen3-30B-A3B's expert shape (~150 rows
 per expert, as in prefill), per format (int8 with the default groups of 128 and with 64); and the
-same inputs through AVX-512 and AVX2 (bf16 must agree far below its bound; the int formats give
-the same floats on every ISA). Prefill keeps the rows of AMX experts in tile order; a "mixed" call
+same inputs through AVX-512 and AVX2 (bf16 must agree far below its bound; int8 gives the same
+floats on every ISA; int4, which AMX multiplies as bf16 tiles, is at least as close to float64 as
+the integer kernels). Prefill keeps the rows of AMX experts in tile order; a "mixed" call
 (AMX only from the median rows per expert up, so experts in tile order and row-major experts on
 AVX-512 meet in one call) must agree the same way.
 """
@@ -73,9 +74,18 @@ def check_format(spec: str, isa: str = "amx") -> dict[str, object]:
     agree = float((outs[isa] - outs["avx512"]).norm() / outs["avx512"].norm())
     mixed_agree = float((mixed - outs["avx512"]).norm() / outs["avx512"].norm())
     same_bits = all(torch.equal(outs[isa], out) for out in [*outs.values(), mixed])
-    passed = (err <= BOUND[spec] and max(agree, mixed_agree) < 1e-4
-              and not outs[isa].isnan().any() and not mixed.isnan().any()
-              and (fmt == "bf16" or same_bits))
+    if fmt == "int4" and isa == "amx":
+        # int4 on AMX multiplies bf16 tiles (kernels/amx.cpp), not integers: not the same floats
+        # as AVX-512 / AVX2, so as tests/experts/moe_oracle.check_int_isas: at least as close to
+        # float64 as the integer kernels (5 % slack), alone and mixed
+        int_err = float((outs["avx512"].double() - ref).norm() / ref.norm())
+        mixed_err = float((mixed.double() - ref).norm() / ref.norm())
+        agrees = max(err, mixed_err) <= min(BOUND[spec], 1.05 * int_err) and torch.equal(
+            outs["avx512"], outs["avx2"])
+    else:
+        agrees = max(agree, mixed_agree) < 1e-4 and (fmt == "bf16" or same_bits)
+    passed = (err <= BOUND[spec] and agrees
+              and not outs[isa].isnan().any() and not mixed.isnan().any())
     return {"format": spec, "isa": isa, "rel_error_vs_float64": err, "bound": BOUND[spec],
             "vs_avx512": agree, "mixed_vs_avx512": mixed_agree,
             "same_floats_mixed_avx512_avx2": same_bits, "passed": passed}
