@@ -102,15 +102,35 @@ def machine_report() -> dict[str, str]:
     return report
 
 
+ARCHIVAL = ".git_archival.txt"
+"""At the repository root: `node: $Format:%H$`, which `git archive` replaces by the commit
+(.gitattributes `export-subst`), so a tree exported that way still names its commit."""
+
+
 def source_commit(root: Path) -> str:
-    """The short commit of the checkout whose root is `root` (it must hold `.git` itself), or
-    "unknown": an exported tree or an installed package never reports the commit of some
-    repository around it."""
+    """The short commit of the checkout whose root is `root` (it must hold `.git` itself), or of
+    a tree `git archive` exported (its ARCHIVAL file), else "unknown": an exported tree or an
+    installed package never reports the commit of some repository around it."""
     if not (root / ".git").exists():
-        return "unknown"
+        return archived_commit(root / ARCHIVAL)
     try:
         done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return done.stdout.strip() or "unknown"
+
+
+def archived_commit(path: Path) -> str:
+    """The short commit `git archive` wrote into `path` (`node: <40 hex digits>`), or "unknown"
+    (no such file, or an unexported one still holding the `$Format` placeholder)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return "unknown"
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        value = value.strip()
+        if key.strip() == "node" and len(value) == 40 and set(value) <= set("0123456789abcdef"):
+            return value[:7]
+    return "unknown"
