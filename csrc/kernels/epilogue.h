@@ -78,7 +78,7 @@ inline void to_bf16_row(const float* __restrict x, int n, uint16_t* __restrict o
   }
 }
 
-// Asymmetric u8 per group (see layout/activation.h); n is a multiple of group_size (>= 32).
+// Asymmetric u8 per group (the fix-up is in gemm.h); n is a multiple of group_size (>= 32).
 // The group's min and max are taken over 16 lanes, then across the lanes in order, so that the
 // AVX-512 form picks the same values (down to the sign of a zero) as the plain one.
 inline void to_u8_row(const float* __restrict x, int n, int group_size, uint8_t* __restrict out,

@@ -1,6 +1,6 @@
 // Per-ISA kernels: C[m, 16 * (nb_end - nb_begin)] = A[m, K] x W[n-blocks]^T on packed weights.
 //
-// Activations come prepared once per call (layout/activation.h): bf16 rows for the bf16 and fp8
+// Activations come prepared once per call (to_u8_row in epilogue.h): bf16 rows for the bf16 and fp8
 // formats;
 // for int formats u8 rows quantized per (row, group) as x = scale * u + bias, so that
 //   dot_group(x, w) = sw * sx * sum(u * q) + sw_qsum * bx + bias_w * xsum
