@@ -4,29 +4,20 @@ stopping it with the finished points kept, and its arguments checked."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from bench_script import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving" / "bench_serve.py"
+SCRIPT = "serving/bench_serve.py"
 TINY = ["--model", "tiny-qwen3-moe", "--prompt-len", "8", "--new-tokens", "4"]
-
-
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_sweep_rewrites_its_json_after_every_point(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    module = load_script()
+    module = load_script(SCRIPT)
     out = tmp_path / "serve.json"
     snapshots: list[dict[str, Any]] = []
     real_write = module.write
@@ -59,7 +50,7 @@ def test_sweep_rewrites_its_json_after_every_point(tmp_path: Path,
 
 
 def test_the_deadline_stops_before_a_point_and_keeps_the_done_ones(tmp_path: Path) -> None:
-    module = load_script()
+    module = load_script(SCRIPT)
     out = tmp_path / "serve.json"
     args = module.parse_args([*TINY, "--streams", "1,2", "--budgets", "0,0.001",
                               "--deadline", "30", "--json", str(out)])
@@ -74,7 +65,7 @@ def test_the_deadline_stops_before_a_point_and_keeps_the_done_ones(tmp_path: Pat
 
 def test_deadline_and_wait_for_from_the_command_line(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    module = load_script()
+    module = load_script(SCRIPT)
     out = tmp_path / "serve.json"
     module.main([*TINY, "--streams", "1", "--deadline", "0", "--json", str(out)])
     result = json.loads(out.read_text())
@@ -101,5 +92,5 @@ def test_deadline_and_wait_for_from_the_command_line(tmp_path: Path,
 def test_bad_arguments_are_named(argv: list[str], message: str,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        load_script().parse_args(argv)
+        load_script(SCRIPT).parse_args(argv)
     assert message in capsys.readouterr().err

@@ -4,16 +4,15 @@ end with a stand-in llama-bench (the real one and the hetmoe stages need the dev
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
 import tarfile
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from bench_script import load_script
 
 from hetmoe.bench.budget_peer import (
     bench_args,
@@ -26,7 +25,7 @@ from hetmoe.bench.budget_peer import (
 )
 from hetmoe.bench.budget_report import per_layer_table, plot, sweep_table
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "engine" / "gpu_experts_sweep.py"
+SCRIPT = "engine/gpu_experts_sweep.py"
 LAYER = 641_728_512
 """Q8_0 bytes of one Qwen3-30B-A3B MoE layer's experts: 3 x 128 x 2048 x 768 x 34 / 32."""
 
@@ -150,12 +149,6 @@ def test_plot_of_a_sweep_and_of_a_lone_result(tmp_path: Path) -> None:
         plot({"x": 1}, str(tmp_path / "bad.png"))
 
 
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_experts_sweep", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 FAKE_BENCH = """#!{python}
@@ -184,7 +177,7 @@ def test_sweep_end_to_end_with_a_stand_in_llama_bench(tmp_path: Path,
         tar.add(fake, arcname="llama-bench")
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    module = load_script()
+    module = load_script(SCRIPT)
     module.SAP_RAPIDS = ()  # this CPU's flags do not matter to the stand-in
     out = tmp_path / "out"
     module.main(["--peer-dir", str(tmp_path / "peers"), "--out", str(out), "--stages",
@@ -205,7 +198,7 @@ def test_sweep_end_to_end_with_a_stand_in_llama_bench(tmp_path: Path,
 
 def test_sweep_arguments_are_checked_before_any_work(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    module = load_script()
+    module = load_script(SCRIPT)
     for argv, message in (
             (["--stages", "llamacpp"], "--peer-dir is needed for the llama.cpp stages"),
             (["--stages", "hetmoe,x"], "--stages: unknown x (hetmoe, llamacpp, deepseek, pp16k)"),

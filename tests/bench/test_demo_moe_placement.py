@@ -3,34 +3,26 @@ expert the engine's slot tables hold, and the traffic policy moves toward the pi
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from bench_script import BENCHMARKS, load_script
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
-
-def load_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+def placement_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # its sibling demo_moe_routing, as when run
-    spec = importlib.util.spec_from_file_location("demo_moe_placement",
-                                                  BENCHMARKS / "demo_moe_placement.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("demo_moe_placement.py")
 
 
 def test_replay_counts_resident_picks_and_traffic_moves_toward_them(
         engine: Callable[[str, str], LLM], monkeypatch: pytest.MonkeyPatch) -> None:
-    script = load_script(monkeypatch)
+    script = placement_script(monkeypatch)
     llm = engine("mixtral", "cpu")
     runner = ModelRunner(llm.model, llm.device, llm.dtype, 1, llm.max_seq_len,
                          EngineConfig(gpu_expert_bytes=0))

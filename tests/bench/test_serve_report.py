@@ -4,7 +4,6 @@ lines the PNG holds, and runs from before the sweep read as one budget."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -12,12 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 from batched_bench_sample import MARKDOWN
+from bench_script import load_script
 from matplotlib.figure import Figure
 
 from hetmoe.bench.batched_bench import parse_batched_bench
 from hetmoe.bench.serve_report import plot, series, sweep_points, table
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving" / "bench_serve.py"
 OURS = "hetmoe INT8, {} GiB experts on GPU (prompt 32, 48 new)"
 PEER = "llama.cpp (prompt 32, 48 new)"
 
@@ -95,10 +94,7 @@ def test_a_run_from_before_the_sweep_reads_as_one_budget() -> None:
 
 
 def test_bench_serve_plot_from_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("serving/bench_serve.py")
     result, peer = tmp_path / "serve.json", tmp_path / "batched_bench.md"
     result.write_text(json.dumps(sweep_result()))
     peer.write_text(MARKDOWN)
