@@ -33,7 +33,7 @@ class RoutingRecord:
     def picks(self) -> list[torch.Tensor]:
         """Expert ids [N, K] per MoE layer: its calls joined (token order when a pass's
         chunks run in turn)."""
-        return [torch.cat(calls) for calls in self.calls]
+        return [self._ids(i) for i in range(len(self.layers))]
 
     def counts(self) -> list[torch.Tensor]:
         """Picks per expert [E] int64 per MoE layer (a bincount of the recorded ids), on the

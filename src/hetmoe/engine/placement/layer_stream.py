@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetmoe import env
-from hetmoe.engine.placement.stream_memory import pinned_groups, streaming_bytes
+from hetmoe.engine.placement.stream_memory import host_groups, streaming_bytes
 from hetmoe.engine.placement.stream_plan import layer_pass
 from hetmoe.experts.cpu_moe import CpuMoE, PendingCall
 from hetmoe.experts.gpu_view import gpu_view
-from hetmoe.experts.packed_layout import host_tensor, unpack_group
+from hetmoe.experts.packed_layout import unpack_group
 from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
 from hetmoe.kernels.packed_moe import packed_moe, unsupported
 
@@ -70,8 +70,7 @@ class LayerStreamer:
         self.cpu, self.device = list(cpu), device
         self.cuda = device.type == "cuda"
         self.parts = [m.packed_groups() for m in cpu]
-        self.host = [pinned_groups(m) if self.cuda else [host_tensor(p) for p in parts]
-                     for m, parts in zip(cpu, self.parts, strict=True)]
+        self.host = [host_groups(m, device) for m in cpu]
         self.layer_bytes = [sum(p.bytes for p in parts) for parts in self.parts]
         self.expert_bytes = [sum(p.expert_bytes for p in parts) for parts in self.parts]
         self.num_experts = cpu[0].num_experts

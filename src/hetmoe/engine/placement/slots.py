@@ -26,9 +26,9 @@ from hetmoe.engine.placement.placement_plan import (
     clamp_budget,
     plan_placement,
 )
-from hetmoe.engine.placement.stream_memory import pinned_groups, streaming_bytes
+from hetmoe.engine.placement.stream_memory import host_groups, streaming_bytes
 from hetmoe.experts.cpu_moe import CpuMoE
-from hetmoe.experts.packed_layout import PackedGroup, host_tensor
+from hetmoe.experts.packed_layout import PackedGroup
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,7 @@ class LayerSlots:
 
     def _sources(self) -> list[torch.Tensor]:
         """The group mappings as host tensors (registered for DMA on CUDA)."""
-        if self.device.type == "cuda":
-            return pinned_groups(self.moe)
-        return [host_tensor(p) for p in self.parts]
+        return host_groups(self.moe, self.device)
 
     def move(self, slot: int, expert: int, stream: torch.cuda.Stream | None = None) -> None:
         """Puts `expert` into `slot` now (`begin_move`, then `end_moves` waiting for the copy).

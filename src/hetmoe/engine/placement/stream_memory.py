@@ -46,6 +46,14 @@ def pinned_groups(moe: CpuMoE) -> list[torch.Tensor]:
     return tensors
 
 
+def host_groups(moe: CpuMoE, device: torch.device) -> list[torch.Tensor]:
+    """`moe`'s packed group mappings as host tensors to copy from to `device`: registered as
+    pinned memory on CUDA (`pinned_groups`), plain elsewhere (the CPU standing in for the GPU)."""
+    if device.type == "cuda":
+        return pinned_groups(moe)
+    return [host_tensor(p) for p in moe.packed_groups()]
+
+
 def _unregister(addresses: list[int]) -> None:
     cudart = torch.cuda.cudart()
     for address in addresses:
