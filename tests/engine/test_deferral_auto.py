@@ -222,7 +222,7 @@ def test_choice_kept_for_hetmoe_info(tmp_path: Path, monkeypatch: pytest.MonkeyP
 @pytest.mark.device
 def test_auto_on_a_gpu_measures_and_sets_the_count(tiny_dir: Callable[..., Path]) -> None:
     llm = LLM(tiny_dir("qwen3_moe"), device="cuda", experts="cpu", deferred="auto",
-              progress=False, max_seq_len=128)
+              progress=False, max_seq_len=128, gpu_expert_bytes=0)  # every expert on the CPU
     choice = llm.deferral
     assert choice is not None and choice.times is not None
     assert choice.times.full_s > choice.times.gpu_s > 0
@@ -233,3 +233,13 @@ def test_auto_on_a_gpu_measures_and_sets_the_count(tiny_dir: Callable[..., Path]
         assert choice.kl[-1] == (choice.deferred, pytest.approx(choice.kl[-1][1]))
         assert choice.kl[-1][1] <= KL_THRESHOLD
     assert llm.generate(PROMPT, max_new_tokens=4, temperature=0.0).token_ids
+
+
+@pytest.mark.device
+def test_auto_with_every_expert_resident_is_zero_without_timing(
+        tiny_dir: Callable[..., Path]) -> None:
+    llm = LLM(tiny_dir("qwen3_moe"), device="cuda", experts="cpu", deferred="auto",
+              progress=False, max_seq_len=128)  # the tiny experts all fit the GPU (auto budget)
+    assert llm.runner.placement is not None and llm.runner.placement.everything
+    assert llm.deferral == DeferralChoice(
+        0, "every routed expert resident on the GPU: no CPU work to hide")

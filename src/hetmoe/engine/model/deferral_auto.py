@@ -80,24 +80,29 @@ class StepTimes:
         return self.gpu_s / self.moe_layers
 
     @property
+    def cpu_s(self) -> float:
+        """The CPU experts' share of a step."""
+        return max(self.full_s - self.gpu_s, 0.0)
+
+    @property
     def cpu_expert_s(self) -> float:
         """The CPU's time per routed expert of one token."""
-        return max(self.full_s - self.gpu_s, 0.0) / (self.moe_layers * self.top_k)
+        return self.cpu_s / (self.moe_layers * self.top_k)
 
 
 MIN_CPU_SHARE = 0.05
-"""Below this share of a step the CPU experts are not worth hiding: with every expert resident
-on the GPU (no CPU job at all) the timing rule would divide by noise and defer the most, and
-deferral then costs time (Qwen3-30B-A3B shape, all resident: 214 tok/s exact, 176 with 3
-deferred; docs/benchmarks/gpu_experts.md, second sweep)."""
+"""Below this share of a step the CPU experts are not worth hiding: the timing rule would divide
+by noise and defer the most, and deferral with next to no CPU work costs time (Qwen3-30B-A3B
+shape, every expert resident: 214 tok/s exact, 176 with 3 deferred; docs/benchmarks/
+gpu_experts.md, second sweep). A placement of every expert is answered before any timing
+(`choose_deferred`)."""
 
 
 def timed_count(times: StepTimes) -> int:
     """The timing rule: the fewest deferred experts whose CPU time fills a layer's GPU time,
     at most K - MIN_IMMEDIATE; 0 where the CPU experts are under MIN_CPU_SHARE of a step."""
     most = max(times.top_k - MIN_IMMEDIATE, 0)
-    cpu_s = times.cpu_expert_s * times.moe_layers * times.top_k
-    if times.cpu_expert_s <= 0 or cpu_s < MIN_CPU_SHARE * times.full_s:
+    if times.cpu_s <= 0 or times.cpu_s < MIN_CPU_SHARE * times.full_s:
         return 0  # the CPU experts cost (next to) nothing: nothing to hide
     return min(most, math.ceil(times.gpu_layer_s / times.cpu_expert_s))
 
@@ -150,6 +155,8 @@ def choose_deferred(runner: ModelRunner, prompt: Sequence[int]) -> DeferralChoic
         return DeferralChoice(0, NO_GPU)
     if overlap is None:
         return DeferralChoice(0, "routed experts not all in the cpu backend: nothing to overlap")
+    if runner.placement is not None and runner.placement.everything:
+        return DeferralChoice(0, "every routed expert resident on the GPU: no CPU work to hide")
     if overlap.top_k <= MIN_IMMEDIATE:
         return DeferralChoice(0, f"top-{overlap.top_k} routing: {MIN_IMMEDIATE} experts stay "
                                  "immediate, none is left to defer")
