@@ -185,6 +185,9 @@ def main() -> None:
             plot(json.load(f), args.plot)
         return
     budgets = parse_budgets(args.budgets)
+    unknown = {k for k in args.decode_kernels.split(",") if k} - {"triton", "torch"}
+    if unknown:  # the A/B sets the decoder's choice directly, past its own check
+        p.error(f"--decode-kernels: triton or torch, got {', '.join(sorted(unknown))}")
     lengths = [int(n) for n in args.prefill.split(",") if n]
     modes = [m for m in args.prefill_modes.split(",") if m]
     device = torch.device("cuda")

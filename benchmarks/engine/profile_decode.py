@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from hetmoe.bench import measure
-from hetmoe.bench.gpu_profile import COPIES, decode_kernels
+from hetmoe.bench.gpu_profile import decode_kernels
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import add_shape_arguments, shape_config
 from hetmoe.config import EngineConfig
@@ -90,9 +90,8 @@ def kernel_table(runner: ModelRunner, prompt: list[int], steps: int) -> dict[str
     """GPU activity per token by name over `steps` graph decode steps."""
     profile = decode_kernels(runner, prompt, steps, warmup=3, name_width=90)
     rows = [(r.name, round(r.calls, 2), round(r.us, 1)) for r in profile.rows]
-    kernels = sum(c for n, c, _ in rows if not n.startswith(COPIES))
-    return {"gpu_us_per_token": round(sum(r[2] for r in rows), 1),
-            "kernels_per_token": round(kernels, 1), "rows": rows}
+    return {"gpu_us_per_token": round(profile.busy_us, 1),
+            "kernels_per_token": round(profile.kernels, 1), "rows": rows}
 
 
 def measure_path(path: str, model: Any, prompt: list[int], window: int, deferred: list[int],

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 from torch._dynamo import mark_dynamic
 from torch.profiler import ProfilerActivity, profile
 
+from hetmoe.bench.harness import git_sha
 from hetmoe.bench.shapes import shape_config
 from hetmoe.engine.executor.fused_decode import FusedDecoder, make_gqa_layer
 from hetmoe.engine.executor.layer_plan import LayerStatics
@@ -130,10 +130,9 @@ def main() -> None:
     print(f"triton / torch: {rows['triton']['ms_per_step'] / rows['torch']['ms_per_step']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip()
-            json.dump({"config": vars(args), "git": git, "device": torch.cuda.get_device_name(),
-                       "machine": machine_report(), "rows": rows}, f, indent=1)
+            json.dump({"config": vars(args), "git": git_sha(),
+                       "device": torch.cuda.get_device_name(), "machine": machine_report(),
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
