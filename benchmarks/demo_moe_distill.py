@@ -1,15 +1,14 @@
 """Does a short distillation against the dense logits close `demo-moe`'s quality gap, within its
 build budget? Measures it on the built preset, without changing the preset.
 
-The routers stay fixed; every layer's experts (gate, up, down) are trained with KL(dense ||
-MoE) of the next-token distributions on the build's own training windows (the dense model's
-chat replies and the pydoc topics' training split, `demo_moe.dense_chats` and
-`demo_moe_corpus.train_texts`), one window of 256 tokens per Adam step, the learning rate
-decaying linearly to 0. The MoE is computed masked densely (each neuron's activation times its
-expert's renormalized softmax weight, zero outside the top-k: Mixtral's math, checked against
-transformers at start), so the trained weights drop into the checkpoint unchanged. Prints the
-held-out perplexity (the quality benchmark's windows) before and after, and the wall time of the
-training alone; with --out writes the distilled checkpoint, which
+The routers stay fixed; every layer's experts (gate, up, down) are trained with KL(dense || MoE) of
+the next-token distributions on the build's own training windows (the dense model's chat replies
+and the pydoc topics' training split, `demo_moe.training_windows`), one window of 256 tokens per
+Adam step, the learning rate decaying linearly to 0. The MoE is computed masked densely (each
+neuron's activation times its expert's renormalized softmax weight, zero outside the top-k:
+Mixtral's math, checked against transformers at start), so the trained weights drop into the
+checkpoint unchanged. Prints the held-out perplexity (the quality benchmark's windows) before and
+after, and the wall time of the training alone; with --out writes the distilled checkpoint, which
 `HETMOE_CACHE_DIR=D python benchmarks/demo_moe_quality.py ...` measures when D/models holds it
 as demo-moe-v<version> beside a link to the cached demo-v<version>.
 
@@ -34,8 +33,8 @@ from hetmoe.loading.gguf import open_gguf
 from hetmoe.loading.shards import write_shards
 from hetmoe.presets import resolve_model
 from hetmoe.presets.demo import smollm2_gguf
-from hetmoe.presets.demo_moe import NAME, NUM_WINDOWS, WINDOW, dense_chats, dense_llama
-from hetmoe.presets.demo_moe_corpus import held_out_texts, token_windows, train_texts
+from hetmoe.presets.demo_moe import NAME, WINDOW, dense_llama, training_windows
+from hetmoe.presets.demo_moe_corpus import held_out_texts, token_windows
 
 
 class MaskedMoE(nn.Module):
@@ -126,11 +125,7 @@ def main() -> None:
     tensors = dict(gguf.llama_tensors())
     dense = dense_llama(llama, tensors)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(source))
-    # The build's windows, rebuilt the build's way.
-    chats = dense_chats(dense, tokenizer)
-    windows = [chats[i:i + WINDOW] for i in range(0, len(chats) - WINDOW + 1, WINDOW)]
-    texts = [tokenizer.encode(t, add_special_tokens=False) for t in train_texts()]
-    windows += token_windows(texts, WINDOW, NUM_WINDOWS - len(windows))
+    windows, _ = training_windows(dense, tokenizer)  # the build's own
     held = token_windows([tokenizer.encode(t, add_special_tokens=False)
                           for t in held_out_texts()], WINDOW, args.held_out_windows)
     with torch.no_grad():

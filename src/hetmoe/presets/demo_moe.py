@@ -83,7 +83,7 @@ def build_demo_moe(out: Path, config: MoEficationConfig = MOEFICATION) -> None:
 def training_windows(model: Any, tokenizer: Any) -> tuple[list[list[int]], int]:
     """The build's NUM_WINDOWS windows of WINDOW tokens (the dense model's chats, then the
     training topics), and how many tokens the chats gave."""
-    chats = dense_chats(model, tokenizer)
+    chats = _dense_chats(model, tokenizer)
     windows = [chats[i:i + WINDOW] for i in range(0, len(chats) - WINDOW + 1, WINDOW)]
     texts = [tokenizer.encode(t, add_special_tokens=False) for t in train_texts()]
     windows += token_windows(texts, WINDOW, NUM_WINDOWS - len(windows))
@@ -94,7 +94,7 @@ def training_windows(model: Any, tokenizer: Any) -> tuple[list[list[int]], int]:
 
 
 @torch.no_grad()
-def dense_chats(model: Any, tokenizer: Any) -> list[int]:
+def _dense_chats(model: Any, tokenizer: Any) -> list[int]:
     """CHAT_PROMPTS and the dense model's greedy replies (REPLY_TOKENS at most), as one token
     stream of chat-formatted conversations."""
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
