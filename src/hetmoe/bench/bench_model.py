@@ -10,14 +10,11 @@ group as the file, so both engines read the same bytes of the same model.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from hetmoe import env
 
 
 @dataclass
@@ -36,12 +33,9 @@ def gguf_conversion(path: Path, weight_format: str, group: int | None,
                     progress: bool = False) -> Path:
     """The converted directory of the GGUF at `path` in `weight_format` (made on first use)."""
     from hetmoe.loading.convert import ConvertOptions
-    from hetmoe.loading.convert_source import convert_source
+    from hetmoe.loading.convert_source import conversion_dir, convert_source
 
-    stat = path.stat()
-    key = hashlib.blake2b(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode(),
-                          digest_size=6).hexdigest()
-    out = env.cache_dir() / "converted" / f"{path.stem}-{weight_format}g{group or 0}-{key}"
+    out = conversion_dir(path, f"-{weight_format}g{group or 0}")
     return convert_source(path, out, ConvertOptions(weight_format, group, progress))
 
 

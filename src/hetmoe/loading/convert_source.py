@@ -84,13 +84,19 @@ def staging_bytes(path: Path) -> int:
     return sum(int(t.n_elements) * 4 for t in open_gguf(path).reader.tensors)
 
 
-def cached_conversion(path: Path, progress: bool = True) -> Path:
-    """The converted directory of the GGUF at `path` in the cache dir, converted on first use
-    (in the format `default_format` picks, said on stderr)."""
+def conversion_dir(path: Path, tag: str = "") -> Path:
+    """Where the cache keeps the conversion of the GGUF at `path` (its name, `tag`, and a key of
+    its resolved path, size and modification time: a changed file converts again)."""
     stat = path.stat()
     key = hashlib.blake2b(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode(),
                           digest_size=6).hexdigest()
-    out = env.cache_dir() / "converted" / f"{path.stem}-{key}"
+    return env.cache_dir() / "converted" / f"{path.stem}{tag}-{key}"
+
+
+def cached_conversion(path: Path, progress: bool = True) -> Path:
+    """The converted directory of the GGUF at `path` in the cache dir, converted on first use
+    (in the format `default_format` picks, said on stderr)."""
+    out = conversion_dir(path)
     if (out / MANIFEST).is_file():
         return out
     fmt, group, why = default_format(path)
