@@ -164,12 +164,11 @@ class PrefillPlanner:
         When every expert is resident nothing is streamed."""
         if self.everything or mode == "cpu" or not self.can_stream():
             return 0
-        most = self.most
         if mode == "gpu":
-            return most
+            return self.most
         if mode == "split":
             return plan_gpu_experts(tokens, self.top_k, self.num_experts, self._costs(mode), 1,
-                                    max(1, most - 1), self.resident)
+                                    max(1, self.most - 1), self.resident)
         return self.tuner.choose(tokens, self.top_k, self.num_experts, self._costs(mode),
                                  self.resident)
 
