@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hetmoe.bench.harness import git_sha, now_utc
-from hetmoe.bench.serving_runner import serving_runner
+from hetmoe.bench.serving_runner import number_list, serving_runner
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.preplacement import count_routing, sample_lines
 from hetmoe.engine.requests.batch_job import JobFiles, JobLine, read_lines, run_job
@@ -138,13 +138,13 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=256, help="KV slots (rows decoded "
                         "together at most)")
     parser.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per step")
-    parser.add_argument("--budgets", default="0,15", help="GiB of experts on the GPU, one job each")
+    parser.add_argument("--budgets", type=number_list(float, 0), default=[0.0, 15.0],
+                        help="GiB of experts on the GPU, one job each")
     parser.add_argument("--placement-sample", type=int, default=32,
                         help="prompts routed to pick the experts placed (0: the first ones)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
-    budgets = [float(b) for b in args.budgets.split(",")]
     started = time.perf_counter()
     runner = build_runner(args, args.prompt_len + args.new_tokens + 8)
     build_s = time.perf_counter() - started
@@ -153,7 +153,7 @@ def main() -> None:
         source = Path(tmp) / "job.jsonl"
         write_job(source, args.requests, args.prompt_len, args.new_tokens, runner.vocab_size,
                   args.seed)
-        for gib in budgets:
+        for gib in args.budgets:
             placed = place(runner, source, gib, args.placement_sample)
             results[f"{gib:g}"] = placed | run_one(runner, source, Path(tmp) / f"out_{gib:g}.jsonl")
             print(f"budget {gib:g} GiB: {results[f'{gib:g}']}", flush=True)

@@ -41,7 +41,7 @@ import torch
 from hetmoe.bench.batched_bench import parse_batched_bench
 from hetmoe.bench.harness import git_sha, now_utc
 from hetmoe.bench.serve_report import plot, table
-from hetmoe.bench.serving_runner import serving_runner
+from hetmoe.bench.serving_runner import number_list, serving_runner
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.engine.requests.scheduler import Event, Scheduler
@@ -182,9 +182,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-layers", type=int, default=None, help="fewer decoder layers")
     parser.add_argument("--experts", default="cpu", help="cpu (ours) or torch-cpu")
     parser.add_argument("--weight-format", default="bf16", help="bf16, int8 or int4 experts")
-    parser.add_argument("--streams", type=_numbers(int, 1), default=[1, 4, 16],
+    parser.add_argument("--streams", type=number_list(int, 1), default=[1, 4, 16],
                         help="concurrent streams per point, e.g. 1,2,4,...,256")
-    parser.add_argument("--budgets", type=_numbers(float, 0), default=[0.0],
+    parser.add_argument("--budgets", type=number_list(float, 0), default=[0.0],
                         help="GiB of routed experts on the GPU per sweep, e.g. 0,15")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -249,16 +249,6 @@ def main(argv: list[str] | None = None) -> None:
     write(result, args.json)
     if result["stopped"] is not None:
         print(f"stopped: {result['stopped']}")
-
-
-def _numbers(kind: Callable[[str], Any], least: int) -> Callable[[str], list[Any]]:
-    """An argparse type: "1,4,16" as a list of `kind` values >= `least`."""
-    def parse(text: str) -> list[Any]:
-        values = [kind(v) for v in text.split(",")]
-        if min(values) < least:
-            raise argparse.ArgumentTypeError(f"numbers >= {least} expected, got {text!r}")
-        return values
-    return parse
 
 
 def _rounded(run: dict[str, Any]) -> dict[str, Any]:

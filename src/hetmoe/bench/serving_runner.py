@@ -5,6 +5,7 @@ a checkpoint, built from the scripts' shared arguments."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,3 +37,13 @@ def serving_runner(args: argparse.Namespace, max_batch: int, window: int,
     if graph_batch_sizes is not None:
         engine["graph_batch_sizes"] = graph_batch_sizes
     return ModelRunner(model, device, torch.bfloat16, max_batch, window, EngineConfig(**engine))
+
+
+def number_list(kind: Callable[[str], Any], least: int) -> Callable[[str], list[Any]]:
+    """An argparse type: "1,4,16" as a list of `kind` values >= `least`."""
+    def parse(text: str) -> list[Any]:
+        values = [kind(v) for v in text.split(",")]
+        if min(values) < least:
+            raise argparse.ArgumentTypeError(f"numbers >= {least} expected, got {text!r}")
+        return values
+    return parse
