@@ -12,7 +12,8 @@ straddles a half: so a half needs one scale (and int4 bias) per output row, and 
   run's inline bf16 metadata.
 
 Weights come out as bf16 (w rounded once, as `unpack_matrix` rounds them).
-Also the rounding every kernel shares: `to_bf16`, `to_dtype` (fp32 to a kernel's dtype).
+Also the rounding every kernel shares: `to_bf16`, `to_dtype` (fp32 to a kernel's dtype), and
+the two recipes built on them, `rms_scale` (RMSNorm) and `silu_mul_bf16` (SwiGLU).
 """
 
 from __future__ import annotations
@@ -55,6 +56,19 @@ def to_dtype(v, dtype: tl.constexpr):
     if dtype == tl.bfloat16:
         return to_bf16(v)
     return v.to(dtype)
+
+
+@triton.jit
+def rms_scale(x, inv, w, dtype: tl.constexpr):
+    """RMSNorm's output from fp32 x, its 1 / rms `inv` and weights w (fp32, broadcastable):
+    x * inv rounded to `dtype`, times w, rounded to `dtype` (ops/fused.py `rms_norm`) -> fp32."""
+    return to_dtype(to_dtype(x * inv, dtype).to(tl.float32) * w, dtype).to(tl.float32)
+
+
+@triton.jit
+def silu_mul_bf16(g, u):
+    """silu(g) * u of fp32 gate / up values, in fp32, rounded once to bf16."""
+    return to_bf16(g / (1.0 + tl.exp(-g)) * u)
 
 
 @triton.jit

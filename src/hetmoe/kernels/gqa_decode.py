@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from hetmoe.kernels.dequant import INTERPRETED, to_dtype
+from hetmoe.kernels.dequant import INTERPRETED, rms_scale, to_dtype
 
 BLOCK_N = tl.constexpr(64)
 """Cache entries per inner step (the fused step's window chunk, ops/fused.py)."""
@@ -67,11 +67,10 @@ def _heads(base, rows, live_rows, w_ptr, cos, sin, eps, D: tl.constexpr, BLOCK_D
     if NORM:
         inv = tl.rsqrt((tl.sum(x * x, 1) / D + eps).to(tl.float32))[:, None]  # [R, 1]
         w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-        x = to_dtype(to_dtype(x * inv, dtype).to(tl.float32) * w[None, :], dtype).to(tl.float32)
+        x = rms_scale(x, inv, w[None, :], dtype)
         if ROPE:
             w = tl.load(w_ptr + partner, mask=d < D, other=0.0).to(tl.float32)
-            xr = to_dtype(to_dtype(xr * inv, dtype).to(tl.float32) * w[None, :],
-                          dtype).to(tl.float32)
+            xr = rms_scale(xr, inv, w[None, :], dtype)
     if ROPE:
         sign = tl.where(d < D // 2, -1.0, 1.0)
         x = x * cos[None, :] + sign[None, :] * xr * sin[None, :]

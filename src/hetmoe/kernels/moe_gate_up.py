@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hetmoe.kernels.dequant import dequant_half, dot_bf16, to_bf16
+from hetmoe.kernels.dequant import dequant_half, dot_bf16, silu_mul_bf16
 from hetmoe.kernels.routing_tiles import tile_rows
 
 
@@ -47,6 +47,6 @@ def moe_gate_up_kernel(x_ptr, stride_x, packed_ptr, order_ptr, tile_expert_ptr, 
                                   MEM)
                 acc_g = dot_bf16(xt, tl.trans(wg), acc_g)
                 acc_u = dot_bf16(xt, tl.trans(wu), acc_u)
-        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        act = silu_mul_bf16(acc_g, acc_u)
         out = act_ptr + rows.to(tl.int64)[:, None] * S + r[None, :]
-        tl.store(out, to_bf16(act), mask=live[:, None])
+        tl.store(out, act, mask=live[:, None])

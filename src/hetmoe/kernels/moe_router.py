@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from hetmoe.kernels.dequant import to_dtype
+from hetmoe.kernels.dequant import rms_scale, to_dtype
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def logits_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stag
         live = i0 + i < H
         v = _residual(h_ptr, o_ptr, b, H, i0, i, live, dtype)
         w = tl.load(norm_ptr + i0 + i, mask=live, other=0.0).to(tl.float32)
-        x = to_dtype(to_dtype(v * inv, dtype).to(tl.float32) * w, dtype).to(tl.float32)
+        x = rms_scale(v, inv, w, dtype)
         if block == 0:
             tl.store(h_out_ptr + b * H + i0 + i, v.to(dtype), mask=live)
             tl.store(x_out_ptr + b * H + i0 + i, x.to(dtype), mask=live)

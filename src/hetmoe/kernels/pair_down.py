@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hetmoe.kernels.dequant import dequant_half, to_bf16
+from hetmoe.kernels.dequant import dequant_half, silu_mul_bf16
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _activation_half(act_ptr, pair, kh, S, SPLIT_GU: tl.constexpr):
         for share in tl.static_range(1, SPLIT_GU):
             g += tl.load(row + share * 2 * S)
             u += tl.load(row + share * 2 * S + S)
-        at = to_bf16(g / (1.0 + tl.exp(-g)) * u).to(tl.float32)
+        at = silu_mul_bf16(g, u).to(tl.float32)
     return at
 
 

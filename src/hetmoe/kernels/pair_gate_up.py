@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hetmoe.kernels.dequant import dequant_half, to_bf16
+from hetmoe.kernels.dequant import dequant_half, silu_mul_bf16, to_bf16
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def pair_gate_up_kernel(x_ptr, stride_x, ids_ptr, packed_ptr, act_ptr, out_ptr, 
         u = tl.sum(acc_u, axis=1)
         r = pid_n * BN + tl.arange(0, BN)  # rows of the group's slice (S is a multiple of 64)
         if SPLIT == 1:
-            tl.store(act_ptr + pair.to(tl.int64) * S + r, to_bf16(g / (1.0 + tl.exp(-g)) * u))
+            tl.store(act_ptr + pair.to(tl.int64) * S + r, silu_mul_bf16(g, u))
         else:
             row = act_ptr + (pair.to(tl.int64) * SPLIT + share) * (2 * S)
             tl.store(row + r, g)
