@@ -292,3 +292,28 @@ def test_info_counts_the_placement_in_its_prefill_plan(cache: Cache, profile: Ma
     for tokens in PREFILL_LENGTHS:
         line = f"{tokens:>6} tokens  {planner.describe(planner.gpu_experts(tokens))}"
         assert line in done.output and "3 resident experts per layer on the GPU" in line
+
+
+def test_info_prefill_plan_with_every_expert_resident_reads_no_profile(
+        cache: Cache, tiny_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hetmoe.engine.placement import placement_plan
+    from hetmoe.loading.checkpoint import Checkpoint
+    from hetmoe.loading.convert_plan import plan_convert
+
+    path = tiny_dir("qwen3_moe")
+    layer = plan_convert(Checkpoint.open(path), "bf16", None).layers[0]
+    experts = layer.shape[0]
+    size = sum(g["expert_bytes"] for g in layer.groups)
+    layers = int(Checkpoint.open(path).config.num_hidden_layers)
+    placed = placement_plan.plan_placement([experts] * layers, [size] * layers,
+                                           experts * size * layers)
+    assert placed.everything
+    monkeypatch.setattr(placement_plan, "planned_placement", lambda mem: placed)
+    loads: list[int] = []
+    monkeypatch.setattr(calibration, "load", lambda: loads.append(1))  # must not be read
+    done = runner.invoke(app, ["info", str(path), "--device", "cpu"])
+    assert done.exit_code == 0, done.output
+    assert f"{placed.describe()} [--gpu-expert-gib auto]" in done.output
+    assert ("prefill plan: every routed expert resident on the GPU (above), so prefill computes "
+            "them all there: no CPU expert work, nothing to stream") in done.output
+    assert "tokens  " not in done.output and loads == []

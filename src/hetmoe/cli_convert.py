@@ -170,13 +170,17 @@ PREFILL_LENGTHS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 def prefill_plan(layer: Any, fmt: str, config: Any, placement: Any = None) -> str:
     """Where the prefill planner puts a prefill's routed experts per prompt length on this
     machine (the stored profile; `placement`'s resident experts counted; `auto` then measures
-    its pick against the rival), or why it cannot say."""
+    its pick against the rival), or why it cannot say; with every expert resident, that (no
+    profile read, as the runner loads no costs then)."""
     import torch
 
     from hetmoe import calibration
     from hetmoe.engine.executor.prefill_planner import PrefillPlanner
     from hetmoe.engine.placement.expert_split import layer_costs
 
+    if placement is not None and placement.everything:  # no costs to weigh: none loaded
+        return ("prefill plan: every routed expert resident on the GPU (above), so prefill "
+                "computes them all there: no CPU expert work, nothing to stream")
     try:
         profile = calibration.load()
     except ValueError as exc:

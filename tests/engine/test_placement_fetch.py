@@ -17,7 +17,7 @@ from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.placement.expert_split import SplitCosts
 from hetmoe.engine.placement.fetch_plan import fetch_seconds, least_tokens, plan_fetch
-from hetmoe.engine.placement.placement_fetch import StagingPool
+from hetmoe.engine.placement.placement_fetch import StagingPool, staging_bytes
 from hetmoe.engine.placement.slots import LayerSlots, expert_bytes
 
 # Per expert of the Qwen3-30B-A3B shape in int8 on an H100 host (tests/engine/test_expert_split.py).
@@ -76,6 +76,8 @@ def test_resident_fetched_and_cpu_misses_equal_the_cpu_alone(fmt: str) -> None:
     moe = _layer(fmt)
     slots = LayerSlots(moe, [3], torch.device("cpu"))
     pool = StagingPool([moe], 2, EAGER, torch.device("cpu"))
+    assert pool.bytes == staging_bytes([moe], 2) == 2 * sum(expert_bytes([moe]))  # room ahead
+    assert staging_bytes([moe], 0) == 0
     g = torch.Generator().manual_seed(1)
     tokens = 40
     x = torch.randn(tokens, 64, generator=g)

@@ -23,6 +23,7 @@ from hetmoe.engine.placement.expert_split import (
     plan_gpu_experts,
 )
 from hetmoe.engine.placement.placement_plan import plan_placement
+from hetmoe.engine.placement.slots import expert_bytes
 
 COSTS = SplitCosts(cpu_fixed=49e-6, cpu_token=2.0e-6, gpu_expert=92e-6, gpu_token=0.07e-6,
                    gpu_fixed=70e-6, cpu_call=100e-6, split_fixed=100e-6, split_token=0.16e-6)
@@ -152,6 +153,58 @@ def test_costs_are_loaded_when_the_llm_starts_never_in_a_request(
         assert plain.planner is not None and plain.planner.costs is None
     finally:
         plain.overlap.detach()
+
+
+def test_an_all_resident_placement_loads_no_costs(tiny_dir: Callable[..., Path],
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    calls = _counted_loader(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="hetmoe.engine.executor.prefill_planner"):
+        llm = LLM(tiny_dir("qwen3_moe"), device="cpu", dtype="float32", experts="cpu",
+                  progress=False, max_seq_len=64, fetch_slots=2, gpu_expert_bytes=1 << 40)
+    runner = llm.runner
+    assert runner.placement is not None and runner.placement.everything
+    assert runner.planner is not None and runner.planner.everything
+    assert calls == [] and runner.planner.costs is None  # no CPU expert work: nothing to weigh
+    assert ("prefill: every routed expert is resident on the GPU (no CPU expert work, nothing "
+            "to stream): no prefill costs loaded") in caplog.messages
+    assert runner.overlap is not None and runner.overlap.placement is runner.placement
+    assert all(link.pool is None for link in runner.overlap.placed.values())  # no fetch pool
+    llm.generate(list(range(1, 40)), max_tokens=3)
+    assert calls == []
+    one = sum(expert_bytes(runner.overlap.cpu))  # one expert per layer: CPU work again
+    runner.place(one)  # between steps: the costs are loaded now, for the pool and the planner
+    assert calls == ["cpu"] and runner.planner.costs == EAGER
+    assert runner.planner.resident == (1,) * len(runner.overlap.cpu)
+
+
+def test_a_partial_placement_loads_the_costs_at_start(tiny_dir: Callable[..., Path],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _counted_loader(monkeypatch)
+    llm = LLM(tiny_dir("qwen3_moe"), device="cpu", dtype="float32", experts="cpu",
+              progress=False, max_seq_len=64, fetch_slots=2, gpu_expert_bytes=0)
+    assert llm.runner.overlap is not None and calls == ["cpu"]
+    one = sum(expert_bytes(llm.runner.overlap.cpu))
+    partial = ModelRunner(llm.model, llm.device, llm.dtype, 1, 64,
+                          EngineConfig(fetch_slots=2, gpu_expert_bytes=one))
+    try:
+        assert partial.placement is not None and not partial.placement.everything
+        assert calls == ["cpu", "cpu"]  # a runner of its own loads its own at start
+        assert partial.planner is not None and partial.planner.costs == EAGER
+    finally:
+        assert partial.overlap is not None
+        partial.overlap.detach()
+
+
+@pytest.mark.device
+def test_a_gpu_llm_with_every_expert_resident_loads_no_costs(
+        tiny_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _counted_loader(monkeypatch)
+    llm = LLM(tiny_dir("qwen3_moe"), device="cuda", experts="cpu", progress=False,
+              max_seq_len=2048)  # `auto`: the tiny experts all fit
+    assert llm.runner.placement is not None and llm.runner.placement.everything
+    llm.generate([1 + i % 500 for i in range(1500)], max_tokens=2)
+    assert calls == []
 
 
 @pytest.mark.device

@@ -87,16 +87,23 @@ class PrefillPlanner:
         self._loader = loader
 
     @classmethod
-    def for_overlap(cls, overlap: MoEOverlap, mode: str, fetch_slots: int) -> PrefillPlanner:
-        """The planner of `overlap`'s layers, its costs loaded now when `needs_costs`."""
-        gpu = bool(overlap.host)
+    def for_overlap(cls, overlap: MoEOverlap) -> PrefillPlanner:
+        """The planner of `overlap`'s layers; `prepare` loads its costs once it is placed."""
         planner = cls(overlap.cpu[0].num_experts, overlap.top_k, len(overlap.cpu),
-                      refusal=overlap.streaming_refusal if gpu else None,
+                      refusal=overlap.streaming_refusal if overlap.host else None,
                       loader=lambda: load_costs(overlap.cpu[0], overlap.device))
         planner.overlap = overlap
-        if needs_costs(gpu, mode, fetch_slots):
-            planner.load_costs()
         return planner
+
+    def prepare(self, mode: str, fetch_slots: int) -> None:
+        """Loads the costs when passes of the current placement plan with them (`needs_costs`;
+        call when the runner starts or places, never inside a request). Not when every expert
+        is resident: no CPU expert work and nothing to stream, so nothing to weigh."""
+        if self.everything:
+            log.info("prefill: every routed expert is resident on the GPU (no CPU expert work, "
+                     "nothing to stream): no prefill costs loaded")
+        elif needs_costs(self._refusal is not None, mode, fetch_slots):
+            self.load_costs()
 
     def load_costs(self) -> SplitCosts:
         """The costs, loaded (or measured) through the loader when not there yet; call when the

@@ -43,7 +43,7 @@ from hetmoe.engine.executor.overlap import MoEOverlap, all_on_cpu_backend
 from hetmoe.engine.executor.prefill_batch import StepLayout, step_layouts
 from hetmoe.engine.executor.prefill_planner import PrefillPlanner
 from hetmoe.engine.executor.step_checks import check_chunk, check_decode_rows
-from hetmoe.engine.placement.placement_fetch import StagingPool
+from hetmoe.engine.placement.placement_fetch import StagingPool, staging_bytes
 from hetmoe.engine.placement.placement_plan import PlacementPlan
 from hetmoe.engine.placement.placement_policy import TrafficPolicy
 from hetmoe.engine.placement.slots import Placement, placement_plan
@@ -60,8 +60,7 @@ class ModelRunner:
         self.base: Any = getattr(model, model.base_model_prefix)
         self.device = device
         self.config = config = config or EngineConfig()
-        self.max_batch = max_batch
-        self.max_seq_len = max_seq_len
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
         self.vocab_size = int(model.config.vocab_size)
         self.overlap: MoEOverlap | None = None
         self.planner: PrefillPlanner | None = None  # where prefill experts run (costs loaded)
@@ -74,8 +73,7 @@ class ModelRunner:
             fits = config.fused_decode and fits_fused(model)
             rows = max(max_batch, *config.graph_batch_sizes)
             self.overlap = MoEOverlap(model, device, rows, config.deferred, packed=fits)
-            self.planner = PrefillPlanner.for_overlap(self.overlap, config.prefill_experts,
-                                                      config.fetch_slots)
+            self.planner = PrefillPlanner.for_overlap(self.overlap)
             if fits:
                 compile_ = config.compile_decode and device.type == "cuda"
                 self.fused = FusedDecoder(model, self.overlap, compile_)
@@ -98,6 +96,8 @@ class ModelRunner:
         budget = config.gpu_expert_bytes  # EngineConfig folds in the former name's budget
         if self.overlap is not None and (budget != 0 or config.fetch_slots):
             self.place(budget)  # after the KV cache: `auto` sees what is left
+        elif self.planner is not None:
+            self.planner.prepare(config.prefill_experts, config.fetch_slots)
 
     @property
     def graphs(self) -> dict[tuple[int, int], Any]:
@@ -157,7 +157,7 @@ class ModelRunner:
         for chunk in plan.prefills:
             self.check_chunk(chunk)
         if plan.decodes:
-            self._check_step(plan)
+            check_decode_rows(plan, self.cache, self.max_seq_len, self.vocab_size)
         # peft names an adapter per batch row: with adapters each pass runs apart, then decodes.
         apart = self.adapters is not None
         logits = [torch.empty(0)] * len(plan.prefills)
@@ -171,7 +171,7 @@ class ModelRunner:
         """The decode rows of `plan`: eager, or greedy launched (ahead) on CUDA graphs."""
         launched = self.launch_ahead.take(plan)
         if launched is None:
-            self._check_step(plan)
+            check_decode_rows(plan, self.cache, self.max_seq_len, self.vocab_size)
         if plan.greedy and self.use_graphs:
             return self.launch_ahead.run(plan, launched, self._after)
         try:
@@ -222,19 +222,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # so `auto` and the clamp see the memory given back
         slots = self.config.fetch_slots if fetch_slots is None else fetch_slots
-        pool = StagingPool(self.overlap.cpu, slots, self.planner.load_costs(),  # fetch-or-compute
-                           self.device) if slots else None  # before the plan: `auto` sees it
-        plan = placement_plan(self.overlap.cpu, self.device, budget, counts)
-        if plan.bytes or (pool is not None and not plan.everything):
+        # fetch-or-compute's pool: room kept in the plan, made (costs loaded) only for CPU work
+        plan = placement_plan(self.overlap.cpu, self.device, budget, counts,
+                              staging_bytes(self.overlap.cpu, slots))
+        pool = StagingPool(self.overlap.cpu, slots, self.planner.load_costs(), self.device) \
+            if slots and not plan.everything else None
+        if plan.bytes or pool is not None:
             self.placement = Placement(self.overlap.cpu, plan, self.device)
-            self.overlap.place(self.placement, None if plan.everything else pool)
+            self.overlap.place(self.placement, pool)
             if self.config.placement_interval and not plan.everything:
                 self.policy = TrafficPolicy(self.placement, self.config.placement_interval)
         self.planner.place(self.placement)
+        self.planner.prepare(self.config.prefill_experts, slots)
         return plan
-
-    def _check_step(self, plan: StepPlan) -> None:
-        check_decode_rows(plan, self.cache, self.max_seq_len, self.vocab_size)
 
     def _phase(self, decoding: bool, slots: Sequence[int]) -> contextlib.ExitStack:
         """The MoE step's phase and the rows' adapters; re-attaches this runner's step over another

@@ -30,6 +30,21 @@ from hetmoe.experts.cpu_moe import CpuMoE
 log = logging.getLogger(__name__)
 
 
+def slot_widths(cpu: Sequence[CpuMoE]) -> list[int]:
+    """Bytes of one pool slot per NUMA group: the widest expert of any layer of `cpu`."""
+    groups = {len(m.packed_groups()) for m in cpu}
+    if len(groups) != 1:
+        raise ValueError(f"StagingPool: MoE layers with {sorted(groups)} NUMA groups; one "
+                         "pool needs the same number in every layer")
+    return [max(m.packed_groups()[g].expert_bytes for m in cpu) for g in range(groups.pop())]
+
+
+def staging_bytes(cpu: Sequence[CpuMoE], slots: int) -> int:
+    """GPU bytes of a pool of `slots` slots for `cpu`'s layers (0 slots: none), so a placement
+    can leave it room before the pool is made."""
+    return slots * sum(slot_widths(cpu)) if slots else 0
+
+
 class StagingPool:
     """`slots` GPU slots of packed experts shared by every MoE layer of `cpu` (see the module
     docstring); `costs`: one expert's costs on this machine (`expert_split.costs_from_profile`)."""
@@ -38,15 +53,10 @@ class StagingPool:
                  device: torch.device) -> None:
         if slots < 1:
             raise ValueError(f"StagingPool: slots must be >= 1, got {slots}")
-        groups = {len(m.packed_groups()) for m in cpu}
-        if len(groups) != 1:
-            raise ValueError(f"StagingPool: MoE layers with {sorted(groups)} NUMA groups; one "
-                             "pool needs the same number in every layer")
+        widths = slot_widths(cpu)
         self.slots, self.costs, self.device = slots, costs, device
         self.least = least_tokens(costs)
         """Fewest tokens of a step for which a fetch may pay (fewer: no plan, no sync)."""
-        widths = [max(m.packed_groups()[g].expert_bytes for m in cpu)
-                  for g in range(groups.pop())]
         with torch.inference_mode(False):
             self.packed = [torch.empty(slots * b, dtype=torch.uint8, device=device)
                            for b in widths]  # per NUMA group [slots * widest expert]

@@ -191,25 +191,28 @@ def expert_bytes(cpu: Sequence[CpuMoE]) -> list[int]:
     return [sum(p.expert_bytes for p in m.packed_groups()) for m in cpu]
 
 
-def gpu_room(cpu: Sequence[CpuMoE], device: torch.device) -> int:
-    """What `auto` may use on `device` now (placement_plan.auto_budget); 0 without a GPU."""
+def gpu_room(cpu: Sequence[CpuMoE], device: torch.device, reserved: int = 0) -> int:
+    """What `auto` may use on `device` now (placement_plan.auto_budget), less `reserved` bytes
+    that are not allocated yet; 0 without a GPU."""
     if device.type != "cuda":
         return 0
     free, total = torch.cuda.mem_get_info(device)
-    return auto_budget(int(free), int(total), streaming_bytes(cpu))
+    return auto_budget(int(free) - reserved, int(total), streaming_bytes(cpu))
 
 
 def placement_plan(cpu: Sequence[CpuMoE], device: torch.device, asked: int | str,
-                   counts: Sequence[torch.Tensor] | None = None) -> PlacementPlan:
+                   counts: Sequence[torch.Tensor] | None = None,
+                   reserved: int = 0) -> PlacementPlan:
     """The plan for `EngineConfig.gpu_expert_bytes` = `asked` ("auto" or bytes): auto takes the
-    GPU's room (none without a GPU); bytes beyond the room are clamped with a warning naming
-    both (on the CPU device the "GPU" is host memory: not clamped)."""
+    GPU's room (none without a GPU) less `reserved` bytes to be allocated after the plan (the
+    fetch pool); bytes beyond the room are clamped with a warning naming both (on the CPU device
+    the "GPU" is host memory: not clamped)."""
     if asked == "auto":
-        budget = gpu_room(cpu, device)
+        budget = gpu_room(cpu, device, reserved)
     elif isinstance(asked, int) and asked >= 0:
         budget = asked
         if device.type == "cuda":
-            budget, message = clamp_budget(asked, gpu_room(cpu, device))
+            budget, message = clamp_budget(asked, gpu_room(cpu, device, reserved))
             if message:
                 log.warning("%s", message)
     else:
