@@ -1,11 +1,13 @@
 """`PrefillPlanner` (engine/executor/prefill_planner.py): its k per mode is the cost model's and the
-tuner's for the same inputs, the placement counted; its costs are loaded when the runner starts,
-never inside a request; a GPU it cannot stream to keeps prefill on the CPU."""
+tuner's for the same inputs, the placement counted; only passes the tuner weighs are timed (a GPU
+sync each); its costs are loaded when the runner starts, never inside a request, and not at all
+with every expert resident; a GPU it cannot stream to keeps prefill on the CPU."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -86,6 +88,59 @@ def test_nothing_streams_without_a_gpu_room_or_misses(caplog: pytest.LogCaptureF
     everything = _planner(128)
     assert everything.everything and everything.gpu_experts(16384, "gpu") == 0
     assert everything.describe(0) == "GPU (every expert resident)"
+
+
+class _Overlap:
+    """What `prefill_pass` uses of a GPU's `MoEOverlap`: the ks of its streamed passes."""
+
+    host, device = True, torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.streamed_ks: list[int] = []
+
+    def make_streamer(self) -> None:
+        pass
+
+    @contextmanager
+    def streamed(self, tokens: int, k: int) -> Iterator[None]:
+        self.streamed_ks.append(k)
+        yield
+
+
+def _passes(planner: PrefillPlanner, lengths: list[int], mode: str = "auto") -> list[int]:
+    """The k of a prefill pass of each length (a fake GPU overlap carries them out)."""
+    planner.overlap = _Overlap()  # type: ignore[assignment]
+    ks = []
+    for tokens in lengths:
+        ks.append(planner.gpu_experts(tokens, mode))
+        with planner.prefill_pass(tokens, mode):
+            pass
+    return ks
+
+
+def test_only_passes_the_tuner_weighs_are_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    syncs: list[object] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    planner = _planner()
+    # 1 and 15 tokens: fewer pairs than experts; 32: the model's split, its rival far slower;
+    # 4096 and 16384: the model's pick and a close rival take turns (TRIES each), then the best.
+    few = _passes(planner, [1, 15, 32, 32])
+    assert few == [PrefillTuner().choose(t, 8, 128, COSTS) for t in (1, 15, 32, 32)]
+    assert syncs == [] and planner.tuner.measured == {}  # decided by the model: no sync
+    model, rival = plan_gpu_experts(4096, 8, 128, COSTS), 128
+    assert 0 < model < rival
+    assert _passes(planner, [4096] * 4) == [model, rival, model, rival]  # exploration as before
+    assert syncs == [torch.device("cpu")] * 4
+    assert {s: len(t) for s, t in planner.tuner.measured[13].items()} == {"split": 2,
+                                                                         "stream": 2}
+    assert list(planner.tuner.measured) == [13]  # only the weighed bucket (4096-8191)
+    for mode in ("cpu", "gpu", "split"):  # no tuner in these modes
+        _passes(planner, [4096, 16384], mode)
+    assert len(syncs) == 4
+    everything = _planner(128)  # every expert resident: nothing to weigh
+    assert _passes(everything, [4096, 16384]) == [0, 0] and len(syncs) == 4
+    no_room = PrefillPlanner(128, 8, 4, COSTS, refusal=lambda: "no room")
+    assert _passes(no_room, [16384]) == [0] and len(syncs) == 4
 
 
 def test_describe_counts_the_resident_experts() -> None:

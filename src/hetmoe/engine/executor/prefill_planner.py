@@ -169,15 +169,19 @@ class PrefillPlanner:
         "split" (the best k in [1, misses - 1]; 1 when a layer has at most one miss) or "auto"
         (the best k in [0, misses], the tuner's measurements deciding between close rivals).
         When every expert is resident nothing is streamed."""
+        return self._pick(tokens, mode)[0]
+
+    def _pick(self, tokens: int, mode: str) -> tuple[int, bool]:
+        """(`gpu_experts`' k, whether the tuner reads the pass's time: "auto" between rivals)."""
         if self.everything or mode == "cpu" or not self.can_stream():
-            return 0
+            return 0, False
         if mode == "gpu":
-            return self.most
+            return self.most, False
         if mode == "split":
             return plan_gpu_experts(tokens, self.top_k, self.num_experts, self._costs(mode), 1,
-                                    max(1, self.most - 1), self.resident)
-        return self.tuner.choose(tokens, self.top_k, self.num_experts, self._costs(mode),
-                                 self.resident)
+                                    max(1, self.most - 1), self.resident), False
+        return self.tuner.pick(tokens, self.top_k, self.num_experts, self._costs(mode),
+                               self.resident)
 
     def describe(self, k: int) -> str:
         """A pass's k in words, the resident experts counted."""
@@ -196,19 +200,19 @@ class PrefillPlanner:
     @contextmanager
     def prefill_pass(self, tokens: int, mode: str = "auto") -> Iterator[None]:
         """A prefill pass of `tokens` tokens with its routed experts where `gpu_experts` puts
-        them (the overlap streams them); in "auto" mode on a GPU the pass is timed (to its last
-        GPU work) for the tuner, which weighs what was measured against the cost model next
-        time."""
+        them (the overlap streams them); a pass whose k the tuner's measurements decide ("auto"
+        between close rivals, on a GPU) is timed to its last GPU work for the tuner. Other
+        passes are not: their time is never read, and timing costs a GPU sync."""
         overlap = self.overlap
         if overlap is None:
             raise ValueError("PrefillPlanner.prefill_pass: a planner without a MoE step "
                              "(made by for_overlap) plans on paper only")
-        k = self.gpu_experts(tokens, mode)
+        k, timed = self._pick(tokens, mode)
         if k:
             overlap.make_streamer()  # made (host memory registered) before the pass is timed
         start = time.perf_counter()
         with overlap.streamed(tokens, k) if k else contextlib.nullcontext():
             yield
-        if mode == "auto" and overlap.host:
+        if timed:
             torch.cuda.synchronize(overlap.device)
             self.tuner.record(tokens, k, self.most, time.perf_counter() - start)

@@ -178,8 +178,9 @@ class PrefillTuner:
     then the k of the strategy with the best pass is kept. The cost model ranks; what this
     machine measured decides. Passes with fewer (token, expert) pairs than experts (a chat
     turn's few new tokens) keep the model's pick: no rival there could pay for experts copied
-    ahead that no token uses. Its timings are of one placement: `MoEOverlap.place` starts a new
-    tuner."""
+    ahead that no token uses. Only passes whose k measurements decide are timed (`pick`), so a
+    pass the model alone decides costs no GPU sync. Its timings are of one placement:
+    `PrefillPlanner.place` starts a new tuner."""
 
     def __init__(self) -> None:
         self.measured: dict[int, dict[str, list[float]]] = {}
@@ -199,6 +200,12 @@ class PrefillTuner:
                resident: Sequence[int] = ()) -> int:
         """The k for a pass of `tokens` tokens (see the class docstring); `resident`: resident
         experts per layer (none given: no placement)."""
+        return self.pick(tokens, top_k, num_experts, costs, resident)[0]
+
+    def pick(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
+             resident: Sequence[int] = ()) -> tuple[int, bool]:
+        """(`choose`'s k, whether measurements decide it): only such a pass's time is read, so
+        only such a pass needs timing (`record`)."""
         most = most_misses(num_experts, resident)
         model = plan_gpu_experts(tokens, top_k, num_experts, costs, resident=resident)
         if 0 < model < most:
@@ -208,16 +215,16 @@ class PrefillTuner:
         else:
             rival = most if model == 0 else 0
         if tokens * top_k < num_experts or rival == model:
-            return model  # most experts idle: copying experts ahead moves weights nobody uses
+            return model, False  # most experts idle: copying ahead moves weights nobody uses
         predicted = pass_seconds(model, tokens, top_k, num_experts, costs, resident)
         if (pass_seconds(rival, tokens, top_k, num_experts, costs, resident)
                 > EXPLORE_WITHIN * predicted):
-            return model
+            return model, False
         times = self.measured.get(self.bucket(tokens), {})
         mine, theirs = (times.get(self.strategy(k, most), []) for k in (model, rival))
         if min(len(mine), len(theirs)) < TRIES:
-            return rival if len(theirs) < len(mine) else model
-        return model if min(mine) <= min(theirs) else rival
+            return (rival if len(theirs) < len(mine) else model), True
+        return (model if min(mine) <= min(theirs) else rival), True
 
     def record(self, tokens: int, k: int, most: int, seconds: float) -> None:
         """A pass of `tokens` tokens streaming k misses per layer took `seconds` (`most`: the k
