@@ -8,8 +8,9 @@ beside the floors measured in the same run: PCIe (packed expert bytes per pass o
 host-to-device bandwidth), the GPU's expert compute with the weights resident (unpack + grouped GEMM
 of one layer, times the layers; attention excluded) and, with `--resident-pass`, the whole pass
 (attention included) with every layer's packed experts resident on the GPU: the pass without copies.
-Also the distinct experts each layer's router picks per 512-token chunk (llama.cpp copies only
-those at its default ubatch). Prints a table, writes JSON and a PNG of tok/s against prompt
+Also the distinct experts each layer's router picks per 512-token chunk of a 4K random prompt
+(llama.cpp copies only those at its default ubatch; with `--count-experts` taken from its count
+of that prompt, not counted again). Prints a table, writes JSON and a PNG of tok/s against prompt
 length (with llama.cpp's rows when given).
 
     python benchmarks/engine/bench_prefill.py --shape qwen3-30b-a3b --weight-format int8 --out DIR \
@@ -20,7 +21,8 @@ bench MODEL` converts it, or with `--weight-format`/`--group` into that packed f
 GGUF llama.cpp ran). `--count-experts` adds, per length, the distinct routed experts per MoE layer
 per `--ubatch` of a random-id prompt (llama-bench's prompt), the bytes a copy of only those
 experts moves (ours packed; the GGUF's blocks with --model GGUF) and the PCIe floor it implies
-(hetmoe/bench/expert_count.py); `--count-only` skips the timing (runs without a GPU too).
+(hetmoe/bench/expert_count.py); `--count-only` skips the timing (runs without a GPU too; the
+experts stay in host memory: counting reads the routers only).
 
 HETMOE_GPU_EXPERTS=unpack times the torch unpack + grouped GEMM instead of the packed kernels
 (the A/B of docs/benchmarks/gpu_kernels.md; the file name gets an `_unpack` suffix).
@@ -47,15 +49,6 @@ from hetmoe.engine.placement.expert_split import TRIES
 from hetmoe.engine.placement.layer_stream import LayerStreamer
 from hetmoe.experts.routed_mlp import routed_mlp
 from hetmoe.machine import machine_report
-
-
-def distinct_experts(runner: ModelRunner, ids: list[int], chunk: int = 512) -> list[float]:
-    """Per MoE layer, the mean count of distinct experts its router picks per `chunk` tokens."""
-    out = []
-    for picks in expert_count.routed_picks(runner, ids):  # [T, K] per MoE layer
-        counts = expert_count.distinct_per_ubatch(picks, chunk)
-        out.append(sum(counts) / len(counts))
-    return out
 
 
 @torch.inference_mode()
@@ -146,12 +139,15 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, str
     return model, config, args.shape, time.perf_counter() - start, None
 
 
-def count_only(args: argparse.Namespace, lengths: list[int]) -> None:
-    """`--count-only`: the expert counts alone (on the GPU when there is one, else the CPU)."""
+def count_only(args: argparse.Namespace, lengths: list[int]) -> dict[str, Any]:
+    """`--count-only`: the expert counts alone (attention on the GPU when there is one, else
+    the CPU). Counting reads the routers only: every expert stays in host memory, as in the
+    sweep (the default budget would first place experts on the GPU for nothing)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, config, label, build_s, gguf = build(args, device)
     dtype = next(model.parameters()).dtype
-    runner = ModelRunner(model, device, dtype, 1, max(lengths) + 64, EngineConfig())
+    runner = ModelRunner(model, device, dtype, 1, max(lengths) + 64,
+                         EngineConfig(gpu_expert_bytes=0))
     h2d = measure.h2d_bandwidth(device) if device.type == "cuda" else None
     rows = expert_count.count_rows(runner, config, lengths, args.ubatch, h2d, gguf)
     result = {"model": label, "device": device.type, "layers": config.num_hidden_layers,
@@ -159,6 +155,7 @@ def count_only(args: argparse.Namespace, lengths: list[int]) -> None:
               "expert_counts": rows, "machine": machine_report()}
     (args.out / f"experts_{label}.json").write_text(json.dumps(result, indent=1))
     expert_count.print_counts(rows)
+    return result
 
 
 def plot(rows: list[dict[str, Any]], peer: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -241,7 +238,6 @@ def main() -> None:
     h2d = measure.h2d_bandwidth(device)
     costs = planner.load_costs()  # loaded (or measured) when the runner started
     print(f"costs per expert: {costs}", flush=True)
-    gen = torch.Generator().manual_seed(0)
     auto = runner.config
     top_k = int(config.num_experts_per_tok)
     rows = []
@@ -285,9 +281,8 @@ def main() -> None:
     packed_kernel = bool(overlap.streamer.packed_kernel) if overlap.streamer else None
     if args.resident_pass:
         resident_pass(runner, rows, config.vocab_size, args.repeats)
-    chunk_ids = torch.randint(0, config.vocab_size, (min(4096, window - 64),),
-                              generator=gen).tolist()
-    distinct = distinct_experts(runner, chunk_ids)
+    counts = (expert_count.count_rows(runner, config, lengths, args.ubatch, h2d, gguf)
+              if args.count_experts else None)
     result = {
         "shape": label, "weight_format": args.weight_format, "model": args.model,
         "layers": config.num_hidden_layers, "experts": int(config.num_experts),
@@ -295,14 +290,12 @@ def main() -> None:
         "packed_bytes_per_pass": pass_bytes,
         "grouped_gemm": grouped, "packed_kernels": packed_kernel,
         "split_costs": dataclasses.asdict(costs),
-        "distinct_experts_per_512": {"mean": round(sum(distinct) / len(distinct), 1),
-                                     "min": round(min(distinct), 1),
-                                     "max": round(max(distinct), 1)},
+        "distinct_experts_per_512": expert_count.distinct_summary(
+            runner, config, min(4096, window - 64), counts),
         "rows": rows, "machine": machine_report(),
     }
-    if args.count_experts:
-        result["expert_counts"] = expert_count.count_rows(runner, config, lengths, args.ubatch,
-                                                          h2d, gguf)
+    if counts is not None:
+        result["expert_counts"] = counts
     peer = json.loads(args.llamacpp.read_text()) if args.llamacpp else []
     result["llamacpp"] = peer
     fmt = args.weight_format or "loaded"

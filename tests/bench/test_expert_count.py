@@ -1,9 +1,12 @@
 """Distinct experts per ubatch (bench/expert_count.py): counts against the ids the experts were
-given on a baby model, the used-experts copy's bytes and floor, a GGUF's per-expert bytes, and
-`open_bench_model`'s refusal of a format for a directory."""
+given on a baby model, the used-experts copy's bytes and floor, a GGUF's per-expert bytes,
+`open_bench_model`'s refusal of a format for a directory, and bench_prefill.py counting each
+prompt once (its summary reuses a count; --count-only keeps every expert in host memory)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,16 +14,20 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from bench_script import load_script
 
 from hetmoe import LLM
 from hetmoe.bench.bench_model import open_bench_model
 from hetmoe.bench.expert_count import (
     count_row,
     distinct_per_ubatch,
+    distinct_summary,
     gguf_expert_bytes,
     packed_expert_bytes,
 )
+from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.overlap import cpu_moe_of
+from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.ops.moe import moe_layers
 
 
@@ -106,3 +113,66 @@ def test_a_weight_format_is_for_a_gguf_only(tiny_dir: Callable[..., Path]) -> No
     path = tiny_dir("qwen3_moe")
     with pytest.raises(ValueError, match="a weight format applies to a GGUF file"):
         open_bench_model(str(path), torch.device("cpu"), "int4", 32)
+
+
+def counting_prefills(runner: Any) -> list[int]:
+    """The lengths of the prompts `runner` prefills from now on (its prefill wrapped)."""
+    seen: list[int] = []
+    prefill = runner.prefill
+
+    def record(slot: int, ids: list[int]) -> Any:
+        seen.append(len(ids))
+        return prefill(slot, ids)
+
+    runner.prefill = record
+    return seen
+
+
+def test_distinct_summary_counts_a_prompt_once(tiny_dir: Callable[..., Path]) -> None:
+    llm = LLM(tiny_dir("qwen3_moe"), device="cpu", dtype="float32", progress=False)
+    runner = llm.runner
+    config = llm.model.config
+    experts = int(config.num_experts)
+    seen = counting_prefills(runner)
+    try:
+        rows = [count_row(runner, n, runner.vocab_size, experts, {}) for n in (23, 40)]
+        assert seen == [23, 40]
+        got = distinct_summary(runner, config, 40, rows)  # the row of that prompt: no prefill
+        assert seen == [23, 40]
+        assert got == {"mean": rows[1]["distinct_mean"], "min": rows[1]["distinct"]["min"],
+                       "max": rows[1]["distinct"]["max"]}
+        again = distinct_summary(runner, config, 40)  # no rows: counted here, the same ids
+        assert seen == [23, 40, 40] and again == got
+        per_layer = [sum(c) / len(c) for c in rows[1]["distinct_per_layer"]]
+        assert got["mean"] == round(sum(per_layer) / len(per_layer), 1)
+        assert got["max"] == round(max(per_layer), 1) and got["min"] == round(min(per_layer), 1)
+        other_ubatch = [count_row(runner, 40, runner.vocab_size, experts, {}, ubatch=8)]
+        distinct_summary(runner, config, 40, other_ubatch)  # another ubatch: counted again
+        assert seen == [23, 40, 40, 40, 40]
+    finally:
+        del runner.prefill
+
+
+def test_count_only_counts_once_with_every_expert_in_host_memory(
+        tiny_dir: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = load_script("engine/bench_prefill.py")
+    configs: list[EngineConfig] = []
+    prefills: list[list[int]] = []
+
+    class Runner(ModelRunner):
+        def __init__(self, *args: Any) -> None:
+            configs.append(args[-1])
+            super().__init__(*args)
+            prefills.append(counting_prefills(self))
+
+    monkeypatch.setattr(script, "ModelRunner", Runner)
+    args = argparse.Namespace(model=str(tiny_dir("qwen3_moe")), weight_format=None, group=None,
+                              shape=None, num_layers=None, ubatch=8, out=tmp_path)
+    result = script.count_only(args, [23])
+    assert [c.gpu_expert_bytes for c in configs] == [0]
+    assert prefills == [[23]]
+    written = json.loads(next(tmp_path.glob("experts_*.json")).read_text())
+    assert written["expert_counts"] == result["expert_counts"]
+    (row,) = result["expert_counts"]
+    assert (row["tokens"], row["ubatch"], row["ubatches"]) == (23, 8, 3)
+    assert all(1 <= n <= row["experts"] for layer in row["distinct_per_layer"] for n in layer)

@@ -146,6 +146,19 @@ def count_rows(runner: ModelRunner, config: Any, lengths: list[int], ubatch: int
     return rows
 
 
+def distinct_summary(runner: ModelRunner, config: Any, tokens: int,
+                     rows: list[dict[str, Any]] | None = None) -> dict[str, float]:
+    """Distinct experts per UBATCH tokens of one random `tokens`-long prompt, over the MoE
+    layers: the mean, min and max of each layer's mean (the prefill sweep's summary). Taken
+    from `rows` (`count_rows`) when one counted that prompt at that ubatch (the same seeded
+    ids, so the same count), else counted here: a sweep counts each prompt once."""
+    row = next((r for r in rows or [] if (r["tokens"], r["ubatch"]) == (tokens, UBATCH)), None)
+    if row is None:
+        row = count_row(runner, tokens, config.vocab_size, int(config.num_experts), {})
+    return {"mean": row["distinct_mean"], "min": row["distinct"]["min"],
+            "max": row["distinct"]["max"]}
+
+
 def print_counts(rows: list[dict[str, Any]]) -> None:
     """The counts as a markdown table."""
     print("| tokens | distinct experts per ubatch: min / median / max over layers (of E) | "
