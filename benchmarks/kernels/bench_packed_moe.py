@@ -90,15 +90,23 @@ def copy_bandwidth(size: int = 1 << 30) -> float:
     return 2 * size / (ms / 1e3)
 
 
+def inputs(t: int, hidden: int, experts: int, k: int,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The t tokens every table of this script times: x [t, H] bf16 from N(0, 1), ids [t, k]
+    k distinct experts per token drawn uniformly, weights [t, k] from U(0, 1); seeded by t, so
+    the main table and both sweeps time the same inputs at the same t."""
+    g = torch.Generator(device=device).manual_seed(t)
+    x = torch.randn(t, hidden, device=device, dtype=torch.bfloat16, generator=g)
+    ids = torch.rand(t, experts, device=device, generator=g).topk(k, dim=1).indices
+    return x, ids, torch.rand(t, k, device=device, generator=g)
+
+
 def time_tokens(moe: CpuMoE, raw: torch.Tensor, t: int, k: int, bandwidth: float,
                 repeats: int) -> dict[str, Any]:
     """One row: the kernels and the unpack path on t random tokens routed to k experts each."""
     (part,) = moe.packed_groups()
     fmt, e, h, i = moe.weight_format, moe.num_experts, moe.hidden, moe.intermediate
-    g = torch.Generator(device="cuda").manual_seed(t)
-    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
-    ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=1).indices
-    weights = torch.rand(t, k, device="cuda", generator=g)
+    x, ids, weights = inputs(t, h, e, k, raw.device)
     touched = int(ids.unique().numel())
 
     def new() -> torch.Tensor:
@@ -156,10 +164,7 @@ def sweep(moe: CpuMoE, raw: torch.Tensor, tokens: list[int], k: int,
     (part,) = moe.packed_groups()
     h, rows = moe.hidden, []
     for t in tokens:
-        g = torch.Generator(device="cuda").manual_seed(t)
-        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
-        ids = torch.rand(t, moe.num_experts, device="cuda", generator=g).topk(k, dim=1).indices
-        weights = torch.rand(t, k, device="cuda", generator=g)
+        x, ids, weights = inputs(t, h, moe.num_experts, k, raw.device)
         small = tile_config(t * k, moe.num_experts) == kernel.SMALL_M
         for cfg in SWEEP["small" if small else "large"]:
             kernel.tile_config = lambda pairs, experts, cfg=cfg: TileConfig(*cfg)
@@ -193,13 +198,10 @@ def pair_sweep(moe: CpuMoE, raw: torch.Tensor, tokens: list[int], k: int, bandwi
     the format's current `PAIR_CONFIGS` shape (fp32 sums in another order: ~1e-6)."""
     (part,) = moe.packed_groups()
     fmt, h, e = moe.weight_format, moe.hidden, moe.num_experts
-    cases, dev = [], raw.device
+    cases = []
     for t in tokens:
-        g = torch.Generator(device=dev).manual_seed(t)
-        ids = torch.rand(t, e, device=dev, generator=g).topk(k, dim=1).indices
-        cases.append((t, torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=g),
-                      ids, torch.rand(t, k, device=dev, generator=g),
-                      ids.unique().numel() * part.expert_bytes / bandwidth * 1e3))
+        x, ids, w = inputs(t, h, e, k, raw.device)
+        cases.append((t, x, ids, w, ids.unique().numel() * part.expert_bytes / bandwidth * 1e3))
 
     def run(cfg: PairConfig, x: torch.Tensor, ids: torch.Tensor,
             w: torch.Tensor) -> torch.Tensor:
