@@ -2,8 +2,9 @@
 against the torch ops it replaces (ops/fused.py `rms_norm`, `pack_moe_inputs`; ops/router.py
 `route`, fused form): h exactly, x within one rounding, the same expert ids and the same
 weights, for each greedy router family's semantics (softmax renormalized, rounded weights,
-sigmoid with a steering bias and a scale), odd expert and hidden counts, batch 1..5. On the GPU
-when there is one, else under Triton's interpreter (tests/kernels/conftest.py)."""
+sigmoid with a steering bias and a scale), odd expert and hidden counts, batch 1..5; and
+DeepSeek-V3's biased `noaux_tc` with one group against a float64 reference too. On the GPU when
+there is one, else under Triton's interpreter (tests/kernels/conftest.py)."""
 
 from __future__ import annotations
 
@@ -82,11 +83,59 @@ def test_matches_the_torch_ops(name: str, b: int, hidden: int, experts: int, top
     assert stage.shape == want_stage.shape and stage.dtype == torch.int32
 
 
-def test_fits_greedy_routers_only() -> None:
+def test_fits_every_router_no_group_limits() -> None:
     assert RouterConfig(8, 2).kernel_fits()
     assert RouterConfig(8, 2, scoring="sigmoid").kernel_fits()
+    assert RouterConfig(8, 2, scoring="sigmoid", topk_method="noaux_tc").kernel_fits()
     assert not RouterConfig(8, 2, topk_method="group_limited_greedy", num_groups=4,
                             topk_groups=2).kernel_fits()
+    assert not RouterConfig(256, 8, scoring="sigmoid", topk_method="noaux_tc", num_groups=8,
+                            topk_groups=4).kernel_fits()  # DeepSeek-V3's own: torch ops
+
+
+def float64_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor,
+                  c: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """`noaux_tc` without a group limit in float64: ids [B, K] chosen by sigmoid + bias, weights
+    [B, K] the unbiased sigmoid scores, renormalized, then scaled."""
+    scores = (x.double() @ router.double().T).sigmoid()  # [B, E]
+    ids = torch.topk(scores + bias.double(), c.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    return ids, weights / weights.sum(-1, keepdim=True) * c.scaling_factor
+
+
+@pytest.mark.parametrize(("b", "hidden", "experts", "top_k", "dtype"), [
+    (1, 256, 64, 8, torch.bfloat16),
+    (3, 200, 20, 6, torch.float32),
+])
+def test_a_biased_choice_matches_the_torch_router_and_float64(b: int, hidden: int, experts: int,
+                                                              top_k: int,
+                                                              dtype: torch.dtype) -> None:
+    """DeepSeek-V3's `noaux_tc` with one group (Kimi-K2's config): the bias steers the choice,
+    the weights are the unbiased scores; the same ids and weights as ops/router.py and a
+    float64 reference on the kernel's own x."""
+    from transformers import DeepseekV3Config
+
+    c = RouterConfig.from_hf(DeepseekV3Config(
+        n_routed_experts=experts, num_experts_per_tok=top_k, n_group=1, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=2.5))
+    assert (c.topk_method, c.has_bias, c.kernel_fits()) == ("noaux_tc", True, True)
+    h, o, norm, router = case(b, hidden, experts, dtype, seed=experts + b)
+    # Bias levels 1 apart (scores lie in (0, 1)): the choice is the bias's order, not the scores'.
+    g = torch.Generator().manual_seed(b)
+    bias = torch.randperm(experts, generator=g).float()
+    want_x = fused.rms_norm(h + o, norm, 1e-6)
+    ids, weights = route(want_x, router, bias, c, fused=True)
+    assert not torch.equal(ids, route(want_x, router, None, c, fused=True)[0])  # it steers
+    got_h, got_x, stage = (t.cpu() for t in moe_router(
+        h.to(HERE), o.to(HERE), norm.to(HERE), 1e-6, router.to(HERE), bias.to(HERE),
+        *c.kernel_args()))
+    x, got_ids, got_weights = fused.unpack_moe_inputs(stage, b, hidden, top_k)
+    assert torch.equal(got_h, h + o) and torch.equal(x, got_x.float())
+    assert torch.equal(got_ids, ids)
+    torch.testing.assert_close(got_weights, weights, atol=1e-7, rtol=1e-6)
+    ref_ids, ref_weights = float64_route(got_x, router, bias, c)
+    assert torch.equal(got_ids, ref_ids)
+    torch.testing.assert_close(got_weights.double(), ref_weights, atol=0, rtol=1e-5)
 
 
 def test_bad_inputs_are_named() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from hetmoe.ops.router import Router, RouterConfig
+from hetmoe.ops.router import Router, RouterConfig, route
 from hetmoe.presets.tiny import FAMILIES, tiny_config
 
 _HF_ROUTERS = {
@@ -86,3 +86,30 @@ def test_config_values_are_checked() -> None:
         RouterConfig(8, 2, scoring="relu")
     with pytest.raises(ValueError, match="n_group=3 must divide 8 experts"):
         RouterConfig(8, 2, topk_method="noaux_tc", num_groups=3)
+    with pytest.raises(ValueError, match=r"^topk_group=3 must be between 1 and n_group=2 for "
+                       r"topk_method 'noaux_tc'$"):
+        RouterConfig(8, 2, topk_method="noaux_tc", num_groups=2, topk_groups=3)
+    with pytest.raises(ValueError, match="topk_group=0 must be between 1 and n_group=1"):
+        RouterConfig(8, 2, topk_method="group_limited_greedy", topk_groups=0)
+
+
+@pytest.mark.parametrize(("method", "groups", "kept", "limited"), [
+    ("greedy", 1, 1, False), ("greedy", 4, 2, False),  # greedy ignores groups, as HF
+    ("noaux_tc", 1, 1, False), ("noaux_tc", 4, 4, False), ("group_limited_greedy", 4, 4, False),
+    ("noaux_tc", 4, 2, True), ("group_limited_greedy", 4, 1, True),
+])
+def test_groups_limit_the_choice_only_when_fewer_are_kept(method: str, groups: int, kept: int,
+                                                           limited: bool) -> None:
+    """`limits_groups` is `route`'s own test: a router it calls unlimited routes as its plain
+    top-k of the (biased) scores, whatever its groups."""
+    c = RouterConfig(16, 3, scoring="sigmoid", topk_method=method, num_groups=groups,
+                     topk_groups=kept)
+    assert c.limits_groups is limited and c.kernel_fits() is not limited
+    gen = torch.Generator().manual_seed(groups + kept)
+    x, weight = torch.randn(64, 32, generator=gen), torch.randn(16, 32, generator=gen)
+    bias = torch.randn(16, generator=gen) if c.has_bias else None
+    ids, weights = route(x, weight, bias, c)
+    scores = (x @ weight.T).sigmoid()
+    plain = torch.topk(scores if bias is None else scores + bias, 3, dim=-1).indices
+    assert torch.equal(ids, plain) is not limited
+    assert torch.equal(weights, scores.gather(1, ids))  # the bias steers the choice only

@@ -12,7 +12,9 @@ layer tail), which Inductor otherwise spreads over ~5 kernels per layer:
 - `topk_kernel`, one program per row: the scores, K argmax passes (lowest id on ties, as
   ops/router.py `top_k_ids`), the weights as the router's config says, its part of the stage.
 
-Greedy routers only (every GQA family here); group-limited ones keep the torch ops.
+Routers whose choice no expert group limits (ops/router.py `RouterConfig.kernel_fits`): greedy
+ones and `noaux_tc` ones with one group, whose bias steers the choice while the weights are the
+unbiased scores; group-limited ones keep the torch ops.
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ def topk_kernel(logits_ptr, bias_ptr, x_ptr, stage_ptr, B, H, E, scaling, K: tl.
                 BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr,
                 BIAS: tl.constexpr, NORM: tl.constexpr, ROUND_WEIGHTS: tl.constexpr):
     """logits [B, E] -> stage[B H + (b K + k) 2 + {0, 1}] = id k as an int64's int32 words,
-    stage[B H + 2 B K + b K + k] = weight k as fp32 bits (ops/router.py `route`, greedy);
-    ROUND_WEIGHTS: to x's dtype."""
+    stage[B H + 2 B K + b K + k] = weight k as fp32 bits (ops/router.py `route`, no group
+    limit; BIAS: bias [E] added to the scores for the choice only); ROUND_WEIGHTS: to x's
+    dtype."""
     b = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
     e = tl.arange(0, BLOCK_E)

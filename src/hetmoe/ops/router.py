@@ -52,9 +52,16 @@ class RouterConfig:
     round_weights: bool = False
     """Qwen rounds the weights to the activations' dtype before use."""
 
+    @property
+    def limits_groups(self) -> bool:
+        """Whether expert groups limit the choice (`route`): a group-limited method with fewer
+        groups to pick from than there are (else its choice is the plain top-k)."""
+        return self.topk_method != "greedy" and self.topk_groups < self.num_groups
+
     def kernel_fits(self) -> bool:
-        """Whether kernels/moe_router.py takes this router (greedy top-k, no expert groups)."""
-        return self.topk_method == "greedy" and self.num_groups == 1
+        """Whether kernels/moe_router.py computes this router exactly: any whose choice no
+        expert group limits (greedy; `noaux_tc` with its steering bias, e.g. one group)."""
+        return not self.limits_groups
 
     def kernel_args(self) -> tuple[int, bool, bool, float, bool, bool]:
         """kernels/moe_router.py `moe_router`'s arguments from top_k on."""
@@ -72,6 +79,9 @@ class RouterConfig:
             )
         if self.num_experts % self.num_groups:
             raise ValueError(f"n_group={self.num_groups} must divide {self.num_experts} experts")
+        if self.topk_method != "greedy" and not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"topk_group={self.topk_groups} must be between 1 and "
+                             f"n_group={self.num_groups} for topk_method {self.topk_method!r}")
 
     @property
     def has_bias(self) -> bool:
@@ -149,7 +159,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         logits = F.linear(x, weight).float()
     scores = logits.softmax(dim=-1) if c.scoring == "softmax" else logits.sigmoid()
     choice = scores + bias.float() if bias is not None else scores
-    if c.topk_method != "greedy" and c.num_groups > 1:
+    if c.limits_groups:
         choice = _limit_groups(choice, c)
     ids = top_k_ids(choice, c.top_k) if fused else torch.topk(choice, c.top_k, dim=-1).indices
     weights = scores.gather(1, ids)  # the bias only steers the choice
