@@ -137,3 +137,25 @@ def test_window_bounds_are_the_masks_first_entries(window: int | None) -> None:
     for row in range(len(pos)):
         keys = mask[row].nonzero().flatten().tolist()
         assert keys == list(range(int(lo[row]), int(pos[row]))), f"row {row}"
+
+
+def test_residual_rounds_each_term_to_h_then_sums_in_order() -> None:
+    h = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    routed = torch.tensor([1 / 3, 2**-9], dtype=torch.float32)  # fp32, as the fused step's
+    shared = torch.tensor([0.25, 2**-9], dtype=torch.bfloat16)
+    terms = routed.to(torch.bfloat16) + shared
+    assert torch.equal(fused.sum_terms([routed, shared], torch.bfloat16), terms)
+    got = fused.residual(h, (routed, shared))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, h + terms)
+    assert fused.residual(h, ()) is h
+
+
+def test_absorbed_weights_are_views_of_kv_b_per_head() -> None:
+    heads, nope, v, rank = 3, 4, 5, 6
+    kv_b = torch.randn(heads * (nope + v), rank, generator=torch.Generator().manual_seed(8))
+    w_k, w_v = fused.absorbed_weights(kv_b, heads, nope, v)
+    assert w_k.shape == (heads, nope, rank) and w_v.shape == (heads, v, rank)
+    assert w_k.data_ptr() == kv_b.data_ptr()  # views: no copy of the weight
+    for head in range(heads):
+        rows = kv_b[head * (nope + v):(head + 1) * (nope + v)]
+        assert torch.equal(w_k[head], rows[:nope]) and torch.equal(w_v[head], rows[nope:])

@@ -17,6 +17,7 @@ from torch import nn
 
 from hetmoe.inject.registry import OpContext, register_op
 from hetmoe.ops.kv_batch import KVBatch, RaggedKV
+from hetmoe.ops.norm import apply_norm
 from hetmoe.ops.rope import apply_rope
 
 
@@ -140,7 +141,7 @@ class StaticKVAttention(nn.Module):
         k = self.k_proj(hidden_states).view(b, s, -1, self.head_dim)  # [B, S, h_kv, D]
         v = self.v_proj(hidden_states).view(b, s, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_norm(self.q_norm, q), apply_norm(self.k_norm, k)
         q = apply_rope(q.transpose(1, 2), position_embeddings)  # [B, h, S, D]
         k = apply_rope(k.transpose(1, 2), position_embeddings)  # [B, h_kv, S, D]
         if kv is None:

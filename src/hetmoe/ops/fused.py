@@ -1,10 +1,13 @@
-"""Decode-step math as pure functions of tensors (weights are arguments, no modules).
+"""The decoder layer's math as pure functions of tensors (weights are arguments, no modules).
 
-One decode step of a decoder layer is a chain of small operations; launched one by one they cost
-~70 GPU kernels per layer at batch 1. Written as pure functions, `torch.compile` (Inductor) fuses
-them into a few kernels, and since the weights are arguments, every layer of a model shares one
-compiled graph (engine/executor/fused_decode.py). Eagerly they are the same math, which the CPU
-tests compare with the module path (HF layers + ops/attention.py, ops/mla.py).
+Both paths call them: the module path (ops/decoder_layer.py, ops/norm.py, ops/attention.py,
+ops/mla.py, ops/moe_step.py: `rms_norm`, `residual`, `sum_terms`, `absorbed_weights`, rope
+through ops/rope.py) and the fused decode step (engine/executor/fused_decode.py), whose other
+functions here are decode's own forms: one decode step of a decoder layer is a chain of small
+operations; launched one by one they cost ~70 GPU kernels per layer at batch 1. Written as pure
+functions, `torch.compile` (Inductor) fuses them into a few kernels, and since the weights are
+arguments, every layer of a model shares one compiled graph. Eagerly they are the same math,
+which the CPU tests compare with the module path.
 
 Shapes: B rows (sequences), one new token each; H hidden, h query heads, h_kv key/value heads,
 D head dim, K experts per token; N cache slots, C cache length; the attended window (the
@@ -12,6 +15,8 @@ runner's window bucket, ops/kv_batch.py `window_bucket`) as n chunks of c = WIND
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +29,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
+
+
+def sum_terms(terms: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """An MLP's output from its terms (routed experts, the previous MoE layer's deferred ones,
+    shared experts), each rounded to `dtype` first, summed in order."""
+    out = terms[0].to(dtype)
+    for t in terms[1:]:
+        out = out + t.to(dtype)
+    return out
+
+
+def residual(h: torch.Tensor, terms: Sequence[torch.Tensor]) -> torch.Tensor:
+    """h + the MLP's terms (`sum_terms` in h's dtype): the residual add after a decoder layer's
+    MLP, on both paths (the module path's terms are in h's dtype already, the fused step's
+    routed output is fp32)."""
+    if not terms:
+        return h
+    return h + sum_terms(terms, h.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -125,6 +148,15 @@ def gqa_decode_attention(
     out = (probs[..., None] * values).sum(-2).sum(-2)  # [B, h_kv, g, D]
     out = out + own_prob * v_new[:, :, None].float()
     return out.to(q.dtype).reshape(b, h * d)
+
+
+def absorbed_weights(kv_b_weight: torch.Tensor, heads: int, nope: int, v_dim: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's kv_b_proj weight [h*(nope+v), r] as the two halves decode folds into the query and
+    the output (views): w_k [h, nope, r], w_v [h, v, r]."""
+    weight = kv_b_weight.view(heads, nope + v_dim, kv_b_weight.shape[-1])
+    w_k, w_v = weight.split([nope, v_dim], dim=1)
+    return w_k, w_v
 
 
 def mla_decode_attention(

@@ -19,7 +19,9 @@ from torch import nn
 
 from hetmoe.inject.registry import OpContext, register_op
 from hetmoe.ops.attention import AttentionOptions, attend, hf_cache, hf_mask
+from hetmoe.ops.fused import absorbed_weights
 from hetmoe.ops.kv_batch import KVBatch, RaggedKV
+from hetmoe.ops.norm import apply_norm
 from hetmoe.ops.rope import apply_rope
 
 
@@ -83,13 +85,13 @@ class MLAttention(nn.Module):
             q = self.q_proj(hidden_states)
         else:  # low-rank query (q_lora_rank set): all three exist
             assert self.q_a_proj and self.q_a_layernorm and self.q_b_proj
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            q = self.q_b_proj(apply_norm(self.q_a_layernorm, self.q_a_proj(hidden_states)))
         q = q.view(b, s, self.num_heads, -1).transpose(1, 2)  # [B, h, S, nope+rope]
         q_pass, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split(
             [self.kv_lora_rank, self.rope_dim], dim=-1
         )
-        latent = self.kv_a_layernorm(latent)  # [B, S, r]
+        latent = apply_norm(self.kv_a_layernorm, latent)  # [B, S, r]
         q_rot = apply_rope(q_rot, position_embeddings, self.interleave)
         k_rot = apply_rope(k_rot[:, None], position_embeddings, self.interleave)[:, 0]  # [B, S, d]
         mask = hf_mask(attention_mask)
@@ -137,8 +139,7 @@ class MLAttention(nn.Module):
         mask [B, 1, S, L], kv_b_weight [h*(nope+v), r] -> [B, S, h, v].
         """
         b, h, s, _ = q_pass.shape
-        weight = kv_b_weight.view(h, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        w_k, w_v = weight.split([self.nope_dim, self.v_dim], dim=1)  # [h, nope, r], [h, v, r]
+        w_k, w_v = absorbed_weights(kv_b_weight, h, self.nope_dim, self.v_dim)  # [h, nope|v, r]
         q_latent = torch.einsum("bhsn,hnr->bhsr", q_pass, w_k)  # [B, h, S, r]
         query = torch.cat((q_latent, q_rot), dim=-1).reshape(b, h * s, -1)  # heads as rows
         keys = torch.cat((latent, k_rot), dim=-1)  # [B, L, r+d]: one key head shared by all

@@ -29,7 +29,7 @@ import torch
 from hetmoe.experts.cpu_backend import CpuExperts
 from hetmoe.experts.expert_function import fp32_experts, needs_grad, routed_experts
 from hetmoe.ops.deferral import check_deferred, split_ids
-from hetmoe.ops.fused import unpack_moe_inputs
+from hetmoe.ops.fused import sum_terms, unpack_moe_inputs
 
 if TYPE_CHECKING:
     from hetmoe.experts.backend import ExpertBackend
@@ -186,10 +186,7 @@ class MoEStep:
         self._mark("moe_start", i)
         link.start(x, ids, weights, self.deferred_at(i))
         terms = self._combine(i, link, lambda: moe.shared(x))
-        out = terms[0]
-        for term in terms[1:]:
-            out = out + term
-        return out.reshape(shape)
+        return sum_terms(terms, hidden_states.dtype).reshape(shape)  # as the fused step sums
 
     def forward_packed(self, i: int, stage: torch.Tensor, rows: int,
                        shared: Callable[[], torch.Tensor | None]) -> list[torch.Tensor]:

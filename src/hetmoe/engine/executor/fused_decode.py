@@ -33,10 +33,11 @@ from typing import Any
 import torch
 
 from hetmoe import env
-from hetmoe.engine.executor.layer_plan import LayerPlan, LayerStatics, eps_of, plan_layers
+from hetmoe.engine.executor.layer_plan import LayerPlan, LayerStatics, plan_layers
 from hetmoe.ops import fused
 from hetmoe.ops.kv_batch import KVBatch
 from hetmoe.ops.moe_step import MoEStep
+from hetmoe.ops.norm import eps_of
 from hetmoe.ops.router import route
 
 RECOMPILE_LIMIT = 64
@@ -46,17 +47,6 @@ attention window is a dynamic dimension, not a variant)."""
 _FUNCTIONS: dict[Any, Callable[..., Any]] = {}
 """Layer functions by (statics or name, compiled), shared by every `FusedDecoder` of the process
 (another runner on the same model shapes reuses the compiled code instead of compiling again)."""
-
-
-def _residual(h: torch.Tensor, terms: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """h + the previous MLP's terms, rounded as the module path rounds them (each term to h's
-    dtype, summed, then added to the residual)."""
-    if not terms:
-        return h
-    out = terms[0].to(h.dtype)
-    for t in terms[1:]:
-        out = out + t.to(h.dtype)
-    return h + out
 
 
 def _layer_tail(s: LayerStatics, h: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor,
@@ -113,7 +103,7 @@ def make_gqa_layer(s: LayerStatics, kernel: bool = False) -> Callable[..., tuple
         qkv_w, qkv_b, qn_w, kn_w, o_w = weights
         assert qkv_w is not None and o_w is not None
         b = h.shape[0]
-        h = _residual(h, terms)  # [B, H]
+        h = fused.residual(h, terms)  # [B, H]
         qkv = fused.linear(fused.rms_norm(h, norms[0], s.eps[0]), qkv_w, qkv_b)
         q, k, v = (t.view(b, -1, head_dim) for t in qkv.split(
             [s.heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
@@ -149,7 +139,7 @@ def make_mla_layer(s: LayerStatics) -> Callable[..., tuple[Any, ...]]:
         assert q_w is not None and kv_a_w is not None and kv_ln_w is not None
         assert w_k is not None and w_v is not None and o_w is not None
         b = h.shape[0]
-        h = _residual(h, terms)
+        h = fused.residual(h, terms)
         xn = fused.rms_norm(h, norms[0], s.eps[0])
         q = fused.linear(xn, q_w, None).view(b, s.heads, 1, nope + rope_dim)
         q_pass, q_rot = q.split([nope, rope_dim], dim=-1)
@@ -179,7 +169,7 @@ def shared_mlp(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
 def final_norm(h: torch.Tensor, terms: tuple[torch.Tensor, ...], weight: torch.Tensor,
                eps: float) -> torch.Tensor:
     """The last layer's residual add and the model's final norm."""
-    return fused.rms_norm(_residual(h, terms), weight, eps)
+    return fused.rms_norm(fused.residual(h, terms), weight, eps)
 
 
 def explain_compile_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from hetmoe.ops.attention import StaticKVAttention
+from hetmoe.ops.fused import absorbed_weights
 from hetmoe.ops.mla import MLAttention
 from hetmoe.ops.moe import HybridMoE
+from hetmoe.ops.norm import eps_of, norm_weight
 from hetmoe.ops.router import RouterConfig
 
 log = logging.getLogger(__name__)
@@ -39,22 +41,9 @@ class LayerStatics:
     """The MoE router's semantics (None: a dense MLP layer)."""
 
 
-def eps_of(norm: nn.Module | None) -> float:
-    """An RMSNorm's epsilon (`variance_epsilon` in HF, `eps` in torch)."""
-    eps = getattr(norm, "variance_epsilon", None)
-    if eps is None:
-        eps = getattr(norm, "eps", None)
-    if not isinstance(eps, float):
-        raise ValueError(f"fused decode needs RMSNorms with an epsilon, found {norm!r}")
-    return eps
-
-
-def _weight(module: nn.Module | None) -> torch.Tensor:
-    """A norm's (or linear's) weight, detached; ValueError when it has none."""
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        raise ValueError(f"fused decode needs a weight on {module!r}")
-    return weight.detach()
+def _norm(module: nn.Module | None) -> torch.Tensor:
+    """An RMSNorm's weight, detached (ops/norm.py checks it is one)."""
+    return norm_weight(module).detach()
 
 
 def _plain(module: object) -> torch.Tensor:
@@ -73,7 +62,7 @@ class LayerPlan:
                 raise ValueError(f"fused decode needs a decoder layer with `{name}`")
         attn, mlp = layer.self_attn, layer.mlp
         self.attn = attn
-        self.norms = (_weight(layer.input_layernorm), _weight(layer.post_attention_layernorm))
+        self.norms = (_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm))
         self.moe: HybridMoE | None = mlp if isinstance(mlp, HybridMoE) else None
         self.window: int | None = None
         if isinstance(attn, StaticKVAttention):
@@ -82,7 +71,7 @@ class LayerPlan:
             q_norm = k_norm = None
             qk_eps = 0.0
             if attn.q_norm is not None and attn.k_norm is not None:
-                q_norm, k_norm = _weight(attn.q_norm), _weight(attn.k_norm)
+                q_norm, k_norm = _norm(attn.q_norm), _norm(attn.k_norm)
                 qk_eps = eps_of(attn.q_norm)
             self.weights: tuple[torch.Tensor | None, ...] = (
                 qkv, bias, q_norm, k_norm, _plain(attn.o_proj))
@@ -93,10 +82,9 @@ class LayerPlan:
             kv_b = attn._plain_kv_b_weight()
             if kv_b is None or attn.q_proj is None:
                 raise ValueError("fused decode needs MLA with q_proj and a plain kv_b_proj")
-            w = kv_b.detach().view(attn.num_heads, attn.nope_dim + attn.v_dim, attn.kv_lora_rank)
-            w_k, w_v = w.split([attn.nope_dim, attn.v_dim], dim=1)
+            w_k, w_v = absorbed_weights(kv_b.detach(), attn.num_heads, attn.nope_dim, attn.v_dim)
             self.weights = (_plain(attn.q_proj), _plain(attn.kv_a_proj_with_mqa),
-                            _weight(attn.kv_a_layernorm), w_k, w_v, _plain(attn.o_proj))
+                            _norm(attn.kv_a_layernorm), w_k, w_v, _plain(attn.o_proj))
             qk_eps = eps_of(attn.kv_a_layernorm)
             dims = (attn.nope_dim, attn.rope_dim, attn.v_dim, attn.kv_lora_rank)
             heads, kind = attn.num_heads, "mla"

@@ -18,8 +18,9 @@ The one runner for prefill and decode, single-threaded (one owner at a time). ON
 With every MoE layer's experts in the CPU backend it composes `MoEOverlap` (the MoE step over
 Python, GPU-streamed or stream-ordered links), `PrefillPlanner` (where prefill experts run),
 `FusedDecoder` and `GraphCache`; decode steps attend over a window bucket of the cache
-(ops/kv_batch.py). Logits are float32. The HF decoder layers run unchanged on the module path; the
-runner owns embedding, rotary positions, the final norm and `lm_head`, and passes a `KVBatch` down.
+(ops/kv_batch.py). Logits are float32. The module path runs each HF decoder layer's steps through
+ops/decoder_layer.py (the fused step's norm and residual functions); the runner owns embedding,
+rotary positions, the final norm and `lm_head`, and passes a `KVBatch` down.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from hetmoe.engine.placement.placement_plan import PlacementPlan
 from hetmoe.engine.placement.placement_policy import TrafficPolicy
 from hetmoe.engine.placement.slots import Placement, placement_plan
 from hetmoe.engine.step import PrefillChunk, StepOutput, StepPlan
+from hetmoe.ops.decoder_layer import decoder_stack
 from hetmoe.ops.kv_batch import KVBatch, RaggedKV, window_bucket
 
 
@@ -344,7 +346,4 @@ class ModelRunner:
         `RaggedKV`'s ids [1, T]: its parts end to end)."""
         hidden = self.base.embed_tokens(ids)
         rotary = self.base.rotary_emb(hidden, kv.positions)
-        for layer in self.base.layers:
-            hidden = layer(hidden, attention_mask=None, position_ids=kv.positions,
-                           position_embeddings=rotary, kv=kv)
-        return self.base.norm(hidden)
+        return decoder_stack(self.base, hidden, rotary, kv)
