@@ -1,28 +1,21 @@
-"""benchmarks/demo_moe_placement.py's replay on a baby model: the hit rate counts the picks whose
+"""benchmarks/demo_moe/placement.py's replay on a baby model: the hit rate counts the picks whose
 expert the engine's slot tables hold, and the traffic policy moves toward the picks."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 
-import pytest
 import torch
-from bench_script import BENCHMARKS, load_script
+from bench_script import load_script
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
 
 
-def placement_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # its sibling demo_moe_routing, as when run
-    return load_script("demo_moe_placement.py")
-
-
 def test_replay_counts_resident_picks_and_traffic_moves_toward_them(
-        engine: Callable[[str, str], LLM], monkeypatch: pytest.MonkeyPatch) -> None:
-    script = placement_script(monkeypatch)
+        engine: Callable[[str, str], LLM]) -> None:
+    script = load_script("demo_moe/placement.py")
     llm = engine("mixtral", "cpu")
     runner = ModelRunner(llm.model, llm.device, llm.dtype, 1, llm.max_seq_len,
                          EngineConfig(gpu_expert_bytes=0))

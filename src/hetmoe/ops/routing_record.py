@@ -3,7 +3,7 @@
 Inside the context a forward hook on every `HybridMoE` router keeps each call's expert ids
 [T, K] as the router returns them (on its device: no copy, no sync), in call order. Its readers:
 pre-placement's routing counts (engine/preplacement.py), the distinct experts per ubatch
-(bench/expert_count.py) and the routing statistics of benchmarks/demo_moe_routing.py. Hooks fire
+(bench/expert_count.py) and the routing statistics of benchmarks/demo_moe/routing.py. Hooks fire
 on module calls only: a compiled decode step routes through `router.route` as a function and
 records nothing; the placement counts its routing inside the captured step instead, on the
 device (engine/placement/slots.py).

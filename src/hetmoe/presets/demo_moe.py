@@ -46,8 +46,8 @@ def build_demo_moe(out: Path, config: MoEficationConfig = MOEFICATION) -> None:
     """Writes the `demo-moe` Mixtral checkpoint into the empty directory `out`."""
     if config.shared_neurons:
         raise ValueError(f"{NAME} is a Mixtral, which has no shared expert: shared_neurons "
-                         f"must be 0, not {config.shared_neurons} (demo_moe_shared.py measures "
-                         "shared variants by masking)")
+                         f"must be 0, not {config.shared_neurons} (benchmarks/demo_moe/shared.py "
+                         "measures shared variants by masking)")
     from transformers import PreTrainedTokenizerFast
 
     from hetmoe.loading.gguf import open_gguf

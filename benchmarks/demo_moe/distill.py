@@ -9,10 +9,10 @@ neuron's activation times its expert's renormalized softmax weight, zero outside
 Mixtral's math, checked against transformers at start), so the trained weights drop into the
 checkpoint unchanged. Prints the held-out perplexity (the quality benchmark's windows) before and
 after, and the wall time of the training alone; with --out writes the distilled checkpoint, which
-`HETMOE_CACHE_DIR=D python benchmarks/demo_moe_quality.py ...` measures when D/models holds it
+`HETMOE_CACHE_DIR=D python benchmarks/demo_moe/quality.py ...` measures when D/models holds it
 as demo-moe-v<version> beside a link to the cached demo-v<version>.
 
-Usage: python benchmarks/demo_moe_distill.py [--steps 40] [--lr 3e-4] [--evals 20] [--out DIR]
+Usage: python benchmarks/demo_moe/distill.py [--steps 40] [--lr 3e-4] [--evals 20] [--out DIR]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from demo_moe_eval import held_out_windows, perplexity
 from safetensors.torch import load_file
 from torch import nn
 from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
@@ -34,7 +35,6 @@ from hetmoe.loading.shards import write_shards
 from hetmoe.presets import resolve_model
 from hetmoe.presets.demo import smollm2_gguf
 from hetmoe.presets.demo_moe import NAME, WINDOW, dense_llama, training_windows
-from hetmoe.presets.demo_moe_corpus import held_out_texts, token_windows
 
 
 class MaskedMoE(nn.Module):
@@ -100,14 +100,9 @@ def distill(student: Any, windows: Sequence[list[int]], targets: Sequence[torch.
     return losses
 
 
-@torch.no_grad()
-def perplexity(model: Any, windows: Sequence[list[int]]) -> float:
-    nll = []
-    for w in windows:
-        ids = torch.tensor([w])
-        logp = model(ids).logits[0, :-1].log_softmax(-1)  # [T-1, V]
-        nll.append(-logp.gather(1, ids[0, 1:, None]).mean())
-    return float(torch.stack(nll).mean().exp())
+def held_out_ppl(model: Any, windows: Sequence[list[int]]) -> float:
+    """Held-out perplexity of a transformers causal LM (one forward per window)."""
+    return perplexity(lambda ids: model(torch.tensor([ids])).logits[0], windows)
 
 
 def main() -> None:
@@ -126,8 +121,8 @@ def main() -> None:
     dense = dense_llama(llama, tensors)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(source))
     windows, _ = training_windows(dense, tokenizer)  # the build's own
-    held = token_windows([tokenizer.encode(t, add_special_tokens=False)
-                          for t in held_out_texts()], WINDOW, args.held_out_windows)
+    held = held_out_windows(lambda t: tokenizer.encode(t, add_special_tokens=False), WINDOW,
+                            args.held_out_windows)
     with torch.no_grad():
         targets = [dense.model(torch.tensor([w])).last_hidden_state[0] for w in windows]
     moe = {}
@@ -142,15 +137,15 @@ def main() -> None:
         gap = (ref(torch.tensor([held[0]])).logits - student(torch.tensor([held[0]])).logits)
     print(f"max |logits - transformers' Mixtral| {gap.abs().max():.2e}")
     del ref
-    print(f"held-out perplexity: dense {perplexity(dense, held):.3f}, "
-          f"{NAME} {perplexity(student, held):.3f}", flush=True)
+    print(f"held-out perplexity: dense {held_out_ppl(dense, held):.3f}, "
+          f"{NAME} {held_out_ppl(student, held):.3f}", flush=True)
     start = time.perf_counter()
     spent = [0.0]
 
     def after_step(step: int) -> None:
         if args.evals and step % args.evals == 0:
             t = time.perf_counter()
-            print(f"step {step}: held-out perplexity {perplexity(student, held):.3f}", flush=True)
+            print(f"step {step}: held-out perplexity {held_out_ppl(student, held):.3f}", flush=True)
             spent[0] += time.perf_counter() - t
 
     losses = distill(student, windows, targets, args.steps, args.lr, after_step)
@@ -159,7 +154,7 @@ def main() -> None:
     print(f"{args.steps} steps, lr {args.lr:g}: {wall:.0f} s training ({wall / args.steps:.2f} s "
           f"per step); train KL {sum(losses[:k]) / k:.3f} (first {k}) -> "
           f"{sum(losses[-k:]) / k:.3f} (last {k}); held-out perplexity "
-          f"{perplexity(student, held):.3f}")
+          f"{held_out_ppl(student, held):.3f}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         for f in source.iterdir():

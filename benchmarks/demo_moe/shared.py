@@ -6,11 +6,11 @@ checkpoint's math with routing weights exactly 1; Mixtral's or Qwen2-MoE's store
 Per variant (shared neurons S, routed experts E, top-k): the build's own steps
 (`moefication.moefy`: the S neurons of largest mean |activation| always on, the rest clustered
 into E experts, routers trained, down refit) on the build's corpus (`demo_moe.training_windows`,
-collected once), then held-out perplexity on the same windows as `demo_moe_quality.py` and
+collected once), then held-out perplexity on the same windows as `quality.py` and
 greedy exact match on its questions (those dense `demo` answers right). Writes JSON and the table
 between docs/benchmarks/demo_moe.md's shared-expert markers.
 
-Usage: python benchmarks/demo_moe_shared.py [--variants 0:16:12,384:12:8] [--windows 6]
+Usage: python benchmarks/demo_moe/shared.py [--variants 0:16:12,384:12:8] [--windows 6]
 """
 
 from __future__ import annotations
@@ -18,26 +18,30 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
-import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from demo_moe_eval import (
+    QUESTIONS,
+    answered_right,
+    held_out_windows,
+    perplexity,
+    stamp,
+    stamp_line,
+    write_marked,
+)
 
-sys.path.insert(0, str(Path(__file__).parent))
-from demo_moe_quality import QUESTIONS  # noqa: E402
-from demo_moe_routing import replace_marked  # noqa: E402
+from hetmoe.loading.gguf import open_gguf
+from hetmoe.presets.demo import smollm2_gguf, write_tokenizer
+from hetmoe.presets.demo_moe import dense_llama, training_windows
+from hetmoe.presets.moefication import MoEficationConfig, MoEfied, collect, moefy
 
-from hetmoe.loading.gguf import open_gguf  # noqa: E402
-from hetmoe.machine import cpu_model, source_commit  # noqa: E402
-from hetmoe.presets.demo import smollm2_gguf, write_tokenizer  # noqa: E402
-from hetmoe.presets.demo_moe import dense_llama, training_windows  # noqa: E402
-from hetmoe.presets.demo_moe_corpus import held_out_texts, token_windows  # noqa: E402
-from hetmoe.presets.moefication import MoEficationConfig, MoEfied, collect, moefy  # noqa: E402
+SCRIPT = "benchmarks/demo_moe/shared.py"
 
 
 def masked_mlp(mlp: Any, x: torch.Tensor, owner: torch.Tensor, router: torch.Tensor,
@@ -68,15 +72,9 @@ def restore(model: Any) -> None:
         del layer.mlp.forward  # the instance attribute: the class's forward again
 
 
-@torch.inference_mode()
-def perplexity(model: Any, windows: list[list[int]]) -> float:
-    """exp(mean NLL) of every next token of `windows` (one forward per window)."""
-    nll, count = 0.0, 0
-    for ids in windows:
-        logits = model(torch.tensor([ids])).logits[0]  # [T, V]
-        nll += F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum").item()
-        count += len(ids) - 1
-    return math.exp(nll / count)
+def logits_of(model: Any) -> Callable[[list[int]], torch.Tensor]:
+    """The logits [T, V] of one window under a transformers causal LM."""
+    return lambda ids: model(torch.tensor([ids])).logits[0]
 
 
 @torch.inference_mode()
@@ -91,11 +89,6 @@ def replies(model: Any, tokenizer: Any, questions: list[str], max_new: int) -> l
                              pad_token_id=tokenizer.pad_token_id)
         out.append(tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
     return out
-
-
-def right(questions: list[int], texts: list[str]) -> list[int]:
-    return [q for q, t in zip(questions, texts, strict=True)
-            if any(a in t.lower() for a in QUESTIONS[q][1])]
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -113,11 +106,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     downs = [layer.mlp.down_proj.weight for layer in model.model.layers]
     common = time.perf_counter() - start
     print(f"corpus and activations: {common:.0f} s", flush=True)
-    held = token_windows([tokenizer.encode(t) for t in held_out_texts()], args.window,
-                         args.windows)
+    held = held_out_windows(tokenizer.encode, args.window, args.windows)
     all_q = list(range(len(QUESTIONS)))
-    kept = right(all_q, replies(model, tokenizer, [q for q, _ in QUESTIONS], args.max_new_tokens))
-    result: dict[str, Any] = {"dense_ppl": perplexity(model, held), "common_s": common,
+    kept = answered_right(all_q, replies(model, tokenizer, [q for q, _ in QUESTIONS],
+                                         args.max_new_tokens))
+    result: dict[str, Any] = {"dense_ppl": perplexity(logits_of(model), held), "common_s": common,
                               "questions": [QUESTIONS[q][0] for q in kept], "rows": []}
     print(f"dense ppl {result['dense_ppl']:.3f}, {len(kept)} questions right", flush=True)
     for shared, experts, top_k in args.variants:
@@ -126,13 +119,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         fit = moefy(acts, downs, config)
         fit_s = time.perf_counter() - start
         patch(model, fit, top_k)
-        ppl = perplexity(model, held)
+        ppl = perplexity(logits_of(model), held)
         texts = replies(model, tokenizer, result["questions"], args.max_new_tokens)
         restore(model)
         active = shared + top_k * (downs[0].shape[1] - shared) // experts
         row = {"shared": shared, "experts": experts, "top_k": top_k,
                "neurons": active / downs[0].shape[1], "ppl": ppl,
-               "right": len(right(kept, texts)), "recall": fit.recall, "fit_s": fit_s,
+               "right": len(answered_right(kept, texts)), "recall": fit.recall, "fit_s": fit_s,
                "replies": texts}
         result["rows"].append(row)
         print(f"S={shared} E={experts} k={top_k}: ppl {ppl:.3f} "
@@ -174,17 +167,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     result = measure(args)
-    command = "python benchmarks/demo_moe_shared.py " + " ".join(argv or sys.argv[1:])
-    result.update(command=command.strip(), date=time.strftime("%Y-%m-%d", time.gmtime()),
-                  machine=f"{cpu_model()}, {torch.get_num_threads()} torch threads",
-                  git=source_commit(Path(__file__).resolve().parents[1]))
+    result.update(stamp(__file__, argv))
     print(table(result))
     (args.out / "demo_moe_shared.json").write_text(json.dumps(result, indent=1) + "\n")
-    header = (f"`{result['command']}` ({result['date']}, {result['machine']}, git "
-              f"{result['git']}; corpus and activations {result['common_s']:.0f} s)")
-    replace_marked(args.out / "demo_moe.md", "shared",
-                   "<!-- shared: written by benchmarks/demo_moe_shared.py -->",
-                   "<!-- /shared -->", f"{header}\n\n{table(result)}")
+    header = stamp_line(result, f"corpus and activations {result['common_s']:.0f} s")
+    write_marked(args.out / "demo_moe.md", "shared", SCRIPT, f"{header}\n\n{table(result)}")
     return result
 
 

@@ -5,7 +5,7 @@ Per layer, over every (token, slot) pick of the router on the windows, in token 
 - Gini coefficient of the experts' pick counts (0 = uniform);
 - hit rate of an LRU and an LFU cache of c experts per layer, token by token, updated between
   tokens (uniform routing: c / E).
-Used by benchmarks/demo_moe_quality.py.
+Used by quality.py.
 
 Run alone, it answers SMoE's prefetch question on `demo-moe`: a gate-shaped model (linear, or an
 MLP with --hidden N) trained on the build's training documents predicts layer i+1's experts from
@@ -13,7 +13,7 @@ layer i's MoE input (or output, --source output); hit rates on the held-out text
 layer i's own picks, the most-frequent (LFU) experts and layer i+1's router applied to layer i's
 input (pre-gating); writes the JSON's "predictor" field and the doc's predictor table.
 
-Usage: python benchmarks/demo_moe_routing.py [--train-windows 24] [--windows 6] [--window 256]
+Usage: python benchmarks/demo_moe/routing.py [--train-windows 24] [--windows 6] [--window 256]
                                              [--hidden 0] [--steps 300] [--source input]
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -31,37 +30,25 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from demo_moe_eval import (
+    held_out_windows,
+    prefill_with,
+    record_picks,
+    stamp,
+    stamp_line,
+    write_marked,
+)
 
 from hetmoe import LLM
 from hetmoe.engine.executor.runner import ModelRunner
-from hetmoe.machine import cpu_model, source_commit
 from hetmoe.ops.moe import moe_layers
-from hetmoe.ops.routing_record import record_routing
 from hetmoe.presets import resolve_model
-from hetmoe.presets.demo_moe_corpus import held_out_texts, token_windows, train_texts
+from hetmoe.presets.demo_moe_corpus import token_windows, train_texts
+
+SCRIPT = "benchmarks/demo_moe/routing.py"
 
 CACHE_SHARES = (0.25, 0.5, 0.75)
 """Cache sizes as shares of a layer's experts."""
-
-
-def prefill_with(runner: ModelRunner, windows: list[list[int]],
-                 hooks: list[torch.utils.hooks.RemovableHandle]) -> None:
-    """Prefills each window alone in slot 0 while `hooks` record, then removes them."""
-    try:
-        for ids in windows:
-            runner.lengths[0] = 0
-            runner.prefill(0, ids)
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-@torch.inference_mode()
-def record_picks(llm: LLM, runner: ModelRunner, windows: list[list[int]]) -> list[torch.Tensor]:
-    """Expert ids [N, K] each MoE layer's router picks over the windows (prefill, exact)."""
-    with record_routing(llm.model) as routing:
-        prefill_with(runner, windows, [])
-    return routing.picks()
 
 
 def gini(counts: torch.Tensor) -> float:
@@ -219,11 +206,11 @@ def predictor_stats(args: argparse.Namespace, log: Callable[[str], None]) -> dic
     top_k = moe_layers(llm.model)[0].gate.config.top_k
     gates = torch.stack([m.gate.weight.float() for m in moe_layers(llm.model)])  # [L, E, H]
 
-    def windows(texts: list[str], count: int) -> list[list[int]]:
-        return token_windows([llm.encode(t) for t in texts], args.window, count)
-
-    train = record_states(llm, runner, windows(train_texts(), args.train_windows), args.source)
-    test = record_states(llm, runner, windows(held_out_texts(), args.windows), args.source)
+    train_windows = token_windows([llm.encode(t) for t in train_texts()], args.window,
+                                  args.train_windows)
+    train = record_states(llm, runner, train_windows, args.source)
+    test = record_states(llm, runner, held_out_windows(llm.encode, args.window, args.windows),
+                         args.source)
     log(f"recorded {train[0].shape[1]} training / {test[0].shape[1]} held-out tokens")
     start = time.perf_counter()
     predict = train_predictors(train[0][:-1], multi_hot(train[2][1:], num_experts), args.hidden,
@@ -261,21 +248,9 @@ def predictor_table(pred: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def replace_marked(doc: Path, what: str, begin: str, end: str, body: str) -> None:
-    """Replaces the text between the doc's `what` markers `begin` and `end` by `body` (the prose
-    around them is kept); the demo scripts' reports each own a pair."""
-    text = doc.read_text()
-    if begin not in text or end not in text:
-        raise ValueError(f"{doc} lacks the {what} markers {begin!r} ... {end!r}")
-    head, rest = text.split(begin, 1)
-    doc.write_text(f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}")
-
-
 def write_doc(doc: Path, table: str, header: str) -> None:
     """Replaces the text between the doc's predictor markers (the prose around them is kept)."""
-    replace_marked(doc, "predictor",
-                   "<!-- predictor: written by benchmarks/demo_moe_routing.py -->",
-                   "<!-- /predictor -->", f"{header}\n\n{table}")
+    write_marked(doc, "predictor", SCRIPT, f"{header}\n\n{table}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -291,20 +266,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     pred = predictor_stats(args, lambda line: print(line, flush=True))
-    pred["date"] = time.strftime("%Y-%m-%d", time.gmtime())
-    pred["machine"] = f"{cpu_model()}, {torch.get_num_threads()} torch threads"
-    pred["git"] = source_commit(Path(__file__).resolve().parents[1])
-    pred["command"] = ("python benchmarks/demo_moe_routing.py " + " ".join(
-        argv if argv is not None else sys.argv[1:])).strip()
+    pred.update(stamp(__file__, argv))
     table = predictor_table(pred)
     print(table)
     path = args.out / "demo_moe.json"
     result = json.loads(path.read_text()) if path.exists() else {}
     result["predictor"] = pred
     path.write_text(json.dumps(result, indent=1) + "\n")
-    write_doc(args.out / "demo_moe.md", table,
-              f"`{pred['command']}` ({pred['date']}, {pred['machine']}, git {pred['git']}; "
-              f"{pred['train_tokens']} training / {pred['held_out_tokens']} held-out tokens)")
+    write_doc(args.out / "demo_moe.md", table, stamp_line(
+        pred, f"{pred['train_tokens']} training / {pred['held_out_tokens']} held-out tokens"))
     return pred
 
 

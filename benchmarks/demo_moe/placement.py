@@ -15,7 +15,7 @@ counts the (token, expert) pairs that found their expert resident. Placements pe
   ceiling, not a policy).
 Uniform routing would hit the budget share.
 
-Usage: python benchmarks/demo_moe_placement.py [--windows 6] [--train-windows 24]
+Usage: python benchmarks/demo_moe/placement.py [--windows 6] [--train-windows 24]
                                                [--shares 0.125,0.25,0.5,0.75] [--interval 16]
 """
 
@@ -23,21 +23,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from demo_moe_routing import record_picks, replace_marked
+from demo_moe_eval import held_out_windows, record_picks, stamp, stamp_line, write_marked
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.placement.placement_policy import TrafficPolicy
-from hetmoe.machine import cpu_model, source_commit
 from hetmoe.presets import resolve_model
-from hetmoe.presets.demo_moe_corpus import held_out_texts, token_windows, train_texts
+from hetmoe.presets.demo_moe_corpus import token_windows, train_texts
+
+SCRIPT = "benchmarks/demo_moe/placement.py"
 
 POLICIES = ("static", "profile", "traffic", "profile + traffic", "hindsight")
 
@@ -99,9 +99,7 @@ def table(rows: list[dict[str, Any]], interval: int) -> str:
 
 def write_doc(doc: Path, text: str) -> None:
     """Replaces the text between the doc's hit-rate markers (the prose around them is kept)."""
-    replace_marked(doc, "hit-rate",
-                   "<!-- hit rate: written by benchmarks/demo_moe_placement.py -->",
-                   "<!-- /hit rate -->", text)
+    write_marked(doc, "hit rate", SCRIPT, text)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -120,23 +118,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     runner = ModelRunner(llm.model, llm.device, llm.dtype, 1, args.window,
                          EngineConfig(gpu_expert_bytes=0))
 
-    def windows(texts: list[str], count: int) -> list[list[int]]:
-        return token_windows([llm.encode(t) for t in texts], args.window, count)
-
     start = time.perf_counter()
-    train = record_picks(llm, runner, windows(train_texts(), args.train_windows))
-    test = record_picks(llm, runner, windows(held_out_texts(), args.windows))
+    train_windows = token_windows([llm.encode(t) for t in train_texts()], args.window,
+                                  args.train_windows)
+    train = record_picks(llm, runner, train_windows)
+    test = record_picks(llm, runner, held_out_windows(llm.encode, args.window, args.windows))
     num_experts = int(llm.model.config.num_local_experts)
     print(f"recorded {train[0].shape[0]} profile / {test[0].shape[0]} held-out tokens in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
     rows = hit_rates(runner, train, test, shares, args.interval, num_experts)
-    command = " ".join(["python benchmarks/demo_moe_placement.py",
-                        *(argv if argv is not None else sys.argv[1:])])
-    text = (f"`{command}` ({time.strftime('%Y-%m-%d', time.gmtime())}, CPU-measured: "
-            f"{cpu_model()}, git {source_commit(Path(__file__).resolve().parents[1])}; "
-            f"{test[0].shape[0]} held-out tokens x {len(test)} MoE layers, top-"
-            f"{test[0].shape[1]} of {num_experts}; profile from {train[0].shape[0]} training "
-            f"tokens)\n\n{table(rows, args.interval)}")
+    line = stamp_line(stamp(__file__, argv), (
+        f"{test[0].shape[0]} held-out tokens x {len(test)} MoE layers, top-{test[0].shape[1]} of "
+        f"{num_experts}; profile from {train[0].shape[0]} training tokens"))
+    text = f"{line}\n\n{table(rows, args.interval)}"
     print(text)
     if args.doc:
         write_doc(Path(args.doc), text)

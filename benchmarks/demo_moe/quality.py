@@ -11,7 +11,7 @@ Measures, on the CPU with torch experts in fp32 (exact arithmetic; what the GPU 
 - routing statistics per layer on the held-out text (skew, Gini, LRU/LFU hit rates).
 Writes JSON, a PNG, and the tables into docs/benchmarks/demo_moe.md between its table markers.
 
-Usage: python benchmarks/demo_moe_quality.py [--windows 6] [--window 512] [--max-new-tokens 16]
+Usage: python benchmarks/demo_moe/quality.py [--windows 6] [--window 512] [--max-new-tokens 16]
                                              [--affected 0,2,4]
 """
 
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,46 +26,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from demo_moe_eval import (
+    QUESTIONS,
+    answered_right,
+    exact_match,
+    held_out_windows,
+    markers,
+    perplexity,
+    stamp,
+    stamp_line,
+    write_marked,
+)
+from routing import routing_stats, routing_table
 
-sys.path.insert(0, str(Path(__file__).parent))
-from demo_moe_routing import replace_marked, routing_stats, routing_table  # noqa: E402
+from hetmoe import LLM
+from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.ops.moe import moe_layers
+from hetmoe.ops.moe_step import BackendLink, MoEStep
+from hetmoe.presets import resolve_model
 
-from hetmoe import LLM  # noqa: E402
-from hetmoe.engine.executor.runner import ModelRunner  # noqa: E402
-from hetmoe.machine import cpu_model, source_commit  # noqa: E402
-from hetmoe.ops.moe import moe_layers  # noqa: E402
-from hetmoe.ops.moe_step import BackendLink, MoEStep  # noqa: E402
-from hetmoe.presets import resolve_model  # noqa: E402
-from hetmoe.presets.demo_moe_corpus import held_out_texts, token_windows  # noqa: E402
-
-QUESTIONS: list[tuple[str, tuple[str, ...]]] = [
-    ("What is the capital of France?", ("paris",)),
-    ("What is the capital of Germany?", ("berlin",)),
-    ("What is the capital of Italy?", ("rome",)),
-    ("What is the capital of Japan?", ("tokyo",)),
-    ("What is the capital of Spain?", ("madrid",)),
-    ("What is the capital of the United Kingdom?", ("london",)),
-    ("How many days are there in a week?", ("seven", "7")),
-    ("What color is the sky on a clear day?", ("blue",)),
-    ("What is 2 + 2?", ("4", "four")),
-    ("Who wrote Romeo and Juliet?", ("shakespeare",)),
-    ("What is the largest planet in our solar system?", ("jupiter",)),
-    ("What is the chemical formula of water?", ("h2o", "h₂o")),
-    ("Which planet is known as the Red Planet?", ("mars",)),
-    ("How many legs does a spider have?", ("eight", "8")),
-    ("What is the opposite of hot?", ("cold",)),
-    ("What language is spoken in Brazil?", ("portuguese",)),
-    ("Who painted the Mona Lisa?", ("leonardo", "vinci")),
-    ("What is the currency of Japan?", ("yen",)),
-    ("What is the tallest mountain in the world?", ("everest",)),
-    ("What do bees make?", ("honey",)),
-    ("What is the boiling point of water in degrees Celsius?", ("100",)),
-    ("How many continents are there on Earth?", ("seven", "7")),
-    ("What is the largest ocean on Earth?", ("pacific",)),
-    ("What animal is known as the king of the jungle?", ("lion",)),
-]
-"""(question, accepted answers): right when the reply contains one of them (case-folded)."""
+SCRIPT = "benchmarks/demo_moe/quality.py"
 
 
 class SkipLink(BackendLink):
@@ -93,26 +71,31 @@ def attached(llm: LLM, mode: str, affected: int) -> Iterator[MoEStep]:
 
 
 @torch.inference_mode()
-def perplexity(runner: ModelRunner, windows: list[list[int]], step: MoEStep,
-               exact: list[torch.Tensor] | None = None) -> tuple[float, float]:
-    """exp(mean NLL) of every next token of `windows`, all positions in decode phase; and the
-    mean KL(exact || this) of the next-token distributions against `exact` (per window
+def perplexity_kl(runner: ModelRunner, windows: list[list[int]], step: MoEStep,
+                  exact: list[torch.Tensor] | None = None) -> tuple[float, float]:
+    """Held-out perplexity with every position in decode phase (each token as if decoded), and
+    the mean KL(exact || this) of the next-token distributions against `exact` (per window
     log-probs [T, V]; appended to when empty: the exact pass records them)."""
-    nll, kl, count = 0.0, 0.0, 0
+    kl, count = 0.0, 0
     record = exact is not None and not exact
-    for w, ids in enumerate(windows):
+
+    def logits_of(ids: list[int]) -> torch.Tensor:
         runner.lengths[0] = 0
         with step.phase(decoding=True):
-            logp = runner.prefill_logits(0, ids).log_softmax(-1)  # [T, V]
-        nll += F.nll_loss(logp[:-1], torch.tensor(ids[1:]), reduction="sum").item()
-        count += len(ids) - 1
+            return runner.prefill_logits(0, ids)  # [T, V]
+
+    def against_exact(w: int, logp: torch.Tensor) -> None:
+        nonlocal kl, count
+        count += logp.shape[0] - 1
         if exact is None:
-            continue
+            return
         if record:
             exact.append(logp.half())
         ref = exact[w].float()
         kl += (ref.exp() * (ref - logp)).sum(-1)[:-1].sum().item()
-    return math.exp(nll / count), kl / count
+
+    ppl = perplexity(logits_of, windows, against_exact)
+    return ppl, kl / count
 
 
 @torch.inference_mode()
@@ -142,13 +125,11 @@ def answers(llm: LLM, runner: ModelRunner, questions: list[str], step: MoEStep,
     return [llm.decode(r) for r in replies]
 
 
-def exact_match(llm: LLM, runner: ModelRunner, step: MoEStep, questions: list[int],
-                max_new: int) -> tuple[float, list[str]]:
-    """Share of `questions` (indices into QUESTIONS) answered right, and the replies."""
+def ask(llm: LLM, runner: ModelRunner, step: MoEStep, questions: list[int],
+        max_new: int) -> tuple[float, list[str]]:
+    """Exact match over `questions` (indices into QUESTIONS), and the replies."""
     replies = answers(llm, runner, [QUESTIONS[q][0] for q in questions], step, max_new)
-    right = [any(a in r.lower() for a in QUESTIONS[q][1]) for q, r in zip(questions, replies,
-                                                                          strict=True)]
-    return sum(right) / max(len(right), 1), replies
+    return exact_match(questions, replies), replies
 
 
 def load(name: str, max_seq_len: int) -> tuple[LLM, ModelRunner]:
@@ -159,15 +140,14 @@ def load(name: str, max_seq_len: int) -> tuple[LLM, ModelRunner]:
 
 def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     dense, dense_runner = load("demo", args.window)
-    tokens = [dense.encode(t) for t in held_out_texts()]
-    windows = token_windows(tokens, args.window, args.windows)
+    windows = held_out_windows(dense.encode, args.window, args.windows)
     result: dict[str, Any] = {"held_out_tokens": sum(len(w) for w in windows)}
     with attached(dense, "defer", 0) as step:
-        result["dense_ppl"] = perplexity(dense_runner, windows, step)[0]
+        result["dense_ppl"] = perplexity_kl(dense_runner, windows, step)[0]
         log(f"dense ppl {result['dense_ppl']:.3f}")
         all_q = list(range(len(QUESTIONS)))
-        _, replies = exact_match(dense, dense_runner, step, all_q, args.max_new_tokens)
-    kept = [q for q in all_q if any(a in replies[q].lower() for a in QUESTIONS[q][1])]
+        _, replies = ask(dense, dense_runner, step, all_q, args.max_new_tokens)
+    kept = answered_right(all_q, replies)
     result["dense_replies"] = {QUESTIONS[q][0]: replies[q] for q in all_q}
     result["questions"] = [QUESTIONS[q][0] for q in kept]
     log(f"dense answers {len(kept)}/{len(all_q)} right; those are the question set")
@@ -180,8 +160,8 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
         for mode in ("defer", "skip") if affected else ("exact",):
             with attached(moe, mode, affected) as step:
                 start = time.perf_counter()
-                ppl, kl = perplexity(runner, windows, step, exact)
-                em, replies = exact_match(moe, runner, step, kept, args.max_new_tokens)
+                ppl, kl = perplexity_kl(runner, windows, step, exact)
+                em, replies = ask(moe, runner, step, kept, args.max_new_tokens)
             rows.append({"mode": mode, "affected": affected, "ppl": ppl, "kl": kl,
                          "exact_match": em, "replies": replies})
             log(f"{mode:5s} {affected}: ppl {ppl:.3f} ({ppl / result['dense_ppl'] - 1:+.1%}), "
@@ -229,16 +209,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_doc(doc: Path, result: dict[str, Any], command: str) -> None:
+def write_doc(doc: Path, result: dict[str, Any]) -> None:
     """Replaces the text between the doc's table markers (the prose around them is kept)."""
-    begin, end = "<!-- tables: written by benchmarks/demo_moe_quality.py -->", "<!-- /tables -->"
     if not doc.exists():
+        begin, end = markers("tables", SCRIPT)
         doc.write_text(f"# demo-moe\n\n{begin}\n{end}\n")
-    body = (f"`{command}` ({result['date']}, {result['machine']}, git {result['git']}; "
-            f"{result['held_out_tokens']} held-out tokens, {len(result['questions'])} questions)"
-            f"\n\n{deferral_table(result)}\n\n![deferral vs skipping](demo_moe_deferral.png)\n\n"
-            f"{routing_table(result['routing'])}")
-    replace_marked(doc, "table", begin, end, body)
+    line = stamp_line(result, f"{result['held_out_tokens']} held-out tokens, "
+                              f"{len(result['questions'])} questions")
+    body = (f"{line}\n\n{deferral_table(result)}\n\n"
+            f"![deferral vs skipping](demo_moe_deferral.png)\n\n{routing_table(result['routing'])}")
+    write_marked(doc, "tables", SCRIPT, body)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -252,17 +232,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     result = measure(args, lambda line: print(line, flush=True))
-    result["date"] = time.strftime("%Y-%m-%d", time.gmtime())
-    result["machine"] = f"{cpu_model()}, {torch.get_num_threads()} torch threads"
-    result["git"] = source_commit(Path(__file__).resolve().parents[1])
-    command = "python benchmarks/demo_moe_quality.py " + " ".join(argv or sys.argv[1:])
-    result["command"] = command.strip()
+    result.update(stamp(__file__, argv))
     print(deferral_table(result))
     print(routing_table(result["routing"]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "demo_moe.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, args.out / "demo_moe_deferral.png")
-    write_doc(args.out / "demo_moe.md", result, result["command"])
+    write_doc(args.out / "demo_moe.md", result)
     return result
 
 
