@@ -11,7 +11,8 @@ graph replay (decode's use), and both paths of the kernels at those T: pairs gro
 
 `--pair-sweep FORMATS` instead times the pair kernels' launch shapes (`PairConfig`) at
 `--pair-tokens` (1,8,16) as CUDA graph replays, gate/up shapes first then down shapes with the
-best gate/up one, and prints each format's best against its bytes floor and the line for
+best gate/up one, then (int8, int4, fp8) the current, best gate/up and best shapes factored
+(`PairConfig.factored`), and prints each format's best against its bytes floor and the line for
 `PAIR_CONFIGS` (JSON: packed_moe_pair_sweep.json).
 """
 
@@ -232,6 +233,10 @@ def pair_sweep(moe: CpuMoE, raw: torch.Tensor, tokens: list[int], k: int, bandwi
     for bn, split, warps in PAIR_SWEEP_DOWN:
         time_config(dataclasses.replace(PairConfig(*best["config"]), block_n_down=bn,
                                         split_down=split, warps_down=warps))
+    if fmt != "bf16":  # the factored weights (no bf16 rounding: ~1e-3 from the current shape)
+        fastest = min(rows, key=lambda r: r["score"])
+        for shape in dict.fromkeys(tuple(r["config"]) for r in (rows[0], best, fastest)):
+            time_config(dataclasses.replace(PairConfig(*shape), factored=True))
     return rows
 
 

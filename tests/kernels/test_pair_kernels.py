@@ -7,12 +7,15 @@ interpreter (tests/kernels/conftest.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hopper_compile import assert_compiles_for_hopper
-from test_packed_moe import HERE, edge_case, make_layer, reference, rel_error, routing
+from test_packed_moe import HERE, Layer, edge_case, make_layer, reference, rel_error, routing
 
-from hetmoe.kernels.packed_moe import PairConfig, packed_moe, share_steps
+from hetmoe.experts.packed_layout import unpack_group
+from hetmoe.kernels.packed_moe import PairConfig, factored_span, packed_moe, share_steps
 
 CONFIGS = [
     PairConfig(16, 2, 128, 2, 2, 2, 2),  # 2 gate/up shares: fp32 sums, the SiLU in down
@@ -59,6 +62,57 @@ def test_shares_mark_an_id_past_the_experts() -> None:
     assert rel_error(out[:2], reference(layer, x, ids, weights)[:2]) < 2e-3
 
 
+# factored: every quantized format and group sizes 32 / 64 / 128 / 256 (spans of 1, 2, 4 halves
+# and one capped by a 3-block step), gate/up and down shares of 1 and more, odd sizes padded
+FACTORED = [
+    (("int8", 4, 100, 192, 32), PairConfig(16, 2, 128, 2, 2, 2, 2, True)),
+    (("int8", 4, 256, 384, 128), PairConfig(32, 1, 64, 3, 4, 4, 4, True)),
+    (("int8", 3, 192, 256, 64), PairConfig(64, 4, 16, 4, 1, 1, 8, True)),
+    (("int4", 4, 72, 128, 32), PairConfig(32, 1, 64, 1, 4, 4, 4, True)),
+    (("int4", 3, 256, 384, 128), PairConfig(16, 1, 32, 2, 3, 2, 2, True)),
+    (("int4", 3, 512, 256, 256), PairConfig(16, 2, 64, 1, 4, 4, 4, True)),
+    (("fp8", 4, 128, 128, 64), PairConfig(16, 8, 32, 3, 8, 4, 4, True)),
+    (("fp8", 4, 256, 384, 128), PairConfig(32, 1, 64, 1, 4, 4, 4, True)),
+]
+
+
+def exact(layer: Layer) -> Layer:
+    """`layer` with its weights unpacked in float64 without the bf16 rounding of scale * q."""
+    fmt, (e, size) = layer.moe.weight_format, (layer.gate_up.shape[0], layer.part.expert_bytes)
+    gate_up, down = unpack_group(layer.raw.view(e, size), layer.part, fmt, layer.moe.hidden,
+                                 layer.moe.group_size, torch.float64)
+    return dataclasses.replace(layer, gate_up=gate_up, down=down)
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize(("shape", "cfg"), FACTORED,
+                         ids=["-".join(map(str, (*s, *vars(c).values()))) for s, c in FACTORED])
+def test_factored_equals_float64_of_the_exact_weights(shape: tuple, cfg: PairConfig) -> None:
+    """No bf16 weight: within 1e-4 of float64 on the unrounded weights (the current kernels
+    sit ~1e-3 off it, their weights' bf16 rounding), nearer than the rounded kernels are."""
+    fmt, _, h, _, group = shape
+    layer, x, ids, weights = edge_case(shape, 3)
+    args = (x.to(HERE), ids.to(HERE), weights.to(HERE), layer.raw.to(HERE), layer.part, fmt, h,
+            group)
+    out = packed_moe(*args, path="pairs", pair_config=cfg).cpu()
+    rounded = packed_moe(*args, path="pairs",
+                         pair_config=dataclasses.replace(cfg, factored=False)).cpu()
+    ref = reference(exact(layer), x, ids, weights)
+    assert torch.equal(out[1], torch.zeros(h))  # a row routed nowhere
+    assert rel_error(out, ref) < 1e-4
+    assert rel_error(out, ref) < rel_error(rounded, ref) / 4
+
+
+@pytest.mark.parametrize(("fmt", "group", "unroll", "factored", "want"), [
+    ("int8", 128, 4, True, 4), ("int8", 128, 1, True, 2), ("int4", 32, 4, True, 1),
+    ("fp8", 256, 3, True, 2), ("int8", 256, 4, True, 8), ("bf16", 64, 4, True, 0),
+    ("int8", 128, 4, False, 0)])
+def test_factored_span_stays_in_a_group_and_a_step(fmt: str, group: int, unroll: int,
+                                                   factored: bool, want: int) -> None:
+    cfg = PairConfig(32, 1, 64, 1, unroll, 4, 4, factored)
+    assert factored_span(cfg, fmt, group, unroll) == want
+
+
 @pytest.mark.parametrize(("blocks", "split", "unroll", "want"), [
     (32, 4, 4, (4, 4)), (32, 1, 4, (1, 4)), (12, 8, 4, (6, 2)), (12, 4, 4, (4, 3)),
     (3, 2, 4, (1, 3)), (1, 16, 8, (1, 1)), (12, 16, 8, (12, 1))])
@@ -74,6 +128,7 @@ def test_shares_and_unroll_are_the_most_that_divide_the_loop(
     ({"split_down": 17}, "split_down must be from 1 to 16, got 17"),
     ({"k_unroll": 9}, "k_unroll must be from 1 to 8, got 9"),
     ({"warps_down": 3}, "warps_down must be one of 1, 2, 4, 8, got 3"),
+    ({"factored": 1}, "factored must be True or False, got 1"),
 ])
 def test_a_bad_launch_shape_is_named(change: dict, message: str) -> None:
     fields = {**vars(CONFIGS[0]), **change}
@@ -82,6 +137,8 @@ def test_a_bad_launch_shape_is_named(change: dict, message: str) -> None:
 
 
 SCRIPT = """
+from dataclasses import replace
+
 from hopper_compile import compile_for_hopper
 
 from hetmoe.kernels import dequant, packed_moe as pm
@@ -99,18 +156,21 @@ def build(fn, warps, act, **consts):
     compile_for_hopper(fn, types, aligned=True, options={"num_warps": warps}, **consts)
 
 
-# Hp = 2048 (32 blocks), S = 768 (12 blocks), top-8: each format's chosen shape and 4 shares
+# Hp = 2048 (32 blocks), S = 768 (12 blocks), top-8: each format's chosen shape, 4 shares, and
+# factored: the chosen shape and one of 2 gate/up shares, a block a step (a span capped at 2)
 for fmt, code in dequant.FORMAT_CODES.items():
     mem, g = dequant.MEMORY_ORDER[fmt], 32 if fmt == "int4" else 128
     chosen = pm.PAIR_CONFIGS[fmt]
-    for cfg in (chosen, pm.PairConfig(16, 4, 128, 4, 3, 2, 8)):
+    factored = [replace(c, factored=True) for c in (chosen, pm.PairConfig(32, 2, 64, 1, 1, 4, 4))]
+    for cfg in (chosen, pm.PairConfig(16, 4, 128, 4, 3, 2, 8), *factored):
         split, ku = pm.share_steps(32, cfg.split_gate_up, cfg.k_unroll)
         build(pair_gate_up_kernel, cfg.warps_gate_up, "bf16" if split == 1 else "fp32",
               TOP_K=8, KU=ku, G=g, FMT=code, BN=cfg.block_n_gate_up, ZN=128, MEM=mem,
-              SPLIT=split)
+              SPLIT=split, SPAN=pm.factored_span(cfg, fmt, g, ku))
         ku = pm.share_steps(12, cfg.split_down, cfg.k_unroll)[1]
         build(pair_down_kernel, cfg.warps_down, "bf16" if split == 1 else "fp32", TOP_K=8,
-              KU=ku, G=g, FMT=code, BN=cfg.block_n_down, MEM=mem, SPLIT_GU=split)
+              KU=ku, G=g, FMT=code, BN=cfg.block_n_down, MEM=mem, SPLIT_GU=split,
+              SPAN=pm.factored_span(cfg, fmt, g, ku))
 print("compiled")
 """
 

@@ -64,7 +64,8 @@ def padded_hidden(hidden: int, group: int | None) -> int:
     return _round_up(hidden, max(64, group or 0))
 
 
-def _unpack_int4(raw: torch.Tensor, n: int, k: int, group: int) -> torch.Tensor:
+def _unpack_int4(raw: torch.Tensor, n: int, k: int, group: int,
+                 dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Int4 runs (packed_matrix.h): per n-block, runs of max(64, group) k, each its 512-byte
     blocks (the int8 block's rows r and r + 8 in the low and high nibble of byte row r, value =
     nibble - 8) then per group bf16 scale[16], scale * sum(q)[16], bias[16]; w = scale q + bias."""
@@ -80,16 +81,23 @@ def _unpack_int4(raw: torch.Tensor, n: int, k: int, group: int) -> torch.Tensor:
     q = q.permute(0, 1, 5, 2, 3, 4, 6).reshape(e, n, k)  # k = (run, block, row, lane)
     meta = runs_view[..., blocks_bytes:blocks_bytes + 96 * groups_per_run]
     meta = meta.contiguous().view(torch.bfloat16).unflatten(-1, (groups_per_run, 3, _BLOCK_N))
-    meta = meta.permute(0, 1, 5, 2, 3, 4).reshape(e, n, k // group, 3).float()  # [.., G, 3]
-    w = q.view(e, n, k // group, group).float() * meta[..., 0:1] + meta[..., 2:3]
-    return w.reshape(e, n, k).to(torch.bfloat16)
+    meta = meta.permute(0, 1, 5, 2, 3, 4).reshape(e, n, k // group, 3).to(_compute(dtype))
+    w = q.view(e, n, k // group, group).to(meta.dtype) * meta[..., 0:1] + meta[..., 2:3]
+    return w.reshape(e, n, k).to(dtype)
 
 
-def unpack_matrix(raw: torch.Tensor, fmt: str, n: int, k: int, group: int | None) -> torch.Tensor:
-    """raw [E, >= matrix bytes] uint8 (each row one expert's matrix) -> [E, n, k] bf16."""
+def _compute(dtype: torch.dtype) -> torch.dtype:
+    """Where scale * q (+ bias) is computed: fp32 (rounded once to bf16), or float64 (exact)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def unpack_matrix(raw: torch.Tensor, fmt: str, n: int, k: int, group: int | None,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """raw [E, >= matrix bytes] uint8 (each row one expert's matrix) -> [E, n, k] bf16, or
+    `dtype` (float64: the exact values, no bf16 rounding of scale * q)."""
     if fmt == "int4":
         assert group is not None
-        return _unpack_int4(raw, n, k, group)
+        return _unpack_int4(raw, n, k, group, dtype)
     if fmt not in _K_BLOCK:
         raise ValueError(f"unpack_matrix: format {fmt!r} is not unpacked here (bf16, int8, "
                          "int4, fp8)")
@@ -107,23 +115,26 @@ def unpack_matrix(raw: torch.Tensor, fmt: str, n: int, k: int, group: int | None
     tiles = values.unflatten(1, (nb, k // kb, kb // lanes, _BLOCK_N, lanes))
     w = tiles.permute(0, 1, 4, 2, 3, 5).reshape(e, n, k)
     if fmt == "bf16":
-        return w
+        return w.to(dtype)
     assert group is not None
     start = _round_up(block_bytes, 64)
     scale = raw[:, start:start + nb * (k // group) * _BLOCK_N * 4].view(torch.float32)
     scale = scale.unflatten(1, (nb, k // group, _BLOCK_N)).permute(0, 1, 3, 2)  # [E, nb, 16, G]
     scale = scale.reshape(e, n, k // group, 1)
-    return (w.view(e, n, k // group, group).float() * scale).reshape(e, n, k).to(torch.bfloat16)
+    w = w.view(e, n, k // group, group).to(_compute(dtype)) * scale
+    return w.reshape(e, n, k).to(dtype)
 
 
 def unpack_group(raw: torch.Tensor, part: PackedGroup, fmt: str, hidden: int,
-                 group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 group: int | None,
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """raw [E, expert_bytes] uint8 of one group -> (gate_up [E, 2 S, Hp] with the S gate rows
     first, down [E, Hn, S]) in bf16; S = the group's slice, Hp = `padded_hidden`, Hn = hidden
-    padded to 16 (rows past H are zero)."""
+    padded to 16 (rows past H are zero); `dtype` as `unpack_matrix`'s."""
     e, s = raw.shape[0], part.end - part.begin
     hp = padded_hidden(hidden, group)
-    gu = unpack_matrix(raw, fmt, 2 * s, hp, group)  # n-blocks: gate j, up j, gate j+1, ...
+    gu = unpack_matrix(raw, fmt, 2 * s, hp, group, dtype)  # n-blocks: gate j, up j, gate j+1, ...
     gu = gu.view(e, s // _BLOCK_N, 2, _BLOCK_N, hp).transpose(1, 2).reshape(e, 2 * s, hp)
-    down = unpack_matrix(raw[:, part.down_offset:], fmt, _round_up(hidden, _BLOCK_N), s, group)
+    down = unpack_matrix(raw[:, part.down_offset:], fmt, _round_up(hidden, _BLOCK_N), s, group,
+                         dtype)
     return gu, down

@@ -17,6 +17,7 @@ and k shares per program, so that a few pairs still give every SM loads to wait 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,10 @@ class PairConfig:
     """Warps per gate/up program."""
     warps_down: int
     """Warps per down program."""
+    factored: bool = False
+    """int8, int4, fp8: never round a weight to bf16; sum codes times inputs in fp32 over each
+    group's halves in a loop step and apply the group's scale once per row (fewer instructions
+    a weight, closer to float64). bf16 ignores it."""
 
     def __post_init__(self) -> None:
         checks = [("block_n_gate_up", (16, 32, 64)), ("block_n_down", (16, 32, 64, 128, 256)),
@@ -96,6 +101,8 @@ class PairConfig:
                 shown = f"from {allowed[0]} to {allowed[-1]}" if isinstance(allowed, range) \
                     else "one of " + ", ".join(map(str, allowed))
                 raise ValueError(f"PairConfig: {name} must be {shown}, got {value}")
+        if not isinstance(self.factored, bool):
+            raise ValueError(f"PairConfig: factored must be True or False, got {self.factored!r}")
 
 
 # Fields in order: block_n_gate_up, split_gate_up, block_n_down, split_down, k_unroll,
@@ -256,14 +263,14 @@ def _pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: to
         x, x.stride(0), flat_ids, packed, act, out, hidden, slice_, part.expert_bytes, nb_bytes,
         scale_off, num_e, TOP_K=ids.shape[1], K_BLOCKS=hp // 64 // split_gu, KU=ku_gu, G=g,
         FMT=code, BN=cfg.block_n_gate_up, ZN=zero_cols, MEM=mem, SPLIT=split_gu,
-        num_warps=cfg.warps_gate_up)
+        SPAN=factored_span(cfg, fmt, g, ku_gu), num_warps=cfg.warps_gate_up)
     split_d, ku_d = share_steps(slice_ // 64, cfg.split_down, cfg.k_unroll)
     nb_bytes, scale_off = matrix_geometry(fmt, hn, slice_, q)
     pair_down_kernel[(pairs, -(-hidden // cfg.block_n_down), split_d)](
         act, flat_ids, flat_w, packed, out, hidden, slice_, hn, part.expert_bytes,
         part.down_offset, nb_bytes, scale_off, num_e, TOP_K=ids.shape[1],
         K_BLOCKS=slice_ // 64 // split_d, KU=ku_d, G=g, FMT=code, BN=cfg.block_n_down, MEM=mem,
-        SPLIT_GU=split_gu, num_warps=cfg.warps_down)
+        SPLIT_GU=split_gu, SPAN=factored_span(cfg, fmt, g, ku_d), num_warps=cfg.warps_down)
     return out
 
 
@@ -274,6 +281,15 @@ def share_steps(blocks: int, split: int, unroll: int) -> tuple[int, int]:
     split = max(d for d in range(1, min(split, blocks) + 1) if blocks % d == 0)
     share = blocks // split
     return split, max(u for u in range(1, min(unroll, share) + 1) if share % u == 0)
+
+
+def factored_span(cfg: PairConfig, fmt: str, group: int, unroll: int) -> int:
+    """The pair kernels' SPAN: 0 for bf16 weights (`cfg.factored` off, or bf16), else the
+    32-k halves summed before their group's scale is applied: the most that stay in one group
+    (group / 32, a power of two) and divide a loop step's 2 `unroll` halves."""
+    if not cfg.factored or fmt == "bf16":
+        return 0
+    return math.gcd(group // 32, 2 * unroll)
 
 
 def _check_call(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

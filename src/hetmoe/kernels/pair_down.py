@@ -7,7 +7,8 @@ the token's K slots and the shares; the row was cleared by `pair_gate_up`). The 
 `pair_gate_up`'s bf16 row, or (SPLIT_GU > 1) its shares' fp32 gate and up sums, added here and
 put through the SiLU with the one bf16 rounding. Negative ids add nothing; an id past the
 experts adds NaN to its token's row, so a bad routing shows in the output without a host sync
-(the sorted path fails a device-side assert instead).
+(the sorted path fails a device-side assert instead). SPAN > 0 takes `factored_half`'s path
+as `pair_gate_up` does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hetmoe.kernels.dequant import dequant_half, silu_mul_bf16
+from hetmoe.kernels.dequant import codes_half, dequant_half, factored_half, silu_mul_bf16
 
 
 @triton.jit
@@ -40,11 +41,11 @@ def _activation_half(act_ptr, pair, kh, S, SPLIT_GU: tl.constexpr):
 def pair_down_kernel(act_ptr, ids_ptr, weights_ptr, packed_ptr, out_ptr, H, S, HN, EXPERT_BYTES,
                      DOWN_OFFSET, NB_BYTES, SCALE_OFF, NUM_E, TOP_K: tl.constexpr, K_BLOCKS,
                      KU: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
-                     MEM: tl.constexpr, SPLIT_GU: tl.constexpr):
+                     MEM: tl.constexpr, SPLIT_GU: tl.constexpr, SPAN: tl.constexpr):
     """act: `pair_gate_up`'s output for SPLIT_GU shares; ids, weights [T K] (weights any
     float, used in fp32); out [T, H] fp32; HN = H padded to 16 (the down matrix's rows). Grid
     (T K, cdiv(H, BN), SPLIT). K_BLOCKS: 64-k blocks of one share (S / 64 / SPLIT), a
-    multiple of KU."""
+    multiple of KU. SPAN: as `pair_gate_up`'s."""
     pair = tl.program_id(0)  # pairs on the grid's first axis: no 65,535 limit
     pid_n = tl.program_id(1)
     share = tl.program_id(2)
@@ -56,13 +57,20 @@ def pair_down_kernel(act_ptr, ids_ptr, weights_ptr, packed_ptr, out_ptr, H, S, H
         # n-blocks past the matrix read its last one (never stored)
         nb = tl.minimum(pid_n * (BN // 16) + tl.arange(0, BN // 16), HN // 16 - 1)
         acc = tl.zeros((BN, 32), dtype=tl.float32)  # reduced once, KU blocks a step (as gate/up)
+        sums, asum = acc, tl.zeros((32,), dtype=tl.float32)  # a span's (SPAN > 0)
         k0 = share * K_BLOCKS
         for kb in range(k0, k0 + K_BLOCKS, KU):
             for j in tl.static_range(2 * KU):
                 kh = kb * 2 + j
                 at = _activation_half(act_ptr, pair, kh, S, SPLIT_GU)
-                w = dequant_half(base, nb, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16, MEM)
-                acc += w.to(tl.float32) * at[None, :]
+                if SPAN == 0:
+                    w = dequant_half(base, nb, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16, MEM)
+                    acc += w.to(tl.float32) * at[None, :]
+                else:
+                    q = codes_half(base, nb, kh, NB_BYTES, G, FMT, BN // 16, MEM)
+                    acc, sums, asum = factored_half(
+                        acc, sums, asum, q, at, base, nb, kh, NB_BYTES, SCALE_OFF, G, FMT,
+                        BN // 16, MEM, j % SPAN == 0, j % SPAN == SPAN - 1)
         weight = tl.load(weights_ptr + pair).to(tl.float32)
         tl.atomic_add(dst, tl.sum(acc, axis=1) * weight, mask=n < H, sem="relaxed")
     elif expert >= NUM_E:

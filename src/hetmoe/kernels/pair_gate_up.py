@@ -7,6 +7,8 @@ k loop over H. With SPLIT = 1 it writes silu(gate x) * (up x) in bf16 (fp32 prod
 one rounding, as `moe_gate_up`) at the pair's row; with SPLIT > 1 (more programs, more loads in
 flight, for few pairs) each share writes its fp32 gate and up sums and `pair_down` adds the
 shares and applies the SiLU. Pairs with a negative id (or one past the experts) write nothing.
+SPAN > 0 (int8, int4, fp8; `PairConfig.factored`) takes `factored_half`'s path: no bf16 weight,
+each row's group scale applied once per SPAN halves.
 The slot-0 programs of each token's first share also clear its output row for `pair_down`'s
 atomic adds, so no separate fill runs.
 """
@@ -16,7 +18,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hetmoe.kernels.dequant import dequant_half, silu_mul_bf16, to_bf16
+from hetmoe.kernels.dequant import (
+    codes_half,
+    dequant_half,
+    factored_half,
+    silu_mul_bf16,
+    to_bf16,
+)
 
 
 @triton.jit
@@ -24,12 +32,13 @@ def pair_gate_up_kernel(x_ptr, stride_x, ids_ptr, packed_ptr, act_ptr, out_ptr, 
                         EXPERT_BYTES, NB_BYTES, SCALE_OFF, NUM_E, TOP_K: tl.constexpr,
                         K_BLOCKS, KU: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
                         BN: tl.constexpr, ZN: tl.constexpr, MEM: tl.constexpr,
-                        SPLIT: tl.constexpr):
+                        SPLIT: tl.constexpr, SPAN: tl.constexpr):
     """x [T, H] any float (rounded to bf16 here; row stride stride_x); ids [T K] int; packed
     uint8 (expert e at e * EXPERT_BYTES); act out: [T K, S] bf16 (SPLIT 1) or [T K, SPLIT, 2S]
     fp32 gate (first S) and up sums per share; out [T, H] fp32, columns
     [pid_n ZN, pid_n ZN + ZN) of each token zeroed. Grid (T K, S / BN, SPLIT). K_BLOCKS: 64-k
-    blocks of one share (Hp / 64 / SPLIT), a multiple of KU."""
+    blocks of one share (Hp / 64 / SPLIT), a multiple of KU. SPAN: 0 (bf16 weights) or the
+    32-k halves one group scale covers, dividing G / 32 and 2 KU."""
     pair = tl.program_id(0)  # pairs on the grid's first axis: no 65,535 limit
     pid_n = tl.program_id(1)
     share = tl.program_id(2)
@@ -46,6 +55,8 @@ def pair_gate_up_kernel(x_ptr, stride_x, ids_ptr, packed_ptr, act_ptr, out_ptr, 
         # half-block loads in flight (the loop is not software-pipelined without a dot)
         acc_g = tl.zeros((BN, 32), dtype=tl.float32)
         acc_u = tl.zeros((BN, 32), dtype=tl.float32)
+        sums_g, sums_u = acc_g, acc_u  # a span's sums (SPAN > 0), set at its first half
+        xsum_g, xsum_u = tl.zeros((32,), dtype=tl.float32), tl.zeros((32,), dtype=tl.float32)
         k0 = share * K_BLOCKS
         for kb in range(k0, k0 + K_BLOCKS, KU):
             for j in tl.static_range(2 * KU):
@@ -53,12 +64,22 @@ def pair_gate_up_kernel(x_ptr, stride_x, ids_ptr, packed_ptr, act_ptr, out_ptr, 
                 k = kh * 32 + tl.arange(0, 32)
                 xt = tl.load(x_row + k, mask=k < H, other=0.0).to(tl.float32)  # as torch: via fp32
                 xt = to_bf16(xt).to(tl.float32)
-                wg = dequant_half(base, gate_nb, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16,
-                                  MEM)
-                wu = dequant_half(base, gate_nb + 1, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16,
-                                  MEM)
-                acc_g += wg.to(tl.float32) * xt[None, :]
-                acc_u += wu.to(tl.float32) * xt[None, :]
+                if SPAN == 0:
+                    wg = dequant_half(base, gate_nb, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16,
+                                      MEM)
+                    wu = dequant_half(base, gate_nb + 1, kh, NB_BYTES, SCALE_OFF, G, FMT,
+                                      BN // 16, MEM)
+                    acc_g += wg.to(tl.float32) * xt[None, :]
+                    acc_u += wu.to(tl.float32) * xt[None, :]
+                else:  # span sums per matrix, the inputs' sum shared
+                    qg = codes_half(base, gate_nb, kh, NB_BYTES, G, FMT, BN // 16, MEM)
+                    qu = codes_half(base, gate_nb + 1, kh, NB_BYTES, G, FMT, BN // 16, MEM)
+                    acc_g, sums_g, xsum_g = factored_half(
+                        acc_g, sums_g, xsum_g, qg, xt, base, gate_nb, kh, NB_BYTES, SCALE_OFF,
+                        G, FMT, BN // 16, MEM, j % SPAN == 0, j % SPAN == SPAN - 1)
+                    acc_u, sums_u, xsum_u = factored_half(
+                        acc_u, sums_u, xsum_u, qu, xt, base, gate_nb + 1, kh, NB_BYTES,
+                        SCALE_OFF, G, FMT, BN // 16, MEM, j % SPAN == 0, j % SPAN == SPAN - 1)
         g = tl.sum(acc_g, axis=1)
         u = tl.sum(acc_u, axis=1)
         r = pid_n * BN + tl.arange(0, BN)  # rows of the group's slice (S is a multiple of 64)
