@@ -4,6 +4,8 @@ the experts neither resident nor streamed."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -136,6 +138,28 @@ def test_a_pass_copies_only_the_misses_in_runs(engine: Callable[[str, str], LLM]
         assert streamer.passes[0] == LayerPass(8, (0, 2), cpu=True)
         assert streamer.passes[0].local(torch.device("cpu")).tolist() == [0, -1, 1, -1, -1, -1,
                                                                            -1, -1, -1]
+    finally:
+        runner.overlap.detach()
+
+
+def test_a_new_placement_frees_the_experts_a_streamed_pass_saw(
+        engine: Callable[[str, str], LLM]) -> None:
+    llm = engine("qwen3_moe", "cpu")
+    runner = _runner(llm, 0)
+    try:
+        assert runner.overlap is not None
+        per_expert = sum(expert_bytes(runner.overlap.cpu))
+        runner.place(3 * per_expert)
+        assert runner.placement is not None
+        old = [weakref.ref(s) for s in runner.placement.layers]
+        _prefill(runner, 2)  # a split pass: the streamer computes the resident experts too
+        runner.place(0)  # e.g. pre-placement: `auto` must see the old slots' memory free
+        gc.collect()
+        assert [ref() for ref in old] == [None] * len(old)
+        # the next pass streams with no placement: every miss is every expert
+        _prefill(runner, 8)
+        assert runner.overlap.streamer is not None
+        assert runner.overlap.streamer.copied_bytes == 8 * per_expert
     finally:
         runner.overlap.detach()
 

@@ -93,6 +93,8 @@ class MoEOverlap(MoEStep):
         the misses. Captured graphs bake in which layers start CPU jobs: reset them after a
         change (and tell the prefill planner: `ModelRunner.place` does both)."""
         self.placement, self.placed = placement, {}
+        if self.streamer is not None:  # it kept the last pass's slots: free the old experts
+            self.streamer.slots = [None] * len(self.cpu)
         if placement is None:
             return
         for i, slots in enumerate(placement.layers):
