@@ -1,9 +1,10 @@
 """`static_kv_attention`: GQA/MHA over our static KV cache (Qwen2/3-MoE, Mixtral).
 
 Keeps the HF projections as children (`q_proj`, `k_proj`, `v_proj`, `o_proj`, Qwen3's `q_norm` /
-`k_norm`; Qwen2's biases live inside the projections). Called by the unchanged HF decoder layer:
-with `kv=KVBatch` it reads and writes our cache; without it (HF's own forward or `generate`) it
-uses the HF `Cache` HF passes, if any, and HF's mask, so the model stays usable as a HF module.
+`k_norm`, run as ops/norm.py `apply_norm`; Qwen2's biases live inside the projections). Called by
+the runner's decoder layer (ops/decoder_layer.py) with `kv=KVBatch`: it reads and writes our cache;
+without it (HF's decoder layer in HF's own forward or `generate`) it uses the HF `Cache` HF passes,
+if any, and HF's mask, so the model stays usable as a HF module.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """`FusedDecoder`: a decode step as one compiled function per decoder layer (GPU floor cut).
 
-The module path runs each HF decoder layer unchanged: ~73 GPU kernels per layer at batch 1
-(norms, projections, q/k norms, rope, cache writes, the mask, attention, router, three input
-copies). Here a layer is ONE pure function of tensors (ops/fused.py), from the residual add of
-the previous layer's MoE output to the packed router output:
+The module path runs each HF decoder layer's modules (ops/decoder_layer.py): ~73 GPU kernels per
+layer at batch 1 (norms, projections, q/k norms, rope, cache writes, the mask, attention, router,
+three input copies). Here a layer is ONE pure function of tensors (ops/fused.py), from the
+residual add of the previous layer's MoE output to the packed router output:
 
     h += previous MoE terms -> RMSNorm -> q/k/v (one GEMV) -> q/k norm -> rope -> attention over
     the cache plus the new token -> o_proj -> h += attn -> RMSNorm -> router -> pack(x, ids, w)
