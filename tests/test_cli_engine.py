@@ -13,7 +13,7 @@ from hetmoe import cli
 from hetmoe.cli_engine import EngineOptions
 
 OPTIONS = ["--rules", "--device", "--dtype", "--max-seq-len", "--experts", "--deferred",
-           "--prefill-experts", "--gpu-expert-gib", "--chat-template", "--verbose"]
+           "--defer-order", "--prefill-experts", "--gpu-expert-gib", "--chat-template", "--verbose"]
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
@@ -36,7 +36,8 @@ def test_the_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
                                         "--gpu-expert-gib", "0.5", "-v"])
     assert done.exit_code == 0, done.output
     assert seen == dict(model="m", device="cpu", rules=None, dtype="float32", max_seq_len=64,
-                        experts="torch", deferred=0, prefill_experts="auto", chat_template=None,
+                        experts="torch", deferred=0, defer_order="score", prefill_experts="auto",
+                        chat_template=None,
                         verbose=True, gpu_expert_bytes=2**29, lora=None)
     seen.clear()
     with pytest.raises(typer.Exit):  # a command's own keywords win
@@ -64,3 +65,20 @@ def test_deferred_takes_a_count_or_auto(monkeypatch: pytest.MonkeyPatch) -> None
         assert done.exit_code == 1, done.output
         assert f"error: --deferred takes auto or an integer >= 0, got {bad!r}" in done.output
         assert seen == {}  # refused before loading
+
+
+def test_defer_order_is_checked_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, object] = {}
+
+    def load(model: str, device: str | None, rules: object, **options: object) -> None:
+        seen.update(options)
+        raise typer.Exit(0)
+
+    monkeypatch.setattr("hetmoe.cli_engine.load_llm", load)
+    done = CliRunner().invoke(cli.app, ["serve", "m", "--deferred", "3", "--defer-order",
+                                        "misses"])
+    assert done.exit_code == 0 and seen["defer_order"] == "misses", done.output
+    seen.clear()
+    done = CliRunner().invoke(cli.app, ["generate", "m", "hi", "--defer-order", "lowest"])
+    assert done.exit_code == 1 and not seen
+    assert "--defer-order takes score or misses, got 'lowest'" in done.output

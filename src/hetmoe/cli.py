@@ -245,6 +245,8 @@ def bench(
         help="cpu (ours), torch-cpu or accelerate (baselines)")] = "cpu",
     weight_format: Annotated[str, typer.Option(help="bf16, int8 or int4 experts")] = "bf16",
     deferred: Annotated[str, typer.Option(help="Expert Deferral values, e.g. 0,2,3")] = "0",
+    defer_order: Annotated[str, typer.Option(
+        help="Which experts --deferred defers: score or misses (CPU misses only)")] = "score",
     prompt_len: Annotated[int, typer.Option(help="Prompt tokens before decode")] = 32,
     new_tokens: Annotated[int, typer.Option(help="Tokens decoded per run")] = 256,
     prefill: Annotated[str, typer.Option(help="Prefill lengths, e.g. 128,1024,4096")] = "128",
@@ -269,7 +271,8 @@ def bench(
     try:
         cfg = BenchConfig(
             shape=random_weights, model=model, experts=experts, weight_format=weight_format,
-            deferred=_ints(deferred, "deferred"), prompt_len=prompt_len, new_tokens=new_tokens,
+            deferred=_ints(deferred, "deferred"), defer_order=defer_order,
+            prompt_len=prompt_len, new_tokens=new_tokens,
             prefill_lengths=_ints(prefill, "prefill"), eager=eager, alternatives=alternatives,
             trace=str(trace) if trace else None, num_layers=num_layers, bandwidth_gib=bandwidth_gib,
             gpu_expert_bytes=cli_engine.gpu_expert_bytes(gpu_expert_gib),

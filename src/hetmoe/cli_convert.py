@@ -146,6 +146,7 @@ def print_plan(path: Path, fmt: str, group: int | None, device: object,
     if plan.layers:
         typer.echo(prefill_plan(plan.layers[0], fmt, config, placement))
         typer.echo(deferral_plan(path, chosen))
+        typer.echo(DEFER_ORDER_LINE)
 
 
 def deferral_plan(path: Path, device: Any) -> str:
@@ -162,6 +163,11 @@ def deferral_plan(path: Path, device: Any) -> str:
     return line or ("deferred auto: chosen when the model loads with --deferred auto (decode "
                     "step times measured, then a probe's KL); not yet run for this model on "
                     "this machine")
+
+
+DEFER_ORDER_LINE = ("deferral order: score by default (each token's lowest-scored experts); "
+                    "--defer-order misses defers only its lowest-scored CPU misses, experts "
+                    "resident on the GPU at once")
 
 
 PREFILL_LENGTHS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, get_type_hints
 import typer
 
 from hetmoe.cli_exit import fail, load_llm
-from hetmoe.config import EngineConfig
+from hetmoe.config import DEFER_ORDERS, EngineConfig
 
 if TYPE_CHECKING:
     from hetmoe.engine.engine import LLM
@@ -29,6 +29,13 @@ def deferred_count(value: str) -> int | str:
     if not value.isdigit():
         fail(ValueError(f"--deferred takes auto or an integer >= 0, got {value!r}"))
     return int(value)
+
+
+def deferral_order(value: str) -> str:
+    """`--defer-order` as `EngineConfig.defer_order`, checked before any model work."""
+    if value not in DEFER_ORDERS:
+        fail(ValueError(f"--defer-order takes {' or '.join(DEFER_ORDERS)}, got {value!r}"))
+    return value
 
 
 def gpu_expert_bytes(gib: str) -> int | str:
@@ -68,6 +75,11 @@ class EngineOptions:
              "(0 = exact; auto = by this machine's measured step times, lowered when a probe's "
              "answers move)")] = str(_DEFAULTS.deferred)
     """Expert Deferral: a count or auto."""
+    defer_order: Annotated[str, typer.Option(
+        help="Which experts --deferred defers: score (each token's lowest-scored) or misses "
+             "(only its lowest-scored CPU misses; experts resident on the GPU run at "
+             "once)")] = _DEFAULTS.defer_order
+    """Expert Deferral's order."""
     prefill_experts: Annotated[str, typer.Option(
         help="GPU with CPU experts: where prefill runs the routed experts: auto (by this "
              "machine's measured costs, see hetmoe calibrate), cpu, gpu (streamed) or split "
@@ -94,7 +106,8 @@ class EngineOptions:
         a user error ends the command with a one-line message."""
         options: dict[str, Any] = dict(
             dtype=self.dtype, max_seq_len=self.max_seq_len, experts=self.experts,
-            deferred=deferred_count(self.deferred), prefill_experts=self.prefill_experts,
+            deferred=deferred_count(self.deferred), defer_order=deferral_order(self.defer_order),
+            prefill_experts=self.prefill_experts,
             chat_template=self.chat_template, verbose=self.verbose)
         if "gpu_expert_bytes" not in more:
             options["gpu_expert_bytes"] = self.expert_bytes()

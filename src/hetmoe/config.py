@@ -7,6 +7,8 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREFILL_EXPERTS = ("auto", "cpu", "gpu", "split")
+DEFER_ORDERS = ("score", "misses")
+"""Which experts Expert Deferral defers (ops/deferral.py)."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,11 @@ class EngineConfig:
     per MoE layer join the next layer's output while its attention runs (0: exact decode);
     "auto": chosen when the model loads from measured step times and guarded by a probe's KL
     (engine/model/deferral_auto.py; 0 without a GPU)."""
+    defer_order: str = "score"
+    """Which experts Expert Deferral defers (ops/deferral.py): "score", each token's lowest-scored
+    (the KTransformers paper's rule); "misses", its lowest-scored CPU misses only, at most
+    `deferred`, resident GPU experts always at once (with none resident the same as "score"; with
+    every expert resident nothing is deferred)."""
     compile_decode: bool = True
     """GPU decode with CPU experts: compile the per-layer decode step with torch.compile (needs
     Triton and a C compiler); False runs the same functions uncompiled."""
@@ -99,6 +106,9 @@ class EngineConfig:
                                         or isinstance(self.deferred, bool) or self.deferred < 0):
             raise ValueError(f"option deferred must be 'auto' or an integer >= 0, got "
                              f"{self.deferred!r}")
+        if self.defer_order not in DEFER_ORDERS:
+            raise ValueError(f"option defer_order must be one of {', '.join(DEFER_ORDERS)}, got "
+                             f"{self.defer_order!r}")
         if self.max_batch < 1:
             raise ValueError(f"option max_batch must be a positive integer, got {self.max_batch}")
         sizes = self.graph_batch_sizes

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from hetmoe.ops.deferral import check_deferred
+from hetmoe.ops.deferral import check_deferred, deferred_misses
 from hetmoe.ops.moe import HybridMoE, moe_layers
 
 
@@ -18,13 +18,18 @@ class DeferralReference:
     Installed on every `HybridMoE` of a model (`with DeferralReference(model, d).decoding():`),
     it computes each layer's output with column slices of the router's top-K, holding the
     deferred output of the previous MoE layer in a Python variable.
+
+    With `resident` (per MoE layer, the experts resident on the GPU) the "misses" order: each
+    token's lowest-scored min(d, misses) non-resident experts are deferred (ops/deferral.py).
     """
 
-    def __init__(self, model: nn.Module, deferred: int) -> None:
+    def __init__(self, model: nn.Module, deferred: int,
+                 resident: Sequence[Sequence[int]] | None = None) -> None:
         self.layers = moe_layers(model)
         if not self.layers:
             raise ValueError("DeferralReference: the model has no hybrid_moe layer")
         self.deferred = deferred
+        self.resident = resident
         self.index = {id(m): i for i, m in enumerate(self.layers)}
         self.carry: torch.Tensor | None = None  # R^def_{k-1}(I_{k-1}) [T, H]
 
@@ -52,6 +57,8 @@ class DeferralReference:
         experts = moe.experts
         where = experts.device
         xs = x.to(where)
+        if self.resident is not None:
+            return self._misses(moe, x, ids, weights, d).reshape(shape)
         out = experts.forward(xs, ids[:, : k - d].to(where), weights[:, : k - d].to(where))
         out = out.to(x.device)
         if self.carry is not None:
@@ -64,3 +71,24 @@ class DeferralReference:
             late = experts.forward(xs, ids[:, k - d:].to(where), weights[:, k - d:].to(where))
             self.carry = late.to(x.device)
         return out.reshape(shape)
+
+    def _misses(self, moe: HybridMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                d: int) -> torch.Tensor:
+        """The "misses" order: the deferred set as a mask, each part's other slots -1."""
+        assert self.resident is not None
+        resident = torch.tensor(list(self.resident[self.index[id(moe)]]), dtype=torch.int64)
+        miss = ~torch.isin(ids.cpu(), resident)  # [T, K]
+        late = deferred_misses(miss, d).to(ids.device)
+        where = moe.experts.device
+        xs, w = x.to(where), weights.to(where)
+        out = moe.experts.forward(xs, torch.where(late, -1, ids).to(where), w).to(x.device)
+        if self.carry is not None:
+            out = out + self.carry
+        shared = moe.shared(x)
+        if shared is not None:
+            out = out + shared
+        self.carry = None
+        if d:
+            carry = moe.experts.forward(xs, torch.where(late, ids, -1).to(where), w)
+            self.carry = carry.to(x.device)
+        return out

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetmoe.config import DEFER_ORDERS
+
 MODES = ("cpu", "torch-cpu", "accelerate")
 
 
@@ -29,6 +31,8 @@ class BenchConfig:
     """Prompt lengths whose prefill speed is measured."""
     deferred: tuple[int, ...] = (0,)
     """Expert Deferral values timed in graph mode."""
+    defer_order: str = "score"
+    """Which experts those values defer (`EngineConfig.defer_order`)."""
     eager: bool = True
     """Also time decode in eager mode and count launches in both modes."""
     alternatives: bool = True
@@ -52,5 +56,8 @@ class BenchConfig:
             raise ValueError(f"--experts {self.experts} needs --random-weights SHAPE")
         if self.experts not in MODES:
             raise ValueError(f"experts must be one of {', '.join(MODES)}, got {self.experts!r}")
+        if self.defer_order not in DEFER_ORDERS:
+            raise ValueError(f"defer_order must be one of {', '.join(DEFER_ORDERS)}, got "
+                             f"{self.defer_order!r}")
         if self.new_tokens < 3 or self.prompt_len < 1:
             raise ValueError("bench needs prompt_len >= 1 and new_tokens >= 3 (first step untimed)")

@@ -110,8 +110,9 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         return result
     dtype = next(model.parameters()).dtype
     runner = ModelRunner(model, device, dtype, 1, window,
-                         EngineConfig(deferred=cfg.deferred[0],
+                         EngineConfig(deferred=cfg.deferred[0], defer_order=cfg.defer_order,
                                       gpu_expert_bytes=cfg.gpu_expert_bytes))
+    result["defer_order"] = cfg.defer_order
     if runner.placement is not None:
         result["gpu_experts"] = runner.placement.plan.describe()
         log(result["gpu_experts"])

@@ -6,9 +6,10 @@ Per MoE layer k (I_k its input, S shared experts, R routed experts):
     O_k = I_k + R^imm_k(I_k) + R^def_{k-1}(I_{k-1}) + S_k(I_k)
 
 (the residual I_k is added by the decoder layer). With Expert Deferral (`deferred = d`, decode
-only) the d lowest-scored of a token's K experts are *deferred*: they run after layer k's
-immediate experts while layer k+1's attention runs, and their output joins layer k+1. The last
-MoE layer defers nothing and at least 2 experts stay immediate (ops/deferral.py).
+only) up to d of a token's K experts are *deferred* (the d lowest-scored, or in the "misses"
+order its lowest-scored CPU misses: ops/deferral.py): they run after layer k's immediate experts
+while layer k+1's attention runs, and their output joins layer k+1. The last MoE layer defers
+nothing and at least 2 experts stay immediate.
 
 A `Link` moves one layer's inputs to its routed experts, starts them and brings the output
 back; a start with `deferred=d` computes the immediate slots, then the deferred ones
@@ -62,8 +63,9 @@ class Link(Protocol):
     def finish(self) -> torch.Tensor:
         """Waits for the immediate slots of the last start; their output [T, H]."""
 
-    def finish_late(self) -> torch.Tensor:
-        """Waits for the deferred slots of the last start; their output [T, H]."""
+    def finish_late(self) -> torch.Tensor | None:
+        """Waits for the deferred slots of the last start; their output [T, H] (None: the start
+        deferred nothing after all, e.g. every expert resident in the "misses" order)."""
 
 
 class BackendLink:
@@ -138,8 +140,8 @@ class MoEStep:
         self.links = links
         self.decoding = False
         self.trace: Any = None
-        self._carry: Callable[[], torch.Tensor] | None = None  # awaits layer k-1's deferred
-        # experts (in flight)
+        self._carry: Callable[[], torch.Tensor | None] | None = None  # awaits layer k-1's
+        # deferred experts (in flight)
 
     @property
     def deferred(self) -> int:
@@ -210,7 +212,9 @@ class MoEStep:
         if self.deferred_at(i):
             self._mark("deferred_submitted", i)  # the same job goes on to them
         if self._carry is not None:
-            terms.append(self._carry())
+            late = self._carry()
+            if late is not None:
+                terms.append(late)
             self._mark("deferred_waited", i - 1)
         self._carry = link.finish_late if self.deferred_at(i) else None
         if out is not None:

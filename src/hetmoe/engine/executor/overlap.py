@@ -27,6 +27,7 @@ from hetmoe.engine.placement.placement_fetch import StagingPool
 from hetmoe.engine.placement.placement_link import PlacementLink
 from hetmoe.engine.placement.slots import Placement
 from hetmoe.experts.cpu_moe import CpuMoE
+from hetmoe.ops.deferral import check_defer_order
 from hetmoe.ops.moe import moe_layers
 from hetmoe.ops.moe_step import BackendLink, Link, MoEStep, backend_link
 
@@ -60,10 +61,11 @@ def all_on_cpu_backend(model: nn.Module) -> bool:
 
 class MoEOverlap(MoEStep):
     """`MoEStep` of every `HybridMoE` of a model with CPU experts (see the module docstring),
-    attached at construction. `packed`: decode steps start with `start_packed` (fused decode)."""
+    attached at construction. `packed`: decode steps start with `start_packed` (fused decode);
+    `defer_order`: which experts deferral defers (ops/deferral.py), kept by the placed links."""
 
     def __init__(self, model: nn.Module, device: torch.device, max_batch: int,
-                 deferred: int = 0, packed: bool = False) -> None:
+                 deferred: int = 0, packed: bool = False, defer_order: str = "score") -> None:
         layers = moe_layers(model)
         if not layers:
             raise ValueError("MoEOverlap: the model has no hybrid_moe layer")
@@ -84,7 +86,21 @@ class MoEOverlap(MoEStep):
         self.streaming = False
         self.placement: Placement | None = None  # experts resident on the GPU (`place`)
         self.placed: dict[tuple[bool, int], PlacementLink] = {}  # (host link?, layer)
+        self.defer_order = defer_order
         self.attach()
+
+    @property
+    def defer_order(self) -> str:
+        """Which experts deferral defers; only the placed links tell the orders apart (with
+        every expert on the CPU each is a miss). Graphs bake it in: reset them after a change."""
+        return self._defer_order
+
+    @defer_order.setter
+    def defer_order(self, order: str) -> None:
+        check_defer_order(order)
+        self._defer_order = order
+        for link in self.placed.values():
+            link.defer_order = order
 
     def place(self, placement: Placement | None, pool: StagingPool | None = None) -> None:
         """Computes `placement`'s resident experts on the GPU and sends only the misses to the
@@ -101,10 +117,10 @@ class MoEOverlap(MoEStep):
             if not slots.slots and pool is None:
                 continue
             self.placed[False, i] = PlacementLink(self.direct[i], slots, self.direct[i].hidden,
-                                                  self.top_k, pool)
+                                                  self.top_k, pool, self.defer_order)
             if self.host:
                 self.placed[True, i] = PlacementLink(self.host[i], slots, self.host[i].hidden,
-                                                     self.top_k, pool)
+                                                     self.top_k, pool, self.defer_order)
 
     def _link(self, i: int) -> Link:
         if self.streamer is not None and self.streaming and not (self.decoding and self.host):

@@ -74,7 +74,8 @@ class ModelRunner:
         if all_on_cpu_backend(model):
             fits = config.fused_decode and fits_fused(model)
             rows = max(max_batch, *config.graph_batch_sizes)
-            self.overlap = MoEOverlap(model, device, rows, config.deferred, packed=fits)
+            self.overlap = MoEOverlap(model, device, rows, config.deferred, fits,
+                                      config.defer_order)
             self.planner = PrefillPlanner.for_overlap(self.overlap)
             if fits:
                 compile_ = config.compile_decode and device.type == "cuda"
@@ -192,11 +193,13 @@ class ModelRunner:
         """Waits for a step launched ahead and rolls it back (its tokens were not wanted)."""
         self.launch_ahead.settle()
 
-    def reset_graphs(self, deferred: int | None = None) -> None:
-        """Drops the captured graphs (e.g. to change `deferred`, which graphs bake in)."""
+    def reset_graphs(self, deferred: int | None = None, defer_order: str | None = None) -> None:
+        """Drops the captured graphs (to change `deferred` or `defer_order`: graphs bake them)."""
         self.settle()
         if deferred is not None:
             self._set_deferred(deferred)
+        if defer_order is not None and self.overlap is not None:
+            self.overlap.defer_order = defer_order  # without the overlap nothing defers
         self.graphs.clear()
 
     def _set_deferred(self, deferred: int) -> None:

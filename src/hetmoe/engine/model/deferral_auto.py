@@ -19,6 +19,7 @@ start, and `record_deferral` keeps it for `hetmoe info MODEL`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -119,10 +120,13 @@ class DeferralChoice:
     """The step times (None: not measured, e.g. no GPU)."""
     kl: tuple[tuple[int, float], ...] = ()
     """(count, mean KL in nats) of each count the guard probed, in the order probed."""
+    order: str = "score"
+    """The deferral order the count was chosen for (`EngineConfig.defer_order`)."""
 
     def describe(self) -> str:
         """One line for the CLI's and the server's start."""
-        return f"deferred auto: {self.deferred} ({self.reason})"
+        order = "" if self.order == "score" else ", of each token's CPU misses only"
+        return f"deferred auto: {self.deferred}{order} ({self.reason})"
 
 
 def guarded(times: StepTimes, kl_of: Callable[[int], float],
@@ -177,7 +181,7 @@ def choose_deferred(runner: ModelRunner, prompt: Sequence[int]) -> DeferralChoic
             probe.append(KLProbe(runner, prompt, PROBE_STEPS))
         return probe[0].kl(count)
 
-    choice = guarded(times, kl_of)
+    choice = dataclasses.replace(guarded(times, kl_of), order=overlap.defer_order)
     runner.reset_graphs(choice.deferred)
     return choice
 
