@@ -117,3 +117,21 @@ def test_resident_experts_stream_only_the_misses(family: str, mode: str,
     worst = (gpu - cpu).abs().amax(-1)  # [T]: per position
     assert (worst <= CROSS_BACKEND_ATOL).float().mean() >= 0.95, worst.sort().values[-20:]
     assert (gpu.argmax(-1) == cpu.argmax(-1)).float().mean() >= 0.97
+
+
+def test_a_new_placement_frees_the_experts_a_streamed_pass_saw(
+        tiny_dir: Callable[..., Path]) -> None:
+    """Pre-placement re-places after its sampled prefills: `auto` must find the old resident
+    experts' memory free, so the streamer must not keep their slots past the placement."""
+    llm = LLM(tiny_dir("qwen3_moe"), device="cuda", dtype="float32", experts="cpu",
+              progress=False, max_seq_len=512, gpu_expert_bytes=0, prefill_experts="gpu")
+    runner = llm.runner
+    assert runner.overlap is not None
+    plan = runner.place(3 * sum(expert_bytes(runner.overlap.cpu)))  # 3 of 8 per layer
+    slot = runner.cache.allocate()
+    runner.prefill(slot, list(range(1, 300)))
+    runner.free(slot)
+    assert runner.overlap.streamer is not None and runner.overlap.streamer.gpu_experts == 5
+    before = torch.cuda.memory_allocated()
+    runner.place(0)
+    assert before - torch.cuda.memory_allocated() >= plan.bytes
