@@ -8,11 +8,14 @@ Measures, on the CPU with torch experts in fp32 (exact arithmetic; what the GPU 
   slots' output, deferral adds it to the next MoE layer. Answers prefill exactly and defer in
   decode steps, as the engine does; perplexity defers at every position (each token as if
   decoded);
+- the "misses" deferral order (`EngineConfig.defer_order`) at each `--resident-share`: the most
+  routed experts of each layer resident (counted on the build's training text, never the
+  held-out text), each token deferring its lowest-scored min(d, misses) non-resident experts;
 - routing statistics per layer on the held-out text (skew, Gini, LRU/LFU hit rates).
 Writes JSON, a PNG, and the tables into docs/benchmarks/demo_moe.md between its table markers.
 
 Usage: python benchmarks/demo_moe/quality.py [--windows 6] [--window 512] [--max-new-tokens 16]
-                                             [--affected 0,2,4]
+                                             [--affected 0,2,4] [--resident-share 0.5,0.75]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from demo_moe_eval import (
     held_out_windows,
     markers,
     perplexity,
+    record_picks,
     stamp,
     stamp_line,
     write_marked,
@@ -41,9 +45,11 @@ from routing import routing_stats, routing_table
 
 from hetmoe import LLM
 from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.ops.deferral import deferred_misses
 from hetmoe.ops.moe import moe_layers
 from hetmoe.ops.moe_step import BackendLink, MoEStep
 from hetmoe.presets import resolve_model
+from hetmoe.presets.demo_moe_corpus import token_windows, train_texts
 
 SCRIPT = "benchmarks/demo_moe/quality.py"
 
@@ -55,13 +61,37 @@ class SkipLink(BackendLink):
         return torch.zeros_like(super().finish_late())
 
 
+class MissesLink(BackendLink):
+    """Defers the "misses" order's set (ops/deferral.py) of a layer whose `resident` [E] bool
+    experts would be on the GPU; counts the (token, expert) pairs it defers."""
+
+    def __init__(self, moe: Any, resident: torch.Tensor) -> None:
+        super().__init__(moe.experts, moe.experts.spec.hidden_size, moe.gate.config.top_k)
+        self.resident = resident
+        self.deferred_pairs = self.tokens = 0
+
+    def split(self, ids: torch.Tensor, deferred: int) -> tuple[torch.Tensor, torch.Tensor]:
+        late = deferred_misses(~self.resident[ids], deferred)  # [T, K]
+        self.deferred_pairs += int(late.sum())
+        self.tokens += ids.shape[0]
+        return torch.where(late, -1, ids), torch.where(late, ids, -1)
+
+
 @contextmanager
-def attached(llm: LLM, mode: str, affected: int) -> Iterator[MoEStep]:
-    """The engine's MoE step on every layer: `affected` experts deferred (mode "defer") or
-    skipped (mode "skip")."""
+def attached(llm: LLM, mode: str, affected: int,
+             resident: list[torch.Tensor] | None = None) -> Iterator[MoEStep]:
+    """The engine's MoE step on every layer: `affected` experts deferred (mode "defer"),
+    skipped (mode "skip"), or at most that many of each token's misses deferred (mode "defer
+    misses", `resident` [E] bool per layer)."""
     layers = moe_layers(llm.model)
-    link = SkipLink if mode == "skip" else BackendLink
-    links = [link(m.experts, m.experts.spec.hidden_size, m.gate.config.top_k) for m in layers]
+    links: list[BackendLink]
+    if mode == "defer misses":
+        assert resident is not None
+        links = [MissesLink(m, r) for m, r in zip(layers, resident, strict=True)]
+    else:
+        link = SkipLink if mode == "skip" else BackendLink
+        links = [link(m.experts, m.experts.spec.hidden_size, m.gate.config.top_k)
+                 for m in layers]
     step = MoEStep(layers, lambda i: links[i], affected)
     step.attach()
     try:
@@ -132,6 +162,24 @@ def ask(llm: LLM, runner: ModelRunner, step: MoEStep, questions: list[int],
     return exact_match(questions, replies), replies
 
 
+def resident_sets(llm: LLM, runner: ModelRunner, window: int, count: int,
+                  shares: list[float]) -> dict[float, list[torch.Tensor]]:
+    """Per share, [E] bool per MoE layer: its round(share E) most routed experts over `count`
+    training windows of the build's corpus (never the held-out text)."""
+    train = token_windows([llm.encode(t) for t in train_texts()], window, count)
+    picks = record_picks(llm, runner, train)  # [N, K] per layer
+    experts = moe_layers(llm.model)[0].experts.spec.num_experts
+    ranked = [torch.bincount(p.flatten(), minlength=experts).argsort(descending=True)
+              for p in picks]
+    out = {}
+    for share in shares:
+        masks = [torch.zeros(experts, dtype=torch.bool) for _ in ranked]
+        for mask, order in zip(masks, ranked, strict=True):
+            mask[order[:round(share * experts)]] = True
+        out[share] = masks
+    return out
+
+
 def load(name: str, max_seq_len: int) -> tuple[LLM, ModelRunner]:
     llm = LLM(resolve_model(name), device="cpu", dtype="float32", experts="torch",
               progress=False, max_seq_len=max_seq_len)
@@ -156,28 +204,48 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, A
     rows = []
     exact: list[torch.Tensor] = []  # the exact MoE's log-probs, for the KL of each variant
     affected_counts = args.affected if args.affected is not None else list(range(top_k - 1))
-    for affected in affected_counts:
-        for mode in ("defer", "skip") if affected else ("exact",):
-            with attached(moe, mode, affected) as step:
-                start = time.perf_counter()
-                ppl, kl = perplexity_kl(runner, windows, step, exact)
-                em, replies = ask(moe, runner, step, kept, args.max_new_tokens)
-            rows.append({"mode": mode, "affected": affected, "ppl": ppl, "kl": kl,
-                         "exact_match": em, "replies": replies})
-            log(f"{mode:5s} {affected}: ppl {ppl:.3f} ({ppl / result['dense_ppl'] - 1:+.1%}), "
-                f"KL {kl:.3f}, exact match {em:.0%} ({time.perf_counter() - start:.0f} s)")
+    shares = resident_sets(moe, runner, args.window, args.train_windows, args.resident_share)
+    variants = [(a, m, None) for a in affected_counts
+                for m in (("defer", "skip") if a else ("exact",))]
+    variants += [(a, "defer misses", s) for s in args.resident_share for a in affected_counts if a]
+    for affected, mode, share in variants:
+        with attached(moe, mode, affected, shares.get(share)) as step:
+            start = time.perf_counter()
+            ppl, kl = perplexity_kl(runner, windows, step, exact)
+            per_token = _deferred_per_token(step)  # the perplexity pass's, before the answers
+            em, replies = ask(moe, runner, step, kept, args.max_new_tokens)
+        rows.append({"mode": mode, "affected": affected, "resident_share": share,
+                     "deferred_per_token": per_token, "ppl": ppl, "kl": kl,
+                     "exact_match": em, "replies": replies})
+        log(f"{mode} {affected} ({share or 0:.0%} resident): ppl {ppl:.3f} "
+            f"({ppl / result['dense_ppl'] - 1:+.1%}), KL {kl:.3f}, exact match {em:.0%}, "
+            f"{per_token:.2f} deferred per token ({time.perf_counter() - start:.0f} s)")
     result["rows"] = rows
     result["top_k"] = top_k
     result["routing"] = routing_stats(moe, runner, windows)
     return result
 
 
+def _deferred_per_token(step: MoEStep) -> float:
+    """Mean (token, expert) pairs deferred per token and MoE layer: measured for "defer misses"
+    (the perplexity pass), the count itself otherwise."""
+    links = [step.links(i) for i in range(len(step.layers))]
+    if not all(isinstance(link, MissesLink) for link in links):
+        return float(step.deferred)
+    counted = [link for link in links if isinstance(link, MissesLink) and link.tokens]
+    return sum(link.deferred_pairs / link.tokens for link in counted) / max(len(counted), 1)
+
+
 def deferral_table(result: dict[str, Any]) -> str:
-    lines = ["| experts affected | immediate | mode | perplexity | vs dense | KL vs exact MoE "
-             "| exact match |", "|---:|---:|---|---:|---:|---:|---:|",
-             f"| dense `demo` | all | - | {result['dense_ppl']:.3f} | - | - | 100 % |"]
+    lines = ["| experts affected (d) | mode | resident share | deferred per token | perplexity "
+             "| vs dense | KL vs exact MoE | exact match |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|",
+             f"| dense `demo` | - | - | - | {result['dense_ppl']:.3f} | - | - | 100 % |"]
     for row in result["rows"]:
-        lines.append(f"| {row['affected']} | {result['top_k'] - row['affected']} | {row['mode']} "
+        share = row.get("resident_share")
+        per_token = row.get("deferred_per_token", row["affected"])
+        lines.append(f"| {row['affected']} | {row['mode']} "
+                     f"| {'-' if share is None else f'{share:.0%}'} | {per_token:.2f} "
                      f"| {row['ppl']:.4g} | {row['ppl'] / result['dense_ppl'] - 1:+.0%} "
                      f"| {row['kl']:.3f} | {row['exact_match']:.0%} |")
     return "\n".join(lines)
@@ -191,14 +259,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     exact = next(r for r in result["rows"] if r["mode"] == "exact")
-    for mode, style in (("defer", "o-"), ("skip", "s--")):
-        rows = [exact] + [r for r in result["rows"] if r["mode"] == mode]
+    shares = sorted({r["resident_share"] for r in result["rows"]
+                     if r.get("resident_share") is not None})
+    curves = [("defer", None, "o-"), ("skip", None, "s--"),
+              *(("defer misses", s, "^:") for s in shares)]
+    for mode, share, style in curves:
+        rows = [exact] + [r for r in result["rows"]
+                          if r["mode"] == mode and r.get("resident_share") == share]
+        label = mode if share is None else f"{mode}, {share:.0%} resident"
         xs = [r["affected"] for r in rows]
-        left.plot(xs, [r["ppl"] for r in rows], style, label=mode)
-        right.plot(xs, [100 * r["exact_match"] for r in rows], style, label=mode)
+        left.plot(xs, [r["ppl"] for r in rows], style, label=label)
+        right.plot(xs, [100 * r["exact_match"] for r in rows], style, label=label)
     left.axhline(result["dense_ppl"], color="gray", linestyle=":", label="dense demo")
     right.axhline(100, color="gray", linestyle=":", label="dense demo")
-    xlabel = f"lowest-scored experts affected (of top-{result['top_k']})"
+    xlabel = f"experts affected, d (of top-{result['top_k']})"
     left.set(xlabel=xlabel, ylabel="held-out perplexity (log scale)", title="perplexity",
              yscale="log")
     right.set(xlabel=xlabel, ylabel="exact match, % of dense's right answers", title="exact match")
@@ -228,6 +302,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--affected", type=lambda v: [int(x) for x in v.split(",")],
                         help="experts affected, e.g. 0,2,4 (default: 0 .. top_k - 2)")
+    parser.add_argument("--resident-share", type=lambda v: [float(x) for x in v.split(",") if x],
+                        default=[0.5, 0.75], help="shares of each layer's experts resident for "
+                        "the 'defer misses' rows, e.g. 0.5,0.75 ('': none)")
+    parser.add_argument("--train-windows", type=int, default=24,
+                        help="training windows whose routing ranks the resident experts")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args(argv)
     torch.manual_seed(0)

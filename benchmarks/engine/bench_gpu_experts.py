@@ -31,7 +31,7 @@ from hetmoe.bench.gpu_profile import kernel_profile
 from hetmoe.bench.harness import git_sha, machine_facts, now_utc
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
-from hetmoe.config import EngineConfig
+from hetmoe.config import DEFER_ORDERS, EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.placement.expert_split import TRIES, PrefillTuner
 from hetmoe.engine.placement.placement_compute import use_kernel
@@ -123,15 +123,18 @@ def write(result: dict[str, Any], path: str | None) -> None:
 
 def decode_rows(runner: ModelRunner, plan: Any, args: argparse.Namespace, prompt: list[int],
                 base: list[list[int]]) -> list[dict[str, Any]]:
-    """Greedy decode under the current placement, per (deferred, placement_interval)."""
+    """Greedy decode under the current placement, per (deferred, defer order,
+    placement_interval, decode kernels); d=0 once, whatever the orders (it defers nothing)."""
     rows = []
     kernels = [k for k in args.decode_kernels.split(",") if k] or [None]
-    settings = [(int(d), int(n), k) for d in args.deferred.split(",")
+    orders = args.defer_orders.split(",")
+    settings = [(int(d), o, int(n), k) for d in args.deferred.split(",")
+                for o in (orders if int(d) else orders[:1])
                 for n in args.intervals.split(",") for k in kernels]
-    for d, interval, kernel in settings:
+    for d, order, interval, kernel in settings:
         if kernel is not None and runner.fused is not None:
             runner.fused.kernels = kernel  # the layer functions are keyed by it: no recompile
-        runner.reset_graphs(d)
+        runner.reset_graphs(d, order)
         runner.policy = None
         for slots in runner.placement.layers if runner.placement is not None else []:
             slots.counting = False  # a policy below turns it on again
@@ -142,12 +145,13 @@ def decode_rows(runner: ModelRunner, plan: Any, args: argparse.Namespace, prompt
             base.append(run.tokens)
         same = next((i for i, (a, b) in enumerate(zip(run.tokens, base[0], strict=True))
                      if a != b), len(run.tokens))
-        rows.append({"deferred": d, "placement_interval": interval,
+        rows.append({"deferred": d, "defer_order": order, "placement_interval": interval,
                      "decode_kernels": runner.fused.kernels if runner.fused else None,
                      "moves": runner.policy.moves if runner.policy is not None else 0,
                      "tok_s": round(run.tok_s, 2), "mean_tok_s": round(run.mean_tok_s, 2),
                      "tokens_equal_budget0_first": same})
-        print(f"  decode d={d} interval {interval} kernels {rows[-1]['decode_kernels']}: "
+        print(f"  decode d={d} ({order}) interval {interval} kernels "
+              f"{rows[-1]['decode_kernels']}: "
               f"{run.tok_s:7.2f} tok/s, "
               f"{rows[-1]['moves']} moves, tokens equal to the first run's for "
               f"{same}/{len(run.tokens)}", flush=True)
@@ -160,6 +164,8 @@ def main() -> None:
     p.add_argument("--weight-format", default="int8")
     p.add_argument("--budgets", default="0,8,15,23,all", help="GB per row, or all")
     p.add_argument("--deferred", default="0", help="Expert Deferral values per budget")
+    p.add_argument("--defer-orders", default="score",
+                   help="deferral orders per d > 0: score, misses or both (score,misses)")
     p.add_argument("--intervals", default="0",
                    help="placement_interval values per budget (0: static placement)")
     p.add_argument("--prefill", default="",
@@ -188,6 +194,9 @@ def main() -> None:
     unknown = {k for k in args.decode_kernels.split(",") if k} - {"triton", "torch"}
     if unknown:  # the A/B sets the decoder's choice directly, past its own check
         p.error(f"--decode-kernels: triton or torch, got {', '.join(sorted(unknown))}")
+    bad = set(args.defer_orders.split(",")) - set(DEFER_ORDERS)
+    if bad:  # checked before the minutes of building the model
+        p.error(f"--defer-orders: {' or '.join(DEFER_ORDERS)}, got {', '.join(sorted(bad))}")
     lengths = [int(n) for n in args.prefill.split(",") if n]
     modes = [m for m in args.prefill_modes.split(",") if m]
     device = torch.device("cuda")

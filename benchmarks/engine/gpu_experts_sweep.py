@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stages", default="hetmoe,llamacpp,deepseek,pp16k")
     p.add_argument("--budgets", default="0,8,15,23,all", help="GB of experts on the GPU, or all")
     p.add_argument("--deferred", default="0,3", help="hetmoe Expert Deferral values")
+    p.add_argument("--defer-orders", default="score",
+                   help="hetmoe deferral orders per d > 0 (score, misses or score,misses)")
     p.add_argument("--new-tokens", type=int, default=48, help="hetmoe decode tokens per run")
     p.add_argument("--prefill", default="4096,16384", help="hetmoe prefill lengths per budget")
     p.add_argument("--prefill-modes", default="auto")
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     later = {"llamacpp": 240, "deepseek": 100}
     if "hetmoe" in stages:
         stage("hetmoe", lambda: hetmoe(MAIN_SHAPE, args.budgets, [
-            "--deferred", args.deferred, "--prefill", args.prefill, "--prefill-modes",
+            "--deferred", args.deferred, "--defer-orders", args.defer_orders,
+            "--prefill", args.prefill, "--prefill-modes",
             args.prefill_modes], sum(later[s] for s in later if s in stages)))
     peers = peer_budgets(parse_budgets(args.budgets), MAIN_SHAPE)
     llama: dict[str, Any] = {}

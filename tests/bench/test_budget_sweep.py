@@ -23,7 +23,7 @@ from hetmoe.bench.budget_peer import (
     peer_budgets,
     q8_0_layer_bytes,
 )
-from hetmoe.bench.budget_report import per_layer_table, plot, sweep_table
+from hetmoe.bench.budget_report import hetmoe_by_budget, per_layer_table, plot, sweep_table
 
 SCRIPT = "engine/gpu_experts_sweep.py"
 LAYER = 641_728_512
@@ -123,6 +123,12 @@ def canned_sweep() -> dict[str, Any]:
     return {"command": "sweep", "date": "today", "git": "abc", "timings": {"hetmoe": (1, "ok")},
             "hetmoe": {"qwen3-30b-a3b": qwen, "deepseek-v3-few-layers": deepseek},
             "llamacpp": {"budgets": by_budget(peers, rows), "rows": rows}}
+
+
+def test_the_budget_table_keeps_the_papers_deferral_order() -> None:
+    result = hetmoe_result("qwen3-30b-a3b", {"0": (0, 50.0, 60.0)}, {})
+    result["rows"].append({**result["rows"][1], "defer_order": "misses", "tok_s": 99.0})
+    assert hetmoe_by_budget(result)["0"]["decode"] == {0: 50.0, 3: 60.0}
 
 
 def test_tables_from_a_canned_sweep() -> None:

@@ -26,13 +26,13 @@ def as_sweep(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def hetmoe_by_budget(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per budget of one bench_gpu_experts.py result (static placement rows): GPU bytes and
-    share, decode tok/s per deferred value, and per prompt length the best prefill mode's tok/s
-    with that mode (every mode's under `prefill_modes`)."""
+    """Per budget of one bench_gpu_experts.py result (static placement, "score" order): GPU
+    bytes and share, decode tok/s per deferred value, and per prompt length the best prefill
+    mode's tok/s with that mode (every mode's under `prefill_modes`)."""
     out: dict[str, dict[str, Any]] = {}
     for row in result["rows"]:
-        if row.get("placement_interval", 0):
-            continue
+        if row.get("placement_interval", 0) or row.get("defer_order", "score") != "score":
+            continue  # the table is static placement's, deferring in the paper's order
         entry = out.setdefault(row["budget"], {"gpu_expert_bytes": row["gpu_expert_bytes"],
                                                "gpu_share": row["gpu_share"], "decode": {},
                                                "prefill": {}, "prefill_modes": {}})

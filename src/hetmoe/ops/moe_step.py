@@ -87,7 +87,7 @@ class BackendLink:
         self.device = x.device
         where = self.experts.device
         x, weights = x.to(where), weights.to(where)
-        immediate, late = split_ids(ids, deferred) if deferred else (ids, None)
+        immediate, late = self.split(ids, deferred) if deferred else (ids, None)
         self._late = (x, late.to(where), weights) if late is not None else None
         self._grad = None
         if needs_grad(self.experts, x, weights):
@@ -95,6 +95,11 @@ class BackendLink:
             if self._fp32:
                 return  # computed in fp32 at finish
         self.experts.submit(x, immediate.to(where), weights)
+
+    def split(self, ids: torch.Tensor, deferred: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(immediate, deferred) ids [T, K] of a start, -1 in the other part's slots: the last
+        `deferred` slots late (a benchmark's link may choose other slots)."""
+        return split_ids(ids, deferred)
 
     def start_packed(self, stage: torch.Tensor, rows: int, deferred: int = 0) -> None:
         x, ids, weights = unpack_moe_inputs(stage, rows, self.hidden, self.top_k)
