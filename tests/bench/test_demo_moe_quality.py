@@ -1,6 +1,6 @@
-"""benchmarks/demo_moe/quality.py's "defer misses" mode on a baby model: the link defers each token's
-lowest-scored misses, the same as the paper's order with nothing resident and nothing with every
-expert resident; resident experts ranked by training routing counts."""
+"""benchmarks/demo_moe/quality.py's "defer misses" mode on a baby model: the link defers each
+token's lowest-scored misses, the same as the paper's order with nothing resident and nothing
+with every expert resident; resident experts ranked by training routing counts."""
 
 from __future__ import annotations
 
