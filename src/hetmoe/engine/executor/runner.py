@@ -13,13 +13,11 @@ The one runner for prefill and decode, single-threaded (one owner at a time). ON
   (engine/executor/launch_ahead.py; `settle` rolls back a step launched ahead nobody continues).
 - Shorthands of `step` for tests and scripts: `prefill(slot, token_ids, start=0) -> [V]`,
   `prefill_logits -> [T, V]`, `decode(slots, token_ids) -> [B, V]`, `greedy(slot, token, limit)`.
-  `max_batch`, `max_seq_len`, `vocab_size`, `lengths`, `cache`, `free`, `check_chunk`, `adapters`.
 
-With every MoE layer's experts in the CPU backend it composes `MoEOverlap` (the MoE step over
-Python, GPU-streamed or stream-ordered links), `PrefillPlanner` (where prefill experts run),
-`FusedDecoder` and `GraphCache`; decode steps attend over a window bucket of the cache
-(ops/kv_batch.py). Logits are float32. The module path runs each HF decoder layer's steps through
-ops/decoder_layer.py (the fused step's norm and residual functions); the runner owns embedding,
+With every MoE layer's experts in the CPU backend it composes `MoEOverlap` (the MoE step's
+links), `PrefillPlanner` (where prefill experts run), `FusedDecoder` and `GraphCache`; decode
+steps attend over a window bucket of the cache (ops/kv_batch.py). Logits are float32. The module
+path runs each HF decoder layer's steps through ops/decoder_layer.py; the runner owns embedding,
 rotary positions, the final norm and `lm_head`, and passes a `KVBatch` down.
 """
 
