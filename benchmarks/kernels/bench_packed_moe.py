@@ -12,8 +12,9 @@ graph replay (decode's use), and both paths of the kernels at those T: pairs gro
 `--pair-sweep FORMATS` instead times the pair kernels' launch shapes (`PairConfig`) at
 `--pair-tokens` (1,8,16) as CUDA graph replays, gate/up shapes first then down shapes with the
 best gate/up one, then (int8, int4, fp8) the current, best gate/up and best shapes factored
-(`PairConfig.factored`), and prints each format's best against its bytes floor and the line for
-`PAIR_CONFIGS` (JSON: packed_moe_pair_sweep.json).
+(`PairConfig.factored`; int4 then those and `PAIR_SWEEP_WORDS` read by words, `int4_words`),
+and prints each format's best against its bytes floor and the line for `PAIR_CONFIGS` (JSON:
+packed_moe_pair_sweep.json).
 """
 
 from __future__ import annotations
@@ -190,6 +191,10 @@ PAIR_SWEEP_DOWN = [(64, 1, 4), (32, 1, 4), (32, 2, 2), (64, 2, 4), (64, 3, 4), (
                    (128, 2, 4), (128, 3, 4), (128, 4, 8), (256, 4, 8)]
 """Then down shapes with the best gate/up one: (block_n_down, split_down, warps_down)."""
 
+PAIR_SWEEP_WORDS = (32, 1, 64, 1, 4, 2, 4)
+"""A shape `--pair-sweep int4` also times read by words (`PairConfig.int4_words`): the shipped
+one with 2 gate/up warps, so a thread holds 4 words of a matrix a block, not 2."""
+
 
 def pair_sweep(moe: CpuMoE, raw: torch.Tensor, tokens: list[int], k: int, bandwidth: float,
                repeats: int) -> list[dict[str, Any]]:
@@ -235,8 +240,13 @@ def pair_sweep(moe: CpuMoE, raw: torch.Tensor, tokens: list[int], k: int, bandwi
                                         split_down=split, warps_down=warps))
     if fmt != "bf16":  # the factored weights (no bf16 rounding: ~1e-3 from the current shape)
         fastest = min(rows, key=lambda r: r["score"])
-        for shape in dict.fromkeys(tuple(r["config"]) for r in (rows[0], best, fastest)):
+        shapes = list(dict.fromkeys(tuple(r["config"]) for r in (rows[0], best, fastest)))
+        for shape in shapes:
             time_config(dataclasses.replace(PairConfig(*shape), factored=True))
+        if fmt == "int4":  # and read by words, on the same shapes and one of 2 gate/up warps
+            for shape in dict.fromkeys([*shapes, PAIR_SWEEP_WORDS]):
+                time_config(dataclasses.replace(PairConfig(*shape), factored=True,
+                                                int4_words=True))
     return rows
 
 

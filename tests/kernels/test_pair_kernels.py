@@ -1,8 +1,9 @@
 """The pair kernels' launch shapes (`PairConfig`: rows and k shares per program, blocks a loop
 step, warps) against float64 in every format: k shares of gate/up write fp32 sums that the down
 kernel adds and puts through the SiLU, k shares of down add by atomics; shares and unroll capped
-to what divides the loop; bad configs named; every variant compiled for sm_90 (the compiled
-branches the interpreter skips). Runs on the GPU when there is one, else under Triton's
+to what divides the loop; the factored sums and int4's read by words against float64 on the
+exact weights; bad configs named; every variant compiled for sm_90 (the compiled branches the
+interpreter skips). Runs on the GPU when there is one, else under Triton's
 interpreter (tests/kernels/conftest.py)."""
 
 from __future__ import annotations
@@ -103,6 +104,39 @@ def test_factored_equals_float64_of_the_exact_weights(shape: tuple, cfg: PairCon
     assert rel_error(out, ref) < rel_error(rounded, ref) / 4
 
 
+# int4 by words: every group size (a span of 1, 2, 4 halves, of 8 over a whole run of 4 blocks),
+# gate/up shares of 1 and 2 and down shares of 1, 2 and 3, hidden and slice padded inside
+WORDS = [
+    (("int4", 4, 72, 128, 32), PairConfig(32, 1, 64, 1, 4, 4, 4, True, True)),
+    (("int4", 3, 232, 192, 64), PairConfig(16, 2, 32, 3, 2, 2, 2, True, True)),
+    (("int4", 3, 256, 384, 128), PairConfig(16, 2, 64, 2, 4, 4, 4, True, True)),
+    (("int4", 3, 512, 256, 256), PairConfig(32, 1, 128, 1, 4, 4, 4, True, True)),
+]
+
+
+@pytest.mark.usefixtures("interpreted")
+@pytest.mark.parametrize(("shape", "cfg"), WORDS,
+                         ids=["-".join(map(str, (*s, *vars(c).values()))) for s, c in WORDS])
+def test_int4_words_equal_float64_of_the_exact_weights(shape: tuple, cfg: PairConfig) -> None:
+    """Each byte loaded once as part of a word, its nibbles summed as 1 + q / 16 times the
+    inputs per group: near float64 on the unrounded weights (~3e-7 where no activation's bf16
+    rounding flips; at G 256 one of 512 flips, 3.4e-4: sums of 1 + q / 16 carry ~5x the byte
+    read's fp32 error, ~1e-6 of a projection), 4x nearer than the rounded kernels, a row routed
+    nowhere zero, ids of -1 adding nothing."""
+    fmt, _, h, _, group = shape
+    layer, x, ids, weights = edge_case(shape, 3)
+    assert (ids == -1).any()
+    args = (x.to(HERE), ids.to(HERE), weights.to(HERE), layer.raw.to(HERE), layer.part, fmt, h,
+            group)
+    out = packed_moe(*args, path="pairs", pair_config=cfg).cpu()
+    rounded = packed_moe(*args, path="pairs", pair_config=dataclasses.replace(
+        cfg, factored=False, int4_words=False)).cpu()
+    ref = reference(exact(layer), x, ids, weights)
+    assert torch.equal(out[1], torch.zeros(h))  # a row routed nowhere
+    assert rel_error(out, ref) < 5e-4
+    assert rel_error(out, ref) < rel_error(rounded, ref) / 4
+
+
 @pytest.mark.parametrize(("fmt", "group", "unroll", "factored", "want"), [
     ("int8", 128, 4, True, 4), ("int8", 128, 1, True, 2), ("int4", 32, 4, True, 1),
     ("fp8", 256, 3, True, 2), ("int8", 256, 4, True, 8), ("bf16", 64, 4, True, 0),
@@ -129,6 +163,9 @@ def test_shares_and_unroll_are_the_most_that_divide_the_loop(
     ({"k_unroll": 9}, "k_unroll must be from 1 to 8, got 9"),
     ({"warps_down": 3}, "warps_down must be one of 1, 2, 4, 8, got 3"),
     ({"factored": 1}, "factored must be True or False, got 1"),
+    ({"factored": True, "int4_words": "yes"}, "int4_words must be True or False, got 'yes'"),
+    ({"int4_words": True}, r"int4_words needs factored=True \(the word read sums codes times "
+                           r"inputs per group, never a bf16 weight\)"),
 ])
 def test_a_bad_launch_shape_is_named(change: dict, message: str) -> None:
     fields = {**vars(CONFIGS[0]), **change}
@@ -157,20 +194,22 @@ def build(fn, warps, act, **consts):
 
 
 # Hp = 2048 (32 blocks), S = 768 (12 blocks), top-8: each format's chosen shape, 4 shares, and
-# factored: the chosen shape and one of 2 gate/up shares, a block a step (a span capped at 2)
+# factored: the chosen shape and one of 2 gate/up shares, a block a step (a span capped at 2);
+# int4 both factored shapes read by words too
 for fmt, code in dequant.FORMAT_CODES.items():
     mem, g = dequant.MEMORY_ORDER[fmt], 32 if fmt == "int4" else 128
     chosen = pm.PAIR_CONFIGS[fmt]
     factored = [replace(c, factored=True) for c in (chosen, pm.PairConfig(32, 2, 64, 1, 1, 4, 4))]
-    for cfg in (chosen, pm.PairConfig(16, 4, 128, 4, 3, 2, 8), *factored):
+    words = [replace(c, int4_words=True) for c in factored] if fmt == "int4" else []
+    for cfg in (chosen, pm.PairConfig(16, 4, 128, 4, 3, 2, 8), *factored, *words):
         split, ku = pm.share_steps(32, cfg.split_gate_up, cfg.k_unroll)
         build(pair_gate_up_kernel, cfg.warps_gate_up, "bf16" if split == 1 else "fp32",
               TOP_K=8, KU=ku, G=g, FMT=code, BN=cfg.block_n_gate_up, ZN=128, MEM=mem,
-              SPLIT=split, SPAN=pm.factored_span(cfg, fmt, g, ku))
+              SPLIT=split, SPAN=pm.factored_span(cfg, fmt, g, ku), WORDS=cfg.int4_words)
         ku = pm.share_steps(12, cfg.split_down, cfg.k_unroll)[1]
         build(pair_down_kernel, cfg.warps_down, "bf16" if split == 1 else "fp32", TOP_K=8,
               KU=ku, G=g, FMT=code, BN=cfg.block_n_down, MEM=mem, SPLIT_GU=split,
-              SPAN=pm.factored_span(cfg, fmt, g, ku))
+              SPAN=pm.factored_span(cfg, fmt, g, ku), WORDS=cfg.int4_words)
 print("compiled")
 """
 

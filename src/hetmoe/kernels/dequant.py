@@ -123,7 +123,7 @@ def codes_half(base, nb, kh, NB_BYTES, G: tl.constexpr, FMT: tl.constexpr, NBLK:
         q = _rows(tl.load((base + off).to(tl.pointer_type(tl.bfloat16), bitcast=True)),
                   NBLK, 16, 2)
     elif FMT == 2:  # int4: runs of RUN_K k, each its 512-byte blocks then per group metadata
-        start, blocks, _ = _int4_run(row, kh, G)
+        start, blocks, _ = int4_run(row, kh, G)
         s = tl.arange(0, 8)
         c = tl.arange(0, 64)
         off = start[:, None, None] + blocks + s[None, :, None] * 64 + c[None, None, :]
@@ -154,7 +154,7 @@ def group_scales(base, nb, kh, NB_BYTES, SCALE_OFF, G: tl.constexpr, FMT: tl.con
         nbr, nr = _gather_rows(nb, NBLK)
         return _gather_scales(base, nbr, nr, kh, NB_BYTES, SCALE_OFF, G, FMT)
     if FMT == 2:
-        meta = _int4_run(nb * NB_BYTES, kh, G)[2][:, None] + r[None, :] * 2  # [NBLK, 16]
+        meta = int4_run(nb * NB_BYTES, kh, G)[2][:, None] + r[None, :] * 2  # [NBLK, 16]
         scale = tl.load((base + meta).to(tl.pointer_type(tl.bfloat16), bitcast=True))
         bias = tl.load((base + meta + 64).to(tl.pointer_type(tl.bfloat16), bitcast=True))
         scale = tl.reshape(scale.to(tl.float32), (NBLK * 16,))
@@ -199,7 +199,7 @@ def factored_half(acc, sums, xsum, q, xt, base, nb, kh, NB_BYTES, SCALE_OFF, G: 
 
 
 @triton.jit
-def _int4_run(row, kh, G: tl.constexpr):
+def int4_run(row, kh, G: tl.constexpr):
     """Where half kh of int4 n-blocks starting at byte offsets `row` sits: (its run's start,
     byte offset of its 512-byte block in the run, start of its group's metadata)."""
     RUN_K: tl.constexpr = 64 if G < 64 else G  # runs of RUN_K k: blocks, then group metadata
@@ -231,7 +231,7 @@ def _gather_codes(base, nb, nr, kh, NB_BYTES, G: tl.constexpr, FMT: tl.constexpr
             + (j[None, :] % 2) * 2
         q = tl.load((base + off).to(tl.pointer_type(tl.bfloat16), bitcast=True))
     elif FMT == 2:  # int4: runs of RUN_K k, each its 512-byte blocks then per group metadata
-        start, blocks, _ = _int4_run(row, kh, G)
+        start, blocks, _ = int4_run(row, kh, G)
         off = start[:, None] + blocks + (j[None, :] // 4) * 64 + nr[:, None] * 4 + j[None, :] % 4
         q = ((tl.load(base + off) >> ((kh % 2) * 4)) & 0xF).to(tl.float32) - 8.0
     else:  # int8, fp8: 1024-byte 64-k blocks, half kh % 2 of block kh // 2
@@ -250,7 +250,7 @@ def _gather_codes(base, nb, nr, kh, NB_BYTES, G: tl.constexpr, FMT: tl.constexpr
 def _gather_scales(base, nb, nr, kh, NB_BYTES, SCALE_OFF, G: tl.constexpr, FMT: tl.constexpr):
     """`group_scales` of rows nb * 16 + nr (nb, nr [BN]). -> (scale, bias) [BN] fp32."""
     if FMT == 2:
-        meta = _int4_run(nb * NB_BYTES, kh, G)[2] + nr * 2  # [BN]
+        meta = int4_run(nb * NB_BYTES, kh, G)[2] + nr * 2  # [BN]
         scale = tl.load((base + meta).to(tl.pointer_type(tl.bfloat16), bitcast=True))
         bias = tl.load((base + meta + 64).to(tl.pointer_type(tl.bfloat16), bitcast=True))
         scale, bias = scale.to(tl.float32), bias.to(tl.float32)

@@ -89,6 +89,10 @@ class PairConfig:
     """int8, int4, fp8: never round a weight to bf16; sum codes times inputs in fp32 over each
     group's halves in a loop step and apply the group's scale once per row (fewer instructions
     a weight, closer to float64). bf16 ignores it."""
+    int4_words: bool = False
+    """int4 with `factored` (other formats ignore it): load the codes as 32-bit words as they
+    lie (each byte once, not once per nibble) and feed both nibbles of a byte to their two
+    32-k halves in registers, the inputs loaded in the words' order (kernels/int4_words.py)."""
 
     def __post_init__(self) -> None:
         checks = [("block_n_gate_up", (16, 32, 64)), ("block_n_down", (16, 32, 64, 128, 256)),
@@ -101,8 +105,13 @@ class PairConfig:
                 shown = f"from {allowed[0]} to {allowed[-1]}" if isinstance(allowed, range) \
                     else "one of " + ", ".join(map(str, allowed))
                 raise ValueError(f"PairConfig: {name} must be {shown}, got {value}")
-        if not isinstance(self.factored, bool):
-            raise ValueError(f"PairConfig: factored must be True or False, got {self.factored!r}")
+        for name in ("factored", "int4_words"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PairConfig: {name} must be True or False, got "
+                                 f"{getattr(self, name)!r}")
+        if self.int4_words and not self.factored:
+            raise ValueError("PairConfig: int4_words needs factored=True (the word read sums "
+                             "codes times inputs per group, never a bf16 weight)")
 
 
 # Fields in order: block_n_gate_up, split_gate_up, block_n_down, split_down, k_unroll,
@@ -250,6 +259,7 @@ def _pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: to
     hp, hn = padded_hidden(hidden, q), -(-hidden // 16) * 16
     num_e = packed.numel() // part.expert_bytes
     mem, code, g = MEMORY_ORDER[fmt], FORMAT_CODES[fmt], q or 64
+    words = cfg.int4_words and fmt == "int4"
     x = x if x.stride(1) == 1 else x.contiguous()
     flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)  # [T K] views when contiguous
     split_gu, ku_gu = share_steps(hp // 64, cfg.split_gate_up, cfg.k_unroll)
@@ -263,14 +273,15 @@ def _pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: to
         x, x.stride(0), flat_ids, packed, act, out, hidden, slice_, part.expert_bytes, nb_bytes,
         scale_off, num_e, TOP_K=ids.shape[1], K_BLOCKS=hp // 64 // split_gu, KU=ku_gu, G=g,
         FMT=code, BN=cfg.block_n_gate_up, ZN=zero_cols, MEM=mem, SPLIT=split_gu,
-        SPAN=factored_span(cfg, fmt, g, ku_gu), num_warps=cfg.warps_gate_up)
+        SPAN=factored_span(cfg, fmt, g, ku_gu), WORDS=words, num_warps=cfg.warps_gate_up)
     split_d, ku_d = share_steps(slice_ // 64, cfg.split_down, cfg.k_unroll)
     nb_bytes, scale_off = matrix_geometry(fmt, hn, slice_, q)
     pair_down_kernel[(pairs, -(-hidden // cfg.block_n_down), split_d)](
         act, flat_ids, flat_w, packed, out, hidden, slice_, hn, part.expert_bytes,
         part.down_offset, nb_bytes, scale_off, num_e, TOP_K=ids.shape[1],
         K_BLOCKS=slice_ // 64 // split_d, KU=ku_d, G=g, FMT=code, BN=cfg.block_n_down, MEM=mem,
-        SPLIT_GU=split_gu, SPAN=factored_span(cfg, fmt, g, ku_d), num_warps=cfg.warps_down)
+        SPLIT_GU=split_gu, SPAN=factored_span(cfg, fmt, g, ku_d), WORDS=words,
+        num_warps=cfg.warps_down)
     return out
 
 
