@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,13 @@ import torch
 from hetmoe import LLM
 from hetmoe.experts.backend import backends
 from hetmoe.presets.tiny import FAMILIES, build_tiny_model
+
+if not torch.cuda.is_available():
+    # Without a CUDA GPU the Triton kernels run under Triton's interpreter (tests/kernels). Triton
+    # decorates its own library (tl.zeros ...) and our kernels when first imported, so the
+    # interpreter must be on before any test module imports it: a benchmark script loaded at
+    # collection (tests/bench) imports the kernels long before tests/kernels is collected.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TinyDir = Callable[..., Path]
 

@@ -1,8 +1,9 @@
 """Without a CUDA GPU the Triton kernels run under Triton's interpreter (numpy, on CPU tensors),
-so CI checks their values too. It must be on before a kernel module is first imported (the
-kernels are decorated then); the kernel modules are imported lazily (first call), so setting it
-while this directory is collected is early enough. Nothing outside `hetmoe.kernels` uses Triton
-on a machine without a GPU, so the variable changes nothing else in the same process."""
+so CI checks their values too. The interpreter must be on before Triton is first imported (it
+decorates its own library and the kernels then): tests/conftest.py turns it on when the session
+starts, before any test module is collected; it is set here again for runs rooted in this folder.
+Nothing outside `hetmoe.kernels` uses Triton on a machine without a GPU, so the variable changes
+nothing else in the same process."""
 
 from __future__ import annotations
 
