@@ -10,9 +10,8 @@ are grouped by expert on the GPU (`routing_tiles`) and two Triton kernels run ov
 (prefill) wider ones (`tile_config`); either way no host sync and a grid fixed by T and K, so
 decode steps can be captured in a CUDA graph. Few pairs (`path="pairs"`, or T K <=
 `DECODE_MAX_PAIRS` under "auto": decode, small batches) skip the grouping: `pair_gate_up` and
-`pair_down` take each pair straight from `ids`, two launches per call instead of the ~10 small
-routing ops beside the two kernels; `PAIR_CONFIGS` holds their launch shape per format (rows
-and k shares per program, so that a few pairs still give every SM loads to wait on).
+`pair_down` take each pair straight from `ids` (two launches instead of ~10 small routing ops
+and two kernels), in the launch shape `PAIR_CONFIGS` holds per format.
 """
 
 from __future__ import annotations
@@ -86,9 +85,8 @@ class PairConfig:
     warps_down: int
     """Warps per down program."""
     factored: bool = False
-    """int8, int4, fp8: never round a weight to bf16; sum codes times inputs in fp32 over each
-    group's halves in a loop step and apply the group's scale once per row (fewer instructions
-    a weight, closer to float64). bf16 ignores it."""
+    """int8, int4, fp8: no weight rounded to bf16; codes times inputs summed in fp32 over each
+    group's halves in a loop step, the group's scale applied once per row. bf16 ignores it."""
     int4_words: bool = False
     """int4 with `factored` (other formats ignore it): load the codes as 32-bit words as they
     lie (each byte once, not once per nibble) and feed both nibbles of a byte to their two
@@ -105,35 +103,31 @@ class PairConfig:
                 shown = f"from {allowed[0]} to {allowed[-1]}" if isinstance(allowed, range) \
                     else "one of " + ", ".join(map(str, allowed))
                 raise ValueError(f"PairConfig: {name} must be {shown}, got {value}")
-        for name in ("factored", "int4_words"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"PairConfig: {name} must be True or False, got "
-                                 f"{getattr(self, name)!r}")
+        for name, value in (("factored", self.factored), ("int4_words", self.int4_words)):
+            if not isinstance(value, bool):
+                raise ValueError(f"PairConfig: {name} must be True or False, got {value!r}")
         if self.int4_words and not self.factored:
             raise ValueError("PairConfig: int4_words needs factored=True (the word read sums "
                              "codes times inputs per group, never a bf16 weight)")
 
 
 # Fields in order: block_n_gate_up, split_gate_up, block_n_down, split_down, k_unroll,
-# warps_gate_up, warps_down. Round 2's shape for every format (the pair kernels' first timing,
-# docs/benchmarks/gpu_kernels.md); `bench_packed_moe.py --pair-sweep` times the others.
+# warps_gate_up, warps_down (`bench_packed_moe.py --pair-sweep` times other shapes).
 PAIR_CONFIGS = {
     "bf16": PairConfig(32, 1, 64, 1, 4, 4, 4),
     "int8": PairConfig(32, 1, 64, 3, 4, 4, 4),
     "int4": PairConfig(32, 1, 64, 1, 4, 4, 4),
     "fp8": PairConfig(32, 1, 64, 1, 4, 4, 4),
 }
-"""The pair kernels' launch shape per packed format. int8's down kernel splits its k loop in 3
-(`bench_packed_moe.py --pair-sweep int8`, H100, Qwen3-30B-A3B layer: T = 1 0.049 -> 0.044 ms,
-T = 8 0.187 -> 0.182, best of 24 shapes; docs/benchmarks/gpu_kernels.md round 5); the other
-formats keep round 2's shape until swept."""
+"""The pair kernels' launch shape per packed format: round 2's (docs/benchmarks/gpu_kernels.md)
+but int8's down k loop split in 3 (round 5, H100, Qwen3-30B-A3B layer: T = 1 0.049 -> 0.044
+ms, T = 8 0.187 -> 0.182, best of 24 shapes); the other formats keep round 2's until swept."""
 
 DECODE_MAX_PAIRS = 64
 """Up to this many (token, slot) pairs `path="auto"` runs the unsorted pair kernels (decode and
 batches of up to 8 at top-8). Measured on an H100 at the Qwen3-30B-A3B layer, graph replays
 (docs/benchmarks/gpu_kernels.md, round 2): the pairs win or tie the sorted path at 8 and 64
-pairs for every format (int8 at 8 pairs 0.049 against 0.103 ms) and lose at 128 (int8 0.340
-against 0.254 ms)."""
+pairs for every format (int8, 8 pairs: 0.049 vs 0.103 ms) and lose at 128 (0.340 vs 0.254)."""
 
 PATHS = ("auto", "sorted", "pairs")
 """`packed_moe` paths: by pair count, grouped by expert, or one pair per program."""
