@@ -47,6 +47,18 @@ from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.machine import huge_page_bytes, source_commit
 
 
+def _pool_bound(cfg: BenchConfig, result: dict[str, Any]) -> None:
+    """The CPU backend's own workers reading: a second, same-run bandwidth for the bound, which
+    becomes the faster of the two plain reads (the strictest denominator)."""
+    from hetmoe import _cpu  # the C++ extension: the cpu mode only
+
+    size = int(cfg.bandwidth_gib * 2**30)
+    result["pool_read_gb_s"] = round(_cpu.read_bandwidth(size, 5) / 1e9, 1)
+    result["pool_bound_tok_s"] = round(
+        result["pool_read_gb_s"] * 1e9 / result["routed_bytes_per_token"], 2)
+    result["bound_tok_s"] = max(result["bound_tok_s"], result["pool_bound_tok_s"])
+
+
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     """Builds the model of `cfg`, measures it, returns the result dict (see the module doc)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -92,15 +104,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     result["routed_bytes_per_token"] = measure.routed_bytes_per_token(model)
     result["bound_tok_s"] = round(result["read_gb_s"] * 1e9 / result["routed_bytes_per_token"], 2)
     if cfg.experts == "cpu":
-        from hetmoe import _cpu  # the C++ extension: the cpu mode only
-
-        # The CPU backend's own workers reading: a second, same-run bandwidth for the bound.
-        size = int(cfg.bandwidth_gib * 2**30)
-        result["pool_read_gb_s"] = round(_cpu.read_bandwidth(size, 5) / 1e9, 1)
-        result["pool_bound_tok_s"] = round(
-            result["pool_read_gb_s"] * 1e9 / result["routed_bytes_per_token"], 2)
-        # The bound is the faster of the two plain reads (the strictest denominator).
-        result["bound_tok_s"] = max(result["bound_tok_s"], result["pool_bound_tok_s"])
+        _pool_bound(cfg, result)
     if cfg.experts == "torch-cpu":
         runner = ModelRunner(model, device, torch.bfloat16, 1, window)
         run = measure.greedy_decode(runner, prompt, cfg.new_tokens)
