@@ -131,6 +131,15 @@ def test_the_budget_table_keeps_the_papers_deferral_order() -> None:
     assert hetmoe_by_budget(result)["0"]["decode"] == {0: 50.0, 3: 60.0}
 
 
+def test_the_budget_table_keeps_d0_whatever_order_recorded_it() -> None:
+    """bench_gpu_experts.py runs d=0 once, under the first of --defer-orders: with "misses"
+    first its exact-decode row is still the table's d=0 (it defers nothing in either order)."""
+    result = hetmoe_result("qwen3-30b-a3b", {"0": (0, 50.0, 60.0)}, {})
+    result["rows"][0]["defer_order"] = "misses"
+    result["rows"][1]["defer_order"] = "misses"
+    assert hetmoe_by_budget(result)["0"]["decode"] == {0: 50.0}
+
+
 def test_tables_from_a_canned_sweep() -> None:
     table = sweep_table(canned_sweep()).splitlines()
     assert table[0].startswith("| budget | hetmoe experts on GPU (share) | llama.cpp `-ncmoe`")

@@ -31,8 +31,9 @@ def hetmoe_by_budget(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     mode's tok/s with that mode (every mode's under `prefill_modes`)."""
     out: dict[str, dict[str, Any]] = {}
     for row in result["rows"]:
-        if row.get("placement_interval", 0) or row.get("defer_order", "score") != "score":
-            continue  # the table is static placement's, deferring in the paper's order
+        if row.get("placement_interval", 0) or (
+                row["deferred"] and row.get("defer_order", "score") != "score"):
+            continue  # static placement's, in the paper's order (d=0 defers nothing in any)
         entry = out.setdefault(row["budget"], {"gpu_expert_bytes": row["gpu_expert_bytes"],
                                                "gpu_share": row["gpu_share"], "decode": {},
                                                "prefill": {}, "prefill_modes": {}})
