@@ -256,3 +256,19 @@ def test_the_order_is_said_where_the_choice_is(tiny_dir: Callable[..., object]) 
     assert f"\n{DEFER_ORDER_LINE}\n" in done.output
     with pytest.raises(ValueError, match=r"^defer_order must be one of score, misses, got 'x'$"):
         BenchConfig(shape="qwen3-30b-a3b", defer_order="x")
+
+
+def test_a_refused_order_changes_no_setting(engine: Callable[[str, str], LLM]) -> None:
+    """reset_graphs(deferred, order) with a bad order leaves the count as it was too: a count
+    set while the graphs of the old one stayed would replay other settings than the eager
+    steps run."""
+    llm = engine("qwen3_moe", "cpu")
+    runner = _runner(llm, 3 * _per_layer(llm), 0, "score")
+    try:
+        with pytest.raises(ValueError, match="defer_order must be one of score, misses"):
+            runner.reset_graphs(2, "Misses")
+        overlap = runner.overlap
+        assert overlap is not None
+        assert (overlap.deferred, overlap.defer_order) == (0, "score")
+    finally:
+        runner.overlap.detach()  # type: ignore[union-attr]

@@ -194,11 +194,11 @@ class ModelRunner:
     def reset_graphs(self, deferred: int | None = None, defer_order: str | None = None) -> None:
         """Drops the captured graphs (to change `deferred` or `defer_order`: graphs bake them)."""
         self.settle()
+        self.graphs.clear()  # first: a change refused below leaves no graph of other settings
+        if defer_order is not None and self.overlap is not None:  # (none: nothing defers)
+            self.overlap.defer_order = defer_order  # checked first: a refused one sets no count
         if deferred is not None:
             self._set_deferred(deferred)
-        if defer_order is not None and self.overlap is not None:
-            self.overlap.defer_order = defer_order  # without the overlap nothing defers
-        self.graphs.clear()
 
     def _set_deferred(self, deferred: int) -> None:
         """Expert Deferral's count on the MoE step (`MoEStep.deferred` checks its bound)."""
