@@ -15,7 +15,8 @@ from hetmoe import LLM
 from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.placement.placement_link import PlacementLink
-from hetmoe.engine.placement.slots import LayerSlots, expert_bytes
+from hetmoe.engine.placement.placement_plan import PlacementPlan
+from hetmoe.engine.placement.slots import LayerSlots, Placement, expert_bytes
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.ops.deferral import check_defer_order, deferred_misses, misses_last, split_ids
 from hetmoe.ops.moe import moe_layers
@@ -272,3 +273,38 @@ def test_a_refused_order_changes_no_setting(engine: Callable[[str, str], LLM]) -
         assert (overlap.deferred, overlap.defer_order) == (0, "score")
     finally:
         runner.overlap.detach()  # type: ignore[union-attr]
+
+
+def place_pattern(runner: ModelRunner, pattern: str) -> list[list[int]]:
+    """Places per MoE layer by `pattern` (repeated): f every expert, p experts 1, 4, 6, n none;
+    the resident ids per layer."""
+    overlap = runner.overlap
+    assert overlap is not None
+    e = [m.num_experts for m in overlap.cpu]
+    kinds = [pattern[i % len(pattern)] for i in range(len(e))]
+    resident = [list(range(n)) if c == "f" else [1, 4, 6] if c == "p" else []
+                for n, c in zip(e, kinds, strict=True)]
+    plan = PlacementPlan(sum(expert_bytes(overlap.cpu)) * max(e), tuple(expert_bytes(overlap.cpu)),
+                         tuple(e), tuple(tuple(r) for r in resident))
+    runner.placement = Placement(overlap.cpu, plan, runner.device)
+    overlap.place(runner.placement)
+    return resident
+
+
+@pytest.mark.parametrize("pattern", ["fpf", "pfp", "ffp", "pff", "npn", "fnf"])
+def test_layers_deferring_nothing_between_others_keep_the_carry(
+        tiny_dir: Callable[..., object], pattern: str) -> None:
+    """Five MoE layers, each every expert, some or none resident: a layer that defers nothing
+    (all resident; the first, last or between partial ones) passes no late term and takes the
+    previous layer's, as the reference formula does."""
+    llm = LLM(tiny_dir("qwen3_moe", num_layers=5), device="cpu", dtype="float32",
+              experts="cpu", progress=False, max_seq_len=64)
+    for d in (1, 2):
+        runner = _runner(llm, 0, d, "misses")
+        try:
+            resident = place_pattern(runner, pattern)
+            ours = greedy(runner, 4)
+        finally:
+            runner.overlap.detach()  # type: ignore[union-attr]
+        same = greedy(llm.runner, 4, DeferralReference(llm.model, d, resident))
+        assert_same_greedy(ours, same, f"{pattern} d={d}")
