@@ -287,7 +287,9 @@ def place_pattern(runner: ModelRunner, pattern: str) -> list[list[int]]:
     plan = PlacementPlan(sum(expert_bytes(overlap.cpu)) * max(e), tuple(expert_bytes(overlap.cpu)),
                          tuple(e), tuple(tuple(r) for r in resident))
     runner.placement = Placement(overlap.cpu, plan, runner.device)
-    overlap.place(runner.placement)
+    overlap.place(runner.placement)  # and the prefill planner, as ModelRunner.place does
+    assert runner.planner is not None
+    runner.planner.place(runner.placement)
     return resident
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from decode_steps import greedy
 from deferral_reference import DeferralReference
+from test_defer_order import place_pattern
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
@@ -67,3 +68,31 @@ def test_graph_decode_deferring_misses_equals_the_reference(
             assert delta <= LOGIT_ATOL, f"{label}: |Δlogits| {delta:.3g}"
             if runner.placement.everything:
                 assert jobs and all(j == 0 for j in jobs), label  # no CPU job, nothing late
+
+
+@pytest.mark.parametrize("pattern", ["fpf", "pfp", "ffp"])
+def test_graph_decode_with_layers_deferring_nothing_keeps_the_carry(
+        pattern: str, tiny_dir: Callable[..., Path]) -> None:
+    """Five MoE layers placed unevenly (f every expert, p some): graphs of layers that defer
+    nothing (first, last, between partial ones) equal the reference formula."""
+    llm = LLM(tiny_dir("qwen3_moe", num_layers=5), device="cuda", dtype="float32",
+              experts="cpu", progress=False, max_seq_len=64, max_batch=4, gpu_expert_bytes=0)
+    plain = ModelRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
+                        EngineConfig(cuda_graphs=False, fused_decode=False, gpu_expert_bytes=0))
+    assert plain.overlap is not None
+    plain.overlap.detach()
+    plain.overlap = None
+    for d in (1, 2):
+        runner = _runner(llm, 0, d)
+        try:
+            resident = place_pattern(runner, pattern)
+            assert runner.use_graphs
+            ours = greedy(runner, 4)
+            assert runner.graphs, "the decode steps replayed no graph"
+        finally:
+            runner.overlap.detach()  # type: ignore[union-attr]
+        ref = greedy(plain, 4, DeferralReference(llm.model, d, resident))
+        label = f"{pattern} d={d}"
+        assert ours[0] == ref[0], label
+        delta = max((a - b).abs().max().item() for a, b in zip(ours[1], ref[1], strict=True))
+        assert delta <= LOGIT_ATOL, f"{label}: |Δlogits| {delta:.3g}"
