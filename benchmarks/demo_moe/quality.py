@@ -295,6 +295,15 @@ def write_doc(doc: Path, result: dict[str, Any]) -> None:
     write_marked(doc, "tables", SCRIPT, body)
 
 
+def resident_shares(value: str) -> list[float]:
+    """`--resident-share`: shares in [0, 1], comma-separated ('': none)."""
+    shares = [float(x) for x in value.split(",") if x]
+    bad = [x for x in shares if not 0.0 <= x <= 1.0]
+    if bad:  # a negative one would slice the ranking from its end
+        raise argparse.ArgumentTypeError(f"shares are in [0, 1], got {', '.join(map(str, bad))}")
+    return shares
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=6, help="held-out windows")
@@ -302,9 +311,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--affected", type=lambda v: [int(x) for x in v.split(",")],
                         help="experts affected, e.g. 0,2,4 (default: 0 .. top_k - 2)")
-    parser.add_argument("--resident-share", type=lambda v: [float(x) for x in v.split(",") if x],
-                        default=[0.5, 0.75], help="shares of each layer's experts resident for "
-                        "the 'defer misses' rows, e.g. 0.5,0.75 ('': none)")
+    parser.add_argument("--resident-share", type=resident_shares, default=[0.5, 0.75],
+                        help="shares of each layer's experts resident for the 'defer misses' "
+                        "rows, e.g. 0.5,0.75 ('': none)")
     parser.add_argument("--train-windows", type=int, default=24,
                         help="training windows whose routing ranks the resident experts")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import SimpleNamespace
 
+import pytest
 import torch
 from bench_script import load_script
 
@@ -65,3 +66,17 @@ def test_resident_sets_rank_the_training_routing(engine: Callable[[str, str], LL
     sets = script.resident_sets(llm, llm.runner, 16, 2, [0.25, 0.375])
     assert [int(i) for i in sets[0.25][0].nonzero()] == [3, 7]
     assert [int(i) for i in sets[0.375][0].nonzero()] == [3, 5, 7]
+
+
+def test_a_resident_share_outside_0_1_is_named(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused before any model work: a negative share would slice the ranking from its end
+    (order[:-2]: most experts resident)."""
+    script = load_script("demo_moe/quality.py")
+    monkeypatch.setattr(script, "measure", lambda *_: pytest.fail("measured a bad share"))
+    for value in ("-0.25", "0.5,1.5"):
+        with pytest.raises(SystemExit):
+            script.main(["--resident-share", value])
+        bad = value.split(",")[-1]
+        assert f"argument --resident-share: shares are in [0, 1], got {bad}" in \
+            capsys.readouterr().err
