@@ -3,6 +3,7 @@ choice made at load (never inside a request) and kept for `hetmoe info`."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -50,6 +51,19 @@ def test_timing_rule_defers_the_fewest_that_fill_the_gpu_time() -> None:
     assert timed_count(StepTimes(0.5, 0.5, 4, 8)) == 0  # CPU experts cost nothing measurable
     assert timed_count(StepTimes(1.0, 0.96, 4, 8)) == 0  # 4 % of a step: noise, not work
     assert timed_count(StepTimes(1.0, 0.94, 4, 8)) == 6  # 6 %: the GPU time dwarfs it, the cap
+
+
+def test_timing_rule_in_the_misses_order_counts_only_the_cpu_experts() -> None:
+    """With a quarter of a token's experts on the CPU, the measured CPU time is theirs: a
+    deferred miss moves four times the per-expert average, so fewer fill the GPU's time; the
+    score order defers a CPU expert only a quarter of the time and keeps the average."""
+    t = times(1.0, 0.4)  # 0.4 ms per expert averaged over all K
+    misses = dataclasses.replace(t, cpu_share=0.25, order="misses")
+    assert misses.cpu_expert_s == pytest.approx(1.6e-3)
+    assert timed_count(misses) == 1  # ceil(1.0 / 1.6)
+    assert timed_count(dataclasses.replace(t, cpu_share=0.25)) == 3  # score: as before
+    assert timed_count(dataclasses.replace(t, order="misses")) == 3  # no placement: the same
+    assert timed_count(dataclasses.replace(t, cpu_share=0.0, order="misses")) == 3  # no division
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 3, 4, 8, 12])

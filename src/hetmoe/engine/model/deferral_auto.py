@@ -7,7 +7,11 @@ this machine, chosen once when the model loads, before the first request.
    out (`gpu_s`: GPU work, copies, signals). Per MoE layer the GPU runs `gpu_s / L` while the CPU
    waits, and each routed expert costs the CPU `(full_s - gpu_s) / (L K)`; deferred experts run
    during the next layer's GPU time, so d = ceil(GPU layer time / CPU expert time) fills it
-   (more only moves work the CPU is busy with anyway), capped at K - `MIN_IMMEDIATE`.
+   (more only moves work the CPU is busy with anyway), capped at K - `MIN_IMMEDIATE`. With
+   experts resident on the GPU, only the share `cpu_share` of a token's experts costs the CPU:
+   in the "score" order a deferred expert is a CPU one with that probability (the per-expert
+   average above holds), in the "misses" order it always is (`(full_s - gpu_s) / (L K
+   cpu_share)` each).
 2. **Accuracy guard**: on a built-in probe prompt, the mean KL(exact || deferred) of the
    next-token distributions over `PROBE_STEPS` decode steps; while it passes `KL_THRESHOLD` the
    count is lowered by one, down to 0 (exact decode).
@@ -74,6 +78,10 @@ class StepTimes:
     """MoE layers per step (L)."""
     top_k: int
     """Routed experts per token and layer (K)."""
+    cpu_share: float = 1.0
+    """Share of a token's routed experts the CPU computes (1 - the placement's GPU share)."""
+    order: str = "score"
+    """The deferral order (`EngineConfig.defer_order`): which experts a deferral moves."""
 
     @property
     def gpu_layer_s(self) -> float:
@@ -87,8 +95,11 @@ class StepTimes:
 
     @property
     def cpu_expert_s(self) -> float:
-        """The CPU's time per routed expert of one token."""
-        return self.cpu_s / (self.moe_layers * self.top_k)
+        """The CPU time one deferred expert moves under the next layer's GPU time: the average
+        over a token's experts in the "score" order, one CPU expert's in "misses" (every
+        deferred expert is one)."""
+        share = self.cpu_share if self.order == "misses" and self.cpu_share > 0 else 1.0
+        return self.cpu_s / (self.moe_layers * self.top_k * share)
 
 
 MIN_CPU_SHARE = 0.05
@@ -173,7 +184,8 @@ def choose_deferred(runner: ModelRunner, prompt: Sequence[int]) -> DeferralChoic
     full = step_seconds(runner, prompt, PROBE_STEPS)
     with without_cpu_experts(runner):
         gpu = step_seconds(runner, prompt, PROBE_STEPS)
-    times = StepTimes(full, gpu, len(overlap.layers), overlap.top_k)
+    share = 1.0 - runner.placement.plan.gpu_share() if runner.placement is not None else 1.0
+    times = StepTimes(full, gpu, len(overlap.layers), overlap.top_k, share, overlap.defer_order)
     probe: list[KLProbe] = []  # made at the first count probed: no decode when timed_count is 0
 
     def kl_of(count: int) -> float:
