@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from decode_steps import SAME_BACKEND_ATOL, greedy
+from decode_steps import PROMPT, SAME_BACKEND_ATOL, greedy
 from deferral_reference import DeferralReference
 
 from hetmoe import LLM
@@ -110,3 +110,56 @@ def test_a_changed_count_is_checked_where_it_is_set(engine: Callable[[str, str],
     with pytest.raises(ValueError, match=r"^deferred=1 needs every MoE layer's routed experts in "
                        r"the cpu backend$"):
         plain.reset_graphs(1)
+
+
+def test_a_step_that_raises_leaves_no_cpu_job_behind(engine: Callable[[str, str], LLM]) -> None:
+    """A CPU decode step that fails after a layer submitted its deferred experts (here: the next
+    layer's submit raises) must not leave that job queued: the next step would refuse to submit
+    ("called twice without sync") or read a stale output. The step after the failure decodes
+    exactly as a runner that never failed."""
+    cpu = engine("qwen3_moe", "cpu")
+    runner = ModelRunner(cpu.model, cpu.device, cpu.dtype, 2, cpu.max_seq_len,
+                         EngineConfig(deferred=2))
+    try:
+        _, expected = greedy(runner, 2)
+        runner.lengths[0] = 0
+        logits = runner.prefill(0, PROMPT)
+        experts = runner.overlap.layers[1].experts
+
+        def fail(*args: object) -> None:
+            raise RuntimeError("injected failure")
+
+        experts.submit = fail  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="injected failure"):
+            runner.decode([0], [int(logits.argmax())])
+        del experts.submit  # the class's method again
+        assert runner.lengths[0] == len(PROMPT)  # the failed step counted nothing
+        out = runner.decode([0], [int(logits.argmax())])
+        assert torch.equal(out[0], expected[1])
+    finally:
+        runner.overlap.detach()
+
+
+def test_a_prefill_that_raises_between_submit_and_sync_leaves_no_job(
+    engine: Callable[[str, str], LLM],
+) -> None:
+    """Prefill: a layer's shared experts raise while its routed experts run on the CPU; the next
+    prefill submits again and gives the logits of a runner that never failed."""
+    cpu = engine("qwen2_moe", "cpu")  # shared experts run between submit and sync
+    runner = ModelRunner(cpu.model, cpu.device, cpu.dtype, 2, cpu.max_seq_len)
+    try:
+        expected = runner.prefill(0, PROMPT)
+        layer = runner.overlap.layers[1]
+
+        def fail(x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("injected failure")
+
+        layer.shared = fail  # type: ignore[method-assign]
+        runner.lengths[0] = 0
+        with pytest.raises(RuntimeError, match="injected failure"):
+            runner.prefill(0, PROMPT)
+        del layer.shared  # the class's method again
+        runner.lengths[0] = 0
+        assert torch.equal(runner.prefill(0, PROMPT), expected)
+    finally:
+        runner.overlap.detach()

@@ -105,6 +105,11 @@ class ExpertBackend(nn.Module, metaclass=ABCMeta):
         out, self._pending = self._pending, None
         return out
 
+    def discard(self) -> None:
+        """Drops a submitted call's result, if any (a step that failed between submit and sync:
+        the next submit must find none pending)."""
+        self._pending = None
+
     keeps_fp8 = False
     """Whether FP8 checkpoint weights arrive as stored (`Fp8Weight`) instead of dequantized."""
 

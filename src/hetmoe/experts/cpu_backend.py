@@ -7,6 +7,7 @@ tensors (fp16 as fp32), the output comes back in the caller's dtype on the calle
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -85,6 +86,14 @@ class CpuExperts(ExpertBackend):
             raise RuntimeError("ExpertBackend.sync called without submit")
         call, self._call = self._call, None
         return self.moe.sync(call).to(self._out_dtype)
+
+    def discard(self) -> None:
+        """Waits for a submitted call, if any, and drops its output (a step that failed between
+        submit and sync; its error is the one being reported)."""
+        call, self._call = self._call, None
+        if call is not None:
+            with contextlib.suppress(RuntimeError, ValueError):
+                self.moe.sync(call)
 
     @staticmethod
     def _inputs(

@@ -175,6 +175,10 @@ class MoEStep:
         self._carry = None  # a step that raised must not hand its deferred experts to the next
         try:
             yield
+        except BaseException:
+            for moe in self.layers:  # a call submitted and never synced must not block the next
+                moe.experts.discard()
+            raise
         finally:
             self.decoding = before
 
