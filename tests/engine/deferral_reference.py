@@ -16,8 +16,8 @@ class DeferralReference:
     """The formula above in plain torch: synchronous `experts.forward` calls, no overlap.
 
     Installed on every `HybridMoE` of a model (`with DeferralReference(model, d).decoding():`),
-    it computes each layer's output with column slices of the router's top-K, holding the
-    deferred output of the previous MoE layer in a Python variable.
+    it computes each layer's output over the router's top-K with the deferred set masked (-1),
+    holding the deferred output of the previous MoE layer in a Python variable.
 
     With `resident` (per MoE layer, the experts resident on the GPU) the "misses" order: each
     token's lowest-scored min(d, misses) non-resident experts are deferred (ops/deferral.py).
@@ -54,31 +54,12 @@ class DeferralReference:
         d = 0 if last else self.deferred
         k = ids.shape[1]
         check_deferred(d, k)
-        experts = moe.experts
-        where = experts.device
-        xs = x.to(where)
-        if self.resident is not None:
-            return self._misses(moe, x, ids, weights, d).reshape(shape)
-        out = experts.forward(xs, ids[:, : k - d].to(where), weights[:, : k - d].to(where))
-        out = out.to(x.device)
-        if self.carry is not None:
-            out = out + self.carry
-        shared = moe.shared(x)
-        if shared is not None:
-            out = out + shared
-        self.carry = None
-        if d:
-            late = experts.forward(xs, ids[:, k - d:].to(where), weights[:, k - d:].to(where))
-            self.carry = late.to(x.device)
-        return out.reshape(shape)
-
-    def _misses(self, moe: HybridMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                d: int) -> torch.Tensor:
-        """The "misses" order: the deferred set as a mask, each part's other slots -1."""
-        assert self.resident is not None
-        resident = torch.tensor(list(self.resident[self.index[id(moe)]]), dtype=torch.int64)
-        miss = ~torch.isin(ids.cpu(), resident)  # [T, K]
-        late = deferred_misses(miss, d).to(ids.device)
+        late = torch.zeros_like(ids, dtype=torch.bool)  # [T, K] the deferred set
+        if self.resident is None:
+            late[:, k - d:] = True  # "score": the d lowest-scored
+        else:
+            resident = torch.tensor(list(self.resident[self.index[id(moe)]]), dtype=torch.int64)
+            late = deferred_misses(~torch.isin(ids.cpu(), resident), d).to(ids.device)
         where = moe.experts.device
         xs, w = x.to(where), weights.to(where)
         out = moe.experts.forward(xs, torch.where(late, -1, ids).to(where), w).to(x.device)
@@ -91,4 +72,4 @@ class DeferralReference:
         if d:
             carry = moe.experts.forward(xs, torch.where(late, ids, -1).to(where), w)
             self.carry = carry.to(x.device)
-        return out
+        return out.reshape(shape)
