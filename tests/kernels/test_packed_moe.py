@@ -96,6 +96,24 @@ def reference(layer: Layer, x: torch.Tensor, ids: torch.Tensor,
     return out
 
 
+def exact(layer: Layer) -> Layer:
+    """`layer` with its weights unpacked in float64 without the bf16 rounding of scale * q."""
+    fmt, (e, size) = layer.moe.weight_format, (layer.gate_up.shape[0], layer.part.expert_bytes)
+    gate_up, down = unpack_group(layer.raw.view(e, size), layer.part, fmt, layer.moe.hidden,
+                                 layer.moe.group_size, torch.float64)
+    return dataclasses.replace(layer, gate_up=gate_up, down=down)
+
+
+def expected(layer: Layer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+             path: str) -> torch.Tensor:
+    """`reference` for what `path` computes: the pair kernels of a `factored` format
+    (`PAIR_CONFIGS`) multiply the unrounded weights, the other paths bf16-rounded ones."""
+    fmt, (t, k) = layer.moe.weight_format, ids.shape
+    pairs = path == "pairs" or path == "auto" and t * k <= kernel.DECODE_MAX_PAIRS
+    factored = pairs and fmt != "bf16" and kernel.PAIR_CONFIGS[fmt].factored
+    return reference(exact(layer) if factored else layer, x, ids, weights)
+
+
 def routing(t: int, k: int, e: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [t, k] with duplicates and 15 % of -1, the last expert never picked and expert 0
     exactly once; weights [t, k] in [0, 1)."""
@@ -136,7 +154,7 @@ def test_equals_float64_on_the_same_bytes(shape: tuple, tokens: int) -> None:
         out = packed_moe(x.cuda(), ids.cuda(), weights.cuda(), layer.raw.cuda(), layer.part,
                          fmt, h, layer.moe.group_size, path=path)
         assert out.shape == (tokens, h) and out.dtype == torch.float32
-        ref = reference(layer, x, ids, weights)
+        ref = expected(layer, x, ids, weights, path)
         assert rel_error(out, ref) < 2e-3, (k, path, rel_error(out, ref))
         skipped = (ids < 0).all(1)  # rows routed nowhere are exact zeros
         assert not out[skipped.cuda()].any()
@@ -214,7 +232,7 @@ def test_a_cuda_graph_replays_new_routing(path: str) -> None:
         ids.copy_(new_ids)
         weights.copy_(new_w)
         graph.replay()
-        assert rel_error(out, reference(layer, new_x, new_ids, new_w)) < 2e-3
+        assert rel_error(out, expected(layer, new_x, new_ids, new_w, path)) < 2e-3
 
 
 # Small shapes for the interpreter (about a second a call): every format, each int group
@@ -229,11 +247,11 @@ SMALL = [("bf16", 4, 200, 64, None), ("int8", 4, 100, 64, 32), ("int4", 4, 72, 6
 def test_small_shapes_equal_float64_on_both_paths(shape: tuple) -> None:
     fmt, _, h, _, _ = shape
     layer, x, ids, weights = edge_case(shape, 4)
-    ref = reference(layer, x, ids, weights)
     for path in ("sorted", "pairs"):
         out = packed_moe(x.to(HERE), ids.to(HERE), weights.to(HERE), layer.raw.to(HERE),
                          layer.part, fmt, h, layer.moe.group_size, path=path)
         assert out.shape == (4, h) and out.dtype == torch.float32
+        ref = expected(layer, x, ids, weights, path)
         assert rel_error(out, ref) < 2e-3, (path, rel_error(out, ref))
         assert torch.equal(out[1].cpu(), torch.zeros(h))  # cleared, nothing added
 
@@ -250,7 +268,7 @@ def test_the_pair_path_reads_any_dtype_and_marks_an_id_past_the_experts() -> Non
                      layer.raw.to(HERE), layer.part, "int8", 64, 64, path="pairs").cpu()
     assert out[2].isnan().all()
     ids[2, 1] = -1
-    ref = reference(layer, x, ids, weights.bfloat16().double())
+    ref = expected(layer, x, ids, weights.bfloat16().double(), "pairs")
     assert rel_error(out[:2], ref[:2]) < 2e-3
 
 

@@ -13,9 +13,8 @@ import dataclasses
 import pytest
 import torch
 from hopper_compile import assert_compiles_for_hopper
-from test_packed_moe import HERE, Layer, edge_case, make_layer, reference, rel_error, routing
+from test_packed_moe import HERE, edge_case, exact, make_layer, reference, rel_error, routing
 
-from hetmoe.experts.packed_layout import unpack_group
 from hetmoe.kernels.packed_moe import PairConfig, factored_span, packed_moe, share_steps
 
 CONFIGS = [
@@ -75,14 +74,6 @@ FACTORED = [
     (("fp8", 4, 128, 128, 64), PairConfig(16, 8, 32, 3, 8, 4, 4, True)),
     (("fp8", 4, 256, 384, 128), PairConfig(32, 1, 64, 1, 4, 4, 4, True)),
 ]
-
-
-def exact(layer: Layer) -> Layer:
-    """`layer` with its weights unpacked in float64 without the bf16 rounding of scale * q."""
-    fmt, (e, size) = layer.moe.weight_format, (layer.gate_up.shape[0], layer.part.expert_bytes)
-    gate_up, down = unpack_group(layer.raw.view(e, size), layer.part, fmt, layer.moe.hidden,
-                                 layer.moe.group_size, torch.float64)
-    return dataclasses.replace(layer, gate_up=gate_up, down=down)
 
 
 @pytest.mark.usefixtures("interpreted")

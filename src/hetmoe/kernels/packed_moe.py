@@ -111,17 +111,17 @@ class PairConfig:
                              "codes times inputs per group, never a bf16 weight)")
 
 
-# Fields in order: block_n_gate_up, split_gate_up, block_n_down, split_down, k_unroll,
-# warps_gate_up, warps_down (`bench_packed_moe.py --pair-sweep` times other shapes).
+# Fields as PairConfig's (`bench_packed_moe.py --pair-sweep` times other shapes).
 PAIR_CONFIGS = {
     "bf16": PairConfig(32, 1, 64, 1, 4, 4, 4),
-    "int8": PairConfig(32, 1, 64, 3, 4, 4, 4),
-    "int4": PairConfig(32, 1, 64, 1, 4, 4, 4),
-    "fp8": PairConfig(32, 1, 64, 1, 4, 4, 4),
+    "int8": PairConfig(16, 2, 64, 3, 4, 4, 4, factored=True),
+    "int4": PairConfig(16, 1, 128, 4, 4, 4, 8, factored=True),
+    "fp8": PairConfig(32, 2, 32, 2, 8, 4, 2, factored=True),
 }
-"""The pair kernels' launch shape per packed format: round 2's (docs/benchmarks/gpu_kernels.md)
-but int8's down k loop split in 3 (round 5, H100, Qwen3-30B-A3B layer: T = 1 0.049 -> 0.044
-ms, T = 8 0.187 -> 0.182, best of 24 shapes); the other formats keep round 2's until swept."""
+"""Per format, round 6's best (H100, a Qwen3-30B-A3B layer, graphs; gpu_kernels.md): factored
+sums win for every quantized format. T = 1 / 8 ms: int8 0.042 / 0.179 -> 0.029 / 0.142, int4
+(G 32) 0.066 / 0.249 -> 0.029 / 0.148, fp8 0.065 / 0.161 -> 0.024 / 0.111; bf16 keeps round 2's."""
+
 
 DECODE_MAX_PAIRS = 64
 """Up to this many (token, slot) pairs `path="auto"` runs the unsorted pair kernels (decode and
@@ -187,10 +187,10 @@ def packed_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed
     output. packed: uint8 on x's GPU, experts back to back (e at e * part.expert_bytes).
     path: one of `PATHS` ("auto": the pair kernels up to `DECODE_MAX_PAIRS` pairs);
     pair_config: the pair kernels' launch shape (None: `PAIR_CONFIGS[fmt]`)."""
-    _check_call(x, ids, weights, packed, part, hidden)
-    check_packed(part, fmt, hidden, group)
     if path not in PATHS:
         raise ValueError(f"packed_moe: path {path!r} is not one of {', '.join(PATHS)}")
+    _check_call(x, ids, weights, packed, part, hidden)
+    check_packed(part, fmt, hidden, group)
     t, top_k = ids.shape
     if t and top_k and (path == "pairs" or path == "auto" and t * top_k <= DECODE_MAX_PAIRS):
         cfg = pair_config or PAIR_CONFIGS[fmt]
