@@ -125,10 +125,14 @@ def canned_sweep() -> dict[str, Any]:
             "llamacpp": {"budgets": by_budget(peers, rows), "rows": rows}}
 
 
-def test_the_budget_table_keeps_the_papers_deferral_order() -> None:
+def test_the_budget_table_keeps_each_deferral_order_in_its_column() -> None:
     result = hetmoe_result("qwen3-30b-a3b", {"0": (0, 50.0, 60.0)}, {})
     result["rows"].append({**result["rows"][1], "defer_order": "misses", "tok_s": 99.0})
-    assert hetmoe_by_budget(result)["0"]["decode"] == {0: 50.0, 3: 60.0}
+    assert hetmoe_by_budget(result)["0"]["decode"] == {0: 50.0, 3: 60.0, "3 misses": 99.0}
+    sweep = {"hetmoe": {"qwen3-30b-a3b": result}}
+    table = sweep_table(sweep).splitlines()
+    assert "hetmoe decode d=0 / d=3 / d=3 misses" in table[0]
+    assert table[2].split(" | ")[3:6] == ["50.0 / 60.0 / 99.0", "—", "—"]
 
 
 def test_the_budget_table_keeps_d0_whatever_order_recorded_it() -> None:
@@ -137,7 +141,7 @@ def test_the_budget_table_keeps_d0_whatever_order_recorded_it() -> None:
     result = hetmoe_result("qwen3-30b-a3b", {"0": (0, 50.0, 60.0)}, {})
     result["rows"][0]["defer_order"] = "misses"
     result["rows"][1]["defer_order"] = "misses"
-    assert hetmoe_by_budget(result)["0"]["decode"] == {0: 50.0}
+    assert hetmoe_by_budget(result)["0"]["decode"] == {0: 50.0, "3 misses": 60.0}
 
 
 def test_tables_from_a_canned_sweep() -> None:

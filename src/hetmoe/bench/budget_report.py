@@ -26,18 +26,17 @@ def as_sweep(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def hetmoe_by_budget(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per budget of one bench_gpu_experts.py result (static placement, "score" order): GPU
-    bytes and share, decode tok/s per deferred value, and per prompt length the best prefill
-    mode's tok/s with that mode (every mode's under `prefill_modes`)."""
+    """Per budget of one bench_gpu_experts.py result (static placement): GPU bytes and share,
+    decode tok/s per `decode_key`, and per prompt length the best prefill mode's tok/s with
+    that mode (every mode's under `prefill_modes`)."""
     out: dict[str, dict[str, Any]] = {}
     for row in result["rows"]:
-        if row.get("placement_interval", 0) or (
-                row["deferred"] and row.get("defer_order", "score") != "score"):
-            continue  # static placement's, in the paper's order (d=0 defers nothing in any)
+        if row.get("placement_interval", 0):
+            continue  # static placement's
         entry = out.setdefault(row["budget"], {"gpu_expert_bytes": row["gpu_expert_bytes"],
                                                "gpu_share": row["gpu_share"], "decode": {},
                                                "prefill": {}, "prefill_modes": {}})
-        entry["decode"][row["deferred"]] = row["tok_s"]
+        entry["decode"][decode_key(row)] = row["tok_s"]
     for row in result.get("prefill", []):
         if row["budget"] not in out:
             continue
@@ -47,6 +46,20 @@ def hetmoe_by_budget(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         best = max(modes, key=lambda m: modes[m])
         entry["prefill"][row["tokens"]] = (modes[best], best)
     return out
+
+
+def decode_key(row: dict[str, Any]) -> int | str:
+    """A decode row's column: its deferred count in the paper's order ("score"; d=0 defers
+    nothing in any order), "<d> <order>" in another (`--defer-order misses`)."""
+    order = row.get("defer_order", "score")
+    return row["deferred"] if not row["deferred"] or order == "score" else \
+        f"{row['deferred']} {order}"
+
+
+def _decode_keys(ours: dict[str, dict[str, Any]]) -> list[int | str]:
+    """Every decode column of `hetmoe_by_budget`, by deferred count then order."""
+    keys = {k for e in ours.values() for k in e["decode"]}
+    return sorted(keys, key=lambda k: (int(str(k).split()[0]), str(k)))
 
 
 def _num(value: float | None, digits: int = 1) -> str:
@@ -62,7 +75,7 @@ def sweep_table(sweep: dict[str, Any], lengths: tuple[int, ...] = (4096, 16384),
     """Markdown: one row per budget of the main shape, both systems side by side."""
     ours = hetmoe_by_budget(sweep["hetmoe"][MAIN_SHAPE])
     peer = sweep.get("llamacpp", {}).get("budgets", {})
-    deferred = sorted({d for e in ours.values() for d in e["decode"]})
+    deferred = _decode_keys(ours)
     d_head = " / ".join(f"d={d}" for d in deferred)
     head = ["budget", "hetmoe experts on GPU (share)", "llama.cpp `-ncmoe` (experts on GPU)",
             f"hetmoe decode {d_head}", f"llama.cpp tg{gen}", "decode ratio"]
@@ -124,7 +137,7 @@ def plot(result: dict[str, Any], path: str, lengths: tuple[int, ...] = (4096, 16
     peer = sweep.get("llamacpp", {}).get("budgets", {})
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     x = [e["gpu_expert_bytes"] / GB for e in ours.values()]
-    for d in sorted({d for e in ours.values() for d in e["decode"]}):
+    for d in _decode_keys(ours):
         left.plot(x, [e["decode"].get(d) for e in ours.values()], "o-",
                   label=f"hetmoe {res.get('weight_format', 'int8').upper()}, deferred={d}")
     for n in lengths:
