@@ -13,6 +13,7 @@ position: the cache write is the same, the extra outputs are dropped).
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from collections.abc import Callable
@@ -129,6 +130,12 @@ class GraphCache:
             captures.append(torch.cuda.graph(static.parts[-1], pool=static.parts[0].pool()))
             captures[-1].__enter__()
 
+        # No garbage collection inside the capture: an object of an earlier runner or graph
+        # freed then (its CUDA events, graphs, pinned buffers) makes a CUDA call the capture
+        # forbids and the process aborts (seen on a device test run, gone with the GC off).
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
         self.overlap.begin_capture()
         try:
             captures[0].__enter__()
@@ -138,6 +145,8 @@ class GraphCache:
                 captures[-1].__exit__(*sys.exc_info())
         finally:
             static.jobs = self.overlap.end_capture()
+            if was_enabled:
+                gc.enable()
         static.capture_s = time.perf_counter() - start
         self.graphs[size, width] = static
         return out
