@@ -239,7 +239,9 @@ def test_auto_on_a_gpu_measures_and_sets_the_count(tiny_dir: Callable[..., Path]
               progress=False, max_seq_len=128, gpu_expert_bytes=0)  # every expert on the CPU
     choice = llm.deferral
     assert choice is not None and choice.times is not None
-    assert choice.times.full_s > choice.times.gpu_s > 0
+    # both measured; on this tiny model the CPU experts take ~nothing, so the full step can
+    # time below the GPU-only one (a device run: 0.291 vs 0.298 ms): no order is asserted
+    assert choice.times.full_s > 0 and choice.times.gpu_s > 0
     assert 0 <= choice.deferred <= timed_count(choice.times) <= 4 - MIN_IMMEDIATE
     assert llm.runner.overlap is not None and llm.runner.overlap.deferred == choice.deferred
     assert all(kl >= 0 and math.isfinite(kl) for _, kl in choice.kl)
