@@ -36,7 +36,7 @@ def test_the_options_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
                                         "--gpu-expert-gib", "0.5", "-v"])
     assert done.exit_code == 0, done.output
     assert seen == dict(model="m", device="cpu", rules=None, dtype="float32", max_seq_len=64,
-                        experts="torch", deferred=0, defer_order="score", prefill_experts="auto",
+                        experts="torch", deferred=0, defer_order="misses", prefill_experts="auto",
                         chat_template=None,
                         verbose=True, gpu_expert_bytes=2**29, lora=None)
     seen.clear()

@@ -164,8 +164,9 @@ def main() -> None:
     p.add_argument("--weight-format", default="int8")
     p.add_argument("--budgets", default="0,8,15,23,all", help="GB per row, or all")
     p.add_argument("--deferred", default="0", help="Expert Deferral values per budget")
-    p.add_argument("--defer-orders", default="score",
-                   help="deferral orders per d > 0: score, misses or both (score,misses)")
+    p.add_argument("--defer-orders", default=EngineConfig.defer_order,
+                   help="deferral orders per d > 0: misses (the engine's default), score or "
+                        "both (score,misses)")
     p.add_argument("--intervals", default="0",
                    help="placement_interval values per budget (0: static placement)")
     p.add_argument("--prefill", default="",

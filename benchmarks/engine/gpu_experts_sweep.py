@@ -36,6 +36,7 @@ from typing import Any
 
 from hetmoe.bench.budget_peer import bench_args, by_budget, parse_budgets, parse_rows, peer_budgets
 from hetmoe.bench.budget_report import MAIN_SHAPE, per_layer_table, plot, sweep_table
+from hetmoe.config import EngineConfig
 
 HERE = Path(__file__).resolve().parent
 SAP_RAPIDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512vbmi",
@@ -51,8 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stages", default="hetmoe,llamacpp,deepseek,pp16k")
     p.add_argument("--budgets", default="0,8,15,23,all", help="GB of experts on the GPU, or all")
     p.add_argument("--deferred", default="0,3", help="hetmoe Expert Deferral values")
-    p.add_argument("--defer-orders", default="score",
-                   help="hetmoe deferral orders per d > 0 (score, misses or score,misses)")
+    p.add_argument("--defer-orders", default=EngineConfig.defer_order,
+                   help="hetmoe deferral orders per d > 0 (misses, the engine's default; score; "
+                        "or score,misses)")
     p.add_argument("--new-tokens", type=int, default=48, help="hetmoe decode tokens per run")
     p.add_argument("--prefill", default="4096,16384", help="hetmoe prefill lengths per budget")
     p.add_argument("--prefill-modes", default="auto")

@@ -246,7 +246,8 @@ def bench(
     weight_format: Annotated[str, typer.Option(help="bf16, int8 or int4 experts")] = "bf16",
     deferred: Annotated[str, typer.Option(help="Expert Deferral values, e.g. 0,2,3")] = "0",
     defer_order: Annotated[str, typer.Option(
-        help="Which experts --deferred defers: score or misses (CPU misses only)")] = "score",
+        help="Which experts --deferred defers: misses (each token's lowest-scored CPU misses "
+             "only) or score (its lowest-scored, the paper's order)")] = _DEFAULTS.defer_order,
     prompt_len: Annotated[int, typer.Option(help="Prompt tokens before decode")] = 32,
     new_tokens: Annotated[int, typer.Option(help="Tokens decoded per run")] = 256,
     prefill: Annotated[str, typer.Option(help="Prefill lengths, e.g. 128,1024,4096")] = "128",

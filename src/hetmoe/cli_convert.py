@@ -165,9 +165,9 @@ def deferral_plan(path: Path, device: Any) -> str:
                     "this machine")
 
 
-DEFER_ORDER_LINE = ("deferral order: score by default (each token's lowest-scored experts); "
-                    "--defer-order misses defers only its lowest-scored CPU misses, experts "
-                    "resident on the GPU at once")
+DEFER_ORDER_LINE = ("deferral order: misses by default (each token's lowest-scored CPU misses "
+                    "only, experts resident on the GPU at once); --defer-order score defers its "
+                    "lowest-scored experts (the paper's order)")
 
 
 PREFILL_LENGTHS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)

@@ -76,9 +76,9 @@ class EngineOptions:
              "answers move)")] = str(_DEFAULTS.deferred)
     """Expert Deferral: a count or auto."""
     defer_order: Annotated[str, typer.Option(
-        help="Which experts --deferred defers: score (each token's lowest-scored) or misses "
-             "(only its lowest-scored CPU misses; experts resident on the GPU run at "
-             "once)")] = _DEFAULTS.defer_order
+        help="Which experts --deferred defers: misses (the default: only each token's "
+             "lowest-scored CPU misses; experts resident on the GPU run at once) or score (its "
+             "lowest-scored, the paper's order)")] = _DEFAULTS.defer_order
     """Expert Deferral's order."""
     prefill_experts: Annotated[str, typer.Option(
         help="GPU with CPU experts: where prefill runs the routed experts: auto (by this "

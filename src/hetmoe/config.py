@@ -31,11 +31,12 @@ class EngineConfig:
     per MoE layer join the next layer's output while its attention runs (0: exact decode);
     "auto": chosen when the model loads from measured step times and guarded by a probe's KL
     (engine/model/deferral_auto.py; 0 without a GPU)."""
-    defer_order: str = "score"
-    """Which experts Expert Deferral defers (ops/deferral.py): "score", each token's lowest-scored
-    (the KTransformers paper's rule); "misses", its lowest-scored CPU misses only, at most
-    `deferred`, resident GPU experts always at once (with none resident the same as "score"; with
-    every expert resident nothing is deferred)."""
+    defer_order: str = "misses"
+    """Which experts Expert Deferral defers (ops/deferral.py): "misses", each token's
+    lowest-scored CPU misses only, at most `deferred`, resident GPU experts always at once (with
+    none resident the same as "score"; with every expert resident nothing is deferred; as fast or
+    faster than "score" at every measured budget, docs/benchmarks/gpu_experts.md); "score", its
+    lowest-scored whatever runs them (the KTransformers paper's rule)."""
     compile_decode: bool = True
     """GPU decode with CPU experts: compile the per-layer decode step with torch.compile (needs
     Triton and a C compiler); False runs the same functions uncompiled."""

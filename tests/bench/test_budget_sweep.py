@@ -228,5 +228,5 @@ def test_sweep_arguments_are_checked_before_any_work(tmp_path: Path,
         assert message in capsys.readouterr().err
     args = module.parse_args(["--out", str(tmp_path), "--peer-dir", "p"])
     assert args.stages == ["hetmoe", "llamacpp", "deepseek", "pp16k"]
-    assert (args.budgets, args.deferred, args.prefill, args.new_tokens) == (
-        "0,8,15,23,all", "0,3", "4096,16384", 48)
+    assert (args.budgets, args.deferred, args.prefill, args.new_tokens, args.defer_orders) == (
+        "0,8,15,23,all", "0,3", "4096,16384", 48, "misses")

@@ -1,15 +1,18 @@
 """Expert Deferral's "misses" order (ops/deferral.py): the deferred set, the reorder that makes the
 CPU link's last d slots that set, `PlacementLink` under it (the "GPU" is the CPU device here),
-and decode against the reference formula with budgets 0 / partial / all."""
+decode against the reference formula with budgets 0 / partial / all, and "misses" as the
+default order (with no expert resident the score order's deferred set)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import pytest
 import torch
 from decode_steps import SAME_BACKEND_ATOL, assert_same_greedy, greedy
 from deferral_reference import DeferralReference
+from test_placement_fetch import EAGER
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
@@ -249,14 +252,71 @@ def test_the_order_is_said_where_the_choice_is(tiny_dir: Callable[..., object]) 
     from hetmoe.cli_convert import DEFER_ORDER_LINE
     from hetmoe.engine.model.deferral_auto import DeferralChoice
 
-    assert DeferralChoice(2, "why").describe() == "deferred auto: 2 (why)"
-    assert DeferralChoice(2, "why", order="misses").describe() == \
-        "deferred auto: 2, of each token's CPU misses only (why)"
+    assert DeferralChoice(2, "why").describe() == "deferred auto: 2 (why)"  # the default order
+    assert DeferralChoice(2, "why", order="score").describe() == \
+        "deferred auto: 2 in the score order (why)"
+    assert DeferralChoice(0, "why", order="score").describe() == "deferred auto: 0 (why)"
     done = CliRunner().invoke(app, ["info", str(tiny_dir("qwen3_moe")), "--device", "cpu"])
     assert done.exit_code == 0, done.output
     assert f"\n{DEFER_ORDER_LINE}\n" in done.output
     with pytest.raises(ValueError, match=r"^defer_order must be one of score, misses, got 'x'$"):
         BenchConfig(shape="qwen3-30b-a3b", defer_order="x")
+
+
+def test_misses_is_the_default_order_everywhere() -> None:
+    from hetmoe.bench.bench_config import BenchConfig
+    from hetmoe.cli import bench
+    from hetmoe.cli_convert import DEFER_ORDER_LINE
+    from hetmoe.cli_engine import EngineOptions
+    from hetmoe.engine.executor.overlap import MoEOverlap
+    from hetmoe.engine.model.deferral_auto import DeferralChoice, StepTimes
+
+    defaults = {
+        "EngineConfig": EngineConfig().defer_order,
+        "MoEOverlap": inspect.signature(MoEOverlap).parameters["defer_order"].default,
+        "PlacementLink": inspect.signature(PlacementLink).parameters["defer_order"].default,
+        "BenchConfig": BenchConfig(shape="qwen3-30b-a3b").defer_order,
+        "hetmoe bench": inspect.signature(bench).parameters["defer_order"].default,
+        "EngineOptions": EngineOptions().defer_order,
+        "StepTimes": StepTimes(1.0, 0.5, 4, 8).order,
+        "DeferralChoice": DeferralChoice(0, "why").order,
+    }
+    assert defaults == dict.fromkeys(defaults, "misses")
+    assert DEFER_ORDER_LINE.startswith("deferral order: misses by default")
+
+
+@pytest.mark.parametrize("fetch", [0, 2])
+def test_without_resident_experts_the_default_defers_the_score_orders_set(
+        engine: Callable[[str, str], LLM], fetch: int) -> None:
+    """No expert resident, the default order decodes bit-equal to the score order: CPU-only
+    (`gpu_expert_bytes` auto on the CPU device: no placement, the CPU links' own rule) and budget
+    0 with a fetch pool (every layer a `PlacementLink` with no resident slot, which reorders the
+    slots misses last: all are misses, so nothing moves)."""
+    llm = engine("qwen3_moe", "cpu")
+    runs = {}
+    for order in ("default", "score"):
+        config = EngineConfig(deferred=2) if order == "default" else \
+            EngineConfig(deferred=2, defer_order=order)
+        runner = ModelRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len, config)
+        try:
+            overlap = runner.overlap
+            assert overlap is not None and runner.placement is None and not overlap.placed
+            if fetch:
+                assert runner.planner is not None
+                runner.planner.costs = EAGER  # every miss a fetch candidate
+                runner.place(0, fetch_slots=fetch)
+                links = list(overlap.placed.values())
+                assert len(links) == len(overlap.layers)
+                assert all(not link.slots.slots for link in links)
+                assert all(link._reorders(2) == (order == "default") for link in links)
+            runs[order] = greedy(runner, 4)
+            if fetch:
+                assert links[0].pool is not None and links[0].pool.fetched > 0
+        finally:
+            overlap.detach()  # type: ignore[union-attr]
+    assert runs["default"][0] == runs["score"][0]
+    for a, b in zip(runs["default"][1], runs["score"][1], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_refused_order_changes_no_setting(engine: Callable[[str, str], LLM]) -> None:

@@ -58,12 +58,13 @@ def test_timing_rule_in_the_misses_order_counts_only_the_cpu_experts() -> None:
     deferred miss moves four times the per-expert average, so fewer fill the GPU's time; the
     score order defers a CPU expert only a quarter of the time and keeps the average."""
     t = times(1.0, 0.4)  # 0.4 ms per expert averaged over all K
-    misses = dataclasses.replace(t, cpu_share=0.25, order="misses")
+    misses = dataclasses.replace(t, cpu_share=0.25)  # the default order
     assert misses.cpu_expert_s == pytest.approx(1.6e-3)
     assert timed_count(misses) == 1  # ceil(1.0 / 1.6)
-    assert timed_count(dataclasses.replace(t, cpu_share=0.25)) == 3  # score: as before
-    assert timed_count(dataclasses.replace(t, order="misses")) == 3  # no placement: the same
-    assert timed_count(dataclasses.replace(t, cpu_share=0.0, order="misses")) == 3  # no division
+    assert timed_count(dataclasses.replace(t, cpu_share=0.25, order="score")) == 3  # the average
+    assert t.order == "misses"  # no placement: the score order's count
+    assert timed_count(t) == timed_count(dataclasses.replace(t, order="score")) == 3
+    assert timed_count(dataclasses.replace(t, cpu_share=0.0)) == 3  # no division by 0
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 3, 4, 8, 12])

@@ -78,9 +78,11 @@ def test_a_slot_table_maps_each_expert_to_its_index_and_minus_one_to_minus_one()
     assert slot_table(3, []).tolist() == [-1, -1, -1, -1]
 
 
-def _runner(llm: LLM, budget: int | str, deferred: int = 0) -> ModelRunner:
+def _runner(llm: LLM, budget: int | str, deferred: int = 0,
+            defer_order: str = "misses") -> ModelRunner:
     return ModelRunner(llm.model, llm.device, llm.dtype, 2, llm.max_seq_len,
-                       EngineConfig(gpu_expert_bytes=budget, deferred=deferred))
+                       EngineConfig(gpu_expert_bytes=budget, deferred=deferred,
+                                    defer_order=defer_order))
 
 
 def _layer_bytes(runner: ModelRunner, experts: int) -> int:
@@ -214,14 +216,16 @@ def test_the_former_prefill_resident_bytes_places_experts(
 @pytest.mark.parametrize("deferred", [1, 2])
 def test_resident_decode_with_deferral_equals_all_cpu_deferral(
         engine: Callable[[str, str], LLM], deferred: int) -> None:
+    """In the score order the deferred set is the same whatever is resident (the default
+    "misses" order's is not: tests/engine/test_defer_order.py checks it against its formula)."""
     llm = engine("qwen3_moe", "cpu")  # top-4: up to 2 deferred
-    plain = _runner(llm, 0, deferred)
+    plain = _runner(llm, 0, deferred, "score")
     try:
         ref = greedy(plain, 5)
     finally:
         plain.overlap.detach()
     for experts in (3, 8):
-        runner = _runner(llm, _layer_bytes(plain, experts), deferred)
+        runner = _runner(llm, _layer_bytes(plain, experts), deferred, "score")
         try:
             ours = greedy(runner, 5)
         finally:

@@ -50,8 +50,11 @@ def test_graph_decode_with_resident_experts_equals_all_cpu(
     assert llm.runner.placement is None
     top_k = int(llm.model.config.num_experts_per_tok)
     for d in sorted({0, min(2, top_k - 2)}):
+        # The score order: the same deferred set whatever is resident (the default "misses"
+        # order's: tests/engine/test_defer_order_device.py).
         base = ModelRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
-                           EngineConfig(deferred=d, gpu_expert_bytes=0, graph_split_layer=1))
+                           EngineConfig(deferred=d, gpu_expert_bytes=0, graph_split_layer=1,
+                                        defer_order="score"))
         assert base.use_graphs
         per_layer = sum(expert_bytes(base.overlap.cpu))  # type: ignore[union-attr]
         want = {b: _decode(base, b) for b in (1, 3)}
@@ -59,7 +62,7 @@ def test_graph_decode_with_resident_experts_equals_all_cpu(
         for experts in (3, 10**6):
             runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
                                  EngineConfig(deferred=d, gpu_expert_bytes=experts * per_layer,
-                                              graph_split_layer=1))
+                                              graph_split_layer=1, defer_order="score"))
             assert runner.placement is not None
             for b in (1, 3):
                 tokens, logits = _decode(runner, b)

@@ -31,7 +31,7 @@ class BenchConfig:
     """Prompt lengths whose prefill speed is measured."""
     deferred: tuple[int, ...] = (0,)
     """Expert Deferral values timed in graph mode."""
-    defer_order: str = "score"
+    defer_order: str = "misses"
     """Which experts those values defer (`EngineConfig.defer_order`)."""
     eager: bool = True
     """Also time decode in eager mode and count launches in both modes."""

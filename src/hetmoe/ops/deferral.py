@@ -12,9 +12,9 @@ decoder layer). The deferral order (`DEFER_ORDERS`, `EngineConfig.defer_order`) 
 
 - "score" (the KTransformers paper's rule): the token's d lowest-scored experts. The routers
   return their top-K sorted by score, so these are the last d columns.
-- "misses": the token's lowest-scored min(d, m) CPU misses (m: its experts not resident on the
-  GPU, engine/placement/slots.py); resident experts always run in their own layer. With no
-  expert resident this is "score"; with every expert resident nothing is deferred.
+- "misses" (the default): the token's lowest-scored min(d, m) CPU misses (m: its experts not
+  resident on the GPU, engine/placement/slots.py); resident experts always run in their own
+  layer. With no expert resident this is "score"; with every expert resident nothing is deferred.
   `deferred_misses` is the set; `misses_last` reorders a token's slots so the CPU link's fixed
   rule (its last d slots late) computes it.
 

@@ -65,7 +65,7 @@ class MoEOverlap(MoEStep):
     `defer_order`: which experts deferral defers (ops/deferral.py), kept by the placed links."""
 
     def __init__(self, model: nn.Module, device: torch.device, max_batch: int,
-                 deferred: int = 0, packed: bool = False, defer_order: str = "score") -> None:
+                 deferred: int = 0, packed: bool = False, defer_order: str = "misses") -> None:
         layers = moe_layers(model)
         if not layers:
             raise ValueError("MoEOverlap: the model has no hybrid_moe layer")

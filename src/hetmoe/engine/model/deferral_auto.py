@@ -80,7 +80,7 @@ class StepTimes:
     """Routed experts per token and layer (K)."""
     cpu_share: float = 1.0
     """Share of a token's routed experts the CPU computes (1 - the placement's GPU share)."""
-    order: str = "score"
+    order: str = "misses"
     """The deferral order (`EngineConfig.defer_order`): which experts a deferral moves."""
 
     @property
@@ -131,12 +131,13 @@ class DeferralChoice:
     """The step times (None: not measured, e.g. no GPU)."""
     kl: tuple[tuple[int, float], ...] = ()
     """(count, mean KL in nats) of each count the guard probed, in the order probed."""
-    order: str = "score"
+    order: str = "misses"
     """The deferral order the count was chosen for (`EngineConfig.defer_order`)."""
 
     def describe(self) -> str:
-        """One line for the CLI's and the server's start."""
-        order = "" if self.order == "score" else ", of each token's CPU misses only"
+        """One line for the CLI's and the server's start (the order named when it is not the
+        default's and something is deferred)."""
+        order = " in the score order" if self.deferred and self.order == "score" else ""
         return f"deferred auto: {self.deferred}{order} ({self.reason})"
 
 

@@ -6,7 +6,7 @@ reads the slot table on the device (`LayerSlots.split`), hands the CPU link the 
 CPU works; `finish` adds both. A layer whose every expert is resident starts no CPU job at all.
 With Expert Deferral in the "score" order the resident experts of the deferred slots are kept
 apart and join `finish_late`, exactly as the CPU's deferred experts do; in the "misses" order
-(ops/deferral.py) each token's slots are first reordered on the device, misses last
+(the default, ops/deferral.py) each token's slots are first reordered on the device, misses last
 (`misses_last`), so the CPU's last d slots are its lowest-scored misses, and every resident slot
 is computed at once (a layer with every expert resident then defers nothing: `finish_late` gives
 None). With a `StagingPool` (fetch-or-compute,
@@ -32,7 +32,7 @@ class PlacementLink:
     """Resident experts on the GPU, the misses through `cpu` (see the module docstring)."""
 
     def __init__(self, cpu: Link, slots: LayerSlots, hidden: int, top_k: int,
-                 pool: StagingPool | None = None, defer_order: str = "score") -> None:
+                 pool: StagingPool | None = None, defer_order: str = "misses") -> None:
         check_defer_order(defer_order)
         self.cpu, self.slots, self.pool = cpu, slots, pool
         self.hidden, self.top_k = hidden, top_k
