@@ -11,7 +11,9 @@ are grouped by expert on the GPU (`routing_tiles`) and two Triton kernels run ov
 decode steps can be captured in a CUDA graph. Few pairs (`path="pairs"`, or T K <=
 `DECODE_MAX_PAIRS` under "auto": decode, small batches) skip the grouping: `pair_gate_up` and
 `pair_down` take each pair straight from `ids` (two launches instead of ~10 small routing ops
-and two kernels), in the launch shape `PAIR_CONFIGS` holds per format.
+and two kernels), in the launch shape `PAIR_CONFIGS` holds per format. `act_quant=True` (int8,
+fp8; opt-in) runs the sorted tiles on int8 / fp8 tensor cores instead, activations quantized
+per (row, group) (`act_quant`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from hetmoe.experts.packed_layout import PackedGroup, padded_hidden
+from hetmoe.kernels.act_quant import check_act_quant, sorted_act_quant
+from hetmoe.kernels.call_checks import check_call
 
 FORMATS = ("bf16", "int8", "int4", "fp8")
 """Packed formats the kernels read."""
@@ -181,22 +185,28 @@ def matrix_geometry(fmt: str, n: int, k: int, group: int | None) -> tuple[int, i
 
 def packed_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: torch.Tensor,
                part: PackedGroup, fmt: str, hidden: int, group: int | None,
-               path: str = "auto", pair_config: PairConfig | None = None) -> torch.Tensor:
+               path: str = "auto", pair_config: PairConfig | None = None,
+               act_quant: bool = False) -> torch.Tensor:
     """x [T, H] (bf16; other floats are rounded to it), ids [T, K] int (an expert's index in
     `packed`, -1 = skip), weights [T, K] -> [T, H] fp32, this group's share of the routed
     output. packed: uint8 on x's GPU, experts back to back (e at e * part.expert_bytes).
     path: one of `PATHS` ("auto": the pair kernels up to `DECODE_MAX_PAIRS` pairs);
-    pair_config: the pair kernels' launch shape (None: `PAIR_CONFIGS[fmt]`)."""
+    pair_config: the pair kernels' launch shape (None: `PAIR_CONFIGS[fmt]`); act_quant (int8,
+    fp8): the sorted path on int8 / fp8 tensor cores, activations quantized (act_quant.py)."""
     if path not in PATHS:
         raise ValueError(f"packed_moe: path {path!r} is not one of {', '.join(PATHS)}")
-    _check_call(x, ids, weights, packed, part, hidden)
+    check_call(x, ids, weights, packed, part, hidden)
     check_packed(part, fmt, hidden, group)
+    if act_quant:
+        check_act_quant(fmt, path)
     t, top_k = ids.shape
     if t and top_k and (path == "pairs" or path == "auto" and t * top_k <= DECODE_MAX_PAIRS):
         cfg = pair_config or PAIR_CONFIGS[fmt]
         return _pairs(x, ids, weights, packed, part, fmt, hidden, group, cfg)
     if t == 0 or top_k == 0:
         return torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
+    if act_quant:
+        return sorted_act_quant(x, ids, weights, packed, part, fmt, hidden, group)
     return _sorted(x, ids, weights, packed, part, fmt, hidden, group)
 
 
@@ -295,42 +305,6 @@ def factored_span(cfg: PairConfig, fmt: str, group: int, unroll: int) -> int:
     if not cfg.factored or fmt == "bf16":
         return 0
     return math.gcd(group // 32, 2 * unroll)
-
-
-def _check_call(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                packed: torch.Tensor, part: PackedGroup, hidden: int) -> None:
-    """ValueError naming the tensor whose shape, dtype or device is wrong (no host sync)."""
-    if x.dim() != 2 or x.shape[1] != hidden or not x.is_floating_point():
-        raise ValueError(f"packed_moe: x must be a float [T, {hidden}] tensor, got "
-                         f"{x.dtype} {list(x.shape)}")
-    if ids.dim() != 2 or ids.shape[0] != x.shape[0] or ids.is_floating_point():
-        raise ValueError(f"packed_moe: ids must be an integer [{x.shape[0]}, K] tensor, got "
-                         f"{ids.dtype} {list(ids.shape)}")
-    if weights.shape != ids.shape:
-        raise ValueError(f"packed_moe: weights must be {list(ids.shape)} like ids, got "
-                         f"{list(weights.shape)}")
-    if packed.dtype != torch.uint8 or packed.dim() != 1 or not packed.is_contiguous():
-        raise ValueError(f"packed_moe: packed must be a contiguous 1-D uint8 tensor, got "
-                         f"{packed.dtype} {list(packed.shape)}")
-    if packed.numel() == 0 or packed.numel() % part.expert_bytes:
-        raise ValueError(f"packed_moe: packed holds {packed.numel()} bytes, not a whole "
-                         f"number of experts of {part.expert_bytes} bytes")
-    devices = {t.device for t in (x, ids, weights, packed)}
-    if len(devices) != 1 or x.device.type != ("cpu" if _interpreting() else "cuda"):
-        raise ValueError(f"packed_moe: x, ids, weights and packed must be on one CUDA device, "
-                         f"got {', '.join(sorted(map(str, devices)))}")
-
-
-def _interpreting() -> bool:
-    """Whether Triton's interpreter runs the kernels on CPU tensors (TRITON_INTERPRET=1, as
-    the kernel tests set on machines without a GPU)."""
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
-        return False
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
 
 
 def unsupported(device: torch.device, fmt: str) -> str:
