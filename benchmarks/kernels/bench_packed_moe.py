@@ -15,6 +15,12 @@ best gate/up one, then (int8, int4, fp8) the current, best gate/up and best shap
 (`PairConfig.factored`; int4 then those and `PAIR_SWEEP_WORDS` read by words, `int4_words`),
 and prints each format's best against its bytes floor and the line for `PAIR_CONFIGS` (JSON:
 packed_moe_pair_sweep.json).
+
+`--act-quant FORMATS` (int8,fp8) instead times the sorted path with its current bf16 math
+beside `act_quant=True` (activations quantized per (row, group), codes on int8 / fp8 tensor
+cores; kernels/act_quant.py) at `--act-quant-tokens` (512,4096,16384) on the same layer and
+inputs, with the torch quantization step alone and the two outputs' relative difference (JSON:
+packed_moe_act_quant.json).
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ from typing import Any
 import torch
 
 from hetmoe.experts.cpu_moe import CpuMoE
-from hetmoe.experts.packed_layout import host_tensor, unpack_group
+from hetmoe.experts.packed_layout import host_tensor, padded_hidden, unpack_group
 from hetmoe.experts.routed_mlp import routed_mlp
 from hetmoe.kernels import dequant
 from hetmoe.kernels import packed_moe as kernel
+from hetmoe.kernels.act_quant import quantize_rows
 from hetmoe.kernels.packed_moe import PairConfig, TileConfig, packed_moe, tile_config
 from hetmoe.machine import machine_report
 
@@ -292,6 +299,58 @@ def run_pair_sweep(args: argparse.Namespace, bandwidth: float) -> None:
         print_pair_sweep(rows)
 
 
+def time_act_quant(moe: CpuMoE, raw: torch.Tensor, t: int, k: int,
+                   repeats: int) -> dict[str, Any]:
+    """One T: the sorted path's ms with bf16 math and with `act_quant`, the quantization of x
+    and of a [T K, S] intermediate alone, and how far the two outputs differ."""
+    (part,) = moe.packed_groups()
+    fmt, e, h, i, g = (moe.weight_format, moe.num_experts, moe.hidden, moe.intermediate,
+                       moe.group_size)
+    assert g is not None, "int8 and fp8 layers have a group"
+    x, ids, weights = inputs(t, h, e, k, raw.device)
+    act = torch.randn(t * k, i, device=raw.device, dtype=torch.bfloat16)
+
+    def run(quant: bool) -> torch.Tensor:
+        return packed_moe(x, ids, weights, raw, part, fmt, h, g, "sorted", act_quant=quant)
+
+    def quantize() -> None:
+        quantize_rows(x, fmt, g, padded_hidden(h, g))
+        quantize_rows(act, fmt, g, i)
+
+    bf16, quantized = run(False), run(True)
+    row = {"format": fmt, "group": g, "tokens": t, "block_m": tile_config(t * k, e).block_m,
+           "flop_floor_ms": round(6 * h * i * t * k / BF16_PEAK * 1e3, 4),
+           "bf16_ms": round(gpu_ms(lambda: run(False), repeats), 4),
+           "act_quant_ms": round(gpu_ms(lambda: run(True), repeats), 4),
+           "quantize_ms": round(gpu_ms(quantize, repeats), 4),
+           "rel_diff": round(float((quantized - bf16).norm() / bf16.norm()), 5)}
+    row["speedup"] = round(row["bf16_ms"] / row["act_quant_ms"], 3)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def run_act_quant(args: argparse.Namespace) -> None:
+    """`--act-quant`: both maths of the sorted path per format and T, a table and JSON."""
+    rows: list[dict[str, Any]] = []
+    tokens = [int(n) for n in args.act_quant_tokens.split(",")]
+    for fmt in args.act_quant.split(","):
+        moe = build_layer(fmt, args.experts, args.hidden, args.intermediate)
+        (part,) = moe.packed_groups()
+        raw = host_tensor(part).to("cuda")
+        rows += [time_act_quant(moe, raw, t, args.top_k, args.repeats) for t in tokens]
+        del raw
+        torch.cuda.empty_cache()
+    result = {"shape": {"experts": args.experts, "hidden": args.hidden,
+                        "intermediate": args.intermediate, "top_k": args.top_k},
+              "rows": rows, "device": torch.cuda.get_device_name(), "machine": machine_report()}
+    (args.out / "packed_moe_act_quant.json").write_text(json.dumps(result, indent=1))
+    print("| format | G | T | bf16 math ms | act_quant ms | speedup | quantize ms | rel diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['format']} | {r['group']} | {r['tokens']} | {r['bf16_ms']} | "
+              f"{r['act_quant_ms']} | {r['speedup']}x | {r['quantize_ms']} | {r['rel_diff']} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", default="bf16,int8,int4,fp8")
@@ -305,6 +364,11 @@ def main() -> None:
     parser.add_argument("--pair-sweep", default="",
                         help="formats whose pair kernel shapes are swept (nothing else runs)")
     parser.add_argument("--pair-tokens", default="1,8,16", help="T values of --pair-sweep")
+    parser.add_argument("--act-quant", default="",
+                        help="formats (int8, fp8) whose sorted path is timed with both maths "
+                             "(nothing else runs)")
+    parser.add_argument("--act-quant-tokens", default="512,4096,16384",
+                        help="T values of --act-quant")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -314,6 +378,9 @@ def main() -> None:
           f"{BF16_PEAK / 1e12:.0f} TFLOP/s", flush=True)
     if args.pair_sweep:
         run_pair_sweep(args, bandwidth)
+        return
+    if args.act_quant:
+        run_act_quant(args)
         return
     rows: list[dict[str, Any]] = []
     swept: list[dict[str, Any]] = []
