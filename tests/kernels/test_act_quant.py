@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from hopper_compile import assert_compiles_for_hopper
 from test_packed_moe import HERE, Layer, edge_case, exact, make_layer, reference, rel_error, routing
 
+from hetmoe import env
+from hetmoe.engine.placement import placement_compute
 from hetmoe.kernels.act_quant import dequantize_rows, quantize_rows
 from hetmoe.kernels.packed_moe import packed_moe
 
@@ -142,6 +144,37 @@ def test_act_quant_names_what_it_cannot_run(fmt: str, path: str, message: str) -
         packed_moe(torch.zeros(3, 64, device=HERE), ids.to(HERE), torch.zeros(3, 2, device=HERE),
                    layer.raw.to(HERE), layer.part, fmt, 64, layer.moe.group_size, path=path,
                    act_quant=True)
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, "bf16"), ("bf16", "bf16"),
+                                             ("quantized", "quantized")])
+def test_the_gpu_expert_math_setting(monkeypatch: pytest.MonkeyPatch, value: str | None,
+                                     want: str) -> None:
+    if value is None:
+        monkeypatch.delenv("HETMOE_GPU_EXPERT_MATH", raising=False)
+    else:
+        monkeypatch.setenv("HETMOE_GPU_EXPERT_MATH", value)
+    assert env.gpu_expert_math() == want
+
+
+def test_a_bad_gpu_expert_math_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETMOE_GPU_EXPERT_MATH", "int8")
+    with pytest.raises(ValueError, match="HETMOE_GPU_EXPERT_MATH must be bf16 or quantized, "
+                                         "got 'int8'"):
+        env.gpu_expert_math()
+
+
+@pytest.mark.usefixtures("interpreted")
+def test_the_resident_slots_take_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU prefill's resident experts (`packed_pairs`) run the quantized math when the setting
+    says so (40 tokens x top-2: past DECODE_MAX_PAIRS, the sorted path)."""
+    monkeypatch.setattr(placement_compute, "use_kernel", lambda device, fmt: True)
+    monkeypatch.setenv("HETMOE_GPU_EXPERT_MATH", "quantized")
+    shape = ("int8", 4, 192, 192, 64)
+    layer, x, ids, weights = edge_case(shape, 40)
+    out = placement_compute.packed_pairs(x.to(HERE), ids.to(HERE), weights.to(HERE),
+                                         layer.raw.to(HERE), layer.part, "int8", 192, 64)
+    assert rel_error(out, quantized_reference(layer, x, ids, weights)) < 1e-5
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

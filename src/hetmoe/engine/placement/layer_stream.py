@@ -174,7 +174,7 @@ class LayerStreamer:
         for part in self.parts[i]:
             raw = self.staging[i % 2][at:at + count * part.expert_bytes]
             out = packed_moe(x, here, weights, raw, part, moe.weight_format, moe.hidden,
-                             moe.group_size)
+                             moe.group_size, act_quant=env.gpu_expert_math() == "quantized")
             total = out if total is None else total + out
             at += count * part.expert_bytes
         assert total is not None

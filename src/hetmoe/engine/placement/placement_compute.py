@@ -61,7 +61,8 @@ def packed_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if use_kernel(x.device, fmt):
         from hetmoe.kernels.packed_moe import packed_moe
 
-        return packed_moe(x, ids, weights.float(), packed, part, fmt, hidden, group)
+        return packed_moe(x, ids, weights.float(), packed, part, fmt, hidden, group,
+                          act_quant=env.gpu_expert_math() == "quantized")
     return packed_pairs_torch(x, ids, weights, packed, part, fmt, hidden, group)
 
 
