@@ -19,6 +19,8 @@ are `_sorted`'s: no host sync, a grid fixed by T and K (CUDA-graph capturable).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -82,10 +84,12 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> torc
 
 def sorted_act_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                      packed: torch.Tensor, part: PackedGroup, fmt: str, hidden: int,
-                     group: int | None) -> torch.Tensor:
+                     group: int | None, cfg: Any,
+                     geometry: tuple[tuple[int, int], tuple[int, int]]) -> torch.Tensor:
     """`packed_moe`'s sorted path with quantized activations (arguments checked there: T K >
-    0, fmt in ACT_QUANT_FORMATS, so a group in GROUPS). -> [T, H] fp32."""
-    from hetmoe.kernels.packed_moe import matrix_geometry, tile_config
+    0, fmt in ACT_QUANT_FORMATS, so a group in GROUPS). cfg: its `TileConfig`; geometry: its
+    `matrix_geometry` of the gate/up and of the down matrix (passed in: this module sits below
+    packed_moe). -> [T, H] fp32."""
     from hetmoe.kernels.quant_down import quant_down_kernel
     from hetmoe.kernels.quant_gate_up import quant_gate_up_kernel
     from hetmoe.kernels.routing_tiles import routing_tiles
@@ -96,7 +100,6 @@ def sorted_act_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     slice_ = part.end - part.begin
     hp, hn = padded_hidden(hidden, group), -(-hidden // 16) * 16
     num_e = packed.numel() // part.expert_bytes
-    cfg = tile_config(t * top_k, num_e)
     tiles = routing_tiles(ids, num_e, cfg.block_m)
     # x rounded to bf16 first, as the bf16 path reads it; one quantization per token (not pair)
     xq, sx = quantize_rows(x.to(torch.bfloat16), fmt, group, hp)  # [T, Hp], [T, Hp / G]
@@ -104,7 +107,7 @@ def sorted_act_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     # rows of skipped pairs stay unwritten (and their codes unread): sorted last, never live
     act = torch.empty(t * top_k, slice_, dtype=torch.bfloat16, device=x.device)
     code = FORMAT_CODES[fmt]
-    nb_bytes, scale_off = matrix_geometry(fmt, 2 * slice_, hp, group)
+    nb_bytes, scale_off = geometry[0]
     grid = (slice_ // cfg.block_n_gate_up, tiles.expert.numel())
     quant_gate_up_kernel[grid](
         xq, sx, packed, tiles.order, tiles.expert, tiles.row, tiles.end, act, hp, slice_,
@@ -114,7 +117,7 @@ def sorted_act_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     # A group's amax spans several gate/up programs' columns (their BN of 32 or 64 < G, or
     # groups split across programs), so torch quantizes the intermediate between the launches.
     aq, sa = quantize_rows(act, fmt, group, slice_)
-    nb_bytes, scale_off = matrix_geometry(fmt, hn, slice_, group)
+    nb_bytes, scale_off = geometry[1]
     grid = (-(-hidden // cfg.block_n_down), tiles.expert.numel())
     quant_down_kernel[grid](
         aq, sa, packed, tiles.order, w, tiles.expert, tiles.row, tiles.end, out, hidden,

@@ -206,7 +206,12 @@ def packed_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed
     if t == 0 or top_k == 0:
         return torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
     if act_quant:
-        return sorted_act_quant(x, ids, weights, packed, part, fmt, hidden, group)
+        slice_, hp = part.end - part.begin, padded_hidden(hidden, group)
+        geometry = (matrix_geometry(fmt, 2 * slice_, hp, group),
+                    matrix_geometry(fmt, -(-hidden // 16) * 16, slice_, group))
+        return sorted_act_quant(x, ids, weights, packed, part, fmt, hidden, group,
+                                tile_config(t * top_k, packed.numel() // part.expert_bytes),
+                                geometry)
     return _sorted(x, ids, weights, packed, part, fmt, hidden, group)
 
 
