@@ -14,7 +14,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hopper_compile import assert_compiles_for_hopper
-from test_packed_moe import HERE, Layer, edge_case, exact, make_layer, reference, rel_error, routing
+from test_packed_moe import (
+    HERE,
+    Layer,
+    edge_case,
+    exact,
+    graph_replays,
+    make_layer,
+    reference,
+    rel_error,
+    routing,
+)
 
 from hetmoe import env
 from hetmoe.engine.placement import placement_compute
@@ -212,21 +222,7 @@ def test_a_cuda_graph_replays_the_quantized_path(fmt: str) -> None:
         return packed_moe(x, ids, weights, raw, layer.part, fmt, 256, 128, path="sorted",
                           act_quant=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for seed in range(2):
-        new_x = torch.randn(300, 256, generator=torch.Generator().manual_seed(seed))
-        new_ids, new_w = routing(300, 2, 6, seed=seed)
-        x.copy_(new_x)
-        ids.copy_(new_ids)
-        weights.copy_(new_w)
-        graph.replay()
+    for out, new_x, new_ids, new_w in graph_replays(step, x, ids, weights, 6, 2):
         ref = quantized_reference(layer, new_x, new_ids, new_w)
         assert rel_error(out, ref) < (1e-5 if fmt == "int8" else 1e-3)
 

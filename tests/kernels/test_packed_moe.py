@@ -12,6 +12,7 @@ argument checks.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -217,6 +218,17 @@ def test_a_cuda_graph_replays_new_routing(path: str) -> None:
     def step() -> torch.Tensor:
         return packed_moe(x, ids, weights, raw, layer.part, "int4", 256, 64, path=path)
 
+    for out, new_x, new_ids, new_w in graph_replays(step, x, ids, weights, 6, 3):
+        assert rel_error(out, expected(layer, new_x, new_ids, new_w, path)) < 2e-3
+
+
+def graph_replays(step: Callable[[], torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+                  weights: torch.Tensor, experts: int,
+                  seeds: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """`step` (reading the static x, ids, weights on the GPU) run once outside a capture (its
+    kernels compile), captured once, then per seed new inputs (x random, `routing` over
+    `experts`) copied in and the graph replayed -> yields (out, x, ids, weights) on the CPU
+    side."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -225,14 +237,15 @@ def test_a_cuda_graph_replays_new_routing(path: str) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    for seed in range(3):
-        new_x = torch.randn(4, 256, generator=torch.Generator().manual_seed(seed))
-        new_ids, new_w = routing(4, 2, 6, seed=seed)
+    (t, h), k = x.shape, ids.shape[1]
+    for seed in range(seeds):
+        new_x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed))
+        new_ids, new_w = routing(t, k, experts, seed=seed)
         x.copy_(new_x)
         ids.copy_(new_ids)
         weights.copy_(new_w)
         graph.replay()
-        assert rel_error(out, expected(layer, new_x, new_ids, new_w, path)) < 2e-3
+        yield out, new_x, new_ids, new_w
 
 
 # Small shapes for the interpreter (about a second a call): every format, each int group
