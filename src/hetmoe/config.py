@@ -9,6 +9,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREFILL_EXPERTS = ("auto", "cpu", "gpu", "split")
 DEFER_ORDERS = ("score", "misses")
 """Which experts Expert Deferral defers (ops/deferral.py)."""
+DEFAULT_DEFER_ORDER = "misses"
+"""The order every default names (measured as fast or faster than "score" at every budget)."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class EngineConfig:
     per MoE layer join the next layer's output while its attention runs (0: exact decode);
     "auto": chosen when the model loads from measured step times and guarded by a probe's KL
     (engine/model/deferral_auto.py; 0 without a GPU)."""
-    defer_order: str = "misses"
+    defer_order: str = DEFAULT_DEFER_ORDER
     """Which experts Expert Deferral defers (ops/deferral.py): "misses", each token's
     lowest-scored CPU misses only, at most `deferred`, resident GPU experts always at once (with
     none resident the same as "score"; with every expert resident nothing is deferred; as fast or

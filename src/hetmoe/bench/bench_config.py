@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetmoe.config import DEFER_ORDERS
+from hetmoe.config import DEFAULT_DEFER_ORDER, DEFER_ORDERS
 
 MODES = ("cpu", "torch-cpu", "accelerate")
 
@@ -31,7 +31,7 @@ class BenchConfig:
     """Prompt lengths whose prefill speed is measured."""
     deferred: tuple[int, ...] = (0,)
     """Expert Deferral values timed in graph mode."""
-    defer_order: str = "misses"
+    defer_order: str = DEFAULT_DEFER_ORDER
     """Which experts those values defer (`EngineConfig.defer_order`)."""
     eager: bool = True
     """Also time decode in eager mode and count launches in both modes."""

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from hetmoe.config import DEFAULT_DEFER_ORDER
 from hetmoe.engine.executor.host_link import HostLink, check_stream_memops
 from hetmoe.engine.placement.layer_stream import LayerStreamer, streaming_refusal
 from hetmoe.engine.placement.placement_fetch import StagingPool
@@ -65,7 +66,8 @@ class MoEOverlap(MoEStep):
     `defer_order`: which experts deferral defers (ops/deferral.py), kept by the placed links."""
 
     def __init__(self, model: nn.Module, device: torch.device, max_batch: int,
-                 deferred: int = 0, packed: bool = False, defer_order: str = "misses") -> None:
+                 deferred: int = 0, packed: bool = False,
+                 defer_order: str = DEFAULT_DEFER_ORDER) -> None:
         layers = moe_layers(model)
         if not layers:
             raise ValueError("MoEOverlap: the model has no hybrid_moe layer")

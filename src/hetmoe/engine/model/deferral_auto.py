@@ -35,6 +35,7 @@ from typing import Any
 
 from hetmoe import env
 from hetmoe.calibration import fingerprint
+from hetmoe.config import DEFAULT_DEFER_ORDER
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.model.deferral_probe import (
     WARMUP_STEPS,
@@ -80,7 +81,7 @@ class StepTimes:
     """Routed experts per token and layer (K)."""
     cpu_share: float = 1.0
     """Share of a token's routed experts the CPU computes (1 - the placement's GPU share)."""
-    order: str = "misses"
+    order: str = DEFAULT_DEFER_ORDER
     """The deferral order (`EngineConfig.defer_order`): which experts a deferral moves."""
 
     @property
@@ -131,7 +132,7 @@ class DeferralChoice:
     """The step times (None: not measured, e.g. no GPU)."""
     kl: tuple[tuple[int, float], ...] = ()
     """(count, mean KL in nats) of each count the guard probed, in the order probed."""
-    order: str = "misses"
+    order: str = DEFAULT_DEFER_ORDER
     """The deferral order the count was chosen for (`EngineConfig.defer_order`)."""
 
     def describe(self) -> str:

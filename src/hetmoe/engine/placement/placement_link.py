@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from hetmoe.config import DEFAULT_DEFER_ORDER
 from hetmoe.engine.placement.placement_fetch import StagingPool
 from hetmoe.engine.placement.slots import LayerSlots
 from hetmoe.ops.deferral import check_defer_order, misses_last, split_ids
@@ -32,7 +33,7 @@ class PlacementLink:
     """Resident experts on the GPU, the misses through `cpu` (see the module docstring)."""
 
     def __init__(self, cpu: Link, slots: LayerSlots, hidden: int, top_k: int,
-                 pool: StagingPool | None = None, defer_order: str = "misses") -> None:
+                 pool: StagingPool | None = None, defer_order: str = DEFAULT_DEFER_ORDER) -> None:
         check_defer_order(defer_order)
         self.cpu, self.slots, self.pool = cpu, slots, pool
         self.hidden, self.top_k = hidden, top_k
