@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from hetmoe.kernels.dequant import dequant_half, dot_bf16
-from hetmoe.kernels.routing_tiles import tile_rows
+from hetmoe.kernels.routing_tiles import add_weighted_rows, tile_rows
 
 
 @triton.jit
@@ -41,8 +41,4 @@ def moe_down_kernel(act_ptr, packed_ptr, order_ptr, weights_ptr, tile_expert_ptr
                 at = tl.load(a_rows[:, None] + k[None, :], mask=live[:, None], other=0.0)
                 w = dequant_half(base, nb, kh, NB_BYTES, SCALE_OFF, G, FMT, BN // 16, MEM)
                 acc = dot_bf16(at, tl.trans(w), acc)
-        weight = tl.load(weights_ptr + pair, mask=live, other=0.0)
-        token = (pair // TOP_K).to(tl.int64)
-        dst = out_ptr + token[:, None] * H + n[None, :]
-        tl.atomic_add(dst, acc * weight[:, None], mask=live[:, None] & (n[None, :] < H),
-                      sem="relaxed")
+        add_weighted_rows(out_ptr, acc, weights_ptr, pair, live, n, H, TOP_K)

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from hetmoe.kernels.dequant import group_scales
 from hetmoe.kernels.quant_gate_up import load_codes, raw_half, zero_sums
-from hetmoe.kernels.routing_tiles import tile_rows
+from hetmoe.kernels.routing_tiles import add_weighted_rows, tile_rows
 
 
 @triton.jit
@@ -48,8 +48,4 @@ def quant_down_kernel(aq_ptr, sa_ptr, packed_ptr, order_ptr, weights_ptr, tile_e
             sw = group_scales(base, nb, grp * (G // 32), NB_BYTES, SCALE_OFF, G, FMT, BN // 16,
                               True)[0]
             acc += sums.to(tl.float32) * sa[:, None] * sw[None, :]
-        weight = tl.load(weights_ptr + pair, mask=live, other=0.0)
-        token = (pair // TOP_K).to(tl.int64)
-        dst = out_ptr + token[:, None] * H + n[None, :]
-        tl.atomic_add(dst, acc * weight[:, None], mask=live[:, None] & (n[None, :] < H),
-                      sem="relaxed")
+        add_weighted_rows(out_ptr, acc, weights_ptr, pair, live, n, H, TOP_K)

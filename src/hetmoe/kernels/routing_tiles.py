@@ -65,3 +65,15 @@ def tile_rows(order_ptr, tile_row_ptr, tile_end_ptr, tile, BM: tl.constexpr):
     live = rows < row_end
     pair = tl.load(order_ptr + rows, mask=live, other=0)
     return rows, live, pair
+
+
+@triton.jit
+def add_weighted_rows(out_ptr, acc, weights_ptr, pair, live, n, H, TOP_K: tl.constexpr):
+    """The down kernels' end: out [T, H] fp32 at each live pair's token and columns n < H +=
+    acc [BM, BN] times the pair's routing weight (weights [T K] fp32), by relaxed atomics (the
+    K pairs of a token add into one row)."""
+    weight = tl.load(weights_ptr + pair, mask=live, other=0.0)
+    token = (pair // TOP_K).to(tl.int64)
+    dst = out_ptr + token[:, None] * H + n[None, :]
+    tl.atomic_add(dst, acc * weight[:, None], mask=live[:, None] & (n[None, :] < H),
+                  sem="relaxed")
