@@ -147,7 +147,12 @@ def run_kt(args: argparse.Namespace) -> dict[tuple[str, int], dict[str, float]]:
     if status != "ok":
         tail = "\n".join(text.splitlines()[-15:])
         raise SystemExit(f"ktk_bench.py: {status} (log {log}); its last lines:\n{tail}")
-    return kt_rows(json.loads((folder / "ktk_bench.json").read_text()), text)
+    print(text, end="", flush=True)
+    rows = kt_rows(json.loads((folder / "ktk_bench.json").read_text()), text)
+    missing = [f"{KT_METHODS[f]} q={q}" for f in formats for q in args.qs if (f, q) not in rows]
+    if missing:  # before our slow part
+        raise SystemExit(f"ktk_bench.json (in {folder}) lacks rows: {', '.join(missing)}")
+    return rows
 
 
 def _text(output: bytes | str | None) -> str:

@@ -26,6 +26,8 @@ FAKE_KT = textwrap.dedent('''
              "frac_stream": 0.1, "rel_err": 0.0}]
     for i, method in enumerate(env["METHODS"].split(",")):
         for q in map(int, env["QLENS"].split(",")):
+            if f"{method}:{q}" == os.environ.get("DROP"):
+                continue
             name = "kt-" + method.replace("_MOE", "")
             ms = (i + 1) * 0.1 * q
             print(f"   (per-call submit+sync latency {2 * ms:.3f} ms)")
@@ -153,5 +155,15 @@ def test_a_failing_kt_run_is_named_with_its_log(peer_dir: Path, tmp_path: Path,
     out = tmp_path / "out"
     with pytest.raises(SystemExit, match=r"^ktk_bench.py: exit 3 \(log .*ktk_stdout.log\); "
                                          r"its last lines:\nkt: AMX not found$"):
+        vs_kt.main(tiny_argv(peer_dir, out))
+    assert not (out / "cpu_moe_vs_kt.json").exists()
+
+
+def test_missing_kt_rows_are_named_before_our_run(peer_dir: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DROP", "AMXInt4_MOE:2")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=r"^ktk_bench.json \(in .*kt\) lacks rows: "
+                                         r"AMXInt4_MOE q=2$"):
         vs_kt.main(tiny_argv(peer_dir, out))
     assert not (out / "cpu_moe_vs_kt.json").exists()
