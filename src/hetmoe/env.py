@@ -82,7 +82,8 @@ def gpu_expert_math() -> str:
     """HETMOE_GPU_EXPERT_MATH=bf16|quantized: the packed kernels' sorted (prefill) path with
     weights dequantized to bf16 (bf16, the default) or, opt-in, x and the intermediate quantized
     per (row, group) onto int8 / fp8 tensor cores (quantized: int8 and fp8 models only, others
-    refused by name; kernels/act_quant.py, its error stated there)."""
+    refused by name; kernels/act_quant.py, its error stated there). Read once, when a runner's
+    `MoEOverlap` is built."""
     value = _get("HETMOE_GPU_EXPERT_MATH", "bf16")
     if value not in ("bf16", "quantized"):
         raise ValueError(f"HETMOE_GPU_EXPERT_MATH must be bf16 or quantized, got {value!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from decode_steps import PROMPT, SAME_BACKEND_ATOL, assert_same_greedy, greedy
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.engine.placement import placement_compute
 from hetmoe.engine.placement.placement_plan import slot_table
 from hetmoe.engine.placement.slots import LayerSlots, expert_bytes
 from hetmoe.experts.cpu_moe import CpuMoE
@@ -269,5 +271,35 @@ def test_prefill_streams_nothing_when_every_expert_is_resident(
             runner.lengths[0] = 0
             runner.prefill(0, PROMPT)
         assert calls[0] == 0
+    finally:
+        runner.overlap.detach()
+
+
+@pytest.mark.parametrize(("setting", "want"), [("bf16", False), ("quantized", True)])
+def test_the_gpu_expert_math_is_read_once_when_the_runner_is_built(
+        engine: Callable[[str, str], LLM], monkeypatch: pytest.MonkeyPatch, setting: str,
+        want: bool) -> None:
+    """HETMOE_GPU_EXPERT_MATH reaches the resident slots and the streamer from the runner's
+    build: a setting that would be refused afterwards is never read by a step's kernel calls."""
+    llm = engine("qwen3_moe", "cpu")
+    monkeypatch.setenv("HETMOE_GPU_EXPERT_MATH", setting)
+    runner = _runner(llm, 0)
+    try:
+        runner.place(_layer_bytes(runner, 4))
+        assert runner.placement is not None and runner.overlap.act_quant is want
+        assert [s.act_quant for s in runner.placement.layers] == [want] * len(runner.overlap.cpu)
+        assert runner.overlap.make_streamer().act_quant is want
+        monkeypatch.setenv("HETMOE_GPU_EXPERT_MATH", "int8")  # refused if read again
+        asked: list[bool] = []
+
+        def kernel(*args: Any, act_quant: bool = False) -> torch.Tensor:
+            asked.append(act_quant)
+            return placement_compute.packed_pairs_torch(*args)
+
+        monkeypatch.setattr(placement_compute, "use_kernel", lambda device, fmt: True)
+        monkeypatch.setattr(placement_compute, "packed_moe", kernel)
+        runner.lengths[0] = 0
+        runner.prefill(0, PROMPT)
+        assert asked and set(asked) == {want}
     finally:
         runner.overlap.detach()

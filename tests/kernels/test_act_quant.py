@@ -176,14 +176,14 @@ def test_a_bad_gpu_expert_math_setting_is_named(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.usefixtures("interpreted")
 def test_the_resident_slots_take_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GPU prefill's resident experts (`packed_pairs`) run the quantized math when the setting
-    says so (40 tokens x top-2: past DECODE_MAX_PAIRS, the sorted path)."""
+    """GPU prefill's resident experts (`packed_pairs`) run the quantized math when the runner's
+    setting says so (40 tokens x top-2: past DECODE_MAX_PAIRS, the sorted path)."""
     monkeypatch.setattr(placement_compute, "use_kernel", lambda device, fmt: True)
-    monkeypatch.setenv("HETMOE_GPU_EXPERT_MATH", "quantized")
     shape = ("int8", 4, 192, 192, 64)
     layer, x, ids, weights = edge_case(shape, 40)
     out = placement_compute.packed_pairs(x.to(HERE), ids.to(HERE), weights.to(HERE),
-                                         layer.raw.to(HERE), layer.part, "int8", 192, 64)
+                                         layer.raw.to(HERE), layer.part, "int8", 192, 64,
+                                         act_quant=True)
     assert rel_error(out, quantized_reference(layer, x, ids, weights)) < 1e-5
 
 

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from hetmoe import env
 from hetmoe.config import DEFAULT_DEFER_ORDER
 from hetmoe.engine.executor.host_link import HostLink, check_stream_memops
 from hetmoe.engine.placement.layer_stream import LayerStreamer, streaming_refusal
@@ -63,7 +64,9 @@ def all_on_cpu_backend(model: nn.Module) -> bool:
 class MoEOverlap(MoEStep):
     """`MoEStep` of every `HybridMoE` of a model with CPU experts (see the module docstring),
     attached at construction. `packed`: decode steps start with `start_packed` (fused decode);
-    `defer_order`: which experts deferral defers (ops/deferral.py), kept by the placed links."""
+    `defer_order`: which experts deferral defers (ops/deferral.py), kept by the placed links.
+    HETMOE_GPU_EXPERT_MATH is read once here (`act_quant`, for the streamer and the runner's
+    placement), not per packed kernel call."""
 
     def __init__(self, model: nn.Module, device: torch.device, max_batch: int,
                  deferred: int = 0, packed: bool = False,
@@ -74,6 +77,8 @@ class MoEOverlap(MoEStep):
         super().__init__(layers, self._link, deferred)
         check_stream_memops(device)
         self.device = device
+        self.act_quant = env.gpu_expert_math() == "quantized"
+        """GPU prefill's packed kernels on int8 / fp8 tensor cores (kernels/act_quant.py)."""
         self.cpu = cpu = [cpu_moe_of(m.experts) for m in layers]  # each layer's experts
         self.direct: list[BackendLink] = [backend_link(m) for m in layers]
         self.host: list[HostLink] = []
@@ -145,7 +150,7 @@ class MoEOverlap(MoEStep):
     def make_streamer(self) -> LayerStreamer:
         """The streamer, made at the first GPU prefill (the experts' host memory registered)."""
         if self.streamer is None:
-            self.streamer = LayerStreamer(self.cpu, self.device)
+            self.streamer = LayerStreamer(self.cpu, self.device, self.act_quant)
         return self.streamer
 
     @contextmanager

@@ -231,7 +231,7 @@ class ModelRunner:
         pool = StagingPool(self.overlap.cpu, slots, self.planner.load_costs(), self.device) \
             if slots and not plan.everything else None
         if plan.bytes or pool is not None:
-            self.placement = Placement(self.overlap.cpu, plan, self.device)
+            self.placement = Placement(self.overlap.cpu, plan, self.device, self.overlap.act_quant)
             self.overlap.place(self.placement, pool)
             if self.config.placement_interval and not plan.everything:
                 self.policy = TrafficPolicy(self.placement, self.config.placement_interval)

@@ -62,12 +62,14 @@ def streaming_refusal(cpu: Sequence[CpuMoE], free_bytes: int) -> str:
 
 class LayerStreamer:
     """Staging buffers, the copy stream and the per-layer copies of a model's MoE layers. On
-    the CPU device (tests) the same copies and compute run in order, with no stream or event."""
+    the CPU device (tests) the same copies and compute run in order, with no stream or event.
+    `act_quant`: the packed kernels' sorted path on int8 / fp8 tensor cores."""
 
-    def __init__(self, cpu: Sequence[CpuMoE], device: torch.device) -> None:
+    def __init__(self, cpu: Sequence[CpuMoE], device: torch.device,
+                 act_quant: bool = False) -> None:
         if any(m.weight_format not in STREAM_FORMATS for m in cpu):
             raise ValueError(streaming_refusal(cpu, 2**62))
-        self.cpu, self.device = list(cpu), device
+        self.cpu, self.device, self.act_quant = list(cpu), device, act_quant
         self.cuda = device.type == "cuda"
         self.parts = [m.packed_groups() for m in cpu]
         self.host = [host_groups(m, device) for m in cpu]
@@ -174,7 +176,7 @@ class LayerStreamer:
         for part in self.parts[i]:
             raw = self.staging[i % 2][at:at + count * part.expert_bytes]
             out = packed_moe(x, here, weights, raw, part, moe.weight_format, moe.hidden,
-                             moe.group_size, act_quant=env.gpu_expert_math() == "quantized")
+                             moe.group_size, act_quant=self.act_quant)
             total = out if total is None else total + out
             at += count * part.expert_bytes
         assert total is not None

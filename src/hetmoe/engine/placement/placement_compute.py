@@ -22,14 +22,13 @@ import torch.nn.functional as F
 from hetmoe import env
 from hetmoe.experts.packed_layout import PackedGroup, unpack_group
 from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
+from hetmoe.kernels.packed_moe import packed_moe, unsupported
 
 
 @functools.cache
 def use_kernel(device: torch.device, fmt: str) -> bool:
     """Whether `hetmoe.kernels.packed_moe` computes `fmt` experts on `device` (a CUDA GPU it
     supports, and HETMOE_GPU_EXPERTS=packed, the default), as GPU prefill decides."""
-    from hetmoe.kernels.packed_moe import unsupported
-
     return not unsupported(device, fmt) and env.gpu_expert_kernel() == "packed"
 
 
@@ -56,13 +55,13 @@ def packed_pairs_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 
 def packed_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  packed: torch.Tensor, part: PackedGroup, fmt: str, hidden: int,
-                 group: int | None) -> torch.Tensor:
-    """`packed_pairs_torch`'s result, by the Triton kernel where `use_kernel`."""
+                 group: int | None, act_quant: bool = False) -> torch.Tensor:
+    """`packed_pairs_torch`'s result, by the Triton kernel where `use_kernel`; `act_quant`:
+    the kernel's sorted path on int8 / fp8 tensor cores (HETMOE_GPU_EXPERT_MATH=quantized,
+    read once by the runner; the torch path ignores it)."""
     if use_kernel(x.device, fmt):
-        from hetmoe.kernels.packed_moe import packed_moe
-
         return packed_moe(x, ids, weights.float(), packed, part, fmt, hidden, group,
-                          act_quant=env.gpu_expert_math() == "quantized")
+                          act_quant=act_quant)
     return packed_pairs_torch(x, ids, weights, packed, part, fmt, hidden, group)
 
 
@@ -74,10 +73,10 @@ def capturing(device: torch.device) -> bool:
 def packed_slots(x: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
                  weights: torch.Tensor, packed: Sequence[torch.Tensor],
                  parts: Sequence[PackedGroup], fmt: str, hidden: int, group: int | None,
-                 table: torch.Tensor) -> torch.Tensor:
+                 table: torch.Tensor, act_quant: bool = False) -> torch.Tensor:
     """x [T, H], expert ids and their slots [T, K] (-1: not here) in `packed` (per NUMA group,
     slots back to back; table [E]: expert -> slot or -1), weights [T, K] -> [T, H] fp32 of the
-    pairs that have a slot."""
+    pairs that have a slot; `act_quant` as `packed_pairs`'."""
     slots = packed[0].numel() // parts[0].expert_bytes
     # The torch path gathers each pair's expert: past `slots` pairs unpacking every slot
     # once is cheaper (the kernel reads each expert once at any length).
@@ -87,7 +86,7 @@ def packed_slots(x: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
                           hidden, group, table)
     out: torch.Tensor | None = None
     for data, part in zip(packed, parts, strict=True):
-        y = packed_pairs(x, slot, weights, data, part, fmt, hidden, group)
+        y = packed_pairs(x, slot, weights, data, part, fmt, hidden, group, act_quant)
         out = y if out is None else out + y
     assert out is not None
     return out

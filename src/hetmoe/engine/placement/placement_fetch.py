@@ -127,7 +127,7 @@ class StagingPool:
             stream.wait_event(self.copied)
         moe = layer.moe
         out = packed_slots(x, ids, slot, weights, packed, layer.parts, moe.weight_format,
-                           moe.hidden, moe.group_size, self._table[:-1])
+                           moe.hidden, moe.group_size, self._table[:-1], layer.act_quant)
         if stream is not None:
             assert self.freed is not None
             self.freed.record(stream)

@@ -34,10 +34,12 @@ log = logging.getLogger(__name__)
 
 
 class LayerSlots:
-    """One MoE layer's resident experts on `device` (see the module docstring)."""
+    """One MoE layer's resident experts on `device` (see the module docstring); `act_quant`:
+    the packed kernel's sorted path on int8 / fp8 tensor cores (`placement_compute`)."""
 
-    def __init__(self, moe: CpuMoE, experts: Sequence[int], device: torch.device) -> None:
-        self.moe, self.device = moe, device
+    def __init__(self, moe: CpuMoE, experts: Sequence[int], device: torch.device,
+                 act_quant: bool = False) -> None:
+        self.moe, self.device, self.act_quant = moe, device, act_quant
         self.parts = moe.packed_groups()
         self.num_experts = moe.num_experts
         self.expert_bytes = sum(p.expert_bytes for p in self.parts)
@@ -147,7 +149,7 @@ class LayerSlots:
         [T, H] fp32 of the resident experts' pairs."""
         return packed_slots(x, ids, slot, weights, self.packed, self.parts,
                             self.moe.weight_format, self.moe.hidden, self.moe.group_size,
-                            self.table[:-1])
+                            self.table[:-1], self.act_quant)
 
 
 def copy_expert(dst: Sequence[torch.Tensor], slot: int, src: Sequence[torch.Tensor],
@@ -160,15 +162,16 @@ def copy_expert(dst: Sequence[torch.Tensor], slot: int, src: Sequence[torch.Tens
 
 
 class Placement:
-    """Every MoE layer's `LayerSlots` under one plan."""
+    """Every MoE layer's `LayerSlots` under one plan (`act_quant`: theirs)."""
 
-    def __init__(self, cpu: Sequence[CpuMoE], plan: PlacementPlan, device: torch.device) -> None:
+    def __init__(self, cpu: Sequence[CpuMoE], plan: PlacementPlan, device: torch.device,
+                 act_quant: bool = False) -> None:
         if len(cpu) != len(plan.resident):
             raise ValueError(f"Placement: a plan of {len(plan.resident)} MoE layers for a model "
                              f"of {len(cpu)}")
         self.plan, self.device = plan, device
-        self.layers = [LayerSlots(m, ids, device) for m, ids in zip(cpu, plan.resident,
-                                                                     strict=True)]
+        self.layers = [LayerSlots(m, ids, device, act_quant)
+                       for m, ids in zip(cpu, plan.resident, strict=True)]
 
     @property
     def everything(self) -> bool:
