@@ -12,6 +12,10 @@ import torch
 
 from hetmoe import env
 from hetmoe.experts.cpu_moe import CpuMoE
+from hetmoe.experts.gpu_view import gpu_view
+from hetmoe.experts.packed_layout import host_tensor, unpack_group
+from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
+from hetmoe.kernels.packed_moe import packed_moe, unsupported
 
 
 def call_seconds(calls: int = 50) -> float:
@@ -106,10 +110,6 @@ def gpu_line(moe: CpuMoE, experts: int, device: torch.device, tokens: tuple[int,
     `moe`'s packed experts, resident on `device`, computed for tokens[0] then tokens[1] tokens
     each as engine/placement/layer_stream.py's `LayerStreamer.start` does: the packed kernels where
     they run, else unpacked and a grouped GEMM."""
-    # GPU only: Triton and the GPU expert paths load when a CUDA device is timed.
-    from hetmoe.experts.packed_layout import host_tensor, unpack_group
-    from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
-    from hetmoe.kernels.packed_moe import packed_moe, unsupported
 
     grouped = grouped_mm_available(device)
     packed = not unsupported(device, moe.weight_format) and env.gpu_expert_kernel() == "packed"
@@ -155,8 +155,6 @@ def copy_rates(device: torch.device, size: int, repeats: int) -> tuple[float, fl
 
 def host_read_rate(device: torch.device, size: int, repeats: int) -> float:
     """Bytes/s of a GPU sum over `size` bytes of pinned host memory read in place."""
-    from hetmoe.experts.gpu_view import gpu_view  # GPU only, as in gpu_line
-
     with torch.cuda.device(device):
         host = torch.ones(size // 2, dtype=torch.bfloat16, pin_memory=True)
         view = gpu_view(host, device)

@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+from hetmoe.engine.engine import LLM
+from hetmoe.loading.convert import ConvertOptions
+from hetmoe.loading.convert_source import conversion_dir, convert_source, is_gguf
+
 
 @dataclass
 class BenchModel:
@@ -32,9 +36,6 @@ class BenchModel:
 def gguf_conversion(path: Path, weight_format: str, group: int | None,
                     progress: bool = False) -> Path:
     """The converted directory of the GGUF at `path` in `weight_format` (made on first use)."""
-    from hetmoe.loading.convert import ConvertOptions
-    from hetmoe.loading.convert_source import conversion_dir, convert_source
-
     out = conversion_dir(path, f"-{weight_format}g{group or 0}")
     return convert_source(path, out, ConvertOptions(weight_format, group, progress))
 
@@ -44,9 +45,6 @@ def open_bench_model(model: str, device: torch.device, weight_format: str | None
     """`model` (GGUF file, checkpoint or converted directory, preset) loaded as `hetmoe bench`
     loads it, every routed expert on the CPU backend; `weight_format` (and `group`) convert a
     GGUF into that packed format first. ValueError for a format asked of anything else."""
-    from hetmoe.engine.engine import LLM
-    from hetmoe.loading.convert_source import is_gguf
-
     path = Path(model)
     gguf = path if is_gguf(path) else None
     if weight_format is not None:

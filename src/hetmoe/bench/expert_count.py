@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hetmoe.engine.executor.overlap import cpu_moe_of
+from hetmoe.loading.gguf import open_gguf
 from hetmoe.ops.moe import moe_layers
 from hetmoe.ops.routing_record import record_routing
 
@@ -69,8 +71,6 @@ def distinct_per_ubatch(picks: torch.Tensor, ubatch: int = UBATCH) -> list[int]:
 
 def packed_expert_bytes(model: torch.nn.Module) -> list[float]:
     """Our packed bytes of one expert (gate, up, down, scales) per MoE layer."""
-    from hetmoe.engine.executor.overlap import cpu_moe_of
-
     return [cpu_moe_of(m.experts).packed_bytes / m.experts.spec.num_experts
             for m in moe_layers(model)]
 
@@ -78,8 +78,6 @@ def packed_expert_bytes(model: torch.nn.Module) -> list[float]:
 def gguf_expert_bytes(path: str | Path) -> list[float]:
     """The GGUF's bytes of one expert (ffn_gate/up/down_exps blocks) per layer that has them,
     in layer order: what llama.cpp copies per used expert."""
-    from hetmoe.loading.gguf import open_gguf
-
     per_layer: dict[int, float] = {}
     for t in open_gguf(path).reader.tensors:
         parts = t.name.split(".")

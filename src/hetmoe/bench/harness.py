@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from hetmoe.bench import measure
+from hetmoe.bench.baselines import build_offloaded_hf_model, hf_generate_speed
 from hetmoe.bench.bench_config import BenchConfig
 from hetmoe.bench.decode_modes import (
     decode_each_deferred,
@@ -43,6 +44,7 @@ from hetmoe.bench.memory import check_memory
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
+from hetmoe.engine.engine import LLM
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.machine import huge_page_bytes, source_commit
 
@@ -74,8 +76,6 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     log(f"host read bandwidth {result['read_gb_s']} GB/s")
     config: Any  # the transformers config of the model or of the shape
     if cfg.model is not None:
-        from hetmoe.engine.engine import LLM  # a checkpoint run only (transformers loading)
-
         # The bench's own runner places the experts (below): none by the LLM's.
         llm = LLM(cfg.model, device=device, progress=False, gpu_expert_bytes=0)
         model, config = llm.model, llm.model.config
@@ -84,10 +84,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         config = shape_config(cfg.shape, cfg.num_layers)
     prompt = torch.randint(0, config.vocab_size, (cfg.prompt_len,),
                            generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    if cfg.experts == "accelerate":
-        # The accelerate baseline only: transformers + accelerate offload.
-        from hetmoe.bench.baselines import build_offloaded_hf_model, hf_generate_speed
-
+    if cfg.experts == "accelerate":  # transformers + accelerate offload
         start = time.perf_counter()
         hf_model = build_offloaded_hf_model(config, seed=cfg.seed)
         result["build_s"] = round(time.perf_counter() - start, 1)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 from hetmoe.engine.executor.overlap import cpu_moe_of
 from hetmoe.engine.executor.runner import ModelRunner
@@ -160,8 +161,6 @@ def h2d_bandwidth(device: torch.device, gib: float = 1.0, repeats: int = 5) -> f
 def count_launches(runner: ModelRunner, prompt: list[int], steps: int) -> dict[str, float]:
     """CUDA runtime launches, GPU kernels and host syncs per decoded token (torch.profiler over
     `steps` decode steps after two warm-up steps)."""
-    from torch.profiler import ProfilerActivity, profile  # count_launches only
-
     slot = runner.cache.allocate()
     try:
         token = first_token(runner, slot, prompt)

@@ -26,6 +26,9 @@ import torch.nn.functional as F
 
 from hetmoe.experts.packed_layout import PackedGroup, padded_hidden
 
+# The kernel modules import Triton at their top: `sorted_act_quant` imports them when it launches
+# (as packed_moe, which imports this module, loads where Triton is not installed).
+
 ACT_QUANT_FORMATS = ("int8", "fp8")
 """Packed formats whose codes the tensor cores multiply directly (bf16 has no codes; int4 is
 future work: its nibbles and inline bias need their own unpack)."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from hetmoe.experts.packed_layout import PackedGroup
@@ -35,10 +37,8 @@ def check_call(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 def _interpreting() -> bool:
     """Whether Triton's interpreter runs the kernels on CPU tensors (TRITON_INTERPRET=1, as
     the kernel tests set on machines without a GPU)."""
-    import importlib.util
-
     if importlib.util.find_spec("triton") is None:
         return False
-    import triton
+    import triton  # optional (found above): imported only where it is installed
 
     return bool(triton.knobs.runtime.interpret)
