@@ -120,16 +120,19 @@ class EngineOptions:
 
 def engine_options(command: Callable[..., None]) -> Callable[..., None]:
     """`command` (whose parameter `engine` takes an `EngineOptions`) with each engine option as
-    an option of its own, after the command's; typer reads the signature made here."""
+    an option of its own, after the command's; typer reads the signature made here. A command
+    parameter named as an engine option replaces it (`hetmoe batch --max-seq-len auto`): that
+    field keeps its default in `engine`, and the command passes its own value to `load`."""
     own = inspect.signature(command, eval_str=True)
     kept = [p for p in own.parameters.values() if p.name != "engine"]
     hints = get_type_hints(EngineOptions, include_extras=True)  # Annotated[..., typer.Option]
+    shared = [f for f in fields(EngineOptions) if f.name not in own.parameters]
     added = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-                               annotation=hints[f.name]) for f in fields(EngineOptions)]
+                               annotation=hints[f.name]) for f in shared]
 
     @functools.wraps(command)
     def run(**given: Any) -> None:
-        engine = EngineOptions(**{f.name: given.pop(f.name) for f in fields(EngineOptions)})
+        engine = EngineOptions(**{f.name: given.pop(f.name) for f in shared})
         command(**given, engine=engine)
 
     signature = own.replace(parameters=[*kept, *added])

@@ -16,7 +16,7 @@ from hetmoe.engine.executor.adapters import LoraAdapters, assign_adapter, with_l
 from hetmoe.engine.executor.overlap import all_on_cpu_backend
 from hetmoe.engine.executor.prefill_planner import check_prefill_mode
 from hetmoe.engine.executor.runner import ModelRunner
-from hetmoe.engine.model.chat_template import read_chat_template, set_chat_template
+from hetmoe.engine.model.chat_template import chat_ids, read_chat_template, set_chat_template
 from hetmoe.engine.model.deferral_auto import (
     DeferralChoice,
     choose_deferred,
@@ -214,11 +214,7 @@ class LLM:
         tokenizer = self.tokenizer
         if tokenizer is None or not self.has_chat_template:
             raise ValueError(f"the tokenizer of {self.path} has no chat template")
-        text = tokenizer.apply_chat_template(
-            list(messages), tools=list(tools) if tools else None, tokenize=False,
-            add_generation_prompt=True,
-        )
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return chat_ids(tokenizer, messages, tools)
 
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Prefill logits [len, vocab] float32 of `token_ids` (on the CPU)."""

@@ -65,7 +65,7 @@ def load_model(
     report = inject(model) if inject is not None else None
     materialize(model, checkpoint, device=device, dtype=dtype, progress=progress)
     model.eval()
-    return LoadedModel(model, checkpoint.config, _tokenizer(checkpoint.path),
+    return LoadedModel(model, checkpoint.config, load_tokenizer(checkpoint.path),
                        checkpoint.family.model_type, report)
 
 
@@ -78,9 +78,10 @@ def _config_dtype(checkpoint: Checkpoint) -> torch.dtype:
     return value
 
 
-def _tokenizer(path: Path) -> Any | None:
+def load_tokenizer(path: Path) -> Any | None:
+    """The `AutoTokenizer` of the checkpoint directory `path`, None when it holds no tokenizer
+    files (also read before the weights: `hetmoe batch` sizes its job by its tokens)."""
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         log.info("%s has no tokenizer files; text in and out is unavailable", path)
         return None
-
     return AutoTokenizer.from_pretrained(str(path))

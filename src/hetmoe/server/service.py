@@ -17,6 +17,7 @@ from hetmoe.engine.requests.scheduler import RequestHandle, Scheduler
 from hetmoe.server.logprobs import TokenText
 from hetmoe.server.tool_generic import template_format
 from hetmoe.server.tool_parsers import ToolFormat, detect
+from hetmoe.server.tools import template_text
 
 if TYPE_CHECKING:
     from hetmoe.engine.engine import LLM
@@ -70,10 +71,7 @@ class ModelService:
         self.created = int(time.time())
         self.tokenizer = llm.tokenizer
         self.runner = llm.runner
-        template = getattr(llm.tokenizer, "chat_template", None)
-        if isinstance(template, dict):  # named templates (`default`, `tool_use`): all of them
-            template = "\n".join(str(t) for t in template.values())
-        self.chat_template: str | None = template
+        self.chat_template: str | None = template_text(llm.tokenizer)
         """The tokenizer's chat template text (tools are parsed by the format it writes)."""
         self.tool_format: ToolFormat | None = detect(self.chat_template or "")
         form, prompted = template_format(self.chat_template)

@@ -18,7 +18,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hetmoe.engine.requests.constrained import ResponseFormat
 from hetmoe.server.errors import APIError
@@ -29,7 +29,29 @@ from hetmoe.server.tool_protocol import ToolChoice, ToolDef
 
 if TYPE_CHECKING:
     from hetmoe.server.protocol import ChatCompletionRequest, ChatMessage
-    from hetmoe.server.service import ModelService
+
+
+class ChatRenderer(Protocol):
+    """What `render_chat` uses of the server's model (`ModelService`; `hetmoe batch` sizes its
+    job with a tokenizer alone before the model loads)."""
+
+    def render(self, turns: Sequence[dict[str, Any]],
+               tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of chat turns (and tools) through the model's chat template."""
+        ...
+
+    def text_ids(self, prompt: str, special_tokens: bool = True) -> list[int]:
+        """Token ids of raw text (with or without the tokenizer's usual special tokens)."""
+        ...
+
+
+def template_text(tokenizer: Any) -> str | None:
+    """A tokenizer's chat template as text (named templates, `default` and `tool_use`, joined:
+    tools are parsed by the format any of them writes)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return "\n".join(str(t) for t in template.values())
+    return template if isinstance(template, str) else None
 
 
 @dataclass(frozen=True)
@@ -145,7 +167,7 @@ def make_plan(offered: Sequence[ToolDef] | None, choice: ToolChoice | None, para
     return ToolPlan(form, named, name, False, None, prompted).constrained()
 
 
-def render_chat(service: ModelService, messages: Sequence[ChatMessage],
+def render_chat(service: ChatRenderer, messages: Sequence[ChatMessage],
                 plan: ToolPlan | None) -> list[int]:
     """Prompt ids of the messages (and the plan's tools) through the chat template, then the
     forced reply's prefix; earlier calls' arguments go as objects, or as JSON text to a template

@@ -4,6 +4,7 @@ compiled before any model loads, so a wrong path or a broken template costs no l
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,18 @@ def set_chat_template(tokenizer: Any, template: str, source: str, model: Path) -
     if tokenizer is None:
         raise ValueError(f"chat template {source!r}: {model} has no tokenizer to render it with")
     tokenizer.chat_template = template
+
+
+def chat_ids(tokenizer: Any, messages: Sequence[dict[str, Any]],
+             tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of `messages` rendered by `tokenizer`'s chat template with the generation
+    prompt, `tools` as the template's `tools`: THE rendering of `LLM.chat_prompt` (and so of the
+    API's routes), also used by `hetmoe batch` to size a job before the model loads."""
+    text = tokenizer.apply_chat_template(
+        list(messages), tools=list(tools) if tools else None, tokenize=False,
+        add_generation_prompt=True,
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _compile(text: str) -> None:

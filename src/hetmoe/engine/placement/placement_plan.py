@@ -157,10 +157,26 @@ def planned_placement(mem: MemoryPlan) -> PlacementPlan | None:
         return None
     experts = [e for e, _ in mem.expert_layers]
     sizes = [b for _, b in mem.expert_layers]
+    return plan_placement(experts, sizes, auto_room(mem))
+
+
+def planned_staging(mem: MemoryPlan) -> int:
+    """GPU bytes a streamed prefill stages, from the plan: two packed layers and one unpacked
+    to bf16 (0 without cpu experts)."""
+    if not mem.expert_layers:
+        return 0
     layer = max(e * b for e, b in mem.expert_layers)
     unpacked = max(e * 3 * b for e, b in mem.expert_layers)  # int8 ~ half, int4 ~ quarter
-    room = auto_budget(mem.gpu_free - mem.total("gpu"), mem.gpu_total, 2 * layer + unpacked)
-    return plan_placement(experts, sizes, room)
+    return 2 * layer + unpacked
+
+
+def auto_room(mem: MemoryPlan) -> int:
+    """GPU bytes `auto` gives experts under the plan `mem` (its GPU rows allocated first):
+    `auto_budget` of the free bytes they leave, less `planned_staging`; 0 without a GPU. With no
+    KV row in `mem`, the room the KV cache and resident experts share (`hetmoe batch`)."""
+    if mem.gpu_free is None:
+        return 0
+    return auto_budget(mem.gpu_free - mem.total("gpu"), mem.gpu_total, planned_staging(mem))
 
 
 def slot_table(num_experts: int, experts: Sequence[int]) -> torch.Tensor:
