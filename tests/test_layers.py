@@ -24,7 +24,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer.split()) for layer in
     "presets",
     "engine",
     "server bench chat_session",
-    "cli cli_convert cli_models cli_train cli_exit cli_engine cli_batch",
+    "cli cli_convert cli_models cli_train cli_exit cli_engine cli_batch cli_batch_sizing",
 ))
 
 # (importing package, imported package) -> why it may climb. Two at most.

@@ -2,7 +2,8 @@
 
 Every line is answered by the server's own routes in this process (so its outputs are what the
 API answers the same request), all submitted together to one scheduler so they batch; the job
-itself (lines, resuming, result files) is engine/requests/batch_job.py.
+itself (lines, resuming, result files) is engine/requests/batch_job.py, its KV cache sized from
+its lines (cli_batch_sizing.py).
 """
 
 from __future__ import annotations
@@ -25,11 +26,26 @@ from hetmoe.server.config import ServerConfig
 
 if TYPE_CHECKING:
     from hetmoe.engine.engine import LLM
+    from hetmoe.engine.model.kv_fit import KvFit
     from hetmoe.engine.requests.batch_job import JobFiles, JobLine
 
 _DEFAULTS = EngineConfig()
 IN_FLIGHT = 4096
 """Requests handed to the scheduler at once at most (each holds its prompt and state)."""
+MAX_BATCH_HELP = (
+    "KV slots, sequences decoded together: auto = the job's sequences (prompts x n of the lines "
+    "to run), at most the slots whose KV cache fits the memory the weights leave, at most 256; "
+    "or a number. On a GPU the KV cache takes the room --gpu-expert-gib auto would take, so it "
+    "comes first and auto experts get what it leaves (rows decoded together raise a job's "
+    "throughput, as each decode step reads an expert once for all its rows; a resident expert "
+    "saves only its share of the CPU's reads); --gpu-expert-gib N is set aside before it. 256: "
+    "the batch the throughput benchmark measures; there a top-8-of-128 layer routes 16 tokens "
+    "per expert, a full AMX tile, so more rows add compute more than throughput")
+MAX_SEQ_LEN_HELP = (
+    "Context window per sequence: auto = the longest line's prompt (as the chat template "
+    "renders it) + max_tokens (none: the rest of the window, so the model's context), rounded "
+    "up to a multiple of 256, capped at the model's context; or a number. A longer line gets "
+    "its 400 in the error file")
 
 
 @engine_options
@@ -42,8 +58,8 @@ def batch(
         help="Model to load (default: the `model` of the first request)")] = None,
     errors: Annotated[Path | None, typer.Option(
         help="Errors per line and failed requests (default: OUTPUT with .errors.jsonl)")] = None,
-    max_batch: Annotated[int, typer.Option(
-        help="KV slots: requests decoded together")] = _DEFAULTS.max_batch,
+    max_batch: Annotated[str, typer.Option(help=MAX_BATCH_HELP)] = "auto",
+    max_seq_len: Annotated[str, typer.Option(help=MAX_SEQ_LEN_HELP)] = "auto",
     prefill_chunk: Annotated[int, typer.Option(
         help="Prompt tokens prefilled per step (0 = no limit)")] = _DEFAULTS.prefill_chunk or 0,
     placement_sample: Annotated[int, typer.Option(
@@ -58,10 +74,12 @@ def batch(
     """Answer a file of OpenAI Batch requests offline (resumable).
 
     Results are written as requests end; a job killed midway continues where it stopped when
-    run again with the same files.
+    run again with the same files. The KV cache is sized from the job before the weights load
+    (--max-batch, --max-seq-len), in one line that says slots x window, GiB and where.
     """
     from hetmoe.engine.requests.batch_job import JobFiles, JobLine, LineError, read_lines
 
+    slots, window = _count("--max-batch", max_batch), _count("--max-seq-len", max_seq_len)
     if not input.is_file():
         fail(FileNotFoundError(f"input file {input} does not exist"))
     budget = engine.expert_bytes()
@@ -89,10 +107,15 @@ def batch(
     if name is None:
         files.close()
         fail(ValueError("no model to load: pass --model or name it in the requests' `model`"))
+    todo, fit = _sized(input, name, todo, files, engine, (slots, window), progress)
+    if not todo:
+        files.close()
+        typer.echo(f"nothing to run: every line left is longer than the window (errors: {errors})")
+        return
     # With a sample the experts are placed once, by its counts (not first at load).
     more = {"gpu_expert_bytes": 0} if placement_sample else {}
-    llm = engine.load(name, max_batch=max_batch, prefill_chunk=prefill_chunk or None,
-                      progress=progress, **more)
+    llm = engine.load(name, max_batch=fit.slots, max_seq_len=fit.window,
+                      prefill_chunk=prefill_chunk or None, progress=progress, **more)
     try:
         if placement_sample:
             _preplace(llm, todo, placement_sample, budget)
@@ -100,6 +123,36 @@ def batch(
     finally:
         files.close()
     typer.echo(f"{len(todo)} requests answered into {output} (errors: {errors})")
+
+
+def _count(option: str, value: str) -> int | None:
+    """An `auto`-or-count option: None for auto, else the positive integer."""
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        fail(ValueError(f"{option} takes auto or an integer >= 1, got {value!r}"))
+    return int(value)
+
+
+def _sized(input: Path, model: str, todo: list[JobLine], files: JobFiles,
+           engine: EngineOptions, asked: tuple[int | None, int | None],
+           progress: bool) -> tuple[list[JobLine], KvFit]:
+    """The job's KV cache (cli_batch_sizing.py), printed before the weights load; lines longer
+    than its window answered with their 400 and left out."""
+    from hetmoe.cli_batch_sizing import size_job
+
+    try:
+        sizing = size_job(model, todo, engine, *asked, progress)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        files.close()
+        fail(exc)
+    for line, field, message in sizing.too_long:
+        files.result(line, 400, {"error": {"message": message, "type": "invalid_request_error",
+                                           "param": field, "code": None}})
+        typer.echo(f"{input}: line {line.number}: {message}", err=True)
+    typer.echo(sizing.describe(), err=True)
+    refused = {line.number for line, _, _ in sizing.too_long}
+    return [line for line in todo if line.number not in refused], sizing.fit
 
 
 def _preplace(llm: LLM, todo: list[JobLine], sample: int, budget: int | str) -> None:
