@@ -20,7 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import MixtralConfig, PreTrainedTokenizerFast
+from transformers.models.llama import LlamaConfig, LlamaForCausalLM
 
+from hetmoe.loading.gguf import open_gguf
+from hetmoe.loading.progress import step_progress
 from hetmoe.loading.shards import write_shards
 from hetmoe.presets import Preset, register_preset
 from hetmoe.presets.demo import smollm2_gguf, write_config, write_tokenizer
@@ -48,10 +52,6 @@ def build_demo_moe(out: Path, config: MoEficationConfig = MOEFICATION) -> None:
         raise ValueError(f"{NAME} is a Mixtral, which has no shared expert: shared_neurons "
                          f"must be 0, not {config.shared_neurons} (benchmarks/demo_moe/shared.py "
                          "measures shared variants by masking)")
-    from transformers import PreTrainedTokenizerFast
-
-    from hetmoe.loading.gguf import open_gguf
-    from hetmoe.loading.progress import step_progress
 
     gguf = open_gguf(smollm2_gguf())
     llama = gguf.llama_config()
@@ -110,8 +110,6 @@ def _dense_chats(model: Any, tokenizer: Any) -> list[int]:
 
 def dense_llama(llama: dict, tensors: dict[str, torch.Tensor]) -> Any:
     """The dense SmolLM2 in transformers (fp32, eval), sharing `tensors`' storage."""
-    from transformers.models.llama import LlamaConfig, LlamaForCausalLM
-
     model = LlamaForCausalLM(LlamaConfig(**llama, tie_word_embeddings=True))
     missing = model.load_state_dict(tensors, strict=False, assign=True).missing_keys
     if missing != ["lm_head.weight"]:
@@ -145,8 +143,6 @@ def _mixtral_tensors(tensors: dict[str, torch.Tensor], fit: MoEfied, config: MoE
 
 def _write_moe_config(out: Path, llama: dict, config: MoEficationConfig) -> None:
     """`demo`'s Mixtral config with this preset's expert count, size and top-k."""
-    from transformers import MixtralConfig
-
     write_config(out, llama, sparse=False)
     mixtral = MixtralConfig.from_pretrained(str(out))
     mixtral.num_local_experts = config.num_experts

@@ -12,6 +12,7 @@ routers and refit see the chat answers a user would ask for.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pydoc_data.topics import topics
 
 CHAT_PROMPTS = (
     "What is the capital of Canada?", "What is the capital of Egypt?",
@@ -41,8 +42,6 @@ HELD_OUT_EVERY = 5
 
 
 def _topics(held_out: bool) -> list[tuple[str, str]]:
-    from pydoc_data.topics import topics
-
     keys = sorted(topics)
     return [(k, topics[k]) for i, k in enumerate(keys)
             if (i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == held_out]
