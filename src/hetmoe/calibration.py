@@ -28,6 +28,9 @@ from hetmoe import calibration_timing as timing
 from hetmoe import env
 from hetmoe.machine import cpu_model
 
+# `hetmoe._cpu` is imported inside the functions that call it: the C++ extension may be absent
+# (experts/cpu_backend.py `unavailable` says so by name), and this module loads without it.
+
 log = logging.getLogger(__name__)
 
 PROFILE_VERSION = 5
@@ -187,7 +190,7 @@ def current(device: torch.device | None = None,
     """The stored profile when it is this machine's, of this pool size, and covers `formats`
     (and the GPU parts when `device` is CUDA); else measures once (the formats stored before
     too), saves and returns it: the first-run default."""
-    from hetmoe import _cpu  # the C++ extension may be absent (cpu_backend.unavailable)
+    from hetmoe import _cpu
 
     formats = check_formats(formats)
     cuda = device is not None and device.type == "cuda"
@@ -222,7 +225,7 @@ def measure(formats: Sequence[str] = DEFAULT_FORMATS, device: torch.device | Non
     rates are timed on a layer of `experts` experts of hidden x intermediate (default: the
     Qwen3-30B-A3B expert) with random weights, `tokens` tokens per expert on the CPU (the slope
     between the two counts) and `gpu_tokens` on the GPU; `progress` gets a line per step."""
-    from hetmoe import _cpu  # the C++ extension may be absent (cpu_backend.unavailable)
+    from hetmoe import _cpu
 
     formats = check_formats(formats)
     if not 0 < tokens[0] < tokens[1]:

@@ -126,6 +126,8 @@ def plot(result: dict[str, Any], path: str, lengths: tuple[int, ...] = (4096, 16
          gen: int = 128) -> None:
     """Decode (left) and prefill (right) tok/s against the GB of experts on the GPU, hetmoe and
     llama.cpp (when it ran), main shape."""
+    # Here, not at the top: matplotlib (a quarter second) loads only to plot, and the Agg
+    # backend is chosen for this plot, not for every program that imports hetmoe.
     import matplotlib
 
     matplotlib.use("Agg")

@@ -67,6 +67,8 @@ def plot(result: dict[str, Any], peers: dict[str, list[dict[str, Any]]], path: s
          ) -> dict[str, Series]:
     """Draws `series(result, peers)` into the PNG `path` (log2 streams, log tok/s); returns
     them."""
+    # Here, not at the top: matplotlib (a quarter second) loads only to plot, and the Agg
+    # backend is chosen for this plot, not for every program that imports hetmoe.
     import matplotlib
 
     matplotlib.use("Agg")

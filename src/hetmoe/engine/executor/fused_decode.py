@@ -40,6 +40,10 @@ from hetmoe.ops.moe_step import MoEStep
 from hetmoe.ops.norm import eps_of
 from hetmoe.ops.router import route
 
+# Imported inside the functions that use them, so an uncompiled runner on the CPU loads neither:
+# the Triton kernels (kernels/ loads Triton, absent from CPU-only installs) where they run, and
+# torch._dynamo (a second or more to import) where the layer functions are compiled.
+
 RECOMPILE_LIMIT = 64
 """Compiled variants allowed per layer function (batch sizes x layer kinds x MoE terms; the
 attention window is a dynamic dimension, not a variant)."""
@@ -83,7 +87,7 @@ def make_gqa_layer(s: LayerStatics, kernel: bool = False) -> Callable[..., tuple
     if kernel and s.rope != "half":
         raise ValueError(f"the GQA decode kernel rotates rotate-half rope, not {s.rope!r}")
     entry = None
-    if kernel:  # Triton is loaded only where the kernels run (kernels/ is imported lazily)
+    if kernel:
         from hetmoe.kernels import moe_router
         from hetmoe.kernels.gqa_decode import gqa_decode_attention
 

@@ -20,13 +20,16 @@ import torch
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.ops.fused import staged_words, unpack_moe_inputs
 
+# `hetmoe._cpu` is imported inside the functions that call it: the C++ extension may be absent
+# (experts/cpu_backend.py `unavailable` says so by name), and this module loads without it.
+
 
 def check_stream_memops(device: torch.device) -> None:
     """RuntimeError when this process's CUDA driver lacks stream memory operations (every Linux
     driver since CUDA 12 has them enabled; hetmoe's GPU decode needs them)."""
     if device.type != "cuda":
         return
-    from hetmoe import _cpu  # the C++ extension may be absent (cpu_backend.unavailable)
+    from hetmoe import _cpu
 
     torch.cuda.init()
     if not _cpu.stream_memops_available():
@@ -50,7 +53,7 @@ class HostLink:
     def __init__(self, moe: CpuMoE, max_rows: int, top_k: int, dtype: torch.dtype,
                  device: torch.device, queue: Callable[[HostLink, int], None],
                  packed: bool = False) -> None:
-        from hetmoe import _cpu  # the C++ extension may be absent (cpu_backend.unavailable)
+        from hetmoe import _cpu
 
         self.moe, self.device = moe, device
         h = moe.hidden
