@@ -20,8 +20,8 @@ from hetmoe.config import EngineConfig
 from hetmoe.server.client import ChatClient, ServerError, remote_chat
 from hetmoe.server.config import ServerConfig
 
-# Commands import what they run inside their functions: `hetmoe --help` imports no torch and
-# no transformers (tests/test_cli_basics.py).
+# Commands import what they run inside their functions: `hetmoe --help` imports none of torch,
+# transformers, rich, httpx, the engine or the loaders (tests/test_cli_basics.py).
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]})

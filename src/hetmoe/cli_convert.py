@@ -12,8 +12,8 @@ from hetmoe.cli_exit import fail
 from hetmoe.config import EngineConfig
 from hetmoe.machine import machine_report
 
-# Commands import what they run inside their functions: `hetmoe --help` imports no torch and
-# no transformers (tests/test_cli_basics.py).
+# Commands import what they run inside their functions: `hetmoe --help` imports none of torch,
+# transformers, rich, httpx, the engine or the loaders (tests/test_cli_basics.py).
 
 _DEFAULTS = EngineConfig()
 ExpertFormatOpt = Annotated[str | None, typer.Option(

@@ -10,8 +10,8 @@ import typer
 from hetmoe.cli_convert import ExpertFormatOpt, GroupOpt
 from hetmoe.cli_exit import fail
 
-# Commands import what they run inside their functions: `hetmoe --help` imports no torch and
-# no transformers (tests/test_cli_basics.py).
+# Commands import what they run inside their functions: `hetmoe --help` imports none of torch,
+# transformers, rich, httpx, the engine or the loaders (tests/test_cli_basics.py).
 
 HubNameArg = Annotated[str, typer.Argument(
     help="Hub model: org/name[@revision] (safetensors) or org/name-GGUF[:QUANT]")]

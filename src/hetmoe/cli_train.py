@@ -12,6 +12,9 @@ from hetmoe.cli_exit import fail, load_llm
 from hetmoe.train.lora import LoraSettings
 from hetmoe.train.sft_config import SftConfig
 
+# Commands import what they run inside their functions: `hetmoe --help` imports none of torch,
+# transformers, rich, httpx, the engine or the loaders (tests/test_cli_basics.py).
+
 _SFT = SftConfig()
 _LORA = LoraSettings()
 
@@ -57,7 +60,6 @@ def sft(
     samples are packed into rows without attention across them. bf16 on a GPU, fp32 on the
     CPU. Writes the adapter, checkpoints, train_log.json and loss.png into --out.
     """
-    # torch, the engine and the train package load when the command runs, not at `hetmoe --help`.
     from hetmoe.engine.model.model_setup import check_device
     from hetmoe.train.data import build_rows, check_file
     from hetmoe.train.report import TrainProgress
@@ -100,7 +102,7 @@ def sft(
 
 def _write_report(out: Path, model: str, history: list[Any], summary: dict[str, Any]) -> None:
     """train_log.json and loss.png in `out`, and a line naming them and the final loss."""
-    from hetmoe.train.report import plot_loss, write_log  # as in sft: not at `hetmoe --help`
+    from hetmoe.train.report import plot_loss, write_log
 
     write_log(out / "train_log.json", history, summary)
     plot_loss(out / "loss.png", history, f"hetmoe sft {model}")
