@@ -21,8 +21,8 @@ from hetmoe.cli_exit import fail
 from hetmoe.config import EngineConfig
 from hetmoe.server.config import ServerConfig
 
-# Commands import what they run inside their functions: `hetmoe --help` imports no torch and
-# no transformers (tests/test_cli_basics.py).
+# Commands import what they run inside their functions: `hetmoe --help` imports none of torch,
+# transformers, rich, httpx, the engine or the loaders (tests/test_cli_basics.py).
 
 if TYPE_CHECKING:
     from hetmoe.engine.engine import LLM
