@@ -15,7 +15,14 @@ import torch
 from hopper_compile import assert_compiles_for_hopper
 from test_packed_moe import HERE, edge_case, exact, make_layer, reference, rel_error, routing
 
-from hetmoe.kernels.packed_moe import PairConfig, factored_span, packed_moe, share_steps
+from hetmoe.kernels.packed_moe import (
+    PAIR_CONFIGS,
+    PairConfig,
+    factored_span,
+    packed_moe,
+    parse_pair_config,
+    share_steps,
+)
 
 CONFIGS = [
     PairConfig(16, 2, 128, 2, 2, 2, 2),  # 2 gate/up shares: fp32 sums, the SiLU in down
@@ -162,6 +169,30 @@ def test_a_bad_launch_shape_is_named(change: dict, message: str) -> None:
     fields = {**vars(CONFIGS[0]), **change}
     with pytest.raises(ValueError, match=f"PairConfig: {message}"):
         PairConfig(**fields)
+
+
+def test_a_command_line_shape_reads_as_pair_configs_writes_it() -> None:
+    for cfg in PAIR_CONFIGS.values():
+        text = ",".join(str(int(v)) for v in dataclasses.astuple(cfg))
+        assert parse_pair_config(text) == cfg
+    assert parse_pair_config("16,1,128,4,4,4,8") == PairConfig(16, 1, 128, 4, 4, 4, 8)
+    assert parse_pair_config("32,1,64,1,4,2,4,1,1") == PairConfig(32, 1, 64, 1, 4, 2, 4,
+                                                                   True, True)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("16,1,128,4,4,4", "7 to 9 comma-separated fields .block_n_gate_up, split_gate_up, "
+                       "block_n_down, split_down, k_unroll, warps_gate_up, warps_down, "
+                       "factored, int4_words., got 6"),
+    ("16,1,128,4,4,4,8,1,0,1", "7 to 9 comma-separated fields .*got 10"),
+    ("16,1,128,4,4,4,eight", "every field is an integer"),
+    ("16,1,128,4,4,4,8,1,2", "factored, int4_words must be 0 or 1"),
+    ("16,1,128,4,4,4,3", "PairConfig: warps_down must be one of 1, 2, 4, 8, got 3"),
+    ("16,1,128,4,4,4,8,0,1", "PairConfig: int4_words needs factored=True"),
+])
+def test_a_bad_command_line_shape_is_named(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_pair_config(text)
 
 
 SCRIPT = """

@@ -18,6 +18,7 @@ per (row, group) (`act_quant`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -113,6 +114,28 @@ class PairConfig:
         if self.int4_words and not self.factored:
             raise ValueError("PairConfig: int4_words needs factored=True (the word read sums "
                              "codes times inputs per group, never a bf16 weight)")
+
+
+def parse_pair_config(text: str) -> PairConfig:
+    """A `PairConfig` from a command line: its fields in order, comma-separated, the 7 integers
+    then optionally `factored` and `int4_words` as 0 or 1 (e.g. "16,1,128,4,4,4,8,1")."""
+    names = [f.name for f in dataclasses.fields(PairConfig)]
+    values = text.split(",")
+    if not 7 <= len(values) <= len(names):
+        raise ValueError(f"pair config {text!r}: 7 to {len(names)} comma-separated fields "
+                         f"({', '.join(names)}), got {len(values)}")
+    try:
+        ints = [int(v) for v in values]
+    except ValueError:
+        raise ValueError(f"pair config {text!r}: every field is an integer (the flags 0 or "
+                         f"1)") from None
+    flags = ints[7:]
+    if any(v not in (0, 1) for v in flags):
+        raise ValueError(f"pair config {text!r}: {', '.join(names[7:len(ints)])} must be 0 "
+                         f"or 1")
+    bn_gate_up, split_gate_up, bn_down, split_down, unroll, warps_gate_up, warps_down = ints[:7]
+    return PairConfig(bn_gate_up, split_gate_up, bn_down, split_down, unroll, warps_gate_up,
+                      warps_down, *(bool(v) for v in flags))
 
 
 # Fields as PairConfig's (`bench_packed_moe.py --pair-sweep` times other shapes).
