@@ -17,9 +17,11 @@ benchmarks/engine/gpu_experts_sweep.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -121,17 +123,33 @@ def write(result: dict[str, Any], path: str | None) -> None:
             json.dump(result, f, indent=1)
 
 
+@contextlib.contextmanager
+def pair_config(fmt: str, shape: Any) -> Iterator[tuple[int | bool, ...]]:
+    """`PAIR_CONFIGS[fmt]` (the pair kernels' launch shape, kernels/packed_moe.py) set to
+    `shape` (None: as shipped) for graphs captured inside the block; yields its fields."""
+    from hetmoe.kernels import packed_moe
+
+    shipped = packed_moe.PAIR_CONFIGS[fmt]
+    packed_moe.PAIR_CONFIGS[fmt] = shape or shipped
+    try:
+        yield dataclasses.astuple(packed_moe.PAIR_CONFIGS[fmt])
+    finally:
+        packed_moe.PAIR_CONFIGS[fmt] = shipped
+
+
 def decode_rows(runner: ModelRunner, plan: Any, args: argparse.Namespace, prompt: list[int],
-                base: list[list[int]]) -> list[dict[str, Any]]:
+                base: list[list[int]], shapes: list[Any]) -> list[dict[str, Any]]:
     """Greedy decode under the current placement, per (deferred, defer order,
-    placement_interval, decode kernels); d=0 once, whatever the orders (it defers nothing)."""
+    placement_interval, decode kernels, pair kernel shape: PAIR_CONFIGS' then `shapes`); d=0
+    once, whatever the orders (it defers nothing)."""
     rows = []
     kernels = [k for k in args.decode_kernels.split(",") if k] or [None]
     orders = args.defer_orders.split(",")
-    settings = [(int(d), o, int(n), k) for d in args.deferred.split(",")
+    settings = [(int(d), o, int(n), k, shape) for d in args.deferred.split(",")
                 for o in (orders if int(d) else orders[:1])
-                for n in args.intervals.split(",") for k in kernels]
-    for d, order, interval, kernel in settings:
+                for n in args.intervals.split(",") for k in kernels
+                for shape in [None, *shapes]]
+    for d, order, interval, kernel, shape in settings:
         if kernel is not None and runner.fused is not None:
             runner.fused.kernels = kernel  # the layer functions are keyed by it: no recompile
         runner.reset_graphs(d, order)
@@ -140,22 +158,38 @@ def decode_rows(runner: ModelRunner, plan: Any, args: argparse.Namespace, prompt
             slots.counting = False  # a policy below turns it on again
         if interval and runner.placement is not None and not plan.everything:
             runner.policy = TrafficPolicy(runner.placement, interval)
-        run = measure.greedy_decode(runner, prompt, args.new_tokens)
+        with pair_config(args.weight_format, shape) as fields:
+            run = measure.greedy_decode(runner, prompt, args.new_tokens)
         if not base:
             base.append(run.tokens)
         same = next((i for i, (a, b) in enumerate(zip(run.tokens, base[0], strict=True))
                      if a != b), len(run.tokens))
         rows.append({"deferred": d, "defer_order": order, "placement_interval": interval,
                      "decode_kernels": runner.fused.kernels if runner.fused else None,
+                     "pair_config": list(fields), "pair_config_shipped": shape is None,
                      "moves": runner.policy.moves if runner.policy is not None else 0,
                      "tok_s": round(run.tok_s, 2), "mean_tok_s": round(run.mean_tok_s, 2),
                      "tokens_equal_budget0_first": same})
         print(f"  decode d={d} ({order}) interval {interval} kernels "
-              f"{rows[-1]['decode_kernels']}: "
+              f"{rows[-1]['decode_kernels']} pairs {fields}: "
               f"{run.tok_s:7.2f} tok/s, "
               f"{rows[-1]['moves']} moves, tokens equal to the first run's for "
               f"{same}/{len(run.tokens)}", flush=True)
+    if shapes:
+        runner.reset_graphs()  # the graphs after this (profile, prefill) capture the shipped
     return rows
+
+
+def pair_shapes(texts: list[str], parser: argparse.ArgumentParser) -> list[Any]:
+    """`--pair-shapes` as `PairConfig`s, checked before the minutes of building the model."""
+    if not texts:
+        return []
+    from hetmoe.kernels.packed_moe import parse_pair_config
+
+    try:
+        return [parse_pair_config(t) for t in texts]
+    except ValueError as e:
+        parser.error(f"--pair-shapes: {e}")
 
 
 def main() -> None:
@@ -178,6 +212,10 @@ def main() -> None:
     p.add_argument("--decode-kernels", default="",
                    help="fused decode step's GQA kernels per budget, e.g. torch,triton (an A/B "
                         "in one process; default: HETMOE_DECODE_KERNELS)")
+    p.add_argument("--pair-shapes", nargs="*", default=[], metavar="FIELDS",
+                   help="decode rows also with these pair kernel launch shapes for the run's "
+                        "format (PairConfig fields comma-separated, flags 0/1, e.g. "
+                        "32,1,64,1,4,2,4,1,1), after PAIR_CONFIGS' own: an A/B in one process")
     p.add_argument("--profile", action="store_true",
                    help="GPU kernels of 16 graph steps at the last budget (torch.profiler)")
     p.add_argument("--num-layers", type=int, default=None)
@@ -198,6 +236,7 @@ def main() -> None:
     bad = set(args.defer_orders.split(",")) - set(DEFER_ORDERS)
     if bad:  # checked before the minutes of building the model
         p.error(f"--defer-orders: {' or '.join(DEFER_ORDERS)}, got {', '.join(sorted(bad))}")
+    shapes = pair_shapes(args.pair_shapes, p)
     lengths = [int(n) for n in args.prefill.split(",") if n]
     modes = [m for m in args.prefill_modes.split(",") if m]
     device = torch.device("cuda")
@@ -246,7 +285,7 @@ def main() -> None:
                  "gpu_allocated_gb": round(torch.cuda.memory_allocated(device) / GB, 2)}
         print(f"budget {budget:>4} GB: {plan.bytes / GB:6.2f} GB resident ({share:.1%} of "
               f"routed work), floor {floor:7.1f} tok/s", flush=True)
-        for row in decode_rows(runner, plan, args, prompt, base):
+        for row in decode_rows(runner, plan, args, prompt, base, shapes):
             row["of_floor"] = round(row["tok_s"] / floor, 3)
             result["rows"].append({**facts, **row})
         for row in prefill_rows(runner, lengths, modes, args.prefill_repeats,

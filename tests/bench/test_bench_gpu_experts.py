@@ -1,0 +1,75 @@
+"""benchmarks/engine/bench_gpu_experts.py's pair kernel A/B (`--pair-shapes`): each decode
+setting runs once per launch shape, PAIR_CONFIGS' first, with the graphs captured again under
+each and the shipped shape back afterwards."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from bench_script import load_script
+
+from hetmoe.kernels import packed_moe
+from hetmoe.kernels.packed_moe import PAIR_CONFIGS, PairConfig
+
+SCRIPT = load_script("engine/bench_gpu_experts.py")
+
+
+class Runner:
+    """What decode_rows uses of a ModelRunner: graph resets recorded."""
+
+    def __init__(self) -> None:
+        self.fused, self.placement, self.policy = None, None, None
+        self.resets: list[tuple[Any, ...]] = []
+
+    def reset_graphs(self, *args: Any) -> None:
+        self.resets.append(args)
+
+
+def test_each_decode_setting_runs_per_shape_the_shipped_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    shipped = PAIR_CONFIGS["int4"]
+    other = PairConfig(32, 1, 64, 1, 4, 2, 4, True, True)
+    seen: list[PairConfig] = []
+
+    def decode(runner: Runner, prompt: list[int], new_tokens: int) -> Any:
+        seen.append(packed_moe.PAIR_CONFIGS["int4"])  # what a graph captured now would launch
+        return SimpleNamespace(tokens=[1, 2, 3], tok_s=200.0 + len(seen), mean_tok_s=1.0)
+
+    monkeypatch.setattr(SCRIPT.measure, "greedy_decode", decode)
+    args = argparse.Namespace(decode_kernels="", defer_orders="misses", deferred="0,3",
+                              intervals="0", new_tokens=4, weight_format="int4")
+    runner = Runner()
+    rows = SCRIPT.decode_rows(runner, SimpleNamespace(everything=True), args, [1], [],
+                              [other])
+    assert seen == [shipped, other, shipped, other]
+    assert [(r["deferred"], r["pair_config"], r["pair_config_shipped"], r["tok_s"])
+            for r in rows] == [(0, list(vars(shipped).values()), True, 201.0),
+                               (0, list(vars(other).values()), False, 202.0),
+                               (3, list(vars(shipped).values()), True, 203.0),
+                               (3, list(vars(other).values()), False, 204.0)]
+    # captured again before every row, then once more for what follows (the shipped shape)
+    assert runner.resets == [(0, "misses"), (0, "misses"), (3, "misses"), (3, "misses"), ()]
+    assert PAIR_CONFIGS["int4"] is shipped
+
+
+def test_the_shipped_shape_is_back_after_a_failed_run() -> None:
+    shipped = PAIR_CONFIGS["int8"]
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with SCRIPT.pair_config("int8", PairConfig(16, 1, 64, 1, 4, 4, 4)) as fields:
+            assert fields == (16, 1, 64, 1, 4, 4, 4, False, False)
+            raise RuntimeError("capture failed")
+    assert PAIR_CONFIGS["int8"] is shipped
+
+
+def test_a_bad_shape_stops_the_run_before_the_model_is_built(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench_gpu_experts.py")
+    assert SCRIPT.pair_shapes([], parser) == []
+    assert SCRIPT.pair_shapes(["16,2,64,3,4,4,4,1"], parser) == [PAIR_CONFIGS["int8"]]
+    with pytest.raises(SystemExit):
+        SCRIPT.pair_shapes(["16,1,128,4,4,4,8,1", "16,1,128,4,4,4,3"], parser)
+    assert ("--pair-shapes: PairConfig: warps_down must be one of 1, 2, 4, 8, got 3"
+            in capsys.readouterr().err)
