@@ -25,17 +25,21 @@ For every family's baby model (fp32, routed experts in the C++ CPU backend, the 
   of the decode loop, stopping early discards the step launched ahead, and a `limit` ends the
   steps without launching one beyond it;
 - no CPU job reported an error; launches per token in both modes.
+
+A row is filled as each number is measured (the script prints each entry then, with its verdict);
+a section that raises is recorded as `error_<section>` (a failure) and the next one runs, so one
+run tells every check even if a later one fails or the run is cut. Where two runs' tokens differ,
+`<key>_diverged` says where, with the reference's top-2 logit gap there (a near-tie flips on
+rounding; a real fault flips a decisive token).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from deferral_reference import DeferralReference
+from graph_device_row import CompileLog, Decoded, Row, compare_tokens, max_delta, section
 
 from hetmoe import LLM
 from hetmoe.bench.measure import count_launches
@@ -43,15 +47,16 @@ from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.fused_decode import FusedDecoder
 from hetmoe.engine.executor.layer_plan import fits_fused
 from hetmoe.engine.executor.runner import ModelRunner
-from hetmoe.presets.tiny import FAMILIES, build_tiny_model
+from hetmoe.presets.tiny import build_tiny_model
 
 PROMPTS = [[5, 9, 33, 100, 7], [11, 12, 13], [200, 3, 3, 40, 41, 42, 43]]
 STEPS = 24
 
 
 def decode(runner: ModelRunner, batch: int, reference: DeferralReference | None = None,
-           steps: int = STEPS) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy decode of the first `batch` prompts together; returns tokens and [B, V] logits."""
+           steps: int = STEPS, after_step: Callable[[], None] | None = None) -> Decoded:
+    """Greedy decode of the first `batch` prompts together; returns tokens and [B, V] logits.
+    `after_step()` runs after each decode step."""
     slots = [runner.cache.allocate() for _ in range(batch)]
     try:
         tokens = [[int(runner.prefill(s, p).argmax())] for s, p in zip(slots, PROMPTS,
@@ -67,6 +72,8 @@ def decode(runner: ModelRunner, batch: int, reference: DeferralReference | None 
             logits.append(out.float().cpu())
             for row, t in zip(out.argmax(-1).tolist(), tokens, strict=True):
                 t.append(row)
+            if after_step is not None:
+                after_step()
         return tokens, logits
     finally:
         for s in slots:
@@ -107,88 +114,89 @@ def greedy_ahead(runner: ModelRunner) -> list[int]:
     return tokens
 
 
-SAME_KERNELS_ATOL = 1e-3
-"""fp32, the same kernels on both sides: rounding only."""
-OTHER_KERNELS_ATOL = 0.05
-"""fp32, different kernels (batch 3 eagerly vs padded to 4 in the graph; fused vs HF layers):
-their last-ulp differences can flip the bf16 rounding of a CPU expert's input (the CPU kernels
-round activations to bf16), which moves logits by ~1e-2; tokens must still be equal."""
-
-
-def tolerance(key: str) -> float:
-    """The |Δlogit| allowed for a `max_dlogit` entry of a row."""
-    same = key.startswith("graph_vs_eager_max_dlogit_b1")
-    return SAME_KERNELS_ATOL if same else OTHER_KERNELS_ATOL
-
-
-def max_delta(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
-
-
-def check_family(family: str, root: Path) -> dict[str, object]:
+def check_family(family: str, root: Path, row: Row | None = None) -> Row:
+    """Every check on `family`'s baby model, into `row` (a dict by default) as each is measured;
+    each section of checks goes on after another one raised (`graph_device_row.section`)."""
+    row = {} if row is None else row
+    row["family"] = family
     path = build_tiny_model(family, root / family)
     cpu = LLM(path, device="cuda", dtype="float32", experts="cpu", progress=False,
               max_seq_len=64, max_batch=4, gpu_expert_bytes=0)  # the CPU experts' path
     ref = LLM(path, device="cuda", dtype="float32", experts="torch", progress=False,
               max_seq_len=64, max_batch=4)
     top_k = int(cpu.model.config.num_experts_per_tok)
-    row: dict[str, object] = {"family": family, "top_k": top_k}
-    # LLM on a GPU with CPU experts runs overlap + graphs + fused decode end to end.
-    row["llm_uses_graphs"] = cpu.runner.use_graphs
-    row["llm_fused_as_planned"] = (cpu.runner.fused is not None) == fits_fused(cpu.model)
-    row["llm_generate_tokens"] = cpu.generate(PROMPTS[0], max_new_tokens=STEPS + 1).token_ids
+    row["top_k"] = top_k
     # The plain path: HF layers, each MoE layer's own step (backend submit/sync), no graphs.
     plain = ModelRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len,
                         EngineConfig(cuda_graphs=False, fused_decode=False, gpu_expert_bytes=0))
-    assert plain.overlap is not None
+    if plain.overlap is None:
+        raise RuntimeError(f"{family}: the plain runner has no MoE overlap to detach")
     plain.overlap.detach()
     plain.overlap = None
-    ref_tokens, ref_logits = decode(ref.runner, 1)
-    plain_tokens, plain_logits = decode(plain, 1)
-    generated = row["llm_generate_tokens"]
-    row["graph_llm_generate_eq_plain_tokens"] = generated == plain_tokens[0][: len(generated)]
+    references = decode(ref.runner, 1), decode(plain, 1)
+    with section(row, "llm"):  # LLM on a GPU with CPU experts: overlap + graphs + fused decode
+        row["llm_uses_graphs"] = cpu.runner.use_graphs
+        row["llm_fused_as_planned"] = (cpu.runner.fused is not None) == fits_fused(cpu.model)
+        generated = cpu.generate(PROMPTS[0], max_new_tokens=STEPS + 1).token_ids
+        row["llm_generate_tokens"] = generated
+        plain_tokens = references[1][0][0]
+        row["graph_llm_generate_eq_plain_tokens"] = generated == plain_tokens[: len(generated)]
     for d in sorted({0, min(2, top_k - 2)}):
-        # Graphs in two parts (split before layer 1), as the real models' are before layer 4.
-        runner = ModelRunner(cpu.model, cpu.device, cpu.dtype, 4, cpu.max_seq_len,
-                             EngineConfig(deferred=d, graph_split_layer=1, gpu_expert_bytes=0))
-        for batch in (1, 3):
-            runner.use_graphs = True
-            graph_tokens, graph_logits = decode(runner, batch)
-            runner.use_graphs = False
-            eager_tokens, eager_logits = decode(runner, batch)
-            row[f"graph_eq_eager_b{batch}_d{d}"] = graph_tokens == eager_tokens
-            row[f"graph_vs_eager_max_dlogit_b{batch}_d{d}"] = max_delta(graph_logits,
-                                                                        eager_logits)
-        runner.use_graphs = True
-        tokens, logits = decode(runner, 1)
-        row[f"graph_greedy_ahead_eq_decode_d{d}"] = greedy_ahead(runner) == tokens[0]
-        if d == 0:
-            row["graph_eq_plain_tokens"] = tokens == plain_tokens
-            row["graph_vs_plain_max_dlogit"] = max_delta(logits, plain_logits)
-            row["graph_eq_torch_reference_tokens"] = tokens == ref_tokens
-            row["graph_vs_torch_reference_max_dlogit"] = max_delta(logits, ref_logits)
-            row["launches"] = {"graph": count_launches(runner, PROMPTS[0], 4)}
-            runner.use_graphs = False
-            row["launches"]["eager"] = count_launches(runner, PROMPTS[0], 4)
-        else:
-            runner.overlap.detach()
-            want_tokens, want = decode(plain, 1, DeferralReference(cpu.model, d))
-            row[f"graph_d{d}_eq_reference_tokens"] = tokens == want_tokens
-            row[f"graph_d{d}_vs_reference_max_dlogit"] = max_delta(logits, want)
-        runner.overlap.detach()
-    row.update(check_fused(cpu))
-    row.update(check_buckets(cpu))
-    row["graph_recovers_after_abort"] = check_abort(cpu)
+        with section(row, f"graphs_d{d}"):
+            check_graphs(cpu, d, plain, references, row)
+    with section(row, "fused"):
+        check_fused(cpu, row)
+    with section(row, "buckets"):
+        check_buckets(cpu, row)
+    with section(row, "abort"):
+        row["graph_recovers_after_abort"] = check_abort(cpu)
     return row
 
 
-def check_fused(llm: LLM) -> dict[str, object]:
+def check_graphs(llm: LLM, d: int, plain: ModelRunner, references: tuple[Decoded, Decoded],
+                 row: Row) -> None:
+    """Graph decode with `d` deferred experts (graphs split before layer 1, as the real models'
+    are before layer 4) against eager decode on the same runner (batch 1 and 3) and at d = 0
+    `references` (the torch-experts reference's decode, the plain path's), else the pure-torch
+    deferral reference on `plain`; greedy steps launched ahead; launches per token."""
+    runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, llm.max_seq_len,
+                         EngineConfig(deferred=d, graph_split_layer=1, gpu_expert_bytes=0))
+    try:
+        for batch in (1, 3):
+            runner.use_graphs = True
+            graph = decode(runner, batch)
+            runner.use_graphs = False
+            eager = decode(runner, batch)
+            compare_tokens(row, f"graph_eq_eager_b{batch}_d{d}", graph, eager)
+            row[f"graph_vs_eager_max_dlogit_b{batch}_d{d}"] = max_delta(graph[1], eager[1])
+        runner.use_graphs = True
+        ours = decode(runner, 1)
+        row[f"graph_greedy_ahead_eq_decode_d{d}"] = greedy_ahead(runner) == ours[0][0]
+        if d == 0:
+            reference, want = references
+            compare_tokens(row, "graph_eq_plain_tokens", ours, want)
+            row["graph_vs_plain_max_dlogit"] = max_delta(ours[1], want[1])
+            compare_tokens(row, "graph_eq_torch_reference_tokens", ours, reference)
+            row["graph_vs_torch_reference_max_dlogit"] = max_delta(ours[1], reference[1])
+            graph_launches = count_launches(runner, PROMPTS[0], 4)
+            runner.use_graphs = False
+            row["launches"] = {"graph": graph_launches,
+                               "eager": count_launches(runner, PROMPTS[0], 4)}
+        else:
+            runner.overlap.detach()
+            reference = decode(plain, 1, DeferralReference(llm.model, d))
+            compare_tokens(row, f"graph_d{d}_eq_reference_tokens", ours, reference)
+            row[f"graph_d{d}_vs_reference_max_dlogit"] = max_delta(ours[1], reference[1])
+    finally:
+        runner.overlap.detach()
+
+
+def check_fused(llm: LLM, row: Row) -> None:
     """Graph decode through the compiled fused layer functions vs through the HF layers (both
     CUDA graphs, same CPU experts): same tokens, logits within fp32 rounding, batch 1 and 3,
     with and without deferral; the same for the fused step with its Triton kernels (the default)
     vs in torch ops; kernels per token of each."""
     d_late = min(2, int(llm.model.config.num_experts_per_tok) - 2)
-    out: dict[str, object] = {}
     for d in sorted({0, d_late}):
         runs = {}
         for name in ("module", "fused", "fused_torch_ops"):
@@ -196,24 +204,27 @@ def check_fused(llm: LLM) -> dict[str, object]:
                                  EngineConfig(deferred=d, fused_decode=name != "module",
                                               gpu_expert_bytes=0))
             if name == "fused":
-                out["fused_used"] = runner.fused is not None
-                out["fused_kernels"] = getattr(runner.fused, "kernels", None)
+                row["fused_used"] = runner.fused is not None
+                row["fused_kernels"] = getattr(runner.fused, "kernels", None)
             if name == "fused_torch_ops" and runner.fused is not None:
                 assert runner.overlap is not None
                 runner.fused = FusedDecoder(llm.model, runner.overlap, True, "torch")
-            runs[name] = [decode(runner, batch) for batch in (1, 3)]
-            if d == 0:
-                out[f"kernels_per_token_{name}"] = count_launches(
-                    runner, PROMPTS[0], 4)["gpu_kernels_per_token"]
-            runner.overlap.detach()
+            try:
+                runs[name] = [decode(runner, batch) for batch in (1, 3)]
+                if d == 0:
+                    row[f"kernels_per_token_{name}"] = count_launches(
+                        runner, PROMPTS[0], 4)["gpu_kernels_per_token"]
+            finally:
+                runner.overlap.detach()
         for i, batch in enumerate((1, 3)):
-            (want_tokens, want), (tokens, logits) = runs["module"][i], runs["fused"][i]
-            out[f"graph_fused_eq_module_b{batch}_d{d}"] = tokens == want_tokens
-            out[f"fused_vs_module_max_dlogit_b{batch}_d{d}"] = max_delta(logits, want)
-            want_tokens, want = runs["fused_torch_ops"][i]
-            out[f"graph_fused_kernels_eq_torch_ops_b{batch}_d{d}"] = tokens == want_tokens
-            out[f"fused_kernels_vs_torch_ops_max_dlogit_b{batch}_d{d}"] = max_delta(logits, want)
-    return out
+            fused, module = runs["fused"][i], runs["module"][i]
+            torch_ops = runs["fused_torch_ops"][i]
+            compare_tokens(row, f"graph_fused_eq_module_b{batch}_d{d}", fused, module)
+            row[f"fused_vs_module_max_dlogit_b{batch}_d{d}"] = max_delta(fused[1], module[1])
+            compare_tokens(row, f"graph_fused_kernels_eq_torch_ops_b{batch}_d{d}", fused,
+                           torch_ops)
+            row[f"fused_kernels_vs_torch_ops_max_dlogit_b{batch}_d{d}"] = max_delta(
+                fused[1], torch_ops[1])
 
 
 BUCKET_MAX_SEQ_LEN = 300
@@ -222,15 +233,14 @@ SMALLEST_WINDOW = 32
 """Smallest window bucket of `check_buckets` (the runtime's default is 256)."""
 
 
-def check_buckets(llm: LLM) -> dict[str, object]:
+def check_buckets(llm: LLM, row: Row) -> None:
     """Decode across every window bucket boundary (32, 64, 128, 256, 300 = the cache length)
     in graph mode, batch 1 and 3 (the longest row from 8 to 299 cached entries), against eager
     decode with the same buckets and graph decode over the whole window; one graph per bucket,
-    and no compile for a bucket once the whole-window run compiled the shapes."""
-    from torch._dynamo.utils import counters
-
+    and no compile for a bucket once the whole-window run compiled the shapes (compiles are
+    counted per graph captured: `bucket_compiles_by_graph_b*`)."""
     steps = BUCKET_MAX_SEQ_LEN - max(len(p) for p in PROMPTS) - 1
-    out: dict[str, object] = {}
+    compiles = {}
     for batch in (1, 3):
         runs = {}
         for name, smallest, graphs in (("whole", BUCKET_MAX_SEQ_LEN, True),
@@ -239,26 +249,28 @@ def check_buckets(llm: LLM) -> dict[str, object]:
             runner = ModelRunner(llm.model, llm.device, llm.dtype, 4, BUCKET_MAX_SEQ_LEN,
                                  EngineConfig(smallest_window=smallest, gpu_expert_bytes=0))
             runner.use_graphs = graphs
-            compiled = counters["stats"]["unique_graphs"]
-            runs[name] = decode(runner, batch, steps=steps)
+            log = CompileLog(runner)
+            try:
+                runs[name] = decode(runner, batch, steps=steps, after_step=log)
+            finally:
+                runner.overlap.detach()
             if name == "buckets":
                 size = 1 if batch == 1 else 4
                 widths = sorted(runner.windows)
-                out[f"bucket_widths_b{batch}"] = widths
-                out[f"graph_one_per_bucket_b{batch}"] = sorted(runner.graphs) == [
+                row[f"bucket_widths_b{batch}"] = widths
+                row[f"graph_one_per_bucket_b{batch}"] = sorted(runner.graphs) == [
                     (size, w) for w in widths] and widths == [32, 64, 128, 256, 300]
-                out[f"bucket_compiles_b{batch}"] = counters["stats"]["unique_graphs"] - compiled
-                out[f"bucket_capture_ms_b{batch}"] = {
+                compiles[batch] = log.total
+                row[f"bucket_compiles_b{batch}"] = log.total
+                row[f"bucket_compiles_by_graph_b{batch}"] = log.by_graph
+                row[f"bucket_capture_ms_b{batch}"] = {
                     w: round(g.capture_s * 1e3, 2) for (_, w), g in sorted(runner.graphs.items())}
-            runner.overlap.detach()
-        (tokens, logits), (eager, eager_logits) = runs["buckets"], runs["eager"]
-        whole, whole_logits = runs["whole"]
-        out[f"graph_buckets_eq_eager_b{batch}"] = tokens == eager
-        out[f"graph_vs_eager_max_dlogit_b{batch}_buckets"] = max_delta(logits, eager_logits)
-        out[f"graph_buckets_eq_whole_window_b{batch}"] = tokens == whole
-        out[f"buckets_vs_whole_window_max_dlogit_b{batch}"] = max_delta(logits, whole_logits)
-    out["graph_buckets_no_compile"] = out["bucket_compiles_b1"] == out["bucket_compiles_b3"] == 0
-    return out
+        buckets, eager, whole = runs["buckets"], runs["eager"], runs["whole"]
+        compare_tokens(row, f"graph_buckets_eq_eager_b{batch}", buckets, eager)
+        row[f"graph_vs_eager_max_dlogit_b{batch}_buckets"] = max_delta(buckets[1], eager[1])
+        compare_tokens(row, f"graph_buckets_eq_whole_window_b{batch}", buckets, whole)
+        row[f"buckets_vs_whole_window_max_dlogit_b{batch}"] = max_delta(buckets[1], whole[1])
+    row["graph_buckets_no_compile"] = compiles[1] == compiles[3] == 0
 
 
 class BrokenGraph:
@@ -296,41 +308,3 @@ def check_abort(llm: LLM) -> bool:
     again, _ = decode(runner, 1)
     runner.overlap.detach()
     return released and again == want
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="write the rows here")
-    parser.add_argument("--families", default=",".join(FAMILIES),
-                        help="comma-separated baby families (default: all)")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check here (CI covers the CPU paths)")
-        return 2
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = [check_family(f, Path(tmp)) for f in args.families.split(",")]
-    ok = True
-    for row in rows:
-        flags = {k: v for k, v in row.items() if k.startswith("graph_") and isinstance(v, bool)}
-        deltas = {k: round(v, 6) for k, v in row.items() if "max_dlogit" in k}
-        ok &= all(flags.values())
-        ok &= all(v <= tolerance(k) for k, v in deltas.items() if "torch_reference" not in k)
-        print(f"{row['family']:<12} {'OK ' if all(flags.values()) else 'BAD'} {flags}")
-        print(f"{'':<12} max |Δlogit| {deltas}")
-        launches = row["launches"]
-        print(f"{'':<12} per token: graph {launches['graph']}\n{'':<12} eager {launches['eager']}")
-        print(f"{'':<12} fused path used: {row['fused_used']} (kernels "
-              f"{row['fused_kernels']}); GPU kernels per token: fused "
-              f"{row['kernels_per_token_fused']} (torch ops "
-              f"{row['kernels_per_token_fused_torch_ops']}), module "
-              f"{row['kernels_per_token_module']}")
-        print(f"{'':<12} window buckets {row['bucket_widths_b1']}, compiles for them "
-              f"{row['bucket_compiles_b1']} / {row['bucket_compiles_b3']} (batch 1 / 3), capture "
-              f"ms {row['bucket_capture_ms_b1']} / {row['bucket_capture_ms_b3']}")
-    summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "ok": ok, "rows": rows}
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=1))
-    print("ALL OK" if ok else "FAILED")
-    return 0 if ok else 1
