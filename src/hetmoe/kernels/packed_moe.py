@@ -19,11 +19,13 @@ per (row, group) (`act_quant`).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass
 
 import torch
 
+# Kernel modules import Triton: the launching functions import them (this loads without it).
 from hetmoe.experts.packed_layout import PackedGroup, padded_hidden
 from hetmoe.kernels.act_quant import check_act_quant, sorted_act_quant
 from hetmoe.kernels.call_checks import check_call
@@ -129,13 +131,10 @@ def parse_pair_config(text: str) -> PairConfig:
     except ValueError:
         raise ValueError(f"pair config {text!r}: every field is an integer (the flags 0 or "
                          f"1)") from None
-    flags = ints[7:]
-    if any(v not in (0, 1) for v in flags):
-        raise ValueError(f"pair config {text!r}: {', '.join(names[7:len(ints)])} must be 0 "
-                         f"or 1")
-    bn_gate_up, split_gate_up, bn_down, split_down, unroll, warps_gate_up, warps_down = ints[:7]
-    return PairConfig(bn_gate_up, split_gate_up, bn_down, split_down, unroll, warps_gate_up,
-                      warps_down, *(bool(v) for v in flags))
+    if any(v not in (0, 1) for v in ints[7:]):
+        raise ValueError(f"pair config {text!r}: {', '.join(names[7:len(ints)])} must be 0 or 1")
+    a, b, c, d, e, f, g = ints[:7]  # in PairConfig's field order
+    return PairConfig(a, b, c, d, e, f, g, *(bool(v) for v in ints[7:]))
 
 
 # Fields as PairConfig's (`bench_packed_moe.py --pair-sweep` times other shapes).
@@ -338,8 +337,6 @@ def factored_span(cfg: PairConfig, fmt: str, group: int, unroll: int) -> int:
 def unsupported(device: torch.device, fmt: str) -> str:
     """Why the kernels cannot run `fmt` on `device` ("" if they can): a CUDA GPU of compute
     capability 8.0+ (8.9+ for fp8's hardware conversion) with Triton installed."""
-    import importlib.util
-
     if device.type != "cuda":
         return f"the packed expert kernels run on CUDA GPUs, not {device.type}"
     if importlib.util.find_spec("triton") is None:
