@@ -33,8 +33,9 @@ def test_the_gpu_room_is_the_auto_expert_room_and_experts_get_what_kv_leaves() -
                               f"{int(0.05 * 24 * GIB)} of margin")
     fit = fit_slots(room, TOKEN, 1024, wanted=1000)
     assert fit.slots == want // (1024 * TOKEN) == 165
-    assert fit.limit.startswith(f"the most that fit the {want / GIB:.2f} GiB the GPU has for "
-                                "KV, of the job's 1000 sequences (")
+    assert fit.limit == (f"the most that fit the {want / GIB:.2f} GiB the GPU has for KV, of "
+                         f"the job's 1000 sequences ({room.explain()}; GPU experts "
+                         "--gpu-expert-gib auto take what KV leaves)")
     # Once the cache is allocated, `auto` experts take exactly what it left.
     placed = planned_placement(gpu_plan(kv=fit.kv_bytes))
     assert placed is not None and placed.budget == room.bytes - fit.kv_bytes
@@ -46,7 +47,11 @@ def test_an_explicit_expert_budget_is_set_aside_before_the_kv_cache() -> None:
     room = kv_room(gpu_plan(), CUDA, 5 * GIB)
     assert room.bytes == auto.bytes - 5 * GIB
     assert room.explain().endswith(f", {5 * GIB} of --gpu-expert-gib")
-    assert fit_slots(room, TOKEN, 1024, wanted=1000).slots == room.bytes // (1024 * TOKEN) == 112
+    fit = fit_slots(room, TOKEN, 1024, wanted=1000)
+    assert fit.slots == room.bytes // (1024 * TOKEN) == 112
+    # the experts' bytes are fixed: nothing is left to them after the KV cache
+    assert fit.limit == (f"the most that fit the {room.bytes / GIB:.2f} GiB the GPU has for "
+                         f"KV, of the job's 1000 sequences ({room.explain()})")
 
 
 def test_slots_are_the_jobs_sequences_at_most_the_cap_or_the_asked_number() -> None:
@@ -75,6 +80,9 @@ def test_on_the_host_the_room_is_available_memory_less_weights_and_margin() -> N
                               f"and other weights, {2 * GIB} of margin")
     # On the CPU device resident "GPU" experts are host memory too.
     assert kv_room(mem, torch.device("cpu"), GIB).bytes == 33 * GIB
+    fit = fit_slots(room, TOKEN, 65536, wanted=100)  # no GPU: no experts take what KV leaves
+    assert (fit.slots, fit.limit) == (5, f"the most that fit the 34.00 GiB the host has for KV, "
+                                         f"of the job's 100 sequences ({room.explain()})")
 
 
 def test_not_even_one_slot_is_an_error_naming_the_bytes() -> None:

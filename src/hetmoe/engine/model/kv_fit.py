@@ -60,6 +60,8 @@ class KvRoom:
     """Room for the KV cache (>= 0)."""
     parts: tuple[tuple[str, int], ...]
     """(what, bytes): the free memory first, then each claim taken from it."""
+    shared: bool = False
+    """`--gpu-expert-gib auto` experts take what the KV cache leaves of it (GPU, auto only)."""
 
     def explain(self) -> str:
         """The room as its parts: "F free, less W of other weights, ..."."""
@@ -85,7 +87,8 @@ def kv_room(mem: MemoryPlan, device: torch.device, experts: int | str) -> KvRoom
         room, place = max(0, mem.host_free - mem.total("host") - margin), "host"
     if claimed:
         parts.append(("--gpu-expert-gib", claimed))
-    return KvRoom(place, str(device), max(0, room - claimed), tuple(parts))
+    return KvRoom(place, str(device), max(0, room - claimed), tuple(parts),
+                  place == "GPU" and experts == "auto")
 
 
 @dataclass(frozen=True)
@@ -131,9 +134,9 @@ def fit_slots(room: KvRoom, token_bytes: int, window: int, wanted: int,
     if slots == wanted:
         limit = f"the job's {wanted} sequences"
     elif slots == fits:
+        shared = "; GPU experts --gpu-expert-gib auto take what KV leaves" if room.shared else ""
         limit = (f"the most that fit the {room.bytes / GIB:.2f} GiB the {room.place} has for "
-                 f"KV, of the job's {wanted} sequences ({room.explain()}; GPU experts "
-                 "--gpu-expert-gib auto take what KV leaves)")
+                 f"KV, of the job's {wanted} sequences ({room.explain()}{shared})")
     else:
         limit = f"the cap of {cap} (--max-batch N for more), of the job's {wanted} sequences"
     return KvFit(slots, window, token_bytes, room, limit)
