@@ -68,7 +68,9 @@ def test_slots_are_the_jobs_sequences_at_most_the_cap_or_the_asked_number() -> N
                           "sequences")
     asked = fit_slots(room, TOKEN, 768, wanted=5000, asked=300)
     assert (asked.slots, asked.limit) == (300, "--max-batch 300")
-    assert fit_slots(room, TOKEN, 768, wanted=0).slots == 1  # only refused lines: one slot
+    none = fit_slots(room, TOKEN, 768, wanted=0)  # only lines that their routes refuse
+    assert (none.slots, none.limit) == (1, "one: no line of the job holds a slot (their routes "
+                                           "refuse them)")
 
 
 def test_on_the_host_the_room_is_available_memory_less_weights_and_margin() -> None:

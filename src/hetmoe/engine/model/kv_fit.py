@@ -129,9 +129,10 @@ def fit_slots(room: KvRoom, token_bytes: int, window: int, wanted: int,
             f"({token_bytes} bytes per token), and the {room.place} ({room.device}) has "
             f"{room.bytes} bytes for the KV cache ({room.explain()}); lower --max-seq-len or "
             "the lines' max_tokens, or free memory")
-    wanted = max(1, wanted)
-    slots = min(wanted, fits, cap)
-    if slots == wanted:
+    slots = min(max(1, wanted), fits, cap)
+    if wanted < 1:  # every line is refused by its route: one slot loads the model to say so
+        limit = "one: no line of the job holds a slot (their routes refuse them)"
+    elif slots == wanted:
         limit = f"the job's {wanted} sequences"
     elif slots == fits:
         shared = "; GPU experts --gpu-expert-gib auto take what KV leaves" if room.shared else ""
