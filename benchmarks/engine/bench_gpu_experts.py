@@ -192,7 +192,9 @@ def pair_shapes(texts: list[str], parser: argparse.ArgumentParser) -> list[Any]:
         parser.error(f"--pair-shapes: {e}")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before the minutes of building the model; `command` is the
+    line that reruns it, `budget_list`, `shapes`, `lengths` and `modes` the parsed values."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen3-30b-a3b")
     p.add_argument("--weight-format", default="int8")
@@ -224,21 +226,44 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="with --json of an earlier run: only draw its PNG (no GPU needed)")
-    args = p.parse_args()
-    if args.plot:
-        with open(args.json) as f:
-            plot(json.load(f), args.plot)
-        return
-    budgets = parse_budgets(args.budgets)
+    args = p.parse_args(argv)
+    args.command = command_line(vars(args))
+    try:
+        args.budget_list = parse_budgets(args.budgets)
+    except ValueError as e:
+        p.error(str(e))
     unknown = {k for k in args.decode_kernels.split(",") if k} - {"triton", "torch"}
     if unknown:  # the A/B sets the decoder's choice directly, past its own check
         p.error(f"--decode-kernels: triton or torch, got {', '.join(sorted(unknown))}")
     bad = set(args.defer_orders.split(",")) - set(DEFER_ORDERS)
-    if bad:  # checked before the minutes of building the model
+    if bad:
         p.error(f"--defer-orders: {' or '.join(DEFER_ORDERS)}, got {', '.join(sorted(bad))}")
-    shapes = pair_shapes(args.pair_shapes, p)
-    lengths = [int(n) for n in args.prefill.split(",") if n]
-    modes = [m for m in args.prefill_modes.split(",") if m]
+    args.shapes = pair_shapes(args.pair_shapes, p)
+    args.lengths = [int(n) for n in args.prefill.split(",") if n]
+    args.modes = [m for m in args.prefill_modes.split(",") if m]
+    return args
+
+
+def command_line(options: dict[str, Any]) -> str:
+    """The command that reruns a run of these `options` (argparse's values by dest): flags
+    bare, `--pair-shapes` spaced, unset options left out."""
+    words = ["benchmarks/engine/bench_gpu_experts.py"]
+    for name, value in options.items():
+        if value is None or value is False or value in ("", []):
+            continue
+        words.append(f"--{name.replace('_', '-')}")
+        if value is not True:
+            words += map(str, value) if isinstance(value, list) else [str(value)]
+    return " ".join(words)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.plot:
+        with open(args.json) as f:
+            plot(json.load(f), args.plot)
+        return
+    budgets, shapes, lengths = args.budget_list, args.shapes, args.lengths
     device = torch.device("cuda")
     host_gb_s = measure.read_bandwidth(2.0)
     hbm = hbm_read_gb_s(device)
@@ -255,9 +280,7 @@ def main() -> None:
     assert runner.overlap is not None
     moe = runner.overlap.cpu[0]
     result: dict[str, Any] = {
-        "command": "benchmarks/engine/bench_gpu_experts.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-            if v not in (None, False, "")),
+        "command": args.command,
         "date": now_utc(), "git": git_sha(), "machine": machine_facts(device), "shape": args.shape,
         "weight_format": args.weight_format, "group_size": moe.group_size,
         "moe_layers": len(runner.overlap.cpu),
@@ -288,7 +311,7 @@ def main() -> None:
         for row in decode_rows(runner, plan, args, prompt, base, shapes):
             row["of_floor"] = round(row["tok_s"] / floor, 3)
             result["rows"].append({**facts, **row})
-        for row in prefill_rows(runner, lengths, modes, args.prefill_repeats,
+        for row in prefill_rows(runner, lengths, args.modes, args.prefill_repeats,
                                 config.vocab_size, plan.everything):
             result["prefill"].append({"budget": budget, "gpu_expert_bytes": plan.bytes, **row})
         write(result, args.json)

@@ -73,3 +73,26 @@ def test_a_bad_shape_stops_the_run_before_the_model_is_built(
         SCRIPT.pair_shapes(["16,1,128,4,4,4,8,1", "16,1,128,4,4,4,3"], parser)
     assert ("--pair-shapes: PairConfig: warps_down must be one of 1, 2, 4, 8, got 3"
             in capsys.readouterr().err)
+
+
+def test_the_recorded_command_reruns_the_same_run() -> None:
+    argv = ["--budgets", "0,all", "--pair-shapes", "32,1,64,1,4,2,4,1,1", "16,2,64,3,4,4,4,1",
+            "--profile", "--json", "out.json"]
+    args = SCRIPT.parse_args(argv)
+    assert args.command == (
+        "benchmarks/engine/bench_gpu_experts.py --shape qwen3-30b-a3b --weight-format int8 "
+        "--budgets 0,all --deferred 0 --defer-orders misses --intervals 0 --prefill-modes "
+        "auto,cpu --prefill-repeats 2 --pair-shapes 32,1,64,1,4,2,4,1,1 16,2,64,3,4,4,4,1 "
+        "--profile --new-tokens 128 --prompt-len 32 --json out.json")
+    again = SCRIPT.parse_args(args.command.split()[1:])
+    assert vars(again) == vars(args)
+    assert args.budget_list == ["0", "all"] and args.shapes[1] == PAIR_CONFIGS["int8"]
+    # no --pair-shapes given: none recorded (an empty list is not an option's value)
+    assert "--pair-shapes" not in SCRIPT.parse_args([]).command
+
+
+def test_bad_budgets_stop_the_run_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        SCRIPT.parse_args(["--budgets", "8,-1"])
+    assert capsys.readouterr().err.strip().endswith(
+        "error: --budgets takes GB >= 0 or all, got '-1' in '8,-1'")
