@@ -1,11 +1,9 @@
 """One call, both CPU MoE kernels: hetmoe's `CpuMoE` against kt-kernel's AMX MoE, side by side.
 
-In one process: (1) the peer kit's `ktk_bench.py` (`--peer-dir`, .peers/README.md) as a
-subprocess first, before our pool exists, with the same THREADS / QLENS / SHAPE / LAYERS (and
-SKIP_TORCH=1: its plain-torch rows are not compared here); (2) the host's read bandwidth
-(bench_cpu_moe's probes: torch's sum and the pool's read, the best of them, the pool's again at
-the end); (3) our layer per format at every q; then one table, OUT/cpu_moe_vs_kt.json and
-OUT/cpu_moe_vs_kt.png (kt ms / our ms against q per format: above 1, ours is faster).
+In one process: (1) the peer kit's `ktk_bench.py` (`--peer-dir`, .peers/README.md) in a subprocess
+before our pool exists, with our THREADS / QLENS / SHAPE / LAYERS and SKIP_TORCH=1; (2) the read
+bandwidth (bench_cpu_moe's probes: torch's sum, the pool's read, again at the end: the best); (3)
+our layer per format at every q; then a table, OUT/cpu_moe_vs_kt.json and .png (kt ms / our ms).
 
 What ktk_bench.py times, and how ours matches it:
 - Shape E, H, I, top-k (default Qwen3-30B-A3B: 128, 2048, 768, 8); `--layers` (6) packed
@@ -17,17 +15,15 @@ What ktk_bench.py times, and how ours matches it:
 - Weights N(0, 0.02^2) and x N(0, 1) in bf16 on both sides (kt's distributions, our seeds).
 - Threads: `--threads` (15) pool workers on both sides plus the calling thread (the kit's
   README: 16 starves its driving thread). Outputs bf16 into buffers kept across calls.
-- Per q: one untimed pass over the layers; latency = the median of `reps` calls, each waited
-  for; `ms` (the ratio's figure, and kt's JSON `ms`) = `reps` calls submitted back to back and
-  waited for once, over reps: the throughput of queued calls, no wake-up per call. reps = 24
-  (max(12, 4 layers)) at q <= 128, else 6 (max(6, layers)), one such batch per q on both sides.
+- Per q: one untimed pass over the layers; latency: the median of `reps` calls, each waited for;
+  `ms` (the ratio's figure, kt's JSON `ms`): `reps` calls queued back to back, waited for once,
+  over reps (no wake-up per call). reps = max(12, 4 layers) at q <= 128, else max(6, layers).
   Ours submits through `CpuMoE.submit` (its Python checks included); kt's latency comes from its
   stdout ("per-call submit+sync latency"), its JSON has only the batch figure.
 - Error: ||out - ref|| / ||ref|| of one call (layer 0's) in bf16, ref from the unquantized bf16
   weights (kt: in fp32; ours: in float64).
 - T(FL)OPS: 6 H I k q / ms, both sides. % of the bandwidth floor (ours, q <= 32): the packed
-  bytes of the experts the calls touch (scales included; mean over the layers' routings) over
-  the run's read bandwidth, against ms.
+  bytes the calls touch (scales included; mean over the layers) at the best read rate, over ms.
 Differences kept: the formats are each side's own (ours: int8 with an fp32 scale per group of
 128, int4 asymmetric per group of 32, or FORMAT:GROUP; kt quantizes the bf16 weights itself at
 load, its own way: compare the error columns); ours uses `AMX_MIN_TOKENS` (AVX-512 below it);
@@ -141,8 +137,10 @@ def run_kt(args: argparse.Namespace) -> dict[tuple[str, int], dict[str, float]]:
         done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=args.kt_timeout)
         text, status = done.stdout, ("ok" if done.returncode == 0 else f"exit {done.returncode}")
-    except subprocess.TimeoutExpired as exc:
-        text, status = _text(exc.output), f"timed out after {args.kt_timeout:.0f} s"
+    except subprocess.TimeoutExpired as exc:  # its output is bytes even with text=True
+        out = exc.output
+        text = out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+        status = f"timed out after {args.kt_timeout:.0f} s"
     log.write_text(text)
     if status != "ok":
         tail = "\n".join(text.splitlines()[-15:])
@@ -153,10 +151,6 @@ def run_kt(args: argparse.Namespace) -> dict[tuple[str, int], dict[str, float]]:
     if missing:  # before our slow part
         raise SystemExit(f"ktk_bench.json (in {folder}) lacks rows: {', '.join(missing)}")
     return rows
-
-
-def _text(output: bytes | str | None) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
 def kt_rows(result: dict[str, Any], stdout: str) -> dict[tuple[str, int], dict[str, float]]:

@@ -17,9 +17,11 @@ vs_kt = load_script("peers/cpu_moe_vs_kt.py")
 
 FAKE_KT = textwrap.dedent('''
     """Stand-in ktk_bench.py: rows with known figures for every METHODS x QLENS it is given."""
-    import json, os, sys
+    import json, os, sys, time
     if os.environ.get("FAIL"):
         print("kt: AMX not found"); sys.exit(3)
+    if os.environ.get("HANG"):
+        print("kt: packing"); time.sleep(30)
     env = {k: os.environ[k] for k in ("THREADS", "QLENS", "SHAPE", "LAYERS", "METHODS",
                                       "SKIP_TORCH")}
     rows = [{"impl": "torch-loop", "qlen": 1, "ms": 9.0, "tflops": 0.0, "weight_gbs": 1.0,
@@ -167,3 +169,13 @@ def test_missing_kt_rows_are_named_before_our_run(peer_dir: Path, tmp_path: Path
                                          r"AMXInt4_MOE q=2$"):
         vs_kt.main(tiny_argv(peer_dir, out))
     assert not (out / "cpu_moe_vs_kt.json").exists()
+
+
+def test_a_kt_run_past_its_timeout_is_named_with_what_it_printed(
+        peer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HANG", "1")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=r"^ktk_bench.py: timed out after 5 s \(log "
+                                         r".*ktk_stdout.log\); its last lines:\nkt: packing$"):
+        vs_kt.main(tiny_argv(peer_dir, out) + ["--kt-timeout", "5"])
+    assert (out / "kt" / "ktk_stdout.log").read_text() == "kt: packing\n"
