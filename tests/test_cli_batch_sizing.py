@@ -160,6 +160,25 @@ def test_a_line_longer_than_the_window_gets_its_error_and_the_job_goes_on(
     assert sorted(records(tmp_path / "o2.jsonl")) == ["ok"]
 
 
+def test_a_job_of_only_too_long_lines_answers_them_without_loading_the_model(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("hetmoe.cli_engine.load_llm", never)
+    source = write(tmp_path / "in.jsonl", [
+        line("long", "/v1/completions", model=MODEL, prompt=list(range(1, 201)), max_tokens=100)])
+    out = tmp_path / "out.jsonl"
+    result = run(str(source), str(out))
+    assert result.exit_code == 0, result.output
+    errors = tmp_path / "out.errors.jsonl"
+    assert result.output.endswith("nothing to run: every line left is longer than the window "
+                                  f"(errors: {errors})\n")
+    assert records(errors)["long"]["response"]["status_code"] == 400
+    assert not out.exists()
+
+
 def test_not_even_one_slot_is_refused_before_the_weights_load(
     cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
