@@ -151,31 +151,23 @@ def test_tiny_run_end_to_end(peer_dir: Path, tmp_path: Path) -> None:
     assert matplotlib.image.imread(out / "cpu_moe_vs_kt.png").shape[:2] == (480, 840)
 
 
-def test_a_failing_kt_run_is_named_with_its_log(peer_dir: Path, tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FAIL", "1")
+@pytest.mark.parametrize(("setting", "extra", "message", "log"), [
+    (("FAIL", "1"), [], r"^ktk_bench.py: exit 3 \(log .*ktk_stdout.log\); its last lines:\n"
+                        r"kt: AMX not found$", "kt: AMX not found\n"),
+    (("HANG", "1"), ["--kt-timeout", "5"], r"^ktk_bench.py: timed out after 5 s \(log "
+                                           r".*ktk_stdout.log\); its last lines:\nkt: packing$",
+     "kt: packing\n"),
+    (("DROP", "AMXInt4_MOE:2"), [], r"^ktk_bench.json \(in .*kt\) lacks rows: AMXInt4_MOE q=2$",
+     None),
+])
+def test_a_kt_run_without_every_row_ends_before_ours_named(
+        peer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: tuple[str, str],
+        extra: list[str], message: str, log: str | None) -> None:
+    """kt's exit, its timeout (its output bytes then, what it printed kept) or missing rows."""
+    monkeypatch.setenv(*setting)
     out = tmp_path / "out"
-    with pytest.raises(SystemExit, match=r"^ktk_bench.py: exit 3 \(log .*ktk_stdout.log\); "
-                                         r"its last lines:\nkt: AMX not found$"):
-        vs_kt.main(tiny_argv(peer_dir, out))
+    with pytest.raises(SystemExit, match=message):
+        vs_kt.main(tiny_argv(peer_dir, out) + extra)
     assert not (out / "cpu_moe_vs_kt.json").exists()
-
-
-def test_missing_kt_rows_are_named_before_our_run(peer_dir: Path, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DROP", "AMXInt4_MOE:2")
-    out = tmp_path / "out"
-    with pytest.raises(SystemExit, match=r"^ktk_bench.json \(in .*kt\) lacks rows: "
-                                         r"AMXInt4_MOE q=2$"):
-        vs_kt.main(tiny_argv(peer_dir, out))
-    assert not (out / "cpu_moe_vs_kt.json").exists()
-
-
-def test_a_kt_run_past_its_timeout_is_named_with_what_it_printed(
-        peer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HANG", "1")
-    out = tmp_path / "out"
-    with pytest.raises(SystemExit, match=r"^ktk_bench.py: timed out after 5 s \(log "
-                                         r".*ktk_stdout.log\); its last lines:\nkt: packing$"):
-        vs_kt.main(tiny_argv(peer_dir, out) + ["--kt-timeout", "5"])
-    assert (out / "kt" / "ktk_stdout.log").read_text() == "kt: packing\n"
+    if log is not None:
+        assert (out / "kt" / "ktk_stdout.log").read_text() == log
