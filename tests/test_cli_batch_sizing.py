@@ -143,8 +143,9 @@ def test_a_line_longer_than_the_window_gets_its_error_and_the_job_goes_on(
     message = ("field 'max_tokens': prompt (200 tokens) + max_tokens (100) = 300 tokens exceed "
                "the batch's window of 256 tokens (the model's context, 256 tokens)")
     assert f"in.jsonl: line 2: {message}" in result.output
-    assert ("window: 1 of the lines set no max_tokens (each may generate to the window's end), "
-            "so the model's context, 256 tokens") in result.output
+    assert ("window: 1 of the lines set no max_tokens (each generates to the window's end): "
+            "the longest need, 256 tokens, rounded up to 256 (such a line needs the default "
+            "window, 256 tokens, or its prompt + 1)") in result.output
     assert sorted(records(out)) == ["ok", "open"]
     failed = records(tmp_path / "out.errors.jsonl")["long"]
     assert failed["error"] == {"code": "request_failed", "message": message, "line": 2}
@@ -217,6 +218,14 @@ def test_the_auto_window_rounds_up_to_256_and_stops_at_the_context() -> None:
     assert window_of([need(3900, 50)], 4000, None)[:2] == (4000, (
         "the longest line's prompt + max_tokens, 3950 tokens, rounded up to 4096, capped at "
         "the model's context, 4000 tokens"))
+    # No max_tokens: the engine's default window (a long context capped at 4096), not the
+    # whole context; a longer prompt + 1.
+    assert window_of([need(300, None), need(30, 8)], 40960, None)[:2] == (4096, (
+        "1 of the lines set no max_tokens (each generates to the window's end): the longest "
+        "need, 4096 tokens, rounded up to 4096 (such a line needs the default window, 4096 "
+        "tokens, or its prompt + 1)"))
+    assert window_of([need(5000, None)], 40960, None)[0] == 5120
+    assert window_of([need(5000, None)], 256, None)[0] == 256  # past the context: refused
     assert window_of([need(100, 10)], 4096, 128) == (128, "--max-seq-len 128",
                                                       "--max-seq-len 128")
     assert need(100, 28).refusal(128, "why") is None  # a full window is fine
@@ -242,5 +251,6 @@ def test_the_help_says_what_auto_means_and_who_gets_the_memory() -> None:
             "first and auto experts get what it leaves") in text
     assert "--gpu-expert-gib N is set aside before it" in text
     assert ("auto = the longest line's prompt (as the chat template renders it) + max_tokens "
-            "(none: the rest of the window, so the model's context), rounded up to a multiple "
-            "of 256, capped at the model's context; or a number") in text
+            "(none: generates to the window's end, in the default window of the model's context "
+            "capped at 4096, or its prompt + 1 if longer), rounded up to a multiple of 256, "
+            "capped at the model's context; or a number") in text

@@ -43,8 +43,9 @@ MAX_BATCH_HELP = (
     "per expert, a full AMX tile, so more rows add compute more than throughput")
 MAX_SEQ_LEN_HELP = (
     "Context window per sequence: auto = the longest line's prompt (as the chat template "
-    "renders it) + max_tokens (none: the rest of the window, so the model's context), rounded "
-    "up to a multiple of 256, capped at the model's context; or a number. A longer line gets "
+    "renders it) + max_tokens (none: generates to the window's end, in the default window of "
+    "the model's context capped at 4096, or its prompt + 1 if longer), rounded up to a "
+    "multiple of 256, capped at the model's context; or a number. A longer line gets "
     "its 400 in the error file")
 
 

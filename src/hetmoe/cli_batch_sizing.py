@@ -4,7 +4,8 @@ Each line still to run is tokenized as the API's routes will tokenize it: the bo
 the route's own model, a chat's tool plan and messages through the chat template
 (server/tools.py `render_chat`), a completion's prompts as text or ids. A line needs its longest
 prompt plus its token budget (`max_completion_tokens` / `max_tokens`; none: the rest of the
-window, as the routes give, so the model's whole context; `max_tokens: 0` with echo: 1) and
+window, as the routes give, in the window `hetmoe serve` and `LLM` default to, the model's
+context capped at 4096, or its prompt + 1 if longer; `max_tokens: 0` with echo: 1) and
 holds one KV slot per sequence (prompts x n). A line the routes refuse (a body that does not
 validate, another model, messages the template cannot render) needs nothing: its error comes
 from the route.
@@ -75,8 +76,12 @@ class LineNeed:
     """KV slots it holds: prompts x n."""
 
     def tokens(self, context: int) -> int:
-        """Window it needs; the model's `context` when it generates to the window's end."""
-        return self.prompt + self.budget if self.budget else context
+        """Window it needs; when it generates to the window's end, the engine's default window
+        (`context` capped at DEFAULT_MAX_SEQ_LEN), or its prompt + 1 if longer: a whole long
+        context for each such line would leave a job few slots."""
+        if self.budget:
+            return self.prompt + self.budget
+        return min(context, max(DEFAULT_MAX_SEQ_LEN, self.prompt + 1))
 
     def refusal(self, window: int, why: str) -> tuple[str, str] | None:
         """(field, message) of the 400 a window of `window` tokens gives it, as the route
@@ -143,8 +148,10 @@ def window_of(needs: Sequence[LineNeed], context: int,
     rounded = -(-longest // WINDOW_STEP) * WINDOW_STEP
     open_ended = sum(1 for n in held if not n.budget)
     if open_ended:
-        why = (f"{open_ended} of the lines set no max_tokens (each may generate to the "
-               f"window's end), so the model's context, {context} tokens")
+        default = min(context, DEFAULT_MAX_SEQ_LEN)
+        why = (f"{open_ended} of the lines set no max_tokens (each generates to the window's "
+               f"end): the longest need, {longest} tokens, rounded up to {min(rounded, context)}"
+               f" (such a line needs the default window, {default} tokens, or its prompt + 1)")
     else:
         why = (f"the longest line's prompt + max_tokens, {longest} tokens, rounded up to "
                f"{rounded}")

@@ -32,7 +32,7 @@ from hetmoe.engine.model.model_setup import (
     sampling_defaults,
     share_cores,
 )
-from hetmoe.engine.model.model_source import check_fits, open_model
+from hetmoe.engine.model.model_source import check_fits, default_window, open_model
 from hetmoe.engine.requests.collected_output import CollectedOutput
 from hetmoe.engine.requests.constrained import Constraints
 from hetmoe.engine.requests.logprobs import TokenLogprob
@@ -45,8 +45,6 @@ from hetmoe.inject.registry import OpContext
 from hetmoe.inject.rules import Rule, load_rules, shipped_rules_path
 from hetmoe.loading import load_model
 from hetmoe.loading.fp8 import config_fp8_scheme
-
-_DEFAULT_MAX_SEQ_LEN = 4096
 
 
 class LLM:
@@ -111,10 +109,7 @@ class LLM:
         if self.options.verbose:
             print(self.injection.details())
         config = self.model.config
-        window = self.options.max_seq_len or min(
-            int(getattr(config, "max_position_embeddings", _DEFAULT_MAX_SEQ_LEN)),
-            _DEFAULT_MAX_SEQ_LEN,
-        )
+        window = self.options.max_seq_len or default_window(config)
         self.options.check_deferred(self.device.type, all_on_cpu_backend(self.model))
         # The fused decode step cuts GPU launches; on the CPU device the HF layers run.
         auto = self.options.deferred == "auto"

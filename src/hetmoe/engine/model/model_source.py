@@ -48,13 +48,19 @@ def open_model(model: str | os.PathLike[str], verify: bool, progress: bool,
     return path, open_converted(path, verify) if is_converted(path) else None
 
 
+def default_window(config: Any) -> int:
+    """The context window a sequence gets unless asked: the model's, capped at
+    DEFAULT_MAX_SEQ_LEN (EngineConfig.max_seq_len None)."""
+    return min(int(getattr(config, "max_position_embeddings", DEFAULT_MAX_SEQ_LEN)),
+               DEFAULT_MAX_SEQ_LEN)
+
+
 def check_fits(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                options: Any, converted: ConvertedModel | None) -> None:
     """Refuses, before any weight is read, a model whose memory plan exceeds what this machine
     has free (the numbers in the message); converted experts count in their packed format."""
     config = model.config
-    window = options.max_seq_len or min(
-        int(getattr(config, "max_position_embeddings", DEFAULT_MAX_SEQ_LEN)), DEFAULT_MAX_SEQ_LEN)
+    window = options.max_seq_len or default_window(config)
     fmt = converted.weight_format if converted is not None else None
     group = converted.group_size if converted is not None else None
     plan = memory_plan(model, device, dtype, config, options.max_batch * window, fmt, group)
