@@ -23,25 +23,19 @@ bytes per token; each system's GB on the GPU is its own.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
-import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from hetmoe.bench import llama_kit
 from hetmoe.bench.budget_peer import bench_args, by_budget, parse_budgets, parse_rows, peer_budgets
 from hetmoe.bench.budget_report import MAIN_SHAPE, per_layer_table, plot, sweep_table
 from hetmoe.config import EngineConfig
 
 HERE = Path(__file__).resolve().parent
-SAP_RAPIDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512vbmi",
-              "avx_vnni", "f16c", "fma", "bmi2")
-"""CPU flags the prebuilt llama-bench needs (peer kit: ggml's sapphirerapids level)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,82 +75,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run(cmd: list[str], log: Path, timeout: float, stdout: Path | None = None,
-        env: dict[str, str] | None = None) -> str:
-    """Runs `cmd` (stderr, and stdout unless `stdout`, into `log`); at `timeout` seconds it gets
-    SIGINT, then SIGKILL: what it wrote stays. Returns "ok", "timed out" or "exit N"."""
-    print(f"+ {' '.join(cmd)}   ({timeout:.0f} s)", flush=True)
-    with open(log, "w") as err, open(stdout or os.devnull, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out if stdout else err,
-                                stderr=err if stdout else subprocess.STDOUT, env=env)
-        try:
-            code = proc.wait(timeout=max(timeout, 1))
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            return "timed out"
-    return "ok" if code == 0 else f"exit {code}"
-
-
 def bench_hetmoe(args: argparse.Namespace, shape: str, budgets: str, extra: list[str],
                  timeout: float) -> tuple[str, Path]:
     out = args.out / f"hetmoe_{shape}.json"
     cmd = [sys.executable, str(HERE / "bench_gpu_experts.py"), "--shape", shape,
            "--weight-format", "int8", "--budgets", budgets, "--new-tokens",
            str(args.new_tokens), "--json", str(out), *extra]
-    return run(cmd, args.out / f"hetmoe_{shape}.log", timeout), out
-
-
-def cuda_lib_dirs() -> list[str]:
-    """Where libcudart / libcublas 13 are: pip's nvidia wheels (PyTorch's), then the toolkit."""
-    dirs = []
-    for name in ("nvidia.cu13", "nvidia.cublas", "nvidia.cuda_runtime"):
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            spec = None
-        for path in (spec.submodule_search_locations or []) if spec else []:
-            dirs.append(os.path.join(path, "lib"))
-    return [*dirs, "/usr/local/cuda/lib64"]
+    return llama_kit.run(cmd, args.out / f"hetmoe_{shape}.log", timeout), out
 
 
 def setup_llama(args: argparse.Namespace, timeout: float) -> tuple[Path, dict[str, str], Path]:
-    """The prebuilt llama-bench, its environment and the GGUF (written unless --gguf)."""
-    flags = set(Path("/proc/cpuinfo").read_text().split())
-    missing = [f for f in SAP_RAPIDS if f not in flags]
-    if missing:
-        raise RuntimeError(f"the prebuilt llama-bench needs {', '.join(missing)} (a Sapphire "
-                           "Rapids or newer CPU); this CPU lacks them")
+    """The prebuilt llama-bench, its environment and the Q8_0 GGUF (written unless --gguf)."""
     work = args.out / "lcpp"
-    (work / "bin").mkdir(parents=True, exist_ok=True)
-    kit = args.peer_dir / "lcpp"
-    subprocess.run(["tar", "-xJf", str(kit / "prebuilt.tar.xz"), "-C", str(work / "bin")],
-                   check=True)
-    env = dict(os.environ, LD_LIBRARY_PATH=":".join(
-        [str(work / "bin"), *cuda_lib_dirs(), os.environ.get("LD_LIBRARY_PATH", "")]))
+    bin_, env = llama_kit.unpack_llama_bench(args.peer_dir, work)
     if args.gguf is not None:
-        return work / "bin" / "llama-bench", env, args.gguf
-    subprocess.run(["tar", "-xzf", str(kit / "src.tar.gz"), "-C", str(work),
-                    "llama.cpp/gguf-py", "llama.cpp/models/ggml-vocab-qwen2.gguf"], check=True)
-    need = 36 * 10**9  # 48 layers of Q8_0 experts, attention and embeddings, with room
-    where = Path("/dev/shm") if shutil.disk_usage("/dev/shm").free > need else Path("/tmp")
-    gguf = where / "sweep_qwen3_48L_q8_0.gguf"
-    status = run([sys.executable, str(args.peer_dir / "make_gguf.py"), "--llama-cpp",
-                  str(work / "llama.cpp"), "--layers", "48", "--type", "q8_0", "--threads",
-                  str(os.cpu_count() or 8), "-o", str(gguf)], args.out / "gguf.log", timeout)
-    if status != "ok":
-        raise RuntimeError(f"make_gguf.py {status}: see {args.out / 'gguf.log'}")
-    return work / "bin" / "llama-bench", env, gguf
+        return bin_, env, args.gguf
+    return bin_, env, llama_kit.write_gguf(args.peer_dir, work, "q8_0", "q8_0",
+                                           args.out / "gguf.log", timeout)
 
 
 def llama_bench(bin_: Path, env: dict[str, str], args: argparse.Namespace, name: str,
                 cli: list[str], timeout: float) -> tuple[str, list[dict[str, Any]]]:
     rows_file = args.out / f"lcpp_{name}.jsonl"
-    status = run([str(bin_), *cli], args.out / f"lcpp_{name}.log", timeout, rows_file, env)
+    status = llama_kit.run([str(bin_), *cli], args.out / f"lcpp_{name}.log", timeout, rows_file,
+                           env)
     return status, parse_rows(rows_file.read_text()) if rows_file.exists() else []
 
 
