@@ -123,7 +123,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['cold_over_hot']:.2f}x | {100 * r['cold_of_floor']:.0f} % |")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", default="int8,int4")
     p.add_argument("--tokens", default="1,8")
@@ -137,10 +137,15 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     formats = args.formats.split(",")
     shapes = parse_shapes(args.shapes, formats)  # before minutes of packing
-    tokens = [int(n) for n in args.tokens.split(",")]
+    if args.layers < 2:
+        p.error(f"--layers must be at least 2 (a cold call needs other layers' bytes between two "
+                f"reads of its own), got {args.layers}")
+    tokens = [int(n) for n in args.tokens.split(",") if n.strip().isdigit() and int(n) > 0]
+    if len(tokens) != len(args.tokens.split(",")):
+        p.error(f"--tokens takes positive integers, comma-separated, got {args.tokens!r}")
     bandwidth = copy_bandwidth()
     print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows: list[dict[str, Any]] = []

@@ -4,6 +4,7 @@ calls run under Triton's interpreter here, with a stand-in timer that calls them
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -84,3 +85,17 @@ def test_conditions_that_disagree_are_refused() -> None:
 
     with pytest.raises(AssertionError, match="the conditions' outputs differ by"):
         SCRIPT.time_conditions(moe, raws, PAIR_CONFIGS["int8"], 1, 2, 5, timer)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--layers", "1"], "--layers must be at least 2 .a cold call needs other layers' bytes "
+                        "between two reads of its own., got 1"),
+    (["--tokens", "1,0"], "--tokens takes positive integers, comma-separated, got '1,0'"),
+    (["--tokens", "1,x"], "--tokens takes positive integers, comma-separated, got '1,x'"),
+])
+def test_bad_arguments_are_named_before_any_gpu_work(argv: list[str], message: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        SCRIPT.main(argv)
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
