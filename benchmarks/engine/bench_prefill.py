@@ -14,7 +14,7 @@ of that prompt, not counted again). Prints a table, writes JSON and a PNG of tok
 length (with llama.cpp's rows when given).
 
     python benchmarks/engine/bench_prefill.py --shape qwen3-30b-a3b --weight-format int8 --out DIR \
-        [--lengths 128,512,...] [--cpu-max 4096] [--llamacpp FILE.json]
+        [--lengths 128,512,...] [--modes auto,gpu,...] [--cpu-max 4096] [--llamacpp FILE.json]
 
 `--model PATH` times a real file instead of a random-weight shape (a GGUF, converted as `hetmoe
 bench MODEL` converts it, or with `--weight-format`/`--group` into that packed format: the very
@@ -49,6 +49,9 @@ from hetmoe.engine.placement.expert_split import TRIES
 from hetmoe.engine.placement.layer_stream import LayerStreamer
 from hetmoe.experts.routed_mlp import routed_mlp
 from hetmoe.machine import machine_report
+
+MODES = ("auto", "gpu", "split", "cpu")
+"""The prefill_experts modes timed per length, in this order (auto first: its tuner's turns)."""
 
 
 @torch.inference_mode()
@@ -204,6 +207,8 @@ def main() -> None:
                         help="tokens per ubatch for --count-experts (llama.cpp's default 512)")
     parser.add_argument("--num-layers", type=int)
     parser.add_argument("--lengths", default="128,512,1024,2048,4096,8192,16384")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="prefill_experts modes timed per length (the engine's pick: auto)")
     parser.add_argument("--cpu-max", type=int, default=4096, help="longest prompt timed on CPU")
     parser.add_argument("--split-max", type=int, default=8192,
                         help="longest prompt timed with every layer split between CPU and GPU")
@@ -243,7 +248,7 @@ def main() -> None:
     rows = []
     for n in lengths:
         row: dict[str, Any] = {"tokens": n}
-        for name in ("auto", "gpu", "split", "cpu"):
+        for name in args.modes:
             if (name == "cpu" and n > args.cpu_max) or (name == "split" and n > args.split_max):
                 continue
             row[f"{name}_gpu_experts"] = planner.gpu_experts(n, name)
@@ -329,6 +334,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--group applies with --model GGUF and --weight-format")
     if args.ubatch < 1:
         parser.error(f"--ubatch must be >= 1 token, got {args.ubatch}")
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown or not args.modes:
+        parser.error(f"--modes takes some of {', '.join(MODES)}, got "
+                     f"{', '.join(unknown) or 'none'}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,182 @@
+"""Prefill against llama.cpp per prompt length (benchmarks/peers/prefill_vs_llamacpp.py): the
+format pairs, llama-bench's ubatches per length, the rows of both sides as points, their
+markdown table and PNG, and the merge of several calls' JSON (one format per device call).
+
+A call's JSON: {"formats": {fmt: {"ours": {"rows": bench_prefill.py rows, "h2d_gb_s", ...},
+"llamacpp": {"rows": budget_peer.parse_rows rows}}}, "calls": [{command, date, git}]}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PEER_TYPES = {"int4": "q4_0", "int8": "q8_0"}
+"""Our expert format -> the llama.cpp block type of like bytes (a scale per 32 weights)."""
+
+DENSE_TYPE = "q8_0"
+"""The peer GGUF's attention and embeddings: Q8_0 for both formats, so Q4_0 routes like ours."""
+
+DEFAULT_UBATCH = 512
+"""llama.cpp's default ubatch."""
+
+MAX_UBATCH = 16384
+"""The largest `-ub` tried (the prompt's length up to this)."""
+
+
+def parse_formats(text: str) -> list[str]:
+    """"int4,int8" -> ["int4", "int8"]; ValueError naming what is not one of PEER_TYPES."""
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in formats if f not in PEER_TYPES]
+    if bad or not formats or len(set(formats)) != len(formats):
+        raise ValueError(f"--formats takes distinct {', '.join(PEER_TYPES)}, got {text!r}")
+    return formats
+
+
+def parse_lengths(text: str) -> list[int]:
+    """"512,4096" -> [512, 4096]: distinct prompt lengths >= 1, ascending."""
+    try:
+        lengths = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1 or len(set(lengths)) != len(lengths):
+        raise ValueError(f"--lengths takes distinct token counts >= 1, got {text!r}")
+    return sorted(lengths)
+
+
+def ubatches(tokens: int) -> list[int]:
+    """llama-bench's ubatches for one prompt: its default and the prompt's length (capped)."""
+    return sorted({DEFAULT_UBATCH, min(tokens, MAX_UBATCH)})
+
+
+def llama_point(rows: Sequence[dict[str, Any]], tokens: int) -> dict[str, Any] | None:
+    """pp`tokens` tok/s per ubatch, the default ubatch's and the best (with its ubatch); None
+    when no row of that prompt is there (cut by the deadline)."""
+    pp = {r["n_ubatch"]: r["avg_ts"] for r in rows if r["n_prompt"] == tokens
+          and r["n_gen"] == 0}
+    if not pp:
+        return None
+    best = max(pp, key=lambda u: pp[u])
+    return {"by_ubatch": {str(u): pp[u] for u in sorted(pp)}, "best": pp[best],
+            "best_ubatch": best, "default": pp.get(min(DEFAULT_UBATCH, tokens))}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def points(fmt: dict[str, Any]) -> list[dict[str, Any]]:
+    """One format's points per prompt length, ours and llama.cpp's, with ratios: ours (`auto`)
+    over the PCIe floor and over llama.cpp's best and default ubatch; the resident-compute line
+    as tok/s (tokens over the GPU's expert compute per pass with every expert resident)."""
+    ours = {r["tokens"]: r for r in fmt.get("ours", {}).get("rows", [])}
+    peer = fmt.get("llamacpp", {}).get("rows", [])
+    lengths = sorted(set(ours) | {r["n_prompt"] for r in peer if r["n_gen"] == 0})
+    out = []
+    for n in lengths:
+        row, lp = ours.get(n, {}), llama_point(peer, n) or {}
+        compute = row.get("resident_compute_s")
+        point = {"tokens": n, "ours_tok_s": row.get("auto_tok_s"),
+                 "ours_gpu_experts": row.get("auto_gpu_experts"),
+                 "pcie_floor_tok_s": row.get("pcie_floor_tok_s"),
+                 "resident_compute_s": compute,
+                 "resident_tok_s": round(n / compute, 1) if compute else None,
+                 "resident_pass_s": row.get("resident_pass_s"),
+                 "llama_default_tok_s": lp.get("default"), "llama_best_tok_s": lp.get("best"),
+                 "llama_best_ubatch": lp.get("best_ubatch"),
+                 "llama_by_ubatch": lp.get("by_ubatch", {})}
+        point["of_floor"] = _ratio(point["ours_tok_s"], point["pcie_floor_tok_s"])
+        point["over_best"] = _ratio(point["ours_tok_s"], point["llama_best_tok_s"])
+        point["over_default"] = _ratio(point["ours_tok_s"], point["llama_default_tok_s"])
+        out.append(point)
+    return out
+
+
+def merge(results: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Several calls' JSON (name, content) as one: their formats side by side, their calls
+    listed. ValueError when a file is not such a JSON or two files hold the same format."""
+    merged: dict[str, Any] = {"formats": {}, "calls": []}
+    owner: dict[str, str] = {}
+    for name, result in results:
+        if not isinstance(result, dict) or "formats" not in result:
+            raise ValueError(f"{name}: not a prefill_vs_llamacpp.py JSON (no 'formats')")
+        for fmt, entry in result["formats"].items():
+            if fmt in owner:
+                raise ValueError(f"{fmt} is in both {owner[fmt]} and {name}: pass one of them")
+            owner[fmt] = name
+            merged["formats"][fmt] = entry
+        merged["calls"] += [{**c, "file": name} for c in result.get("calls", [])]
+    return merged
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def _x(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def table(result: dict[str, Any]) -> str:
+    """The markdown table of every format's points, a header line per format (its H2D rate and
+    bytes per pass, the floor's two terms)."""
+    lines = []
+    for fmt, entry in result["formats"].items():
+        ours = entry.get("ours", {})
+        peer = PEER_TYPES[fmt].upper()
+        lines += [f"{fmt.upper()} against llama.cpp {peer} (H2D {ours.get('h2d_gb_s', '—')} "
+                  f"GB/s, {_num((ours.get('packed_bytes_per_pass') or 0) / 1e9, 1)} GB of "
+                  "experts per pass):", "",
+                  f"| prompt | hetmoe {fmt.upper()} `auto` (GPU experts/layer) | PCIe floor "
+                  f"(ours of it) | resident compute s (tok/s) | resident pass s | llama.cpp "
+                  f"{peer} `-ub 512` | llama.cpp best (ubatch) | ours ÷ best | ours ÷ `-ub 512` |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for p in points(entry):
+            experts = "" if p["ours_gpu_experts"] is None else f" ({p['ours_gpu_experts']})"
+            of_floor = "" if p["of_floor"] is None else f" ({p['of_floor']:.0%})"
+            resident = ("—" if p["resident_compute_s"] is None else
+                        f"{p['resident_compute_s']:.3f} ({_num(p['resident_tok_s'])})")
+            best = ("—" if p["llama_best_tok_s"] is None else
+                    f"{_num(p['llama_best_tok_s'])} ({p['llama_best_ubatch']})")
+            lines.append(
+                f"| {p['tokens']:,} | {_num(p['ours_tok_s'])}{experts} | "
+                f"{_num(p['pcie_floor_tok_s'])}{of_floor} | {resident} | "
+                f"{_num(p['resident_pass_s'], 3)} | {_num(p['llama_default_tok_s'])} | {best} | "
+                f"**{_x(p['over_best'])}** | {_x(p['over_default'])} |")
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
+
+
+def plot(result: dict[str, Any], path: Path, title: str) -> None:
+    """tok/s against prompt tokens (log x and y): per format ours, llama.cpp's best ubatch, the
+    PCIe floor and the resident-compute line, one colour per format."""
+    # Here, not at the top: matplotlib loads only to plot, with the Agg backend.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series = (("ours_tok_s", "-o", "hetmoe {F} auto"),
+              ("llama_best_tok_s", "--s", "llama.cpp {P} best ubatch"),
+              ("pcie_floor_tok_s", ":", "{F} PCIe floor"),
+              ("resident_tok_s", "-.", "{F} resident compute"))
+    for colour, (fmt, entry) in zip(("tab:blue", "tab:orange"), result["formats"].items(),
+                                    strict=False):
+        pts = points(entry)
+        for key, style, label in series:
+            xy = [(p["tokens"], p[key]) for p in pts if p[key]]
+            if xy:
+                ax.plot(*zip(*xy, strict=True), style, color=colour,
+                        label=label.format(F=fmt.upper(), P=PEER_TYPES[fmt].upper()))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prefill tok/s")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
