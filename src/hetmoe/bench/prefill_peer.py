@@ -158,6 +158,7 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
+    ticks: set[int] = set()
     series = (("ours_tok_s", "-o", "hetmoe {F} auto"),
               ("llama_best_tok_s", "--s", "llama.cpp {P} best ubatch"),
               ("pcie_floor_tok_s", ":", "{F} PCIe floor"),
@@ -165,6 +166,7 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
     for colour, (fmt, entry) in zip(("tab:blue", "tab:orange"), result["formats"].items(),
                                     strict=False):
         pts = points(entry)
+        ticks |= {p["tokens"] for p in pts}
         for key, style, label in series:
             xy = [(p["tokens"], p[key]) for p in pts if p[key]]
             if xy:
@@ -172,6 +174,8 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
                         label=label.format(F=fmt.upper(), P=PEER_TYPES[fmt].upper()))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.set_xticks(sorted(ticks), [f"{t:,}" for t in sorted(ticks)])  # the lengths, not 2^k
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("prefill tok/s")
     ax.set_title(title)
