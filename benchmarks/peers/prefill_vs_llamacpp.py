@@ -207,13 +207,21 @@ def report(result: dict[str, Any], out: Path) -> None:
     plot(result, out / f"{NAME}.png", f"{SHAPE} prefill, experts in host memory")
 
 
+def load(path: Path) -> Any:
+    """A call's JSON; ValueError naming the file when it is not JSON (a copy cut short)."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON ({exc})") from exc
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plot_only:
         try:
-            merged = merge([(str(f), json.loads(f.read_text())) for f in args.plot_only])
-        except ValueError as exc:  # JSONDecodeError is one
+            merged = merge([(str(f), load(f)) for f in args.plot_only])
+        except ValueError as exc:
             sys.exit(f"--plot-only: {exc}")
         (args.out / f"{NAME}.json").write_text(json.dumps(merged, indent=1))
         report(merged, args.out)

@@ -232,3 +232,10 @@ def test_bench_prefill_modes_are_checked() -> None:
     assert done.returncode == 2
     assert "--modes takes some of auto, gpu, split, cpu, got fast" in done.stderr
     assert parse_rows("") == []
+
+
+def test_plot_only_names_a_file_that_is_not_json(module: Any, tmp_path: Path) -> None:
+    bad = tmp_path / "cut.json"
+    bad.write_text('{"formats": {"int4"')  # a copy cut short
+    with pytest.raises(SystemExit, match=f"^--plot-only: {bad} is not JSON \\(Expecting"):
+        module.main(["--plot-only", str(bad), "--out", str(tmp_path / "o")])
