@@ -78,8 +78,20 @@ def test_table_merge_and_plot(tmp_path: Path) -> None:
     assert lines[13].endswith("| **4.00x** | 20.00x |")  # int8's ours doubled: 20,000 / 1,000
     plot(merged, tmp_path / "fig.png", "t")
     assert (tmp_path / "fig.png").read_bytes()[:8] == PNG
-    with pytest.raises(ValueError, match="^int4 is in both a.json and c.json: pass one of them$"):
+    with pytest.raises(ValueError, match="^int4 at 512 tokens is in both a.json and c.json: "
+                                         "pass one of them$"):
         merge([("a.json", a), ("c.json", a)])
+    # One format over two calls, by length: joined, each row with its own call's floor.
+    short, long = fmt_entry(), fmt_entry()
+    short["llamacpp"]["rows"] = short["llamacpp"]["rows"][:3]
+    long["ours"] = {"rows": [{"tokens": 16384, "auto_tok_s": 20000.0,
+                              "pcie_floor_tok_s": 40000.0}], "h2d_gb_s": 50.0}
+    long["llamacpp"]["rows"] = long["llamacpp"]["rows"][3:]
+    joined = merge([("s.json", {"formats": {"int4": short}}),
+                    ("l.json", {"formats": {"int4": long}})])["formats"]["int4"]
+    assert joined["ours"]["h2d_gb_s"] == 55.0  # the first call's
+    assert [(p["tokens"], p["over_best"], p["of_floor"]) for p in points(joined)] == [
+        (512, 1.25, 0.8), (4096, 2.0, 0.909), (16384, 5.0, 0.5)]
     with pytest.raises(ValueError, match=r"^x.json: not a prefill_vs_llamacpp.py JSON"):
         merge([("x.json", {"rows": []})])
     with pytest.raises(ValueError, match=r"--lengths takes distinct token counts >= 1, got '0'"):

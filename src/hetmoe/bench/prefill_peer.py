@@ -93,19 +93,32 @@ def points(fmt: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _lengths(entry: dict[str, Any]) -> set[int]:
+    return ({r["tokens"] for r in entry.get("ours", {}).get("rows", [])}
+            | {r["n_prompt"] for r in entry.get("llamacpp", {}).get("rows", [])})
+
+
 def merge(results: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """Several calls' JSON (name, content) as one: their formats side by side, their calls
-    listed. ValueError when a file is not such a JSON or two files hold the same format."""
+    """Several calls' JSON (name, content) as one: their formats side by side, a format split
+    over calls by length joined (each row keeps its own call's floor; the header the first
+    call's H2D), their calls listed. ValueError when a file is not such a JSON or two files
+    hold the same format at the same length."""
     merged: dict[str, Any] = {"formats": {}, "calls": []}
-    owner: dict[str, str] = {}
+    owner: dict[tuple[str, int], str] = {}
     for name, result in results:
         if not isinstance(result, dict) or "formats" not in result:
             raise ValueError(f"{name}: not a prefill_vs_llamacpp.py JSON (no 'formats')")
         for fmt, entry in result["formats"].items():
-            if fmt in owner:
-                raise ValueError(f"{fmt} is in both {owner[fmt]} and {name}: pass one of them")
-            owner[fmt] = name
-            merged["formats"][fmt] = entry
+            for n in sorted(_lengths(entry)):
+                if (fmt, n) in owner:
+                    raise ValueError(f"{fmt} at {n} tokens is in both {owner[fmt, n]} and "
+                                     f"{name}: pass one of them")
+                owner[fmt, n] = name
+            into = merged["formats"].setdefault(fmt, {})
+            for side in ("ours", "llamacpp"):
+                if side in entry:
+                    rows = into.get(side, {}).get("rows", []) + entry[side].get("rows", [])
+                    into[side] = {**entry[side], **into.get(side, {}), "rows": rows}
         merged["calls"] += [{**c, "file": name} for c in result.get("calls", [])]
     return merged
 
