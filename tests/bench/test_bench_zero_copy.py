@@ -5,6 +5,8 @@ decode window's rate, the pair-kernel part with a stand-in timer, and the tables
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +16,22 @@ from bench_script import load_script
 from hetmoe.experts.packed_layout import host_tensor
 
 SCRIPT = load_script("kernels/bench_zero_copy.py")
+
+HOPPER = f"""
+import re, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from bench_script import load_script
+from hopper_compile import compile_for_hopper
+
+script = load_script("kernels/bench_zero_copy.py")
+types = {{"src": "*u8", "out": "*i64", "n": "i64", "iters": "i32"}}
+ptx = compile_for_hopper(script.sum_bytes_kernel, types, aligned=True, options={{"num_warps": 4}},
+                         BLOCK=4096, UNROLL=4).asm["ptx"]
+# 4096 bytes over 128 threads: 2 loads of 16 bytes a thread a step, 4 steps in flight
+loads = re.findall(r"ld\\.global\\S*", ptx)
+assert loads == ["ld.global.v4.b32"] * 8, loads
+print("compiled")
+"""
 
 
 @pytest.mark.parametrize(("n", "shape", "programs"), [
@@ -169,6 +187,15 @@ def test_tables_leave_out_parts_not_run(capsys: pytest.CaptureFixture[str]) -> N
     SCRIPT.print_tables({"read": []})
     out = capsys.readouterr().out
     assert "GPU reader" not in out and "pairs:" not in out
+
+
+def test_the_read_kernel_compiles_to_16_byte_loads_for_hopper() -> None:
+    sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
+    try:
+        from hopper_compile import assert_compiles_for_hopper
+    finally:
+        sys.path.pop(0)
+    assert_compiles_for_hopper(HOPPER)
 
 
 @pytest.mark.device
