@@ -120,7 +120,7 @@ def print_plan(path: Path, fmt: str, group: int | None, device: object,
     import torch
 
     from hetmoe.engine.model.model_setup import default_device
-    from hetmoe.engine.model.model_source import DEFAULT_MAX_SEQ_LEN
+    from hetmoe.engine.model.model_source import default_window
     from hetmoe.engine.placement.placement_plan import planned_placement
     from hetmoe.loading.checkpoint import Checkpoint
     from hetmoe.loading.convert_plan import plan_convert
@@ -133,8 +133,7 @@ def print_plan(path: Path, fmt: str, group: int | None, device: object,
         total = sum(plan.file_sizes().values())
         typer.echo(f"{'total on disk':<36} {total / 1e9:10.3f} GB  ({total} bytes)")
     config = plan.checkpoint.config
-    window = min(int(getattr(config, "max_position_embeddings", DEFAULT_MAX_SEQ_LEN)),
-                 DEFAULT_MAX_SEQ_LEN)
+    window = default_window(config)
     chosen = device if isinstance(device, torch.device) else default_device()
     typer.echo(f"memory on {chosen} ({_DEFAULTS.max_batch} slots x {window} tokens of KV):")
     mem = memory_plan(plan.skeleton, chosen, plan.dtype, config, _DEFAULTS.max_batch * window,
