@@ -48,17 +48,23 @@ BF16_PEAK = 790e12
 """Dense bf16 tensor-core FLOP/s taken as this GPU's peak (H100/H200 SXM, as the issue)."""
 
 
-def build_layer(fmt: str, experts: int, hidden: int, inter: int) -> CpuMoE:
-    """A layer of random experts (N(0, 0.02) as trained weights; fp8 codes with unit scales)."""
+def random_weights(experts: int, hidden: int, inter: int) -> list[torch.Tensor]:
+    """Gate, up and down of `experts` random experts, N(0, 0.02) as trained weights, bf16."""
     g = torch.Generator().manual_seed(0)
     shapes = ((experts, inter, hidden),) * 2 + ((experts, hidden, inter),)
-    ws = [(torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for s in shapes]
+    return [(torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for s in shapes]
+
+
+def build_layer(fmt: str, experts: int, hidden: int, inter: int) -> CpuMoE:
+    """A layer of `random_weights` (fp8: their codes with unit scales)."""
+    ws = random_weights(experts, hidden, inter)
     moe = CpuMoE(experts, hidden, inter, fmt)
     if fmt != "fp8":
         moe.load(*ws)
         return moe
     codes = [w.float().mul(64).to(torch.float8_e4m3fn) for w in ws]
-    scales = [torch.full((experts, -(-s[1] // 128), -(-s[2] // 128)), 1 / 64) for s in shapes]
+    scales = [torch.full((experts, -(-w.shape[1] // 128), -(-w.shape[2] // 128)), 1 / 64)
+              for w in ws]
     moe.load(*codes, *scales)
     return moe
 

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 import triton
 import triton.language as tl
-from bench_packed_moe import gpu_ms, graph_ms
+from bench_packed_moe import gpu_ms, graph_ms, random_weights
 
 from hetmoe import _cpu
 from hetmoe.bench.shapes import routed_expert_shape
@@ -215,10 +215,8 @@ def overlap(gpu: Callable[[], object], gpu_bytes: int, layers: list[CpuMoE], k: 
 
 
 def int8_layers(count: int, experts: int, hidden: int, inter: int) -> list[CpuMoE]:
-    """`count` INT8 layers of the same random experts (N(0, 0.02)), each in its own memory."""
-    g = torch.Generator().manual_seed(0)
-    shapes = ((experts, inter, hidden),) * 2 + ((experts, hidden, inter),)
-    ws = [(torch.randn(s, generator=g) * 0.02).bfloat16() for s in shapes]
+    """`count` INT8 layers of the same `random_weights`, each in its own memory."""
+    ws = random_weights(experts, hidden, inter)
     layers = [CpuMoE(experts, hidden, inter, "int8") for _ in range(count)]
     for layer in layers:
         layer.load(*ws)
