@@ -10,19 +10,27 @@ best), in this order, each in its own process so one model's host memory is gone
    prebuilt llama-bench, experts in host memory (`-ngl 99 -ncmoe 48`), each length at the
    default ubatch and at `-ub` = the length (up to 16384): both kept, the best marked.
 OUT/prefill_vs_llamacpp.json is rewritten after every point (a call cut by its limit keeps what
-finished); then OUT/prefill_vs_llamacpp.{md,png}. `--plot-only` merges the JSON of several calls
-into one table and one PNG (no GPU).
+finished); then OUT/prefill_vs_llamacpp.{md,png}. OUT holds only these and one tar of the logs
+and raw rows (prefill_vs_llamacpp_logs.tgz, rewritten after each stage): the llama.cpp kit, our
+run's folder and the logs live in `--work` (default a temp dir, removed at the end) and the GGUF
+in /dev/shm, so a device call's few returned files hold the whole result. `--plot-only` merges
+the JSON of several calls into one table and one PNG (no GPU); `--from-log` does the same from
+the tables that calls printed into their logs (for a call whose JSON was lost).
 
     python benchmarks/peers/prefill_vs_llamacpp.py --peer-dir .peers --formats int4 --out OUT
     python benchmarks/peers/prefill_vs_llamacpp.py --plot-only A.json B.json --out OUT
+    python benchmarks/peers/prefill_vs_llamacpp.py --from-log int4.log int8.log --out OUT
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +45,7 @@ from hetmoe.bench.prefill_peer import (
     merge,
     parse_formats,
     parse_lengths,
+    parse_log,
     plot,
     table,
     ubatches,
@@ -52,7 +61,10 @@ NAME = "prefill_vs_llamacpp"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True,
+                   help="the JSON, md, PNG and one tar of logs (nothing else)")
+    p.add_argument("--work", type=Path,
+                   help="the kit, our run's folder and the logs (default: a temp dir, removed)")
     p.add_argument("--peer-dir", type=Path, help="the peer kit (.peers: llama-bench, make_gguf)")
     p.add_argument("--formats", default="int4,int8", help="int4 (vs Q4_0), int8 (vs Q8_0)")
     p.add_argument("--lengths", default="512,1024,4096,16384", help="prompt tokens")
@@ -65,13 +77,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lcpp-reps", type=int, default=1, help="llama-bench -r")
     p.add_argument("--plot-only", type=Path, nargs="+", metavar="JSON",
                    help="merge these calls' JSON into one table and PNG under --out; no runs")
+    p.add_argument("--from-log", type=Path, nargs="+", metavar="LOG",
+                   help="as --plot-only, from the tables these calls printed into their logs")
     args = p.parse_args(argv)
     try:  # every value checked here, before any slow work
-        if args.plot_only:
-            missing = [str(f) for f in args.plot_only if not f.is_file()]
+        if args.plot_only and args.from_log:
+            raise ValueError("--plot-only and --from-log: pass one of them")
+        for flag, files in (("--plot-only", args.plot_only), ("--from-log", args.from_log)):
+            missing = [str(f) for f in files or [] if not f.is_file()]
             if missing:
-                raise ValueError(f"--plot-only: no such file {', '.join(missing)}")
-            return args
+                raise ValueError(f"{flag}: no such file {', '.join(missing)}")
+            if files:
+                return args
         args.formats = parse_formats(args.formats)
         args.lengths = parse_lengths(args.lengths)
         args.stages = [s for s in args.stages.split(",") if s]
@@ -120,7 +137,7 @@ def ours(args: argparse.Namespace, fmt: str, entry: dict[str, Any], save: Callab
          timeout: float) -> str:
     """bench_prefill.py in `auto` mode; each length's row lands in `entry` (and the JSON) as it
     prints; its final JSON adds the H2D rate, bytes per pass and machine."""
-    out = args.out / f"ours_{fmt}"
+    out = args.work / f"ours_{fmt}"
     out.mkdir(parents=True, exist_ok=True)
     rows: dict[int, dict[str, Any]] = {}
     mine = entry.setdefault("ours", {"rows": []})
@@ -139,9 +156,10 @@ def ours(args: argparse.Namespace, fmt: str, entry: dict[str, Any], save: Callab
            "--lengths", ",".join(map(str, args.lengths)), "--modes", "auto", "--repeats",
            str(args.repeats), "--out", str(out)] + (["--resident-pass"] if args.resident_pass
                                                      else [])
-    status = stream(cmd, args.out / f"ours_{fmt}.log", timeout, on_line)
+    status = stream(cmd, args.logs / f"ours_{fmt}.log", timeout, on_line)
     final = out / f"prefill_{SHAPE}_{fmt}.json"
     if final.exists():
+        shutil.copy(final, args.logs / final.name)
         whole = json.loads(final.read_text())
         mine.update({k: whole[k] for k in ("h2d_gb_s", "packed_bytes_per_pass", "split_costs",
                                            "distinct_experts_per_512", "build_s", "machine",
@@ -154,14 +172,14 @@ def llamacpp(args: argparse.Namespace, fmt: str, entry: dict[str, Any], save: Ca
              left: Callable[[float], float]) -> str:
     """The kit's GGUF of `fmt`'s peer type, then one llama-bench call per length (its rows in
     `entry` and the JSON after each); the GGUF is removed at the end (tmpfs)."""
-    work = args.out / "lcpp"
+    work = args.work / "lcpp"
     peer = entry.setdefault("llamacpp", {"gguf_type": PEER_TYPES[fmt], "dense_type": DENSE_TYPE,
                                          "ncmoe": moe_layer_count(SHAPE),
                                          "threads": args.threads, "rows": [], "calls": {}})
     bin_, env = llama_kit.unpack_llama_bench(args.peer_dir, work)
     start = time.monotonic()
     gguf = llama_kit.write_gguf(args.peer_dir, work, PEER_TYPES[fmt], DENSE_TYPE,
-                                args.out / f"gguf_{fmt}.log", min(300.0, left(60)))
+                                args.logs / f"gguf_{fmt}.log", min(300.0, left(60)))
     peer["gguf_s"] = round(time.monotonic() - start, 1)
     status = "ok"
     try:
@@ -170,9 +188,9 @@ def llamacpp(args: argparse.Namespace, fmt: str, entry: dict[str, Any], save: Ca
                 return "cut by the deadline"
             cli = bench_args(str(gguf), [peer["ncmoe"]], args.threads, n, 0, ubatches(n),
                              args.lcpp_reps)
-            rows_file = args.out / f"lcpp_{fmt}_{n}.jsonl"
+            rows_file = args.logs / f"lcpp_{fmt}_{n}.jsonl"
             start = time.monotonic()
-            status = llama_kit.run([str(bin_), *cli], args.out / f"lcpp_{fmt}_{n}.log",
+            status = llama_kit.run([str(bin_), *cli], args.logs / f"lcpp_{fmt}_{n}.log",
                                    left(5), rows_file, env)
             peer["rows"] += parse_rows(rows_file.read_text()) if rows_file.exists() else []
             peer["calls"][str(n)] = [round(time.monotonic() - start, 1), status]
@@ -201,7 +219,9 @@ def report(result: dict[str, Any], out: Path) -> None:
     """OUT/NAME.md (printed) and OUT/NAME.png of `result` (one call's or a merge's)."""
     calls = "; ".join(f"`{c['command']}` ({c['date']}, git {c['git']}, {c['machine']['gpu']})"
                       for c in result["calls"])
-    text = f"Calls: {calls}\n\n{table(result)}\n"
+    sources = [c["source"] for c in result["calls"] if "source" in c]
+    drawn = f"Drawn from the {'; '.join(sources)} (their JSON was lost).\n\n" if sources else ""
+    text = f"Calls: {calls}\n\n{drawn}{table(result)}\n"
     (out / f"{NAME}.md").write_text(text)
     print(text)
     plot(result, out / f"{NAME}.png", f"{SHAPE} prefill, experts in host memory")
@@ -215,17 +235,47 @@ def load(path: Path) -> Any:
         raise ValueError(f"{path} is not JSON ({exc})") from exc
 
 
+def pack_logs(logs: Path, tar: Path) -> None:
+    """Every file in `logs` into one tar (flat), written beside and then renamed: a call cut
+    while it packs keeps the previous tar."""
+    part = tar.with_suffix(".part")
+    with tarfile.open(part, "w:gz") as out:
+        for f in sorted(logs.iterdir()):
+            out.add(f, arcname=f.name)
+    part.replace(tar)
+
+
+def redraw(args: argparse.Namespace) -> None:
+    """--plot-only / --from-log: several calls' JSON, or their printed tables, as one."""
+    try:
+        merged = (merge([(str(f), load(f)) for f in args.plot_only]) if args.plot_only else
+                  merge([(str(f), parse_log(f.read_text(), str(f))) for f in args.from_log]))
+    except ValueError as exc:
+        sys.exit(f"{'--plot-only' if args.plot_only else '--from-log'}: {exc}")
+    (args.out / f"{NAME}.json").write_text(json.dumps(merged, indent=1))
+    report(merged, args.out)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.plot_only:
-        try:
-            merged = merge([(str(f), load(f)) for f in args.plot_only])
-        except ValueError as exc:
-            sys.exit(f"--plot-only: {exc}")
-        (args.out / f"{NAME}.json").write_text(json.dumps(merged, indent=1))
-        report(merged, args.out)
+    if args.plot_only or args.from_log:
+        redraw(args)
         return
+    temp = args.work is None
+    args.work = Path(tempfile.mkdtemp(prefix=f"{NAME}_")) if temp else args.work
+    args.logs = args.work / "logs"
+    args.logs.mkdir(parents=True, exist_ok=True)
+    try:
+        run(args, argv)
+    finally:
+        if temp:
+            shutil.rmtree(args.work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> None:
+    """Every (format, stage) of the plan, the JSON after each point, the logs' tar after each
+    stage, then the table and PNG."""
     from hetmoe.bench.harness import git_sha, now_utc
 
     end = time.monotonic() + args.deadline
@@ -259,8 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"== {fmt}/{stage}: {status} in {result['timings'][f'{fmt}/{stage}'][0]} s",
               flush=True)
         save()
+        pack_logs(args.logs, args.out / f"{NAME}_logs.tgz")
     report(result, args.out)
-
 
 if __name__ == "__main__":
     main()

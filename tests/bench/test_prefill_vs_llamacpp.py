@@ -1,6 +1,8 @@
 """benchmarks/peers/prefill_vs_llamacpp.py on the CPU: its points, ratios, table, merge and PNG
 from canned rows, and the whole call with stand-ins for bench_prefill.py (ours needs a GPU) and
-for the peer kit (llama-bench and make_gguf.py), a call cut by its deadline included."""
+for the peer kit (llama-bench and make_gguf.py), a call cut by its deadline included; what OUT
+holds (a handful of files, the kit and logs in the work folder); the figure redrawn from two
+device calls' logs (data/, copies of 2026-11-27's, whose JSON did not come back)."""
 
 from __future__ import annotations
 
@@ -18,10 +20,22 @@ from bench_script import load_script
 
 from hetmoe.bench import llama_kit
 from hetmoe.bench.budget_peer import parse_rows
-from hetmoe.bench.prefill_peer import llama_point, merge, parse_lengths, plot, points, table
+from hetmoe.bench.prefill_peer import (
+    llama_point,
+    merge,
+    parse_lengths,
+    parse_log,
+    plot,
+    points,
+    table,
+)
 
 SCRIPT = "peers/prefill_vs_llamacpp.py"
 PNG = b"\x89PNG\r\n\x1a\n"
+DATA = Path(__file__).parent / "data"
+OUT_FILES = ["prefill_vs_llamacpp.json", "prefill_vs_llamacpp.md", "prefill_vs_llamacpp.png",
+             "prefill_vs_llamacpp_logs.tgz"]
+"""Everything a call leaves in --out."""
 
 
 def lcpp_row(prompt: int, ubatch: int, tok_s: float) -> dict[str, Any]:
@@ -162,9 +176,18 @@ def module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def test_a_call_with_stand_ins_and_its_plot_only_merge(module: Any, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    kit, out = fake_kit(tmp_path), tmp_path / "out"
+    kit, out, work = fake_kit(tmp_path), tmp_path / "out", tmp_path / "work"
     module.main(["--peer-dir", str(kit), "--formats", "int4", "--lengths", "4096,512,16384",
-                 "--out", str(out)])
+                 "--out", str(out), "--work", str(work)])
+    assert sorted(os.listdir(out)) == OUT_FILES
+    assert (work / "lcpp" / "bin" / "llama-bench").is_file()  # the kit in the work folder
+    logs = ["gguf_int4.log", *(f"lcpp_int4_{n}.{x}" for n in (16384, 4096, 512)
+                               for x in ("jsonl", "log")), "ours_int4.log",
+            "prefill_qwen3-30b-a3b_int4.json"]
+    with tarfile.open(out / "prefill_vs_llamacpp_logs.tgz") as tar:
+        assert sorted(tar.getnames()) == sorted(logs)
+        rows = tar.extractfile("lcpp_int4_512.jsonl")
+        assert rows is not None and json.loads(rows.read())["n_prompt"] == 512
     result = json.loads((out / "prefill_vs_llamacpp.json").read_text())
     assert list(result["timings"]) == ["int4/ours", "int4/llamacpp"]
     assert [t[1] for t in result["timings"].values()] == ["ok", "ok"]
@@ -201,9 +224,19 @@ def test_a_call_with_stand_ins_and_its_plot_only_merge(module: Any, tmp_path: Pa
 def test_a_call_cut_by_its_deadline_keeps_the_points_that_finished(
         module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_HANG", "1")  # ours hangs after its first length
-    out = tmp_path / "out"
+    out, temp = tmp_path / "out", tmp_path / "temp"
+
+    def mkdtemp(prefix: str) -> str:
+        temp.mkdir()
+        return str(temp)
+
+    monkeypatch.setattr(module.tempfile, "mkdtemp", mkdtemp)
     module.main(["--stages", "ours", "--formats", "int8", "--lengths", "512,4096",
                  "--deadline", "3", "--out", str(out)])
+    assert not temp.exists()  # the default work folder, removed at the end
+    assert sorted(os.listdir(out)) == OUT_FILES
+    with tarfile.open(out / "prefill_vs_llamacpp_logs.tgz") as tar:
+        assert tar.getnames() == ["ours_int8.log"]
     result = json.loads((out / "prefill_vs_llamacpp.json").read_text())
     assert result["timings"]["int8/ours"][1] == "timed out"
     assert [r["tokens"] for r in result["formats"]["int8"]["ours"]["rows"]] == [512]
@@ -218,6 +251,9 @@ def test_a_call_cut_by_its_deadline_keeps_the_points_that_finished(
     ([], "--peer-dir is needed for llama.cpp (or --stages ours)"),
     (["--peer-dir", "nowhere"], "peer kit nowhere is not a directory"),
     (["--plot-only", "none.json"], "--plot-only: no such file none.json"),
+    (["--from-log", "none.log"], "--from-log: no such file none.log"),
+    (["--plot-only", "a.json", "--from-log", "a.log"],
+     "--plot-only and --from-log: pass one of them"),
 ])
 def test_arguments_are_checked_before_any_work(module: Any, tmp_path: Path, argv: list[str],
                                                message: str,
@@ -251,3 +287,51 @@ def test_plot_only_names_a_file_that_is_not_json(module: Any, tmp_path: Path) ->
     bad.write_text('{"formats": {"int4"')  # a copy cut short
     with pytest.raises(SystemExit, match=f"^--plot-only: {bad} is not JSON \\(Expecting"):
         module.main(["--plot-only", str(bad), "--out", str(tmp_path / "o")])
+
+
+def test_the_figure_from_two_calls_printed_tables(module: Any, tmp_path: Path) -> None:
+    """2026-11-27's INT4 and INT8 calls, whose JSON did not come back: the tables they printed
+    read back into rows whose table is the printed one, line for line, and one PNG of both."""
+    logs = [DATA / "prefill_vs_llamacpp_int4.log", DATA / "prefill_vs_llamacpp_int8.log"]
+    for log in logs:
+        text = log.read_text()
+        printed = [line for line in text.splitlines()
+                   if line.startswith("|") or line.startswith("INT")]
+        assert [line for line in table(parse_log(text, log.name)).splitlines() if line] == printed
+    int4 = parse_log(logs[0].read_text(), "int4.log")
+    (call,) = int4["calls"]
+    assert (call["date"], call["git"], call["machine"]["gpu"], call["source"]) == (
+        "2026-11-27 16:08 UTC", "705b9be", "NVIDIA H100 80GB HBM3", "tables printed in int4.log")
+    assert int4["formats"]["int4"]["ours"]["h2d_gb_s"] == 54.3
+    p512, p1k, p4k, p16k = points(int4["formats"]["int4"])
+    assert (p512["ours_tok_s"], p512["pcie_floor_tok_s"], p512["ours_gpu_experts"]) == (
+        1371.0, 1394.0, 128)
+    assert (p1k["llama_default_tok_s"], p1k["llama_best_tok_s"], p1k["llama_best_ubatch"]) == (
+        1311.0, 2366.0, 1024)
+    assert (p4k["over_best"], p4k["resident_tok_s"], p16k["resident_pass_s"]) == (
+        1.87, 26754.0, 0.772)
+    out = tmp_path / "fig"
+    module.main(["--from-log", *map(str, logs), "--out", str(out)])
+    assert sorted(os.listdir(out)) == OUT_FILES[:3]
+    md = (out / "prefill_vs_llamacpp.md").read_text()
+    assert md.count("against llama.cpp") == 2
+    assert (f"Drawn from the tables printed in {logs[0]}; tables printed in {logs[1]} (their "
+            "JSON was lost).") in md
+    assert "| 16,384 | 21,489 (128) | 28,951 (74%) | 0.388 (42,227) | 0.744 | 794 | 4,978 " \
+           "(16384) | **4.32x** | 27.07x |" in md
+    assert (out / "prefill_vs_llamacpp.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("nothing here\n", "^x.log: no 'INTn against llama.cpp' table in it$"),
+    ("INT3 against llama.cpp Q3_0 (H2D 5 GB/s, 1 GB of experts per pass):\n",
+     "^x.log, line 1: format INT3: expected one of int4, int8$"),
+    ("INT4 against llama.cpp Q4_0 (H2D 5 GB/s, 1 GB of experts per pass):\n| 512 | 1 | 2 |\n",
+     "^x.log, line 2: 3 cells, the table has 9$"),
+    ("INT4 against llama.cpp Q4_0 (H2D 5 GB/s, 1 GB of experts per pass):\n"
+     "| 512 | fast | 1 | 1 | 1 | 1 | 1 (512) | 1.0x | 1.0x |\n",
+     "^x.log, line 2: not a table cell of numbers: 'fast'$"),
+])
+def test_a_log_without_a_readable_table_is_named(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_log(text, "x.log")

@@ -1,6 +1,7 @@
 """Prefill against llama.cpp per prompt length (benchmarks/peers/prefill_vs_llamacpp.py): the
 format pairs, llama-bench's ubatches per length, the rows of both sides as points, their
-markdown table and PNG, and the merge of several calls' JSON (one format per device call).
+markdown table and PNG, the merge of several calls' JSON (one format per device call), and a
+call's JSON rebuilt from the table it printed (`parse_log`: for a call whose JSON was lost).
 
 A call's JSON: {"formats": {fmt: {"ours": {"rows": bench_prefill.py rows, "h2d_gb_s", ...},
 "llamacpp": {"rows": budget_peer.parse_rows rows}}}, "calls": [{command, date, git}]}.
@@ -8,6 +9,7 @@ A call's JSON: {"formats": {fmt: {"ours": {"rows": bench_prefill.py rows, "h2d_g
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -87,8 +89,11 @@ def points(fmt: dict[str, Any]) -> list[dict[str, Any]]:
                  "llama_best_ubatch": lp.get("best_ubatch"),
                  "llama_by_ubatch": lp.get("by_ubatch", {})}
         point["of_floor"] = _ratio(point["ours_tok_s"], point["pcie_floor_tok_s"])
-        point["over_best"] = _ratio(point["ours_tok_s"], point["llama_best_tok_s"])
-        point["over_default"] = _ratio(point["ours_tok_s"], point["llama_default_tok_s"])
+        # A row rebuilt from a printed table keeps its printed ratios (of unrounded tok/s).
+        point["over_best"] = row.get("over_best",
+                                     _ratio(point["ours_tok_s"], point["llama_best_tok_s"]))
+        point["over_default"] = row.get("over_default",
+                                        _ratio(point["ours_tok_s"], point["llama_default_tok_s"]))
         out.append(point)
     return out
 
@@ -159,6 +164,89 @@ def table(result: dict[str, Any]) -> str:
                 f"**{_x(p['over_best'])}** | {_x(p['over_default'])} |")
         lines.append("")
     return "\n".join(lines).rstrip("\n")
+
+
+CALL = re.compile(r"`([^`]+)` \(([^,]+), git (\S+), ([^)]*)\)")
+"""One call in a report's "Calls:" line: `command` (date, git SHA, GPU)."""
+
+HEADER = re.compile(r"^(INT\d) against llama\.cpp \S+ \(H2D (\S+) GB/s, (\S+) GB of experts "
+                    r"per pass\):$")
+"""A format's header line in `table`'s output."""
+
+
+def _cell(text: str) -> tuple[float | None, float | None]:
+    """'1,371 (128)' -> (1371.0, 128.0); '1,394 (98%)' -> (1394.0, None); '—' -> (None, None)."""
+    found = re.fullmatch(r"([0-9.,]+|—)(?: \(([0-9.,]+)%?\))?", text.strip())
+    if found is None:
+        raise ValueError(f"not a table cell of numbers: {text!r}")
+    value, inner = found.groups()
+    number = None if value == "—" else float(value.replace(",", ""))
+    return number, (float(inner.replace(",", "")) if inner and not text.endswith("%)") else None)
+
+
+def _times(text: str) -> float | None:
+    """'**1.08x**' -> 1.08; '—' -> None."""
+    value = text.strip("* ")
+    if value == "—":
+        return None
+    if not re.fullmatch(r"[0-9.]+x", value):
+        raise ValueError(f"not a ratio cell: {text!r}")
+    return float(value[:-1])
+
+
+def _log_row(cells: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One printed table row -> our row and llama.cpp's rows (its default and best ubatch)."""
+    n = int(cells[0].replace(",", ""))
+    (ours, experts), (floor, _) = _cell(cells[1]), _cell(cells[2])
+    compute, compute_tok_s = _cell(cells[3])
+    (resident_pass, _), (default, _), (best, best_ub) = (_cell(c) for c in cells[4:7])
+    row = {"tokens": n, "auto_tok_s": ours, "pcie_floor_tok_s": floor,
+           "auto_gpu_experts": None if experts is None else int(experts),
+           # tokens / the printed tok/s: more digits than the printed seconds
+           "resident_compute_s": n / compute_tok_s if compute_tok_s else compute,
+           "resident_pass_s": resident_pass, "over_best": _times(cells[7]),
+           "over_default": _times(cells[8])}
+    peer = {int(best_ub): best} if best is not None and best_ub is not None else {}
+    if default is not None:
+        peer[min(DEFAULT_UBATCH, n)] = default
+    return ({k: v for k, v in row.items() if v is not None},
+            [{"n_prompt": n, "n_gen": 0, "n_ubatch": u, "avg_ts": ts} for u, ts in peer.items()])
+
+
+def parse_log(text: str, name: str) -> dict[str, Any]:
+    """A call's JSON rebuilt from the "Calls:" line and the tables `table` printed into its log
+    (`name`, for errors): ours' rows (tok/s, GPU experts, floor, resident compute and pass) and
+    llama.cpp's default and best ubatch per length. ValueError naming the log and line when it
+    holds no such table or a row does not read."""
+    result: dict[str, Any] = {"formats": {}, "calls": []}
+    entry: dict[str, Any] | None = None
+    for i, line in enumerate(text.splitlines(), 1):
+        try:
+            if line.startswith("Calls: "):
+                result["calls"] += [{"command": c, "date": d, "git": g, "machine": {"gpu": gpu},
+                                     "source": f"tables printed in {name}"}
+                                    for c, d, g, gpu in CALL.findall(line)]
+            elif header := HEADER.match(line):
+                fmt, h2d, gb = header.groups()
+                if fmt.lower() not in PEER_TYPES:
+                    raise ValueError(f"format {fmt}: expected one of {', '.join(PEER_TYPES)}")
+                entry = result["formats"].setdefault(fmt.lower(), {
+                    "ours": {"rows": [], "packed_bytes_per_pass": float(gb) * 1e9},
+                    "llamacpp": {"rows": []}})
+                if h2d != "—":
+                    entry["ours"]["h2d_gb_s"] = float(h2d)
+            elif entry is not None and re.match(r"^\| [0-9,]+ \|", line):
+                cells = [c.strip() for c in line.strip().strip("|").split("|")]
+                if len(cells) != 9:
+                    raise ValueError(f"{len(cells)} cells, the table has 9")
+                ours, peer = _log_row(cells)
+                entry["ours"]["rows"].append(ours)
+                entry["llamacpp"]["rows"] += peer
+        except ValueError as exc:
+            raise ValueError(f"{name}, line {i}: {exc}") from exc
+    if not result["formats"]:
+        raise ValueError(f"{name}: no 'INTn against llama.cpp' table in it")
+    return result
 
 
 def plot(result: dict[str, Any], path: Path, title: str) -> None:
