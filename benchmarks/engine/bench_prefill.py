@@ -24,6 +24,10 @@ experts moves (ours packed; the GGUF's blocks with --model GGUF) and the PCIe fl
 (hetmoe/bench/expert_count.py); `--count-only` skips the timing (runs without a GPU too; the
 experts stay in host memory: counting reads the routers only).
 
+`--split-k 96,104,...` also times, per length, passes that stream exactly that many experts per
+layer (the rest on the CPU at once), the planner's pick set aside: the split's measured curve,
+against which the cost model's k and the tuner's choice are judged.
+
 HETMOE_GPU_EXPERTS=unpack times the torch unpack + grouped GEMM instead of the packed kernels
 (the A/B of docs/benchmarks/gpu_kernels.md; the file name gets an `_unpack` suffix).
 """
@@ -36,6 +40,7 @@ import json
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -129,6 +134,20 @@ def unpack_row(runner: ModelRunner, row: dict[str, Any], n: int, top_k: int, con
                       "resident_compute_unpack_s": row["resident_compute_unpack_s"]}), flush=True)
 
 
+def split_k_row(runner: ModelRunner, row: dict[str, Any], n: int, ks: list[int], vocab: int,
+                repeats: int) -> None:
+    """Adds `split_k_tok_s` {k: tok/s}: passes of n tokens streaming exactly k experts per layer
+    (k >= the experts per layer: all of them), each k after a pass of warm-up."""
+    planner = runner.planner
+    assert planner is not None
+    row["split_k_tok_s"] = {}
+    for k in ks:
+        with mock.patch.object(planner, "_pick", return_value=(min(k, planner.most), False)):
+            measure.prefill_speed(runner, n, vocab, 1)
+            row["split_k_tok_s"][k] = round(measure.prefill_speed(runner, n, vocab, repeats), 1)
+    print(json.dumps({"tokens": n, "split_k_tok_s": row["split_k_tok_s"]}), flush=True)
+
+
 def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, str, float, Any]:
     """(model, transformers config, label, build seconds, GGUF path or None) of `--model` (as
     `hetmoe bench MODEL` loads it) or of `--shape` with random weights."""
@@ -220,6 +239,9 @@ def main() -> None:
     parser.add_argument("--ab-unpack", action="store_true",
                         help="also time the GPU stream and the resident compute with the torch "
                              "unpack + grouped GEMM (the path the packed kernels replaced)")
+    parser.add_argument("--split-k", default="",
+                        help="streamed experts per layer (comma-separated) also timed per length, "
+                             "the rest on the CPU: the split's curve")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     check_args(parser, args)
@@ -273,6 +295,8 @@ def main() -> None:
         row["floor_s"] = round(max(pass_bytes / h2d, compute), 4)
         if args.ab_unpack:
             unpack_row(runner, row, n, top_k, config, args.repeats)
+        if args.split_k:
+            split_k_row(runner, row, n, args.split_k, config.vocab_size, args.repeats)
         if "gpu_ttft_s" in row:
             row["gpu_of_floor"] = round(row["floor_s"] / row["gpu_ttft_s"], 3)
             row["of_pcie_floor"] = round(row["gpu_tok_s"] / row["pcie_floor_tok_s"], 3)
@@ -334,6 +358,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--group applies with --model GGUF and --weight-format")
     if args.ubatch < 1:
         parser.error(f"--ubatch must be >= 1 token, got {args.ubatch}")
+    try:
+        args.split_k = [int(k) for k in args.split_k.split(",") if k]
+    except ValueError:
+        parser.error(f"--split-k takes comma-separated expert counts, got {args.split_k!r}")
+    if any(k < 0 for k in args.split_k):
+        parser.error(f"--split-k counts must be >= 0, got {args.split_k}")
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in args.modes if m not in MODES]
     if unknown or not args.modes:
