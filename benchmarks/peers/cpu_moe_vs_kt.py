@@ -4,6 +4,8 @@ In one process: (1) the peer kit's `ktk_bench.py` (`--peer-dir`, .peers/README.m
 before our pool exists, with our THREADS / QLENS / SHAPE / LAYERS and SKIP_TORCH=1; (2) the read
 bandwidth (bench_cpu_moe's probes: torch's sum, the pool's read, again at the end: the best); (3)
 our layer per format at every q; then a table, OUT/cpu_moe_vs_kt.json and .png (kt ms / our ms).
+OUT holds only these and kt's ktk_bench.json and stdout (ktk_stdout.log): kt writes into `--work`
+(default a temp dir, removed at the end), so a device call's few returned files hold them all.
 
 What ktk_bench.py times, and how ours matches it:
 - Shape E, H, I, top-k (default Qwen3-30B-A3B: 128, 2048, 768, 8); `--layers` (6) packed
@@ -38,9 +40,11 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -68,7 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--peer-dir", type=Path, default=Path(".peers"),
                    help="the peer kit (a copy of ../shared/peers): its ktk_bench.py and ktk/")
-    p.add_argument("--out", type=Path, required=True, help="folder for the JSON, PNG and kt log")
+    p.add_argument("--out", type=Path, required=True,
+                   help="folder for the JSON, PNG, kt's JSON and its log (nothing else)")
+    p.add_argument("--work", type=Path, help="kt's own output folder (default: a temp dir)")
     p.add_argument("--formats", default=",".join(FORMATS), help="FORMAT or FORMAT:GROUP_SIZE")
     p.add_argument("--q", default="1,2,8,32,128,512,2048", help="tokens per call")
     p.add_argument("--shape", default="128,2048,768,8", help="E,H,I,K (experts, hidden, "
@@ -120,10 +126,9 @@ def positive_ints(text: str, flag: str) -> list[int]:
     return values
 
 
-def run_kt(args: argparse.Namespace) -> dict[tuple[str, int], dict[str, float]]:
-    """ktk_bench.py in a subprocess with our settings; its rows by (format, q), each with the
-    latency its stdout printed. Its JSON and log stay in OUT/kt."""
-    folder = args.out / "kt"
+def run_kt(args: argparse.Namespace, folder: Path) -> dict[tuple[str, int], dict[str, float]]:
+    """ktk_bench.py in a subprocess with our settings, writing into `folder`; its rows by
+    (format, q), each with the latency its stdout printed. Its stdout and JSON land in OUT."""
     folder.mkdir(parents=True, exist_ok=True)
     formats = list(dict.fromkeys(fmt for _, fmt, _ in args.specs))
     env = dict(os.environ, THREADS=str(args.threads), QLENS=",".join(map(str, args.qs)),
@@ -132,7 +137,7 @@ def run_kt(args: argparse.Namespace) -> dict[tuple[str, int], dict[str, float]]:
                OUT=str(folder), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, str(args.peer_dir / "ktk_bench.py")]
     print(f"+ {' '.join(cmd)}  ({args.kt_timeout:.0f} s)", flush=True)
-    log = folder / "ktk_stdout.log"
+    log = args.out / "ktk_stdout.log"
     try:
         done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=args.kt_timeout)
@@ -146,10 +151,11 @@ def run_kt(args: argparse.Namespace) -> dict[tuple[str, int], dict[str, float]]:
         tail = "\n".join(text.splitlines()[-15:])
         raise SystemExit(f"ktk_bench.py: {status} (log {log}); its last lines:\n{tail}")
     print(text, end="", flush=True)
-    rows = kt_rows(json.loads((folder / "ktk_bench.json").read_text()), text)
+    kt_json = shutil.copy(folder / "ktk_bench.json", args.out / "ktk_bench.json")
+    rows = kt_rows(json.loads(Path(kt_json).read_text()), text)
     missing = [f"{KT_METHODS[f]} q={q}" for f in formats for q in args.qs if (f, q) not in rows]
     if missing:  # before our slow part
-        raise SystemExit(f"ktk_bench.json (in {folder}) lacks rows: {', '.join(missing)}")
+        raise SystemExit(f"{kt_json} lacks rows: {', '.join(missing)}")
     return rows
 
 
@@ -315,7 +321,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    kt = run_kt(args)
+    with tempfile.TemporaryDirectory(prefix="ktk_bench_") as temp:  # unused with --work
+        kt = run_kt(args, args.work or Path(temp))
     probe = int(args.bandwidth_gib * 2**30)
     start_bw = [cpu_bench.torch_read_bandwidth(args.bandwidth_gib),
                 _cpu.read_bandwidth(probe, 5, args.threads)]

@@ -125,9 +125,15 @@ def test_table_json_and_plot_from_canned_rows(tmp_path: Path) -> None:
 
 
 def test_tiny_run_end_to_end(peer_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    vs_kt.main(tiny_argv(peer_dir, out))
-    kt_json = json.loads((out / "kt" / "ktk_bench.json").read_text())
+    out, work = tmp_path / "out", tmp_path / "work"
+    vs_kt.main([*tiny_argv(peer_dir, out), "--work", str(work)])
+    # OUT holds four files, nothing nested (a device call returns a handful); kt wrote in work.
+    assert sorted(p.name for p in out.iterdir()) == [
+        "cpu_moe_vs_kt.json", "cpu_moe_vs_kt.png", "ktk_bench.json", "ktk_stdout.log"]
+    assert (work / "ktk_bench.json").read_text() == (out / "ktk_bench.json").read_text()
+    last = "kt-AMXInt4     q=    2     0.600 ms  1.00 TFLOPS\n"  # the stand-in's last line
+    assert (out / "ktk_stdout.log").read_text().endswith(last)
+    kt_json = json.loads((out / "ktk_bench.json").read_text())
     assert kt_json["env"] == {"THREADS": "2", "QLENS": "1,2", "SHAPE": "8,128,64,2",
                               "LAYERS": "2", "METHODS": "AMXBF16_MOE,AMXInt8_MOE,AMXInt4_MOE",
                               "SKIP_TORCH": "1"}
@@ -157,7 +163,7 @@ def test_tiny_run_end_to_end(peer_dir: Path, tmp_path: Path) -> None:
     (("HANG", "1"), ["--kt-timeout", "5"], r"^ktk_bench.py: timed out after 5 s \(log "
                                            r".*ktk_stdout.log\); its last lines:\nkt: packing$",
      "kt: packing\n"),
-    (("DROP", "AMXInt4_MOE:2"), [], r"^ktk_bench.json \(in .*kt\) lacks rows: AMXInt4_MOE q=2$",
+    (("DROP", "AMXInt4_MOE:2"), [], r"^.*out/ktk_bench.json lacks rows: AMXInt4_MOE q=2$",
      None),
 ])
 def test_a_kt_run_without_every_row_ends_before_ours_named(
@@ -170,4 +176,4 @@ def test_a_kt_run_without_every_row_ends_before_ours_named(
         vs_kt.main(tiny_argv(peer_dir, out) + extra)
     assert not (out / "cpu_moe_vs_kt.json").exists()
     if log is not None:
-        assert (out / "kt" / "ktk_stdout.log").read_text() == log
+        assert (out / "ktk_stdout.log").read_text() == log
