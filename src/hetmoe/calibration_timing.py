@@ -10,12 +10,12 @@ from collections.abc import Callable
 
 import torch
 
-from hetmoe import env
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.gpu_view import gpu_view
 from hetmoe.experts.packed_layout import host_tensor, unpack_group
 from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
-from hetmoe.kernels.packed_moe import packed_moe, unsupported
+from hetmoe.kernels.packed_moe import packed_moe
+from hetmoe.kernels.prefill_path import unpack_reason
 
 
 def call_seconds(calls: int = 50) -> float:
@@ -112,7 +112,7 @@ def gpu_line(moe: CpuMoE, experts: int, device: torch.device, tokens: tuple[int,
     they run, else unpacked and a grouped GEMM."""
 
     grouped = grouped_mm_available(device)
-    packed = not unsupported(device, moe.weight_format) and env.gpu_expert_kernel() == "packed"
+    packed = not unpack_reason(device, moe.weight_format)
     seconds = []
     with torch.cuda.device(device):
         parts = moe.packed_groups()

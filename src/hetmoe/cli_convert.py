@@ -202,8 +202,10 @@ def prefill_plan(layer: Any, fmt: str, config: Any, placement: Any = None) -> st
     except ValueError as exc:
         return f"prefill plan: {exc}"
     layers = len(placement.resident) if placement is not None else 1
+    staging = placement.staging if placement is not None else None
     planner = PrefillPlanner(experts, int(config.num_experts_per_tok), layers, costs,
-                             refusal=lambda: "")  # on paper: the GPU's room taken as there
+                             refusal=lambda: staging.why if staging else "",
+                             cap=(lambda: staging.experts) if staging else None)
     planner.place(placement)
     counted = " and the GPU experts above" if placement is not None else ""
     lines = [f"prefill plan (cost model, this machine's profile{counted}; auto measures its "

@@ -113,10 +113,15 @@ def test_info_plans_auto_from_the_memory_plan() -> None:
     mem = MemoryPlan(rows, 100 * GIB, 23 * GIB, layers, 24 * GIB)
     plan = planned_placement(mem)
     assert plan is not None
-    # 23 - 3 GiB free after the rest, less staging (2 x 0.75 + 2.25 GiB), graphs and 1.2 GiB
-    room = 20 * GIB - 15 * GIB // 4 - GIB // 2 - int(0.05 * 24 * GIB)
+    # 23 - 3 GiB free after the rest, less staging (2 x 0.75 GiB: the packed kernels need no
+    # bf16 copy), graphs and 1.2 GiB
+    room = 20 * GIB - 3 * GIB // 2 - GIB // 2 - int(0.05 * 24 * GIB)
     assert plan.budget == room and plan.bytes <= room
-    uniform = room // (48 * 6 * 2**20)  # 51 in every layer, the leftover: one more in some
-    assert uniform == 51 and {len(r) for r in plan.resident} == {51, 52}
-    assert "51-52 of 128 experts per MoE layer" in plan.describe()
+    uniform = room // (48 * 6 * 2**20)  # 59 in every layer, the leftover: one more in some
+    assert uniform == 59 and {len(r) for r in plan.resident} == {59, 60}
+    assert "59-60 of 128 experts per MoE layer" in plan.describe()
+    assert plan.staging is not None and plan.staging.whole
+    assert plan.describe().endswith(
+        f"; prefill staging: 128 of 128 experts per layer, 1.50 GiB ({3 * GIB // 2} bytes; "
+        f"{12 * 2**20} per expert); a pass streams at most 128 misses per layer (a whole layer)")
     assert planned_placement(MemoryPlan(rows, 100 * GIB, None, layers)) is None

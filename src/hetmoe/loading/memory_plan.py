@@ -16,6 +16,7 @@ from torch import nn
 
 from hetmoe.experts.cpu_backend import CpuExperts
 from hetmoe.experts.cpu_moe import CpuMoE
+from hetmoe.kernels.prefill_path import unpack_reason
 
 GB = 1e9
 
@@ -34,6 +35,9 @@ class MemoryPlan:
     """Per MoE layer with cpu experts: (experts, packed bytes of one expert)."""
     gpu_total: int = 0
     """The GPU's memory (0: no GPU in the plan)."""
+    gpu_unpacks: bool = False
+    """Whether a GPU prefill unpacks the experts to bf16 (kernels/prefill_path.py; False: the
+    packed kernels read them as they lie, or no GPU)."""
 
     def total(self, place: str) -> int:
         """Bytes planned on `place`."""
@@ -99,8 +103,9 @@ def memory_plan(model: nn.Module, device: torch.device, dtype: torch.dtype, conf
                                                                                    dtype))]
     gpu_free, gpu_total = (tuple(int(b) for b in torch.cuda.mem_get_info(device))
                            if device.type == "cuda" else (None, 0))
+    unpacks = device.type == "cuda" and any(unpack_reason(device, f) for f in formats)
     return MemoryPlan(tuple(r for r in rows if r[2] or r[0] == "other weights"),
-                      host_available(), gpu_free, tuple(layers), gpu_total)
+                      host_available(), gpu_free, tuple(layers), gpu_total, unpacks)
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:

@@ -27,7 +27,10 @@ from hetmoe.engine.executor.host_link import HostLink, check_stream_memops
 from hetmoe.engine.placement.layer_stream import LayerStreamer, streaming_refusal
 from hetmoe.engine.placement.placement_fetch import StagingPool
 from hetmoe.engine.placement.placement_link import PlacementLink
+from hetmoe.engine.placement.placement_plan import auto_budget
 from hetmoe.engine.placement.slots import Placement
+from hetmoe.engine.placement.staging_plan import streamer_cap
+from hetmoe.engine.placement.stream_memory import staged_expert_bytes
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.ops.deferral import check_defer_order
 from hetmoe.ops.moe import moe_layers
@@ -116,8 +119,9 @@ class MoEOverlap(MoEStep):
         the misses. Captured graphs bake in which layers start CPU jobs: reset them after a
         change (and tell the prefill planner: `ModelRunner.place` does both)."""
         self.placement, self.placed = placement, {}
-        if self.streamer is not None:  # it kept the last pass's slots: free the old experts
-            self.streamer.slots = [None] * len(self.cpu)
+        # The streamer's staging was sized beside the old placement (and it kept the last pass's
+        # slots): freed, so the new plan sees its memory; the next streamed pass makes another.
+        self.streamer = None
         if placement is None:
             return
         for i, slots in enumerate(placement.layers):
@@ -140,17 +144,38 @@ class MoEOverlap(MoEStep):
 
     def streaming_refusal(self) -> str:
         """Why prefill cannot stream these experts to the GPU now ("" if it can: a GPU, packed
-        experts, room for two staged layers and one unpacked; "" once the streamer is made)."""
+        experts, room to stage at least one expert per layer; "" once the streamer is made)."""
         if not self.host:
             return "no GPU"
         if self.streamer is not None:
             return ""
-        return streaming_refusal(self.cpu, torch.cuda.mem_get_info(self.device)[0])
+        cap, staged, room = self._stream_room()
+        return streaming_refusal(self.cpu, cap, staged, room)
+
+    def stream_cap(self) -> int:
+        """Misses per layer a streamed pass may copy (the streamer's staging, made or to be
+        made now: engine/placement/staging_plan.py)."""
+        if self.streamer is not None:
+            return self.streamer.cap
+        return self._stream_room()[0] if self.host else 0
+
+    def _stream_room(self) -> tuple[int, int, int]:
+        """(cap, GPU bytes of one staged expert, bytes free for experts) for a streamer made now:
+        the placement's planned staging while free memory holds it, else a whole layer within
+        the room (`staging_plan.streamer_cap`)."""
+        free, total = (int(b) for b in torch.cuda.mem_get_info(self.device))
+        room = auto_budget(free, total, 0)
+        staging = self.placement.plan.staging if self.placement is not None else None
+        staged = staged_expert_bytes(self.cpu, self.device)
+        planned = staging.experts if staging is not None else None
+        return streamer_cap(planned, self.cpu[0].num_experts, staged, free, room), staged, room
 
     def make_streamer(self) -> LayerStreamer:
-        """The streamer, made at the first GPU prefill (the experts' host memory registered)."""
+        """The streamer, made at the first GPU prefill (the experts' host memory registered),
+        its staging capped by `stream_cap` on a GPU."""
         if self.streamer is None:
-            self.streamer = LayerStreamer(self.cpu, self.device, self.act_quant)
+            cap = self.stream_cap() if self.host else None
+            self.streamer = LayerStreamer(self.cpu, self.device, self.act_quant, cap)
         return self.streamer
 
     @contextmanager

@@ -67,12 +67,15 @@ class PrefillPlanner:
     """Where prefill passes of a model with `layers` MoE layers of `num_experts` experts (top
     `top_k`) run their routed experts (see the module docstring). `costs`: this machine's, or
     None until `load_costs`; `refusal`: why the GPU cannot stream now ("" if it can; None: no GPU
-    to stream to); `loader`: the costs' source for `load_costs`."""
+    to stream to); `loader`: the costs' source for `load_costs`; `cap`: the most misses per
+    layer the staging holds, asked once the GPU can stream (engine/placement/staging_plan.py;
+    None: every miss)."""
 
     def __init__(self, num_experts: int, top_k: int, layers: int,
                  costs: SplitCosts | None = None,
                  refusal: Callable[[], str] | None = None,
-                 loader: Callable[[], SplitCosts] | None = None) -> None:
+                 loader: Callable[[], SplitCosts] | None = None,
+                 cap: Callable[[], int] | None = None) -> None:
         self.num_experts, self.top_k = num_experts, top_k
         self.costs = costs
         self.layers = layers
@@ -81,6 +84,9 @@ class PrefillPlanner:
         self.tuner = PrefillTuner()
         """Measured passes ("auto"), of the current placement."""
         self.stream_refusal: str | None = None  # "" streams; None: not checked yet
+        self.stream_cap: int | None = None
+        """Misses per layer a pass may stream (`cap`, read by `can_stream`; None: all)."""
+        self._cap = cap
         self.overlap: MoEOverlap | None = None
         """The MoE step whose passes this plans (`for_overlap`; None: a plan on paper)."""
         self._refusal = refusal
@@ -91,7 +97,8 @@ class PrefillPlanner:
         """The planner of `overlap`'s layers; `prepare` loads its costs once it is placed."""
         planner = cls(overlap.cpu[0].num_experts, overlap.top_k, len(overlap.cpu),
                       refusal=overlap.streaming_refusal if overlap.host else None,
-                      loader=lambda: load_costs(overlap.cpu[0], overlap.device))
+                      loader=lambda: load_costs(overlap.cpu[0], overlap.device),
+                      cap=overlap.stream_cap if overlap.host else None)
         planner.overlap = overlap
         return planner
 
@@ -125,7 +132,7 @@ class PrefillPlanner:
                              f"of {self.layers}")
         self.placement = placement
         self.tuner = PrefillTuner()
-        self.stream_refusal = None
+        self.stream_refusal, self.stream_cap = None, None
 
     @property
     def resident(self) -> tuple[int, ...]:
@@ -150,12 +157,19 @@ class PrefillPlanner:
             self.stream_refusal = self._refusal()
             if self.stream_refusal:
                 log.warning("%s: long prompts prefill on the CPU", self.stream_refusal)
+            elif self._cap is not None:
+                self.stream_cap = self._cap()
         return not self.stream_refusal
 
     @property
-    def most(self) -> int:
+    def misses(self) -> int:
         """The k that streams every miss of every layer."""
         return most_misses(self.num_experts, self.resident)
+
+    @property
+    def most(self) -> int:
+        """The largest k a pass may take: every miss, or as many as the staging holds."""
+        return self.misses if self.stream_cap is None else min(self.misses, self.stream_cap)
 
     def _costs(self, mode: str) -> SplitCosts:
         if self.costs is None:
@@ -177,25 +191,28 @@ class PrefillPlanner:
             return 0, False
         if mode == "gpu":
             return self.most, False
-        if mode == "split":
+        if mode == "split":  # a cap below the misses is a split already
+            top = self.most if self.most < self.misses else max(1, self.most - 1)
             return plan_gpu_experts(tokens, self.top_k, self.num_experts, self._costs(mode), 1,
-                                    max(1, self.most - 1), self.resident), False
+                                    top, self.resident), False
         return self.tuner.pick(tokens, self.top_k, self.num_experts, self._costs(mode),
-                               self.resident)
+                               self.resident, self.stream_cap)
 
     def describe(self, k: int) -> str:
         """A pass's k in words, the resident experts counted."""
         resident = max(self.resident, default=0)
         if self.everything:
             return "GPU (every expert resident)"
+        held = ", all the staging holds" if 0 < k == self.most < self.misses else ""
         if not resident:
-            return describe_plan(k, self.num_experts)
+            return describe_plan(k, self.num_experts) + (f" ({held[2:]})" if held else "")
         on_gpu = f"{resident} resident experts per layer on the GPU"
         if k == 0:
             return f"CPU ({on_gpu})"
-        if k >= self.most:
+        if k >= self.misses:
             return f"GPU stream ({on_gpu})"
-        return f"split ({k} of {self.most} misses per layer streamed to the GPU; {on_gpu})"
+        return (f"split ({k} of {self.misses} misses per layer streamed to the GPU{held}; "
+                f"{on_gpu})")
 
     @contextmanager
     def prefill_pass(self, tokens: int, mode: str = "auto") -> Iterator[None]:

@@ -76,9 +76,10 @@ def kv_room(mem: MemoryPlan, device: torch.device, experts: int | str) -> KvRoom
     claimed = experts if isinstance(experts, int) else 0
     if device.type == "cuda" and mem.gpu_free is not None:
         margin = max(MIN_MARGIN, int(MARGIN_SHARE * mem.gpu_total))
+        staging = planned_staging(mem)
         parts = [("free", mem.gpu_free), ("other weights", mem.total("gpu")),
-                 ("prefill staging", planned_staging(mem)), ("CUDA graphs", GRAPH_RESERVE),
-                 ("margin", margin)]
+                 ("prefill staging", staging.bytes if staging else 0),
+                 ("CUDA graphs", GRAPH_RESERVE), ("margin", margin)]
         room, place = auto_room(mem), "GPU"
     else:
         margin = max(MIN_MARGIN, int(MARGIN_SHARE * mem.host_free))

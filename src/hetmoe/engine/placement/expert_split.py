@@ -197,17 +197,19 @@ class PrefillTuner:
         return "cpu" if k == 0 else "stream" if k >= most else "split"
 
     def choose(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
-               resident: Sequence[int] = ()) -> int:
+               resident: Sequence[int] = (), cap: int | None = None) -> int:
         """The k for a pass of `tokens` tokens (see the class docstring); `resident`: resident
-        experts per layer (none given: no placement)."""
-        return self.pick(tokens, top_k, num_experts, costs, resident)[0]
+        experts per layer (none given: no placement); `cap`: the most misses a pass may stream
+        per layer (the staging's, engine/placement/staging_plan.py; None: every miss)."""
+        return self.pick(tokens, top_k, num_experts, costs, resident, cap)[0]
 
     def pick(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
-             resident: Sequence[int] = ()) -> tuple[int, bool]:
+             resident: Sequence[int] = (), cap: int | None = None) -> tuple[int, bool]:
         """(`choose`'s k, whether measurements decide it): only such a pass's time is read, so
-        only such a pass needs timing (`record`)."""
+        only such a pass needs timing (`record`). A capped pass's most is its "stream"."""
         most = most_misses(num_experts, resident)
-        model = plan_gpu_experts(tokens, top_k, num_experts, costs, resident=resident)
+        most = most if cap is None else min(most, cap)
+        model = plan_gpu_experts(tokens, top_k, num_experts, costs, 0, most, resident)
         if 0 < model < most:
             rival = most
         elif most >= 2:

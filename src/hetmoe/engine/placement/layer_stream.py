@@ -29,14 +29,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hetmoe import env
-from hetmoe.engine.placement.stream_memory import host_groups, streaming_bytes
+from hetmoe.engine.placement.staging_plan import StagingPlan
+from hetmoe.engine.placement.stream_memory import host_groups, staged_expert_bytes
 from hetmoe.engine.placement.stream_plan import layer_pass
 from hetmoe.experts.cpu_moe import CpuMoE, PendingCall
 from hetmoe.experts.gpu_view import gpu_view
 from hetmoe.experts.packed_layout import unpack_group
 from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
-from hetmoe.kernels.packed_moe import packed_moe, unsupported
+from hetmoe.kernels.packed_moe import packed_moe
+from hetmoe.kernels.prefill_path import unpack_reason
 
 if TYPE_CHECKING:
     from hetmoe.engine.placement.slots import LayerSlots
@@ -47,43 +48,52 @@ STREAM_FORMATS = ("bf16", "int8", "int4", "fp8")
 """Packed formats GPU prefill unpacks."""
 
 
-def streaming_refusal(cpu: Sequence[CpuMoE], free_bytes: int) -> str:
-    """Why prefill cannot stream these experts to a GPU with `free_bytes` free ("" if it can)."""
+def streaming_refusal(cpu: Sequence[CpuMoE], cap: int, staged: int, room: int) -> str:
+    """Why prefill cannot stream these experts to the GPU ("" if it can): their format, or a
+    cap of 0 staged experts per layer (one takes `staged` GPU bytes, `room` bytes are there for
+    experts: engine/placement/staging_plan.py)."""
     formats = {m.weight_format for m in cpu}
     if not formats <= set(STREAM_FORMATS):
         return (f"GPU prefill unpacks {', '.join(STREAM_FORMATS)} experts, not "
                 f"{', '.join(sorted(formats - set(STREAM_FORMATS)))}")
-    need = streaming_bytes(cpu)
-    if need > 0.8 * free_bytes:  # the rest is the pass's activations
-        return (f"GPU prefill needs {need / 2**30:.1f} GiB of GPU memory for one layer's "
-                f"experts (staged twice and unpacked), {free_bytes / 2**30:.1f} GiB are free")
+    if cap < 1:
+        return (f"GPU prefill has no room to stage one expert per layer: one takes {staged} "
+                f"bytes ({staged / 2**30:.2f} GiB: its packed bytes twice, plus bf16 where "
+                f"prefill unpacks), {max(0, room)} bytes are free for experts")
     return ""
 
 
 class LayerStreamer:
     """Staging buffers, the copy stream and the per-layer copies of a model's MoE layers. On
     the CPU device (tests) the same copies and compute run in order, with no stream or event.
-    `act_quant`: the packed kernels' sorted path on int8 / fp8 tensor cores."""
+    `act_quant`: the packed kernels' sorted path on int8 / fp8 tensor cores; `cap`: experts of
+    a layer the staging buffers hold, the most misses a pass streams per layer (None: a whole
+    layer; engine/placement/staging_plan.py)."""
 
     def __init__(self, cpu: Sequence[CpuMoE], device: torch.device,
-                 act_quant: bool = False) -> None:
-        if any(m.weight_format not in STREAM_FORMATS for m in cpu):
-            raise ValueError(streaming_refusal(cpu, 2**62))
+                 act_quant: bool = False, cap: int | None = None) -> None:
+        num_experts = cpu[0].num_experts
+        self.cap = num_experts if cap is None else min(cap, num_experts)
+        staged = staged_expert_bytes(cpu, device)
+        why = streaming_refusal(cpu, self.cap, staged, self.cap * staged)
+        if why:
+            raise ValueError(why)
+        self.staging_plan = StagingPlan(self.cap, num_experts, staged)
         self.cpu, self.device, self.act_quant = list(cpu), device, act_quant
         self.cuda = device.type == "cuda"
         self.parts = [m.packed_groups() for m in cpu]
         self.host = [host_groups(m, device) for m in cpu]
         self.layer_bytes = [sum(p.bytes for p in parts) for parts in self.parts]
         self.expert_bytes = [sum(p.expert_bytes for p in parts) for parts in self.parts]
-        self.num_experts = cpu[0].num_experts
-        self.gpu_experts = self.num_experts  # misses streamed per layer, this pass (`begin`)
+        self.num_experts = num_experts
+        self.gpu_experts = self.cap  # misses streamed per layer, this pass (`begin`)
         self.slots: list[LayerSlots | None] = [None] * len(cpu)  # resident experts (`begin`)
         self.passes = [layer_pass(self.num_experts, (), self.num_experts) for _ in cpu]
         self._local: list[torch.Tensor | None] = [None] * len(cpu)  # [E + 1] per layer:
         # expert -> staging index, -1 elsewhere (made when a layer's pass changes)
         self.copied_bytes = 0  # expert bytes copied since `begin`
         with torch.inference_mode(False):  # written in place by every pass, in or out of it
-            self.staging = [torch.empty(max(self.layer_bytes), dtype=torch.uint8,
+            self.staging = [torch.empty(self.cap * max(self.expert_bytes), dtype=torch.uint8,
                                         device=device) for _ in range(2)]
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.copied = [torch.cuda.Event() for _ in cpu] if self.cuda else []  # layer i's
@@ -91,34 +101,37 @@ class LayerStreamer:
         self.freed = [torch.cuda.Event() for _ in range(2)] if self.cuda else []  # a
         # buffer's layer is computed
         self.grouped = grouped_mm_available(device)
-        why = unsupported(device, cpu[0].weight_format)
-        self.packed_kernel = not why and env.gpu_expert_kernel() == "packed"
+        why = unpack_reason(device, cpu[0].weight_format)  # the rule `staged` counted
+        self.packed_kernel = not why
         if why and self.cuda:
             log.info("GPU prefill unpacks experts to bf16: %s", why)
         self.links = [GpuLink(self, i) for i in range(len(cpu))]
         self._host_in: tuple[torch.Tensor, ...] = ()  # pinned x, ids, weights, out (split;
         # kept across passes, made again when a pass has more rows, another dtype or top-k)
         self._out_view = torch.empty(0)  # the pinned out as a GPU tensor (`gpu_view`)
-        log.info("GPU prefill: %d layers, %.2f GB of packed experts, %s", len(cpu),
+        log.info("GPU prefill: %d layers, %.2f GB of packed experts, %s; %s", len(cpu),
                  sum(self.layer_bytes) / 1e9, "packed kernels" if self.packed_kernel
-                 else "unpack + grouped GEMM" if self.grouped else "unpack, per expert")
+                 else "unpack + grouped GEMM" if self.grouped else "unpack, per expert",
+                 self.staging_plan.describe())
 
     def bytes_per_pass(self) -> int:
         """Packed expert bytes a pass that streams every miss of the last `begin`'s placement
-        (without one: every expert) moves to the GPU."""
-        return sum(b * (self.num_experts - (len(s.experts()) if s is not None else 0))
+        (without one: every expert), at most `cap` per layer, moves to the GPU."""
+        return sum(b * min(self.cap, self.num_experts - (len(s.experts()) if s else 0))
                    for b, s in zip(self.expert_bytes, self.slots, strict=True))
 
     def begin(self, tokens: int, top_k: int, gpu_experts: int | None = None,
               slots: Sequence[LayerSlots] | None = None) -> None:
         """Starts a pass of `tokens` tokens routed to `top_k` experts each; `slots`: each
         layer's resident experts (a `Placement`'s layers), computed from their slots and never
-        copied. Of each layer's other experts (the misses) the first `gpu_experts` (None: all)
-        are streamed and the rest computed on the CPU at the same time
-        (engine/placement/stream_plan.py); queues the first two layers' copies."""
-        k = self.num_experts if gpu_experts is None else gpu_experts
-        if not 0 < k <= self.num_experts:
-            raise ValueError(f"gpu_experts must be in [1, {self.num_experts}], got {k}")
+        copied. Of each layer's other experts (the misses) the first `gpu_experts` (None: as
+        many as the staging holds, `cap`) are streamed and the rest computed on the CPU at the
+        same time (engine/placement/stream_plan.py); queues the first two layers' copies."""
+        k = self.cap if gpu_experts is None else gpu_experts
+        if not 0 < k <= self.cap:
+            held = "" if self.cap == self.num_experts else \
+                f" (the staging buffers hold {self.cap} of a layer's {self.num_experts} experts)"
+            raise ValueError(f"gpu_experts must be in [1, {self.cap}], got {k}{held}")
         if slots is not None and len(slots) != len(self.cpu):
             raise ValueError(f"LayerStreamer.begin: slots of {len(slots)} MoE layers for a "
                              f"model of {len(self.cpu)}")

@@ -19,17 +19,17 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from hetmoe import env
 from hetmoe.experts.packed_layout import PackedGroup, unpack_group
 from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
-from hetmoe.kernels.packed_moe import packed_moe, unsupported
+from hetmoe.kernels.packed_moe import packed_moe
+from hetmoe.kernels.prefill_path import unpack_reason
 
 
 @functools.cache
 def use_kernel(device: torch.device, fmt: str) -> bool:
     """Whether `hetmoe.kernels.packed_moe` computes `fmt` experts on `device` (a CUDA GPU it
     supports, and HETMOE_GPU_EXPERTS=packed, the default), as GPU prefill decides."""
-    return not unsupported(device, fmt) and env.gpu_expert_kernel() == "packed"
+    return not unpack_reason(device, fmt)
 
 
 def packed_pairs_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

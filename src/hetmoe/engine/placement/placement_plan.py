@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hetmoe.engine.placement.staging_plan import StagingPlan, plan_staging
+
 if TYPE_CHECKING:
     from hetmoe.loading.memory_plan import MemoryPlan
 
@@ -42,6 +44,8 @@ class PlacementPlan:
     """Routed experts per MoE layer."""
     resident: tuple[tuple[int, ...], ...]
     """Per MoE layer, the expert ids on the GPU (slot s holds resident[i][s])."""
+    staging: StagingPlan | None = None
+    """The prefill staging planned beside the resident experts (None: not planned, no GPU)."""
 
     @property
     def bytes(self) -> int:
@@ -85,7 +89,7 @@ class PlacementPlan:
                 f"({self.bytes} of {self.total_bytes} bytes; budget {self.budget} bytes), "
                 f"{experts} of {max(self.num_experts, default=0)} experts per MoE layer, "
                 f"expected share of routed work on the GPU {self.gpu_share():.1%} "
-                "(uniform routing)")
+                "(uniform routing)" + (f"; {self.staging.describe()}" if self.staging else ""))
 
 
 def plan_placement(num_experts: Sequence[int], expert_bytes: Sequence[int], budget: int,
@@ -151,23 +155,29 @@ def clamp_budget(asked: int, room: int) -> tuple[int, str]:
 
 def planned_placement(mem: MemoryPlan) -> PlacementPlan | None:
     """The `auto` plan of a model before it loads (`hetmoe info MODEL`): the GPU's free bytes
-    less the plan's GPU rows, prefill staging (two packed layers and one unpacked, bf16) and
-    `auto_budget`'s reserves; None without a GPU or cpu experts."""
-    if mem.gpu_free is None or not mem.expert_layers:
+    less the plan's GPU rows, `planned_staging` and `auto_budget`'s reserves, the staging
+    beside it; None without a GPU or cpu experts."""
+    staging = planned_staging(mem)
+    if staging is None:
         return None
     experts = [e for e, _ in mem.expert_layers]
     sizes = [b for _, b in mem.expert_layers]
-    return plan_placement(experts, sizes, auto_room(mem))
+    plan = plan_placement(experts, sizes, auto_room(mem))
+    return PlacementPlan(plan.budget, plan.expert_bytes, plan.num_experts, plan.resident, staging)
 
 
-def planned_staging(mem: MemoryPlan) -> int:
-    """GPU bytes a streamed prefill stages, from the plan: two packed layers and one unpacked
-    to bf16 (0 without cpu experts)."""
-    if not mem.expert_layers:
-        return 0
-    layer = max(e * b for e, b in mem.expert_layers)
-    unpacked = max(e * 3 * b for e, b in mem.expert_layers)  # int8 ~ half, int4 ~ quarter
-    return 2 * layer + unpacked
+def planned_staging(mem: MemoryPlan) -> StagingPlan | None:
+    """The prefill staging of the plan `mem` with an `auto` budget (engine/placement/
+    staging_plan.py) in the room its GPU rows leave; a staged expert takes its packed bytes
+    twice, plus ~3x them as bf16 where prefill unpacks (`MemoryPlan.gpu_unpacks`). None without
+    a GPU or cpu experts."""
+    if mem.gpu_free is None or not mem.expert_layers:
+        return None
+    room = auto_budget(mem.gpu_free - mem.total("gpu"), mem.gpu_total, 0)
+    staged = max(2 * b + (3 * b if mem.gpu_unpacks else 0) for _, b in mem.expert_layers)
+    every = sum(e * b for e, b in mem.expert_layers)
+    return plan_staging(max(e for e, _ in mem.expert_layers), staged, room, mem.gpu_total,
+                        "auto", every)
 
 
 def auto_room(mem: MemoryPlan) -> int:
@@ -176,7 +186,9 @@ def auto_room(mem: MemoryPlan) -> int:
     KV row in `mem`, the room the KV cache and resident experts share (`hetmoe batch`)."""
     if mem.gpu_free is None:
         return 0
-    return auto_budget(mem.gpu_free - mem.total("gpu"), mem.gpu_total, planned_staging(mem))
+    staging = planned_staging(mem)
+    return auto_budget(mem.gpu_free - mem.total("gpu"), mem.gpu_total,
+                       staging.bytes if staging is not None else 0)
 
 
 def slot_table(num_experts: int, experts: Sequence[int]) -> torch.Tensor:

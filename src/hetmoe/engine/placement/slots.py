@@ -13,6 +13,7 @@ experts; engine/placement/placement_link.py is the MoE step's view of a layer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -26,7 +27,8 @@ from hetmoe.engine.placement.placement_plan import (
     clamp_budget,
     plan_placement,
 )
-from hetmoe.engine.placement.stream_memory import host_groups, streaming_bytes
+from hetmoe.engine.placement.staging_plan import StagingPlan
+from hetmoe.engine.placement.stream_memory import host_groups, stream_staging
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.packed_layout import PackedGroup
 
@@ -194,30 +196,34 @@ def expert_bytes(cpu: Sequence[CpuMoE]) -> list[int]:
     return [sum(p.expert_bytes for p in m.packed_groups()) for m in cpu]
 
 
-def gpu_room(cpu: Sequence[CpuMoE], device: torch.device, reserved: int = 0) -> int:
-    """What `auto` may use on `device` now (placement_plan.auto_budget), less `reserved` bytes
-    that are not allocated yet; 0 without a GPU."""
+def gpu_room(cpu: Sequence[CpuMoE], device: torch.device, reserved: int = 0,
+             asked: int | str = "auto") -> tuple[int, StagingPlan | None]:
+    """(what `auto` may give resident experts on `device` now, the prefill staging beside them
+    for the budget `asked`): placement_plan.auto_budget, less `reserved` bytes that are not
+    allocated yet, less the staging (engine/placement/staging_plan.py); (0, None) without a GPU."""
     if device.type != "cuda":
-        return 0
+        return 0, None
     free, total = torch.cuda.mem_get_info(device)
-    return auto_budget(int(free) - reserved, int(total), streaming_bytes(cpu))
+    room = auto_budget(int(free) - reserved, int(total), 0)
+    staging = stream_staging(cpu, device, room, int(total), asked)
+    return max(0, room - staging.bytes), staging
 
 
 def placement_plan(cpu: Sequence[CpuMoE], device: torch.device, asked: int | str,
                    counts: Sequence[torch.Tensor] | None = None,
                    reserved: int = 0) -> PlacementPlan:
-    """The plan for `EngineConfig.gpu_expert_bytes` = `asked` ("auto" or bytes): auto takes the
-    GPU's room (none without a GPU) less `reserved` bytes to be allocated after the plan (the
-    fetch pool); bytes beyond the room are clamped with a warning naming both (on the CPU device
-    the "GPU" is host memory: not clamped)."""
-    if asked == "auto":
-        budget = gpu_room(cpu, device, reserved)
-    elif isinstance(asked, int) and asked >= 0:
-        budget = asked
-        if device.type == "cuda":
-            budget, message = clamp_budget(asked, gpu_room(cpu, device, reserved))
-            if message:
-                log.warning("%s", message)
-    else:
+    """The plan for `EngineConfig.gpu_expert_bytes` = `asked` ("auto" or bytes), with the
+    prefill staging beside it (`gpu_room`): auto takes the GPU's room (none without a GPU) less
+    `reserved` bytes to be allocated after the plan (the fetch pool); bytes beyond the room are
+    clamped with a warning naming both (on the CPU device the "GPU" is host memory: not
+    clamped)."""
+    if not (asked == "auto" or (isinstance(asked, int) and asked >= 0)):
         raise ValueError(f"gpu_expert_bytes must be 'auto' or an integer >= 0, got {asked!r}")
-    return plan_placement([m.num_experts for m in cpu], expert_bytes(cpu), budget, counts)
+    room, staging = gpu_room(cpu, device, reserved, asked)
+    budget = room if asked == "auto" else int(asked)
+    if device.type == "cuda" and asked != "auto":
+        budget, message = clamp_budget(int(asked), room)
+        if message:
+            log.warning("%s", message)
+    plan = plan_placement([m.num_experts for m in cpu], expert_bytes(cpu), budget, counts)
+    return dataclasses.replace(plan, staging=staging)

@@ -1,7 +1,8 @@
 """The memory a GPU pass over packed experts takes: the host mappings it copies from, registered
 as pinned memory once per layer (the layer stream's copies and the placement's slot fills are
-DMA from them), and the GPU bytes a streamed pass stages (which the placement's `auto` budget
-leaves free). Below both engine/placement/layer_stream.py and engine/placement/slots.py.
+DMA from them), and the GPU bytes a streamed pass stages (engine/placement/staging_plan.py's
+rule on a model's layers; the placement's `auto` budget leaves them free). Below both
+engine/placement/layer_stream.py and engine/placement/slots.py.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
+from hetmoe.engine.placement.staging_plan import StagingPlan, plan_staging
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.packed_layout import host_tensor
+from hetmoe.kernels.prefill_path import unpack_reason
 
 _PINNED: weakref.WeakKeyDictionary[CpuMoE, list[torch.Tensor]] = weakref.WeakKeyDictionary()
 """Each layer's registered mappings as host tensors; unregistered when its `CpuMoE` goes (before
@@ -60,9 +63,20 @@ def _unregister(addresses: list[int]) -> None:
         cudart.cudaHostUnregister(address)
 
 
-def streaming_bytes(cpu: Sequence[CpuMoE]) -> int:
-    """GPU bytes a streamed pass needs beyond activations: two staging buffers of the largest
-    layer's packed experts and that layer unpacked to bf16 (gate/up and down)."""
-    staging = max(sum(p.bytes for p in m.packed_groups()) for m in cpu)
-    unpacked = max(m.num_experts * 3 * m.hidden * m.intermediate * 2 for m in cpu)
-    return 2 * staging + unpacked
+def staged_expert_bytes(cpu: Sequence[CpuMoE], device: torch.device) -> int:
+    """GPU bytes one staged expert of `cpu`'s largest takes (`StagingPlan.expert_bytes`): its
+    packed bytes in each of two staging buffers, plus its bf16 gate/up and down where prefill
+    on `device` unpacks (kernels/prefill_path.py)."""
+    packed = max(sum(p.expert_bytes for p in m.packed_groups()) for m in cpu)
+    unpacks = any(unpack_reason(device, m.weight_format) for m in cpu)
+    unpacked = max(3 * m.hidden * m.intermediate * 2 for m in cpu) if unpacks else 0
+    return 2 * packed + unpacked
+
+
+def stream_staging(cpu: Sequence[CpuMoE], device: torch.device, room: int, gpu_total: int,
+                   asked: int | str = "auto") -> StagingPlan:
+    """`plan_staging` for `cpu`'s layers on `device` with `room` bytes for experts and staging,
+    a GPU of `gpu_total` bytes and the resident budget `asked`."""
+    every = sum(m.num_experts * sum(p.expert_bytes for p in m.packed_groups()) for m in cpu)
+    return plan_staging(max(m.num_experts for m in cpu), staged_expert_bytes(cpu, device), room,
+                        gpu_total, asked, every)
