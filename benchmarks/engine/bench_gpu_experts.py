@@ -20,8 +20,10 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +40,10 @@ from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.placement.expert_split import TRIES, PrefillTuner
 from hetmoe.engine.placement.placement_compute import use_kernel
 from hetmoe.engine.placement.placement_policy import TrafficPolicy
+
+# Where two decode runs part: the graph device checks' helper, which lives with the tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "engine"))
+from graph_device_row import Decoded, diverged  # noqa: E402
 
 GB = 1e9
 
@@ -137,11 +143,26 @@ def pair_config(fmt: str, shape: Any) -> Iterator[tuple[int | bool, ...]]:
         packed_moe.PAIR_CONFIGS[fmt] = shipped
 
 
+def decoded(runner: ModelRunner, prompt: list[int], tokens: list[int]) -> Decoded:
+    """A greedy run's `tokens` after `prompt` with the logits each step chose from, teacher-
+    forced in one prefill of a fresh slot under the current placement (graph_device_row's
+    `Decoded`: step i's [1, V] logits chose token i + 1; tokens[0] is the prefill's)."""
+    slot = runner.cache.allocate()
+    try:
+        logits = runner.prefill_logits(slot, prompt + tokens[:-1])[len(prompt):]
+    finally:
+        runner.cache.free(slot)
+    return [tokens], [row[None].float().cpu() for row in logits]
+
+
 def decode_rows(runner: ModelRunner, plan: Any, args: argparse.Namespace, prompt: list[int],
-                base: list[list[int]], shapes: list[Any]) -> list[dict[str, Any]]:
+                base: list[Decoded], shapes: list[Any]) -> list[dict[str, Any]]:
     """Greedy decode under the current placement, per (deferred, defer order,
     placement_interval, decode kernels, pair kernel shape: PAIR_CONFIGS' then `shapes`); d=0
-    once, whatever the orders (it defers nothing)."""
+    once, whatever the orders (it defers nothing). The first run is the reference (`base`, its
+    logits kept); a run whose tokens part from it records where, with the reference's top-2
+    logit gap there (`budget0_diverged`: a near-tie flips on rounding, a fault on a clear
+    winner)."""
     rows = []
     kernels = [k for k in args.decode_kernels.split(",") if k] or [None]
     orders = args.defer_orders.split(",")
@@ -161,8 +182,8 @@ def decode_rows(runner: ModelRunner, plan: Any, args: argparse.Namespace, prompt
         with pair_config(args.weight_format, shape) as fields:
             run = measure.greedy_decode(runner, prompt, args.new_tokens)
         if not base:
-            base.append(run.tokens)
-        same = next((i for i, (a, b) in enumerate(zip(run.tokens, base[0], strict=True))
+            base.append(decoded(runner, prompt, run.tokens))
+        same = next((i for i, (a, b) in enumerate(zip(run.tokens, base[0][0][0], strict=True))
                      if a != b), len(run.tokens))
         rows.append({"deferred": d, "defer_order": order, "placement_interval": interval,
                      "decode_kernels": runner.fused.kernels if runner.fused else None,
@@ -170,11 +191,15 @@ def decode_rows(runner: ModelRunner, plan: Any, args: argparse.Namespace, prompt
                      "moves": runner.policy.moves if runner.policy is not None else 0,
                      "tok_s": round(run.tok_s, 2), "mean_tok_s": round(run.mean_tok_s, 2),
                      "tokens_equal_budget0_first": same})
+        if same < len(run.tokens):
+            rows[-1]["budget0_diverged"] = diverged(decoded(runner, prompt, run.tokens), base[0])
         print(f"  decode d={d} ({order}) interval {interval} kernels "
               f"{rows[-1]['decode_kernels']} pairs {fields}: "
               f"{run.tok_s:7.2f} tok/s, "
               f"{rows[-1]['moves']} moves, tokens equal to the first run's for "
-              f"{same}/{len(run.tokens)}", flush=True)
+              f"{same}/{len(run.tokens)}"
+              + (f" ({rows[-1]['budget0_diverged']})" if same < len(run.tokens) else ""),
+              flush=True)
     if shapes:
         runner.reset_graphs()  # the graphs after this (profile, prefill) capture the shipped
     return rows
@@ -293,7 +318,7 @@ def main() -> None:
     print(f"host {host_gb_s:.1f} GB/s, HBM {hbm:.0f} GB/s, built in {build_s:.1f} s, "
           f"{routed / 1e6:.1f} MB of routed experts per token, GPU compute: "
           f"{result['gpu_compute']}", flush=True)
-    base: list[list[int]] = []
+    base: list[Decoded] = []
     for budget in budgets:
         limit = budget_bytes(budget)
         plan = runner.place(10**15 if limit is None else limit)  # all: more than there is

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from bench_script import load_script
 
 from hetmoe.kernels import packed_moe
@@ -23,9 +24,13 @@ class Runner:
     def __init__(self) -> None:
         self.fused, self.placement, self.policy = None, None, None
         self.resets: list[tuple[Any, ...]] = []
+        self.cache = SimpleNamespace(allocate=lambda: 0, free=lambda slot: None)
 
     def reset_graphs(self, *args: Any) -> None:
         self.resets.append(args)
+
+    def prefill_logits(self, slot: int, ids: list[int]) -> torch.Tensor:
+        return torch.zeros(len(ids), 4)  # the first run's, kept as the tokens' reference
 
 
 def test_each_decode_setting_runs_per_shape_the_shipped_first(
