@@ -3,8 +3,8 @@
 // from DRAM once and then reused from L1, in 2 x 2 output tiles (two token tiles x the pair; bf16:
 // K chunks; int8: per group). The next pair's weights are prefetched into L2 meanwhile. The packed
 // blocks are B tiles as they lie. Int8 groups are fixed up in fp32 per group, on the vector units
-// while the tile unit works; int4 (groups of 32: four times the fix-ups) is dequantized to bf16
-// instead and runs the bf16 loop (gemm_int4_bf16).
+// while the tile unit works; int4 (groups of 32: four times the fix-ups) is widened to bf16
+// instead and runs the bf16 loop (amx_int4.cpp).
 // Activations are read in tile order (each A tile 1 KB contiguous): row-major rows 4 KB apart all
 // map to one L1 set, and 16-row tile loads from them thrash it (single-core 2x2-tile loop 0.38 ->
 // 0.48 TFLOPS in a microbenchmark). Prefill writes them so (ActView::tile_step) and they are read
@@ -21,48 +21,6 @@
 
 namespace hetmoe {
 namespace {
-
-// k-steps (32 k each) per K chunk when a pair of n-blocks meets more than one token-tile pair: the
-// chunk's B tiles (2 x 8 KB) stay in L1 while every token pair passes over them, so only A comes
-// from L2 (a 2x2 step needs 4 KB per 4 tdpbf16ps; from L2 alone that is the bound).
-constexpr int kChunkSteps = 8;
-
-// One n-block pair (b0, and b1 when two_n: bf16 B tiles, kbs 32-k blocks) over the call's m
-// rows, K chunk outer, token-tile pairs inner (B reused from L1); x: A in tile order, token tiles
-// tile_stride bytes apart. C goes to c (rows ldc floats apart), or with `stream` through cbuf
-// (4 KB per token pair) into non-temporal row stores.
-// Inlined into both callers, as gemm_bf16's loop was before int4 shared it.
-__attribute__((always_inline)) inline void bf16_pair(const uint8_t* x, size_t tile_stride, int m,
-                                                     const uint8_t* b0, const uint8_t* b1,
-                                                     bool two_n, int kbs, Prefetch& pf,
-                                                     float* cbuf, float* c, size_t ldc,
-                                                     bool stream) {
-  const int chunk = m > 32 ? kChunkSteps : kbs;
-  for (int k0 = 0; k0 < kbs; k0 += chunk) {
-    const int steps = std::min(chunk, kbs - k0);
-    const bool first = k0 == 0, last = k0 + steps == kbs, to_c = last && !stream;
-    const size_t koff = size_t(k0) * 1024;
-    for (int t = 0; t < m; t += 32) {
-      const uint8_t* at = x + size_t(t / 16) * tile_stride + koff;
-      float* cb = cbuf + size_t(t / 32) * 1024;
-      float* ct = c + size_t(t) * ldc;
-      const bool two_t = t + 16 < m;
-      if (two_t && two_n)
-        bf16_tiles<2, 2>(at, tile_stride, b0 + koff, b1 + koff, steps, first, to_c, cb, ct, ldc,
-                         pf);
-      else if (two_t)
-        bf16_tiles<2, 1>(at, tile_stride, b0 + koff, b1 + koff, steps, first, to_c, cb, ct, ldc,
-                         pf);
-      else if (two_n)
-        bf16_tiles<1, 2>(at, tile_stride, b0 + koff, b1 + koff, steps, first, to_c, cb, ct, ldc,
-                         pf);
-      else
-        bf16_tiles<1, 1>(at, tile_stride, b0 + koff, b1 + koff, steps, first, to_c, cb, ct, ldc,
-                         pf);
-      if (last && stream) stream_tiles(cb, two_t ? 2 : 1, two_n ? 2 : 1, ct, ldc);
-    }
-  }
-}
 
 void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
                size_t ldc) {
@@ -83,12 +41,6 @@ void gemm_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end
   }
   sfence_if(stream);
   _tile_release();
-}
-
-// 16 lanes of int4 metadata (bf16) as floats.
-inline __m512 bf16x16(const uint16_t* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
 // Int32 tiles of one token tile and group waiting for their fix-up (the pair's two n-blocks).
@@ -248,122 +200,10 @@ void gemm_int8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end
   _tile_release();
 }
 
-// Int4 on AMX through bf16 tiles. Int4's groups of 32 would need an int32 tile stored and fixed
-// up in fp32 per 32 inputs (4x int8's, and each fix-up costs about what the tdpbusd do), so the
-// int path ran at under half of int8's rate. Instead both operands are dequantized once per call
-// to bf16 and multiplied without fix-ups: each n-block pair's weights to w = sw * (q - 8) + bw of
-// their group, the rows to x = sx * u + bx of theirs (the values the int path multiplies
-// exactly), each rounded to bf16 (relative 2^-9, against int4's ~2^-4 steps). The floats
-// therefore differ from the int kernels of the other ISAs by that rounding.
-
-// 16 bytes as floats.
-inline __m512 u8x16(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(
-      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-// Rows [0, round_up(m, 16)) of u8 view `a` (groups of gs, K = k) dequantized to bf16 A tiles in
-// tile order, [mp / 16][k / 32][16 rows][32].
-const uint8_t* dequant_rows(const ActView& a, int k, int gs) {
-  const int mp = int(round_up(a.m, 16)), chunks = k / 32;
-  uint8_t* out = aligned_scratch(size_t(mp) * k * 2, 1);
-  const size_t step = size_t(a.tile_step);
-  for (int tb = 0; tb < mp / 16; ++tb)
-    for (int ch = 0; ch < chunks; ++ch) {
-      const int k0 = ch * 32, g = k0 / gs;
-      uint8_t* dst = out + (size_t(tb) * chunks + ch) * 1024;
-      for (int r = 0; r < 16; ++r) {
-        const size_t row = size_t(tb) * 16 + r;
-        const uint8_t* src = step ? a.u8 + size_t(tb) * 16 * a.ld + k0 / step * 16 * step +
-                                        r * step + k0 % step
-                                  : a.u8 + row * a.ld + k0;
-        const __m512 sx = _mm512_set1_ps(a.scale[row * a.ldg + g]);
-        const __m512 bx = _mm512_set1_ps(a.bias[row * a.ldg + g]);
-        const __m512 lo = _mm512_fmadd_ps(u8x16(src), sx, bx);
-        const __m512 hi = _mm512_fmadd_ps(u8x16(src + 16), sx, bx);
-        _mm512_store_si512(dst + r * 64, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      }
-    }
-  return out;
-}
-
-// Int4 n-block nb dequantized to bf16 B tiles as the bf16 format packs them, [k / 32][16 k-pairs]
-// [16 n][2]: w = sw * (q - 8) + bw of its group, rounded to bf16. Each packed 64-byte row holds
-// rows r (low nibbles) and r + 8 (high) of a 64-k block, each [16 n][4 k], which become two
-// k-pair rows of a 32-k B tile.
-void dequant_int4(const PackedMatrix& w, int nb, uint8_t* out) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
-  // Of the 64 bf16 [n][4 k] of n0-7 (first operand) and n8-15 (second), (k0, k1) and (k2, k3)
-  // per n; and lanes [4 n][4 k] of a group's 16 per-n floats.
-  alignas(64) int16_t pick01[32], pick23[32];
-  alignas(64) int32_t spread[4][16];
-  for (int i = 0; i < 32; ++i) {
-    pick01[i] = int16_t(i / 2 * 4 + i % 2);
-    pick23[i] = int16_t(i / 2 * 4 + 2 + i % 2);
-  }
-  for (int j = 0; j < 4; ++j)
-    for (int l = 0; l < 16; ++l) spread[j][l] = 4 * j + l / 4;
-  const __m512i p01 = _mm512_load_si512(pick01), p23 = _mm512_load_si512(pick23);
-  const int gs = w.group_size;
-  __m512 sw[4], bw[4];
-  int group = -1;
-  for (int kb = 0; kb < w.num_k_blocks(); ++kb) {
-    const uint8_t* blk = w.k_block(nb, kb);
-    for (int r = 0; r < 16; ++r) {
-      const int k = kb * 64 + 4 * r;
-      if (k / gs != group) {
-        group = k / gs;
-        const uint16_t* meta = w.meta(nb, group);
-        const __m512 s = bf16x16(meta), b = bf16x16(meta + 32);
-        for (int j = 0; j < 4; ++j) {
-          const __m512i idx = _mm512_load_si512(spread[j]);
-          sw[j] = _mm512_permutexvar_ps(idx, s);
-          bw[j] = _mm512_permutexvar_ps(idx, b);
-        }
-      }
-      const __m512i v = _mm512_load_si512(blk + (r % 8) * 64);
-      const __m512i q = _mm512_sub_epi8(
-          _mm512_and_si512(r < 8 ? v : _mm512_srli_epi16(v, 4), low4), eight);
-      __m512 f[4];
-      for (int j = 0; j < 4; ++j)
-        f[j] = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, j))), sw[j],
-            bw[j]);
-      // j = 0 and 1: n 0-7; 2 and 3: n 8-15 (the first operand goes to the upper half)
-      const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
-      const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
-      uint8_t* dst = out + size_t(k / 32) * 1024 + size_t(2 * r % 16) * 64;
-      _mm512_store_si512(dst, _mm512_permutex2var_epi16(lo, p01, hi));
-      _mm512_store_si512(dst + 64, _mm512_permutex2var_epi16(lo, p23, hi));
-    }
-  }
-}
-
-void gemm_int4_bf16(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
-                    size_t ldc) {
-  configure(64);
-  const int kbs = w.k / 32, pairs = (a.m + 31) / 32;
-  const uint8_t* x = dequant_rows(a, w.k, w.group_size);
-  const size_t nbytes = size_t(kbs) * 1024;
-  uint8_t* wide = aligned_scratch(2 * nbytes, 0);
-  float* cbuf = reinterpret_cast<float*>(aligned_scratch(size_t(pairs) * 4096, 2));
-  const bool stream = a.stream_c && streamable(c, ldc);
-  for (int nb = nb_begin; nb < nb_end; nb += 2) {
-    const bool two_n = nb + 1 < nb_end;
-    dequant_int4(w, nb, wide);
-    if (two_n) dequant_int4(w, nb + 1, wide + nbytes);
-    Prefetch pf = next_pair(w, nb, nb_end, size_t(kbs) * pairs);
-    bf16_pair(x, nbytes, a.m, wide, wide + nbytes, two_n, kbs, pf, cbuf,
-              c + (nb - nb_begin) * 16, ldc, stream);
-  }
-  sfence_if(stream);
-  _tile_release();
-}
-
 }  // namespace
 
 const IsaKernels& amx_kernels() {
-  static const IsaKernels k{"amx", gemm_bf16, gemm_int8, gemm_int4_bf16,
+  static const IsaKernels k{"amx", gemm_bf16, gemm_int8, amx_gemm_int4,
                             amx_gemm_fp8,
                             {silu_mul_row, to_bf16_row, to_u8_row, axpy_row}};
   return k;

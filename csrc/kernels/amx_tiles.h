@@ -1,6 +1,7 @@
-// AMX tile plumbing shared by amx.cpp and amx_fp8.cpp (internal linkage: each file its own
-// copy and its own per-thread scratch): tile configuration, scratch, activations in tile order,
-// the software prefetch of the next n-block pair, and the 2 x 2 bf16 tile loop.
+// AMX tile plumbing shared by amx.cpp, amx_int4.cpp and amx_fp8.cpp (internal linkage: each
+// file its own copy and its own per-thread scratch): tile configuration, scratch, activations in
+// tile order, the software prefetch of the next n-block pair, and the 2 x 2 bf16 tile loop with
+// its pass of one n-block pair over a call's rows.
 #pragma once
 
 #include <immintrin.h>
@@ -24,7 +25,7 @@ struct alignas(64) TileConfig {
 };
 
 // tmm0-3: C (token tile i, n-block j) at 2 * i + j; tmm4-5: A; tmm6-7: B. k_bytes per step.
-void configure(int k_bytes) {
+inline void configure(int k_bytes) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
@@ -37,7 +38,7 @@ void configure(int k_bytes) {
 
 // 64-byte aligned per-thread scratch; `slot` keeps separate buffers apart (0: C or int4 widened
 // weights, 1: A in tile order, 2: int accumulators, 3: activation group terms by group).
-uint8_t* aligned_scratch(size_t bytes, int slot) {
+inline uint8_t* aligned_scratch(size_t bytes, int slot) {
   thread_local std::vector<uint8_t> buf[4];
   if (buf[slot].size() < bytes + 64) buf[slot].resize(bytes + 64);
   const uintptr_t base = reinterpret_cast<uintptr_t>(buf[slot].data());
@@ -47,8 +48,8 @@ uint8_t* aligned_scratch(size_t bytes, int slot) {
 // Rows [0, round_up(m, 16)) of row-major A (`row_bytes` used per row, `ld_bytes` apart) in tile
 // order: [m / 16][row_bytes / step][16 rows][step bytes], so A tile (t, s) is 16 * step bytes.
 // A view already in tile order (with tile row `step`) is returned as it lies.
-const uint8_t* tile_order(const uint8_t* a, size_t ld_bytes, int m, size_t row_bytes, int step,
-                          int tile_step) {
+inline const uint8_t* tile_order(const uint8_t* a, size_t ld_bytes, int m, size_t row_bytes,
+                                 int step, int tile_step) {
   if (tile_step == step) return a;
   const int mp = int(round_up(m, 16)), steps = int(row_bytes / step);
   uint8_t* out = aligned_scratch(size_t(mp) * row_bytes, 1);
@@ -81,10 +82,11 @@ struct Prefetch {
 // load per product) over `steps` k-steps (32 k each): started from zero (`first`) or from `cb`
 // (tile 2 * i + j at cb + 256 * (2 * i + j) floats, rows 64 bytes), ended in `c` (`last`, rows
 // ldc floats apart) or `cb`. a: the first token tile's A at the first k, a_next bytes to the
-// second's; b0/b1: the n-blocks' B tiles at that k (1 KB per step). pf steps once per k-step.
-template <int NT, int NN>
+// second's; b0/b1: the n-blocks' B tiles at that k (1 KB per step). pf steps once per k-step
+// (a Prefetch, or any type with step(): work for the vector units beside the tile unit's).
+template <int NT, int NN, class Step>
 void bf16_tiles(const uint8_t* a, size_t a_next, const uint8_t* b0, const uint8_t* b1, int steps,
-                bool first, bool last, float* cb, float* c, size_t ldc, Prefetch& pf) {
+                bool first, bool last, float* cb, float* c, size_t ldc, Step& pf) {
   if (first) {
     _tile_zero(0);
     if (NN > 1) _tile_zero(1);
@@ -134,7 +136,7 @@ inline bool streamable(const float* c, size_t ldc) {
 // Rows [0, mp) of acc (32 floats each: an n-block pair) into c (rows ldc floats apart), the
 // pair's second half only when `two_n`; non-temporal with `stream` (c streamable; the caller
 // fences once after its last pair: sfence_if).
-void store_pair(const float* acc, int mp, bool two_n, float* c, size_t ldc, bool stream) {
+inline void store_pair(const float* acc, int mp, bool two_n, float* c, size_t ldc, bool stream) {
   if (stream) {
     for (int r = 0; r < mp; ++r) {
       float* dst = c + size_t(r) * ldc;
@@ -149,7 +151,7 @@ void store_pair(const float* acc, int mp, bool two_n, float* c, size_t ldc, bool
 
 // C tiles stored at cb as bf16_tiles leaves them (nt x nn tiles) into c (rows ldc floats apart,
 // 64-byte aligned) with non-temporal stores.
-void stream_tiles(const float* cb, int nt, int nn, float* c, size_t ldc) {
+inline void stream_tiles(const float* cb, int nt, int nn, float* c, size_t ldc) {
   for (int i = 0; i < nt; ++i)
     for (int r = 0; r < 16; ++r)
       for (int j = 0; j < nn; ++j)
@@ -163,8 +165,52 @@ inline void sfence_if(bool stream) {
   if (stream) _mm_sfence();
 }
 
+// k-steps (32 k each) per K chunk when a pair of n-blocks meets more than one token-tile pair: the
+// chunk's B tiles (2 x 8 KB) stay in L1 while every token pair passes over them, so only A comes
+// from L2 (a 2x2 step needs 4 KB per 4 tdpbf16ps; from L2 alone that is the bound).
+constexpr int kChunkSteps = 8;
+
+// One n-block pair (b0, and b1 when two_n: bf16 B tiles, kbs 32-k blocks) over the call's m
+// rows, K chunk outer, token-tile pairs inner (B reused from L1); x: A in tile order, token tiles
+// tile_stride bytes apart. C goes to c (rows ldc floats apart), or with `stream` through cbuf
+// (4 KB per token pair) into non-temporal row stores. pf steps once per k-step of each token
+// pair: kbs * ceil(m / 32) steps in all.
+// Inlined into its callers (bf16 and int4), as gemm_bf16's loop was before int4 shared it.
+template <class Step>
+__attribute__((always_inline)) inline void bf16_pair(const uint8_t* x, size_t tile_stride, int m,
+                                                     const uint8_t* b0, const uint8_t* b1,
+                                                     bool two_n, int kbs, Step& pf,
+                                                     float* cbuf, float* c, size_t ldc,
+                                                     bool stream) {
+  const int chunk = m > 32 ? kChunkSteps : kbs;
+  for (int k0 = 0; k0 < kbs; k0 += chunk) {
+    const int steps = std::min(chunk, kbs - k0);
+    const bool first = k0 == 0, last = k0 + steps == kbs, to_c = last && !stream;
+    const size_t koff = size_t(k0) * 1024;
+    for (int t = 0; t < m; t += 32) {
+      const uint8_t* at = x + size_t(t / 16) * tile_stride + koff;
+      float* cb = cbuf + size_t(t / 32) * 1024;
+      float* ct = c + size_t(t) * ldc;
+      const bool two_t = t + 16 < m;
+      if (two_t && two_n)
+        bf16_tiles<2, 2>(at, tile_stride, b0 + koff, b1 + koff, steps, first, to_c, cb, ct, ldc,
+                         pf);
+      else if (two_t)
+        bf16_tiles<2, 1>(at, tile_stride, b0 + koff, b1 + koff, steps, first, to_c, cb, ct, ldc,
+                         pf);
+      else if (two_n)
+        bf16_tiles<1, 2>(at, tile_stride, b0 + koff, b1 + koff, steps, first, to_c, cb, ct, ldc,
+                         pf);
+      else
+        bf16_tiles<1, 1>(at, tile_stride, b0 + koff, b1 + koff, steps, first, to_c, cb, ct, ldc,
+                         pf);
+      if (last && stream) stream_tiles(cb, two_t ? 2 : 1, two_n ? 2 : 1, ct, ldc);
+    }
+  }
+}
+
 // The next pair of n-blocks after [nb, nb + 2) within [.., nb_end) as one byte range.
-Prefetch next_pair(const PackedMatrix& w, int nb, int nb_end, size_t steps) {
+inline Prefetch next_pair(const PackedMatrix& w, int nb, int nb_end, size_t steps) {
   const int first = std::min(nb + 2, nb_end), last = std::min(nb + 4, nb_end);
   return Prefetch(w.n_block(first), w.n_block(last), steps);
 }

@@ -63,6 +63,10 @@ struct IsaKernels {
   }
 };
 
+// AMX int4 on bf16 tiles (amx_int4.cpp; the other ISAs' int4 kernels are in their files).
+void amx_gemm_int4(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
+                   size_t ldc);
+
 // The fp8 kernels, one file per ISA (reference.cpp, avx2_fp8.cpp, avx512_fp8.cpp, amx_fp8.cpp).
 void reference_gemm_fp8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
                         float* c, size_t ldc);

@@ -1,0 +1,183 @@
+// AMX int4 kernel for many tokens per expert (prefill), on the bf16 tile loop of amx.cpp
+// (bf16_pair, amx_tiles.h): the weights widened to bf16 B tiles pair by pair, the next pair's
+// beside the tile unit's work on this one (Int4Widener).
+#include <immintrin.h>
+
+#include "kernels/amx_tiles.h"
+#include "kernels/gemm.h"
+
+namespace hetmoe {
+namespace {
+
+// 16 lanes of int4 metadata (bf16) as floats.
+inline __m512 bf16x16(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// Int4 on AMX through bf16 tiles. Int4's groups of 32 would need an int32 tile stored and fixed
+// up in fp32 per 32 inputs (4x int8's, and each fix-up costs about what the tdpbusd do), so the
+// int path ran at under half of int8's rate. Instead both operands are dequantized once per call
+// to bf16 and multiplied without fix-ups: each n-block pair's weights to w = sw * (q - 8) + bw of
+// their group, the rows to x = sx * u + bx of theirs (the values the int path multiplies
+// exactly), each rounded to bf16 (relative 2^-9, against int4's ~2^-4 steps). The floats
+// therefore differ from the int kernels of the other ISAs by that rounding.
+
+// 16 bytes as floats.
+inline __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Rows [0, round_up(m, 16)) of u8 view `a` (groups of gs, K = k) dequantized to bf16 A tiles in
+// tile order, [mp / 16][k / 32][16 rows][32].
+const uint8_t* dequant_rows(const ActView& a, int k, int gs) {
+  const int mp = int(round_up(a.m, 16)), chunks = k / 32;
+  uint8_t* out = aligned_scratch(size_t(mp) * k * 2, 1);
+  const size_t step = size_t(a.tile_step);
+  for (int tb = 0; tb < mp / 16; ++tb)
+    for (int ch = 0; ch < chunks; ++ch) {
+      const int k0 = ch * 32, g = k0 / gs;
+      uint8_t* dst = out + (size_t(tb) * chunks + ch) * 1024;
+      for (int r = 0; r < 16; ++r) {
+        const size_t row = size_t(tb) * 16 + r;
+        const uint8_t* src = step ? a.u8 + size_t(tb) * 16 * a.ld + k0 / step * 16 * step +
+                                        r * step + k0 % step
+                                  : a.u8 + row * a.ld + k0;
+        const __m512 sx = _mm512_set1_ps(a.scale[row * a.ldg + g]);
+        const __m512 bx = _mm512_set1_ps(a.bias[row * a.ldg + g]);
+        const __m512 lo = _mm512_fmadd_ps(u8x16(src), sx, bx);
+        const __m512 hi = _mm512_fmadd_ps(u8x16(src + 16), sx, bx);
+        _mm512_store_si512(dst + r * 64, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    }
+  return out;
+}
+
+// Int4 n-blocks widened to bf16 B tiles as the bf16 format packs them, [k / 32][16 k-pairs]
+// [16 n][2]: w = sw * (q - 8) + bw of its group, rounded to bf16. Each packed 64-byte row holds
+// rows r (low nibbles) and r + 8 (high) of a 64-k block, each [16 n][4 k], which become two
+// k-pair rows of a 32-k B tile. A pair of n-blocks is widened one such row at a time (`step`:
+// a slice per k-step of the previous pair's tile loop), so the vector units widen the next pair
+// while the tile unit multiplies this one: widened first, then multiplied, the two took turns
+// and at 32 tokens per expert the widening (~0.2 cycles a weight, flat in tokens) was about as
+// long as the tile work.
+class Int4Widener {
+ public:
+  explicit Int4Widener(const PackedMatrix& w) : w_(w), rows_(w.num_k_blocks() * 16) {
+    // Of the 64 bf16 [n][4 k] of n0-7 (first operand) and n8-15 (second), (k0, k1) and (k2, k3)
+    // per n; and lanes [4 n][4 k] of a group's 16 per-n floats.
+    alignas(64) int16_t pick01[32], pick23[32];
+    alignas(64) int32_t spread[4][16];
+    for (int i = 0; i < 32; ++i) {
+      pick01[i] = int16_t(i / 2 * 4 + i % 2);
+      pick23[i] = int16_t(i / 2 * 4 + 2 + i % 2);
+    }
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 16; ++l) spread[j][l] = 4 * j + l / 4;
+    p01_ = _mm512_load_si512(pick01);
+    p23_ = _mm512_load_si512(pick23);
+    for (int j = 0; j < 4; ++j) spread_[j] = _mm512_load_si512(spread[j]);
+  }
+
+  // Bytes of one widened n-block.
+  size_t bytes() const { return size_t(w_.k / 32) * 1024; }
+
+  // Widens n-block nb (and nb + 1 when two_n) into out (and out + bytes()) over `steps` calls
+  // of step(); finish() widens what they left.
+  void start(int nb, bool two_n, uint8_t* out, size_t steps) {
+    nb_ = nb;
+    out_ = out;
+    row_ = 0;
+    end_ = rows_ * (two_n ? 2 : 1);
+    per_step_ = steps ? (size_t(end_) + steps - 1) / steps : size_t(end_);
+    group_ = -1;
+  }
+  void step() {
+    for (size_t i = 0; i < per_step_ && row_ < end_; ++i) widen(row_++);
+  }
+  void finish() {
+    while (row_ < end_) widen(row_++);
+  }
+
+ private:
+  // Row i of the pair: n-block i / rows_, its k-block (i % rows_) / 16, row i % 16 of that.
+  void widen(int i) {
+    const int b = i / rows_, kb = i % rows_ / 16, r = i % 16, nb = nb_ + b;
+    const int k = kb * 64 + 4 * r, group = b * w_.num_groups() + k / w_.group_size;
+    if (group != group_) {
+      group_ = group;
+      const uint16_t* meta = w_.meta(nb, k / w_.group_size);
+      const __m512 s = bf16x16(meta), bias = bf16x16(meta + 32);
+      for (int j = 0; j < 4; ++j) {
+        sw_[j] = _mm512_permutexvar_ps(spread_[j], s);
+        bw_[j] = _mm512_permutexvar_ps(spread_[j], bias);
+      }
+    }
+    const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    const __m512i v = _mm512_load_si512(w_.k_block(nb, kb) + (r % 8) * 64);
+    const __m512i q = _mm512_sub_epi8(
+        _mm512_and_si512(r < 8 ? v : _mm512_srli_epi16(v, 4), low4), eight);
+    __m512 f[4];
+    for (int j = 0; j < 4; ++j)
+      f[j] = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, j))), sw_[j],
+          bw_[j]);
+    // j = 0 and 1: n 0-7; 2 and 3: n 8-15 (the first operand goes to the upper half)
+    const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+    const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+    uint8_t* dst = out_ + b * bytes() + size_t(k / 32) * 1024 + size_t(2 * r % 16) * 64;
+    _mm512_store_si512(dst, _mm512_permutex2var_epi16(lo, p01_, hi));
+    _mm512_store_si512(dst + 64, _mm512_permutex2var_epi16(lo, p23_, hi));
+  }
+
+  const PackedMatrix& w_;
+  const int rows_;  // packed rows per n-block
+  __m512i p01_, p23_, spread_[4];
+  __m512 sw_[4], bw_[4];  // the current group's metadata, spread to [4 n][4 k] lanes
+  uint8_t* out_ = nullptr;
+  int nb_ = 0, row_ = 0, end_ = 0, group_ = -1;
+  size_t per_step_ = 0;
+};
+
+// Per k-step of a pair's tile loop: the L2 prefetch of the pair after next, and a slice of the
+// next pair's widening.
+struct WidenAhead {
+  Prefetch pf;
+  Int4Widener& widen;
+  void step() {
+    pf.step();
+    widen.step();
+  }
+};
+
+}  // namespace
+
+void amx_gemm_int4(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
+                    size_t ldc) {
+  configure(64);
+  const int kbs = w.k / 32, pairs = (a.m + 31) / 32;
+  const size_t steps = size_t(kbs) * pairs;  // bf16_pair's k-steps
+  const uint8_t* x = dequant_rows(a, w.k, w.group_size);
+  Int4Widener widen(w);
+  const size_t nbytes = widen.bytes();
+  uint8_t* wide = aligned_scratch(4 * nbytes, 0);  // two pairs: this one's, the next's
+  float* cbuf = reinterpret_cast<float*>(aligned_scratch(size_t(pairs) * 4096, 2));
+  const bool stream = a.stream_c && streamable(c, ldc);
+  widen.start(nb_begin, nb_begin + 1 < nb_end, wide, 0);
+  widen.finish();
+  for (int nb = nb_begin, p = 0; nb < nb_end; nb += 2, p ^= 1) {
+    const bool two_n = nb + 1 < nb_end;
+    const uint8_t* cur = wide + size_t(p) * 2 * nbytes;
+    if (nb + 2 < nb_end)
+      widen.start(nb + 2, nb + 3 < nb_end, wide + size_t(p ^ 1) * 2 * nbytes, steps);
+    WidenAhead ahead{next_pair(w, nb + 2, nb_end, steps), widen};
+    bf16_pair(x, nbytes, a.m, cur, cur + nbytes, two_n, kbs, ahead, cbuf,
+              c + (nb - nb_begin) * 16, ldc, stream);
+    widen.finish();
+  }
+  sfence_if(stream);
+  _tile_release();
+}
+
+}  // namespace hetmoe
