@@ -15,6 +15,11 @@
 #    Output under $OUT (or /tmp/ab_out): <label>_<round>.json and .log per run, build logs,
 #    ab_table.md and ab_summary.json (means per tree, ratios to the first; printed at the end).
 #    DEADLINE keeps the call inside a 9-minute device command; with three trees fewer rounds fit.
+# 3. Or one CPU MoE layer per tree (benchmarks/kernels/bench_cpu_moe.py), alternating the same way:
+#      bash benchmarks/engine/ab_trees.sh cpu
+#    env (defaults): BENCH_ARGS="--formats int4 --q 512,2048 --layers 4 --no-torch --no-crossover
+#      --warmup-s 0.5" ROUNDS=2 DEADLINE=100 JOBS=; output <label>_cpu_<round>.json and .log, and
+#      a table of ms per (format, q) per tree and round, the ratio to the first tree's mean.
 set -uo pipefail
 AB=.ab
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
@@ -104,8 +109,55 @@ current(torch.device('cuda'), formats=('$FORMAT',))"
   PYTHONPATH=src python3 -m hetmoe.bench.tree_ab "$OUT" $LABELS
 }
 
+cpu() {
+  [ -f "$AB/trees.txt" ] || { echo "no $AB/trees.txt: run 'prepare' here and carry .ab" >&2
+                              exit 2; }
+  BENCH_ARGS=${BENCH_ARGS:-"--formats int4 --q 512,2048 --layers 4 --no-torch --no-crossover
+    --warmup-s 0.5"}
+  ROUNDS=${ROUNDS:-2}; DEADLINE=${DEADLINE:-100}
+  OUT=${OUT:-/tmp/ab_out}; WORK=/tmp/ab; mkdir -p "$OUT" "$WORK"
+  LABELS=$(awk '{print $1}' "$AB/trees.txt" | tr '\n' ' ')
+  local n round=1 start took=0 label; n=$(echo $LABELS | wc -w)
+  cp "$AB/trees.txt" "$OUT/"
+  write_site "$WORK/site"
+  build_all "${JOBS:-$(( $(nproc) / n ))}"
+  while [ $round -le "$ROUNDS" ] && [ $(( $(el) + took )) -le "$DEADLINE" ]; do
+    start=$(el)
+    for label in $LABELS; do
+      echo "== round $round, $label at $(el) s"
+      # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
+      PYTHONPATH="$WORK/site:$WORK/$label" python3 -u benchmarks/kernels/bench_cpu_moe.py \
+        $BENCH_ARGS --json "$OUT/${label}_cpu_$round.json" > "$OUT/${label}_cpu_$round.log" 2>&1 \
+        || { echo "$label round $round failed:"; tail -n 20 "$OUT/${label}_cpu_$round.log"; }
+    done
+    took=$(( $(el) - start )); round=$((round + 1))
+  done
+  echo "== $((round - 1)) rounds in $(el) s"
+  python3 - "$OUT" $LABELS <<'PY'
+import json, statistics, sys
+from pathlib import Path
+out, labels = Path(sys.argv[1]), sys.argv[2:]
+ms: dict[tuple[str, int], dict[str, list[float]]] = {}
+for label in labels:
+    for path in sorted(out.glob(f"{label}_cpu_*.json")):
+        for row in json.loads(path.read_text())["rows"]:
+            ms.setdefault((row["format"], row["q"]), {}).setdefault(label, []).append(row["ms"])
+print("| format | q | " + " | ".join(f"{x} ms (rounds)" for x in labels)
+      + f" | {labels[0]}'s mean ms over each other's (above 1: faster) |")
+print("|---|---:|" + "---|" * len(labels) + "---|")
+for (fmt, q), runs in sorted(ms.items()):
+    means = {x: statistics.mean(runs[x]) for x in labels if runs.get(x)}
+    cells = [", ".join(f"{v:.2f}" for v in runs.get(x, [])) for x in labels]
+    ratios = ", ".join(f"{x} {means[labels[0]] / means[x]:.2f}x" for x in labels[1:]
+                       if x in means and labels[0] in means)
+    print(f"| {fmt} | {q} | " + " | ".join(cells) + f" | {ratios} |")
+PY
+}
+
 case ${1:-} in
   prepare) shift; prepare "$@";;
   run) run;;
-  *) echo "usage: $0 prepare LABEL=COMMIT LABEL=COMMIT [LABEL=COMMIT] | $0 run" >&2; exit 2;;
+  cpu) cpu;;
+  *) echo "usage: $0 prepare LABEL=COMMIT LABEL=COMMIT [LABEL=COMMIT] | $0 run | $0 cpu" >&2
+     exit 2;;
 esac
