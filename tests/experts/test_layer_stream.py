@@ -61,6 +61,37 @@ def test_streamed_layers_equal_the_cpu_experts(fmt: str, tokens: int, gpu_expert
         assert streamer.copied_bytes == sum(min(gpu_experts, m) for m in misses) * expert_bytes
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_capped_streamer_streams_at_most_its_cap(fmt: str) -> None:
+    """Staging of 4 experts per layer (engine/placement/staging_plan.py): buffers of 4 experts,
+    at most 4 misses streamed per layer, the CPU computing the other 12 at once, the output as
+    close to the oracle as the uncapped pass's."""
+    layers = [CpuMoE(16, 256, 384, fmt) for _ in range(3)]
+    weights = [make_experts(16, 256, 384, seed=s) for s in range(3)]
+    for moe, w in zip(layers, weights, strict=True):
+        moe.load(w.gate, w.up, w.down)
+    device = torch.device("cuda")
+    expert_bytes = sum(p.expert_bytes for p in layers[0].packed_groups())
+    streamer = LayerStreamer(layers, device, cap=4)
+    assert [b.numel() for b in streamer.staging] == [4 * expert_bytes] * 2
+    streamer.begin(64, 4)  # None: as many as the staging holds
+    assert streamer.gpu_experts == 4 and streamer.bytes_per_pass() == 3 * 4 * expert_bytes
+    for i, (moe, w) in enumerate(zip(layers, weights, strict=True)):
+        g = torch.Generator().manual_seed(7 + i)
+        x = torch.randn(64, 256, generator=g)
+        ids = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(64)])
+        gate = torch.rand(64, 4, generator=g)
+        out = streamer.start(i, x.cuda(), ids.cuda(), gate.cuda())().cpu()
+        ref, cpu = w.reference(x, ids, gate), moe.forward(x, ids, gate)
+        assert rel_error(out, ref) <= 1.05 * rel_error(cpu, ref) + 1e-3
+        assert rel_error(out, cpu.double()) < (0.06 if fmt == "int4" else 0.03)
+    torch.cuda.synchronize()
+    assert streamer.copied_bytes == 3 * 4 * expert_bytes
+    with pytest.raises(ValueError, match=r"gpu_experts must be in \[1, 4\], got 5 \(the "
+                       r"staging buffers hold 4 of a layer's 16 experts\)"):
+        streamer.begin(64, 4, 5)
+
+
 def test_bad_gpu_expert_counts_are_refused() -> None:
     moe = CpuMoE(16, 256, 384, "int8")
     w = make_experts(16, 256, 384, seed=0)
