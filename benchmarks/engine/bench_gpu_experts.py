@@ -131,16 +131,20 @@ def write(result: dict[str, Any], path: str | None) -> None:
 
 @contextlib.contextmanager
 def pair_config(fmt: str, shape: Any) -> Iterator[tuple[int | bool, ...]]:
-    """`PAIR_CONFIGS[fmt]` (the pair kernels' launch shape, kernels/packed_moe.py) set to
-    `shape` (None: as shipped) for graphs captured inside the block; yields its fields."""
-    from hetmoe.kernels import packed_moe
+    """The pair kernels' launch shapes of `fmt` (kernels/pair_config.py: `PAIR_CONFIGS` and
+    `ONE_TOKEN_PAIR_CONFIGS`) all set to `shape` (None: as shipped) for graphs captured inside
+    the block; yields the fields of the shape one token launches (decode at batch 1)."""
+    from hetmoe.kernels import pair_config as pc
 
-    shipped = packed_moe.PAIR_CONFIGS[fmt]
-    packed_moe.PAIR_CONFIGS[fmt] = shape or shipped
+    tables = [t for t in (pc.PAIR_CONFIGS, pc.ONE_TOKEN_PAIR_CONFIGS) if fmt in t]
+    shipped = [t[fmt] for t in tables]
+    for table in tables:
+        table[fmt] = shape or table[fmt]
     try:
-        yield dataclasses.astuple(packed_moe.PAIR_CONFIGS[fmt])
+        yield dataclasses.astuple(pc.pair_config_for(fmt, 1))
     finally:
-        packed_moe.PAIR_CONFIGS[fmt] = shipped
+        for table, cfg in zip(tables, shipped, strict=True):
+            table[fmt] = cfg
 
 
 def decoded(runner: ModelRunner, prompt: list[int], tokens: list[int]) -> Decoded:
@@ -209,7 +213,7 @@ def pair_shapes(texts: list[str], parser: argparse.ArgumentParser) -> list[Any]:
     """`--pair-shapes` as `PairConfig`s, checked before the minutes of building the model."""
     if not texts:
         return []
-    from hetmoe.kernels.packed_moe import parse_pair_config
+    from hetmoe.kernels.pair_config import parse_pair_config
 
     try:
         return [parse_pair_config(t) for t in texts]

@@ -41,7 +41,8 @@ from hetmoe.experts.routed_mlp import routed_mlp
 from hetmoe.kernels import dequant
 from hetmoe.kernels import packed_moe as kernel
 from hetmoe.kernels.act_quant import quantize_rows
-from hetmoe.kernels.packed_moe import PairConfig, TileConfig, packed_moe, tile_config
+from hetmoe.kernels.packed_moe import TileConfig, packed_moe, tile_config
+from hetmoe.kernels.pair_config import PAIR_CONFIGS, PairConfig
 from hetmoe.machine import machine_report
 
 BF16_PEAK = 790e12
@@ -226,7 +227,7 @@ def pair_sweep(moe: CpuMoE, raw: torch.Tensor, tokens: list[int], k: int, bandwi
             w: torch.Tensor) -> torch.Tensor:
         return packed_moe(x, ids, w, raw, part, fmt, h, moe.group_size, "pairs", cfg)
 
-    base = kernel.PAIR_CONFIGS[fmt]
+    base = PAIR_CONFIGS[fmt]
     refs = [run(base, *case[1:4]) for case in cases]
     rows: list[dict[str, Any]] = []
 

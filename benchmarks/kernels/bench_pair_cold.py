@@ -33,8 +33,13 @@ from bench_packed_moe import build_layer, copy_bandwidth, graph_ms, inputs
 
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.packed_layout import host_tensor
-from hetmoe.kernels import packed_moe as kernel
-from hetmoe.kernels.packed_moe import PairConfig, packed_moe, parse_pair_config
+from hetmoe.kernels.packed_moe import packed_moe
+from hetmoe.kernels.pair_config import (
+    ONE_TOKEN_PAIR_CONFIGS,
+    PAIR_CONFIGS,
+    PairConfig,
+    parse_pair_config,
+)
 from hetmoe.machine import machine_report
 
 CONDITIONS = (("hot_bf16", torch.bfloat16, False), ("hot_fp32", torch.float32, False),
@@ -43,8 +48,11 @@ CONDITIONS = (("hot_bf16", torch.bfloat16, False), ("hot_fp32", torch.float32, F
 
 
 def parse_shapes(texts: list[str], formats: list[str]) -> dict[str, list[PairConfig]]:
-    """Per format: `PAIR_CONFIGS`' shape, then the `FMT=fields` shapes given for it."""
-    shapes = {fmt: [kernel.PAIR_CONFIGS[fmt]] for fmt in formats}
+    """Per format: the shipped shapes (`PAIR_CONFIGS`', then `ONE_TOKEN_PAIR_CONFIGS`' where the
+    format has one), then the `FMT=fields` shapes given for it."""
+    shapes = {fmt: [PAIR_CONFIGS[fmt], *([ONE_TOKEN_PAIR_CONFIGS[fmt]]
+                                        if fmt in ONE_TOKEN_PAIR_CONFIGS else [])]
+              for fmt in formats}
     for text in texts:
         fmt, sep, fields = text.partition("=")
         if not sep or fmt not in shapes:

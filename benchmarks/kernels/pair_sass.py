@@ -27,6 +27,7 @@ from triton.compiler import ASTSource
 
 from hetmoe.kernels import dequant
 from hetmoe.kernels import packed_moe as pm
+from hetmoe.kernels.pair_config import PairConfig, parse_pair_config
 from hetmoe.kernels.pair_down import pair_down_kernel
 from hetmoe.kernels.pair_gate_up import pair_gate_up_kernel
 
@@ -76,7 +77,7 @@ def loop_counts(cubin: bytes, path: Path) -> dict[str, Any]:
             "local": usage["LOCAL"]}
 
 
-def count_shape(cfg: pm.PairConfig, fmt: str, group: int, hidden: int, inter: int,
+def count_shape(cfg: PairConfig, fmt: str, group: int, hidden: int, inter: int,
                 top_k: int, out: Path, pairs: int = 8, x: str = "bf16") -> list[str]:
     """Table rows (gate/up, down) of one launch shape."""
     code, mem, g = dequant.FORMAT_CODES[fmt], dequant.MEMORY_ORDER[fmt], group
@@ -133,7 +134,7 @@ def main() -> None:
           "loads / weight | conversions / weight | regs | local bytes | top opcodes |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for text in args.shapes:
-        cfg = pm.parse_pair_config(text)
+        cfg = parse_pair_config(text)
         for row in count_shape(cfg, args.format, args.group, args.hidden, args.intermediate,
                                args.top_k, out, args.pairs, args.x_dtype):
             print(row, flush=True)

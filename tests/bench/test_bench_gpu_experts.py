@@ -1,6 +1,6 @@
 """benchmarks/engine/bench_gpu_experts.py's pair kernel A/B (`--pair-shapes`): each decode
-setting runs once per launch shape, PAIR_CONFIGS' first, with the graphs captured again under
-each and the shipped shape back afterwards."""
+setting runs once per launch shape, the shipped ones first, with the graphs captured again under
+each and the shipped shapes back afterwards."""
 
 from __future__ import annotations
 
@@ -12,8 +12,12 @@ import pytest
 import torch
 from bench_script import load_script
 
-from hetmoe.kernels import packed_moe
-from hetmoe.kernels.packed_moe import PAIR_CONFIGS, PairConfig
+from hetmoe.kernels.pair_config import (
+    ONE_TOKEN_PAIR_CONFIGS,
+    PAIR_CONFIGS,
+    PairConfig,
+    pair_config_for,
+)
 
 SCRIPT = load_script("engine/bench_gpu_experts.py")
 
@@ -35,12 +39,13 @@ class Runner:
 
 def test_each_decode_setting_runs_per_shape_the_shipped_first(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    shipped = PAIR_CONFIGS["int4"]
+    shipped, one = PAIR_CONFIGS["int4"], ONE_TOKEN_PAIR_CONFIGS["int4"]
     other = PairConfig(32, 1, 64, 1, 4, 2, 4, True, True)
-    seen: list[PairConfig] = []
+    seen: list[tuple[PairConfig, PairConfig]] = []
 
     def decode(runner: Runner, prompt: list[int], new_tokens: int) -> Any:
-        seen.append(packed_moe.PAIR_CONFIGS["int4"])  # what a graph captured now would launch
+        # what a graph captured now would launch, at 1 and at 8 tokens
+        seen.append((pair_config_for("int4", 1), pair_config_for("int4", 8)))
         return SimpleNamespace(tokens=[1, 2, 3], tok_s=200.0 + len(seen), mean_tok_s=1.0)
 
     monkeypatch.setattr(SCRIPT.measure, "greedy_decode", decode)
@@ -49,15 +54,16 @@ def test_each_decode_setting_runs_per_shape_the_shipped_first(
     runner = Runner()
     rows = SCRIPT.decode_rows(runner, SimpleNamespace(everything=True), args, [1], [],
                               [other])
-    assert seen == [shipped, other, shipped, other]
+    assert seen == [(one, shipped), (other, other), (one, shipped), (other, other)]
+    # a row names the shape one token launches (decode at batch 1)
     assert [(r["deferred"], r["pair_config"], r["pair_config_shipped"], r["tok_s"])
-            for r in rows] == [(0, list(vars(shipped).values()), True, 201.0),
+            for r in rows] == [(0, list(vars(one).values()), True, 201.0),
                                (0, list(vars(other).values()), False, 202.0),
-                               (3, list(vars(shipped).values()), True, 203.0),
+                               (3, list(vars(one).values()), True, 203.0),
                                (3, list(vars(other).values()), False, 204.0)]
     # captured again before every row, then once more for what follows (the shipped shape)
     assert runner.resets == [(0, "misses"), (0, "misses"), (3, "misses"), (3, "misses"), ()]
-    assert PAIR_CONFIGS["int4"] is shipped
+    assert PAIR_CONFIGS["int4"] is shipped and ONE_TOKEN_PAIR_CONFIGS["int4"] is one
 
 
 def test_the_shipped_shape_is_back_after_a_failed_run() -> None:

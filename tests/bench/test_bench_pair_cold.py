@@ -12,7 +12,7 @@ import torch
 from bench_script import load_script
 
 from hetmoe.experts.packed_layout import host_tensor
-from hetmoe.kernels.packed_moe import PAIR_CONFIGS, PairConfig
+from hetmoe.kernels.pair_config import ONE_TOKEN_PAIR_CONFIGS, PAIR_CONFIGS, PairConfig
 
 SCRIPT = load_script("kernels/bench_pair_cold.py")
 
@@ -21,8 +21,8 @@ def test_shapes_start_with_the_shipped_one_per_format() -> None:
     shapes = SCRIPT.parse_shapes(["int4=32,1,64,1,4,2,4,1,1", "int4=16,1,128,4,4,4,8,1"],
                                  ["int8", "int4"])
     assert shapes["int8"] == [PAIR_CONFIGS["int8"]]
-    # the second int4 shape is the shipped one: kept once, first
-    assert shapes["int4"] == [PAIR_CONFIGS["int4"],
+    # the second int4 shape is the shipped one: kept once, first, then the one-token shape
+    assert shapes["int4"] == [PAIR_CONFIGS["int4"], ONE_TOKEN_PAIR_CONFIGS["int4"],
                               PairConfig(32, 1, 64, 1, 4, 2, 4, factored=True, int4_words=True)]
 
 

@@ -23,6 +23,7 @@ from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.packed_layout import PackedGroup, host_tensor, unpack_group
 from hetmoe.kernels import packed_moe as kernel
 from hetmoe.kernels.packed_moe import check_packed, packed_moe, tile_config, unsupported
+from hetmoe.kernels.pair_config import pair_config_for
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 HERE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -108,10 +109,10 @@ def exact(layer: Layer) -> Layer:
 def expected(layer: Layer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
              path: str) -> torch.Tensor:
     """`reference` for what `path` computes: the pair kernels of a `factored` format
-    (`PAIR_CONFIGS`) multiply the unrounded weights, the other paths bf16-rounded ones."""
+    (`pair_config_for`) multiply the unrounded weights, the other paths bf16-rounded ones."""
     fmt, (t, k) = layer.moe.weight_format, ids.shape
     pairs = path == "pairs" or path == "auto" and t * k <= kernel.DECODE_MAX_PAIRS
-    factored = pairs and fmt != "bf16" and kernel.PAIR_CONFIGS[fmt].factored
+    factored = pairs and fmt != "bf16" and pair_config_for(fmt, t).factored
     return reference(exact(layer) if factored else layer, x, ids, weights)
 
 

@@ -15,13 +15,13 @@ import torch
 from hopper_compile import assert_compiles_for_hopper
 from test_packed_moe import HERE, edge_case, exact, make_layer, reference, rel_error, routing
 
-from hetmoe.kernels.packed_moe import (
+from hetmoe.kernels.packed_moe import factored_span, packed_moe, share_steps
+from hetmoe.kernels.pair_config import (
+    ONE_TOKEN_PAIR_CONFIGS,
     PAIR_CONFIGS,
     PairConfig,
-    factored_span,
-    packed_moe,
+    pair_config_for,
     parse_pair_config,
-    share_steps,
 )
 
 CONFIGS = [
@@ -78,6 +78,7 @@ FACTORED = [
     (("int4", 4, 72, 128, 32), PairConfig(32, 1, 64, 1, 4, 4, 4, True)),
     (("int4", 3, 256, 256, 128), PairConfig(16, 1, 32, 2, 3, 2, 2, True)),
     (("int4", 3, 256, 256, 256), PairConfig(16, 2, 64, 1, 4, 4, 4, True)),
+    (("int4", 4, 256, 384, 32), ONE_TOKEN_PAIR_CONFIGS["int4"]),  # decode's at batch 1
     (("fp8", 4, 128, 128, 64), PairConfig(16, 8, 32, 3, 8, 4, 4, True)),
     (("fp8", 4, 256, 384, 128), PairConfig(32, 1, 64, 1, 4, 4, 4, True)),
 ]
@@ -171,8 +172,17 @@ def test_a_bad_launch_shape_is_named(change: dict, message: str) -> None:
         PairConfig(**fields)
 
 
+def test_one_token_takes_its_own_shape_where_the_format_has_one() -> None:
+    assert pair_config_for("int4", 1) is ONE_TOKEN_PAIR_CONFIGS["int4"]
+    assert ONE_TOKEN_PAIR_CONFIGS["int4"] != PAIR_CONFIGS["int4"]
+    for tokens in (2, 8):
+        assert pair_config_for("int4", tokens) is PAIR_CONFIGS["int4"]
+    for fmt in ("bf16", "int8", "fp8"):  # no one-token shape measured faster for these
+        assert pair_config_for(fmt, 1) is PAIR_CONFIGS[fmt]
+
+
 def test_a_command_line_shape_reads_as_pair_configs_writes_it() -> None:
-    for cfg in PAIR_CONFIGS.values():
+    for cfg in [*PAIR_CONFIGS.values(), *ONE_TOKEN_PAIR_CONFIGS.values()]:
         text = ",".join(str(int(v)) for v in dataclasses.astuple(cfg))
         assert parse_pair_config(text) == cfg
     assert parse_pair_config("16,1,128,4,4,4,8") == PairConfig(16, 1, 128, 4, 4, 4, 8)
@@ -200,7 +210,7 @@ from dataclasses import replace
 
 from hopper_compile import compile_for_hopper
 
-from hetmoe.kernels import dequant, packed_moe as pm
+from hetmoe.kernels import dequant, packed_moe as pm, pair_config as pc
 from hetmoe.kernels.pair_down import pair_down_kernel
 from hetmoe.kernels.pair_gate_up import pair_gate_up_kernel
 
@@ -220,10 +230,11 @@ def build(fn, warps, act, **consts):
 # int4 both factored shapes read by words too
 for fmt, code in dequant.FORMAT_CODES.items():
     mem, g = dequant.MEMORY_ORDER[fmt], 32 if fmt == "int4" else 128
-    chosen = pm.PAIR_CONFIGS[fmt]
-    factored = [replace(c, factored=True) for c in (chosen, pm.PairConfig(32, 2, 64, 1, 1, 4, 4))]
+    chosen = pc.PAIR_CONFIGS[fmt]
+    factored = [replace(c, factored=True) for c in (chosen, pc.PairConfig(32, 2, 64, 1, 1, 4, 4))]
     words = [replace(c, int4_words=True) for c in factored] if fmt == "int4" else []
-    for cfg in (chosen, pm.PairConfig(16, 4, 128, 4, 3, 2, 8), *factored, *words):
+    one = [pc.ONE_TOKEN_PAIR_CONFIGS[fmt]] if fmt in pc.ONE_TOKEN_PAIR_CONFIGS else []
+    for cfg in (chosen, pc.PairConfig(16, 4, 128, 4, 3, 2, 8), *factored, *words, *one):
         split, ku = pm.share_steps(32, cfg.split_gate_up, cfg.k_unroll)
         build(pair_gate_up_kernel, cfg.warps_gate_up, "bf16" if split == 1 else "fp32",
               TOP_K=8, KU=ku, G=g, FMT=code, BN=cfg.block_n_gate_up, ZN=128, MEM=mem,

@@ -11,14 +11,13 @@ are grouped by expert on the GPU (`routing_tiles`) and two Triton kernels run ov
 decode steps can be captured in a CUDA graph. Few pairs (`path="pairs"`, or T K <=
 `DECODE_MAX_PAIRS` under "auto": decode, small batches) skip the grouping: `pair_gate_up` and
 `pair_down` take each pair straight from `ids` (two launches instead of ~10 small routing ops
-and two kernels), in the launch shape `PAIR_CONFIGS` holds per format. `act_quant=True` (int8,
-fp8; opt-in) runs the sorted tiles on int8 / fp8 tensor cores instead, activations quantized
-per (row, group) (`act_quant`).
+and two kernels), in the launch shape `pair_config_for` picks (kernels/pair_config.py).
+`act_quant=True` (int8, fp8; opt-in) runs the sorted tiles on int8 / fp8 tensor cores instead,
+activations quantized per (row, group) (`act_quant`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch
 from hetmoe.experts.packed_layout import PackedGroup, padded_hidden
 from hetmoe.kernels.act_quant import check_act_quant, sorted_act_quant
 from hetmoe.kernels.call_checks import check_call
+from hetmoe.kernels.pair_config import PairConfig, pair_config_for
 
 FORMATS = ("bf16", "int8", "int4", "fp8")
 """Packed formats the kernels read."""
@@ -66,87 +66,6 @@ MEDIUM_M = TileConfig(block_m=64, block_n_gate_up=32, block_n_down=64, num_warps
 LARGE_M = TileConfig(block_m=128, block_n_gate_up=64, block_n_down=64, num_warps=8,
                      num_stages=4)
 """128 rows per expert and more (long prompts): each dequantized weight tile serves 128 rows."""
-
-
-@dataclass(frozen=True)
-class PairConfig:
-    """Launch shape of the two unsorted pair kernels (decode's path): programs per pair and
-    loads in flight per program."""
-
-    block_n_gate_up: int
-    """Gate rows (and as many up rows) per gate/up program: 16, 32 or 64."""
-    split_gate_up: int
-    """Programs sharing one pair's k loop over H in gate/up, at most (the largest count that
-    divides the loop's 64-k blocks); above 1 they write fp32 sums and `pair_down` applies
-    the SiLU."""
-    block_n_down: int
-    """Output columns per down program: a power of two from 16 to 256."""
-    split_down: int
-    """Programs sharing one pair's k loop over the slice in down, at most (as gate/up's);
-    each adds its share to the output by atomics."""
-    k_unroll: int
-    """64-k blocks one loop step takes, at most (the largest count that divides a share's
-    blocks): 4 half-block loads each in gate/up, 2 in down, independent of each other."""
-    warps_gate_up: int
-    """Warps per gate/up program."""
-    warps_down: int
-    """Warps per down program."""
-    factored: bool = False
-    """int8, int4, fp8: no weight rounded to bf16; codes times inputs summed in fp32 over each
-    group's halves in a loop step, the group's scale applied once per row. bf16 ignores it."""
-    int4_words: bool = False
-    """int4 with `factored` (other formats ignore it): load the codes as 32-bit words as they
-    lie (each byte once, not once per nibble) and feed both nibbles of a byte to their two
-    32-k halves in registers, the inputs loaded in the words' order (kernels/int4_words.py)."""
-
-    def __post_init__(self) -> None:
-        checks = [("block_n_gate_up", (16, 32, 64)), ("block_n_down", (16, 32, 64, 128, 256)),
-                  ("split_gate_up", range(1, 17)), ("split_down", range(1, 17)),
-                  ("k_unroll", range(1, 9)), ("warps_gate_up", (1, 2, 4, 8)),
-                  ("warps_down", (1, 2, 4, 8))]
-        for name, allowed in checks:
-            value = getattr(self, name)
-            if value not in allowed:
-                shown = f"from {allowed[0]} to {allowed[-1]}" if isinstance(allowed, range) \
-                    else "one of " + ", ".join(map(str, allowed))
-                raise ValueError(f"PairConfig: {name} must be {shown}, got {value}")
-        for name, value in (("factored", self.factored), ("int4_words", self.int4_words)):
-            if not isinstance(value, bool):
-                raise ValueError(f"PairConfig: {name} must be True or False, got {value!r}")
-        if self.int4_words and not self.factored:
-            raise ValueError("PairConfig: int4_words needs factored=True (the word read sums "
-                             "codes times inputs per group, never a bf16 weight)")
-
-
-def parse_pair_config(text: str) -> PairConfig:
-    """A `PairConfig` from a command line: its fields in order, comma-separated, the 7 integers
-    then optionally `factored` and `int4_words` as 0 or 1 (e.g. "16,1,128,4,4,4,8,1")."""
-    names = [f.name for f in dataclasses.fields(PairConfig)]
-    values = text.split(",")
-    if not 7 <= len(values) <= len(names):
-        raise ValueError(f"pair config {text!r}: 7 to {len(names)} comma-separated fields "
-                         f"({', '.join(names)}), got {len(values)}")
-    try:
-        ints = [int(v) for v in values]
-    except ValueError:
-        raise ValueError(f"pair config {text!r}: every field is an integer (the flags 0 or "
-                         f"1)") from None
-    if any(v not in (0, 1) for v in ints[7:]):
-        raise ValueError(f"pair config {text!r}: {', '.join(names[7:len(ints)])} must be 0 or 1")
-    a, b, c, d, e, f, g = ints[:7]  # in PairConfig's field order
-    return PairConfig(a, b, c, d, e, f, g, *(bool(v) for v in ints[7:]))
-
-
-# Fields as PairConfig's (`bench_packed_moe.py --pair-sweep` times other shapes).
-PAIR_CONFIGS = {
-    "bf16": PairConfig(32, 1, 64, 1, 4, 4, 4),
-    "int8": PairConfig(16, 2, 64, 3, 4, 4, 4, factored=True),
-    "int4": PairConfig(16, 1, 128, 4, 4, 4, 8, factored=True),
-    "fp8": PairConfig(32, 2, 32, 2, 8, 4, 2, factored=True),
-}
-"""Per format, round 6's best (H100, a Qwen3-30B-A3B layer, graphs; gpu_kernels.md): factored
-sums win for every quantized format. T = 1 / 8 ms: int8 0.042 / 0.179 -> 0.029 / 0.142, int4
-(G 32) 0.066 / 0.249 -> 0.029 / 0.148, fp8 0.065 / 0.161 -> 0.024 / 0.111; bf16 keeps round 2's."""
 
 
 DECODE_MAX_PAIRS = 64
@@ -213,7 +132,7 @@ def packed_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed
     `packed`, -1 = skip), weights [T, K] -> [T, H] fp32, this group's share of the routed
     output. packed: uint8 on x's GPU, experts back to back (e at e * part.expert_bytes).
     path: one of `PATHS` ("auto": the pair kernels up to `DECODE_MAX_PAIRS` pairs);
-    pair_config: the pair kernels' launch shape (None: `PAIR_CONFIGS[fmt]`); act_quant (int8,
+    pair_config: the pair kernels' launch shape (None: `pair_config_for(fmt, T)`); act_quant (int8,
     fp8): the sorted path on int8 / fp8 tensor cores, activations quantized (act_quant.py)."""
     if path not in PATHS:
         raise ValueError(f"packed_moe: path {path!r} is not one of {', '.join(PATHS)}")
@@ -223,7 +142,7 @@ def packed_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed
         check_act_quant(fmt, path)
     t, top_k = ids.shape
     if t and top_k and (path == "pairs" or path == "auto" and t * top_k <= DECODE_MAX_PAIRS):
-        cfg = pair_config or PAIR_CONFIGS[fmt]
+        cfg = pair_config or pair_config_for(fmt, t)
         return _pairs(x, ids, weights, packed, part, fmt, hidden, group, cfg)
     if t == 0 or top_k == 0:
         return torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
