@@ -88,36 +88,46 @@ class Int4Widener {
   void start(int nb, bool two_n, uint8_t* out, size_t steps) {
     nb_ = nb;
     out_ = out;
-    row_ = 0;
-    end_ = rows_ * (two_n ? 2 : 1);
-    per_step_ = steps ? (size_t(end_) + steps - 1) / steps : size_t(end_);
-    group_ = -1;
+    b_ = kb_ = r_ = 0;
+    left_ = size_t(rows_) * (two_n ? 2 : 1);
+    per_step_ = steps ? (left_ + steps - 1) / steps : left_;
   }
   void step() {
-    for (size_t i = 0; i < per_step_ && row_ < end_; ++i) widen(row_++);
+    for (size_t i = 0; i < per_step_ && left_; ++i) next();
   }
   void finish() {
-    while (row_ < end_) widen(row_++);
+    while (left_) next();
   }
 
  private:
-  // Row i of the pair: n-block i / rows_, its k-block (i % rows_) / 16, row i % 16 of that.
-  void widen(int i) {
-    const int b = i / rows_, kb = i % rows_ / 16, r = i % 16, nb = nb_ + b;
-    const int k = kb * 64 + 4 * r, group = b * w_.num_groups() + k / w_.group_size;
-    if (group != group_) {
-      group_ = group;
-      const uint16_t* meta = w_.meta(nb, k / w_.group_size);
+  // Row r_ of k-block kb_ of n-block nb_ + b_, then the counters on (no divisions per row:
+  // a row's vector work is ~13 cycles).
+  void next() {
+    if (r_ == 0) blk_ = w_.k_block(nb_ + b_, kb_);
+    const int k = kb_ * 64 + 4 * r_;
+    if ((k & (w_.group_size - 1)) == 0) {  // a group starts (sizes are powers of two)
+      const uint16_t* meta = w_.meta(nb_ + b_, k / w_.group_size);
       const __m512 s = bf16x16(meta), bias = bf16x16(meta + 32);
       for (int j = 0; j < 4; ++j) {
         sw_[j] = _mm512_permutexvar_ps(spread_[j], s);
         bw_[j] = _mm512_permutexvar_ps(spread_[j], bias);
       }
     }
+    widen_row(out_ + b_ * bytes() + size_t(k / 32) * 1024 + size_t(2 * r_ % 16) * 64);
+    --left_;
+    if (++r_ == 16) {
+      r_ = 0;
+      if (++kb_ * 16 == rows_) kb_ = 0, ++b_;
+    }
+  }
+
+  // The current row (r_ of blk_) widened into dst: its k-pairs (k0, k1) and, 64 bytes on,
+  // (k2, k3).
+  void widen_row(uint8_t* dst) {
     const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
-    const __m512i v = _mm512_load_si512(w_.k_block(nb, kb) + (r % 8) * 64);
+    const __m512i v = _mm512_load_si512(blk_ + (r_ % 8) * 64);
     const __m512i q = _mm512_sub_epi8(
-        _mm512_and_si512(r < 8 ? v : _mm512_srli_epi16(v, 4), low4), eight);
+        _mm512_and_si512(r_ < 8 ? v : _mm512_srli_epi16(v, 4), low4), eight);
     __m512 f[4];
     for (int j = 0; j < 4; ++j)
       f[j] = _mm512_fmadd_ps(
@@ -126,7 +136,6 @@ class Int4Widener {
     // j = 0 and 1: n 0-7; 2 and 3: n 8-15 (the first operand goes to the upper half)
     const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
     const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
-    uint8_t* dst = out_ + b * bytes() + size_t(k / 32) * 1024 + size_t(2 * r % 16) * 64;
     _mm512_store_si512(dst, _mm512_permutex2var_epi16(lo, p01_, hi));
     _mm512_store_si512(dst + 64, _mm512_permutex2var_epi16(lo, p23_, hi));
   }
@@ -136,8 +145,9 @@ class Int4Widener {
   __m512i p01_, p23_, spread_[4];
   __m512 sw_[4], bw_[4];  // the current group's metadata, spread to [4 n][4 k] lanes
   uint8_t* out_ = nullptr;
-  int nb_ = 0, row_ = 0, end_ = 0, group_ = -1;
-  size_t per_step_ = 0;
+  const uint8_t* blk_ = nullptr;  // the current k-block's packed rows
+  int nb_ = 0, b_ = 0, kb_ = 0, r_ = 0;
+  size_t left_ = 0, per_step_ = 0;  // rows still to widen; rows per step()
 };
 
 // Per k-step of a pair's tile loop: the L2 prefetch of the pair after next, and a slice of the
@@ -154,7 +164,7 @@ struct WidenAhead {
 }  // namespace
 
 void amx_gemm_int4(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
-                    size_t ldc) {
+                   size_t ldc) {
   configure(64);
   const int kbs = w.k / 32, pairs = (a.m + 31) / 32;
   const size_t steps = size_t(kbs) * pairs;  // bf16_pair's k-steps
