@@ -33,10 +33,12 @@ from hetmoe.machine import cpu_model
 
 log = logging.getLogger(__name__)
 
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 """Bumped when a field's meaning or a measurement changes: older files are measured again (4:
 int4 experts on AMX run bf16 tiles, ~1.5x the old rate at prefill sizes; 5: GPU prefill
-computes on the packed bytes with the Triton kernels, no unpack)."""
+computes on the packed bytes with the Triton kernels, no unpack; 6: AMX int4 widens the next
+n-block pair's weights while the tile unit multiplies this one, so its per-expert cost, the
+int4 line's intercept, changed)."""
 
 FORMATS = ("bf16", "int8", "int4", "fp8")
 """CPU expert formats `measure` can time."""
