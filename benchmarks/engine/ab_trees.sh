@@ -20,13 +20,14 @@
 #    env (defaults): BENCH_ARGS="--formats int4 --q 512,2048 --layers 4 --no-torch --no-crossover
 #      --warmup-s 0.5" ROUNDS=2 DEADLINE=100 JOBS=; output <label>_cpu_<round>.json and .log, and
 #      a table of ms per (format, q) per tree and round, the ratio to the first tree's mean.
+#    AB_DIR (default .ab) names the archives' folder: A/Bs of different changes side by side.
 set -uo pipefail
-AB=.ab
+AB=${AB_DIR:-.ab}
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 
 prepare() {
   [ $# -ge 2 ] || { echo "prepare needs at least two label=commit pairs" >&2; exit 2; }
-  grep -qx '/.ab/' .git/info/exclude 2>/dev/null || echo '/.ab/' >> .git/info/exclude
+  grep -qx "/$AB/" .git/info/exclude 2>/dev/null || echo "/$AB/" >> .git/info/exclude
   rm -rf "$AB"; mkdir -p "$AB"
   for pair in "$@"; do
     label=${pair%%=*}; ref=${pair#*=}
