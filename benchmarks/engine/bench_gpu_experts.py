@@ -37,7 +37,7 @@ from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import DEFER_ORDERS, EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
-from hetmoe.engine.placement.expert_split import TRIES, PrefillTuner
+from hetmoe.engine.placement.expert_split import EXPLORE_PASSES, PrefillTuner
 from hetmoe.engine.placement.placement_compute import use_kernel
 from hetmoe.engine.placement.placement_policy import TrafficPolicy
 
@@ -109,8 +109,8 @@ def prefill_rows(runner: ModelRunner, lengths: list[int], modes: list[str], repe
         try:
             for n in lengths:
                 chosen.clear()
-                # auto: the tuner's trial passes (TRIES per strategy) first, then the settled one
-                tries = repeats if mode != "auto" else max(repeats, 2 * TRIES + 1)
+                # auto: the tuner's trial passes first, then the settled one
+                tries = repeats if mode != "auto" else max(repeats, EXPLORE_PASSES + 1)
                 tok_s = measure.prefill_speed(runner, n, vocab, tries)
                 rows.append({"mode": mode, "tokens": n, "tok_s": round(tok_s, 1),
                              "gpu_experts_per_pass": list(chosen)})

@@ -50,7 +50,7 @@ from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
-from hetmoe.engine.placement.expert_split import TRIES
+from hetmoe.engine.placement.expert_split import EXPLORE_PASSES
 from hetmoe.engine.placement.layer_stream import LayerStreamer
 from hetmoe.experts.routed_mlp import routed_mlp
 from hetmoe.machine import machine_report
@@ -277,7 +277,7 @@ def main() -> None:
             runner.config = dataclasses.replace(auto, prefill_experts=name)
             try:
                 if name == "auto":  # its tuner's turns first (not timed): then what it settled on
-                    measure.prefill_speed(runner, n, config.vocab_size, 2 * TRIES)
+                    measure.prefill_speed(runner, n, config.vocab_size, EXPLORE_PASSES)
                 tok_s = measure.prefill_speed(runner, n, config.vocab_size, args.repeats)
             except Exception as exc:  # noqa: BLE001 -- one strategy's failure is a row's note
                 row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"

@@ -92,10 +92,11 @@ def prefill_s(runner: Any, ids: list[int]) -> float:
 def prefill_rows(runner: Any, lengths: list[int], modes: list[str], passes: int,
                  cpu_max: int) -> list[dict[str, Any]]:
     """Per prompt length and `prefill_experts` mode: the median of `passes` timed prefills
-    after one untimed (auto: after the tuner's 2 x TRIES turns, so it has settled); "cpu"
+    after one untimed (auto: after the tuner's turns, so it has settled); "cpu"
     only up to `cpu_max` tokens."""
     # Here, not at the top: trees from before the prefill tuner (decode-only runs) lack it.
-    tries = engine_module("placement", "expert_split").TRIES
+    split = engine_module("placement", "expert_split")
+    turns = getattr(split, "EXPLORE_PASSES", 2 * split.TRIES)  # trees before the neighbours
 
     base, rows = runner.config, []
     for n in lengths:
@@ -106,7 +107,7 @@ def prefill_rows(runner: Any, lengths: list[int], modes: list[str], passes: int,
                 continue
             runner.config = dataclasses.replace(base, prefill_experts=mode)
             try:
-                warm = 2 * tries if mode == "auto" else 1
+                warm = turns if mode == "auto" else 1
                 times = [prefill_s(runner, ids) for _ in range(warm + passes)][warm:]
             finally:
                 runner.config = base

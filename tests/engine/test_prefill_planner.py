@@ -65,7 +65,7 @@ def test_auto_follows_what_the_passes_measured() -> None:
     rival = plan_gpu_experts(tokens, 8, 128, COSTS, 1, 127)
     assert model == 128 and 0 < rival < 128  # the stream, with a split as its rival
     for k, seconds in ((model, 2.0), (rival, 1.0)) * 2:
-        planner.tuner.record(tokens, k, planner.most, seconds)
+        planner.tuner.record(tokens, k, seconds)
     assert planner.gpu_experts(tokens) == rival  # measured faster: kept
     planner.place(None)  # a new placement: its timings were of the old one
     assert planner.tuner.measured == {} and planner.gpu_experts(tokens) == model
@@ -123,24 +123,24 @@ def test_only_passes_the_tuner_weighs_are_timed(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
     planner = _planner()
     # 1 and 15 tokens: fewer pairs than experts; 32: the model's split, its rival far slower;
-    # 4096 and 16384: the model's pick and a close rival take turns (TRIES each), then the best.
+    # 4096: the model's pick, a close rival and the splits above take turns (TRIES each).
     few = _passes(planner, [1, 15, 32, 32])
     assert few == [PrefillTuner().choose(t, 8, 128, COSTS) for t in (1, 15, 32, 32)]
     assert syncs == [] and planner.tuner.measured == {}  # decided by the model: no sync
     model, rival = plan_gpu_experts(4096, 8, 128, COSTS), 128
     assert 0 < model < rival
-    assert _passes(planner, [4096] * 4) == [model, rival, model, rival]  # exploration as before
-    assert syncs == [torch.device("cpu")] * 4
-    assert {s: len(t) for s, t in planner.tuner.measured[13].items()} == {"split": 2,
-                                                                         "stream": 2}
+    options = [model, rival, model + 8, model + 16]
+    assert _passes(planner, [4096] * 8) == options * 2  # exploration
+    assert syncs == [torch.device("cpu")] * 8
+    assert {k: len(t) for k, t in planner.tuner.measured[13].items()} == dict.fromkeys(options, 2)
     assert list(planner.tuner.measured) == [13]  # only the weighed bucket (4096-8191)
     for mode in ("cpu", "gpu", "split"):  # no tuner in these modes
         _passes(planner, [4096, 16384], mode)
-    assert len(syncs) == 4
+    assert len(syncs) == 8
     everything = _planner(128)  # every expert resident: nothing to weigh
-    assert _passes(everything, [4096, 16384]) == [0, 0] and len(syncs) == 4
+    assert _passes(everything, [4096, 16384]) == [0, 0] and len(syncs) == 8
     no_room = PrefillPlanner(128, 8, 4, COSTS, refusal=lambda: "no room")
-    assert _passes(no_room, [16384]) == [0] and len(syncs) == 4
+    assert _passes(no_room, [16384]) == [0] and len(syncs) == 8
 
 
 def test_describe_counts_the_resident_experts() -> None:

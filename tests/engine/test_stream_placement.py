@@ -199,7 +199,7 @@ def test_the_modes_count_the_misses_and_a_placement_change_starts_the_tuner_agai
         planner.costs = SplitCosts(cpu_fixed=1e-6, cpu_token=1e-7, gpu_expert=2e-6)
         per_expert = sum(expert_bytes(overlap.cpu))
         layers = len(overlap.cpu)
-        planner.tuner.record(4096, 8, 8, 1.0)
+        planner.tuner.record(4096, 8, 1.0)
         runner.place(5 * per_expert)
         assert planner.tuner.measured == {}  # its timings were of no placement
         assert planner.resident == (5,) * layers

@@ -232,4 +232,4 @@ class PrefillPlanner:
             yield
         if timed:
             torch.cuda.synchronize(overlap.device)
-            self.tuner.record(tokens, k, self.most, time.perf_counter() - start)
+            self.tuner.record(tokens, k, time.perf_counter() - start)

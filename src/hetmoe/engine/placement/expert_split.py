@@ -166,35 +166,45 @@ expert."""
 
 
 TRIES = 2
-"""Passes each of the two strategies gets in a length bucket before the faster is kept: the
-first pass of a strategy may carry one-time costs (pinned buffers, kernel selection)."""
+"""Passes each k `PrefillTuner` weighs gets in a length bucket before the fastest is kept: the
+first pass of a k may carry one-time costs (pinned buffers, kernel selection)."""
+
+
+NEIGHBOURS = 3
+"""Splits above the weighed split that `PrefillTuner` also times, a sixteenth of the most misses
+apart (128 experts: k + 8, k + 16, k + 24). The model leaves out the GPU work a split layer waits
+for in series (attention and router before the CPU starts; the next layer waits for the CPU's
+sum), so the best split lies at or above its k, and below it the time climbs steeply (INT4 at
+512 tokens on an H100 box: the model's k 92, measured best 108; k = 96 took 1.4x as long)."""
+
+
+EXPLORE_PASSES = TRIES * (2 + NEIGHBOURS)
+"""The most passes a length bucket takes before its k is settled (benchmarks run these first)."""
 
 
 class PrefillTuner:
-    """Measured prefill seconds per token of each strategy (CPU, split, stream) per prompt-length
-    bucket (a power of two): in a new bucket the model's k and its most likely rival of another
-    strategy (the stream if the model split, its best split if it streamed or stayed on the CPU;
-    with at most one miss per layer, no split: the other one) take turns, `TRIES` passes each,
-    then the k of the strategy with the best pass is kept. The cost model ranks; what this
-    machine measured decides. Passes with fewer (token, expert) pairs than experts (a chat
-    turn's few new tokens) keep the model's pick: no rival there could pay for experts copied
-    ahead that no token uses. Only passes whose k measurements decide are timed (`pick`), so a
-    pass the model alone decides costs no GPU sync. Its timings are of one placement:
-    `PrefillPlanner.place` starts a new tuner."""
+    """Measured prefill seconds per token of each weighed k per prompt-length bucket (a power of
+    two). In a new bucket the model's k and its most likely rival of another strategy (the
+    stream if the model split, its best split if it streamed or stayed on the CPU; with at most
+    one miss per layer, no split: the other one) and up to `NEIGHBOURS` splits above the split
+    of the two take turns, `TRIES` passes each, then the k with the best pass is kept for the
+    bucket. Only ks the model predicts within `EXPLORE_WITHIN` of its choice are weighed. The
+    cost model ranks; what this machine measured decides. Passes with fewer (token, expert)
+    pairs than experts (a chat turn's few new tokens), or whose rival the model finds far
+    slower, keep the model's pick: no rival there could pay for experts copied ahead that no
+    token uses. Only passes whose k measurements decide are timed (`pick`), so a pass the model
+    alone decides costs no GPU sync. Its timings are of one placement: `PrefillPlanner.place`
+    starts a new tuner."""
 
     def __init__(self) -> None:
-        self.measured: dict[int, dict[str, list[float]]] = {}
-        """bucket -> {strategy: seconds per token of each of its passes}"""
+        self.measured: dict[int, dict[int, list[float]]] = {}
+        """bucket -> {k: seconds per token of each of its passes}"""
+        self.weighed: dict[int, tuple[int, ...]] = {}
+        """bucket -> the ks it weighs, in turn order (fixed by its first weighed pass)"""
 
     @staticmethod
     def bucket(tokens: int) -> int:
         return max(1, tokens).bit_length()
-
-    @staticmethod
-    def strategy(k: int, most: int) -> str:
-        """"cpu", "stream" or "split" for a pass streaming k misses per layer (`most`: the k
-        that streams every miss)."""
-        return "cpu" if k == 0 else "stream" if k >= most else "split"
 
     def choose(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
                resident: Sequence[int] = (), cap: int | None = None) -> int:
@@ -207,6 +217,22 @@ class PrefillTuner:
              resident: Sequence[int] = (), cap: int | None = None) -> tuple[int, bool]:
         """(`choose`'s k, whether measurements decide it): only such a pass's time is read, so
         only such a pass needs timing (`record`). A capped pass's most is its "stream"."""
+        bucket = self.bucket(tokens)
+        options = self.weighed.get(bucket) or self.options(tokens, top_k, num_experts, costs,
+                                                           resident, cap)
+        if len(options) == 1:
+            return options[0], False
+        self.weighed[bucket] = options
+        times = self.measured.get(bucket, {})
+        fewest = min(options, key=lambda k: len(times.get(k, [])))  # the first of the fewest
+        if len(times.get(fewest, [])) < TRIES:
+            return fewest, True
+        return min(options, key=lambda k: min(times[k])), True  # ties: the earlier option
+
+    def options(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
+                resident: Sequence[int] = (), cap: int | None = None) -> tuple[int, ...]:
+        """The ks a pass of `tokens` tokens weighs, in turn order: the model's, its rival, the
+        split's neighbours above (see the class docstring); the model's alone when it decides."""
         most = most_misses(num_experts, resident)
         most = most if cap is None else min(most, cap)
         model = plan_gpu_experts(tokens, top_k, num_experts, costs, 0, most, resident)
@@ -217,21 +243,18 @@ class PrefillTuner:
         else:
             rival = most if model == 0 else 0
         if tokens * top_k < num_experts or rival == model:
-            return model, False  # most experts idle: copying ahead moves weights nobody uses
-        predicted = pass_seconds(model, tokens, top_k, num_experts, costs, resident)
-        if (pass_seconds(rival, tokens, top_k, num_experts, costs, resident)
-                > EXPLORE_WITHIN * predicted):
-            return model, False
-        times = self.measured.get(self.bucket(tokens), {})
-        mine, theirs = (times.get(self.strategy(k, most), []) for k in (model, rival))
-        if min(len(mine), len(theirs)) < TRIES:
-            return (rival if len(theirs) < len(mine) else model), True
-        return (model if min(mine) <= min(theirs) else rival), True
+            return (model,)  # most experts idle: copying ahead moves weights nobody uses
+        worst = EXPLORE_WITHIN * pass_seconds(model, tokens, top_k, num_experts, costs, resident)
+        if pass_seconds(rival, tokens, top_k, num_experts, costs, resident) > worst:
+            return (model,)
+        split = model if 0 < model < most else rival
+        step = max(1, most // 16)
+        above = [k for k in range(split + step, min(most, split + NEIGHBOURS * step + 1), step)
+                 if pass_seconds(k, tokens, top_k, num_experts, costs, resident) <= worst]
+        return (model, rival, *above)
 
-    def record(self, tokens: int, k: int, most: int, seconds: float) -> None:
-        """A pass of `tokens` tokens streaming k misses per layer took `seconds` (`most`: the k
-        that streams every miss; E without a placement)."""
-        strategy = self.strategy(k, most)
-        passes = self.measured.setdefault(self.bucket(tokens), {}).setdefault(strategy, [])
+    def record(self, tokens: int, k: int, seconds: float) -> None:
+        """A pass of `tokens` tokens streaming k misses per layer took `seconds`."""
+        passes = self.measured.setdefault(self.bucket(tokens), {}).setdefault(k, [])
         passes.append(seconds / max(1, tokens))
         del passes[:-8]  # the latest few
