@@ -78,7 +78,7 @@ FACTORED = [
     (("int4", 4, 72, 128, 32), PairConfig(32, 1, 64, 1, 4, 4, 4, True)),
     (("int4", 3, 256, 256, 128), PairConfig(16, 1, 32, 2, 3, 2, 2, True)),
     (("int4", 3, 256, 256, 256), PairConfig(16, 2, 64, 1, 4, 4, 4, True)),
-    (("int4", 4, 256, 384, 32), ONE_TOKEN_PAIR_CONFIGS["int4"]),  # decode's at batch 1
+    (("int4", 3, 256, 128, 32), ONE_TOKEN_PAIR_CONFIGS["int4"]),  # decode's at batch 1
     (("fp8", 4, 128, 128, 64), PairConfig(16, 8, 32, 3, 8, 4, 4, True)),
     (("fp8", 4, 256, 384, 128), PairConfig(32, 1, 64, 1, 4, 4, 4, True)),
 ]
