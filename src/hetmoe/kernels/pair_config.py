@@ -95,8 +95,8 @@ ONE_TOKEN_PAIR_CONFIGS = {
 `PAIR_CONFIGS`' as decode runs it: each layer's experts cold in L2, fp32 inputs
 (`bench_pair_cold.py --formats int8,int4 --tokens 1,8 --layers 8`, H100, 2026-11-27,
 docs/benchmarks/gpu_kernels.md). int4 (G 32), ms a layer at T = 1 / 8: `PAIR_CONFIGS`' shape
-0.0483 / 0.1541, this one 0.0356 / 0.1760 (two gate/up programs a pair fill the SMs that one
-token's 8 pairs leave idle; at 8 tokens they are already full)."""
+0.0483 / 0.1541, this one 0.0356 / 0.1760 (likely because two gate/up programs a pair fill
+SMs that one token's 8 pairs leave idle, while at 8 tokens they are full; not profiled)."""
 
 
 def pair_config_for(fmt: str, tokens: int) -> PairConfig:
