@@ -9,7 +9,9 @@
 # 2. On the device machine (carry [".ab"]; the first label is the baseline of the ratios):
 #      bash benchmarks/engine/ab_trees.sh run
 #    env (defaults): SHAPE=qwen3-30b-a3b FORMAT=int8 LAYERS= (the shape's) DEFERRED=0,3
-#      TOKENS=200 (greedy tokens a run) PREFILL=512,4096 PREFILL_MODES=gpu,cpu,auto CPU_MAX=512
+#      TOKENS=200 (greedy tokens a run) BUDGETS=0 (GPU expert GB per decode row, or all: the GPU
+#      side alone, free of the host's bandwidth noise) PREFILL=512,4096 (set empty: decode only)
+#      PREFILL_MODES=gpu,cpu,auto CPU_MAX=512
 #      ROUNDS=3 (at most; a round starts only if the last one fits before DEADLINE) DEADLINE=510
 #      (s, whole script) JOBS= (build jobs per tree; default: cores / trees)
 #    Output under $OUT (or /tmp/ab_out): <label>_<round>.json and .log per run, build logs,
@@ -73,7 +75,8 @@ run_tree() {  # $1 label, $2 round
   PYTHONPATH="$WORK/site:$WORK/$1" HETMOE_CACHE_DIR="$WORK/cache" python3 -u \
     benchmarks/engine/decode_ab.py --shape "$SHAPE" --weight-format "$FORMAT" \
     ${LAYERS:+--num-layers "$LAYERS"} --deferred "$DEFERRED" --new-tokens "$TOKENS" \
-    --repeats 1 --prefill "$PREFILL" --prefill-modes "$PREFILL_MODES" --cpu-max "$CPU_MAX" \
+    --repeats 1 --budgets "$BUDGETS" --prefill "$PREFILL" --prefill-modes "$PREFILL_MODES" \
+    --cpu-max "$CPU_MAX" \
     --json "$OUT/${1}_$2.json" > "$OUT/${1}_$2.log" 2>&1 || echo "$1 round $2 failed:"
   tail -n 12 "$OUT/${1}_$2.log"
 }
@@ -82,7 +85,8 @@ run() {
   [ -f "$AB/trees.txt" ] || { echo "no $AB/trees.txt: run 'prepare' here and carry .ab" >&2
                               exit 2; }
   SHAPE=${SHAPE:-qwen3-30b-a3b}; FORMAT=${FORMAT:-int8}; LAYERS=${LAYERS:-}
-  DEFERRED=${DEFERRED:-0,3}; TOKENS=${TOKENS:-200}; PREFILL=${PREFILL:-512,4096}
+  DEFERRED=${DEFERRED:-0,3}; TOKENS=${TOKENS:-200}; PREFILL=${PREFILL-512,4096}
+  BUDGETS=${BUDGETS:-0}
   PREFILL_MODES=${PREFILL_MODES:-gpu,cpu,auto}; CPU_MAX=${CPU_MAX:-512}
   ROUNDS=${ROUNDS:-3}; DEADLINE=${DEADLINE:-510}
   OUT=${OUT:-/tmp/ab_out}; WORK=/tmp/ab; mkdir -p "$OUT" "$WORK"

@@ -34,6 +34,7 @@ import torch
 import hetmoe
 from hetmoe import _cpu
 from hetmoe.bench import measure
+from hetmoe.bench.budget_peer import budget_bytes, parse_budgets
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import add_shape_arguments, shape_config
 
@@ -75,6 +76,19 @@ def plain_tok_s(runner: Any, prompt: list[int], steps: int) -> float:
     finally:
         runner.cache.free(slot)
     return 1.0 / statistics.median(times[2:])
+
+
+def decode_row(runner: Any, prompt: list[int], new_tokens: int, deferred: int,
+               budget: str) -> dict[str, Any]:
+    """One greedy and one plain decode timing at `deferred`, with the host's read bandwidth
+    around the greedy run (its noise is decode's, at budgets that leave experts on the host)."""
+    runner.reset_graphs(deferred)
+    before = _cpu.read_bandwidth(4 << 30, 5) / 1e9
+    run = measure.greedy_decode(runner, prompt, new_tokens)
+    after = _cpu.read_bandwidth(4 << 30, 5) / 1e9
+    return {"budget": budget, "deferred": deferred, "greedy_tok_s": round(run.tok_s, 2),
+            "plain_tok_s": round(plain_tok_s(runner, prompt, 40), 2),
+            "read_gb_s_around": [round(before, 1), round(after, 1)]}
 
 
 def prefill_s(runner: Any, ids: list[int]) -> float:
@@ -135,6 +149,10 @@ def main() -> int:
     parser.add_argument("--prefill-passes", type=int, default=5)
     parser.add_argument("--cpu-max", type=int, default=512,
                         help="longest prompt timed with prefill_experts=cpu")
+    parser.add_argument("--budgets", default="0",
+                        help="GPU expert budgets in GB (or `all`) the decode rows run at, "
+                        "placed in turn (runner.place); `all` times the GPU side alone, free of "
+                        "the host's bandwidth noise")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -148,18 +166,22 @@ def main() -> int:
                                torch.bfloat16, "cpu", args.weight_format, 0)
     tree, runner = make_runner(model, device, window)
     prompt = list(range(1, 33))
+    budgets = parse_budgets(args.budgets)
+    if tree == "pre-change" and budgets != ["0"]:
+        print("decode_ab: the pre-change runner has no GPU experts: --budgets 0 only",
+              file=sys.stderr)
+        return 2
     runs = []
-    for _ in range(args.repeats):
-        for d in [int(v) for v in args.deferred.split(",") if v]:
-            runner.reset_graphs(d)
-            before = _cpu.read_bandwidth(4 << 30, 5) / 1e9
-            run = measure.greedy_decode(runner, prompt, args.new_tokens)
-            after = _cpu.read_bandwidth(4 << 30, 5) / 1e9
-            row = {"deferred": d, "greedy_tok_s": round(run.tok_s, 2),
-                   "plain_tok_s": round(plain_tok_s(runner, prompt, 40), 2),
-                   "read_gb_s_around": [round(before, 1), round(after, 1)]}
-            runs.append(row)
-            print(tree, row, flush=True)
+    for budget in budgets:
+        if tree == "this":
+            limit = budget_bytes(budget)
+            runner.place(10**15 if limit is None else limit)  # all: more than there is
+        for _ in range(args.repeats):
+            for d in [int(v) for v in args.deferred.split(",") if v]:
+                runs.append(decode_row(runner, prompt, args.new_tokens, d, budget))
+                print(tree, runs[-1], flush=True)
+    if tree == "this":
+        runner.place(0)  # prefill rows as before: every expert on the host
     prefill = prefill_rows(runner, lengths, modes, args.prefill_passes, args.cpu_max)
     args.json.write_text(json.dumps({"tree": tree, "hetmoe": str(Path(hetmoe.__file__).parent),
                                      "shape": args.shape, "weight_format": args.weight_format,

@@ -83,3 +83,20 @@ def test_missing_tree_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert capsys.readouterr().err == \
         f"tree_ab: no new_<round>.json in {tmp_path}: did the new runs fail?\n"
     assert tree_ab.main([str(tmp_path), "old"]) == 2
+
+
+def test_budgets_are_named_apart(tmp_path: Path) -> None:
+    """Rows at a GPU expert budget other than 0 get their own metric; budget 0 keeps the old
+    names (earlier runs carry no budget)."""
+    for label, tok_s in (("old", 200.0), ("new", 210.0)):
+        write_run(tmp_path, label, 1, (40.0, 50.0), 20000.0)
+        path = tmp_path / f"{label}_1.json"
+        result = json.loads(path.read_text())
+        result["runs"].append({"budget": "all", "deferred": 0, "greedy_tok_s": tok_s,
+                               "plain_tok_s": tok_s - 10, "read_gb_s_around": [1.0, 1.0]})
+        path.write_text(json.dumps(result))
+    by_name = {r["metric"]: r for r in tree_ab.summarize(tree_ab.load_runs(tmp_path,
+                                                                          ["old", "new"]))}
+    assert by_name["decode greedy tok/s, d=0"]["mean"] == {"old": 40.0, "new": 40.0}
+    assert by_name["decode greedy tok/s, d=0, budget all"]["ratio"]["new"] == pytest.approx(1.05)
+    assert by_name["decode plain tok/s, d=0, budget all"]["mean"] == {"old": 190.0, "new": 200.0}

@@ -38,13 +38,15 @@ def load_runs(folder: Path, labels: list[str]) -> dict[str, list[dict[str, Any]]
 
 
 def metrics(result: dict[str, Any]) -> dict[str, float]:
-    """One run's figures by name: greedy and plain decode tok/s per `deferred` (the mean of
-    the run's repeats) and prefill tok/s per (length, mode)."""
+    """One run's figures by name: greedy and plain decode tok/s per `deferred` and GPU expert
+    budget (the mean of the run's repeats; budget 0, the default, goes unnamed) and prefill
+    tok/s per (length, mode)."""
     per: dict[str, list[float]] = {}
     for row in result["runs"]:
-        d = row["deferred"]
-        per.setdefault(f"decode greedy tok/s, d={d}", []).append(row["greedy_tok_s"])
-        per.setdefault(f"decode plain tok/s, d={d}", []).append(row["plain_tok_s"])
+        d, budget = row["deferred"], str(row.get("budget", "0"))
+        at = f"d={d}" if budget == "0" else f"d={d}, budget {budget}"
+        per.setdefault(f"decode greedy tok/s, {at}", []).append(row["greedy_tok_s"])
+        per.setdefault(f"decode plain tok/s, {at}", []).append(row["plain_tok_s"])
     for row in result.get("prefill", []):
         per.setdefault(f"prefill {row['tokens']} tok/s, {row['mode']}", []).append(row["tok_s"])
     return {name: statistics.fmean(values) for name, values in per.items()}
