@@ -1,8 +1,10 @@
 """The fused decode step's GQA layer function alone (no experts, no lm_head), compiled and
 replayed as one CUDA graph over every layer of a real shape (random weights, one set per layer,
 so nothing stays in L2): with its Triton kernels (kernels/gqa_decode.py, kernels/moe_router.py)
-against the same function in torch ops plus its cache write. Prints microseconds and GPU kernels
-per layer for each, and the step's GPU time without experts; JSON with --json.
+against the same function in torch ops plus its cache write, and with the router in its two
+launches (no tickets) against its one; then the router alone (`moe_router`, every layer's weights,
+one graph) in one launch against two. Prints microseconds and GPU kernels per layer for each, and
+the step's GPU time without experts; JSON with --json.
 
     python benchmarks/kernels/bench_decode_layer.py [--shape qwen3-30b-a3b] [--batch 1]
         [--position 96] [--window 256] [--replays 50] [--json F]
@@ -23,6 +25,7 @@ from hetmoe.bench.harness import git_sha
 from hetmoe.bench.shapes import shape_config
 from hetmoe.engine.executor.fused_decode import FusedDecoder, make_gqa_layer
 from hetmoe.engine.executor.layer_plan import LayerStatics
+from hetmoe.kernels.moe_router import moe_router, row_tickets
 from hetmoe.machine import machine_report
 from hetmoe.ops import fused
 from hetmoe.ops.router import RouterConfig
@@ -59,14 +62,17 @@ def layer_inputs(cfg: Any, s: LayerStatics, batch: int, length: int) -> list[tup
 
 
 def step_fn(s: LayerStatics, kernel: bool, layers: list[tuple[Any, ...]], pos: torch.Tensor,
-            slots: torch.Tensor, cos: torch.Tensor, window: tuple[torch.Tensor, ...]) -> Any:
-    """h [B, H] -> h after every layer (the MoE output replaced by a fixed term)."""
+            slots: torch.Tensor, cos: torch.Tensor, window: tuple[torch.Tensor, ...],
+            tickets: torch.Tensor | None = None) -> Any:
+    """h [B, H] -> h after every layer (the MoE output replaced by a fixed term); `tickets`:
+    the router's one launch (as FusedDecoder passes them), None: its two."""
     fn = torch.compile(make_gqa_layer(s, kernel), fullgraph=True, dynamic=False)
+    extra = () if tickets is None else (tickets,)
 
     def step(h: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
         for norms, weights, caches, router in layers:
             h, _, new, _ = fn(h, (term,), norms, weights, cos, cos, caches, slots, window,
-                              router)
+                              (*router, *extra))
             FusedDecoder._write(caches, new, slots, pos)  # the torch path's cache write
         return h
 
@@ -91,9 +97,26 @@ def measure(step: Any, h: torch.Tensor, term: torch.Tensor, replays: int, layers
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
-    return {"us_per_layer": seconds / layers * 1e6, "kernels_per_layer": kernels / layers,
-            "ms_per_step": seconds * 1e3}
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.device_time_total for e in kernels)
+    return {"us_per_layer": seconds / layers * 1e6, "kernels_per_layer": len(kernels) / layers,
+            "kernel_us_per_layer": gpu_us / layers, "ms_per_step": seconds * 1e3}
+
+
+def router_step(s: LayerStatics, layers: list[tuple[Any, ...]], tickets: torch.Tensor | None
+                ) -> Any:
+    """(h, o) [B, H] -> the last layer's stage: `moe_router` alone over every layer's norm and
+    router weights (uncompiled: the op's own launches only); `tickets` None: two launches."""
+    assert s.router is not None
+    args = s.router.kernel_args()
+
+    def step(h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        stage = h
+        for norms, _, _, (weight, bias) in layers:
+            _, _, stage = moe_router(h, o, norms[1], s.eps[1], weight, bias, tickets, *args)
+        return stage
+
+    return step
 
 
 def main() -> None:
@@ -116,18 +139,29 @@ def main() -> None:
     mark_dynamic(mask, 1)  # as FusedDecoder marks it: one graph for every bucket
     h = torch.randn(args.batch, cfg.hidden_size, device="cuda").bfloat16()
     term = torch.randn(args.batch, cfg.hidden_size, device="cuda") * 0.1
+    tickets = row_tickets(args.batch, "cuda")
+    bounds = (mask, fused.window_bounds(pos, None), pos)
     rows = {}
-    for name, kernel, window in (("torch", False, (mask,)),
-                                 ("triton", True, (mask, fused.window_bounds(pos, None), pos))):
-        step = step_fn(s, kernel, layers, pos, slots, cos, window)
+    for name, kernel, window, t in (("torch", False, (mask,), None),
+                                    ("triton", True, bounds, tickets),
+                                    ("triton-2", True, bounds, None)):
+        step = step_fn(s, kernel, layers, pos, slots, cos, window, t)
         rows[name] = measure(step, h, term, args.replays, cfg.num_hidden_layers)
+    o = term.bfloat16()
+    for name, t in (("router-1", tickets), ("router-2", None)):
+        rows[name] = measure(router_step(s, layers, t), h, o, args.replays,
+                             cfg.num_hidden_layers)
+    if tickets.any():
+        raise RuntimeError(f"the router's tickets were not left at zero: {tickets.tolist()}")
     print(f"{args.shape}, batch {args.batch}, {args.position} cached, window {args.window}, "
           f"{torch.cuda.get_device_name()}")
-    print(f"{'path':<8} {'us/layer':>9} {'kernels/layer':>14} {'ms/step':>8}")
+    print(f"{'path':<9} {'us/layer':>9} {'kernels/layer':>14} {'kernel us/layer':>16} "
+          f"{'ms/step':>8}")
     for name, row in rows.items():
-        print(f"{name:<8} {row['us_per_layer']:>9.2f} {row['kernels_per_layer']:>14.1f} "
-              f"{row['ms_per_step']:>8.3f}")
-    print(f"triton / torch: {rows['triton']['ms_per_step'] / rows['torch']['ms_per_step']:.3f}")
+        print(f"{name:<9} {row['us_per_layer']:>9.2f} {row['kernels_per_layer']:>14.1f} "
+              f"{row['kernel_us_per_layer']:>16.2f} {row['ms_per_step']:>8.3f}")
+    for a, b in (("triton", "torch"), ("triton", "triton-2"), ("router-1", "router-2")):
+        print(f"{a} / {b}: {rows[a]['ms_per_step'] / rows[b]['ms_per_step']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "git": git_sha(),

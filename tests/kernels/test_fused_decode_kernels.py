@@ -36,11 +36,16 @@ def decode(llm: LLM, kernels: str) -> tuple[list[list[int]], list[torch.Tensor]]
     runner = ModelRunner(llm.model, llm.device, llm.dtype, len(PROMPTS), llm.max_seq_len,
                          EngineConfig(smallest_window=32))
     assert runner.overlap is not None and runner.fused is not None
-    runner.fused = FusedDecoder(llm.model, runner.overlap, compile=False, kernels=kernels)
+    runner.fused = fused = FusedDecoder(llm.model, runner.overlap, compile=False,
+                                        kernels=kernels)
     try:
-        return greedy_rows(runner, PROMPTS, STEPS)
+        out = greedy_rows(runner, PROMPTS, STEPS)
     finally:
         runner.overlap.detach()
+    # the kernels' router ran in its one launch, over tickets it left at zero
+    assert [t.count_nonzero().item() for t in fused.tickets] == ([0] if kernels == "triton"
+                                                                  else [])
+    return out
 
 
 @pytest.mark.parametrize(("family", "config"), [

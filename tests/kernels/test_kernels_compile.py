@@ -52,6 +52,16 @@ for dtype, sigmoid in (("bf16", False), ("fp32", True)):
            "B": "i32", "H": "i32", "E": "i32", "scaling": "fp32"}
     compile_for_hopper(mr.topk_kernel, sig, K=8, BLOCK_E=128, BLOCK_K=8, SIGMOID=sigmoid,
                        BIAS=sigmoid, NORM=True, ROUND_WEIGHTS=not sigmoid)
+    sig = dict.fromkeys(("h_ptr", "o_ptr", "norm_ptr", "router_ptr", "h_out_ptr", "x_out_ptr"),
+                        "*" + dtype)
+    sig.update(bias_ptr="*fp32", stage_ptr="*i32", logits_ptr="*fp32", tickets_ptr="*i32",
+               B="i32", H="i32", E="i32", eps="fp32", scaling="fp32")
+    ptx = compile_for_hopper(mr.router_kernel, sig, BLOCK_E=8, BLOCK_H=1024,
+                             LOGITS_FP32=sigmoid, K=8, ALL_E=128, BLOCK_K=8, SIGMOID=sigmoid,
+                             BIAS=sigmoid, NORM=True, ROUND_WEIGHTS=not sigmoid).asm["ptx"]
+    # the ticket: an acq_rel add at gpu scope after a barrier; the logits read past L1
+    assert "atom.global.gpu.acq_rel.add" in ptx and "bar.sync" in ptx, ptx[-3000:]
+    assert "ld.global.cg" in ptx, ptx[-3000:]
 print("compiled")
 """
 

@@ -1,17 +1,20 @@
-"""`kernels.moe_router` (the decode step's residual, norm, router and pack in two kernels)
-against the torch ops it replaces (ops/fused.py `rms_norm`, `pack_moe_inputs`; ops/router.py
-`route`, fused form): h exactly, x within one rounding, the same expert ids and the same
-weights, for each greedy router family's semantics (softmax renormalized, rounded weights,
-sigmoid with a steering bias and a scale), odd expert and hidden counts, batch 1..5; and
-DeepSeek-V3's biased `noaux_tc` with one group against a float64 reference too. On the GPU when
-there is one, else under Triton's interpreter (tests/kernels/conftest.py)."""
+"""`kernels.moe_router` (the decode step's residual, norm, router and pack in one launch, or in
+two without tickets) against the torch ops it replaces (ops/fused.py `rms_norm`,
+`pack_moe_inputs`; ops/router.py `route`, fused form): h exactly, x within one rounding, the same
+expert ids and the same weights, for each greedy router family's semantics (softmax
+renormalized, rounded weights, sigmoid with a steering bias and a scale), odd expert and hidden
+counts, batch 1..7, top_k 1 to E, ties; and DeepSeek-V3's biased `noaux_tc` with one group
+against a float64 reference too. Both forms every time, equal bit for bit, the one launch's
+tickets back at zero after each call. On the GPU when there is one, else under Triton's
+interpreter (tests/kernels/conftest.py), which runs the programs one after another (a row's
+blocks in order): there the last ticket's logic runs, not its race (a device test)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hetmoe.kernels.moe_router import moe_router
+from hetmoe.kernels.moe_router import moe_router, row_tickets
 from hetmoe.ops import fused
 from hetmoe.ops.router import RouterConfig, route
 
@@ -49,12 +52,36 @@ def case(b: int, hidden: int, experts: int, dtype: torch.dtype, seed: int
     return h, o, norm, separated_router(x, experts, g).to(dtype)
 
 
+def both_forms(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor, router: torch.Tensor,
+               bias: torch.Tensor | None, args: tuple[object, ...]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_router` on HERE in one launch (tickets of more rows than B, called twice: the second
+    call starts from the zeros the first left, as a graph replay does) and in two launches: the
+    same bits every time -> (h + o, x, stage) on the CPU."""
+    def call(tickets: torch.Tensor | None) -> list[torch.Tensor]:
+        return [t.cpu() for t in moe_router(
+            h.to(HERE), o.to(HERE), norm.to(HERE), 1e-6, router.to(HERE),
+            None if bias is None else bias.to(HERE), tickets, *args)]
+
+    tickets = row_tickets(h.shape[0] + 3, HERE)
+    one, again, two = call(tickets), call(tickets), call(None)
+    assert torch.equal(tickets.cpu(), torch.zeros(h.shape[0] + 3, dtype=torch.int32))
+    for got, want, other in zip(one, two, again, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want), "one vs two launches"
+        assert torch.equal(got, other), "the second call from the tickets the first left"
+    return one[0], one[1], one[2]
+
+
 @pytest.mark.parametrize(("name", "b", "hidden", "experts", "top_k", "dtype"), [
     ("qwen3", 1, 2048, 128, 8, torch.bfloat16),
     ("qwen2", 3, 200, 60, 4, torch.bfloat16),
+    ("qwen2", 1, 64, 5, 5, torch.bfloat16),  # top_k = E, under one block of 8
     ("mixtral", 2, 96, 8, 2, torch.float32),
+    ("mixtral", 3, 96, 8, 8, torch.float32),  # top_k = E = one block
     ("sigmoid", 5, 2500, 16, 1, torch.bfloat16),
+    ("sigmoid", 4, 130, 12, 12, torch.float32),  # top_k = E, sigmoid, scaled
     ("scaled", 2, 64, 20, 6, torch.float32),
+    ("qwen3", 7, 72, 33, 1, torch.bfloat16),  # odd rows, a lone expert in the last block
 ])
 def test_matches_the_torch_ops(name: str, b: int, hidden: int, experts: int, top_k: int,
                                dtype: torch.dtype) -> None:
@@ -67,9 +94,7 @@ def test_matches_the_torch_ops(name: str, b: int, hidden: int, experts: int, top
     want_x = fused.rms_norm(want_h, norm, 1e-6)
     ids, weights = route(want_x, router, bias, c, fused=True)
     want_stage = fused.pack_moe_inputs(want_x, ids, weights)
-    got_h, got_x, stage = (t.cpu() for t in moe_router(
-        h.to(HERE), o.to(HERE), norm.to(HERE), 1e-6, router.to(HERE),
-        None if bias is None else bias.to(HERE), *c.kernel_args()))
+    got_h, got_x, stage = both_forms(h, o, norm, router, bias, c.kernel_args())
     assert torch.equal(got_h, want_h)
     # one rounding; fp32 on the GPU: a few (its rsqrt is approximate, its mean square sums in
     # another order)
@@ -81,6 +106,19 @@ def test_matches_the_torch_ops(name: str, b: int, hidden: int, experts: int, top
     eps = torch.finfo(dtype).eps if c.round_weights else 1e-6
     torch.testing.assert_close(got_weights, weights, atol=1e-7, rtol=eps)
     assert stage.shape == want_stage.shape and stage.dtype == torch.int32
+
+
+def test_ties_go_to_the_lowest_id_in_both_forms() -> None:
+    """A router with equal rows: every logit ties, so the K picks are experts 0..K-1 (ops/router.py
+    `top_k_ids`), with equal weights 1 / K after the renormalization."""
+    h, o, norm, _ = case(3, 64, 12, torch.float32, seed=1)
+    router = torch.ones(12, 64) * 0.01
+    c = RouterConfig(12, 5, norm_topk_prob=True)
+    _, got_x, stage = both_forms(h, o, norm, router, None, c.kernel_args())
+    _, got_ids, got_weights = fused.unpack_moe_inputs(stage, 3, 64, 5)
+    assert torch.equal(got_ids, torch.arange(5).expand(3, 5))
+    assert torch.equal(got_ids, route(got_x, router, None, c, fused=True)[0])
+    torch.testing.assert_close(got_weights, torch.full((3, 5), 0.2), atol=0, rtol=1e-6)
 
 
 def test_fits_every_router_no_group_limits() -> None:
@@ -126,9 +164,7 @@ def test_a_biased_choice_matches_the_torch_router_and_float64(b: int, hidden: in
     want_x = fused.rms_norm(h + o, norm, 1e-6)
     ids, weights = route(want_x, router, bias, c, fused=True)
     assert not torch.equal(ids, route(want_x, router, None, c, fused=True)[0])  # it steers
-    got_h, got_x, stage = (t.cpu() for t in moe_router(
-        h.to(HERE), o.to(HERE), norm.to(HERE), 1e-6, router.to(HERE), bias.to(HERE),
-        *c.kernel_args()))
+    got_h, got_x, stage = both_forms(h, o, norm, router, bias, c.kernel_args())
     x, got_ids, got_weights = fused.unpack_moe_inputs(stage, b, hidden, top_k)
     assert torch.equal(got_h, h + o) and torch.equal(x, got_x.float())
     assert torch.equal(got_ids, ids)
@@ -141,11 +177,18 @@ def test_a_biased_choice_matches_the_torch_router_and_float64(b: int, hidden: in
 def test_bad_inputs_are_named() -> None:
     h, o, norm, router = case(2, 64, 8, torch.float32, seed=0)
     args = (False, True, 1.0, False, False)
+    tickets = row_tickets(2, "cpu")
     with pytest.raises(ValueError, match=r"h / o \[B, H\], norm \[H\] and router \[E, H\] "
                                          r"expected, got \(2, 64\), \(2, 64\), \(63,\) and "
                                          r"\(8, 64\)"):
-        moe_router(h, o, norm[:63], 1e-6, router, None, 2, *args)
+        moe_router(h, o, norm[:63], 1e-6, router, None, tickets, 2, *args)
     with pytest.raises(ValueError, match=r"top_k 9 of 8 experts, bias None: 1 <= top_k <= E"):
-        moe_router(h, o, norm, 1e-6, router, None, 9, *args)
+        moe_router(h, o, norm, 1e-6, router, None, tickets, 9, *args)
     with pytest.raises(ValueError, match=r"bias \(7,\): 1 <= top_k <= E and a bias of \[8\]"):
-        moe_router(h, o, norm, 1e-6, router, torch.zeros(7), 2, *args)
+        moe_router(h, o, norm, 1e-6, router, torch.zeros(7), None, 2, *args)
+    with pytest.raises(ValueError, match=r"tickets of >= 2 rows, int32 \[rows\] on cpu "
+                                         r"expected \(row_tickets\), got torch.int32 \(1,\) "
+                                         r"on cpu"):
+        moe_router(h, o, norm, 1e-6, router, None, row_tickets(1, "cpu"), 2, *args)
+    with pytest.raises(ValueError, match=r"got torch.int64 \(4,\) on cpu"):
+        moe_router(h, o, norm, 1e-6, router, None, torch.zeros(4, dtype=torch.int64), 2, *args)

@@ -1,4 +1,4 @@
-"""The decode step's MoE layer entry after attention, in two kernels: residual, norm, router.
+"""The decode step's MoE layer entry after attention, in one kernel: residual, norm, router.
 
 From o_proj's output to the packed inputs of the layer's experts (engine/executor/fused_decode.py's
 layer tail), which Inductor otherwise spreads over ~5 kernels per layer:
@@ -6,11 +6,16 @@ layer tail), which Inductor otherwise spreads over ~5 kernels per layer:
     h += o -> x = RMSNorm(h) -> logits = router x -> softmax / sigmoid -> top-k -> weights
     -> stage = x (fp32 bits) | ids (int32 pairs) | weights (fp32 bits)   (ops/fused.py pack)
 
-- `logits_kernel`, one program per (row, block of experts): the residual add and the norm of
-  the row (recomputed by each program: H values), the block's logits; the first block's program
-  also stores h, x and x's part of the stage.
-- `topk_kernel`, one program per row: the scores, K argmax passes (lowest id on ties, as
-  ops/router.py `top_k_ids`), the weights as the router's config says, its part of the stage.
+- `router_kernel`, one program per (row, block of experts): the residual add and the norm of
+  the row (recomputed by each program: H values), the block's logits (`_logits_block`; the first
+  block's program also stores h, x and x's part of the stage); then each program takes a ticket
+  of its row, and the one that draws the row's last does the row's top-k (`_route_row`: the
+  scores, K argmax passes, lowest id on ties as ops/router.py `top_k_ids`, the weights as the
+  router's config says, its part of the stage) and puts the ticket back to 0. The tickets are
+  the caller's (`row_tickets`, declared mutated): one launch per layer, no fill per call, and
+  every call leaves them as it found them (a CUDA graph replays from zeros).
+- Without tickets the same two bodies run as two launches, `logits_kernel` then `topk_kernel`
+  (the form before the tickets, kept to time one against the other: the same values).
 
 Routers whose choice no expert group limits (ops/router.py `RouterConfig.kernel_fits`): greedy
 ones and `noaux_tc` ones with one group, whose bias steers the choice while the weights are the
@@ -26,6 +31,10 @@ from torch.library import triton_op, wrap_triton
 
 from hetmoe.kernels.dequant import rms_scale, to_dtype
 
+ROUTER_BLOCK_E = 8
+"""Experts per program of the logits: E / 8 programs a row (Qwen3-30B-A3B: 16) read the router's
+rows side by side."""
+
 
 @triton.jit
 def _residual(h_ptr, o_ptr, b, H, i0, i, live, dtype: tl.constexpr):
@@ -37,13 +46,12 @@ def _residual(h_ptr, o_ptr, b, H, i0, i, live, dtype: tl.constexpr):
 
 
 @triton.jit
-def logits_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stage_ptr,
-                  logits_ptr, H, E, eps, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+def _logits_block(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stage_ptr,
+                  logits_ptr, b, block, H, E, eps, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
                   LOGITS_FP32: tl.constexpr):
-    """h, o [B, H] -> h_out = h + o, x_out = RMSNorm(h_out) (h's dtype), stage[b H + i] = x
-    as fp32 bits, logits [B, E] fp32 (rounded to h's dtype unless LOGITS_FP32)."""
-    b = tl.program_id(0)
-    block = tl.program_id(1)
+    """Row b, experts [block BLOCK_E, +BLOCK_E): h, o [B, H] -> logits [B, E] fp32 (rounded to
+    h's dtype unless LOGITS_FP32); block 0 also stores h_out = h + o, x_out = RMSNorm(h_out)
+    (h's dtype) and stage[b H + i] = x as fp32 bits."""
     dtype = h_ptr.dtype.element_ty
     i = tl.arange(0, BLOCK_H)
     e = block * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -73,18 +81,19 @@ def logits_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stag
 
 
 @triton.jit
-def topk_kernel(logits_ptr, bias_ptr, x_ptr, stage_ptr, B, H, E, scaling, K: tl.constexpr,
-                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr,
-                BIAS: tl.constexpr, NORM: tl.constexpr, ROUND_WEIGHTS: tl.constexpr):
-    """logits [B, E] -> stage[B H + (b K + k) 2 + {0, 1}] = id k as an int64's int32 words,
-    stage[B H + 2 B K + b K + k] = weight k as fp32 bits (ops/router.py `route`, no group
-    limit; BIAS: bias [E] added to the scores for the choice only); ROUND_WEIGHTS: to x's
-    dtype."""
-    b = tl.program_id(0)
-    dtype = x_ptr.dtype.element_ty
+def _route_row(logits_ptr, bias_ptr, stage_ptr, b, B, H, E, scaling, dtype: tl.constexpr,
+               K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+               SIGMOID: tl.constexpr, BIAS: tl.constexpr, NORM: tl.constexpr,
+               ROUND_WEIGHTS: tl.constexpr):
+    """Row b's logits [E] (BLOCK_E >= E) -> stage[B H + (b K + k) 2 + {0, 1}] = id k as an
+    int64's int32 words, stage[B H + 2 B K + b K + k] = weight k as fp32 bits (ops/router.py
+    `route`, no group limit; BIAS: bias [E] added to the scores for the choice only);
+    ROUND_WEIGHTS: to `dtype`."""
     e = tl.arange(0, BLOCK_E)
     live = e < E
-    logits = tl.load(logits_ptr + b * E + e, mask=live, other=float("-inf"))
+    # past L1 (.cg): other programs stored these logits in this launch, and this SM's L1 may
+    # hold the line from another row's read (rows share lines where E is no multiple of 32)
+    logits = tl.load(logits_ptr + b * E + e, mask=live, other=float("-inf"), cache_modifier=".cg")
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-logits))
     else:
@@ -114,14 +123,62 @@ def topk_kernel(logits_ptr, bias_ptr, x_ptr, stage_ptr, B, H, E, scaling, K: tl.
              mask=k < K)
 
 
-@triton_op("hetmoe::moe_router", mutates_args=())
+@triton.jit
+def router_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, bias_ptr, h_out_ptr, x_out_ptr, stage_ptr,
+                  logits_ptr, tickets_ptr, B, H, E, eps, scaling, BLOCK_E: tl.constexpr,
+                  BLOCK_H: tl.constexpr, LOGITS_FP32: tl.constexpr, K: tl.constexpr,
+                  ALL_E: tl.constexpr, BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr,
+                  BIAS: tl.constexpr, NORM: tl.constexpr, ROUND_WEIGHTS: tl.constexpr):
+    """The one launch: `_logits_block`, then the program drawing its row's last ticket (tickets
+    [>= B] int32, zeros) runs `_route_row` (ALL_E >= E) and puts the ticket back to 0."""
+    b = tl.program_id(0)
+    _logits_block(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stage_ptr,
+                  logits_ptr, b, tl.program_id(1), H, E, eps, BLOCK_E, BLOCK_H, LOGITS_FP32)
+    tl.debug_barrier()  # every thread's logits stored before the release below publishes them
+    ticket = tl.atomic_add(tickets_ptr + b, 1, sem="acq_rel", scope="gpu")
+    if ticket == tl.num_programs(1) - 1:  # the row's other blocks have stored their logits
+        _route_row(logits_ptr, bias_ptr, stage_ptr, b, B, H, E, scaling,
+                   h_ptr.dtype.element_ty, K, ALL_E, BLOCK_K, SIGMOID, BIAS, NORM,
+                   ROUND_WEIGHTS)
+        tl.store(tickets_ptr + b, 0)  # every ticket drawn: the next launch starts from zero
+
+
+@triton.jit
+def logits_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stage_ptr,
+                  logits_ptr, H, E, eps, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                  LOGITS_FP32: tl.constexpr):
+    """The two launches' first: `_logits_block` per (row, block of experts)."""
+    _logits_block(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stage_ptr,
+                  logits_ptr, tl.program_id(0), tl.program_id(1), H, E, eps, BLOCK_E, BLOCK_H,
+                  LOGITS_FP32)
+
+
+@triton.jit
+def topk_kernel(logits_ptr, bias_ptr, x_ptr, stage_ptr, B, H, E, scaling, K: tl.constexpr,
+                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr,
+                BIAS: tl.constexpr, NORM: tl.constexpr, ROUND_WEIGHTS: tl.constexpr):
+    """The two launches' second: `_route_row` per row (weights rounded to x's dtype)."""
+    _route_row(logits_ptr, bias_ptr, stage_ptr, tl.program_id(0), B, H, E, scaling,
+               x_ptr.dtype.element_ty, K, BLOCK_E, BLOCK_K, SIGMOID, BIAS, NORM, ROUND_WEIGHTS)
+
+
+def row_tickets(rows: int, device: torch.device | str) -> torch.Tensor:
+    """`moe_router`'s tickets for batches of up to `rows` rows: int32 zeros [rows], which every
+    call leaves at zero (own one per device and stream of calls, made once: a CUDA graph
+    replays the address it captured)."""
+    return torch.zeros(rows, dtype=torch.int32, device=device)
+
+
+@triton_op("hetmoe::moe_router", mutates_args={"tickets"})
 def moe_router(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor, eps: float,
-               router: torch.Tensor, bias: torch.Tensor | None, top_k: int, sigmoid: bool,
-               norm_topk_prob: bool, scaling: float, logits_fp32: bool, round_weights: bool
+               router: torch.Tensor, bias: torch.Tensor | None, tickets: torch.Tensor | None,
+               top_k: int, sigmoid: bool, norm_topk_prob: bool, scaling: float,
+               logits_fp32: bool, round_weights: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h, o [B, H] (residual, o_proj output), norm [H], router [E, H] (bias [E] steers the
     choice only) -> (h + o, x = RMSNorm(h + o) [B, H] in h's dtype, the stage of ops/fused.py
-    `pack_moe_inputs(x, ids, weights)`); `scaling` multiplies the weights (after the norm)."""
+    `pack_moe_inputs(x, ids, weights)`); `scaling` multiplies the weights (after the norm).
+    `tickets` (`row_tickets`, >= B rows, left at zero): one launch; None: two (same values)."""
     b, hidden = h.shape
     experts = router.shape[0]
     if o.shape != h.shape or norm.shape != (hidden,) or router.shape != (experts, hidden):
@@ -132,17 +189,30 @@ def moe_router(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor, eps: float,
         raise ValueError(f"moe_router: top_k {top_k} of {experts} experts, bias "
                          f"{None if bias is None else tuple(bias.shape)}: 1 <= top_k <= E "
                          f"and a bias of [{experts}] expected")
+    if tickets is not None and (tickets.dtype != torch.int32 or tickets.dim() != 1
+                                or tickets.shape[0] < b or tickets.device != h.device):
+        raise ValueError(f"moe_router: tickets of >= {b} rows, int32 [rows] on {h.device} "
+                         f"expected (row_tickets), got {tickets.dtype} "
+                         f"{tuple(tickets.shape)} on {tickets.device}")
     h, o, router = h.contiguous(), o.contiguous(), router.contiguous()
     h_out, x = torch.empty_like(h), torch.empty_like(h)
     stage = h.new_empty(b * (hidden + 3 * top_k), dtype=torch.int32)
     logits = h.new_empty((b, experts), dtype=torch.float32)
-    block_e = 8
-    wrap_triton(logits_kernel)[(b, triton.cdiv(experts, block_e))](
-        h, o, norm, router, h_out, x, stage, logits, hidden, experts, eps, BLOCK_E=block_e,
-        BLOCK_H=min(1024, triton.next_power_of_2(hidden)), LOGITS_FP32=logits_fp32)
+    grid = (b, triton.cdiv(experts, ROUTER_BLOCK_E))
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    bias_or = logits if bias is None else bias  # BIAS off: never read
+    route = dict(K=top_k, BLOCK_K=max(2, triton.next_power_of_2(top_k)), SIGMOID=sigmoid,
+                 BIAS=bias is not None, NORM=norm_topk_prob, ROUND_WEIGHTS=round_weights)
+    if tickets is not None:
+        wrap_triton(router_kernel)[grid](
+            h, o, norm, router, bias_or, h_out, x, stage, logits, tickets, b, hidden, experts,
+            eps, scaling, BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=block_h, LOGITS_FP32=logits_fp32,
+            ALL_E=triton.next_power_of_2(experts), **route)
+        return h_out, x, stage
+    wrap_triton(logits_kernel)[grid](
+        h, o, norm, router, h_out, x, stage, logits, hidden, experts, eps,
+        BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=block_h, LOGITS_FP32=logits_fp32)
     wrap_triton(topk_kernel)[(b,)](
-        logits, logits if bias is None else bias, x, stage, b, hidden, experts, scaling,
-        K=top_k, BLOCK_E=triton.next_power_of_2(experts),
-        BLOCK_K=max(2, triton.next_power_of_2(top_k)), SIGMOID=sigmoid, BIAS=bias is not None,
-        NORM=norm_topk_prob, ROUND_WEIGHTS=round_weights)
+        logits, bias_or, x, stage, b, hidden, experts, scaling,
+        BLOCK_E=triton.next_power_of_2(experts), **route)
     return h_out, x, stage

@@ -12,8 +12,9 @@ then, outside it: the CPU experts' start (one copy, `MoEStep.forward_packed`), t
 cache write (one kernel, off the CPU's critical path), the shared experts, the wait. On a GPU
 (HETMOE_DECODE_KERNELS, env.decode_kernels: triton by default) q/k norms, rope and GQA attention
 are kernels/gqa_decode.py, which stores the new cache entries itself, and the MoE layer's
-residual, norm, router and pack kernels/moe_router.py, inside the compiled graph (`triton_op`s);
-the chunk count is then dynamic where Inductor keeps it so (else one graph per bucket).
+residual, norm, router and pack kernels/moe_router.py (one launch over the decoder's row
+tickets), inside the compiled graph (`triton_op`s); the chunk count is then dynamic where
+Inductor keeps it so (else one graph per bucket).
 On a GPU the layer functions go through `torch.compile` (Inductor); the weights are arguments,
 so every layer of a model shares one compiled graph. Attention reads the first `kv_len` cache
 entries (the runner's window bucket, ops/kv_batch.py) in chunks of 64 whose count is a dynamic
@@ -60,16 +61,17 @@ def _layer_tail(s: LayerStatics, h: torch.Tensor, attn: torch.Tensor, o_w: torch
                 ) -> tuple[Any, ...]:
     """Every layer function's end: o_proj + residual, the post-attention norm, and on MoE layers
     the router with the CPU experts' packed inputs (all K ids: the CPU job splits off deferred
-    ones); `entry(h, o, post_norm, router weight, bias) -> (h, x, stage)`: kernels doing all
-    but o_proj (`make_gqa_layer`). Returns (h, x, new cache entries, stage or None)."""
+    ones); `entry(h, o, post_norm, *router) -> (h, x, stage)`: kernels doing all but o_proj
+    (`make_gqa_layer`). `router`: (weight, bias), then on the kernels' path the row tickets.
+    Returns (h, x, new cache entries, stage or None)."""
     o = fused.linear(attn, o_w, None)
     if s.router is None:
         h = h + o
         return h, fused.rms_norm(h, post_norm, s.eps[1]), new, None
-    router_w, router_b = router
+    router_w, router_b = router[:2]
     assert router_w is not None
     if entry is not None:
-        h, x, stage = entry(h, o, post_norm, router_w, router_b)
+        h, x, stage = entry(h, o, post_norm, *router)
         return h, x, new, stage
     h = h + o
     x = fused.rms_norm(h, post_norm, s.eps[1])
@@ -82,7 +84,8 @@ def make_gqa_layer(s: LayerStatics, kernel: bool = False) -> Callable[..., tuple
     `kernel`: q/k norms, rope, attention and the cache write by kernels/gqa_decode.py (the
     function returns no entries to write) over `window` = (mask, lo, pos)
     (`FusedDecoder._window`), and on MoE layers with a greedy router the residual, norm,
-    router and pack by kernels/moe_router.py; else the torch ops over `window` = (mask,)."""
+    router and pack by kernels/moe_router.py (one launch when `router` ends with its row
+    tickets, else two); else the torch ops over `window` = (mask,)."""
     kv_heads, head_dim = s.dims
     if kernel and s.rope != "half":
         raise ValueError(f"the GQA decode kernel rotates rotate-half rope, not {s.rope!r}")
@@ -95,9 +98,10 @@ def make_gqa_layer(s: LayerStatics, kernel: bool = False) -> Callable[..., tuple
             args = s.router.kernel_args()
 
             def entry(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor,
-                      weight: torch.Tensor, bias: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, ...]:
-                return moe_router.moe_router(h, o, norm, s.eps[1], weight, bias, *args)
+                      weight: torch.Tensor, bias: torch.Tensor | None,
+                      tickets: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                return moe_router.moe_router(h, o, norm, s.eps[1], weight, bias, tickets,
+                                             *args)
 
     def layer(h: torch.Tensor, terms: tuple[torch.Tensor, ...], norms: tuple[torch.Tensor, ...],
               weights: tuple[torch.Tensor | None, ...], cos: torch.Tensor, sin: torch.Tensor,
@@ -215,6 +219,9 @@ class FusedDecoder:
         if kernels not in ("triton", "torch"):
             raise ValueError(f"FusedDecoder: kernels must be triton or torch, got {kernels!r}")
         self.kernels = kernels
+        self.tickets: list[torch.Tensor] = []
+        """kernels/moe_router.py's row tickets (`row_tickets`), the last the one in use: every
+        one made is kept, as a captured CUDA graph replays the address it was captured with."""
         if compile:
             import torch._dynamo
 
@@ -262,6 +269,8 @@ class FusedDecoder:
                 windows[window] = self._window(pos, kv.kv_len, window)
             statics = plan.statics
             router = plan.router if plan.moe is not None else (None, None)
+            if self.kernels == "triton" and plan.moe is not None:
+                router = (*router, self._tickets(b, h.device))
             h, x, new, stage = self._layer_fn(statics)(
                 h, terms, plan.norms, plan.weights, cos, sin, caches, kv.slots, windows[window],
                 router)
@@ -277,6 +286,15 @@ class FusedDecoder:
         norm = self.base.norm
         out = self._fn("final", lambda: final_norm)(h, terms, norm.weight.detach(), eps_of(norm))
         return out.view(b, 1, -1)
+
+    def _tickets(self, rows: int, device: torch.device) -> torch.Tensor:
+        """Row tickets for `rows` rows, made (zeros) when the last ones are too few: at a batch
+        size's first step, which runs eagerly before its graph is captured."""
+        if not self.tickets or self.tickets[-1].shape[0] < rows:
+            from hetmoe.kernels.moe_router import row_tickets
+
+            self.tickets.append(row_tickets(max(rows, 64), device))
+        return self.tickets[-1]
 
     def _window(self, pos: torch.Tensor, width: int, window: int | None
                 ) -> tuple[torch.Tensor, ...]:
