@@ -5,10 +5,12 @@ Each MoE layer keeps its resident experts in their packed bytes (the CPU backend
 ([slots * expert_bytes]), and a slot table on the device, table[e] = e's slot or -1 (one more
 entry, -1, so an id of -1 reads -1). A step reads the table on the device: the resident experts
 among a token's top-k run on the GPU, the CPU gets only the misses (`LayerSlots.split`; the CPU
-backend skips ids < 0). Routing counts accumulate on the device in the same step. `move` puts
-another expert into a slot (a copy on a side stream, then the table entries): only between
-steps, never while a step or a captured graph runs. engine/placement/placement_plan.py chooses which
-experts; engine/placement/placement_link.py is the MoE step's view of a layer.
+backend skips ids < 0). A layer holding every expert holds expert e in slot e: its table is the
+identity, so `split` gives the ids themselves as the slots (no gather launch per layer and
+step). Routing counts accumulate on the device in the same step. `move` puts another expert into
+a slot (a copy on a side stream, then the table entries): only between steps, never while a step
+or a captured graph runs. engine/placement/placement_plan.py chooses which experts;
+engine/placement/placement_link.py is the MoE step's view of a layer.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class LayerSlots:
         self.num_experts = moe.num_experts
         self.expert_bytes = sum(p.expert_bytes for p in self.parts)
         n = len(experts)
+        if sorted(experts) == list(range(self.num_experts)):
+            experts = range(n)  # every expert: slot e holds e, the table is the identity
         with torch.inference_mode(False):  # written in place between steps, in or out of them
             self.packed = [torch.empty(n * p.expert_bytes, dtype=torch.uint8, device=device)
                            for p in self.parts]
@@ -57,6 +61,8 @@ class LayerSlots:
         """Count routing in `split` (two small kernels per layer and step; the traffic policy,
         engine/placement/placement_policy.py, turns it on)."""
         self.resident: list[int] = [-1] * n  # slot -> expert (-1: empty or being filled)
+        self.identity = False
+        """Whether slot e holds expert e for every e: table[e] = e (set as the table changes)."""
         self._moving: dict[int, tuple[int, torch.cuda.Event | None]] = {}  # slot -> (expert,
         # its copy's event)
         self.host = self._sources()
@@ -116,6 +122,7 @@ class LayerSlots:
                 done = torch.cuda.Event()
                 done.record(stream)
         self._moving[slot] = (expert, done)
+        self.identity = False  # the slot's expert left the table
 
     def arriving(self) -> set[int]:
         """Experts whose copies into a slot are under way."""
@@ -133,16 +140,18 @@ class LayerSlots:
                 self.table[expert] = slot
                 self.resident[slot] = expert
                 del self._moving[slot]
+        self.identity = self.resident == list(range(self.num_experts))
         return len(self._moving)
 
     def split(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [T, K] expert ids (>= 0, as routers give them) -> (slots [T, K]: the GPU's, -1
         elsewhere; the CPU's expert ids [T, K], -1 where resident, None when every expert is
-        resident); with `counting`, adds the routing to `counts` on the device."""
+        resident); with `counting`, adds the routing to `counts` on the device. With the
+        `identity` table the slots are `ids` itself (ids of -1 too: the table's last entry)."""
         if self.counting:
             with torch.inference_mode(False):
                 self.counts.index_add_(0, ids.reshape(-1), self._one.expand(ids.numel()))
-        slot = self.table[ids]
+        slot = ids if self.identity else self.table[ids]
         return slot, None if self.everything else torch.where(slot < 0, ids, -1)
 
     def compute(self, x: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
