@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hopper_compile import assert_compiles_for_hopper
 
 from hetmoe.kernels.moe_router import moe_router, row_tickets
 from hetmoe.ops import fused
@@ -53,15 +54,16 @@ def case(b: int, hidden: int, experts: int, dtype: torch.dtype, seed: int
 
 
 def both_forms(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor, router: torch.Tensor,
-               bias: torch.Tensor | None, args: tuple[object, ...]
+               bias: torch.Tensor | None, args: tuple[object, ...], **shape: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`moe_router` on HERE in one launch (tickets of more rows than B, called twice: the second
-    call starts from the zeros the first left, as a graph replay does) and in two launches: the
-    same bits every time -> (h + o, x, stage) on the CPU."""
+    call starts from the zeros the first left, as a graph replay does) and in two launches, at
+    the launch `shape` (block_e, num_warps, block_h; none: the default): the same bits every
+    time -> (h + o, x, stage) on the CPU."""
     def call(tickets: torch.Tensor | None) -> list[torch.Tensor]:
         return [t.cpu() for t in moe_router(
             h.to(HERE), o.to(HERE), norm.to(HERE), 1e-6, router.to(HERE),
-            None if bias is None else bias.to(HERE), tickets, *args)]
+            None if bias is None else bias.to(HERE), tickets, *args, **shape)]
 
     tickets = row_tickets(h.shape[0] + 3, HERE)
     one, again, two = call(tickets), call(tickets), call(None)
@@ -85,6 +87,12 @@ def both_forms(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor, router: tor
 ])
 def test_matches_the_torch_ops(name: str, b: int, hidden: int, experts: int, top_k: int,
                                dtype: torch.dtype) -> None:
+    check_against_torch(name, b, hidden, experts, top_k, dtype)
+
+
+def check_against_torch(name: str, b: int, hidden: int, experts: int, top_k: int,
+                        dtype: torch.dtype, **shape: int) -> torch.Tensor:
+    """`both_forms` at the launch `shape` against the torch ops -> the stage."""
     c = RouterConfig(experts, top_k, **{k: getattr(ROUTERS[name], k) for k in (
         "scoring", "norm_topk_prob", "scaling_factor", "scale_when_normalized", "logits_fp32",
         "round_weights")})
@@ -94,11 +102,11 @@ def test_matches_the_torch_ops(name: str, b: int, hidden: int, experts: int, top
     want_x = fused.rms_norm(want_h, norm, 1e-6)
     ids, weights = route(want_x, router, bias, c, fused=True)
     want_stage = fused.pack_moe_inputs(want_x, ids, weights)
-    got_h, got_x, stage = both_forms(h, o, norm, router, bias, c.kernel_args())
+    got_h, got_x, stage = both_forms(h, o, norm, router, bias, c.kernel_args(), **shape)
     assert torch.equal(got_h, want_h)
-    # one rounding; fp32 on the GPU: a few (its rsqrt is approximate, its mean square sums in
-    # another order)
-    roundings = 4 if HERE == "cuda" and dtype == torch.float32 else 1
+    # one rounding; fp32 on the GPU or at another BLOCK_H: a few (the GPU's rsqrt is
+    # approximate; the mean square sums in another order)
+    roundings = 4 if dtype == torch.float32 and (HERE == "cuda" or "block_h" in shape) else 1
     torch.testing.assert_close(got_x, want_x, atol=0, rtol=roundings * torch.finfo(dtype).eps)
     x, got_ids, got_weights = fused.unpack_moe_inputs(stage, b, hidden, top_k)
     assert torch.equal(x, got_x.float()), "the stage holds x as stored"
@@ -106,6 +114,61 @@ def test_matches_the_torch_ops(name: str, b: int, hidden: int, experts: int, top
     eps = torch.finfo(dtype).eps if c.round_weights else 1e-6
     torch.testing.assert_close(got_weights, weights, atol=1e-7, rtol=eps)
     assert stage.shape == want_stage.shape and stage.dtype == torch.int32
+    return stage
+
+
+ONE_BLOCK = [dict(block_e=e, num_warps=w) for e, w in ((1, 1), (2, 8), (4, 2), (16, 4), (32, 1))]
+
+
+@pytest.mark.parametrize(("name", "b", "hidden", "experts", "top_k", "dtype", "shapes",
+                          "block_hs"), [
+    # the decode shape: 128 programs of one expert, 8 of 16 (H in two chunks, or one)
+    ("qwen3", 1, 2048, 128, 8, torch.bfloat16, [dict(block_e=1), dict(block_e=16, num_warps=8)],
+     (2048,)),
+    ("sigmoid", 4, 130, 12, 3, torch.float32, ONE_BLOCK, (32, 64, 256)),  # fp32 logits
+    ("qwen2", 2, 72, 5, 2, torch.bfloat16, ONE_BLOCK, (16, 128)),  # E under a block of 8
+])
+def test_every_launch_shape_gives_the_same_values(name: str, b: int, hidden: int, experts: int,
+                                                  top_k: int, dtype: torch.dtype,
+                                                  shapes: list[dict[str, int]],
+                                                  block_hs: tuple[int, ...]) -> None:
+    """Each launch shape matches the torch ops. Each logit is one program's dot product and
+    BLOCK_E / num_warps leave its order of terms alone: under the interpreter (numpy sums a
+    row's lanes the same way for any block of rows) the bits equal the default shape's at every
+    BLOCK_E, from 1 to past E, and num_warps (which the interpreter ignores). BLOCK_H changes
+    the lanes a sum runs over: the values stay within the torch ops' tolerance. On the GPU the
+    tile's layout, thus the tree of each in-program sum, follows (BLOCK_E, num_warps) too
+    (their `ttgir`: warps move between the E and H axes), so there only the tolerance holds."""
+    default = check_against_torch(name, b, hidden, experts, top_k, dtype)
+    for shape in shapes:
+        stage = check_against_torch(name, b, hidden, experts, top_k, dtype, **shape)
+        if HERE == "cpu":
+            assert torch.equal(stage, default), shape
+    for block_h in block_hs:
+        check_against_torch(name, b, hidden, experts, top_k, dtype, block_e=4, block_h=block_h)
+
+
+SHAPES_FOR_HOPPER = """
+from hopper_compile import compile_for_hopper
+
+from hetmoe.kernels.moe_router import router_kernel
+
+sig = dict.fromkeys(("h_ptr", "o_ptr", "norm_ptr", "router_ptr", "h_out_ptr", "x_out_ptr"), "*bf16")
+sig.update(bias_ptr="*fp32", stage_ptr="*i32", logits_ptr="*fp32", tickets_ptr="*i32", B="i32",
+           H="i32", E="i32", eps="fp32", scaling="fp32")
+for block_e, num_warps, block_h in ((1, 1, 2048), (1, 8, 1024), (16, 8, 1024), (2, 2, 256)):
+    compile_for_hopper(router_kernel, sig, aligned=True, options={"num_warps": num_warps},
+                       BLOCK_E=block_e, BLOCK_H=block_h, LOGITS_FP32=False, K=8, ALL_E=128,
+                       BLOCK_K=8, SIGMOID=False, BIAS=False, NORM=True, ROUND_WEIGHTS=True)
+print("compiled")
+"""
+
+
+def test_the_swept_launch_shapes_compile_for_hopper() -> None:
+    """The ends of bench_decode_layer.py's --router-shapes sweep build for sm_90 (the
+    interpreter above runs every shape but compiles none): one expert a program, one warp, a
+    tile of 16 x 1024."""
+    assert_compiles_for_hopper(SHAPES_FOR_HOPPER)
 
 
 def test_ties_go_to_the_lowest_id_in_both_forms() -> None:
@@ -192,3 +255,14 @@ def test_bad_inputs_are_named() -> None:
         moe_router(h, o, norm, 1e-6, router, None, row_tickets(1, "cpu"), 2, *args)
     with pytest.raises(ValueError, match=r"got torch.int64 \(4,\) on cpu"):
         moe_router(h, o, norm, 1e-6, router, None, torch.zeros(4, dtype=torch.int64), 2, *args)
+    for shape, found in ((dict(block_e=3), "block_e 3, num_warps 4, block_h None"),
+                         (dict(block_e=0), "block_e 0, num_warps 4, block_h None"),
+                         (dict(block_e=2048), "block_e 2048, num_warps 4, block_h None"),
+                         (dict(num_warps=6), "block_e 8, num_warps 6, block_h None"),
+                         (dict(num_warps=64), "block_e 8, num_warps 64, block_h None"),
+                         (dict(block_h=96), "block_e 8, num_warps 4, block_h 96"),
+                         (dict(block_h=-4), "block_e 8, num_warps 4, block_h -4")):
+        with pytest.raises(ValueError, match=rf"moe_router: launch shape {found}: powers of two "
+                                             r"expected \(block_e 1..1024, num_warps 1..32, "
+                                             r"block_h 1..65536 or None\)"):
+            moe_router(h, o, norm, 1e-6, router, None, tickets, 2, *args, **shape)

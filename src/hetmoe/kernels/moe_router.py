@@ -34,6 +34,23 @@ from hetmoe.kernels.dequant import rms_scale, to_dtype
 ROUTER_BLOCK_E = 8
 """Experts per program of the logits: E / 8 programs a row (Qwen3-30B-A3B: 16) read the router's
 rows side by side."""
+ROUTER_NUM_WARPS = 4
+"""Warps per program (Triton's default)."""
+
+
+def launch_shape(hidden: int, block_e: int, num_warps: int, block_h: int | None) -> int:
+    """Checks `moe_router`'s launch shape -> BLOCK_H (None: min(1024, H rounded up to a power
+    of two)). Each logit is one program's dot product whatever the shape; BLOCK_H sets the
+    order of its sum (and of the norm's), so only it can move the values' last bits."""
+    def power(v: int, top: int) -> bool:
+        return 1 <= v <= top and v & (v - 1) == 0
+
+    if not (power(block_e, 1024) and power(num_warps, 32)
+            and (block_h is None or power(block_h, 1 << 16))):
+        raise ValueError(f"moe_router: launch shape block_e {block_e}, num_warps {num_warps}, "
+                         f"block_h {block_h}: powers of two expected (block_e 1..1024, "
+                         f"num_warps 1..32, block_h 1..65536 or None)")
+    return min(1024, triton.next_power_of_2(hidden)) if block_h is None else block_h
 
 
 @triton.jit
@@ -173,12 +190,15 @@ def row_tickets(rows: int, device: torch.device | str) -> torch.Tensor:
 def moe_router(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor, eps: float,
                router: torch.Tensor, bias: torch.Tensor | None, tickets: torch.Tensor | None,
                top_k: int, sigmoid: bool, norm_topk_prob: bool, scaling: float,
-               logits_fp32: bool, round_weights: bool
+               logits_fp32: bool, round_weights: bool, *, block_e: int = ROUTER_BLOCK_E,
+               num_warps: int = ROUTER_NUM_WARPS, block_h: int | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h, o [B, H] (residual, o_proj output), norm [H], router [E, H] (bias [E] steers the
     choice only) -> (h + o, x = RMSNorm(h + o) [B, H] in h's dtype, the stage of ops/fused.py
     `pack_moe_inputs(x, ids, weights)`); `scaling` multiplies the weights (after the norm).
-    `tickets` (`row_tickets`, >= B rows, left at zero): one launch; None: two (same values)."""
+    `tickets` (`row_tickets`, >= B rows, left at zero): one launch; None: two (same values).
+    Launch shape (`launch_shape`): B x ceil(E / block_e) programs of `num_warps` warps, each
+    reading H in chunks of `block_h`; the two launches' top-k keeps Triton's default warps."""
     b, hidden = h.shape
     experts = router.shape[0]
     if o.shape != h.shape or norm.shape != (hidden,) or router.shape != (experts, hidden):
@@ -194,24 +214,24 @@ def moe_router(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor, eps: float,
         raise ValueError(f"moe_router: tickets of >= {b} rows, int32 [rows] on {h.device} "
                          f"expected (row_tickets), got {tickets.dtype} "
                          f"{tuple(tickets.shape)} on {tickets.device}")
+    block_h = launch_shape(hidden, block_e, num_warps, block_h)
     h, o, router = h.contiguous(), o.contiguous(), router.contiguous()
     h_out, x = torch.empty_like(h), torch.empty_like(h)
     stage = h.new_empty(b * (hidden + 3 * top_k), dtype=torch.int32)
     logits = h.new_empty((b, experts), dtype=torch.float32)
-    grid = (b, triton.cdiv(experts, ROUTER_BLOCK_E))
-    block_h = min(1024, triton.next_power_of_2(hidden))
+    grid = (b, triton.cdiv(experts, block_e))
     bias_or = logits if bias is None else bias  # BIAS off: never read
     route = dict(K=top_k, BLOCK_K=max(2, triton.next_power_of_2(top_k)), SIGMOID=sigmoid,
                  BIAS=bias is not None, NORM=norm_topk_prob, ROUND_WEIGHTS=round_weights)
     if tickets is not None:
         wrap_triton(router_kernel)[grid](
             h, o, norm, router, bias_or, h_out, x, stage, logits, tickets, b, hidden, experts,
-            eps, scaling, BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=block_h, LOGITS_FP32=logits_fp32,
-            ALL_E=triton.next_power_of_2(experts), **route)
+            eps, scaling, BLOCK_E=block_e, BLOCK_H=block_h, LOGITS_FP32=logits_fp32,
+            ALL_E=triton.next_power_of_2(experts), num_warps=num_warps, **route)
         return h_out, x, stage
     wrap_triton(logits_kernel)[grid](
         h, o, norm, router, h_out, x, stage, logits, hidden, experts, eps,
-        BLOCK_E=ROUTER_BLOCK_E, BLOCK_H=block_h, LOGITS_FP32=logits_fp32)
+        BLOCK_E=block_e, BLOCK_H=block_h, LOGITS_FP32=logits_fp32, num_warps=num_warps)
     wrap_triton(topk_kernel)[(b,)](
         logits, bias_or, x, stage, b, hidden, experts, scaling,
         BLOCK_E=triton.next_power_of_2(experts), **route)
