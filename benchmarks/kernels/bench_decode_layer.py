@@ -4,20 +4,28 @@ so nothing stays in L2): with its Triton kernels (kernels/gqa_decode.py, kernels
 against the same function in torch ops plus its cache write, and with the router in its two
 launches (no tickets) against its one; then the router alone (`moe_router`, every layer's weights,
 one graph) in one launch against two. Prints microseconds and GPU kernels per layer for each, and
-the step's GPU time without experts; JSON with --json.
+the step's GPU time without experts; JSON with --json. --router-only: the router rows alone (no
+compiles). --router-shapes: the router's one launch at each launch shape (BLOCK_E x num_warps x
+BLOCK_H, the median of --trials timings of its graph), in us per call, the router weights' GB/s
+and the ratio to the default shape; shapes whose tile holds more than 128 fp32 a thread are left
+out (ptxas spills them; printed).
 
     python benchmarks/kernels/bench_decode_layer.py [--shape qwen3-30b-a3b] [--batch 1]
-        [--position 96] [--window 256] [--replays 50] [--json F]
+        [--position 96] [--window 256] [--replays 50] [--router-only] [--router-shapes
+        [--block-e 1,2,4,8,16] [--warps 1,2,4,8] [--block-h 1024,2048] [--trials 5]] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import time
 from typing import Any
 
 import torch
+import triton
 from torch._dynamo import mark_dynamic
 from torch.profiler import ProfilerActivity, profile
 
@@ -25,7 +33,13 @@ from hetmoe.bench.harness import git_sha
 from hetmoe.bench.shapes import shape_config
 from hetmoe.engine.executor.fused_decode import FusedDecoder, make_gqa_layer
 from hetmoe.engine.executor.layer_plan import LayerStatics
-from hetmoe.kernels.moe_router import moe_router, row_tickets
+from hetmoe.kernels.moe_router import (
+    ROUTER_BLOCK_E,
+    ROUTER_NUM_WARPS,
+    launch_shape,
+    moe_router,
+    row_tickets,
+)
 from hetmoe.machine import machine_report
 from hetmoe.ops import fused
 from hetmoe.ops.router import RouterConfig
@@ -103,20 +117,73 @@ def measure(step: Any, h: torch.Tensor, term: torch.Tensor, replays: int, layers
             "kernel_us_per_layer": gpu_us / layers, "ms_per_step": seconds * 1e3}
 
 
-def router_step(s: LayerStatics, layers: list[tuple[Any, ...]], tickets: torch.Tensor | None
-                ) -> Any:
+def router_step(s: LayerStatics, layers: list[tuple[Any, ...]], tickets: torch.Tensor | None,
+                **shape: int) -> Any:
     """(h, o) [B, H] -> the last layer's stage: `moe_router` alone over every layer's norm and
-    router weights (uncompiled: the op's own launches only); `tickets` None: two launches."""
+    router weights (uncompiled: the op's own launches only) at the launch `shape` (none: the
+    default); `tickets` None: two launches."""
     assert s.router is not None
     args = s.router.kernel_args()
 
     def step(h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         stage = h
         for norms, _, _, (weight, bias) in layers:
-            _, _, stage = moe_router(h, o, norms[1], s.eps[1], weight, bias, tickets, *args)
+            _, _, stage = moe_router(h, o, norms[1], s.eps[1], weight, bias, tickets, *args,
+                                     **shape)
         return stage
 
     return step
+
+
+def ints(text: str) -> list[int]:
+    """"1,2,4" -> [1, 2, 4]."""
+    return [int(v) for v in text.split(",")]
+
+
+def router_shapes(s: LayerStatics, layers: list[tuple[Any, ...]], tickets: torch.Tensor,
+                  h: torch.Tensor, o: torch.Tensor, args: argparse.Namespace
+                  ) -> list[dict[str, Any]]:
+    """The one launch's us per call (median of `args.trials` timings of `args.replays` replays
+    of one graph over every layer) at each launch shape, the default shape among them, and the
+    int32 words of the last layer's stage (x, ids, weights) that differ from the default's."""
+    hidden, experts = h.shape[1], layers[0][3][0].shape[0]
+    default = (ROUTER_BLOCK_E, ROUTER_NUM_WARPS,
+               launch_shape(hidden, ROUTER_BLOCK_E, ROUTER_NUM_WARPS, None))
+    grid = sorted(set(itertools.product(ints(args.block_e), ints(args.warps), ints(args.block_h)))
+                  | {default})
+    weight_bytes = experts * hidden * layers[0][3][0].element_size()  # the floor's bytes
+    rows = []
+    want = router_step(s, layers, tickets)(h, o)
+    for block_e, warps, block_h in grid:
+        if block_e * min(block_h, triton.next_power_of_2(hidden)) > 128 * 32 * warps:
+            print(f"router shape {block_e} x {warps} warps x {block_h}: left out (spills)")
+            continue
+        step = router_step(s, layers, tickets, block_e=block_e, num_warps=warps,
+                           block_h=block_h)
+        step(h, o)  # compile
+        differ = int((step(h, o) != want).sum())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(h, o)
+        times = []
+        for _ in range(args.trials):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.replays):
+                graph.replay()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) / args.replays / len(layers) * 1e6)
+        us = statistics.median(times)
+        rows.append({"block_e": block_e, "num_warps": warps, "block_h": block_h,
+                     "programs": h.shape[0] * -(-experts // block_e), "us_per_call": us,
+                     "weights_gb_per_s": weight_bytes / us / 1e3, "stage_words_differing": differ,
+                     "default": (block_e, warps, block_h) == default})
+        print(f"router shape {block_e} x {warps} warps x {block_h}: {us:.2f} us, {differ} stage "
+              f"words differ", flush=True)
+    base = next(r["us_per_call"] for r in rows if r["default"])
+    for r in rows:
+        r["ratio_to_default"] = r["us_per_call"] / base
+    return rows
 
 
 def main() -> None:
@@ -126,6 +193,12 @@ def main() -> None:
     p.add_argument("--position", type=int, default=96, help="cached entries per row")
     p.add_argument("--window", type=int, default=256, help="attended window (the bucket)")
     p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--router-only", action="store_true", help="skip the compiled layer rows")
+    p.add_argument("--router-shapes", action="store_true", help="sweep the router's launch shape")
+    p.add_argument("--block-e", default="1,2,4,8,16", help="the sweep's BLOCK_E values")
+    p.add_argument("--warps", default="1,2,4,8", help="the sweep's num_warps values")
+    p.add_argument("--block-h", default="1024,2048", help="the sweep's BLOCK_H values")
+    p.add_argument("--trials", type=int, default=5, help="timings per shape (the median)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.manual_seed(0)
@@ -145,12 +218,15 @@ def main() -> None:
     for name, kernel, window, t in (("torch", False, (mask,), None),
                                     ("triton", True, bounds, tickets),
                                     ("triton-2", True, bounds, None)):
+        if args.router_only:
+            break
         step = step_fn(s, kernel, layers, pos, slots, cos, window, t)
         rows[name] = measure(step, h, term, args.replays, cfg.num_hidden_layers)
     o = term.bfloat16()
     for name, t in (("router-1", tickets), ("router-2", None)):
         rows[name] = measure(router_step(s, layers, t), h, o, args.replays,
                              cfg.num_hidden_layers)
+    shapes = router_shapes(s, layers, tickets, h, o, args) if args.router_shapes else []
     if tickets.any():
         raise RuntimeError(f"the router's tickets were not left at zero: {tickets.tolist()}")
     print(f"{args.shape}, batch {args.batch}, {args.position} cached, window {args.window}, "
@@ -161,12 +237,21 @@ def main() -> None:
         print(f"{name:<9} {row['us_per_layer']:>9.2f} {row['kernels_per_layer']:>14.1f} "
               f"{row['kernel_us_per_layer']:>16.2f} {row['ms_per_step']:>8.3f}")
     for a, b in (("triton", "torch"), ("triton", "triton-2"), ("router-1", "router-2")):
-        print(f"{a} / {b}: {rows[a]['ms_per_step'] / rows[b]['ms_per_step']:.3f}")
+        if a in rows:
+            print(f"{a} / {b}: {rows[a]['ms_per_step'] / rows[b]['ms_per_step']:.3f}")
+    if shapes:
+        print(f"{'BLOCK_E':>7} {'warps':>5} {'BLOCK_H':>7} {'programs':>8} {'us/call':>8} "
+              f"{'GB/s':>6} {'/ default':>9} {'words differ':>12}")
+        for r in sorted(shapes, key=lambda r: r["us_per_call"]):
+            print(f"{r['block_e']:>7} {r['num_warps']:>5} {r['block_h']:>7} {r['programs']:>8} "
+                  f"{r['us_per_call']:>8.2f} {r['weights_gb_per_s']:>6.0f} "
+                  f"{r['ratio_to_default']:>9.3f} {r['stage_words_differing']:>12}"
+                  f"{'  (default)' if r['default'] else ''}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "git": git_sha(),
                        "device": torch.cuda.get_device_name(), "machine": machine_report(),
-                       "rows": rows}, f, indent=1)
+                       "rows": rows, "router_shapes": shapes}, f, indent=1)
 
 
 if __name__ == "__main__":

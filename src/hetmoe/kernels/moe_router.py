@@ -40,8 +40,9 @@ ROUTER_NUM_WARPS = 4
 
 def launch_shape(hidden: int, block_e: int, num_warps: int, block_h: int | None) -> int:
     """Checks `moe_router`'s launch shape -> BLOCK_H (None: min(1024, H rounded up to a power
-    of two)). Each logit is one program's dot product whatever the shape; BLOCK_H sets the
-    order of its sum (and of the norm's), so only it can move the values' last bits."""
+    of two)). Each logit is one program's dot product whatever the shape; BLOCK_H sets which
+    lanes its sum (and the norm's) runs over, and on the GPU the tile's layout, which follows
+    all three, sets the tree of those sums: a shape may move the values' last bits."""
     def power(v: int, top: int) -> bool:
         return 1 <= v <= top and v & (v - 1) == 0
 
