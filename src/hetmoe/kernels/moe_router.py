@@ -31,16 +31,23 @@ from torch.library import triton_op, wrap_triton
 
 from hetmoe.kernels.dequant import rms_scale, to_dtype
 
-ROUTER_BLOCK_E = 8
-"""Experts per program of the logits: E / 8 programs a row (Qwen3-30B-A3B: 16) read the router's
-rows side by side."""
-ROUTER_NUM_WARPS = 4
-"""Warps per program (Triton's default)."""
+ROUTER_BLOCK_E = 1
+"""Experts per program of the logits: one, so E programs a row (Qwen3-30B-A3B: 128) share the
+router's reads. Measured with `ROUTER_NUM_WARPS` and BLOCK_H 2048 on an H100 (bench_decode_layer.py
+--router-shapes, Qwen3-30B-A3B, batch 1, 48 layers' graph replays): 5.81 us a call against 7.57
+for the former 8 experts x 4 warps x 1024, the fastest of 31 shapes, stage bits unchanged
+(docs/benchmarks/gpu_kernels.md)."""
+ROUTER_NUM_WARPS = 1
+"""Warps per program: one warp reads a program's row of weights and h (latency, not width, bounds
+a 4 KB read)."""
+ROUTER_BLOCK_H = 2048
+"""The most hidden columns a program's tile holds (H rounded up to a power of two, if fewer):
+one pass over h and the weights at H = 2048."""
 
 
 def launch_shape(hidden: int, block_e: int, num_warps: int, block_h: int | None) -> int:
-    """Checks `moe_router`'s launch shape -> BLOCK_H (None: min(1024, H rounded up to a power
-    of two)). Each logit is one program's dot product whatever the shape; BLOCK_H sets which
+    """Checks `moe_router`'s launch shape -> BLOCK_H (None: min(ROUTER_BLOCK_H, H rounded up to
+    a power of two)). Each logit is one program's dot product whatever the shape; BLOCK_H sets which
     lanes its sum (and the norm's) runs over, and on the GPU the tile's layout, which follows
     all three, sets the tree of those sums: a shape may move the values' last bits."""
     def power(v: int, top: int) -> bool:
@@ -51,7 +58,7 @@ def launch_shape(hidden: int, block_e: int, num_warps: int, block_h: int | None)
         raise ValueError(f"moe_router: launch shape block_e {block_e}, num_warps {num_warps}, "
                          f"block_h {block_h}: powers of two expected (block_e 1..1024, "
                          f"num_warps 1..32, block_h 1..65536 or None)")
-    return min(1024, triton.next_power_of_2(hidden)) if block_h is None else block_h
+    return min(ROUTER_BLOCK_H, triton.next_power_of_2(hidden)) if block_h is None else block_h
 
 
 @triton.jit
