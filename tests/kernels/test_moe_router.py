@@ -255,13 +255,13 @@ def test_bad_inputs_are_named() -> None:
         moe_router(h, o, norm, 1e-6, router, None, row_tickets(1, "cpu"), 2, *args)
     with pytest.raises(ValueError, match=r"got torch.int64 \(4,\) on cpu"):
         moe_router(h, o, norm, 1e-6, router, None, torch.zeros(4, dtype=torch.int64), 2, *args)
-    for shape, found in ((dict(block_e=3), "block_e 3, num_warps 4, block_h None"),
-                         (dict(block_e=0), "block_e 0, num_warps 4, block_h None"),
-                         (dict(block_e=2048), "block_e 2048, num_warps 4, block_h None"),
-                         (dict(num_warps=6), "block_e 8, num_warps 6, block_h None"),
-                         (dict(num_warps=64), "block_e 8, num_warps 64, block_h None"),
-                         (dict(block_h=96), "block_e 8, num_warps 4, block_h 96"),
-                         (dict(block_h=-4), "block_e 8, num_warps 4, block_h -4")):
+    for shape, found in ((dict(block_e=3), "block_e 3, num_warps 1, block_h None"),
+                         (dict(block_e=0), "block_e 0, num_warps 1, block_h None"),
+                         (dict(block_e=2048), "block_e 2048, num_warps 1, block_h None"),
+                         (dict(num_warps=6), "block_e 1, num_warps 6, block_h None"),
+                         (dict(num_warps=64), "block_e 1, num_warps 64, block_h None"),
+                         (dict(block_h=96), "block_e 1, num_warps 1, block_h 96"),
+                         (dict(block_h=-4), "block_e 1, num_warps 1, block_h -4")):
         with pytest.raises(ValueError, match=rf"moe_router: launch shape {found}: powers of two "
                                              r"expected \(block_e 1..1024, num_warps 1..32, "
                                              r"block_h 1..65536 or None\)"):
