@@ -74,20 +74,23 @@ def both_forms(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor, router: tor
     return one[0], one[1], one[2]
 
 
-@pytest.mark.parametrize(("name", "b", "hidden", "experts", "top_k", "dtype"), [
-    ("qwen3", 1, 2048, 128, 8, torch.bfloat16),
-    ("qwen2", 3, 200, 60, 4, torch.bfloat16),
-    ("qwen2", 1, 64, 5, 5, torch.bfloat16),  # top_k = E, under one block of 8
-    ("mixtral", 2, 96, 8, 2, torch.float32),
-    ("mixtral", 3, 96, 8, 8, torch.float32),  # top_k = E = one block
-    ("sigmoid", 5, 2500, 16, 1, torch.bfloat16),
-    ("sigmoid", 4, 130, 12, 12, torch.float32),  # top_k = E, sigmoid, scaled
-    ("scaled", 2, 64, 20, 6, torch.float32),
-    ("qwen3", 7, 72, 33, 1, torch.bfloat16),  # odd rows, a lone expert in the last block
+@pytest.mark.parametrize(("name", "b", "hidden", "experts", "top_k", "dtype", "block_e"), [
+    ("qwen3", 1, 2048, 128, 8, torch.bfloat16, None),
+    ("qwen2", 3, 200, 60, 4, torch.bfloat16, 8),  # blocks of 8 (the default is 1 a program)
+    ("qwen2", 1, 64, 5, 5, torch.bfloat16, 8),  # top_k = E, under one block of 8
+    ("mixtral", 2, 96, 8, 2, torch.float32, None),
+    ("mixtral", 3, 96, 8, 8, torch.float32, 8),  # top_k = E = one block
+    ("sigmoid", 5, 2500, 16, 1, torch.bfloat16, None),
+    ("sigmoid", 4, 130, 12, 12, torch.float32, None),  # top_k = E, sigmoid, scaled
+    ("scaled", 2, 64, 20, 6, torch.float32, None),
+    ("qwen3", 7, 72, 33, 1, torch.bfloat16, 8),  # odd rows, a lone expert in the last block
 ])
 def test_matches_the_torch_ops(name: str, b: int, hidden: int, experts: int, top_k: int,
-                               dtype: torch.dtype) -> None:
-    check_against_torch(name, b, hidden, experts, top_k, dtype)
+                               dtype: torch.dtype, block_e: int | None) -> None:
+    """None: the default launch shape; 8: blocks of 8 experts (fewer programs under the
+    interpreter, and a last block part-filled)."""
+    check_against_torch(name, b, hidden, experts, top_k, dtype,
+                        **({} if block_e is None else {"block_e": block_e, "num_warps": 4}))
 
 
 def check_against_torch(name: str, b: int, hidden: int, experts: int, top_k: int,
@@ -122,9 +125,10 @@ ONE_BLOCK = [dict(block_e=e, num_warps=w) for e, w in ((1, 1), (2, 8), (4, 2), (
 
 @pytest.mark.parametrize(("name", "b", "hidden", "experts", "top_k", "dtype", "shapes",
                           "block_hs"), [
-    # the decode shape: 128 programs of one expert, 8 of 16 (H in two chunks, or one)
-    ("qwen3", 1, 2048, 128, 8, torch.bfloat16, [dict(block_e=1), dict(block_e=16, num_warps=8)],
-     (2048,)),
+    # the decode shape: the default's 128 programs of one expert against the former default's
+    # 16 of 8 (H in two chunks) and 8 of 16
+    ("qwen3", 1, 2048, 128, 8, torch.bfloat16,
+     [dict(block_e=8, num_warps=4, block_h=1024), dict(block_e=16, num_warps=8)], (2048,)),
     ("sigmoid", 4, 130, 12, 3, torch.float32, ONE_BLOCK, (32, 64, 256)),  # fp32 logits
     ("qwen2", 2, 72, 5, 2, torch.bfloat16, ONE_BLOCK, (16, 128)),  # E under a block of 8
 ])
