@@ -42,7 +42,8 @@ def _decode(runner: ModelRunner, batch: int, steps: int = 4) -> tuple[list[list[
     return tokens, logits
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3",
+                                    "mixtral"])
 def test_graph_decode_with_resident_experts_equals_all_cpu(
         family: str, tiny_dir: Callable[..., Path]) -> None:
     llm = LLM(tiny_dir(family), device="cuda", dtype="float32", experts="cpu", progress=False,
