@@ -93,21 +93,32 @@ def step_fn(s: LayerStatics, kernel: bool, layers: list[tuple[Any, ...]], pos: t
     return step
 
 
-def measure(step: Any, h: torch.Tensor, term: torch.Tensor, replays: int, layers: int
-            ) -> dict[str, float]:
-    """Microseconds and GPU kernels per layer of `step` as one CUDA graph's replays."""
-    for _ in range(2):
-        step(h, term)  # compile, then warm
+def graph_of(step: Any, h: torch.Tensor, x: torch.Tensor) -> torch.cuda.CUDAGraph:
+    """`step(h, x)` captured as one CUDA graph (compiled and warm before)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step(h, term)
-    graph.replay()
+        step(h, x)
+    return graph
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Seconds per replay of `graph` over `replays` replays back to back."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(replays):
         graph.replay()
     torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / replays
+    return (time.perf_counter() - start) / replays
+
+
+def measure(step: Any, h: torch.Tensor, term: torch.Tensor, replays: int, layers: int
+            ) -> dict[str, float]:
+    """Microseconds and GPU kernels per layer of `step` as one CUDA graph's replays."""
+    for _ in range(2):
+        step(h, term)  # compile, then warm
+    graph = graph_of(step, h, term)
+    graph.replay()
+    seconds = replay_seconds(graph, replays)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
@@ -162,18 +173,9 @@ def router_shapes(s: LayerStatics, layers: list[tuple[Any, ...]], tickets: torch
                            block_h=block_h)
         step(h, o)  # compile
         differ = int((step(h, o) != want).sum())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step(h, o)
-        times = []
-        for _ in range(args.trials):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(args.replays):
-                graph.replay()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - start) / args.replays / len(layers) * 1e6)
-        us = statistics.median(times)
+        graph = graph_of(step, h, o)
+        us = statistics.median(replay_seconds(graph, args.replays) / len(layers) * 1e6
+                               for _ in range(args.trials))
         rows.append({"block_e": block_e, "num_warps": warps, "block_h": block_h,
                      "programs": h.shape[0] * -(-experts // block_e), "us_per_call": us,
                      "weights_gb_per_s": weight_bytes / us / 1e3, "stage_words_differing": differ,
