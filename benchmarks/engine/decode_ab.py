@@ -171,16 +171,18 @@ def main() -> int:
         print("decode_ab: the pre-change runner has no GPU experts: --budgets 0 only",
               file=sys.stderr)
         return 2
-    runs = []
+    runs, placed = [], 0  # placed: the runner's budget in bytes (it starts with none)
     for budget in budgets:
-        if tree == "this":
-            limit = budget_bytes(budget)
-            runner.place(10**15 if limit is None else limit)  # all: more than there is
+        limit = budget_bytes(budget)
+        limit = 10**15 if limit is None else limit  # all: more than there is
+        if limit != placed:  # never on the pre-change runner (budget 0 alone)
+            runner.place(limit)
+            placed = limit
         for _ in range(args.repeats):
             for d in [int(v) for v in args.deferred.split(",") if v]:
                 runs.append(decode_row(runner, prompt, args.new_tokens, d, budget))
                 print(tree, runs[-1], flush=True)
-    if tree == "this":
+    if placed:
         runner.place(0)  # prefill rows as before: every expert on the host
     prefill = prefill_rows(runner, lengths, modes, args.prefill_passes, args.cpu_max)
     args.json.write_text(json.dumps({"tree": tree, "hetmoe": str(Path(hetmoe.__file__).parent),
