@@ -13,8 +13,10 @@ cache write (one kernel, off the CPU's critical path), the shared experts, the w
 (HETMOE_DECODE_KERNELS, env.decode_kernels: triton by default) q/k norms, rope and GQA attention
 are kernels/gqa_decode.py, which stores the new cache entries itself, and the MoE layer's
 residual, norm, router and pack kernels/moe_router.py (one launch over the decoder's row
-tickets), inside the compiled graph (`triton_op`s); the chunk count is then dynamic where
-Inductor keeps it so (else one graph per bucket).
+tickets), and for batches of up to `kernels.gemv_config.DECODE_GEMV_MAX_ROWS` bf16 rows the input
+norm with q/k/v kernels/norm_gemv.py and o_proj kernels/gemv_residual.py (larger batches: cuBLAS),
+inside the compiled graph (`triton_op`s); the chunk count is then dynamic where Inductor keeps it
+so (else one graph per bucket).
 On a GPU the layer functions go through `torch.compile` (Inductor); the weights are arguments,
 so every layer of a model shares one compiled graph. Attention reads the first `kv_len` cache
 entries (the runner's window bucket, ops/kv_batch.py) in chunks of 64 whose count is a dynamic
@@ -57,42 +59,59 @@ _FUNCTIONS: dict[Any, Callable[..., Any]] = {}
 def _layer_tail(s: LayerStatics, h: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor,
                 post_norm: torch.Tensor, new: tuple[torch.Tensor, ...],
                 router: tuple[torch.Tensor | None, ...],
-                entry: Callable[..., tuple[torch.Tensor, ...]] | None = None
-                ) -> tuple[Any, ...]:
+                entry: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+                gemv: bool = False) -> tuple[Any, ...]:
     """Every layer function's end: o_proj + residual, the post-attention norm, and on MoE layers
     the router with the CPU experts' packed inputs (all K ids: the CPU job splits off deferred
     ones); `entry(h, o, post_norm, *router) -> (h, x, stage)`: kernels doing all but o_proj
     (`make_gqa_layer`). `router`: (weight, bias), then on the kernels' path the row tickets.
+    `gemv`: o_proj by kernels/gemv_residual.py, with the residual add where no `entry` does it.
     Returns (h, x, new cache entries, stage or None)."""
-    o = fused.linear(attn, o_w, None)
+    if s.router is not None and entry is not None:
+        h, x, stage = entry(h, _o_proj(attn, o_w, None, gemv), post_norm, *router)
+        return h, x, new, stage
+    h = _o_proj(attn, o_w, h, gemv)
+    x = fused.rms_norm(h, post_norm, s.eps[1])
     if s.router is None:
-        h = h + o
-        return h, fused.rms_norm(h, post_norm, s.eps[1]), new, None
+        return h, x, new, None
     router_w, router_b = router[:2]
     assert router_w is not None
-    if entry is not None:
-        h, x, stage = entry(h, o, post_norm, *router)
-        return h, x, new, stage
-    h = h + o
-    x = fused.rms_norm(h, post_norm, s.eps[1])
     ids, weights = route(x, router_w, router_b, s.router, fused=True)
     return h, x, new, fused.pack_moe_inputs(x, ids, weights)
 
 
-def make_gqa_layer(s: LayerStatics, kernel: bool = False) -> Callable[..., tuple[Any, ...]]:
+def _o_proj(attn: torch.Tensor, o_w: torch.Tensor, h: torch.Tensor | None,
+            gemv: bool) -> torch.Tensor:
+    """(h +) attn @ o_w^T: kernels/gemv_residual.py when `gemv`, else torch's linear."""
+    if gemv:
+        from hetmoe.kernels.gemv_residual import gemv_residual
+
+        return gemv_residual(attn, o_w, h)
+    o = fused.linear(attn, o_w, None)
+    return o if h is None else h + o
+
+
+def make_gqa_layer(s: LayerStatics, kernel: bool = False,
+                   gemv: bool = True) -> Callable[..., tuple[Any, ...]]:
     """The pure layer function of a GQA layer with statics `s` (see the module docstring).
     `kernel`: q/k norms, rope, attention and the cache write by kernels/gqa_decode.py (the
     function returns no entries to write) over `window` = (mask, lo, pos)
     (`FusedDecoder._window`), and on MoE layers with a greedy router the residual, norm,
     router and pack by kernels/moe_router.py (one launch when `router` ends with its row
-    tickets, else two); else the torch ops over `window` = (mask,)."""
+    tickets, else two); with `gemv` too, the input norm + q/k/v projection and o_proj (+ the
+    residual add where moe_router does not do it) by kernels/norm_gemv.py and
+    kernels/gemv_residual.py for the batches `gemv_config.gemv_fits` takes (up to
+    `DECODE_GEMV_MAX_ROWS` bf16 rows; larger batches keep torch's linear: a rule on the traced
+    shape, not a fallback); else the torch ops over `window` = (mask,)."""
     kv_heads, head_dim = s.dims
     if kernel and s.rope != "half":
         raise ValueError(f"the GQA decode kernel rotates rotate-half rope, not {s.rope!r}")
     entry = None
     if kernel:
         from hetmoe.kernels import moe_router
+        from hetmoe.kernels.gemv_config import gemv_fits
         from hetmoe.kernels.gqa_decode import gqa_decode_attention
+        from hetmoe.kernels.norm_gemv import norm_gemv
 
         if s.router is not None and s.router.kernel_fits():
             args = s.router.kernel_args()
@@ -112,7 +131,11 @@ def make_gqa_layer(s: LayerStatics, kernel: bool = False) -> Callable[..., tuple
         assert qkv_w is not None and o_w is not None
         b = h.shape[0]
         h = fused.residual(h, terms)  # [B, H]
-        qkv = fused.linear(fused.rms_norm(h, norms[0], s.eps[0]), qkv_w, qkv_b)
+        projected = kernel and gemv and gemv_fits(h, qkv_w) and gemv_fits(h, o_w)
+        if projected:
+            qkv = norm_gemv(h, norms[0], s.eps[0], qkv_w, qkv_b)
+        else:
+            qkv = fused.linear(fused.rms_norm(h, norms[0], s.eps[0]), qkv_w, qkv_b)
         q, k, v = (t.view(b, -1, head_dim) for t in qkv.split(
             [s.heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
         kv_cache, mask = caches[0], window[0]
@@ -120,7 +143,8 @@ def make_gqa_layer(s: LayerStatics, kernel: bool = False) -> Callable[..., tuple
             _, lo, pos = window
             attn = gqa_decode_attention(q, k, v, kv_cache, slots, lo, pos, mask.shape[1],
                                         s.scale, qn_w, kn_w, s.eps[2], cos, sin)
-            return _layer_tail(s, h, attn.view(b, -1), o_w, norms[1], (), router, entry)
+            return _layer_tail(s, h, attn.view(b, -1), o_w, norms[1], (), router, entry,
+                               projected)
         q, k = q[:, None], k[:, None]  # [B, 1, heads, D]
         if qn_w is not None and kn_w is not None:
             q, k = fused.rms_norm(q, qn_w, s.eps[2]), fused.rms_norm(k, kn_w, s.eps[2])

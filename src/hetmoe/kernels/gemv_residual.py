@@ -1,0 +1,85 @@
+"""A decode step's projection with the residual add as its epilogue: out = h + x @ W^T.
+
+The fused decode step's o_proj (engine/executor/fused_decode.py): x [M, K] attention output
+(M <= 8 rows there, `gemv_config.gemv_fits`), W [N, K] bf16 read once for all rows by programs of
+BLOCK_N rows of W (`GemvConfig`), fp32 sums rounded once as torch's linear rounds them, then
+h + that rounded again (`fused.residual`'s `h + o`). Without h it is the plain projection: the
+MoE layers' o_proj, whose residual add kernels/moe_router.py does with the norm and router.
+With split K a second small launch sums the partials (kernels/gemv_tiles.py `reduce_kernel`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from hetmoe.kernels.gemv_config import GEMV_CONFIG, GemvConfig
+from hetmoe.kernels.gemv_tiles import (
+    BLOCK_M,
+    check_projection,
+    dot_w,
+    finish,
+    ieee,
+    k_share,
+    partials,
+    reduce_partials,
+)
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, M, N, K, s_x, s_w, s_res,
+                s_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SPLIT_K: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+                IEEE: tl.constexpr):
+    """Program (block of N, split of K): x [M, K] (rows s_x apart) times W [N, K] rows
+    [pid 0 * BLOCK_N, +BLOCK_N) over its K share -> `finish` (out [M, N], + bias [N], + res
+    [M, N] rounded after the product's rounding; or the split's partials)."""
+    m = tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    lo, hi = k_share(K, BLOCK_K, SPLIT_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        k = k0 + kk
+        xt = tl.load(x_ptr + m[:, None] * s_x + k[None, :],
+                     mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
+        acc = dot_w(xt, w_ptr, n, k, N, K, s_w, acc, IEEE)
+    finish(acc, m, n, M, N, out_ptr, s_out, bias_ptr, res_ptr, s_res, part_ptr, SPLIT_K, BIAS,
+           RESIDUAL)
+
+
+@triton_op("hetmoe::gemv_residual", mutates_args={})
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             h: torch.Tensor | None, block_n: int, block_k: int, split_k: int, num_warps: int,
+             num_stages: int) -> torch.Tensor:
+    """`gemv_residual` with its launch shape as integers (a torch op's arguments)."""
+    config = GemvConfig(block_n, block_k, split_k, num_warps, num_stages)
+    m, k = x.shape
+    n = weight.shape[0]
+    x = x.contiguous()  # M rows: a copy at most of a few KB
+    h = h.contiguous() if h is not None else None
+    out = x.new_empty((m, n))
+    part = partials(x, n, config)
+    res = h if h is not None else out  # RESIDUAL off: never read
+    wrap_triton(gemv_kernel)[(triton.cdiv(n, block_n), split_k)](
+        x, weight, bias if bias is not None else out, res, out, part, m, n, k, x.stride(0),
+        weight.stride(0), res.stride(0), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT_K=split_k, BIAS=bias is not None, RESIDUAL=h is not None,
+        IEEE=ieee(x.dtype), num_warps=num_warps, num_stages=num_stages)
+    reduce_partials(part, out, bias, h, config)
+    return out
+
+
+def gemv_residual(x: torch.Tensor, weight: torch.Tensor, h: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None, config: GemvConfig = GEMV_CONFIG
+                  ) -> torch.Tensor:
+    """x [M, K] (1 <= M <= 16), weight [N, K] (unit stride along K), bias [N], h [M, N] ->
+    h + (x @ weight^T + bias) [M, N] in x's dtype (bf16, fp16 or fp32): the product rounded
+    once, as `F.linear` rounds it, then the sum with h rounded (`fused.residual`); h None: the
+    projection alone. Launched as `config` says (a triton_op: Inductor keeps it in a compiled
+    step's graph)."""
+    check_projection("gemv_residual", x, weight, bias, h)
+    return _gemv_op(x, weight, bias, h, config.block_n, config.block_k, config.split_k,
+                    config.num_warps, config.num_stages)
