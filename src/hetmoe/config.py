@@ -63,6 +63,14 @@ class EngineConfig:
     engine/placement/layer_stream.py), or split: the first experts of each layer streamed and
     computed on the GPU while the CPU computes the rest (engine/placement/expert_split.py); "cpu",
     "gpu" (every expert streamed) or "split" force one."""
+    stream_decode_rows: int | str = "auto"
+    """GPU with CPU experts: decode steps of at least this many rows (no prompt chunks) may run
+    as a pass of the prefill planner, the first misses of each MoE layer streamed to the GPU
+    while the CPU computes the rest, under `prefill_experts`' mode (engine/executor/
+    prefill_planner.py `decode_experts`); in "auto" mode its tuner times such steps against the
+    decode path (CUDA graphs) per row bucket and keeps the faster. "auto": from the fewest rows
+    at which this machine's cost model expects the split at most `DECODE_GAIN` of the CPU's
+    time, never at 8 rows or fewer (engine/placement/expert_split.py); 0: never."""
     prefill_resident_bytes: int = 0
     """Deprecated: the former name of `gpu_expert_bytes` (bytes): when set, it replaces a
     `gpu_expert_bytes` of "auto" or 0 (the resident experts serve prefill and decode alike)."""
@@ -120,6 +128,11 @@ class EngineConfig:
         if self.prefill_experts not in PREFILL_EXPERTS:
             raise ValueError(f"option prefill_experts must be one of "
                              f"{', '.join(PREFILL_EXPERTS)}, got {self.prefill_experts!r}")
+        if self.stream_decode_rows != "auto" and (not isinstance(self.stream_decode_rows, int)
+                                                  or isinstance(self.stream_decode_rows, bool)
+                                                  or self.stream_decode_rows < 0):
+            raise ValueError(f"option stream_decode_rows must be 'auto' or an integer >= 0 "
+                             f"(0: never), got {self.stream_decode_rows!r}")
         if not isinstance(self.prefill_resident_bytes, int) or self.prefill_resident_bytes < 0:
             raise ValueError(f"option prefill_resident_bytes must be an integer >= 0, got "
                              f"{self.prefill_resident_bytes!r}")

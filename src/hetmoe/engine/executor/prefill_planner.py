@@ -10,12 +10,18 @@ placement's resident experts per layer, whether the GPU has room to stream (chec
 pass that could stream, against the memory free then) and what the passes measured
 (`PrefillTuner`, per placement). `MoEOverlap` only carries a pass out (`streamed`); `hetmoe info
 MODEL` prints the same plan for a model before it loads.
+
+Decode steps of many rows are planned here too (`EngineConfig.stream_decode_rows`): from
+`decode_rows` rows a decode step's k comes from `decode_experts` (in "auto" mode its own tuner,
+`DecodeTuner`, whose k = 0 is the runner's decode path, timed against the planner's splits), and
+the runner runs a step of k > 0 as a pass (`run_pass`) of its decode rows alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,9 +31,11 @@ import torch
 
 from hetmoe.calibration import current
 from hetmoe.engine.placement.expert_split import (
+    DecodeTuner,
     PrefillTuner,
     SplitCosts,
     costs_from_profile,
+    decode_stream_rows,
     describe_plan,
     most_misses,
     plan_gpu_experts,
@@ -41,6 +49,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+NEVER = sys.maxsize
+"""`PrefillPlanner.decode_rows` when no decode step streams."""
+
 
 def check_prefill_mode(mode: str, device: torch.device) -> None:
     """ValueError when `mode` (EngineConfig.prefill_experts) needs a GPU this run lacks."""
@@ -49,10 +60,12 @@ def check_prefill_mode(mode: str, device: torch.device) -> None:
                          f"is on {device.type} (use 'auto' or 'cpu')")
 
 
-def needs_costs(gpu: bool, mode: str, fetch_slots: int) -> bool:
+def needs_costs(gpu: bool, mode: str, fetch_slots: int, decode_auto: bool = False) -> bool:
     """Whether a runner loads this machine's costs when it starts: a GPU prefill may split or be
-    chosen by them (`mode` "auto" or "split"), or fetch-or-compute plans with them."""
-    return (gpu and mode in ("auto", "split")) or fetch_slots > 0
+    chosen by them (`mode` "auto" or "split"), fetch-or-compute plans with them, or the decode
+    steps that may stream are found by them (`decode_auto`: stream_decode_rows "auto")."""
+    return (gpu and (mode in ("auto", "split") or (decode_auto and mode != "cpu"))
+            or fetch_slots > 0)
 
 
 def load_costs(moe: CpuMoE, device: torch.device) -> SplitCosts:
@@ -83,6 +96,10 @@ class PrefillPlanner:
         """Experts resident on the GPU (`place`): the runner's, or a plan (`hetmoe info`)."""
         self.tuner = PrefillTuner()
         """Measured passes ("auto"), of the current placement."""
+        self.decode_tuner = DecodeTuner()
+        """Measured decode steps of `decode_rows` rows or more ("auto"), of the placement."""
+        self.decode_rows = NEVER
+        """The fewest rows of a decode step that `decode_experts` plans (`prepare`)."""
         self.stream_refusal: str | None = None  # "" streams; None: not checked yet
         self.stream_cap: int | None = None
         """Misses per layer a pass may stream (`cap`, read by `can_stream`; None: all)."""
@@ -102,15 +119,38 @@ class PrefillPlanner:
         planner.overlap = overlap
         return planner
 
-    def prepare(self, mode: str, fetch_slots: int) -> None:
+    def prepare(self, mode: str, fetch_slots: int, decode_rows: int | str = 0,
+                max_rows: int = 0) -> None:
         """Loads the costs when passes of the current placement plan with them (`needs_costs`;
-        call when the runner starts or places, never inside a request). Not when every expert
-        is resident: no CPU expert work and nothing to stream, so nothing to weigh."""
+        call when the runner starts or places, never inside a request), and sets `decode_rows`
+        from `decode_rows` (EngineConfig.stream_decode_rows) for steps of at most `max_rows`
+        rows. Not when every expert is resident: no CPU expert work and nothing to stream, so
+        nothing to weigh."""
+        gpu = self._refusal is not None
         if self.everything:
             log.info("prefill: every routed expert is resident on the GPU (no CPU expert work, "
                      "nothing to stream): no prefill costs loaded")
-        elif needs_costs(self._refusal is not None, mode, fetch_slots):
+            return
+        if needs_costs(gpu, mode, fetch_slots, decode_rows == "auto"):
             self.load_costs()
+        if not gpu or mode == "cpu" or not decode_rows:
+            self.decode_rows = NEVER
+        elif isinstance(decode_rows, int):
+            self.decode_rows = decode_rows
+        else:
+            self.decode_rows = self._auto_decode_rows(mode, max_rows)
+            log.info("decode steps of %s rows weigh streaming experts to the GPU", "no" if
+                     self.decode_rows == NEVER else f"{self.decode_rows} or more")
+
+    def _auto_decode_rows(self, mode: str, max_rows: int) -> int:
+        """`decode_rows` of "auto": where the model expects `mode`'s k to pay (expert_split.py
+        `decode_stream_rows`)."""
+        most = self.misses
+        least = most if mode == "gpu" else 1
+        most = max(1, most - 1) if mode == "split" else most
+        rows = decode_stream_rows(self.top_k, self.num_experts, self._costs(mode), least, most,
+                                  max_rows, self.resident)
+        return NEVER if rows is None else rows
 
     def load_costs(self) -> SplitCosts:
         """The costs, loaded (or measured) through the loader when not there yet; call when the
@@ -131,7 +171,7 @@ class PrefillPlanner:
             raise ValueError(f"PrefillPlanner: a placement of {layers} MoE layers for a model "
                              f"of {self.layers}")
         self.placement = placement
-        self.tuner = PrefillTuner()
+        self.tuner, self.decode_tuner, self.decode_rows = PrefillTuner(), DecodeTuner(), NEVER
         self.stream_refusal, self.stream_cap = None, None
 
     @property
@@ -185,8 +225,16 @@ class PrefillPlanner:
         When every expert is resident nothing is streamed."""
         return self._pick(tokens, mode)[0]
 
-    def _pick(self, tokens: int, mode: str) -> tuple[int, bool]:
-        """(`gpu_experts`' k, whether the tuner reads the pass's time: "auto" between rivals)."""
+    def decode_experts(self, rows: int, mode: str = "auto") -> tuple[int, bool]:
+        """(k, whether the step is timed for `decode_tuner`) of a decode step of `rows` rows
+        (at least `decode_rows`): as `gpu_experts` in modes "cpu", "gpu" and "split"; in "auto"
+        `decode_tuner`'s, whose 0 is the runner's decode path (see the module docstring)."""
+        return self._pick(rows, mode, self.decode_tuner)
+
+    def _pick(self, tokens: int, mode: str,
+              tuner: PrefillTuner | None = None) -> tuple[int, bool]:
+        """(`gpu_experts`' k, whether the tuner reads the pass's time: "auto" between rivals);
+        `tuner`: "auto"'s (None: the prefill passes')."""
         if self.everything or mode == "cpu" or not self.can_stream():
             return 0, False
         if mode == "gpu":
@@ -195,8 +243,8 @@ class PrefillPlanner:
             top = self.most if self.most < self.misses else max(1, self.most - 1)
             return plan_gpu_experts(tokens, self.top_k, self.num_experts, self._costs(mode), 1,
                                     top, self.resident), False
-        return self.tuner.pick(tokens, self.top_k, self.num_experts, self._costs(mode),
-                               self.resident, self.stream_cap)
+        return (tuner or self.tuner).pick(tokens, self.top_k, self.num_experts,
+                                          self._costs(mode), self.resident, self.stream_cap)
 
     def describe(self, k: int) -> str:
         """A pass's k in words, the resident experts counted."""
@@ -220,16 +268,27 @@ class PrefillPlanner:
         them (the overlap streams them); a pass whose k the tuner's measurements decide ("auto"
         between close rivals, on a GPU) is timed to its last GPU work for the tuner. Other
         passes are not: their time is never read, and timing costs a GPU sync."""
-        overlap = self.overlap
-        if overlap is None:
+        if self.overlap is None:
             raise ValueError("PrefillPlanner.prefill_pass: a planner without a MoE step "
                              "(made by for_overlap) plans on paper only")
         k, timed = self._pick(tokens, mode)
+        with self.run_pass(tokens, k, self.tuner if timed else None):
+            yield
+
+    @contextmanager
+    def run_pass(self, tokens: int, k: int, tuner: PrefillTuner | None = None
+                 ) -> Iterator[None]:
+        """A pass of `tokens` tokens streaming k misses per layer (0: none streamed), timed to
+        its last GPU work into `tuner` when one is given."""
+        overlap = self.overlap
+        if overlap is None:
+            raise ValueError("PrefillPlanner.run_pass: a planner without a MoE step "
+                             "(made by for_overlap) plans on paper only")
         if k:
             overlap.make_streamer()  # made (host memory registered) before the pass is timed
         start = time.perf_counter()
         with overlap.streamed(tokens, k) if k else contextlib.nullcontext():
             yield
-        if timed:
+        if tuner is not None:
             torch.cuda.synchronize(overlap.device)
-            self.tuner.record(tokens, k, time.perf_counter() - start)
+            tuner.record(tokens, k, time.perf_counter() - start)

@@ -98,7 +98,8 @@ class ModelRunner:
         if self.overlap is not None and (budget != 0 or config.fetch_slots):
             self.place(budget)  # after the KV cache: `auto` sees what is left
         elif self.planner is not None:
-            self.planner.prepare(config.prefill_experts, config.fetch_slots)
+            self.planner.prepare(config.prefill_experts, config.fetch_slots,
+                                 config.stream_decode_rows, max_batch)
 
     @property
     def graphs(self) -> dict[tuple[int, int], Any]:
@@ -169,10 +170,34 @@ class ModelRunner:
         return self._after(out) if plan.decodes else out
 
     def _decode_step(self, plan: StepPlan) -> StepOutput:
-        """The decode rows of `plan`: eager, or greedy launched (ahead) on CUDA graphs."""
+        """The decode rows of `plan`: eager, or greedy launched (ahead) on CUDA graphs; from
+        `planner.decode_rows` rows possibly a pass streaming experts (`_weighed_decode`)."""
         launched = self.launch_ahead.take(plan)
         if launched is None:
             check_decode_rows(plan, self.cache, self.max_seq_len, self.vocab_size)
+            if self.planner is not None and len(plan.slots) >= self.planner.decode_rows:
+                return self._weighed_decode(plan)
+        return self._decode_path(plan, launched)
+
+    def _weighed_decode(self, plan: StepPlan) -> StepOutput:
+        """A decode step of many rows (EngineConfig.stream_decode_rows): the decode path (k = 0)
+        or ONE pass of its rows on the HF layers with k misses per layer streamed to the GPU
+        (never launched ahead, no Expert Deferral: a prefill-phase pass), as the planner says;
+        a step it weighs is timed, its decode path then not launched ahead either."""
+        assert self.planner is not None
+        rows = len(plan.slots)
+        k, timed = self.planner.decode_experts(rows, self.config.prefill_experts)
+        tuner = self.planner.decode_tuner if timed else None
+        with self.planner.run_pass(rows, k, tuner):
+            if not k:
+                return self._decode_path(dataclasses.replace(plan, ahead=False) if timed
+                                         else plan, None)
+            starts = tuple(self.lengths[s] for s in plan.slots)
+            layout = StepLayout((), (), plan.slots, plan.token_ids, starts)
+            return self._after(self._joined(layout, [], plan.greedy, contextlib.nullcontext()))
+
+    def _decode_path(self, plan: StepPlan, launched: Launched | None) -> StepOutput:
+        """Decode rows eager, or greedy launched (ahead) on CUDA graphs."""
         if plan.greedy and self.use_graphs:
             return self.launch_ahead.run(plan, launched, self._after)
         try:
@@ -236,7 +261,8 @@ class ModelRunner:
             if self.config.placement_interval and not plan.everything:
                 self.policy = TrafficPolicy(self.placement, self.config.placement_interval)
         self.planner.place(self.placement)
-        self.planner.prepare(self.config.prefill_experts, slots)
+        self.planner.prepare(self.config.prefill_experts, slots, self.config.stream_decode_rows,
+                             self.max_batch)
         return plan
 
     def _phase(self, decoding: bool, slots: Sequence[int]) -> contextlib.ExitStack:
@@ -327,14 +353,16 @@ class ModelRunner:
         """ValueError naming what is wrong with a prefill chunk (slot, start, window, ids)."""
         check_chunk(chunk, self.cache, self.max_seq_len, self.vocab_size)
 
-    def _joined(self, layout: StepLayout, logits: list[torch.Tensor],
-                greedy: bool) -> StepOutput:
+    def _joined(self, layout: StepLayout, logits: list[torch.Tensor], greedy: bool,
+                experts: contextlib.AbstractContextManager[None] | None = None) -> StepOutput:
         """Checked chunks and decode rows in ONE forward pass (one expert call per MoE layer);
-        chunks' logits into `logits` (by chunk index); returns the decode rows' logits or tokens."""
+        chunks' logits into `logits` (by chunk index); returns the decode rows' logits or tokens.
+        `experts`: where the pass's experts run (None: the planner's prefill pass)."""
         ids, kv = layout.tensors(self.device)  # [B, S] or [1, T]
         # CPU, streamed to the GPU or split (EngineConfig.prefill_experts; prefill_planner.py)
-        experts = contextlib.nullcontext() if self.planner is None else \
-            self.planner.prefill_pass(ids.numel(), self.config.prefill_experts)
+        if experts is None:
+            experts = contextlib.nullcontext() if self.planner is None else \
+                self.planner.prefill_pass(ids.numel(), self.config.prefill_experts)
         with self._phase(decoding=False, slots=layout.row_slots), experts:
             hidden = self._forward(ids, kv)  # [B, S, H] or [1, T, H]
         layout.advance(self.lengths)

@@ -1,0 +1,132 @@
+"""Which decode steps may stream experts (`EngineConfig.stream_decode_rows`): the option's checks,
+the "auto" rule from the cost model (never at 8 rows or fewer), the planner's `decode_rows` per
+run and placement, and `DecodeTuner` weighing the decode path (k = 0) against streamed ks."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetmoe.config import EngineConfig
+from hetmoe.engine.executor.prefill_planner import NEVER, PrefillPlanner, needs_costs
+from hetmoe.engine.placement.expert_split import (
+    DECODE_GAIN,
+    SMALL_DECODE,
+    TRIES,
+    DecodeTuner,
+    SplitCosts,
+    decode_stream_rows,
+    pass_seconds,
+    plan_gpu_experts,
+)
+from hetmoe.engine.placement.placement_plan import plan_placement
+
+COSTS = SplitCosts(cpu_fixed=49e-6, cpu_token=2.0e-6, gpu_expert=92e-6, gpu_token=0.07e-6,
+                   gpu_fixed=70e-6, cpu_call=100e-6, split_fixed=100e-6, split_token=0.16e-6)
+"""The Qwen3-30B-A3B int8 costs of tests/engine/test_expert_split.py (128 experts, top-8)."""
+
+
+@pytest.mark.parametrize("bad", [-1, True, 2.5, "always", None])
+def test_the_option_takes_auto_or_a_row_count(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"^option stream_decode_rows must be 'auto' or an "
+                       rf"integer >= 0 \(0: never\), got {bad!r}$"):
+        EngineConfig(stream_decode_rows=bad)  # type: ignore[arg-type]
+    for good in ("auto", 0, 1, 64):
+        assert EngineConfig(stream_decode_rows=good).stream_decode_rows == good
+    assert EngineConfig().stream_decode_rows == "auto"
+
+
+def test_auto_starts_where_the_model_expects_the_split_to_pay() -> None:
+    rows = decode_stream_rows(8, 128, COSTS, 1, 128, 256)
+    assert rows is not None and rows > SMALL_DECODE
+
+    def gain(n: int) -> float:
+        k = plan_gpu_experts(n, 8, 128, COSTS, 1, 128)
+        return pass_seconds(k, n, 8, 128, COSTS) / pass_seconds(0, n, 8, 128, COSTS)
+
+    assert gain(rows) <= DECODE_GAIN < gain(rows - 1)  # the fewest rows that pay
+    assert rows == 26  # these costs: a 16-row step's best split is 0.76 of the CPU's time
+    assert decode_stream_rows(8, 128, COSTS, 1, 128, rows - 1) is None  # beyond the slots
+    # Streaming every expert of a step never pays at these costs (the PCIe copy is the floor).
+    assert decode_stream_rows(8, 128, COSTS, 128, 128, 256) is None
+
+
+def test_small_steps_never_weigh_streaming_whatever_the_costs() -> None:
+    cheap_gpu = SplitCosts(cpu_fixed=1e-3, cpu_token=1e-3, gpu_expert=1e-9)
+    assert plan_gpu_experts(2, 8, 128, cheap_gpu) > 0  # the model would stream at 2 rows
+    assert decode_stream_rows(8, 128, cheap_gpu, 1, 128, 256) == 16  # 16 x top-8 = 128 pairs
+    assert decode_stream_rows(2, 8, cheap_gpu, 1, 8, 256) == SMALL_DECODE + 1
+
+
+def _planner(resident: int = 0, refusal: str | None = "") -> PrefillPlanner:
+    """A planner of 4 layers of 128 experts (top-8) with COSTS; `refusal` None: no GPU."""
+    planner = PrefillPlanner(128, 8, 4, COSTS,
+                             refusal=None if refusal is None else lambda: refusal)
+    if resident:
+        planner.place(plan_placement([128] * 4, [1] * 4, resident * 4))
+    return planner
+
+
+def test_the_planners_decode_rows_per_run_and_placement() -> None:
+    planner = _planner()
+    assert planner.decode_rows == NEVER  # until prepared
+    planner.prepare("auto", 0, "auto", 256)
+    assert planner.decode_rows == decode_stream_rows(8, 128, COSTS, 1, 128, 256) == 26
+    planner.prepare("auto", 0, 100, 256)
+    assert planner.decode_rows == 100  # a row count as given
+    for mode, option in (("cpu", "auto"), ("cpu", 100), ("auto", 0), ("gpu", "auto")):
+        planner.prepare(mode, 0, option, 256)  # "gpu" auto: streaming it all never pays
+        assert planner.decode_rows == NEVER, (mode, option)
+    planner.prepare("split", 0, "auto", 256)
+    assert planner.decode_rows == decode_stream_rows(8, 128, COSTS, 1, 127, 256)
+    no_gpu = _planner(refusal=None)
+    no_gpu.prepare("auto", 0, 4, 256)
+    assert no_gpu.decode_rows == NEVER
+    placed = _planner(resident=16)
+    placed.prepare("auto", 0, "auto", 256)  # the resident experts run on the GPU either way
+    assert placed.decode_rows == decode_stream_rows(8, 128, COSTS, 1, 112, 256, (16,) * 4) == 30
+    half = _planner(resident=64)
+    half.prepare("auto", 0, "auto", 256)
+    assert half.decode_rows == NEVER  # half the experts resident: no split gains 30 %
+    placed.place(None)  # a new placement: unset until the runner prepares again
+    assert placed.decode_rows == NEVER
+    everything = _planner(resident=128)
+    everything.prepare("auto", 0, 4, 256)
+    assert everything.decode_rows == NEVER  # nothing to stream
+
+
+def test_costs_are_loaded_for_auto_decode_rows_on_a_gpu() -> None:
+    assert needs_costs(True, "gpu", 0, decode_auto=True)
+    assert not needs_costs(True, "gpu", 0) and not needs_costs(True, "cpu", 0, decode_auto=True)
+    assert not needs_costs(False, "gpu", 0, decode_auto=True)  # no GPU: nothing streams
+
+
+def test_decode_experts_per_mode() -> None:
+    planner = _planner()
+    assert planner.decode_experts(128, "cpu") == (0, False)
+    assert planner.decode_experts(128, "gpu") == (128, False)
+    split = plan_gpu_experts(128, 8, 128, COSTS, 1, 127)
+    assert planner.decode_experts(128, "split") == (split, False)
+    k, timed = planner.decode_experts(128, "auto")
+    assert (k, timed) == (0, True)  # the tuner's first turn: the decode path, timed
+    assert _planner(refusal="no room").decode_experts(128, "gpu") == (0, False)
+
+
+def test_the_decode_tuner_weighs_the_decode_path_then_keeps_the_fastest() -> None:
+    tuner = DecodeTuner()
+    options = tuner.options(128, 8, 128, COSTS)
+    best = plan_gpu_experts(128, 8, 128, COSTS, 1, 128)
+    assert options[:2] == (0, best) and all(k > best for k in options[2:])
+    turns = []
+    for i in range(TRIES * len(options)):
+        k, timed = tuner.pick(128, 8, 128, COSTS)
+        assert timed
+        turns.append(k)
+        tuner.record(128, k, 1.0 if k == options[-1] else 2.0 + i)
+    assert turns == list(options) * TRIES
+    assert tuner.pick(128, 8, 128, COSTS) == (options[-1], False)  # settled: no more timing
+    assert tuner.pick(255, 8, 128, COSTS) == (options[-1], False)  # the same bucket
+    tied = DecodeTuner()
+    for k in tied.options(128, 8, 128, COSTS) * TRIES:
+        tied.record(128, k, 1.0)
+    assert tied.pick(128, 8, 128, COSTS) == (0, False)  # ties keep the decode path
+    assert tuner.options(128, 8, 128, COSTS, (128,)) == (0,)  # every expert resident
