@@ -2,13 +2,15 @@
 step's experts streamed to the "GPU" (the CPU device here: the streamer runs the same copies and
 compute in order) or split with the CPU gives the decode path's greedy tokens and its logits
 within the format's tolerance; small steps never ask the planner; in "auto" mode the decode
-tuner weighs the decode path against the streamed pass and keeps the faster."""
+tuner weighs the decode path against the streamed pass and keeps the faster; weighed steps
+launch nothing ahead (CUDA graphs stood in for)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from hetmoe.engine.executor.prefill_planner import PrefillPlanner
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.placement.expert_split import TRIES, SplitCosts
 from hetmoe.engine.placement.slots import expert_bytes
+from hetmoe.engine.step import StepPlan
 from hetmoe.inject.rules import shipped_rules_path
 from hetmoe.presets.tiny import FAMILIES
 
@@ -218,3 +221,74 @@ def test_auto_weighs_the_decode_path_against_the_stream_and_keeps_the_faster(
     best = min(options, key=lambda k: min(measured[k]))
     streamed = [k for _, k in seen]
     assert streamed == [k for k in options * TRIES if k] + [best] * 2 * bool(best)
+
+
+class FakeLaunches:
+    """Stands in for `ModelRunner._launch` / `_read` (CUDA graphs) on the CPU device: step n's
+    tokens are n + 1 in every row; launches and reads are recorded."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.events: list[str] = []
+        self.launched = 0
+
+    def launch(self, slots: tuple[int, ...], ids: object) -> SimpleNamespace:
+        n, self.launched = self.launched, self.launched + 1
+        self.events.append(f"launch {n}")
+        for slot in slots:
+            self.runner.lengths[slot] += 1
+        return SimpleNamespace(n=n, slots=slots, token=n, jobs=[])
+
+    def read(self, step: SimpleNamespace) -> tuple[int, ...]:
+        self.events.append(f"read {step.n}")
+        return (step.n + 1,) * len(step.slots)
+
+
+def test_weighed_steps_launch_nothing_ahead_and_a_settled_decode_path_does(
+        llm_with: Callable[[str, str], LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    runner = _runner(llm_with("qwen3_moe", "bf16"), 6, "auto", costs=EVEN)
+    planner = runner.planner
+    assert planner is not None
+    fake = FakeLaunches(runner)
+    runner.use_graphs = True  # the greedy steps' scheduling, without a GPU
+    monkeypatch.setattr(runner, "_launch", fake.launch)
+    monkeypatch.setattr(runner, "_read", fake.read)
+    asked: list[int] = []
+    decode_experts = planner.decode_experts
+
+    def counted(rows: int, mode: str = "auto") -> tuple[int, bool]:
+        asked.append(rows)
+        return decode_experts(rows, mode)
+
+    monkeypatch.setattr(planner, "decode_experts", counted)
+    options = planner.decode_tuner.options(6, planner.top_k, planner.num_experts, EVEN)
+    try:
+        slots = tuple(runner.cache.allocate() for _ in PROMPTS)
+        tokens = tuple(int(runner.prefill(s, p).argmax()) for s, p in zip(slots, PROMPTS,
+                                                                           strict=True))
+        weighing = TRIES * len(options)
+        for _ in range(weighing):
+            out = runner.step(StepPlan(slots, tokens, greedy=True, ahead=True)).tokens
+            assert out is not None
+            tokens = out
+        # The decode path's turns (launch + read, nothing ahead); the streamed ks ran between.
+        assert fake.events == [e for n in range(TRIES) for e in (f"launch {n}", f"read {n}")]
+        assert len(asked) == weighing
+        # The stand-in decode path is far faster than a real pass: settled on it, its steps
+        # launch the next one ahead again, and a continued step asks the planner nothing.
+        assert planner.decode_experts(6) == (0, False)
+        asked.clear()
+        fake.events.clear()
+        for _ in range(3):
+            out = runner.step(StepPlan(slots, tokens, greedy=True, ahead=True)).tokens
+            assert out is not None
+            tokens = out
+        assert fake.events == ["launch 2", "launch 3", "read 2", "launch 4", "read 3",
+                               "launch 5", "read 4"]
+        assert asked == [6]  # the first step alone; the others continued the one ahead
+        runner.settle()  # step 5 launched ahead, never read: rolled back
+        assert all(runner.lengths[s] == 10 + weighing + 3 for s in slots)
+    finally:
+        assert runner.overlap is not None
+        runner.overlap.detach()
