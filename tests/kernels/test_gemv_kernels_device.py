@@ -1,0 +1,92 @@
+"""The decode projections' kernels on the GPU (`pytest -m device`): at the Qwen3-30B-A3B shapes
+(qkv 5120 x 2048 after the norm, o_proj 2048 x 4096) and rows 1..8, within one bf16 rounding of
+cuBLAS behind torch's ops and within the float64 bound, at the shipped launch shapes and the
+sweep's ends; inside a compiled function captured as a CUDA graph (as the decode step runs them),
+replayed on new inputs, equal to the same calls run eagerly; and the compiled fused decode step of
+a baby bf16 model with and without them (same greedy tokens)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from test_gemv_decode_step import ATOL, PROMPTS, decode
+from test_gemv_kernels import EPS, reference_norm_gemv, ulps
+
+from hetmoe import LLM
+from hetmoe.engine.executor import fused_decode
+from hetmoe.kernels import gemv_config
+from hetmoe.kernels.gemv_config import GEMV_CONFIG, NORM_GEMV_CONFIG, GemvConfig
+from hetmoe.kernels.gemv_residual import gemv_residual
+from hetmoe.kernels.norm_gemv import norm_gemv
+from hetmoe.ops import fused
+
+pytestmark = [
+    pytest.mark.device,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)"),
+]
+
+CONFIGS = [NORM_GEMV_CONFIG, GEMV_CONFIG, GemvConfig(16, 256, 2, 4, 4),
+           GemvConfig(64, 128, 4, 8, 3), GemvConfig(32, 1024, 1, 8, 2)]
+
+
+def real(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """x [M, K], norm [K], weight [N, K], h [M, N] bf16 on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=g)
+    norm = torch.rand(k, device="cuda", generator=g) + 0.5
+    weight = torch.randn(n, k, device="cuda", generator=g) * k ** -0.5
+    h = torch.randn(m, n, device="cuda", generator=g)
+    return tuple(t.bfloat16() for t in (x, norm, weight, h))
+
+
+@pytest.mark.parametrize("m", range(1, 9))
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "x".join(map(str, vars(c).values())))
+def test_real_shapes_against_cublas_and_float64(m: int, config: GemvConfig) -> None:
+    x, norm, weight, _ = real(m, 5120, 2048, seed=m)
+    got = norm_gemv(x, norm, EPS, weight, config=config)
+    want, bound = reference_norm_gemv(x, norm, weight, None)
+    assert ((got.double() - want).abs() <= bound).all()
+    assert ulps(got, fused.linear(fused.rms_norm(x, norm, EPS), weight, None)).max() <= 1
+    a, _, w_o, h = real(m, 2048, 4096, seed=100 + m)
+    summed = gemv_residual(a, w_o, h, config=config)
+    assert ulps(summed, h + fused.linear(a, w_o, None)).max() <= 1
+    assert torch.equal(summed, h + gemv_residual(a, w_o, config=config))
+
+
+def test_compiled_in_a_cuda_graph_equals_eager() -> None:
+    """Both ops inside one torch.compile'd function (Inductor keeps the triton_ops in its graph),
+    captured once and replayed on new inputs copied into the captured ones."""
+    x, norm, weight, _ = real(3, 5120, 2048, seed=1)
+    _, _, w_o, h = real(3, 2048, 4096, seed=2)
+
+    def step(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        qkv = norm_gemv(x, norm, EPS, weight)
+        return gemv_residual(qkv[:, :4096], w_o, h)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    compiled(x, h)  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled(x, h)
+    x.copy_(torch.randn_like(x))
+    h.copy_(torch.randn_like(h))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, step(x, h))
+
+
+def test_compiled_decode_step_with_and_without_the_kernels(
+        tiny_dir: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(tiny_dir("qwen3_moe", mlp_only_layers=[0]), device="cuda", dtype="bfloat16",
+              experts="cpu", progress=False, max_seq_len=32, gpu_expert_bytes=0)
+    monkeypatch.setattr(fused_decode, "_FUNCTIONS", {})  # compiled for this test alone
+    tokens, logits = decode(llm, PROMPTS, compiled=True)
+    monkeypatch.setattr(fused_decode, "_FUNCTIONS", {})
+    monkeypatch.setattr(gemv_config, "DECODE_GEMV_MAX_ROWS", 0)
+    want_tokens, want = decode(llm, PROMPTS, compiled=True)
+    assert tokens == want_tokens
+    for ours, ref in zip(logits, want, strict=True):
+        assert (ours - ref).abs().max().item() <= ATOL
