@@ -9,9 +9,15 @@ and mixed steps). Random weights have no tokenizer, so requests go straight to t
 (`--budgets`, GiB; the same model, re-placed between jobs), with `--placement-sample N` the
 experts that N of the job's prompts route to most are placed first (engine/preplacement.py),
 else each layer's first experts. Reports job tok/s (completion tokens / job wall time), all
-tokens per second, time to first and last result.
+tokens per second, time to first and last result. `--stream-decode 0,auto` runs the jobs once
+per `EngineConfig.stream_decode_rows` setting (0, the default: every decode step on the decode
+path; auto: large decode steps may stream experts to the GPU, the decode tuner weighing them
+against the decode path), recording the rows from which steps weigh streaming and the k kept
+per row bucket (0: the decode path).
 
     python benchmarks/serving/bench_batch.py --weight-format int8 --budgets 0,15 --json b.json
+    python benchmarks/serving/bench_batch.py --weight-format int8 --budgets 0 --prompt-len 64 \
+        --new-tokens 64 --stream-decode 0,auto --json stream_decode_batch.json
     python benchmarks/serving/bench_batch.py --model tiny-qwen3-moe --requests 16 --budgets 0
 
 Prints a table; `--json` writes config, git SHA, machine facts and every number.
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import tempfile
 import time
@@ -30,7 +37,12 @@ from typing import Any
 import torch
 
 from hetmoe.bench.harness import git_sha, now_utc
-from hetmoe.bench.serving_runner import number_list, serving_runner
+from hetmoe.bench.serving_runner import (
+    decode_streaming,
+    number_list,
+    serving_runner,
+    stream_settings,
+)
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.preplacement import count_routing, sample_lines
 from hetmoe.engine.requests.batch_job import JobFiles, JobLine, read_lines, run_job
@@ -142,6 +154,8 @@ def main() -> None:
                         help="GiB of experts on the GPU, one job each")
     parser.add_argument("--placement-sample", type=int, default=32,
                         help="prompts routed to pick the experts placed (0: the first ones)")
+    parser.add_argument("--stream-decode", type=stream_settings, default=[0],
+                        help="EngineConfig.stream_decode_rows per job, e.g. 0,auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
@@ -153,16 +167,21 @@ def main() -> None:
         source = Path(tmp) / "job.jsonl"
         write_job(source, args.requests, args.prompt_len, args.new_tokens, runner.vocab_size,
                   args.seed)
-        for gib in args.budgets:
-            placed = place(runner, source, gib, args.placement_sample)
-            results[f"{gib:g}"] = placed | run_one(runner, source, Path(tmp) / f"out_{gib:g}.jsonl")
-            print(f"budget {gib:g} GiB: {results[f'{gib:g}']}", flush=True)
-    rows = [f"{'GiB':>6}{'job tok/s':>11}{'all tok/s':>11}{'wall s':>9}{'first s':>9}"
-            f"{'rows/step':>11}{'GPU share':>11}"]
+        for setting, gib in ((s, g) for s in args.stream_decode for g in args.budgets):
+            runner.config = dataclasses.replace(runner.config, stream_decode_rows=setting)
+            placed = place(runner, source, gib, args.placement_sample)  # prepares the rows
+            key = f"{gib:g}" if args.stream_decode == [0] else f"{setting}/{gib:g}"
+            out = Path(tmp) / f"out_{setting}_{gib:g}.jsonl"
+            results[key] = placed | {"stream_decode_rows": setting} | run_one(runner, source, out)
+            results[key] |= decode_streaming(runner)
+            print(f"{key}: {results[key]}", flush=True)
+    rows = [f"{'GiB':>10}{'job tok/s':>11}{'all tok/s':>11}{'wall s':>9}{'first s':>9}"
+            f"{'rows/step':>11}{'GPU share':>11}  kept k"]
     for key, r in results.items():
         share = r["sample_share"] if r["sample_share"] is not None else r["uniform_share"]
-        rows.append(f"{key:>6}{r['job_tok_s']:>11.1f}{r['all_tok_s']:>11.1f}{r['wall_s']:>9.1f}"
-                    f"{r['first_result_s']:>9.1f}{r['mean_rows_per_step']:>11.1f}{share:>11.1%}")
+        rows.append(f"{key:>10}{r['job_tok_s']:>11.1f}{r['all_tok_s']:>11.1f}{r['wall_s']:>9.1f}"
+                    f"{r['first_result_s']:>9.1f}{r['mean_rows_per_step']:>11.1f}{share:>11.1%}"
+                    f"  {r['decode_ks']}")
     print(f"{args.requests} requests x ({args.prompt_len} prompt, {args.new_tokens} output), "
           f"{args.shape if args.model is None else args.model}, built in {build_s:.0f} s")
     print("\n".join(rows))

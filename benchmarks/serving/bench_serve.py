@@ -6,18 +6,25 @@ start together (distinct random prompts, greedy, `ignore_eos`, `--new-tokens` ea
 prefilled together under the scheduler's token budget and each step is ONE runner step (prompt
 chunks and decode rows in one forward pass), so each MoE layer reads an expert once per step.
 One model build; per GPU expert budget (`--budgets`, GiB, in the given order) the runner is
-re-placed (`ModelRunner.place`), then every `--streams` count is a point (a 4-token warm-up run,
-then the timed one): aggregate tok/s, decode tok/s once every request has its first token, ms
-per step, the time to first token of each request (p50 and max in the table, every request's in
-the JSON), and the ratio to the 1-stream point of the same budget (one request alone, the
-baseline). The JSON is rewritten after every point, so a run cut short keeps the finished ones;
-past `--deadline` seconds from the start no new point begins. `--wait-for FILE` holds the first
-point until FILE exists (another program building on this machine must not share its cores).
+re-placed (`ModelRunner.place`), then every `--streams` count is a point (a warm-up run of
+`--warmup-tokens`, then the timed one): aggregate tok/s, decode tok/s once every request has its
+first token, ms per step, the time to first token of each request (p50 and max in the table,
+every request's in the JSON), and the ratio to the 1-stream point of the same budget (one request
+alone, the baseline). `--stream-decode 0,auto` repeats the sweep per
+`EngineConfig.stream_decode_rows` setting (0, the default: every decode step on the decode path;
+auto: large steps may stream experts to the GPU), so one run compares them; each point records
+the rows from which decode steps weigh streaming and, per row bucket the decode tuner weighed,
+the k it kept (0: the decode path). The JSON is rewritten after every point, so a run cut short
+keeps the finished ones; past `--deadline` seconds from the start no new point begins.
+`--wait-for FILE` holds the first point until FILE exists (another program building on this
+machine must not share its cores).
 
     python benchmarks/serving/bench_serve.py --weight-format int8 --budgets 0,15 \
         --streams 1,2,4,8,16,32,64,128,256 --new-tokens 48 --deadline 300 --json serve.json
     python benchmarks/serving/bench_serve.py --json serve.json --peer batched_bench.md \
         --plot serve.png                               # the PNG of an earlier run, no GPU
+    python benchmarks/serving/bench_serve.py --weight-format int8 --streams 64,128 \
+        --stream-decode 0,auto --warmup-tokens 16 --new-tokens 32 --json stream_decode.json
     python benchmarks/serving/bench_serve.py --model tiny-qwen3-moe --streams 1,4   # CPU smoke run
 
 `--plot`: aggregate tok/s against streams (log2) per budget, beside llama.cpp's
@@ -29,6 +36,7 @@ Prints a table; `--json` writes config, git SHA, machine facts and every number.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import threading
 import time
@@ -41,7 +49,12 @@ import torch
 from hetmoe.bench.batched_bench import parse_batched_bench
 from hetmoe.bench.harness import git_sha, now_utc
 from hetmoe.bench.serve_report import plot, table
-from hetmoe.bench.serving_runner import number_list, serving_runner
+from hetmoe.bench.serving_runner import (
+    decode_streaming,
+    number_list,
+    serving_runner,
+    stream_settings,
+)
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.engine.requests.scheduler import Event, Scheduler
@@ -132,32 +145,40 @@ def sweep(runner: ModelRunner, args: argparse.Namespace, result: dict[str, Any],
         ids = torch.randint(0, runner.vocab_size, (n, args.prompt_len), generator=generator)
         return ids.tolist()
 
-    print(f"{'GiB':>6}{'streams':>8}{'tok/s':>10}{'decode tok/s':>14}{'ms/step':>10}"
-          f"{'TTFT p50 s':>12}{'TTFT max s':>12}{'x 1 stream':>12}", flush=True)
-    for gib in args.budgets:
-        placed = place(runner, gib)
-        one: float | None = None  # the 1-stream point's tok/s
-        scheduler = Scheduler(runner, lambda ids: "", eos_token_ids=(),
-                              max_queue=max(args.streams))
-        try:
-            for n in args.streams:
-                if past_deadline():
-                    result["stopped"] = (f"--deadline {args.deadline:g} s: before {gib:g} GiB, "
-                                         f"{n} streams")
-                    return
-                serve_together(scheduler, prompts(n), 4)  # CUDA graphs, allocator, CPU pool
-                run = serve_together(scheduler, prompts(n), args.new_tokens)
-                one = run["tok_s"] if n == 1 else one
-                ratio = run["tok_s"] / one if one else None
-                result["points"].append(placed | {"streams": n} | _rounded(run) | {
-                    "x_one_stream": None if ratio is None else round(ratio, 3)})
-                write(result, args.json)
-                print(f"{gib:>6g}{n:>8}{run['tok_s']:>10.2f}{run['decode_tok_s']:>14.2f}"
-                      f"{run['ms_per_step']:>10.2f}{run['ttft_p50_s']:>12.3f}"
-                      f"{run['ttft_s']:>12.3f}{'' if ratio is None else f'{ratio:.2f}':>12}",
-                      flush=True)
-        finally:
-            scheduler.stop()
+    print(f"{'stream':>7}{'GiB':>6}{'streams':>8}{'tok/s':>10}{'decode tok/s':>14}"
+          f"{'ms/step':>10}{'TTFT p50 s':>12}{'TTFT max s':>12}{'x 1 stream':>12}  kept k",
+          flush=True)
+    for setting in args.stream_decode:
+        runner.config = dataclasses.replace(runner.config, stream_decode_rows=setting)
+        for gib in args.budgets:
+            placed = place(runner, gib) | {"stream_decode_rows": setting}  # prepares the rows
+            one: float | None = None  # the 1-stream point's tok/s
+            scheduler = Scheduler(runner, lambda ids: "", eos_token_ids=(),
+                                  max_queue=max(args.streams))
+            try:
+                for n in args.streams:
+                    if past_deadline():
+                        which = f"stream_decode_rows {setting}, " if \
+                            len(args.stream_decode) > 1 else ""
+                        result["stopped"] = (f"--deadline {args.deadline:g} s: before "
+                                             f"{which}{gib:g} GiB, {n} streams")
+                        return
+                    # CUDA graphs, allocator, CPU pool; the decode tuner's weighed steps
+                    serve_together(scheduler, prompts(n), args.warmup_tokens)
+                    run = serve_together(scheduler, prompts(n), args.new_tokens)
+                    one = run["tok_s"] if n == 1 else one
+                    ratio = run["tok_s"] / one if one else None
+                    streaming = decode_streaming(runner)
+                    result["points"].append(placed | {"streams": n} | _rounded(run) | {
+                        "x_one_stream": None if ratio is None else round(ratio, 3)} | streaming)
+                    write(result, args.json)
+                    print(f"{setting!s:>7}{gib:>6g}{n:>8}{run['tok_s']:>10.2f}"
+                          f"{run['decode_tok_s']:>14.2f}{run['ms_per_step']:>10.2f}"
+                          f"{run['ttft_p50_s']:>12.3f}{run['ttft_s']:>12.3f}"
+                          f"{'' if ratio is None else f'{ratio:.2f}':>12}  "
+                          f"{streaming['decode_ks']}", flush=True)
+            finally:
+                scheduler.stop()
 
 
 def wait_for(path: Path, past_deadline: Callable[[], bool]) -> bool:
@@ -188,6 +209,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="GiB of routed experts on the GPU per sweep, e.g. 0,15")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--stream-decode", type=stream_settings, default=[0],
+                        help="EngineConfig.stream_decode_rows per sweep, e.g. 0,auto")
+    parser.add_argument("--warmup-tokens", type=int, default=4,
+                        help="new tokens of each point's warm-up run (auto: the decode tuner "
+                             "weighs its first steps of a row bucket there)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds from the start after which no new point begins")

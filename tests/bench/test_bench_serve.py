@@ -94,3 +94,16 @@ def test_bad_arguments_are_named(argv: list[str], message: str,
     with pytest.raises(SystemExit):
         load_script(SCRIPT).parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_stream_decode_settings_each_sweep_and_are_recorded(tmp_path: Path) -> None:
+    module = load_script(SCRIPT)
+    out = tmp_path / "serve.json"
+    module.main([*TINY, "--streams", "2", "--stream-decode", "0,auto,4", "--warmup-tokens", "2",
+                 "--json", str(out)])
+    points = json.loads(out.read_text())["points"]
+    # On the CPU device nothing streams: the rows stay None (never) whatever the setting.
+    assert [(p["stream_decode_rows"], p["streams"], p["decode_rows"], p["decode_ks"])
+            for p in points] == [(0, 2, None, {}), ("auto", 2, None, {}), (4, 2, None, {})]
+    with pytest.raises(SystemExit):
+        module.parse_args([*TINY, "--stream-decode", "0,always"])

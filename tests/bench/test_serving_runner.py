@@ -45,3 +45,26 @@ def test_a_preset_is_opened_by_the_engine_with_the_options() -> None:
                             {"gpu_expert_bytes": 0, "prefill_chunk": 64})
     assert (runner.max_batch, runner.max_seq_len, runner.config.prefill_chunk) == (2, 40, 64)
     assert runner.device == torch.device("cpu")
+
+
+def test_stream_settings_and_what_the_decode_tuner_kept() -> None:
+    from types import SimpleNamespace
+
+    from hetmoe.bench.serving_runner import decode_streaming, stream_settings
+    from hetmoe.engine.executor.prefill_planner import NEVER
+    from hetmoe.engine.placement.expert_split import DecodeTuner
+
+    assert stream_settings("0,auto,64") == [0, "auto", 64]
+    with pytest.raises(argparse.ArgumentTypeError, match="auto or rows >= 0 expected, got '-1'"):
+        stream_settings("auto,-1")
+    tuner = DecodeTuner()
+    tuner.weighed = {8: (0, 40, 48), 9: (0, 50)}  # 128-255 rows settled, 256-511 weighing
+    for k, seconds in ((0, 3.0), (40, 1.0), (48, 2.0), (0, 4.0), (40, 1.5), (48, 2.5)):
+        tuner.record(128, k, seconds)
+    tuner.record(256, 0, 1.0)
+    planner = SimpleNamespace(decode_rows=26, decode_tuner=tuner)
+    runner = SimpleNamespace(planner=planner, max_batch=256)
+    assert decode_streaming(runner) == {  # type: ignore[arg-type]
+        "decode_rows": 26, "decode_ks": {"128": 40, "256": "weighing"}}
+    planner.decode_rows = NEVER
+    assert decode_streaming(runner) == {"decode_rows": None, "decode_ks": {}}  # type: ignore[arg-type]

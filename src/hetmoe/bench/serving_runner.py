@@ -1,6 +1,7 @@
 """The runner the serving benchmarks drive (`benchmarks/serving/bench_serve.py`,
 `bench_batch.py`): the hybrid runner over a random-weight real shape, or the engine's runner of
-a checkpoint, built from the scripts' shared arguments."""
+a checkpoint, built from the scripts' shared arguments; their `--stream-decode` settings and what
+the decode tuner kept."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
 from hetmoe.engine.engine import LLM
 from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.engine.placement.expert_split import TRIES
 
 
 def serving_runner(args: argparse.Namespace, max_batch: int, window: int,
@@ -47,3 +49,30 @@ def number_list(kind: Callable[[str], Any], least: int) -> Callable[[str], list[
             raise argparse.ArgumentTypeError(f"numbers >= {least} expected, got {text!r}")
         return values
     return parse
+
+
+def stream_settings(text: str) -> list[int | str]:
+    """An argparse type: "0,auto" as `EngineConfig.stream_decode_rows` values (auto or rows)."""
+    values: list[int | str] = []
+    for value in text.split(","):
+        if value != "auto" and not value.isdigit():
+            raise argparse.ArgumentTypeError(f"auto or rows >= 0 expected, got {value!r}")
+        values.append(value if value == "auto" else int(value))
+    return values
+
+
+def decode_streaming(runner: ModelRunner) -> dict[str, Any]:
+    """The runner's decode-step streaming so far: the rows from which steps weigh it (None:
+    never) and, per row bucket (by its fewest rows), the k the decode tuner kept (0: the decode
+    path) or "weighing"."""
+    planner = runner.planner
+    if planner is None or planner.decode_rows > runner.max_batch:
+        return {"decode_rows": None, "decode_ks": {}}
+    tuner, kept = planner.decode_tuner, {}
+    for bucket, options in tuner.weighed.items():
+        times = tuner.measured.get(bucket, {})
+        if all(len(times.get(k, [])) >= TRIES for k in options):
+            kept[str(1 << (bucket - 1))] = min(options, key=lambda k: min(times[k]))
+        else:
+            kept[str(1 << (bucket - 1))] = "weighing"
+    return {"decode_rows": planner.decode_rows, "decode_ks": kept}
