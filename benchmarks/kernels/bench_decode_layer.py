@@ -1,10 +1,14 @@
 """The fused decode step's GQA layer function alone (no experts, no lm_head), compiled and
 replayed as one CUDA graph over every layer of a real shape (random weights, one set per layer,
 so nothing stays in L2): with its Triton kernels (kernels/gqa_decode.py, kernels/moe_router.py)
-against the same function in torch ops plus its cache write, and with the router in its two
-launches (no tickets) against its one; then the router alone (`moe_router`, every layer's weights,
-one graph) in one launch against two. Prints microseconds and GPU kernels per layer for each, and
-the step's GPU time without experts; JSON with --json. --router-only: the router rows alone (no
+against the same function in torch ops plus its cache write, with the router in its two
+launches (no tickets) against its one, and with q/k/v and o_proj by cuBLAS instead of
+kernels/norm_gemv.py and kernels/gemv_residual.py ("triton-cublas"); then the router alone
+(`moe_router`, every layer's weights, one graph) in one launch against two; then the projections
+alone, cuBLAS against the kernels at --gemv-rows rows (decode_gemv_rows.py: us per call, GB/s of
+the weights), and with --gemv-shapes qkv,o_proj the kernels' launch-shape sweep. Prints
+microseconds and GPU kernels per layer for each, and the step's GPU time without experts; JSON
+with --json. --gemv-only: the projection rows alone. --router-only: the router rows alone (no
 compiles). --router-shapes: the router's one launch at each launch shape (BLOCK_E x num_warps x
 BLOCK_H, the median of --trials timings of its graph), in us per call, the router weights' GB/s
 and the ratio to the default shape; shapes whose tile holds more than 128 fp32 a thread are left
@@ -12,7 +16,10 @@ out (ptxas spills them; printed).
 
     python benchmarks/kernels/bench_decode_layer.py [--shape qwen3-30b-a3b] [--batch 1]
         [--position 96] [--window 256] [--replays 50] [--router-only] [--router-shapes
-        [--block-e 1,2,4,8,16] [--warps 1,2,4,8] [--block-h 1024,2048] [--trials 5]] [--json F]
+        [--block-e 1,2,4,8,16] [--warps 1,2,4,8] [--block-h 1024,2048] [--trials 5]]
+        [--gemv-only] [--gemv-rows 1,4,8] [--gemv-shapes qkv,o_proj [--gemv-block-n 16,32]
+        [--gemv-block-k 256,512] [--gemv-split 1,2,4] [--gemv-warps 4] [--gemv-stages 3,4]]
+        [--json F]
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import statistics
 import time
 from typing import Any
 
+import decode_gemv_rows
 import torch
 import triton
 from torch._dynamo import mark_dynamic
@@ -77,10 +85,11 @@ def layer_inputs(cfg: Any, s: LayerStatics, batch: int, length: int) -> list[tup
 
 def step_fn(s: LayerStatics, kernel: bool, layers: list[tuple[Any, ...]], pos: torch.Tensor,
             slots: torch.Tensor, cos: torch.Tensor, window: tuple[torch.Tensor, ...],
-            tickets: torch.Tensor | None = None) -> Any:
+            tickets: torch.Tensor | None = None, gemv: bool = True) -> Any:
     """h [B, H] -> h after every layer (the MoE output replaced by a fixed term); `tickets`:
-    the router's one launch (as FusedDecoder passes them), None: its two."""
-    fn = torch.compile(make_gqa_layer(s, kernel), fullgraph=True, dynamic=False)
+    the router's one launch (as FusedDecoder passes them), None: its two; `gemv`: the
+    projection kernels where they fit (False: cuBLAS)."""
+    fn = torch.compile(make_gqa_layer(s, kernel, gemv), fullgraph=True, dynamic=False)
     extra = () if tickets is None else (tickets,)
 
     def step(h: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
@@ -201,6 +210,7 @@ def main() -> None:
     p.add_argument("--warps", default="1,2,4,8", help="the sweep's num_warps values")
     p.add_argument("--block-h", default="1024,2048", help="the sweep's BLOCK_H values")
     p.add_argument("--trials", type=int, default=5, help="timings per shape (the median)")
+    decode_gemv_rows.add_arguments(p)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.manual_seed(0)
@@ -217,28 +227,40 @@ def main() -> None:
     tickets = row_tickets(args.batch, "cuda")
     bounds = (mask, fused.window_bounds(pos, None), pos)
     rows = {}
-    for name, kernel, window, t in (("torch", False, (mask,), None),
-                                    ("triton", True, bounds, tickets),
-                                    ("triton-2", True, bounds, None)):
-        if args.router_only:
+    for name, kernel, window, t, gemv in (("torch", False, (mask,), None, False),
+                                          ("triton", True, bounds, tickets, True),
+                                          ("triton-2", True, bounds, None, True),
+                                          ("triton-cublas", True, bounds, tickets, False)):
+        if args.router_only or args.gemv_only:
             break
-        step = step_fn(s, kernel, layers, pos, slots, cos, window, t)
+        step = step_fn(s, kernel, layers, pos, slots, cos, window, t, gemv)
         rows[name] = measure(step, h, term, args.replays, cfg.num_hidden_layers)
     o = term.bfloat16()
     for name, t in (("router-1", tickets), ("router-2", None)):
+        if args.gemv_only:
+            break
         rows[name] = measure(router_step(s, layers, t), h, o, args.replays,
                              cfg.num_hidden_layers)
     shapes = router_shapes(s, layers, tickets, h, o, args) if args.router_shapes else []
+    gemv_rows, gemv_shapes = [], []
+    if not args.router_only:
+        eps = s.eps[0]
+        gemv_rows = decode_gemv_rows.projection_rows(layers, eps, cfg.hidden_size, args,
+                                                     replay_seconds)
+    if args.gemv_shapes:
+        gemv_shapes = decode_gemv_rows.sweep(layers, s.eps[0], cfg.hidden_size, args,
+                                             replay_seconds)
     if tickets.any():
         raise RuntimeError(f"the router's tickets were not left at zero: {tickets.tolist()}")
     print(f"{args.shape}, batch {args.batch}, {args.position} cached, window {args.window}, "
           f"{torch.cuda.get_device_name()}")
-    print(f"{'path':<9} {'us/layer':>9} {'kernels/layer':>14} {'kernel us/layer':>16} "
+    print(f"{'path':<13} {'us/layer':>9} {'kernels/layer':>14} {'kernel us/layer':>16} "
           f"{'ms/step':>8}")
     for name, row in rows.items():
-        print(f"{name:<9} {row['us_per_layer']:>9.2f} {row['kernels_per_layer']:>14.1f} "
+        print(f"{name:<13} {row['us_per_layer']:>9.2f} {row['kernels_per_layer']:>14.1f} "
               f"{row['kernel_us_per_layer']:>16.2f} {row['ms_per_step']:>8.3f}")
-    for a, b in (("triton", "torch"), ("triton", "triton-2"), ("router-1", "router-2")):
+    for a, b in (("triton", "torch"), ("triton", "triton-2"), ("triton", "triton-cublas"),
+                 ("router-1", "router-2")):
         if a in rows:
             print(f"{a} / {b}: {rows[a]['ms_per_step'] / rows[b]['ms_per_step']:.3f}")
     if shapes:
@@ -249,11 +271,14 @@ def main() -> None:
                   f"{r['us_per_call']:>8.2f} {r['weights_gb_per_s']:>6.0f} "
                   f"{r['ratio_to_default']:>9.3f} {r['stage_words_differing']:>12}"
                   f"{'  (default)' if r['default'] else ''}")
+    if gemv_rows or gemv_shapes:
+        decode_gemv_rows.print_rows(gemv_rows, gemv_shapes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "git": git_sha(),
                        "device": torch.cuda.get_device_name(), "machine": machine_report(),
-                       "rows": rows, "router_shapes": shapes}, f, indent=1)
+                       "rows": rows, "router_shapes": shapes, "gemv_rows": gemv_rows,
+                       "gemv_shapes": gemv_shapes}, f, indent=1)
 
 
 if __name__ == "__main__":
