@@ -31,7 +31,8 @@ EVEN = SplitCosts(cpu_fixed=1e-6, cpu_token=1e-7, gpu_expert=2e-6)
 
 
 def _runner(llm: LLM, rows: int, mode: str) -> ModelRunner:
-    config = EngineConfig(stream_decode_rows=rows, prefill_experts=mode, gpu_expert_bytes=0)
+    config = EngineConfig(stream_decode_rows=rows, prefill_experts=mode, gpu_expert_bytes=0,
+                          compile_decode=False)  # graphs of the same functions, no compile wait
     runner = ModelRunner(llm.model, llm.device, llm.dtype, ROWS, 128, config)
     assert runner.planner is not None and runner.use_graphs
     if mode in ("auto", "split"):

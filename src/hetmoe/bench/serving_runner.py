@@ -68,7 +68,7 @@ def decode_streaming(runner: ModelRunner) -> dict[str, Any]:
     planner = runner.planner
     if planner is None or planner.decode_rows > runner.max_batch:
         return {"decode_rows": None, "decode_ks": {}}
-    tuner, kept = planner.decode_tuner, {}
+    tuner, kept = planner.decode_tuner, dict[str, int | str]()
     for bucket, options in tuner.weighed.items():
         times = tuner.measured.get(bucket, {})
         if all(len(times.get(k, [])) >= TRIES for k in options):

@@ -10,7 +10,9 @@ The one runner for prefill and decode, single-threaded (one owner at a time). ON
   LoRA adapters, which peft names per batch row, the decode rows run apart). A plan of decode rows
   alone is one decode step; greedy plans get tokens, and with CUDA graphs a plan with `ahead` also
   launches the next step of the same slots before this one's tokens are read
-  (engine/executor/launch_ahead.py; `settle` rolls back a step launched ahead nobody continues).
+  (engine/executor/launch_ahead.py; `settle` rolls back a step launched ahead nobody continues);
+  from `EngineConfig.stream_decode_rows` rows the prefill planner may run it as such a pass instead,
+  part of each layer's experts streamed to the GPU (`_weighed_decode`).
 - Shorthands of `step` for tests and scripts: `prefill(slot, token_ids, start=0) -> [V]`,
   `prefill_logits -> [T, V]`, `decode(slots, token_ids) -> [B, V]`, `greedy(slot, token, limit)`.
 
@@ -192,8 +194,7 @@ class ModelRunner:
             if not k:
                 return self._decode_path(dataclasses.replace(plan, ahead=False) if timed
                                          else plan, None)
-            starts = tuple(self.lengths[s] for s in plan.slots)
-            layout = StepLayout((), (), plan.slots, plan.token_ids, starts)
+            layout = step_layouts(plan, self.lengths, self.max_seq_len)[0]  # the rows alone
             return self._after(self._joined(layout, [], plan.greedy, contextlib.nullcontext()))
 
     def _decode_path(self, plan: StepPlan, launched: Launched | None) -> StepOutput:
