@@ -200,11 +200,16 @@ for n, k, split, warps, stages in ((16, 256, 1, 4, 4), (16, 512, 1, 4, 4), (64, 
                        RESIDUAL=True, **shape)
 compile_for_hopper(reduce_kernel, sig, aligned=True, options={"num_warps": 4}, BLOCK_M=16,
                    BLOCK_N=128, SPLIT_K=4, BIAS=True, RESIDUAL=True)
+for dtype, ieee in (("fp16", False), ("fp32", True)):  # fp32: IEEE dots, odd sizes (unaligned)
+    typed = {name: "*" + dtype if kind == "*bf16" else kind for name, kind in sig.items()}
+    shape = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2, IEEE=ieee)
+    compile_for_hopper(norm_gemv_kernel, typed, BIAS=False, **shape)
+    compile_for_hopper(gemv_kernel, typed, BIAS=True, RESIDUAL=False, **shape)
 print("compiled")
 """
 
 
 def test_the_kernels_compile_for_hopper() -> None:
-    """The default shapes and a split one build for sm_90 with bf16 tensor-core dots (the
-    interpreter above runs the IEEE branch and compiles nothing)."""
+    """The default shapes and split ones build for sm_90: bf16 and fp16 tensor-core dots, fp32
+    IEEE dots (the interpreter above runs the IEEE branch and compiles nothing)."""
     assert_compiles_for_hopper(SHAPES_FOR_HOPPER)
