@@ -59,6 +59,20 @@ def reference_norm_gemv(x: torch.Tensor, norm: torch.Tensor, weight: torch.Tenso
     return y, 2 * unit * (xn.abs() @ w64.abs().T) + unit * y.abs() + 1e-30
 
 
+def check_against_torch_ops(got: torch.Tensor, x: torch.Tensor, norm: torch.Tensor,
+                            weight: torch.Tensor, bias: torch.Tensor | None,
+                            config: GemvConfig) -> None:
+    """`got` = norm_gemv(x, norm, EPS, weight, bias) against the torch ops, part by part: its
+    normalized x (the kernel times the identity: exact products and one-term sums) within one
+    rounding of `fused.rms_norm`'s (1/rms summed in another order, and on a GPU rsqrt in another
+    instruction: an element may round the other way), and `got` within one rounding of torch's
+    linear of that normalized x (the same products, summed in another order)."""
+    eye = torch.eye(x.shape[1], dtype=x.dtype, device=x.device)
+    normalized = norm_gemv(x, norm, EPS, eye, config=config)
+    assert ulps(normalized, fused.rms_norm(x, norm, EPS)).max() <= 1
+    assert ulps(got, fused.linear(normalized, weight, bias)).max() <= 1
+
+
 CASES = [  # (M, N, K)
     (1, 77, 83), (2, 130, 64), (3, 50, 203), (4, 17, 33), (5, 96, 160), (7, 33, 99),
     (8, 61, 147), (16, 20, 40),
@@ -76,8 +90,7 @@ def test_norm_gemv_against_float64_and_torch(m: int, n: int, k: int,
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     want, bound = reference_norm_gemv(x, norm, weight, with_bias)
     assert ((got.double() - want).abs() <= bound).all()
-    torch_ops = fused.linear(fused.rms_norm(x, norm, EPS), weight, with_bias)
-    assert ulps(got, torch_ops).max() <= 1
+    check_against_torch_ops(got, x, norm, weight, with_bias, config)
 
 
 @pytest.mark.usefixtures("interpreted")
@@ -123,8 +136,8 @@ def test_other_dtypes(dtype: torch.dtype) -> None:
 @pytest.mark.usefixtures("interpreted")
 def test_default_configs_at_a_small_shape() -> None:
     x, norm, weight, bias, h = operands(2, 40, 600, torch.bfloat16, seed=9)
-    got = norm_gemv(x, norm, EPS, weight)
-    assert ulps(got, fused.linear(fused.rms_norm(x, norm, EPS), weight, None)).max() <= 1
+    check_against_torch_ops(norm_gemv(x, norm, EPS, weight), x, norm, weight, None,
+                            gemv_config.NORM_GEMV_CONFIG)
     assert ulps(gemv_residual(x, weight, h), h + fused.linear(x, weight, None)).max() <= 1
 
 
