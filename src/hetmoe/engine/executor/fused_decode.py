@@ -60,12 +60,13 @@ def _layer_tail(s: LayerStatics, h: torch.Tensor, attn: torch.Tensor, o_w: torch
                 post_norm: torch.Tensor, new: tuple[torch.Tensor, ...],
                 router: tuple[torch.Tensor | None, ...],
                 entry: Callable[..., tuple[torch.Tensor, ...]] | None = None,
-                gemv: bool = False) -> tuple[Any, ...]:
+                gemv: Callable[..., torch.Tensor] | None = None) -> tuple[Any, ...]:
     """Every layer function's end: o_proj + residual, the post-attention norm, and on MoE layers
     the router with the CPU experts' packed inputs (all K ids: the CPU job splits off deferred
     ones); `entry(h, o, post_norm, *router) -> (h, x, stage)`: kernels doing all but o_proj
     (`make_gqa_layer`). `router`: (weight, bias), then on the kernels' path the row tickets.
-    `gemv`: o_proj by kernels/gemv_residual.py, with the residual add where no `entry` does it.
+    `gemv`: o_proj as kernels/gemv_residual.py's `gemv_residual(attn, o_w, h or None)`, with
+    the residual add where no `entry` does it; None: torch's linear.
     Returns (h, x, new cache entries, stage or None)."""
     if s.router is not None and entry is not None:
         h, x, stage = entry(h, _o_proj(attn, o_w, None, gemv), post_norm, *router)
@@ -81,12 +82,10 @@ def _layer_tail(s: LayerStatics, h: torch.Tensor, attn: torch.Tensor, o_w: torch
 
 
 def _o_proj(attn: torch.Tensor, o_w: torch.Tensor, h: torch.Tensor | None,
-            gemv: bool) -> torch.Tensor:
-    """(h +) attn @ o_w^T: kernels/gemv_residual.py when `gemv`, else torch's linear."""
-    if gemv:
-        from hetmoe.kernels.gemv_residual import gemv_residual
-
-        return gemv_residual(attn, o_w, h)
+            gemv: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+    """(h +) attn @ o_w^T: by `gemv` (kernels/gemv_residual.py) if given, else torch's linear."""
+    if gemv is not None:
+        return gemv(attn, o_w, h)
     o = fused.linear(attn, o_w, None)
     return o if h is None else h + o
 
@@ -110,6 +109,7 @@ def make_gqa_layer(s: LayerStatics, kernel: bool = False,
     if kernel:
         from hetmoe.kernels import moe_router
         from hetmoe.kernels.gemv_config import gemv_fits
+        from hetmoe.kernels.gemv_residual import gemv_residual
         from hetmoe.kernels.gqa_decode import gqa_decode_attention
         from hetmoe.kernels.norm_gemv import norm_gemv
 
@@ -144,7 +144,7 @@ def make_gqa_layer(s: LayerStatics, kernel: bool = False,
             attn = gqa_decode_attention(q, k, v, kv_cache, slots, lo, pos, mask.shape[1],
                                         s.scale, qn_w, kn_w, s.eps[2], cos, sin)
             return _layer_tail(s, h, attn.view(b, -1), o_w, norms[1], (), router, entry,
-                               projected)
+                               gemv_residual if projected else None)
         q, k = q[:, None], k[:, None]  # [B, 1, heads, D]
         if qn_w is not None and kn_w is not None:
             q, k = fused.rms_norm(q, qn_w, s.eps[2]), fused.rms_norm(k, kn_w, s.eps[2])
