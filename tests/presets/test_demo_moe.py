@@ -1,14 +1,20 @@
 """`demo-moe` (SmolLM2 with learned routing): built offline from the wheel, read alike by
 transformers and our engine, answering questions, and deferring experts as the formula says.
 
-The build (a couple of minutes on a small CPU) happens once: the preset is resolved into pytest's
-cache directory, so later sessions, and every test here, reuse it.
+The tests build the preset smaller than users get it (`SMALL_BUILD`: a quarter of the corpus,
+shorter dense replies, fewer k-means and router steps), once: resolved into pytest's
+cache directory, so later sessions, and every test here, reuse it. What they assert (the facts,
+equal logits, learned near-uniform routing, Paris, deferral) holds for both builds; the full
+build's accuracy is the benchmarks' (docs/benchmarks/demo_moe.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,11 +22,12 @@ import pytest
 import torch
 
 from hetmoe import LLM
+from hetmoe import presets as preset_registry
 from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.ops.moe import moe_layers
 from hetmoe.ops.moe_step import MoEStep, backend_link
-from hetmoe.presets import presets, resolve_model
+from hetmoe.presets import demo_moe, presets, resolve_model
 from hetmoe.presets.demo import smollm2_gguf
 from hetmoe.presets.demo_moe import MOEFICATION, NAME, ROUTER_SCALE, build_demo_moe
 from hetmoe.presets.moefication import MoEficationConfig
@@ -29,12 +36,22 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT_TEXT = "The Python interpreter reads a program from a file and"
 
 
+SMALL_BUILD = dataclasses.replace(MOEFICATION, cluster_tokens=2048, kmeans_iters=4,
+                                  router_steps=60)
+"""The tests' build: MOEFICATION's experts and top-k, less clustering and router training."""
+SMALL_WINDOWS = 8
+"""Corpus windows of the tests' build (demo_moe.NUM_WINDOWS: 32)."""
+SMALL_REPLY_TOKENS = 24
+"""Longest dense reply per chat prompt in the tests' build (demo_moe.REPLY_TOKENS: 64)."""
+SMALL = (SMALL_BUILD, SMALL_WINDOWS, SMALL_REPLY_TOKENS)
+
+
 @pytest.fixture(scope="session")
 def demo_moe_dir(request: pytest.FixtureRequest,
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The preset, built once into pytest's cache dir (kept across sessions, keyed by the
-    preset's version; this session's temp dir under -p no:cacheprovider); skips when the
-    wheel or `gguf` is missing."""
+    """The preset resolved by name as users resolve it, its build made SMALL_BUILD, once into
+    pytest's cache dir (kept across sessions, keyed by the preset's version; this session's
+    temp dir under -p no:cacheprovider); skips when the wheel or `gguf` is missing."""
     if importlib.util.find_spec("gguf") is None:
         pytest.skip("demo-moe needs the gguf package: pip install gguf")
     try:
@@ -42,11 +59,21 @@ def demo_moe_dir(request: pytest.FixtureRequest,
     except FileNotFoundError as exc:
         pytest.skip(f"demo-moe tests skipped: {exc}")
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
-    root = (cache.mkdir("hetmoe-presets") if cache is not None
-            else tmp_path_factory.mktemp("hetmoe-presets"))
+    # Apart from where a full build would go (a small build never stands in for a full one),
+    # and keyed by the small build's settings (a changed one is built anew).
+    small = f"hetmoe-presets-small-{zlib.crc32(repr(SMALL).encode()):08x}"
+    root = cache.mkdir(small) if cache is not None else tmp_path_factory.mktemp(small)
+    preset = presets()[NAME]
+    assert preset.build is build_demo_moe  # what the tests' build calls, with SMALL_BUILD
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HETMOE_CACHE_DIR", str(root))
-        yield resolve_model(NAME)
+        with pytest.MonkeyPatch.context() as build:  # for this build only
+            build.setattr(demo_moe, "NUM_WINDOWS", SMALL_WINDOWS)
+            build.setattr(demo_moe, "REPLY_TOKENS", SMALL_REPLY_TOKENS)
+            build.setitem(preset_registry._PRESETS, NAME, dataclasses.replace(
+                preset, build=functools.partial(build_demo_moe, config=SMALL_BUILD)))
+            path = resolve_model(NAME)
+        yield path
 
 
 @pytest.fixture(scope="module")
