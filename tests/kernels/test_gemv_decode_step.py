@@ -67,6 +67,7 @@ def decode(llm: LLM, prompts: list[list[int]], steps: int = STEPS, compiled: boo
 
 
 def compare(llm: LLM, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemv_config, "DECODE_GEMV_MAX_ROWS", 8)  # the kernels (off by default)
     tokens, logits = decode(llm, prompts)
     monkeypatch.setattr(gemv_config, "DECODE_GEMV_MAX_ROWS", 0)  # torch's linear
     want_tokens, want = decode(llm, prompts)

@@ -84,6 +84,7 @@ def test_compiled_decode_step_with_and_without_the_kernels(
     llm = LLM(tiny_dir("qwen3_moe", mlp_only_layers=[0]), device="cuda", dtype="bfloat16",
               experts="cpu", progress=False, max_seq_len=32, gpu_expert_bytes=0)
     monkeypatch.setattr(fused_decode, "_FUNCTIONS", {})  # compiled for this test alone
+    monkeypatch.setattr(gemv_config, "DECODE_GEMV_MAX_ROWS", 8)  # the kernels (off by default)
     tokens, logits = decode(llm, PROMPTS, compiled=True)
     monkeypatch.setattr(fused_decode, "_FUNCTIONS", {})
     monkeypatch.setattr(gemv_config, "DECODE_GEMV_MAX_ROWS", 0)

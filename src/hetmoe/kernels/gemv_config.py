@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-DECODE_GEMV_MAX_ROWS = 8
+DECODE_GEMV_MAX_ROWS = 0
 """The fused decode step (engine/executor/fused_decode.py, its Triton path) projects with the
 kernels up to this many rows (decode batches); more rows keep torch's GEMM (cuBLAS), where a
-tensor-core GEMM's reuse of W across rows pays. 0 turns the kernels off."""
+tensor-core GEMM's reuse of W across rows pays. 0 turns the kernels off: the default, because
+on an H100 (2026-11-27) they lost to cuBLAS (qkv 14.4 against 11.9 us a call at one row, o_proj
+even; greedy decode 271.6 against 281.0 tok/s, docs/benchmarks/gpu_kernels.md)."""
 
 GEMV_DTYPES = (torch.bfloat16,)
 """Activation and weight dtypes the fused decode step projects with the kernels (the kernels
