@@ -4,6 +4,7 @@ engine on the GGUF gives transformers' logits on the HF weights (F32: to roundin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,12 +29,30 @@ ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "deepseek_v2": "deepse
 IDS = [0, 7, 42, 99, 123, 200, 301, 17, 64, 88, 250, 400, 3, 511, 256, 128]
 
 
+GgufOf = Callable[[str, str], Path]
+
+
+@pytest.fixture(scope="module")
+def gguf_of(tiny_dir, tmp_path_factory: pytest.TempPathFactory) -> GgufOf:
+    """`gguf_of(family, outtype)`: the family's baby model through llama.cpp's converter, once
+    per module (a converter run is seconds; three tests here read the same file); read-only."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, outtype: str) -> Path:
+        if (family, outtype) not in made:
+            folder = tmp_path_factory.mktemp(f"gguf-{family}-{outtype}")
+            made[family, outtype] = convert(tiny_dir(family), folder / "model.gguf", outtype)
+        return made[family, outtype]
+
+    return get
+
+
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_gguf_logits_equal_transformers(family: str, outtype: str, tiny_dir, tmp_path: Path
-                                        ) -> None:
+def test_gguf_logits_equal_transformers(family: str, outtype: str, tiny_dir, gguf_of: GgufOf,
+                                        tmp_path: Path) -> None:
     source = tiny_dir(family)
-    gguf = convert(source, tmp_path / "model.gguf", outtype)
+    gguf = gguf_of(family, outtype)
     assert open_gguf(gguf).arch == ARCH[family]
     out = write_checkpoint(gguf, tmp_path / "checkpoint", progress=False)
     assert Checkpoint.open(out).family.model_type == family
@@ -72,14 +91,13 @@ def _assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Te
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
-def test_llm_on_a_gguf_file_converts_once_then_maps(family: str, tiny_dir, tmp_path: Path,
+def test_llm_on_a_gguf_file_converts_once_then_maps(family: str, gguf_of: GgufOf, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch,
                                                     capfd: pytest.CaptureFixture[str]) -> None:
     """`LLM("model.gguf")`: converted into the cache dir on first use (Q8_0 experts -> int8 in
     32-groups, the same grid), mapped from there the next time; logits as transformers' on
     the GGUF's dequantized weights, within the CPU backend's int8 rounding."""
-    source = tiny_dir(family)
-    gguf = convert(source, tmp_path / "model.gguf", "q8_0")
+    gguf = gguf_of(family, "q8_0")
     monkeypatch.setenv("HETMOE_CACHE_DIR", str(tmp_path / "cache"))
     llm = LLM(gguf, device="cpu", dtype="float32", progress=False)
     assert "with int8 experts, group 32" in capfd.readouterr().err
@@ -96,12 +114,12 @@ def test_llm_on_a_gguf_file_converts_once_then_maps(family: str, tiny_dir, tmp_p
 
 
 def test_a_shared_expert_gate_without_its_unit_dim_reads_as_hf_shapes_it(
-        tiny_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_dir, gguf_of: GgufOf, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp's quantizer writes Qwen2-MoE's ffn_gate_inp_shexp [H, 1] as [H]; the HF
     Linear(H, 1) weight is [1, H] either way."""
     from hetmoe.loading.gguf import GGUFFile
 
-    gguf = convert(tiny_dir("qwen2_moe"), tmp_path / "model.gguf", "f32")
+    gguf = gguf_of("qwen2_moe", "f32")
     read = GGUFFile.read
 
     def squeezed(self: GGUFFile, info: object) -> torch.Tensor:
