@@ -111,3 +111,34 @@ def test_auto_weighs_graph_steps_against_streamed_ones_then_settles(
     assert {k: len(t) for k, t in measured.items()} == dict.fromkeys(options, TRIES)
     assert planner.decode_experts(ROWS)[1] is False  # settled: no more timing
     assert _rows_alike(tokens, ref_tokens) >= ROWS - 2, (tokens, ref_tokens)
+
+
+def test_a_split_decode_step_waits_on_the_host_once(tiny_dir: Callable[..., Path],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's share of each split layer starts and is awaited in stream order (host links):
+    the host queues every layer, then sleeps once for the pass; nothing syncs per layer."""
+    llm = LLM(tiny_dir("qwen3_moe"), device="cuda", dtype="float32", experts="cpu",
+              progress=False, max_seq_len=128, gpu_expert_bytes=0)
+    runner = _runner(llm, ROWS, "split")
+    overlap = runner.overlap
+    assert overlap is not None
+    waits: list[str] = []
+    event_sync = torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda.Event, "synchronize",
+                        lambda self: (waits.append("event"), event_sync(self))[1])
+    cpu_sync = type(overlap.cpu[0]).sync
+    monkeypatch.setattr(type(overlap.cpu[0]), "sync",
+                        lambda self, call=None: (waits.append("cpu"), cpu_sync(self, call))[1])
+    try:
+        slots = tuple(runner.cache.allocate() for _ in range(ROWS))
+        prompts = _prompts(runner.vocab_size)
+        first = tuple(int(runner.prefill(s, p).argmax()) for s, p in zip(slots, prompts,
+                                                                          strict=True))
+        runner.decode(slots, first)  # the streamer made (host memory registered)
+        waits.clear()
+        out = runner.step(StepPlan(slots, first, greedy=True)).tokens
+        assert out is not None and len(out) == ROWS
+        assert waits == ["event"], waits  # run_pass's one sleep until the pass is done
+        assert overlap.pending == []  # its CPU jobs waited
+    finally:
+        overlap.detach()

@@ -279,7 +279,8 @@ class PrefillPlanner:
     def run_pass(self, tokens: int, k: int, tuner: PrefillTuner | None = None
                  ) -> Iterator[None]:
         """A pass of `tokens` tokens streaming k misses per layer (0: none streamed), timed to
-        its last GPU work into `tuner` when one is given."""
+        its last GPU work into `tuner` when one is given; the CPU jobs the pass started in
+        stream order (engine/placement/layer_stream.py) are waited at its end."""
         overlap = self.overlap
         if overlap is None:
             raise ValueError("PrefillPlanner.run_pass: a planner without a MoE step "
@@ -287,8 +288,18 @@ class PrefillPlanner:
         if k:
             overlap.make_streamer()  # made (host memory registered) before the pass is timed
         start = time.perf_counter()
-        with overlap.streamed(tokens, k) if k else contextlib.nullcontext():
-            yield
+        try:
+            with overlap.streamed(tokens, k) if k else contextlib.nullcontext():
+                yield
+            if overlap.pending:  # the CPU's shares started in stream order (host links)
+                done = torch.cuda.Event(blocking=True)  # sleep, not spin: the pool's cores
+                done.record()
+                done.synchronize()
+                overlap.finish_step()
+        except BaseException:
+            if overlap.pending:
+                overlap.abort_step()  # queued CPU jobs must not wait for a lost pass
+            raise
         if tuner is not None:
             torch.cuda.synchronize(overlap.device)
             tuner.record(tokens, k, time.perf_counter() - start)

@@ -16,7 +16,11 @@ copied: they are computed from their slots, and only the misses stream
 (engine/placement/stream_plan.py). A pass may *split* each layer (engine/placement/expert_split.py):
 only k of its misses are copied (as early as a whole layer would be) and computed on the GPU, while
 the CPU computes the other misses at the same time; the activations cross to the host once the
-router has run and the CPU's sum comes back to be added.
+router has run and the CPU's sum comes back to be added. A pass of at most the decode rows (a
+decode step streamed, `EngineConfig.stream_decode_rows`) starts and awaits the CPU's share in
+stream order through the layer's `HostLink` words, as the decode path does, so the host queues
+every layer without waiting for the GPU or the CPU (the planner's `run_pass` waits the jobs at
+the end); a longer pass waits on the host for each layer's router, then for the CPU.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -48,6 +52,18 @@ STREAM_FORMATS = ("bf16", "int8", "int4", "fp8")
 """Packed formats GPU prefill unpacks."""
 
 
+class HostSide(Protocol):
+    """What the streamer uses of a layer's `HostLink` (engine/executor/host_link.py, which imports
+    this room): the CPU experts started in stream order on pinned inputs, and the pinned output
+    [max_rows, H] whose done word the stream awaits (`flags.wait_done_on`)."""
+
+    out: torch.Tensor
+    flags: Any  # _cpu.StreamFlags
+
+    def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              deferred: int = 0) -> None: ...
+
+
 def streaming_refusal(cpu: Sequence[CpuMoE], cap: int, staged: int, room: int) -> str:
     """Why prefill cannot stream these experts to the GPU ("" if it can): their format, or a
     cap of 0 staged experts per layer (one takes `staged` GPU bytes, `room` bytes are there for
@@ -68,10 +84,12 @@ class LayerStreamer:
     the CPU device (tests) the same copies and compute run in order, with no stream or event.
     `act_quant`: the packed kernels' sorted path on int8 / fp8 tensor cores; `cap`: experts of
     a layer the staging buffers hold, the most misses a pass streams per layer (None: a whole
-    layer; engine/placement/staging_plan.py)."""
+    layer; engine/placement/staging_plan.py); `host`: each layer's `HostLink` on a GPU, through
+    which a pass of at most its rows runs the CPU's share (see the module docstring)."""
 
     def __init__(self, cpu: Sequence[CpuMoE], device: torch.device,
-                 act_quant: bool = False, cap: int | None = None) -> None:
+                 act_quant: bool = False, cap: int | None = None,
+                 host: Sequence[HostSide] = ()) -> None:
         num_experts = cpu[0].num_experts
         self.cap = num_experts if cap is None else min(cap, num_experts)
         staged = staged_expert_bytes(cpu, device)
@@ -109,6 +127,8 @@ class LayerStreamer:
         self._host_in: tuple[torch.Tensor, ...] = ()  # pinned x, ids, weights, out (split;
         # kept across passes, made again when a pass has more rows, another dtype or top-k)
         self._out_view = torch.empty(0)  # the pinned out as a GPU tensor (`gpu_view`)
+        self.host_links = list(host) if self.cuda else []
+        self._host_views: dict[int, torch.Tensor] = {}  # layer -> its link's out on the GPU
         log.info("GPU prefill: %d layers, %.2f GB of packed experts, %s; %s", len(cpu),
                  sum(self.layer_bytes) / 1e9, "packed kernels" if self.packed_kernel
                  else "unpack + grouped GEMM" if self.grouped else "unpack, per expert",
@@ -220,12 +240,12 @@ class LayerStreamer:
         slot, cpu_ids = slots.split(ids) if slots is not None and slots.slots else (None, ids)
         local = self._local[i]
         here = local[ids] if local is not None else None  # [T, K] staging index or -1
-        call = None
+        cpu: Callable[[], torch.Tensor] | None = None  # waits; the CPU's sum, GPU-readable
         if share.cpu:  # the CPU's ids: neither resident nor streamed
             assert cpu_ids is not None  # split gives None only when every expert is resident
             if here is not None:
                 cpu_ids = torch.where(here < 0, cpu_ids, -1)
-            call = self._start_cpu(i, x, cpu_ids, weights, stream)
+            cpu = self._start_cpu(i, x, cpu_ids, weights, stream)
         parts = []  # [T, H] fp32 each
         if slot is not None:  # no copy to wait for
             assert slots is not None
@@ -240,22 +260,40 @@ class LayerStreamer:
             self._copy(i + 2)
         gpu = functools.reduce(torch.add, parts) if parts else \
             x.new_zeros(x.shape, dtype=torch.float32)
-        if call is None:
+        if cpu is None:
             return lambda: gpu.to(x.dtype)
-
-        def finish() -> torch.Tensor:
-            self.cpu[i].sync(call)
-            # Read in place over PCIe by the add itself: a copy would queue on the copy engine
-            # behind the next layers' expert copies.
-            return (gpu + self._out_view[:x.shape[0]]).to(x.dtype)
-
-        return finish
+        # The CPU's sum is read in place over PCIe by the add itself: a copy would queue on the
+        # copy engine behind the next layers' expert copies.
+        return lambda: (gpu + cpu()).to(x.dtype)
 
     def _start_cpu(self, i: int, x: torch.Tensor, cpu_ids: torch.Tensor,
-                   weights: torch.Tensor, stream: torch.cuda.Stream | None) -> PendingCall:
-        """Submits the CPU's share of layer i (`cpu_ids`, the others -1) once the router's
-        output has reached the host (pinned buffers, reused by every layer: the previous
-        layer's CPU call is synced and its output read before this copy)."""
+                   weights: torch.Tensor, stream: torch.cuda.Stream | None
+                   ) -> Callable[[], torch.Tensor]:
+        """Starts the CPU's share of layer i (`cpu_ids` [T, K], the others -1); the returned
+        function waits for it and gives its sum [T, H] as the GPU reads it. Up to the host
+        link's rows in stream order (no host wait), else `_start_synced`."""
+        t = x.shape[0]
+        if stream is None or not self.host_links or t > self.host_links[i].out.shape[0]:
+            call = self._start_synced(i, x, cpu_ids, weights, stream)
+            return lambda: (self.cpu[i].sync(call), self._out_view[:t])[1]
+        link = self.host_links[i]
+        link.start(x, cpu_ids, weights)  # copies, ready word, the job queued (MoEOverlap)
+        view = self._host_views.get(i)
+        if view is None:
+            view = self._host_views[i] = gpu_view(link.out, self.device)
+        ptr = int(stream.cuda_stream)
+
+        def wait() -> torch.Tensor:
+            link.flags.wait_done_on(ptr)  # in stream order: the host goes on
+            return view[:t]
+
+        return wait
+
+    def _start_synced(self, i: int, x: torch.Tensor, cpu_ids: torch.Tensor,
+                      weights: torch.Tensor, stream: torch.cuda.Stream | None) -> PendingCall:
+        """Submits the CPU's share of layer i once the router's output has reached the host
+        (pinned buffers, reused by every layer: the previous layer's CPU call is synced and its
+        output read before this copy)."""
         t, top_k = cpu_ids.shape
         dtype = torch.float32 if x.dtype == torch.float16 else x.dtype
         if (not self._host_in or self._host_in[0].shape[0] < t
