@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from lm_eval_tasks import ANSWER_TASK, CHOICE_TASK, write_tasks
 from served import serve
+from torch import nn
 
 from hetmoe.presets import presets
 
@@ -45,12 +46,15 @@ def offline() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def hf_lm(gguf_path: Path) -> Any:
-    """lm-eval's `hf` model on the dense GGUF, fp32 on the CPU."""
+def hf_lm(gguf_path: Path, dense: nn.Module) -> Any:
+    """lm-eval's `hf` model on the dense GGUF, fp32 on the CPU: the session's `dense` (what
+    `HFLM(pretrained=folder, gguf_file=...)` loads, read once more there) and transformers'
+    tokenizer of the same file."""
     from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer
 
-    return HFLM(pretrained=str(gguf_path.parent), gguf_file=gguf_path.name, dtype="float32",
-                device="cpu", batch_size=8)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return HFLM(pretrained=dense, tokenizer=tokenizer, device="cpu", batch_size=8)
 
 
 @contextmanager
