@@ -4,7 +4,6 @@ was after the launch (also after a launch that raised)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -12,31 +11,34 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="the interpreter hook needs Triton")
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.fail("these tests need Triton's interpreter (tests/conftest.py turns it on without a "
-                "CUDA GPU); run them with TRITON_INTERPRET=1", pytrace=False)
 
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 from triton_interpreter import skip_nested_repatching  # noqa: E402
 
 
-@triton.jit
-def _twice(x):
+# Interpreted whatever TRITON_INTERPRET says (on a GPU host too), as `triton.jit` makes them
+# under it: the kernel's helper is itself an interpreted function.
+def _twice_py(x):
     return x * 2
 
 
-@triton.jit
-def _helpers_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+_twice = interpreter.InterpretedFunction(_twice_py)
+
+
+def _helpers_kernel_py(x_ptr, out_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs)
     tl.store(out_ptr + offs, _twice(_twice(_twice(x))) + 1)
 
 
-@triton.jit
-def _failing_kernel(x_ptr, BLOCK: tl.constexpr):
+def _failing_kernel_py(x_ptr, BLOCK: tl.constexpr):
     x = tl.load(x_ptr + tl.arange(0, BLOCK))
     tl.store(x_ptr + tl.arange(0, BLOCK), _twice(x, x))  # one argument too many
+
+
+_helpers_kernel = interpreter.InterpretedFunction(_helpers_kernel_py)
+_failing_kernel = interpreter.InterpretedFunction(_failing_kernel_py)
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[Callable[..., Any]]:
@@ -65,7 +67,8 @@ def test_helpers_inside_a_launch_patch_nothing_more(monkeypatch: pytest.MonkeyPa
     assert torch.equal(out, x * 8 + 1)
     names = [fn.__name__ for fn in calls]
     # two programs, each calling the helper 3 times: Triton alone patches again at each call
-    assert names == (["_helpers_kernel"] if hooked else ["_helpers_kernel"] + ["_twice"] * 6)
+    assert names == (["_helpers_kernel_py"] if hooked
+                     else ["_helpers_kernel_py"] + ["_twice_py"] * 6)
     assert tl.zeros is zeros  # the launch's restore put the language back
 
 
@@ -73,11 +76,11 @@ def test_a_launch_that_raises_still_ends_its_patch(monkeypatch: pytest.MonkeyPat
     calls = _counting(monkeypatch)
     assert skip_nested_repatching()
     zeros = tl.zeros
-    with pytest.raises(interpreter.InterpreterError, match="_twice.. takes 1 positional"):
+    with pytest.raises(interpreter.InterpreterError, match="_twice_py.. takes 1 positional"):
         _failing_kernel[(1,)](torch.zeros(8), BLOCK=8)
     assert tl.zeros is zeros
     x = torch.arange(8, dtype=torch.float32)
     out = torch.empty(8)
     _helpers_kernel[(1,)](x, out, BLOCK=8)
     assert torch.equal(out, x * 8 + 1)
-    assert [fn.__name__ for fn in calls][-1:] == ["_helpers_kernel"]
+    assert [fn.__name__ for fn in calls][-1:] == ["_helpers_kernel_py"]
