@@ -17,8 +17,9 @@ out (ptxas spills them; printed).
     python benchmarks/kernels/bench_decode_layer.py [--shape qwen3-30b-a3b] [--batch 1]
         [--position 96] [--window 256] [--replays 50] [--router-only] [--router-shapes
         [--block-e 1,2,4,8,16] [--warps 1,2,4,8] [--block-h 1024,2048] [--trials 5]]
-        [--gemv-only] [--gemv-rows 1,4,8] [--gemv-shapes qkv,o_proj [--gemv-block-n 16,32]
-        [--gemv-block-k 256,512] [--gemv-split 1,2,4] [--gemv-warps 4] [--gemv-stages 3,4]]
+        [--gemv-only] [--gemv-rows 1,4,8] [--gemv-shapes qkv,o_proj [--gemv-block-n 4,8,16]
+        [--gemv-block-k 256,512] [--gemv-split 1,2] [--gemv-warps 4] [--gemv-stages 4]
+        [--gemv-dot 0,1]]
         [--json F]
 """
 

@@ -28,16 +28,17 @@ GEMV_DTYPES = (torch.bfloat16,)
 themselves also take fp16 and fp32): the served models' dtype, the one measured."""
 
 MAX_KERNEL_ROWS = 16
-"""The most rows a kernel call takes: its tile pads rows to 16 (tensor-core dots need 16), and
-every row adds a [BLOCK_K] slice of registers; larger batches are GEMMs, not GEMVs."""
+"""The most rows a kernel call takes: every row adds registers (a [BLOCK_K] slice, or the FMA
+path's [BLOCK_N, BLOCK_K] partial sums); larger batches are GEMMs, not GEMVs."""
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch shape of a projection kernel: programs over N (and K) and loads in flight."""
+    """Launch shape of a projection kernel: programs over N (and K), loads in flight, and how a
+    step multiplies (tensor-core dot or FMA)."""
 
     block_n: int
-    """Rows of W per program (output columns): 16, 32, 64 or 128."""
+    """Rows of W per program (output columns): 4 to 128 (16 at least with `dot`)."""
     block_k: int
     """Columns of W per loop step: a power of two from 32 to 1024."""
     split_k: int
@@ -47,48 +48,86 @@ class GemvConfig:
     """Warps per program: 1, 2, 4 or 8."""
     num_stages: int
     """Loop steps whose loads are in flight at once (Triton's software pipelining): 1 to 6."""
+    dot: bool = True
+    """A step as a tensor-core dot (rows padded to 16), else as FMAs of the real rows (rows
+    padded to a power of two) into [rows, BLOCK_N, BLOCK_K] fp32 partials summed over K once
+    at the end: no padding waste at 1-4 rows, more registers a row."""
 
     def __post_init__(self) -> None:
-        checks = [("block_n", (16, 32, 64, 128)), ("block_k", (32, 64, 128, 256, 512, 1024)),
-                  ("split_k", range(1, 17)), ("num_warps", (1, 2, 4, 8)),
-                  ("num_stages", range(1, 7))]
+        checks = [("block_n", (4, 8, 16, 32, 64, 128)),
+                  ("block_k", (32, 64, 128, 256, 512, 1024)), ("split_k", range(1, 17)),
+                  ("num_warps", (1, 2, 4, 8)), ("num_stages", range(1, 7))]
         for name, allowed in checks:
             value = getattr(self, name)
             if value not in allowed:
                 shown = f"from {allowed[0]} to {allowed[-1]}" if isinstance(allowed, range) \
                     else "one of " + ", ".join(map(str, allowed))
                 raise ValueError(f"GemvConfig: {name} must be {shown}, got {value}")
+        if self.dot and self.block_n < 16:
+            raise ValueError(f"GemvConfig: a tensor-core dot needs block_n >= 16, got "
+                             f"{self.block_n} (dot=0 multiplies by FMAs)")
 
     def programs(self, n: int) -> int:
         """Programs of the main launch for N output columns."""
         return -(-n // self.block_n) * self.split_k
 
+    def block_m(self, m: int) -> int:
+        """Rows of the program's tile for m rows: 16 for a dot (its least), else m's power of
+        two."""
+        return 16 if self.dot else 1 << (m - 1).bit_length()
+
+    def fma_registers(self, m: int) -> int:
+        """fp32 partial sums a thread holds on the FMA path (0 with a dot): ptxas spills past
+        ~128, so the sweep leaves such shapes out."""
+        threads = 32 * self.num_warps
+        return 0 if self.dot else self.block_m(m) * self.block_n * self.block_k // threads
+
 
 def parse_gemv_config(text: str) -> GemvConfig:
-    """A `GemvConfig` from a command line: its 5 integer fields in order, comma-separated
-    (block_n, block_k, split_k, num_warps, num_stages; e.g. "16,512,1,4,4")."""
+    """A `GemvConfig` from a command line: its 6 integer fields in order, comma-separated
+    (block_n, block_k, split_k, num_warps, num_stages, dot 1/0; e.g. "16,512,1,4,4,1")."""
     names = [f.name for f in dataclasses.fields(GemvConfig)]
     values = text.split(",")
     try:
         ints = [int(v) for v in values]
     except ValueError:
         ints = []
-    if len(ints) != len(names):
+    if len(ints) != len(names) or ints[-1] not in (0, 1):
         raise ValueError(f"gemv config {text!r}: {len(names)} comma-separated integers expected "
-                         f"({', '.join(names)})")
-    return GemvConfig(*ints)
+                         f"({', '.join(names)}; dot 0 or 1)")
+    block_n, block_k, split_k, num_warps, num_stages, dot = ints
+    return GemvConfig(block_n, block_k, split_k, num_warps, num_stages, bool(dot))
 
 
-NORM_GEMV_CONFIG = GemvConfig(block_n=16, block_k=256, split_k=1, num_warps=4, num_stages=4)
-"""qkv's shape (not yet measured: `bench_decode_layer.py --gemv-shapes` sweeps it): 16 rows of W a
-program, so Qwen3-30B-A3B's N = 5120 makes 320 programs, each with 4 steps of 8 KB of W in
-flight; its ~59 KB of shared memory (sm_90 build) lets 3 share an SM, so all 320 run at once on
-an H100's 132 (at block_k 512, 117 KB: one an SM, 2.4 waves)."""
+RowConfigs = tuple[tuple[int, GemvConfig], ...]
+"""Launch shapes by rows: (most rows, config) pairs in rising order, the last for up to
+`MAX_KERNEL_ROWS`."""
 
-GEMV_CONFIG = GemvConfig(block_n=16, block_k=512, split_k=1, num_warps=4, num_stages=4)
-"""o_proj's shape (not yet measured, as `NORM_GEMV_CONFIG`): N = 2048 makes 128 programs, one an
-SM, each streaming 128 KB of W with 4 steps of 16 KB in flight; split_k 2 (256 programs and the
-reduce launch, cuBLAS's choice) is the sweep's alternative."""
+NORM_GEMV_CONFIGS: RowConfigs = (
+    (4, GemvConfig(block_n=8, block_k=256, split_k=1, num_warps=4, num_stages=4, dot=False)),
+    (MAX_KERNEL_ROWS, GemvConfig(block_n=16, block_k=256, split_k=1, num_warps=4,
+                                 num_stages=4)),
+)
+"""qkv's shapes (not yet measured: `bench_decode_layer.py --gemv-shapes` sweeps them): up to 4
+rows FMAs over 8 rows of W a program (Qwen3-30B-A3B's N = 5120: 640 programs, ~5 an SM, each
+with 4 steps of 4 KB of W in flight), more rows the tensor-core dot over 16 (320 programs)."""
+
+GEMV_CONFIGS: RowConfigs = (
+    (4, GemvConfig(block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=4, dot=False)),
+    (MAX_KERNEL_ROWS, GemvConfig(block_n=16, block_k=512, split_k=1, num_warps=4,
+                                 num_stages=4)),
+)
+"""o_proj's shapes (not yet measured, as `NORM_GEMV_CONFIGS`): N = 2048 makes 512 programs of 4
+rows of W up to 4 rows (4 steps of 4 KB in flight each), else 128 of 16 (one an SM, 4 steps of
+16 KB; measured even with cuBLAS at 1 to 8 rows on an H100, 2026-11-27)."""
+
+
+def config_for(configs: RowConfigs, m: int) -> GemvConfig:
+    """The launch shape of `configs` for m rows."""
+    for rows, config in configs:
+        if m <= rows:
+            return config
+    raise ValueError(f"gemv: no launch shape for {m} rows (at most {configs[-1][0]})")
 
 
 def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

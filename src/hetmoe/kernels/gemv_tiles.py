@@ -1,10 +1,11 @@
 """What the projection kernels (kernels/norm_gemv.py, kernels/gemv_residual.py) share: their
-argument checks, a loop step's product with a tile of W, and their end (the epilogue, or with
-split K the partials and the small launch that sums them: `reduce_kernel`).
+argument checks, a loop step's loads and product with a tile of W, and their end (the epilogue,
+or with split K the partials and the small launch that sums them: `reduce_kernel`).
 
-Shapes: x [M, K] rows (M <= 16, padded to BLOCK_M = 16 in the tile: tensor-core dots need 16),
-W [N, K] row-major, out [M, N]. A program owns BLOCK_N rows of W (and a K share when split), so
-each weight byte is read once for all M rows.
+Shapes: x [M, K] rows (M <= 16) in a [BLOCK_M, BLOCK_K] tile (`GemvConfig.block_m`: 16 for a
+tensor-core dot, else M's power of two), W [N, K] row-major, out [M, N]. A program owns BLOCK_N
+rows of W (and a K share when split), so each weight byte is read once for all M rows. K is a
+constexpr (a model has two): the steps need no K mask where BLOCK_K divides it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from torch.library import wrap_triton
 from hetmoe.kernels.dequant import INTERPRETED, to_dtype
 from hetmoe.kernels.gemv_config import MAX_KERNEL_ROWS, GemvConfig
 
-BLOCK_M = 16
-"""Rows of a tile (tl.dot's least)."""
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -47,22 +46,56 @@ def check_projection(name: str, x: torch.Tensor, weight: torch.Tensor,
                          f"{x.dtype}")
 
 
+@triton.jit
+def load_rows(ptr, m, k, M, K: tl.constexpr, s_row, BLOCK_K: tl.constexpr):
+    """[len(m), len(k)] of a row-major matrix (rows s_row apart); rows m >= M and, where
+    BLOCK_K does not divide K, columns k >= K read as 0."""
+    if K % BLOCK_K == 0:
+        mask = (m < M)[:, None]  # no K mask
+    else:
+        mask = (m < M)[:, None] & (k < K)[None, :]
+    return tl.load(ptr + m[:, None] * s_row + k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def new_sums(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             DOT: tl.constexpr):
+    """A program's zero sums: [BLOCK_M, BLOCK_N] for dots, [BLOCK_M, BLOCK_N, BLOCK_K] for
+    FMAs (one per K lane: no cross-thread sum until the end)."""
+    if DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def accumulate(xt, w, acc, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """acc + xt [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] (the tile of W): DOT a dot into
+    [BLOCK_M, BLOCK_N] (IEEE: in fp32), else FMAs into [BLOCK_M, BLOCK_N, BLOCK_K] (16-bit
+    products are exact in fp32, so a dot's and an FMA's products are the same values)."""
+    if not DOT:
+        acc = acc + xt.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    elif IEEE:
+        acc = tl.dot(xt.to(tl.float32), tl.trans(w).to(tl.float32), acc,
+                     input_precision="ieee")
+    else:
+        acc = tl.dot(xt, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def row_sums(acc, DOT: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 sums of `new_sums`' accumulator (the FMA lanes summed over K)."""
+    if not DOT:
+        acc = tl.sum(acc, 2)
+    return acc
+
+
 def ieee(dtype: torch.dtype) -> bool:
     """Whether the dots run in fp32 (fp32 inputs: no TF32; the interpreter: it multiplies 16-bit
     operands as raw bits) rather than on 16-bit tensor cores (exact products, fp32 sums)."""
     return dtype == torch.float32 or bool(INTERPRETED)
-
-
-@triton.jit
-def dot_w(xt, w_ptr, n, k, N, K, s_w, acc, IEEE: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] + xt [BLOCK_M, BLOCK_K] @ W[n, k]^T (W rows s_w apart; rows n >= N
-    and columns k >= K read as 0)."""
-    w = tl.load(w_ptr + n[:, None] * s_w + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :],
-                other=0.0)  # [BLOCK_N, BLOCK_K]
-    if IEEE:
-        return tl.dot(xt.to(tl.float32), tl.trans(w).to(tl.float32), acc,
-                      input_precision="ieee")
-    return tl.dot(xt, tl.trans(w), acc)
 
 
 @triton.jit
@@ -134,5 +167,5 @@ def reduce_partials(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | 
     res = residual if residual is not None else out
     wrap_triton(reduce_kernel)[(triton.cdiv(n, 128),)](
         part, out, bias if bias is not None else out, res, m, n, out.stride(0), res.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=128, SPLIT_K=config.split_k, BIAS=bias is not None,
+        BLOCK_M=config.block_m(m), BLOCK_N=128, SPLIT_K=config.split_k, BIAS=bias is not None,
         RESIDUAL=residual is not None, num_warps=4)
