@@ -96,4 +96,6 @@ def test_compiled_decode_step_with_and_without_the_kernels(
     want_tokens, want = decode(llm, PROMPTS, compiled=True)
     assert tokens == want_tokens
     for ours, ref in zip(logits, want, strict=True):
-        assert (ours - ref).abs().max().item() <= ATOL
+        # two bf16 roundings of the largest logit: a compiled step's sums in another order move
+        # a logit of ~10 by its ulp (0.0625), more than the interpreter's ATOL allows
+        assert (ours - ref).abs().max().item() <= max(ATOL, 2 ** -6 * ref.abs().max().item())

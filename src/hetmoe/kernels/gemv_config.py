@@ -16,12 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-DECODE_GEMV_MAX_ROWS = 0
+DECODE_GEMV_MAX_ROWS = 2
 """The fused decode step (engine/executor/fused_decode.py, its Triton path) projects with the
 kernels up to this many rows (decode batches); more rows keep torch's GEMM (cuBLAS), where a
-tensor-core GEMM's reuse of W across rows pays. 0 turns the kernels off: the default, because
-on an H100 (2026-11-27) they lost to cuBLAS (qkv 14.4 against 11.9 us a call at one row, o_proj
-even; greedy decode 271.6 against 281.0 tok/s, docs/benchmarks/gpu_kernels.md)."""
+tensor-core GEMM's reuse of W across rows pays. 0 turns the kernels off. 2: on an H100
+(2026-11-27, c334b6a's FMA path) the kernels beat cuBLAS at 1 and 2 rows (qkv with its norm 9.96
+against 11.18 us a call at one row, o_proj 7.85 against 10.01; greedy decode with every expert
+resident 295.3 against 281.3 tok/s) and lost at 4 and 8 (qkv 15.5 against 12.2 us at 4 rows;
+docs/benchmarks/gpu_kernels.md)."""
 
 GEMV_DTYPES = (torch.bfloat16,)
 """Activation and weight dtypes the fused decode step projects with the kernels (the kernels
