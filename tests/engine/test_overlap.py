@@ -124,8 +124,8 @@ def test_graph_and_eager_tokens_equal_on_cuda(tiny_dir: Callable[..., object]) -
 
 
 class FakeSteps:
-    """Stands in for `ModelRunner._launch` / `_read` (CUDA only): step n's token is 100 + n;
-    records launches and reads, so the scheduling of steps launched ahead is seen."""
+    """Stands in for `ModelRunner._launch` / `_read` (CUDA only): step n's token is 100 + n in
+    every row; records launches and reads, so the scheduling of steps launched ahead is seen."""
 
     def __init__(self, runner: ModelRunner, fail_at: int | None = None) -> None:
         self.runner, self.fail_at = runner, fail_at
@@ -144,7 +144,7 @@ class FakeSteps:
         step.jobs = []  # as `_read`: a step's jobs are waited even when one fails
         if step.n == self.fail_at:
             raise RuntimeError("CPU experts of MoE layer 0: injected")
-        return (100 + step.n,)
+        return (100 + step.n,) * len(step.slots)
 
 
 def fake_greedy(runner: ModelRunner, fail_at: int | None = None) -> tuple[FakeSteps, int]:

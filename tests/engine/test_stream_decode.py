@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+from test_overlap import FakeSteps
 
 from hetmoe import LLM
 from hetmoe.config import EngineConfig
@@ -223,34 +223,13 @@ def test_auto_weighs_the_decode_path_against_the_stream_and_keeps_the_faster(
     assert streamed == [k for k in options * TRIES if k] + [best] * 2 * bool(best)
 
 
-class FakeLaunches:
-    """Stands in for `ModelRunner._launch` / `_read` (CUDA graphs) on the CPU device: step n's
-    tokens are n + 1 in every row; launches and reads are recorded."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.events: list[str] = []
-        self.launched = 0
-
-    def launch(self, slots: tuple[int, ...], ids: object) -> SimpleNamespace:
-        n, self.launched = self.launched, self.launched + 1
-        self.events.append(f"launch {n}")
-        for slot in slots:
-            self.runner.lengths[slot] += 1
-        return SimpleNamespace(n=n, slots=slots, token=n, jobs=[])
-
-    def read(self, step: SimpleNamespace) -> tuple[int, ...]:
-        self.events.append(f"read {step.n}")
-        return (step.n + 1,) * len(step.slots)
-
-
 def test_weighed_steps_launch_nothing_ahead_and_a_settled_decode_path_does(
         llm_with: Callable[[str, str], LLM], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     runner = _runner(llm_with("qwen3_moe", "bf16"), 6, "auto", costs=EVEN)
     planner = runner.planner
     assert planner is not None
-    fake = FakeLaunches(runner)
+    fake = FakeSteps(runner)
     runner.use_graphs = True  # the greedy steps' scheduling, without a GPU
     monkeypatch.setattr(runner, "_launch", fake.launch)
     monkeypatch.setattr(runner, "_read", fake.read)
