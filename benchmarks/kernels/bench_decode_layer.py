@@ -40,7 +40,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from hetmoe.bench.harness import git_sha
 from hetmoe.bench.shapes import shape_config
-from hetmoe.engine.executor.fused_decode import FusedDecoder, make_gqa_layer
+from hetmoe.engine.executor.fused_decode import FusedDecoder
+from hetmoe.engine.executor.layer_functions import make_gqa_layer
 from hetmoe.engine.executor.layer_plan import LayerStatics
 from hetmoe.kernels.moe_router import (
     ROUTER_BLOCK_E,

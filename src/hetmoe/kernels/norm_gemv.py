@@ -1,6 +1,6 @@
 """A decode step's projection with the RMSNorm before it as its prologue: y = RMSNorm(x) @ W^T.
 
-The fused decode step's q/k/v projection (engine/executor/fused_decode.py: one GEMV over
+The fused decode step's q/k/v projection (engine/executor/layer_functions.py: one GEMV over
 `StaticKVAttention.fused_qkv`'s weight, after the layer's input norm), which otherwise runs as
 an Inductor norm kernel and a cuBLAS GEMV: x [M, K] hidden rows (M <= 8 there,
 `gemv_config.gemv_fits`), norm [K], W [N, K] bf16.
@@ -10,9 +10,10 @@ K (fp32; M K values read from L2 by every program, 4 KB a row at K = 2048; K is 
 these loads are unrolled and in flight together, not one L2 trip a step), then in its loop over
 K normalizes each x tile as ops/fused.py `rms_norm` rounds it (x / rms rounded to the dtype,
 times the weight, rounded: `dequant.rms_scale`) and multiplies it with the tile of W (a
-tensor-core dot or FMAs, `GemvConfig.dot`): each weight byte is read once for all rows. The sums are rounded once,
-with the bias added before (torch's linear). The squares' sum runs in another order than
-Inductor's, so a normalized value may differ by one rounding where its fp32 1/rms does.
+tensor-core dot or FMAs, `GemvConfig.dot`): each weight byte is read once for all rows. The
+sums are rounded once, with the bias added before (torch's linear). The squares' sum runs in
+another order than Inductor's, so a normalized value may differ by one rounding where its fp32
+1/rms does.
 """
 
 from __future__ import annotations
