@@ -12,7 +12,7 @@ The one runner for prefill and decode, single-threaded (one owner at a time). ON
   launches the next step of the same slots before this one's tokens are read
   (engine/executor/launch_ahead.py; `settle` rolls back a step launched ahead nobody continues);
   from `EngineConfig.stream_decode_rows` rows the prefill planner may run it as such a pass instead,
-  part of each layer's experts streamed to the GPU (`_weighed_decode`).
+  part of each layer's experts streamed to the GPU (engine/executor/weighed_decode.py).
 - Shorthands of `step` for tests and scripts: `prefill(slot, token_ids, start=0) -> [V]`,
   `prefill_logits -> [T, V]`, `decode(slots, token_ids) -> [B, V]`, `greedy(slot, token, limit)`.
 
@@ -35,6 +35,7 @@ import torch
 
 from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.adapters import LoraAdapters
+from hetmoe.engine.executor.expert_placement import place_experts
 from hetmoe.engine.executor.fused_decode import FusedDecoder
 from hetmoe.engine.executor.graphs import GraphCache
 from hetmoe.engine.executor.kv_cache import StaticKVCache
@@ -44,10 +45,10 @@ from hetmoe.engine.executor.overlap import MoEOverlap, all_on_cpu_backend
 from hetmoe.engine.executor.prefill_batch import StepLayout, step_layouts
 from hetmoe.engine.executor.prefill_planner import PrefillPlanner
 from hetmoe.engine.executor.step_checks import check_chunk, check_decode_rows
-from hetmoe.engine.placement.placement_fetch import StagingPool, staging_bytes
+from hetmoe.engine.executor.weighed_decode import weighed_decode
 from hetmoe.engine.placement.placement_plan import PlacementPlan
 from hetmoe.engine.placement.placement_policy import TrafficPolicy
-from hetmoe.engine.placement.slots import Placement, placement_plan
+from hetmoe.engine.placement.slots import Placement
 from hetmoe.engine.step import PrefillChunk, StepOutput, StepPlan
 from hetmoe.ops.decoder_layer import decoder_stack
 from hetmoe.ops.kv_batch import KVBatch, RaggedKV, window_bucket
@@ -173,29 +174,13 @@ class ModelRunner:
 
     def _decode_step(self, plan: StepPlan) -> StepOutput:
         """The decode rows of `plan`: eager, or greedy launched (ahead) on CUDA graphs; from
-        `planner.decode_rows` rows possibly a pass streaming experts (`_weighed_decode`)."""
+        `planner.decode_rows` rows possibly a pass streaming experts (weighed_decode.py)."""
         launched = self.launch_ahead.take(plan)
         if launched is None:
             check_decode_rows(plan, self.cache, self.max_seq_len, self.vocab_size)
             if self.planner is not None and len(plan.slots) >= self.planner.decode_rows:
-                return self._weighed_decode(plan)
+                return weighed_decode(self, self.planner, plan)
         return self._decode_path(plan, launched)
-
-    def _weighed_decode(self, plan: StepPlan) -> StepOutput:
-        """A decode step of many rows (EngineConfig.stream_decode_rows): the decode path (k = 0)
-        or ONE pass of its rows on the HF layers with k misses per layer streamed to the GPU
-        (never launched ahead, no Expert Deferral: a prefill-phase pass), as the planner says;
-        a step it weighs is timed, its decode path then not launched ahead either."""
-        assert self.planner is not None
-        rows = len(plan.slots)
-        k, timed = self.planner.decode_experts(rows, self.config.prefill_experts)
-        tuner = self.planner.decode_tuner if timed else None
-        with self.planner.run_pass(rows, k, tuner):
-            if not k:
-                return self._decode_path(dataclasses.replace(plan, ahead=False) if timed
-                                         else plan, None)
-            layout = step_layouts(plan, self.lengths, self.max_seq_len)[0]  # the rows alone
-            return self._after(self._joined(layout, [], plan.greedy, contextlib.nullcontext()))
 
     def _decode_path(self, plan: StepPlan, launched: Launched | None) -> StepOutput:
         """Decode rows eager, or greedy launched (ahead) on CUDA graphs."""
@@ -239,32 +224,9 @@ class ModelRunner:
         """Keeps routed experts resident on the GPU under `budget` (bytes or "auto", as
         `EngineConfig.gpu_expert_bytes`), the most routed by `counts` [E] per MoE layer, else the
         first; 0: every expert on the CPU. `fetch_slots` (default the config's): fetch-or-compute's
-        pool. Between steps only: the graphs (which bake in the CPU jobs) are dropped."""
-        if self.overlap is None or self.planner is None:
-            raise ValueError("GPU-resident experts need every MoE layer's routed experts in the "
-                             "cpu backend")
-        self.settle()
-        self.overlap.place(None)
-        self.planner.place(None)
-        self.placement, self.policy = None, None  # the old slots (graph pools) go before the new
-        self.graphs.clear()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # so `auto` and the clamp see the memory given back
-        slots = self.config.fetch_slots if fetch_slots is None else fetch_slots
-        # fetch-or-compute's pool: room kept in the plan, made (costs loaded) only for CPU work
-        plan = placement_plan(self.overlap.cpu, self.device, budget, counts,
-                              staging_bytes(self.overlap.cpu, slots))
-        pool = StagingPool(self.overlap.cpu, slots, self.planner.load_costs(), self.device) \
-            if slots and not plan.everything else None
-        if plan.bytes or pool is not None:
-            self.placement = Placement(self.overlap.cpu, plan, self.device, self.overlap.act_quant)
-            self.overlap.place(self.placement, pool)
-            if self.config.placement_interval and not plan.everything:
-                self.policy = TrafficPolicy(self.placement, self.config.placement_interval)
-        self.planner.place(self.placement)
-        self.planner.prepare(self.config.prefill_experts, slots, self.config.stream_decode_rows,
-                             self.max_batch)
-        return plan
+        pool. Between steps only: the graphs (which bake in the CPU jobs) are dropped
+        (engine/executor/expert_placement.py)."""
+        return place_experts(self, budget, counts, fetch_slots)
 
     def _phase(self, decoding: bool, slots: Sequence[int]) -> contextlib.ExitStack:
         """The MoE step's phase and the rows' adapters; re-attaches this runner's step over another
