@@ -97,6 +97,7 @@ class _Overlap:
 
     def __init__(self) -> None:
         self.streamed_ks: list[int] = []
+        self.pending: list[object] = []  # no CPU share started in stream order
 
     def make_streamer(self) -> None:
         pass
