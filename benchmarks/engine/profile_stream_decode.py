@@ -132,13 +132,18 @@ def host_layer_hooks(runner: ModelRunner) -> tuple[dict[str, list[float]], list[
 
 def profiled(runner: ModelRunner, slots: tuple[int, ...], tokens: tuple[int, ...], label: str,
              steps: int, layers: int) -> tuple[tuple[int, ...], dict[str, Any]]:
-    """`steps` decode steps under torch.profiler, each in a `label` range; their summary."""
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with tempfile.TemporaryDirectory() as tmp, torch.profiler.profile(activities=activities) as p:
-        for _ in range(steps):
-            with torch.profiler.record_function(label):
-                tokens, _ = decode(runner, slots, tokens, 1)
-        p.stop()
+    """`steps` decode steps under torch.profiler (CPU, and CUDA when there is one), each in a
+    `label` range; their summary. The trace is exported after the profiler's block: leaving the
+    block stops the profiler, and a second stop raises (torch 2.11: "Can't disable Kineto
+    profiler when it's not running")."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with tempfile.TemporaryDirectory() as tmp:
+        with torch.profiler.profile(activities=activities) as p:
+            for _ in range(steps):
+                with torch.profiler.record_function(label):
+                    tokens, _ = decode(runner, slots, tokens, 1)
         trace = Path(tmp) / "trace.json"
         p.export_chrome_trace(str(trace))
         return tokens, trace_summary(trace, label, layers)
