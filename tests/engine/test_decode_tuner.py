@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from hetmoe.config import EngineConfig
-from hetmoe.engine.executor.prefill_planner import NEVER, PrefillPlanner, needs_costs
+from hetmoe.engine.executor import prefill_planner
+from hetmoe.engine.executor.prefill_planner import NEVER, DecodeClock, PrefillPlanner, needs_costs
 from hetmoe.engine.placement.expert_split import (
     DECODE_GAIN,
     SMALL_DECODE,
@@ -130,3 +131,34 @@ def test_the_decode_tuner_weighs_the_decode_path_then_keeps_the_fastest() -> Non
         tied.record(128, k, 1.0)
     assert tied.pick(128, 8, 128, COSTS) == (0, False)  # ties keep the decode path
     assert tuner.options(128, 8, 128, COSTS, (128,)) == (0,)  # every expert resident
+
+
+def test_the_decode_clock_times_each_step_to_the_next_ones_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]
+    monkeypatch.setattr(prefill_planner.time, "perf_counter", lambda: now[0])
+    clock, tuner, slots, lengths = DecodeClock(), DecodeTuner(), (3, 5), [0] * 8
+
+    def step(k: int, inside: float, gap: float) -> None:
+        """A timed step of k taking `inside` seconds, then `gap` seconds of host work."""
+        start = clock.start(slots, lengths, tuner)
+        now[0] += inside
+        for s in slots:
+            lengths[s] += 1
+        clock.timed(slots, k, start, lengths)
+        now[0] += gap
+
+    step(0, 0.010, 0.004)
+    step(7, 0.020, 0.004)  # the host's gap counts for every k: 14 ms, then 24 ms
+    clock.start(slots, lengths, tuner)
+    bucket = tuner.measured[tuner.bucket(2)]
+    assert bucket[0] == [pytest.approx(0.014 / 2)] and bucket[7] == [pytest.approx(0.024 / 2)]
+    step(7, 0.020, 0.0)
+    lengths[3] += 1  # another step wrote to a row: not recorded
+    clock.start(slots, lengths, tuner)
+    step(7, 0.020, 0.0)
+    clock.start((3,), lengths, tuner)  # other rows: not recorded
+    step(7, 0.020, 0.0)
+    clock.interrupt()  # a prefill pass between: not recorded
+    clock.start(slots, lengths, tuner)
+    assert bucket[7] == [pytest.approx(0.012)]

@@ -2,8 +2,8 @@
 step's experts streamed to the "GPU" (the CPU device here: the streamer runs the same copies and
 compute in order) or split with the CPU gives the decode path's greedy tokens and its logits
 within the format's tolerance; small steps never ask the planner; in "auto" mode the decode
-tuner weighs the decode path against the streamed pass and keeps the faster; weighed steps
-launch nothing ahead (CUDA graphs stood in for)."""
+tuner weighs the decode path against the streamed pass and keeps the faster, each step timed as
+served: the decode path's turns launched ahead (CUDA graphs stood in for)."""
 
 from __future__ import annotations
 
@@ -217,15 +217,14 @@ def test_auto_weighs_the_decode_path_against_the_stream_and_keeps_the_faster(
     assert [t[:STEPS + 1] for t in tokens] == ref_tokens
     measured = planner.decode_tuner.measured[planner.decode_tuner.bucket(6)]
     assert {k: len(t) for k, t in measured.items()} == dict.fromkeys(options, TRIES)
-    assert len(syncs) == TRIES * len(options)  # weighed steps alone are timed
+    assert syncs == []  # timed from one step's start to the next's: no GPU sync
     best = min(options, key=lambda k: min(measured[k]))
     streamed = [k for _, k in seen]
     assert streamed == [k for k in options * TRIES if k] + [best] * 2 * bool(best)
 
 
-def test_weighed_steps_launch_nothing_ahead_and_a_settled_decode_path_does(
+def test_a_weighed_decode_path_turn_is_launched_ahead_and_its_second_step_timed(
         llm_with: Callable[[str, str], LLM], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     runner = _runner(llm_with("qwen3_moe", "bf16"), 6, "auto", costs=EVEN)
     planner = runner.planner
     assert planner is not None
@@ -246,27 +245,33 @@ def test_weighed_steps_launch_nothing_ahead_and_a_settled_decode_path_does(
         slots = tuple(runner.cache.allocate() for _ in PROMPTS)
         tokens = tuple(int(runner.prefill(s, p).argmax()) for s, p in zip(slots, PROMPTS,
                                                                            strict=True))
-        weighing = TRIES * len(options)
+        weighing = TRIES * (len(options) + 1)  # the decode path's turns are two steps
         for _ in range(weighing):
             out = runner.step(StepPlan(slots, tokens, greedy=True, ahead=True)).tokens
             assert out is not None
             tokens = out
-        # The decode path's turns (launch + read, nothing ahead); the streamed ks ran between.
-        assert fake.events == [e for n in range(TRIES) for e in (f"launch {n}", f"read {n}")]
-        assert len(asked) == weighing
-        # The stand-in decode path is far faster than a real pass: settled on it, its steps
-        # launch the next one ahead again, and a continued step asks the planner nothing.
-        assert planner.decode_experts(6) == (0, False)
+        # Each decode-path turn launches its second step ahead, as served; that one launches
+        # nothing (the planner is asked next) and is the one timed. Streamed ks ran between.
+        assert fake.events == [e for n in range(0, 2 * TRIES, 2) for e in
+                               (f"launch {n}", f"launch {n + 1}", f"read {n}", f"read {n + 1}")]
+        assert asked == [6] * TRIES * len(options)
+        # The step after the last weighed one records its time, then asks. The stand-in decode
+        # path is far faster than a real pass: settled on it, its steps launch the next one
+        # ahead, and a continued step asks the planner nothing.
         asked.clear()
         fake.events.clear()
         for _ in range(3):
             out = runner.step(StepPlan(slots, tokens, greedy=True, ahead=True)).tokens
             assert out is not None
             tokens = out
-        assert fake.events == ["launch 2", "launch 3", "read 2", "launch 4", "read 3",
-                               "launch 5", "read 4"]
+        n = 2 * TRIES
+        assert fake.events == [f"launch {n}", f"launch {n + 1}", f"read {n}", f"launch {n + 2}",
+                               f"read {n + 1}", f"launch {n + 3}", f"read {n + 2}"]
         assert asked == [6]  # the first step alone; the others continued the one ahead
-        runner.settle()  # step 5 launched ahead, never read: rolled back
+        measured = planner.decode_tuner.measured[planner.decode_tuner.bucket(6)]
+        assert {k: len(t) for k, t in measured.items()} == dict.fromkeys(options, TRIES)
+        assert planner.decode_experts(6) == (0, False)
+        runner.settle()  # the step launched ahead, never read: rolled back
         assert all(runner.lengths[s] == 10 + weighing + 3 for s in slots)
     finally:
         assert runner.overlap is not None

@@ -13,8 +13,9 @@ MODEL` prints the same plan for a model before it loads.
 
 Decode steps of many rows are planned here too (`EngineConfig.stream_decode_rows`): from
 `decode_rows` rows a decode step's k comes from `decode_experts` (in "auto" mode its own tuner,
-`DecodeTuner`, whose k = 0 is the runner's decode path, timed against the planner's splits), and
-the runner runs a step of k > 0 as a pass (`run_pass`) of its decode rows alone.
+`DecodeTuner`, whose k = 0 is the runner's decode path, timed against the planner's splits, each
+step as served by `DecodeClock`), and the runner runs a step of k > 0 as a pass (`run_pass`) of
+its decode rows alone.
 """
 
 from __future__ import annotations
@@ -76,6 +77,39 @@ def load_costs(moe: CpuMoE, device: torch.device) -> SplitCosts:
     return costs
 
 
+class DecodeClock:
+    """Times the decode steps `DecodeTuner` weighs from one step's start to the next step's start
+    of the same rows, so every k pays the host's time between steps as served: the decode path's
+    launched ahead (hidden behind the GPU), a streamed step's not (engine/executor/
+    weighed_decode.py runs them). A timed step whose rows changed before the next step (another
+    step, a prefill between) is not recorded."""
+
+    def __init__(self) -> None:
+        self.pending: tuple[tuple[int, ...], int, float] | None = None
+        """(slots, k, start) of the timed step the next step's start ends."""
+        self.lengths: tuple[int, ...] = ()  # the pending step's slots' lengths after it
+        self.turn = False
+        """Whether the next step, launched ahead by a weighed decode-path step, is timed."""
+
+    def start(self, slots: tuple[int, ...], lengths: list[int], tuner: DecodeTuner) -> float:
+        """A decode step of `slots` starts now (returned): the pending step's time into `tuner`
+        when this step follows it directly."""
+        now = time.perf_counter()
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] == slots and \
+                tuple(lengths[s] for s in slots) == self.lengths:
+            tuner.record(len(slots), pending[1], now - pending[2])
+        return now
+
+    def timed(self, slots: tuple[int, ...], k: int, start: float, lengths: list[int]) -> None:
+        """The step of `slots` started at `start` ran k: timed up to the next step's start."""
+        self.pending, self.lengths = (slots, k, start), tuple(lengths[s] for s in slots)
+
+    def interrupt(self) -> None:
+        """Something else ran between decode steps (a prefill pass): no step is timed across it."""
+        self.pending, self.turn = None, False
+
+
 class PrefillPlanner:
     """Where prefill passes of a model with `layers` MoE layers of `num_experts` experts (top
     `top_k`) run their routed experts (see the module docstring). `costs`: this machine's, or
@@ -98,6 +132,8 @@ class PrefillPlanner:
         """Measured passes ("auto"), of the current placement."""
         self.decode_tuner = DecodeTuner()
         """Measured decode steps of `decode_rows` rows or more ("auto"), of the placement."""
+        self.decode_clock = DecodeClock()
+        """Times the weighed decode steps for `decode_tuner`."""
         self.decode_rows = NEVER
         """The fewest rows of a decode step that `decode_experts` plans (`prepare`)."""
         self.stream_refusal: str | None = None  # "" streams; None: not checked yet
@@ -172,6 +208,7 @@ class PrefillPlanner:
                              f"of {self.layers}")
         self.placement = placement
         self.tuner, self.decode_tuner, self.decode_rows = PrefillTuner(), DecodeTuner(), NEVER
+        self.decode_clock = DecodeClock()  # a step of the old placement times nothing
         self.stream_refusal, self.stream_cap = None, None
 
     @property
@@ -271,6 +308,7 @@ class PrefillPlanner:
         if self.overlap is None:
             raise ValueError("PrefillPlanner.prefill_pass: a planner without a MoE step "
                              "(made by for_overlap) plans on paper only")
+        self.decode_clock.interrupt()
         k, timed = self._pick(tokens, mode)
         with self.run_pass(tokens, k, self.tuner if timed else None):
             yield

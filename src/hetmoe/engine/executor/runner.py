@@ -178,8 +178,8 @@ class ModelRunner:
         launched = self.launch_ahead.take(plan)
         if launched is None:
             check_decode_rows(plan, self.cache, self.max_seq_len, self.vocab_size)
-            if self.planner is not None and len(plan.slots) >= self.planner.decode_rows:
-                return weighed_decode(self, self.planner, plan)
+        if self.planner is not None and len(plan.slots) >= self.planner.decode_rows:
+            return weighed_decode(self, self.planner, plan, launched)
         return self._decode_path(plan, launched)
 
     def _decode_path(self, plan: StepPlan, launched: Launched | None) -> StepOutput:

@@ -294,7 +294,8 @@ class DecodeTuner(PrefillTuner):
     runs otherwise), never the planner's CPU pass. A bucket weighs the decode path, the model's
     best k >= 1 and up to `NEIGHBOURS` splits above it within `EXPLORE_WITHIN` of that k's
     expected time, `TRIES` steps each, then keeps the fastest. Only steps of a bucket still being
-    weighed are timed (`pick`): a settled bucket's decode path launches steps ahead again."""
+    weighed are timed (`pick`), each as served: from its start to the next step's start, the
+    decode path launched ahead (engine/executor/prefill_planner.py `DecodeClock`)."""
 
     def pick(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
              resident: Sequence[int] = (), cap: int | None = None) -> tuple[int, bool]:
