@@ -16,7 +16,6 @@ from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
 from hetmoe.engine.engine import LLM
 from hetmoe.engine.executor.runner import ModelRunner
-from hetmoe.engine.placement.expert_split import TRIES
 
 
 def serving_runner(args: argparse.Namespace, max_batch: int, window: int,
@@ -69,10 +68,7 @@ def decode_streaming(runner: ModelRunner) -> dict[str, Any]:
     if planner is None or planner.decode_rows > runner.max_batch:
         return {"decode_rows": None, "decode_ks": {}}
     tuner, kept = planner.decode_tuner, dict[str, int | str]()
-    for bucket, options in tuner.weighed.items():
-        times = tuner.measured.get(bucket, {})
-        if all(len(times.get(k, [])) >= TRIES for k in options):
-            kept[str(1 << (bucket - 1))] = min(options, key=lambda k: min(times[k]))
-        else:
-            kept[str(1 << (bucket - 1))] = "weighing"
+    for bucket in tuner.weighed:
+        kept[str(1 << (bucket - 1))] = tuner.fastest(bucket) if tuner.settled(bucket) \
+            else "weighing"
     return {"decode_rows": planner.decode_rows, "decode_ks": kept}

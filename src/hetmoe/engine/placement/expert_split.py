@@ -224,11 +224,20 @@ class PrefillTuner:
         if len(options) == 1:
             return options[0], False
         self.weighed[bucket] = options
+        if not self.settled(bucket):
+            times = self.measured.get(bucket, {})
+            return min(options, key=lambda k: len(times.get(k, []))), True  # first of the fewest
+        return self.fastest(bucket), True
+
+    def settled(self, bucket: int) -> bool:
+        """Whether every k `bucket` weighs has its `TRIES` timings (one weighing nothing is)."""
         times = self.measured.get(bucket, {})
-        fewest = min(options, key=lambda k: len(times.get(k, [])))  # the first of the fewest
-        if len(times.get(fewest, [])) < TRIES:
-            return fewest, True
-        return min(options, key=lambda k: min(times[k])), True  # ties: the earlier option
+        return all(len(times.get(k, [])) >= TRIES for k in self.weighed.get(bucket, ()))
+
+    def fastest(self, bucket: int) -> int:
+        """The k of a settled `bucket` with the fastest timing (ties: the earlier option)."""
+        times = self.measured[bucket]
+        return min(self.weighed[bucket], key=lambda k: min(times[k]))
 
     def options(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
                 resident: Sequence[int] = (), cap: int | None = None) -> tuple[int, ...]:
@@ -301,9 +310,7 @@ class DecodeTuner(PrefillTuner):
              resident: Sequence[int] = (), cap: int | None = None) -> tuple[int, bool]:
         """(k for a decode step of `tokens` rows, whether the step is timed: while weighing)."""
         k, _ = super().pick(tokens, top_k, num_experts, costs, resident, cap)
-        bucket = self.bucket(tokens)
-        times = self.measured.get(bucket, {})
-        return k, any(len(times.get(o, [])) < TRIES for o in self.weighed.get(bucket, ()))
+        return k, not self.settled(self.bucket(tokens))
 
     def options(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
                 resident: Sequence[int] = (), cap: int | None = None) -> tuple[int, ...]:
