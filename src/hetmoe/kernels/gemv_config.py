@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hetmoe.kernels.pair_config import check_choices
+
 DECODE_GEMV_MAX_ROWS = 2
 """The fused decode step (engine/executor/fused_decode.py, its Triton path) projects with the
 kernels up to this many rows (decode batches); more rows keep torch's GEMM (cuBLAS), where a
@@ -59,12 +61,7 @@ class GemvConfig:
         checks = [("block_n", (4, 8, 16, 32, 64, 128)),
                   ("block_k", (32, 64, 128, 256, 512, 1024)), ("split_k", range(1, 17)),
                   ("num_warps", (1, 2, 4, 8)), ("num_stages", range(1, 7))]
-        for name, allowed in checks:
-            value = getattr(self, name)
-            if value not in allowed:
-                shown = f"from {allowed[0]} to {allowed[-1]}" if isinstance(allowed, range) \
-                    else "one of " + ", ".join(map(str, allowed))
-                raise ValueError(f"GemvConfig: {name} must be {shown}, got {value}")
+        check_choices("GemvConfig", self, checks)
         if self.dot and self.block_n < 16:
             raise ValueError(f"GemvConfig: a tensor-core dot needs block_n >= 16, got "
                              f"{self.block_n} (dot=0 multiplies by FMAs)")
@@ -110,18 +107,20 @@ NORM_GEMV_CONFIGS: RowConfigs = (
     (MAX_KERNEL_ROWS, GemvConfig(block_n=16, block_k=256, split_k=1, num_warps=4,
                                  num_stages=4)),
 )
-"""qkv's shapes (not yet measured: `bench_decode_layer.py --gemv-shapes` sweeps them): up to 4
-rows FMAs over 8 rows of W a program (Qwen3-30B-A3B's N = 5120: 640 programs, ~5 an SM, each
-with 4 steps of 4 KB of W in flight), more rows the tensor-core dot over 16 (320 programs)."""
+"""qkv's shapes (measured at 1-8 rows against cuBLAS on an H100, 2026-11-27, gpu_kernels.md round
+9: ahead at 1 and 2 rows, behind at 4 and 8; `bench_decode_layer.py --gemv-shapes` sweeps others,
+not yet run): up to 4 rows FMAs over 8 rows of W a program (Qwen3-30B-A3B's N = 5120: 640
+programs, ~5 an SM, each with 4 steps of 4 KB of W in flight), more rows the tensor-core dot over
+16 (320 programs)."""
 
 GEMV_CONFIGS: RowConfigs = (
     (4, GemvConfig(block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=4, dot=False)),
     (MAX_KERNEL_ROWS, GemvConfig(block_n=16, block_k=512, split_k=1, num_warps=4,
                                  num_stages=4)),
 )
-"""o_proj's shapes (not yet measured, as `NORM_GEMV_CONFIGS`): N = 2048 makes 512 programs of 4
-rows of W up to 4 rows (4 steps of 4 KB in flight each), else 128 of 16 (one an SM, 4 steps of
-16 KB; measured even with cuBLAS at 1 to 8 rows on an H100, 2026-11-27)."""
+"""o_proj's shapes (measured as `NORM_GEMV_CONFIGS`': ahead of cuBLAS at 1, 2 and 4 rows, behind
+at 8): N = 2048 makes 512 programs of 4 rows of W up to 4 rows (4 steps of 4 KB in flight each),
+else 128 of 16 (one an SM, 4 steps of 16 KB)."""
 
 
 def config_for(configs: RowConfigs, m: int) -> GemvConfig:

@@ -5,6 +5,7 @@ want another) and the command-line form the benchmarks take (`parse_pair_config`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -44,18 +45,26 @@ class PairConfig:
                   ("split_gate_up", range(1, 17)), ("split_down", range(1, 17)),
                   ("k_unroll", range(1, 9)), ("warps_gate_up", (1, 2, 4, 8)),
                   ("warps_down", (1, 2, 4, 8))]
-        for name, allowed in checks:
-            value = getattr(self, name)
-            if value not in allowed:
-                shown = f"from {allowed[0]} to {allowed[-1]}" if isinstance(allowed, range) \
-                    else "one of " + ", ".join(map(str, allowed))
-                raise ValueError(f"PairConfig: {name} must be {shown}, got {value}")
+        check_choices("PairConfig", self, checks)
         for name, value in (("factored", self.factored), ("int4_words", self.int4_words)):
             if not isinstance(value, bool):
                 raise ValueError(f"PairConfig: {name} must be True or False, got {value!r}")
         if self.int4_words and not self.factored:
             raise ValueError("PairConfig: int4_words needs factored=True (the word read sums "
                              "codes times inputs per group, never a bf16 weight)")
+
+
+def check_choices(kind: str, config: object,
+                  checks: Sequence[tuple[str, Sequence[int]]]) -> None:
+    """ValueError naming `kind` and the field when one of `config`'s fields in `checks` (name,
+    allowed values: a tuple or a range) is not allowed (the launch-shape configs: PairConfig,
+    kernels/gemv_config.py's GemvConfig)."""
+    for name, allowed in checks:
+        value = getattr(config, name)
+        if value not in allowed:
+            shown = f"from {allowed[0]} to {allowed[-1]}" if isinstance(allowed, range) \
+                else "one of " + ", ".join(map(str, allowed))
+            raise ValueError(f"{kind}: {name} must be {shown}, got {value}")
 
 
 def parse_pair_config(text: str) -> PairConfig:
