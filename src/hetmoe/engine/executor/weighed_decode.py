@@ -58,11 +58,11 @@ def weighed_decode(runner: WeighedRunner, planner: PrefillPlanner, plan: StepPla
         return out
     rows = len(plan.slots)
     k, timed = planner.decode_experts(rows, runner.config.prefill_experts)
-    with planner.run_pass(rows, k):
-        if not k:
-            out = runner._decode_path(plan, None)
-        else:
-            layout = step_layouts(plan, runner.lengths, runner.max_seq_len)[0]  # the rows alone
+    if not k:
+        out = runner._decode_path(plan, None)
+    else:
+        layout = step_layouts(plan, runner.lengths, runner.max_seq_len)[0]  # the rows alone
+        with planner.run_pass(rows, k):
             out = runner._after(runner._joined(layout, [], plan.greedy, contextlib.nullcontext()))
     if timed and not k and runner.launch_ahead.step is not None:
         clock.turn = True  # the step launched ahead is the turn's timed one
