@@ -100,3 +100,13 @@ def decode_kernels() -> str:
     if value not in ("triton", "torch"):
         raise ValueError(f"HETMOE_DECODE_KERNELS must be triton or torch, got {value!r}")
     return value
+
+
+def dependent_launch() -> bool:
+    """HETMOE_DEPENDENT_LAUNCH=on|off: the decode step's Triton kernels launch as programmatic
+    dependents on GPUs of compute capability 9.0+ (each starts while the one before it
+    drains: kernels/pdl.py; default on)."""
+    value = _get("HETMOE_DEPENDENT_LAUNCH", "on")
+    if value not in ("on", "off"):
+        raise ValueError(f"HETMOE_DEPENDENT_LAUNCH must be on or off, got {value!r}")
+    return value == "on"

@@ -24,7 +24,9 @@ def compile_for_hopper(fn: Any, types: Mapping[str, str], *, aligned: bool = Fal
     `.asm["ptx"]`). `types`: the Triton type of each parameter not in `consts` ("*bf16", "i32",
     "fp32"; extra names ignored); `aligned`: every pointer and int argument 16-divisible, as
     launches at real model shapes specialize; `options`: triton.compile's (num_warps,
-    num_stages); `consts`: the constexprs' values."""
+    num_stages); `consts`: the constexprs' values. A kernel with a `PDL` constexpr
+    (kernels/pdl.py) not given one compiles with PDL on, as a Hopper launches it, and its PTX is
+    checked to wait for the kernel before it and to let the next one start."""
     # imported here, not above: the pytest process imports this module and may lack Triton
     import triton
     from triton.backends.compiler import GPUTarget
@@ -33,11 +35,24 @@ def compile_for_hopper(fn: Any, types: Mapping[str, str], *, aligned: bool = Fal
     from hetmoe.kernels import dequant
 
     assert not dequant.INTERPRETED, "TRITON_INTERPRET is set: the interpreter's branches"
+    pdl = "PDL" in {p.name for p in fn.params} and "PDL" not in consts
+    if pdl:
+        consts = {**consts, "PDL": True}
     signature = {p.name: "constexpr" if p.name in consts else types[p.name] for p in fn.params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
              if signature[p.name] != "constexpr"} if aligned else None
     source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    if pdl:
+        ptx = kernel.asm["ptx"]
+        assert ptx.count("griddepcontrol.wait") >= 1, f"{fn.__name__}: no griddepcontrol.wait"
+        assert "griddepcontrol.launch_dependents" in ptx or fn.__name__ in WAIT_ONLY, (
+            f"{fn.__name__}: no griddepcontrol.launch_dependents")
+    return kernel
+
+
+WAIT_ONLY = {"combine_kernel", "reduce_kernel", "logits_kernel", "topk_kernel"}
+"""PDL kernels that only wait: the next kernel starts at their exit (short kernels)."""
 
 
 def assert_compiles_for_hopper(script: str) -> None:

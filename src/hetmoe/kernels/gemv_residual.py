@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 from hetmoe.kernels.gemv_config import GEMV_CONFIGS, GemvConfig, config_for
 from hetmoe.kernels.gemv_tiles import (
@@ -29,6 +28,7 @@ from hetmoe.kernels.gemv_tiles import (
     reduce_partials,
     row_sums,
 )
+from hetmoe.kernels.pdl import launch_args, start_next, wait_prior
 
 
 @triton.jit
@@ -36,10 +36,12 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, M, N, K: tl.
                 s_w, s_res, s_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
                 RESIDUAL: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-                STAGES: tl.constexpr):
+                STAGES: tl.constexpr, PDL: tl.constexpr):
     """Program (block of N, split of K): x [M, K] (rows s_x apart) times W [N, K] rows
     [pid 0 * BLOCK_N, +BLOCK_N) over its K share -> `finish` (out [M, N], + bias [N], + res
-    [M, N] rounded after the product's rounding; or the split's partials)."""
+    [M, N] rounded after the product's rounding; or the split's partials). PDL: launched as a
+    programmatic dependent (kernels/pdl.py)."""
+    wait_prior(PDL)
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -51,15 +53,17 @@ def gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, part_ptr, M, N, K: tl.
         xt = load_rows(x_ptr, m, k, M, K, s_x, BLOCK_K)
         w = load_rows(w_ptr, n, k, N, K, s_w, BLOCK_K)
         acc = accumulate(xt, w, acc, DOT, IEEE)
+    start_next(PDL)
     finish(row_sums(acc, DOT), m, n, M, N, out_ptr, s_out, bias_ptr, res_ptr, s_res, part_ptr,
            SPLIT_K, BIAS, RESIDUAL)
 
 
-@triton_op("hetmoe::gemv_residual", mutates_args={})
+@torch.library.custom_op("hetmoe::gemv_residual", mutates_args=())
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              h: torch.Tensor | None, block_n: int, block_k: int, split_k: int, num_warps: int,
              num_stages: int, dot: bool) -> torch.Tensor:
-    """`gemv_residual` with its launch shape as integers (a torch op's arguments)."""
+    """`gemv_residual` with its launch shape as integers (a torch op's arguments; a custom op,
+    opaque to Inductor, which would drop the dependent launch of a kernel it launches)."""
     config = GemvConfig(block_n, block_k, split_k, num_warps, num_stages, dot)
     m, k = x.shape
     n = weight.shape[0]
@@ -68,14 +72,21 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     out = x.new_empty((m, n))
     part = partials(x, n, config)
     res = h if h is not None else out  # RESIDUAL off: never read
-    wrap_triton(gemv_kernel)[(triton.cdiv(n, block_n), split_k)](
+    gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, weight, bias if bias is not None else out, res, out, part, m, n, k, x.stride(0),
         weight.stride(0), res.stride(0), out.stride(0), BLOCK_M=config.block_m(m),
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, BIAS=bias is not None,
         RESIDUAL=h is not None, DOT=dot, IEEE=ieee(x.dtype), STAGES=num_stages,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **launch_args(x.device))
     reduce_partials(part, out, bias, h, config)
     return out
+
+
+@_gemv_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h: torch.Tensor | None,
+      block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
+      dot: bool) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def gemv_residual(x: torch.Tensor, weight: torch.Tensor, h: torch.Tensor | None = None,
@@ -85,7 +96,7 @@ def gemv_residual(x: torch.Tensor, weight: torch.Tensor, h: torch.Tensor | None 
     h + (x @ weight^T + bias) [M, N] in x's dtype (bf16, fp16 or fp32): the product rounded
     once, as `F.linear` rounds it, then the sum with h rounded (`fused.residual`); h None: the
     projection alone. Launched as `config` says (None: `GEMV_CONFIGS`' for x's rows; a
-    triton_op: Inductor keeps it in a compiled step's graph)."""
+    custom op: a compiled step calls it from its graph)."""
     check_projection("gemv_residual", x, weight, bias, h)
     config = config or config_for(GEMV_CONFIGS, x.shape[0])
     return _gemv_op(x, weight, bias, h, config.block_n, config.block_k, config.split_k,

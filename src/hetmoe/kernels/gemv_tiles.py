@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from hetmoe.kernels.dequant import INTERPRETED, to_dtype
 from hetmoe.kernels.gemv_config import MAX_KERNEL_ROWS, GemvConfig
+from hetmoe.kernels.pdl import launch_args, wait_prior
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -139,9 +139,10 @@ def finish(acc, m, n, M, N, out_ptr, s_out, bias_ptr, res_ptr, s_res, part_ptr,
 @triton.jit
 def reduce_kernel(part_ptr, out_ptr, bias_ptr, res_ptr, M, N, s_out, s_res,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                  BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
+                  BIAS: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """Split K's second launch, one program per BLOCK_N columns: the SPLIT_K partials summed in
-    split order (fp32), then `store_rows`."""
+    split order (fp32), then `store_rows` (PDL: kernels/pdl.py)."""
+    wait_prior(PDL)
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = (m < M)[:, None] & (n < N)[None, :]
@@ -165,7 +166,7 @@ def reduce_partials(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | 
         return
     m, n = out.shape
     res = residual if residual is not None else out
-    wrap_triton(reduce_kernel)[(triton.cdiv(n, 128),)](
+    reduce_kernel[(triton.cdiv(n, 128),)](
         part, out, bias if bias is not None else out, res, m, n, out.stride(0), res.stride(0),
         BLOCK_M=config.block_m(m), BLOCK_N=128, SPLIT_K=config.split_k, BIAS=bias is not None,
-        RESIDUAL=residual is not None, num_warps=4)
+        RESIDUAL=residual is not None, num_warps=4, **launch_args(out.device))

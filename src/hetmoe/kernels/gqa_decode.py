@@ -17,8 +17,9 @@ spreads over ~10 Inductor kernels and an index_put per layer) in two kernels:
 
 The split count follows the attended window (the runner's bucket, in chunks of 64 entries)
 with no branch on it, so a compiled decode step keeps the window's chunk count dynamic.
-`gqa_decode_attention` is a `torch.library.triton_op`: inside `torch.compile` Inductor puts
-both kernels into the compiled graph and fuses the ops around them.
+`gqa_decode_attention` is a torch custom op: a compiled step calls it from its graph (Inductor
+fuses the ops around it; it launches both kernels itself, as programmatic dependents where
+kernels/pdl.py says so).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 from hetmoe.kernels.dequant import INTERPRETED, rms_scale, to_dtype
+from hetmoe.kernels.pdl import launch_args, start_next, wait_prior
 
 BLOCK_N = tl.constexpr(64)
 """Cache entries per inner step (the fused step's window chunk, ops/fused.py)."""
@@ -82,13 +83,16 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
                  stat_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, s_q, s_k, s_v, s_cos,
                  s_slot, s_key, s_kv, s_head, scale, eps, H_KV: tl.constexpr, G: tl.constexpr,
                  D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                 NORM: tl.constexpr, ROPE: tl.constexpr, IEEE: tl.constexpr):
+                 NORM: tl.constexpr, ROPE: tl.constexpr, IEEE: tl.constexpr,
+                 PDL: tl.constexpr):
     """q [B, H_KV*G, D], k_new / v_new [B, H_KV, D] (rows s_q / s_k / s_v apart, heads D);
     NORM: q / k RMSNorms (weights [D]), ROPE: cos / sin [B, D] (rows s_cos apart) applied to
     them here; cache [N, C, 2, H_KV, D] by strides; part [B, H_KV*G, S, D] fp32 and stat
     [B, H_KV*G, S, 2] fp32 (max, sum) written. Row b attends its cached entries
     [lo[b], pos[b]) and its own. Products with the float arguments scale and eps are cast to
-    fp32: inside a compiled step Inductor passes Python floats as fp64 scalars."""
+    fp32 (Inductor passed Python floats as fp64 scalars when it launched this kernel). PDL: launched
+    as a programmatic dependent (kernels/pdl.py)."""
+    wait_prior(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -143,6 +147,7 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
         v = tl.load(at + s_kv, mask=cached, other=0.0)
         acc = acc * alpha[:, None] + _dot(to_dtype(p, dtype), v, IEEE)
         m = top
+    start_next(PDL)
     part = (b * H_KV * G + head)[:, None] * splits + split  # [BLOCK_G, 1]
     tl.store(part_ptr + part * D + d[None, :], acc, mask=live_g[:, None] & live_d[None, :])
     stat = stat_ptr + (b * H_KV * G + head) * splits * 2 + split * 2
@@ -152,9 +157,11 @@ def split_kernel(q_ptr, k_new_ptr, v_new_ptr, cache_ptr, slots_ptr, lo_ptr, pos_
 
 @triton.jit(do_not_specialize=["splits"])  # a compiled step keeps the split count dynamic
 def combine_kernel(part_ptr, stat_ptr, out_ptr, splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """part [B, h, S, D] and stat [B, h, S, 2] of `split_kernel` -> out [B, h, D] (out's
-    dtype). An empty split (max -inf, sum 0) weighs 0; split 0 always holds the own entry."""
+    dtype). An empty split (max -inf, sum 0) weighs 0; split 0 always holds the own entry.
+    PDL: kernels/pdl.py."""
+    wait_prior(PDL)
     bh = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     s = tl.arange(0, BLOCK_S)
@@ -225,7 +232,7 @@ def _heads_layout(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
 
 
-@triton_op("hetmoe::gqa_decode_attention", mutates_args={"kv_cache"})
+@torch.library.custom_op("hetmoe::gqa_decode_attention", mutates_args=("kv_cache",))
 def gqa_decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                          kv_cache: torch.Tensor, slots: torch.Tensor, lo: torch.Tensor,
                          pos: torch.Tensor, num_chunks: int, scale: float,
@@ -256,14 +263,22 @@ def gqa_decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     stat = q.new_empty((b * h * splits * 2,), dtype=torch.float32)
     out = q.new_empty((b, h, d))
     block_d = max(16, triton.next_power_of_2(d))
-    wrap_triton(split_kernel)[(b, kv_heads, splits)](
+    pdl = launch_args(q.device)
+    split_kernel[(b, kv_heads, splits)](
         q, k_new, v_new, kv_cache, slots.contiguous(), lo.contiguous(), pos.contiguous(), part,
         stat, q_norm, k_norm, cos, sin,
         q.stride(0), k_new.stride(0), v_new.stride(0), cos.stride(0), kv_cache.stride(0),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), scale, eps, H_KV=kv_heads,
         G=h // kv_heads, D=d, BLOCK_G=max(16, triton.next_power_of_2(h // kv_heads)),
         BLOCK_D=block_d, NORM=norm, ROPE=rope,
-        IEEE=q.dtype == torch.float32 or bool(INTERPRETED))
-    wrap_triton(combine_kernel)[(b * h,)](part, stat, out, splits, D=d, BLOCK_S=16,
-                                          BLOCK_D=block_d)
+        IEEE=q.dtype == torch.float32 or bool(INTERPRETED), **pdl)
+    combine_kernel[(b * h,)](part, stat, out, splits, D=d, BLOCK_S=16, BLOCK_D=block_d, **pdl)
     return out
+
+
+@gqa_decode_attention.register_fake
+def _(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor,
+      slots: torch.Tensor, lo: torch.Tensor, pos: torch.Tensor, num_chunks: int, scale: float,
+      q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
+      cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+    return q.new_empty(q.shape)

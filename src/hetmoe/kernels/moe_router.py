@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 from hetmoe.kernels.dequant import rms_scale, to_dtype
+from hetmoe.kernels.pdl import launch_args, start_next, wait_prior
 
 ROUTER_BLOCK_E = 1
 """Experts per program of the logits: one, so E programs a row (Qwen3-30B-A3B: 128) share the
@@ -153,14 +153,18 @@ def router_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, bias_ptr, h_out_ptr, x_out
                   logits_ptr, tickets_ptr, B, H, E, eps, scaling, BLOCK_E: tl.constexpr,
                   BLOCK_H: tl.constexpr, LOGITS_FP32: tl.constexpr, K: tl.constexpr,
                   ALL_E: tl.constexpr, BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr,
-                  BIAS: tl.constexpr, NORM: tl.constexpr, ROUND_WEIGHTS: tl.constexpr):
+                  BIAS: tl.constexpr, NORM: tl.constexpr, ROUND_WEIGHTS: tl.constexpr,
+                  PDL: tl.constexpr):
     """The one launch: `_logits_block`, then the program drawing its row's last ticket (tickets
-    [>= B] int32, zeros) runs `_route_row` (ALL_E >= E) and puts the ticket back to 0."""
+    [>= B] int32, zeros) runs `_route_row` (ALL_E >= E) and puts the ticket back to 0. PDL:
+    launched as a programmatic dependent (kernels/pdl.py)."""
+    wait_prior(PDL)
     b = tl.program_id(0)
     _logits_block(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stage_ptr,
                   logits_ptr, b, tl.program_id(1), H, E, eps, BLOCK_E, BLOCK_H, LOGITS_FP32)
     tl.debug_barrier()  # every thread's logits stored before the release below publishes them
     ticket = tl.atomic_add(tickets_ptr + b, 1, sem="acq_rel", scope="gpu")
+    start_next(PDL)
     if ticket == tl.num_programs(1) - 1:  # the row's other blocks have stored their logits
         _route_row(logits_ptr, bias_ptr, stage_ptr, b, B, H, E, scaling,
                    h_ptr.dtype.element_ty, K, ALL_E, BLOCK_K, SIGMOID, BIAS, NORM,
@@ -171,8 +175,9 @@ def router_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, bias_ptr, h_out_ptr, x_out
 @triton.jit
 def logits_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stage_ptr,
                   logits_ptr, H, E, eps, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                  LOGITS_FP32: tl.constexpr):
+                  LOGITS_FP32: tl.constexpr, PDL: tl.constexpr):
     """The two launches' first: `_logits_block` per (row, block of experts)."""
+    wait_prior(PDL)
     _logits_block(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stage_ptr,
                   logits_ptr, tl.program_id(0), tl.program_id(1), H, E, eps, BLOCK_E, BLOCK_H,
                   LOGITS_FP32)
@@ -181,8 +186,10 @@ def logits_kernel(h_ptr, o_ptr, norm_ptr, router_ptr, h_out_ptr, x_out_ptr, stag
 @triton.jit
 def topk_kernel(logits_ptr, bias_ptr, x_ptr, stage_ptr, B, H, E, scaling, K: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr,
-                BIAS: tl.constexpr, NORM: tl.constexpr, ROUND_WEIGHTS: tl.constexpr):
+                BIAS: tl.constexpr, NORM: tl.constexpr, ROUND_WEIGHTS: tl.constexpr,
+                PDL: tl.constexpr):
     """The two launches' second: `_route_row` per row (weights rounded to x's dtype)."""
+    wait_prior(PDL)
     _route_row(logits_ptr, bias_ptr, stage_ptr, tl.program_id(0), B, H, E, scaling,
                x_ptr.dtype.element_ty, K, BLOCK_E, BLOCK_K, SIGMOID, BIAS, NORM, ROUND_WEIGHTS)
 
@@ -194,7 +201,7 @@ def row_tickets(rows: int, device: torch.device | str) -> torch.Tensor:
     return torch.zeros(rows, dtype=torch.int32, device=device)
 
 
-@triton_op("hetmoe::moe_router", mutates_args={"tickets"})
+@torch.library.custom_op("hetmoe::moe_router", mutates_args=("tickets",))
 def moe_router(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor, eps: float,
                router: torch.Tensor, bias: torch.Tensor | None, tickets: torch.Tensor | None,
                top_k: int, sigmoid: bool, norm_topk_prob: bool, scaling: float,
@@ -230,17 +237,30 @@ def moe_router(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor, eps: float,
     grid = (b, triton.cdiv(experts, block_e))
     bias_or = logits if bias is None else bias  # BIAS off: never read
     route = dict(K=top_k, BLOCK_K=max(2, triton.next_power_of_2(top_k)), SIGMOID=sigmoid,
-                 BIAS=bias is not None, NORM=norm_topk_prob, ROUND_WEIGHTS=round_weights)
+                 BIAS=bias is not None, NORM=norm_topk_prob, ROUND_WEIGHTS=round_weights,
+                 **launch_args(h.device))
     if tickets is not None:
-        wrap_triton(router_kernel)[grid](
+        router_kernel[grid](
             h, o, norm, router, bias_or, h_out, x, stage, logits, tickets, b, hidden, experts,
             eps, scaling, BLOCK_E=block_e, BLOCK_H=block_h, LOGITS_FP32=logits_fp32,
             ALL_E=triton.next_power_of_2(experts), num_warps=num_warps, **route)
         return h_out, x, stage
-    wrap_triton(logits_kernel)[grid](
+    logits_kernel[grid](
         h, o, norm, router, h_out, x, stage, logits, hidden, experts, eps,
-        BLOCK_E=block_e, BLOCK_H=block_h, LOGITS_FP32=logits_fp32, num_warps=num_warps)
-    wrap_triton(topk_kernel)[(b,)](
+        BLOCK_E=block_e, BLOCK_H=block_h, LOGITS_FP32=logits_fp32, num_warps=num_warps,
+        **launch_args(h.device))
+    topk_kernel[(b,)](
         logits, bias_or, x, stage, b, hidden, experts, scaling,
         BLOCK_E=triton.next_power_of_2(experts), **route)
     return h_out, x, stage
+
+
+@moe_router.register_fake
+def _(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor, eps: float, router: torch.Tensor,
+      bias: torch.Tensor | None, tickets: torch.Tensor | None, top_k: int, sigmoid: bool,
+      norm_topk_prob: bool, scaling: float, logits_fp32: bool, round_weights: bool, *,
+      block_e: int = ROUTER_BLOCK_E, num_warps: int = ROUTER_NUM_WARPS,
+      block_h: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, hidden = h.shape
+    stage = h.new_empty(b * (hidden + 3 * top_k), dtype=torch.int32)
+    return h.new_empty(h.shape), h.new_empty(h.shape), stage

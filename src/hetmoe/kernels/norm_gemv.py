@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 from hetmoe.kernels.dequant import rms_scale
 from hetmoe.kernels.gemv_config import NORM_GEMV_CONFIGS, GemvConfig, config_for
@@ -37,6 +36,7 @@ from hetmoe.kernels.gemv_tiles import (
     reduce_partials,
     row_sums,
 )
+from hetmoe.kernels.pdl import launch_args, start_next, wait_prior
 
 
 @triton.jit
@@ -57,10 +57,11 @@ def norm_gemv_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N,
                      K: tl.constexpr, s_x, s_w, s_out, eps, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                      BIAS: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-                     CHUNK: tl.constexpr, STAGES: tl.constexpr):
+                     CHUNK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """Program (block of N, split of K): RMSNorm(x [M, K], norm [K]) times W [N, K] rows
     [pid 0 * BLOCK_N, +BLOCK_N) over its K share -> `finish` (out [M, N], + bias [N]; or the
-    split's partials)."""
+    split's partials). PDL: launched as a programmatic dependent (kernels/pdl.py)."""
+    wait_prior(PDL)
     dtype = x_ptr.dtype.element_ty
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,6 +77,7 @@ def norm_gemv_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N,
         xn = rms_scale(v.to(tl.float32), inv, g[None, :], dtype)
         w = load_rows(w_ptr, n, k, N, K, s_w, BLOCK_K)
         acc = accumulate(xn.to(dtype), w, acc, DOT, IEEE)
+    start_next(PDL)
     finish(row_sums(acc, DOT), m, n, M, N, out_ptr, s_out, bias_ptr, out_ptr, s_out, part_ptr,
            SPLIT_K, BIAS, False)
 
@@ -86,25 +88,33 @@ def norm_chunk(k: int, block_m: int) -> int:
     return min(triton.next_power_of_2(k), max(32, 2048 // block_m))
 
 
-@triton_op("hetmoe::norm_gemv", mutates_args={})
+@torch.library.custom_op("hetmoe::norm_gemv", mutates_args=())
 def _norm_gemv_op(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor,
                   bias: torch.Tensor | None, block_n: int, block_k: int, split_k: int,
                   num_warps: int, num_stages: int, dot: bool) -> torch.Tensor:
-    """`norm_gemv` with its launch shape as integers (a torch op's arguments)."""
+    """`norm_gemv` with its launch shape as integers (a torch op's arguments; a custom op,
+    opaque to Inductor, which would drop the dependent launch of a kernel it launches)."""
     config = GemvConfig(block_n, block_k, split_k, num_warps, num_stages, dot)
     m, k = x.shape
     n = weight.shape[0]
     x, norm = x.contiguous(), norm.contiguous()
     out = x.new_empty((m, n))
     part = partials(x, n, config)
-    wrap_triton(norm_gemv_kernel)[(triton.cdiv(n, block_n), split_k)](
+    norm_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, norm, weight, bias if bias is not None else out, out, part, m, n, k, x.stride(0),
         weight.stride(0), out.stride(0), eps, BLOCK_M=config.block_m(m), BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split_k, BIAS=bias is not None, DOT=dot, IEEE=ieee(x.dtype),
         CHUNK=norm_chunk(k, config.block_m(m)), STAGES=num_stages,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **launch_args(x.device))
     reduce_partials(part, out, bias, None, config)
     return out
+
+
+@_norm_gemv_op.register_fake
+def _(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor,
+      bias: torch.Tensor | None, block_n: int, block_k: int, split_k: int, num_warps: int,
+      num_stages: int, dot: bool) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def norm_gemv(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor,
@@ -113,8 +123,7 @@ def norm_gemv(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Ten
     """x [M, K] (1 <= M <= 16), norm [K] (x's dtype), weight [N, K] (unit stride along K),
     bias [N] -> `F.linear(fused.rms_norm(x, norm, eps), weight, bias)` [M, N] in x's dtype
     (bf16, fp16 or fp32), in one launch (two with split K) as `config` says (None:
-    `NORM_GEMV_CONFIGS`' for x's rows; a triton_op: Inductor keeps it in a compiled step's
-    graph)."""
+    `NORM_GEMV_CONFIGS`' for x's rows; a custom op: a compiled step calls it from its graph)."""
     check_projection("norm_gemv", x, weight, bias)
     if norm.shape != (x.shape[1],) or norm.dtype != x.dtype or norm.device != x.device:
         raise ValueError(f"norm_gemv: norm [{x.shape[1]}] of x's dtype {x.dtype} on {x.device} "

@@ -202,6 +202,7 @@ def _pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: to
     from hetmoe.kernels.dequant import FORMAT_CODES, MEMORY_ORDER
     from hetmoe.kernels.pair_down import pair_down_kernel
     from hetmoe.kernels.pair_gate_up import pair_gate_up_kernel
+    from hetmoe.kernels.pdl import launch_args
 
     pairs = ids.numel()
     q = None if fmt == "bf16" else group
@@ -211,6 +212,7 @@ def _pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: to
     mem, code, g = MEMORY_ORDER[fmt], FORMAT_CODES[fmt], q or 64
     words = cfg.int4_words and fmt == "int4"
     x = x if x.stride(1) == 1 else x.contiguous()
+    pdl = launch_args(x.device)
     flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)  # [T K] views when contiguous
     split_gu, ku_gu = share_steps(hp // 64, cfg.split_gate_up, cfg.k_unroll)
     act = torch.empty((pairs, slice_) if split_gu == 1 else (pairs, split_gu, 2 * slice_),
@@ -223,7 +225,8 @@ def _pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: to
         x, x.stride(0), flat_ids, packed, act, out, hidden, slice_, part.expert_bytes, nb_bytes,
         scale_off, num_e, TOP_K=ids.shape[1], K_BLOCKS=hp // 64 // split_gu, KU=ku_gu, G=g,
         FMT=code, BN=cfg.block_n_gate_up, ZN=zero_cols, MEM=mem, SPLIT=split_gu,
-        SPAN=factored_span(cfg, fmt, g, ku_gu), WORDS=words, num_warps=cfg.warps_gate_up)
+        SPAN=factored_span(cfg, fmt, g, ku_gu), WORDS=words, num_warps=cfg.warps_gate_up,
+        **pdl)
     split_d, ku_d = share_steps(slice_ // 64, cfg.split_down, cfg.k_unroll)
     nb_bytes, scale_off = matrix_geometry(fmt, hn, slice_, q)
     pair_down_kernel[(pairs, -(-hidden // cfg.block_n_down), split_d)](
@@ -231,7 +234,7 @@ def _pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, packed: to
         part.down_offset, nb_bytes, scale_off, num_e, TOP_K=ids.shape[1],
         K_BLOCKS=slice_ // 64 // split_d, KU=ku_d, G=g, FMT=code, BN=cfg.block_n_down, MEM=mem,
         SPLIT_GU=split_gu, SPAN=factored_span(cfg, fmt, g, ku_d), WORDS=words,
-        num_warps=cfg.warps_down)
+        num_warps=cfg.warps_down, **pdl)
     return out
 
 

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from hetmoe.kernels.dequant import codes_half, dequant_half, factored_half, silu_mul_bf16
 from hetmoe.kernels.int4_words import block_words, half_sum, span_end, word_lanes
+from hetmoe.kernels.pdl import start_next, wait_prior
 
 
 @triton.jit
@@ -42,11 +43,13 @@ def pair_down_kernel(act_ptr, ids_ptr, weights_ptr, packed_ptr, out_ptr, H, S, H
                      DOWN_OFFSET, NB_BYTES, SCALE_OFF, NUM_E, TOP_K: tl.constexpr, K_BLOCKS,
                      KU: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
                      MEM: tl.constexpr, SPLIT_GU: tl.constexpr, SPAN: tl.constexpr,
-                     WORDS: tl.constexpr):
+                     WORDS: tl.constexpr, PDL: tl.constexpr):
     """act: `pair_gate_up`'s output for SPLIT_GU shares; ids, weights [T K] (weights any
     float, used in fp32); out [T, H] fp32; HN = H padded to 16 (the down matrix's rows). Grid
     (T K, cdiv(H, BN), SPLIT). K_BLOCKS: 64-k blocks of one share (S / 64 / SPLIT), a
-    multiple of KU. SPAN, WORDS: as `pair_gate_up`'s."""
+    multiple of KU. SPAN, WORDS: as `pair_gate_up`'s. PDL: launched as a programmatic
+    dependent (kernels/pdl.py)."""
+    wait_prior(PDL)
     pair = tl.program_id(0)  # pairs on the grid's first axis: no 65,535 limit
     pid_n = tl.program_id(1)
     share = tl.program_id(2)
@@ -64,6 +67,7 @@ def pair_down_kernel(act_ptr, ids_ptr, weights_ptr, packed_ptr, out_ptr, H, S, H
         else:
             y = _down_halves(act_ptr, pair, S, base, nb, k0, K_BLOCKS, KU, NB_BYTES, SCALE_OFF,
                              G, FMT, BN, MEM, SPLIT_GU, SPAN)
+        start_next(PDL)
         weight = tl.load(weights_ptr + pair).to(tl.float32)
         tl.atomic_add(dst, y * weight, mask=n < H, sem="relaxed")
     elif expert >= NUM_E:

@@ -27,6 +27,7 @@ from hetmoe.kernels.dequant import (
     to_bf16,
 )
 from hetmoe.kernels.int4_words import block_words, half_sum, span_end, word_lanes
+from hetmoe.kernels.pdl import start_next, wait_prior
 
 
 @triton.jit
@@ -34,14 +35,17 @@ def pair_gate_up_kernel(x_ptr, stride_x, ids_ptr, packed_ptr, act_ptr, out_ptr, 
                         EXPERT_BYTES, NB_BYTES, SCALE_OFF, NUM_E, TOP_K: tl.constexpr,
                         K_BLOCKS, KU: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr,
                         BN: tl.constexpr, ZN: tl.constexpr, MEM: tl.constexpr,
-                        SPLIT: tl.constexpr, SPAN: tl.constexpr, WORDS: tl.constexpr):
+                        SPLIT: tl.constexpr, SPAN: tl.constexpr, WORDS: tl.constexpr,
+                        PDL: tl.constexpr):
     """x [T, H] any float (rounded to bf16 here; row stride stride_x); ids [T K] int; packed
     uint8 (expert e at e * EXPERT_BYTES); act out: [T K, S] bf16 (SPLIT 1) or [T K, SPLIT, 2S]
     fp32 gate (first S) and up sums per share; out [T, H] fp32, columns
     [pid_n ZN, pid_n ZN + ZN) of each token zeroed. Grid (T K, S / BN, SPLIT). K_BLOCKS: 64-k
     blocks of one share (Hp / 64 / SPLIT), a multiple of KU. SPAN: 0 (bf16 weights) or the
     32-k halves one group scale covers, dividing G / 32 and 2 KU. WORDS (int4, SPAN > 0): read
-    the codes as words (`int4_words`)."""
+    the codes as words (`int4_words`). PDL: launched as a programmatic dependent
+    (kernels/pdl.py)."""
+    wait_prior(PDL)
     pair = tl.program_id(0)  # pairs on the grid's first axis: no 65,535 limit
     pid_n = tl.program_id(1)
     share = tl.program_id(2)
@@ -60,6 +64,7 @@ def pair_gate_up_kernel(x_ptr, stride_x, ids_ptr, packed_ptr, act_ptr, out_ptr, 
         else:
             g, u = _gate_up_halves(x_row, H, base, gate_nb, share * K_BLOCKS, K_BLOCKS, KU,
                                    NB_BYTES, SCALE_OFF, G, FMT, BN, MEM, SPAN)
+        start_next(PDL)
         r = pid_n * BN + tl.arange(0, BN)  # rows of the group's slice (S is a multiple of 64)
         if SPLIT == 1:
             tl.store(act_ptr + pair.to(tl.int64) * S + r, silu_mul_bf16(g, u))

@@ -104,9 +104,23 @@ class FusedDecoder:
         if fn is None:
             fn = make()
             if self.compile:
-                fn = explain_compile_errors(torch.compile(fn, fullgraph=True, dynamic=False))
+                fn = explain_compile_errors(torch.compile(
+                    fn, fullgraph=True, dynamic=False, options=self._inductor_options()))
             _FUNCTIONS[(key, self.compile)] = fn
         return fn
+
+    def _inductor_options(self) -> dict[str, Any]:
+        """Inductor's options for the layer functions: where the Triton kernels launch as
+        programmatic dependents (kernels/pdl.py), Inductor's own kernels between them do too
+        (its `triton.enable_pdl`, where this torch has it), so no plain launch breaks the chain."""
+        import torch._inductor.config as inductor
+
+        device = self.base.embed_tokens.weight.device
+        if self.kernels != "triton" or not hasattr(inductor.triton, "enable_pdl"):
+            return {}
+        from hetmoe.kernels import pdl
+
+        return {"triton.enable_pdl": pdl.enabled(device)}
 
     def _layer_fn(self, statics: LayerStatics) -> Callable[..., tuple[Any, ...]]:
         if statics.attention == "mla":

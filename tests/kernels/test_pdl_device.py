@@ -1,0 +1,113 @@
+"""Programmatic dependent launch (kernels/pdl.py) on the GPU (`pytest -m device`): the decode
+step's kernels chained as a step chains them (input norm + q/k/v, attention with its cache
+write, o_proj, router, the two pair kernels, the residual) over 4 layers, captured in a CUDA
+graph with dependent launches and without, each replayed 20 times on the same inputs: the same
+bits in every replay and both ways (a kernel that read an input before the kernel writing it had
+finished, or wrote a buffer the kernel before it still read, would show as a difference)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from test_packed_moe import make_layer
+
+from hetmoe.kernels import pdl
+from hetmoe.kernels.gemv_residual import gemv_residual
+from hetmoe.kernels.gqa_decode import gqa_decode_attention
+from hetmoe.kernels.moe_router import moe_router, row_tickets
+from hetmoe.kernels.norm_gemv import norm_gemv
+from hetmoe.kernels.packed_moe import packed_moe
+
+pytestmark = [
+    pytest.mark.device,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device machine)"),
+]
+
+H, HEADS, KV_HEADS, D, EXPERTS, TOP_K, LAYERS, EPS = 256, 4, 2, 64, 8, 2, 4, 1e-6
+
+
+def test_on_for_hopper_and_off_by_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = torch.device("cuda")
+    assert pdl.enabled(cuda) == (torch.cuda.get_device_capability() >= (9, 0))
+    assert not pdl.enabled(torch.device("cpu"))
+    monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "off")
+    assert not pdl.enabled(cuda) and pdl.launch_args(cuda) == {"PDL": False}
+    monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "maybe")
+    with pytest.raises(ValueError, match="HETMOE_DEPENDENT_LAUNCH must be on or off"):
+        pdl.enabled(cuda)
+
+
+def decode_chain() -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
+    """A step over LAYERS random layers at batch 1 -> (step, the hidden row it starts from)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).bfloat16()
+
+    layers = []
+    for n in range(LAYERS):
+        experts = make_layer("int8", EXPERTS, H, 128, 32, seed=n)
+        layers.append(dict(
+            norms=(rand(H) + 1, rand(H) + 1, rand(D) + 1, rand(D) + 1),
+            qkv=rand((HEADS + 2 * KV_HEADS) * D, H, scale=H ** -0.5),
+            o=rand(H, HEADS * D, scale=(HEADS * D) ** -0.5), router=rand(EXPERTS, H),
+            cache=rand(1, 128, 2, KV_HEADS, D), packed=experts.raw.cuda(), part=experts.part))
+    h0 = rand(1, H)
+    tickets = row_tickets(64, "cuda")
+    zero, pos, slots = (torch.tensor([v], device="cuda") for v in (0, 70, 0))
+    angles = torch.rand(1, D, device="cuda", generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+
+    def step() -> torch.Tensor:
+        h = h0
+        for w in layers:
+            qkv = norm_gemv(h, w["norms"][0], EPS, w["qkv"])
+            q, k, v = (t.view(1, -1, D) for t in qkv.split(
+                [HEADS * D, KV_HEADS * D, KV_HEADS * D], dim=-1))
+            attn = gqa_decode_attention(q, k, v, w["cache"], slots, zero, pos, 2, D ** -0.5,
+                                        w["norms"][2], w["norms"][3], EPS, cos, sin)
+            o = gemv_residual(attn.view(1, -1), w["o"])
+            h, x, stage = moe_router(h, o, w["norms"][1], EPS, w["router"], None, tickets,
+                                     TOP_K, False, True, 1.0, False, True)
+            ids = stage[H:H + 2 * TOP_K].view(torch.int64).view(1, TOP_K)
+            weights = stage[H + 2 * TOP_K:].view(torch.float32).view(1, TOP_K)
+            out = packed_moe(x, ids, weights, w["packed"], w["part"], "int8", H, 32,
+                             path="pairs")
+            h = (h.float() + out).bfloat16()
+        return h
+
+    return step, h0
+
+
+def replays(step: Callable[[], torch.Tensor], times: int) -> list[torch.Tensor]:
+    """`step` run once (its kernels compile), captured, replayed `times` times -> the outputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    outs = []
+    for _ in range(times):
+        graph.replay()
+        outs.append(out.clone())
+    torch.cuda.synchronize()
+    return outs
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0),
+                    reason="dependent launches need compute capability 9.0+")
+def test_a_graph_of_dependent_launches_gives_the_same_bits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    step, _ = decode_chain()
+    monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "off")
+    plain = replays(step, 20)
+    monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "on")
+    dependent = replays(step, 20)
+    assert plain[0].isfinite().all() and plain[0].abs().max() > 0
+    for out in plain + dependent:
+        assert torch.equal(out, plain[0])
