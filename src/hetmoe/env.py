@@ -104,8 +104,8 @@ def decode_kernels() -> str:
 
 def dependent_launch() -> bool:
     """HETMOE_DEPENDENT_LAUNCH=on|off: the decode step's Triton kernels launch as programmatic
-    dependents on GPUs of compute capability 9.0+ (each starts while the one before it
-    drains: kernels/pdl.py; default on)."""
+    dependents on GPUs of compute capability 9.0+ where every routed expert is GPU-resident (each
+    starts while the one before it drains: kernels/pdl.py; default on)."""
     value = _get("HETMOE_DEPENDENT_LAUNCH", "on")
     if value not in ("on", "off"):
         raise ValueError(f"HETMOE_DEPENDENT_LAUNCH must be on or off, got {value!r}")

@@ -3,7 +3,8 @@ step's kernels chained as a step chains them (input norm + q/k/v, attention with
 write, o_proj, router, the two pair kernels, the residual) over 4 layers, captured in a CUDA
 graph with dependent launches and without, each replayed 20 times on the same inputs: the same
 bits in every replay and both ways (a kernel that read an input before the kernel writing it had
-finished, or wrote a buffer the kernel before it still read, would show as a difference)."""
+finished, or wrote a buffer the kernel before it still read, would show as a difference). The
+switch itself (`allowed`, HETMOE_DEPENDENT_LAUNCH) is tested on any machine in test_pdl.py."""
 
 from __future__ import annotations
 
@@ -28,15 +29,15 @@ pytestmark = [
 H, HEADS, KV_HEADS, D, EXPERTS, TOP_K, LAYERS, EPS = 256, 4, 2, 64, 8, 2, 4, 1e-6
 
 
-def test_on_for_hopper_and_off_by_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_for_hopper_inside_allowed_alone() -> None:
     cuda = torch.device("cuda")
-    assert pdl.enabled(cuda) == (torch.cuda.get_device_capability() >= (9, 0))
-    assert not pdl.enabled(torch.device("cpu"))
-    monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "off")
     assert not pdl.enabled(cuda) and pdl.launch_args(cuda) == {"PDL": False}
-    monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "maybe")
-    with pytest.raises(ValueError, match="HETMOE_DEPENDENT_LAUNCH must be on or off"):
-        pdl.enabled(cuda)
+    with pdl.allowed(True):
+        hopper = torch.cuda.get_device_capability() >= (9, 0)
+        assert pdl.enabled(cuda) == hopper
+        assert pdl.launch_args(cuda) == ({"PDL": True, "launch_pdl": True} if hopper
+                                         else {"PDL": False})
+    assert not pdl.enabled(cuda)
 
 
 def decode_chain() -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
@@ -101,13 +102,12 @@ def replays(step: Callable[[], torch.Tensor], times: int) -> list[torch.Tensor]:
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0),
                     reason="dependent launches need compute capability 9.0+")
-def test_a_graph_of_dependent_launches_gives_the_same_bits(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_graph_of_dependent_launches_gives_the_same_bits() -> None:
     step, _ = decode_chain()
-    monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "off")
     plain = replays(step, 20)
-    monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "on")
-    dependent = replays(step, 20)
+    with pdl.allowed(True):
+        assert pdl.enabled(torch.device("cuda"))
+        dependent = replays(step, 20)
     assert plain[0].isfinite().all() and plain[0].abs().max() > 0
     for out in plain + dependent:
         assert torch.equal(out, plain[0])

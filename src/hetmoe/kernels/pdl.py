@@ -11,13 +11,19 @@ launched without the flag (Inductor's, cuBLAS) waits as usual, and `wait_prior` 
 in a kernel that was not launched as a dependent: correctness never depends on the flag.
 
 The decode step's kernels (norm_gemv, gemv_residual, gqa_decode, moe_router, the pair kernels)
-take `PDL` as a constexpr and are launched through `launch_args(device)`. Off where Triton
-interprets (CPU tests), below compute capability 9.0, or with HETMOE_DEPENDENT_LAUNCH=off.
+take `PDL` as a constexpr and are launched through `launch_args(device)`. On only inside
+`allowed(True)`, which the fused decode step opens where no layer has CPU work (measured on an
+H100, docs/benchmarks/gpu_kernels.md round 10: every expert resident 296 -> 317 tok/s; every
+expert on the CPU 50.0 -> 44.2, so not there); off where Triton interprets (CPU tests), below
+compute capability 9.0, or with HETMOE_DEPENDENT_LAUNCH=off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 import triton
@@ -42,9 +48,25 @@ def start_next(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+_ALLOWED: ContextVar[bool] = ContextVar("dependent_launch_allowed", default=False)
+
+
+@contextlib.contextmanager
+def allowed(flag: bool) -> Iterator[None]:
+    """Kernels launched inside launch as programmatic dependents where `flag` and `enabled`
+    (outside any: never)."""
+    token = _ALLOWED.set(flag)
+    try:
+        yield
+    finally:
+        _ALLOWED.reset(token)
+
+
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch as programmatic dependents."""
-    if device.type != "cuda" or triton.knobs.runtime.interpret or not env.dependent_launch():
+    """Whether kernels on `device` launch as programmatic dependents here (`allowed`)."""
+    if not _ALLOWED.get() or not env.dependent_launch():
+        return False
+    if device.type != "cuda" or triton.knobs.runtime.interpret:
         return False
     return _capability(device.index if device.index is not None else
                        torch.cuda.current_device()) >= (9, 0)

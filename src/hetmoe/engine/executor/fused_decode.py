@@ -71,6 +71,16 @@ def explain_compile_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _inductor_options(dependent: bool) -> dict[str, Any]:
+    """Inductor's options for the layer functions: where the Triton kernels launch as
+    programmatic dependents (kernels/pdl.py), Inductor's own kernels between them do too (its
+    `triton.enable_pdl`, where this torch has it), so no plain launch breaks the chain."""
+    import torch._inductor.config as inductor
+
+    return {"triton.enable_pdl": True} if dependent and hasattr(inductor.triton, "enable_pdl") \
+        else {}
+
+
 class FusedDecoder:
     """Runs decode steps of `model` through the layer functions, MoE layers via `overlap`."""
 
@@ -90,6 +100,10 @@ class FusedDecoder:
         if kernels not in ("triton", "torch"):
             raise ValueError(f"FusedDecoder: kernels must be triton or torch, got {kernels!r}")
         self.kernels = kernels
+        self.dependent = False
+        """Whether the step running launches its kernels as programmatic dependents
+        (`_dependent_launch`, decided at each step's start; its compiled layer functions
+        are Inductor's with the same setting)."""
         self.tickets: list[torch.Tensor] = []
         """kernels/moe_router.py's row tickets (`row_tickets`), the last the one in use: every
         one made is kept, as a captured CUDA graph replays the address it was captured with."""
@@ -100,27 +114,27 @@ class FusedDecoder:
             config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
 
     def _fn(self, key: Any, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
-        fn = _FUNCTIONS.get((key, self.compile))
+        dependent = self.dependent
+        fn = _FUNCTIONS.get((key, self.compile, dependent))
         if fn is None:
             fn = make()
             if self.compile:
                 fn = explain_compile_errors(torch.compile(
-                    fn, fullgraph=True, dynamic=False, options=self._inductor_options()))
-            _FUNCTIONS[(key, self.compile)] = fn
+                    fn, fullgraph=True, dynamic=False, options=_inductor_options(dependent)))
+            _FUNCTIONS[(key, self.compile, dependent)] = fn
         return fn
 
-    def _inductor_options(self) -> dict[str, Any]:
-        """Inductor's options for the layer functions: where the Triton kernels launch as
-        programmatic dependents (kernels/pdl.py), Inductor's own kernels between them do too
-        (its `triton.enable_pdl`, where this torch has it), so no plain launch breaks the chain."""
-        import torch._inductor.config as inductor
-
-        device = self.base.embed_tokens.weight.device
-        if self.kernels != "triton" or not hasattr(inductor.triton, "enable_pdl"):
-            return {}
+    def _dependent_launch(self) -> bool:
+        """Whether this step's kernels launch as programmatic dependents (kernels/pdl.py): on a
+        GPU of compute capability 9.0+ where no layer has CPU work (every routed expert
+        resident; with CPU experts it measured slower, see kernels/pdl.py)."""
+        placement = getattr(self.overlap, "placement", None)
+        if self.kernels != "triton" or placement is None or not placement.everything:
+            return False
         from hetmoe.kernels import pdl
 
-        return {"triton.enable_pdl": pdl.enabled(device)}
+        with pdl.allowed(True):
+            return pdl.enabled(self.base.embed_tokens.weight.device)
 
     def _layer_fn(self, statics: LayerStatics) -> Callable[..., tuple[Any, ...]]:
         if statics.attention == "mla":
@@ -133,6 +147,16 @@ class FusedDecoder:
         """ids [B, 1] -> final hidden states [B, 1, H], the module path's `_forward` result;
         attention reads the first `kv.kv_len` cache entries (the step's window bucket).
         `before_layer(n)` runs before decoder layer n (a graph capture splits there)."""
+        self.dependent = self._dependent_launch()
+        if not self.dependent:
+            return self._forward(ids, kv, before_layer)
+        from hetmoe.kernels import pdl
+
+        with pdl.allowed(True):
+            return self._forward(ids, kv, before_layer)
+
+    def _forward(self, ids: torch.Tensor, kv: KVBatch,
+                 before_layer: Callable[[int], None] | None) -> torch.Tensor:
         b = ids.shape[0]
         h = self.base.embed_tokens(ids)  # [B, 1, H]
         rotary = self.base.rotary_emb(h, kv.positions)

@@ -1,0 +1,63 @@
+"""kernels/pdl.py's switch, on any machine: dependent launches only inside `allowed(True)`, never
+on a CPU tensor's device or under the interpreter, off by HETMOE_DEPENDENT_LAUNCH=off, a bad
+value named; the fused decode step allows them only where no layer has CPU work (the GPU's
+own test of the launches: test_pdl_device.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pdl = pytest.importorskip("hetmoe.kernels.pdl", reason="the kernels need Triton")
+
+from hetmoe.engine.executor.fused_decode import FusedDecoder  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def test_allowed_scopes_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert pdl.launch_args(CPU) == {"PDL": False}
+    with pdl.allowed(True):
+        assert not pdl.enabled(CPU)  # no GPU here: never a dependent launch
+        with pdl.allowed(False):
+            assert not pdl._ALLOWED.get()
+        assert pdl._ALLOWED.get()
+    assert not pdl._ALLOWED.get()
+
+
+def test_the_variable_turns_it_off_and_a_bad_value_is_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(pdl.triton.knobs.runtime, "interpret", False)
+    gpu = torch.device("cuda", 0)
+    with pdl.allowed(True):
+        assert pdl.enabled(gpu) and pdl.launch_args(gpu) == {"PDL": True, "launch_pdl": True}
+        monkeypatch.setattr(pdl, "_capability", lambda index: (8, 9))
+        assert not pdl.enabled(gpu)
+        monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
+        monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "off")
+        assert not pdl.enabled(gpu)
+        monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "maybe")
+        with pytest.raises(ValueError, match="HETMOE_DEPENDENT_LAUNCH must be on or off"):
+            pdl.enabled(gpu)
+    monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "on")
+    assert not pdl.enabled(gpu)  # outside `allowed`
+
+
+@pytest.mark.parametrize(("kernels", "everything", "want"), [
+    ("triton", True, True), ("triton", False, False), ("triton", None, False),
+    ("torch", True, False)])
+def test_the_decode_step_allows_them_only_without_cpu_work(
+        monkeypatch: pytest.MonkeyPatch, kernels: str, everything: bool | None,
+        want: bool) -> None:
+    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(pdl.triton.knobs.runtime, "interpret", False)
+    decoder = FusedDecoder.__new__(FusedDecoder)  # the fields `_dependent_launch` reads
+    placement = None if everything is None else SimpleNamespace(everything=everything)
+    decoder.overlap = SimpleNamespace(placement=placement)  # type: ignore[assignment]
+    decoder.kernels = kernels
+    weight = SimpleNamespace(device=torch.device("cuda", 0))
+    decoder.base = SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight))
+    assert decoder._dependent_launch() is want
