@@ -102,11 +102,13 @@ def decode_kernels() -> str:
     return value
 
 
-def dependent_launch() -> bool:
-    """HETMOE_DEPENDENT_LAUNCH=on|off: the decode step's Triton kernels launch as programmatic
-    dependents on GPUs of compute capability 9.0+ where every routed expert is GPU-resident (each
-    starts while the one before it drains: kernels/pdl.py; default on)."""
+def dependent_launch() -> str:
+    """HETMOE_DEPENDENT_LAUNCH=on|off|always: the decode step's Triton kernels launch as
+    programmatic dependents on GPUs of compute capability 9.0+ (each starts while the one before
+    it drains: kernels/pdl.py) where every routed expert is GPU-resident (on, the default),
+    never (off), or also in steps with CPU experts (always: measured slower there, kept to
+    measure it again)."""
     value = _get("HETMOE_DEPENDENT_LAUNCH", "on")
-    if value not in ("on", "off"):
-        raise ValueError(f"HETMOE_DEPENDENT_LAUNCH must be on or off, got {value!r}")
-    return value == "on"
+    if value not in ("on", "off", "always"):
+        raise ValueError(f"HETMOE_DEPENDENT_LAUNCH must be on, off or always, got {value!r}")
+    return value

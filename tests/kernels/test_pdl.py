@@ -1,7 +1,7 @@
 """kernels/pdl.py's switch, on any machine: dependent launches only inside `allowed(True)`, never
 on a CPU tensor's device or under the interpreter, off by HETMOE_DEPENDENT_LAUNCH=off, a bad
-value named; the fused decode step allows them only where no layer has CPU work (the GPU's
-own test of the launches: test_pdl_device.py)."""
+value named; the fused decode step allows them only where no layer has CPU work, or anywhere
+with =always (the GPU's own test of the launches: test_pdl_device.py)."""
 
 from __future__ import annotations
 
@@ -40,18 +40,21 @@ def test_the_variable_turns_it_off_and_a_bad_value_is_named(
         monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "off")
         assert not pdl.enabled(gpu)
         monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "maybe")
-        with pytest.raises(ValueError, match="HETMOE_DEPENDENT_LAUNCH must be on or off"):
+        with pytest.raises(ValueError, match="HETMOE_DEPENDENT_LAUNCH must be on, off or always"):
             pdl.enabled(gpu)
     monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "on")
     assert not pdl.enabled(gpu)  # outside `allowed`
 
 
-@pytest.mark.parametrize(("kernels", "everything", "want"), [
-    ("triton", True, True), ("triton", False, False), ("triton", None, False),
-    ("torch", True, False)])
+@pytest.mark.parametrize(("kernels", "everything", "variable", "want"), [
+    ("triton", True, "on", True), ("triton", False, "on", False), ("triton", None, "on", False),
+    ("torch", True, "on", False), ("triton", True, "off", False),
+    ("triton", False, "always", True), ("triton", None, "always", True),
+    ("torch", None, "always", False)])
 def test_the_decode_step_allows_them_only_without_cpu_work(
-        monkeypatch: pytest.MonkeyPatch, kernels: str, everything: bool | None,
+        monkeypatch: pytest.MonkeyPatch, kernels: str, everything: bool | None, variable: str,
         want: bool) -> None:
+    monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", variable)
     monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(pdl.triton.knobs.runtime, "interpret", False)
     decoder = FusedDecoder.__new__(FusedDecoder)  # the fields `_dependent_launch` reads

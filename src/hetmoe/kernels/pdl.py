@@ -15,7 +15,8 @@ take `PDL` as a constexpr and are launched through `launch_args(device)`. On onl
 `allowed(True)`, which the fused decode step opens where no layer has CPU work (measured on an
 H100, docs/benchmarks/gpu_kernels.md round 10: every expert resident 296 -> 317 tok/s; every
 expert on the CPU 50.0 -> 44.2, so not there); off where Triton interprets (CPU tests), below
-compute capability 9.0, or with HETMOE_DEPENDENT_LAUNCH=off.
+compute capability 9.0, or with HETMOE_DEPENDENT_LAUNCH=off (=always: the fused step allows
+them with CPU experts too, to measure that case again).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def allowed(flag: bool) -> Iterator[None]:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch as programmatic dependents here (`allowed`)."""
-    if not _ALLOWED.get() or not env.dependent_launch():
+    if not _ALLOWED.get() or env.dependent_launch() == "off":
         return False
     if device.type != "cuda" or triton.knobs.runtime.interpret:
         return False

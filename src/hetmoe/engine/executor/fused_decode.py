@@ -127,9 +127,13 @@ class FusedDecoder:
     def _dependent_launch(self) -> bool:
         """Whether this step's kernels launch as programmatic dependents (kernels/pdl.py): on a
         GPU of compute capability 9.0+ where no layer has CPU work (every routed expert
-        resident; with CPU experts it measured slower, see kernels/pdl.py)."""
+        resident; with CPU experts it measured slower, see kernels/pdl.py), or anywhere with
+        HETMOE_DEPENDENT_LAUNCH=always."""
+        if self.kernels != "triton":
+            return False
         placement = getattr(self.overlap, "placement", None)
-        if self.kernels != "triton" or placement is None or not placement.everything:
+        resident = placement is not None and placement.everything
+        if not resident and env.dependent_launch() != "always":
             return False
         from hetmoe.kernels import pdl
 
