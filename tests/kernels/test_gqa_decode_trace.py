@@ -1,14 +1,12 @@
 """The GQA decode op (kernels/gqa_decode.py) as torch.compile traces it inside the fused decode
-step, on any machine: Dynamo, then AOTAutograd, which decomposes the triton_op into its kernels
-and finds the tensors they write in their TTIR (for an sm_90 target: no GPU code is built and
-nothing is launched). The window's chunk count must stay one dynamic dimension, as
-engine/executor/fused_decode.py's `_window` marks it: every window bucket shares one compiled
-graph. The op's [B, h, S, D] partials had S = 1 at 2 chunks (windows up to 128 entries), and
-their layout check specialized the chunk count there (`mark_dynamic` failed, a bucket of 2 chunks
-compiled a graph of its own: the graph device check's `graph_buckets_no_compile`).
+step, on any machine: Dynamo, then AOTAutograd, which keeps the custom op as one node (its fake
+implementation gives the output's shape; nothing is launched). The window's chunk count must stay
+one dynamic dimension, as engine/executor/fused_decode.py's `_window` marks it: every window
+bucket shares one compiled graph. (When the op was a triton_op, AOTAutograd traced its kernels and
+the [B, h, S, D] partials' layout check specialized S = 1 at 2 chunks: a bucket of 2 chunks
+compiled a graph of its own, the graph device check's `graph_buckets_no_compile`.)
 
-Runs in a process without TRITON_INTERPRET (hopper_compile.py): the interpreter's kernels cannot
-be traced."""
+Runs in a process without TRITON_INTERPRET (hopper_compile.py), as on a GPU."""
 
 from __future__ import annotations
 
