@@ -257,8 +257,7 @@ def gqa_decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     cos = cos.reshape(b, d).contiguous() if cos is not None else q
     sin = sin.reshape(b, d).contiguous() if sin is not None else q
     splits = (num_chunks + CHUNKS_PER_SPLIT - 1) // CHUNKS_PER_SPLIT
-    # part [B, h, S, D] and stat [B, h, S, 2] allocated flat: a compiler checking a 4-d
-    # layout's contiguity guards on S != 1, which specializes a chunk count of 2 (S = 1)
+    # part [B, h, S, D] and stat [B, h, S, 2], flat (the kernels index them by hand)
     part = q.new_empty((b * h * splits * d,), dtype=torch.float32)
     stat = q.new_empty((b * h * splits * 2,), dtype=torch.float32)
     out = q.new_empty((b, h, d))
