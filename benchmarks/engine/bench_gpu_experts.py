@@ -72,6 +72,9 @@ def profile_steps(runner: ModelRunner, prompt: list[int], steps: int = 16) -> di
     per_step = full.minus(base, steps)
     busy, count = per_step.busy_us, per_step.calls
     print(f"GPU busy {busy:.0f} us/step over {count:.0f} kernels/step")
+    if runner.fused is not None and runner.fused.dependent:
+        print("  (programmatic dependent launches: a kernel's time includes its wait for the one "
+              "before it)")
     for r in per_step.rows[:30]:
         print(f"{r.us:9.1f} us/step {r.calls:6.1f} calls/step  {r.name[:90]}")
     return {"busy_us_per_step": round(busy, 1), "kernels_per_step": round(count, 1),
@@ -191,6 +194,7 @@ def decode_rows(runner: ModelRunner, plan: Any, args: argparse.Namespace, prompt
                      if a != b), len(run.tokens))
         rows.append({"deferred": d, "defer_order": order, "placement_interval": interval,
                      "decode_kernels": runner.fused.kernels if runner.fused else None,
+                     "dependent_launch": bool(runner.fused and runner.fused.dependent),
                      "pair_config": list(fields), "pair_config_shipped": shape is None,
                      "moves": runner.policy.moves if runner.policy is not None else 0,
                      "tok_s": round(run.tok_s, 2), "mean_tok_s": round(run.mean_tok_s, 2),
