@@ -61,6 +61,19 @@ def test_the_decode_step_allows_them_only_without_cpu_work(
     placement = None if everything is None else SimpleNamespace(everything=everything)
     decoder.overlap = SimpleNamespace(placement=placement)  # type: ignore[assignment]
     decoder.kernels = kernels
+    decoder.gqa_only = True
     weight = SimpleNamespace(device=torch.device("cuda", 0))
     decoder.base = SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight))
     assert decoder._dependent_launch() is want
+
+
+def test_models_with_mla_layers_keep_plain_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "always")
+    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(pdl.triton.knobs.runtime, "interpret", False)
+    decoder = FusedDecoder.__new__(FusedDecoder)
+    decoder.overlap = SimpleNamespace(placement=SimpleNamespace(everything=True))  # type: ignore[assignment]
+    decoder.kernels, decoder.gqa_only = "triton", False
+    weight = SimpleNamespace(device=torch.device("cuda", 0))
+    decoder.base = SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight))
+    assert decoder._dependent_launch() is False

@@ -12,11 +12,12 @@ in a kernel that was not launched as a dependent: correctness never depends on t
 
 The decode step's kernels (norm_gemv, gemv_residual, gqa_decode, moe_router, the pair kernels)
 take `PDL` as a constexpr and are launched through `launch_args(device)`. On only inside
-`allowed(True)`, which the fused decode step opens where no layer has CPU work (measured on an
-H100, docs/benchmarks/gpu_kernels.md round 10: every expert resident 296 -> 317 tok/s; every
-expert on the CPU 50.0 -> 44.2, so not there); off where Triton interprets (CPU tests), below
-compute capability 9.0, or with HETMOE_DEPENDENT_LAUNCH=off (=always: the fused step allows
-them with CPU experts too, to measure that case again).
+`allowed(True)`, which the fused decode step opens where no layer has CPU work and every layer is
+GQA (measured on an H100, docs/benchmarks/gpu_kernels.md round 10: every expert resident 296 ->
+317 tok/s; every expert on the CPU 50.0 -> 44.2, so not there; MLA steps not measured); off
+where Triton interprets (CPU tests), below compute capability 9.0, or with
+HETMOE_DEPENDENT_LAUNCH=off (=always: the fused step allows them with CPU experts too, to
+measure that case again).
 """
 
 from __future__ import annotations

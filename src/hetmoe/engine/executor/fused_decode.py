@@ -100,6 +100,9 @@ class FusedDecoder:
         if kernels not in ("triton", "torch"):
             raise ValueError(f"FusedDecoder: kernels must be triton or torch, got {kernels!r}")
         self.kernels = kernels
+        self.gqa_only = all(plan.statics.attention != "mla" for plan in self.plans)
+        """Whether every layer runs the GQA kernels (MLA layers are Inductor's torch ops: their
+        steps have not been measured with dependent launches, so they keep plain ones)."""
         self.dependent = False
         """Whether the step running launches its kernels as programmatic dependents
         (`_dependent_launch`, decided at each step's start; its compiled layer functions
@@ -126,10 +129,10 @@ class FusedDecoder:
 
     def _dependent_launch(self) -> bool:
         """Whether this step's kernels launch as programmatic dependents (kernels/pdl.py): on a
-        GPU of compute capability 9.0+ where no layer has CPU work (every routed expert
-        resident; with CPU experts it measured slower, see kernels/pdl.py), or anywhere with
-        HETMOE_DEPENDENT_LAUNCH=always."""
-        if self.kernels != "triton":
+        GPU of compute capability 9.0+, in models of GQA layers, where no layer has CPU work
+        (every routed expert resident; with CPU experts it measured slower, see kernels/pdl.py),
+        or with CPU work too under HETMOE_DEPENDENT_LAUNCH=always."""
+        if self.kernels != "triton" or not self.gqa_only:
             return False
         placement = getattr(self.overlap, "placement", None)
         resident = placement is not None and placement.everything
