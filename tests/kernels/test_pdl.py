@@ -27,10 +27,16 @@ def test_allowed_scopes_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not pdl._ALLOWED.get()
 
 
-def test_the_variable_turns_it_off_and_a_bad_value_is_named(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda:0 reads as a compute capability 9.0 GPU whose kernels are compiled."""
     monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(pdl.triton.knobs.runtime, "interpret", False)
+
+
+@pytest.mark.usefixtures("hopper")
+def test_the_variable_turns_it_off_and_a_bad_value_is_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     gpu = torch.device("cuda", 0)
     with pdl.allowed(True):
         assert pdl.enabled(gpu) and pdl.launch_args(gpu) == {"PDL": True, "launch_pdl": True}
@@ -43,9 +49,22 @@ def test_the_variable_turns_it_off_and_a_bad_value_is_named(
         with pytest.raises(ValueError, match="HETMOE_DEPENDENT_LAUNCH must be on, off or always"):
             pdl.enabled(gpu)
     monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "on")
-    assert not pdl.enabled(gpu)  # outside `allowed`
+    assert pdl.supported(gpu) and not pdl.enabled(gpu)  # outside `allowed`
 
 
+def decoder(kernels: str, everything: bool | None, gqa_only: bool = True) -> FusedDecoder:
+    """A FusedDecoder with only the fields `_dependent_launch` reads, on cuda:0: its placement
+    holding every expert or not (None: no placement)."""
+    made = FusedDecoder.__new__(FusedDecoder)
+    placement = None if everything is None else SimpleNamespace(everything=everything)
+    made.overlap = SimpleNamespace(placement=placement)  # type: ignore[assignment]
+    made.kernels, made.gqa_only = kernels, gqa_only
+    weight = SimpleNamespace(device=torch.device("cuda", 0))
+    made.base = SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight))
+    return made
+
+
+@pytest.mark.usefixtures("hopper")
 @pytest.mark.parametrize(("kernels", "everything", "variable", "want"), [
     ("triton", True, "on", True), ("triton", False, "on", False), ("triton", None, "on", False),
     ("torch", True, "on", False), ("triton", True, "off", False),
@@ -55,25 +74,11 @@ def test_the_decode_step_allows_them_only_without_cpu_work(
         monkeypatch: pytest.MonkeyPatch, kernels: str, everything: bool | None, variable: str,
         want: bool) -> None:
     monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", variable)
-    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(pdl.triton.knobs.runtime, "interpret", False)
-    decoder = FusedDecoder.__new__(FusedDecoder)  # the fields `_dependent_launch` reads
-    placement = None if everything is None else SimpleNamespace(everything=everything)
-    decoder.overlap = SimpleNamespace(placement=placement)  # type: ignore[assignment]
-    decoder.kernels = kernels
-    decoder.gqa_only = True
-    weight = SimpleNamespace(device=torch.device("cuda", 0))
-    decoder.base = SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight))
-    assert decoder._dependent_launch() is want
+    assert decoder(kernels, everything)._dependent_launch() is want
 
 
+@pytest.mark.usefixtures("hopper")
 def test_models_with_mla_layers_keep_plain_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HETMOE_DEPENDENT_LAUNCH", "always")
-    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(pdl.triton.knobs.runtime, "interpret", False)
-    decoder = FusedDecoder.__new__(FusedDecoder)
-    decoder.overlap = SimpleNamespace(placement=SimpleNamespace(everything=True))  # type: ignore[assignment]
-    decoder.kernels, decoder.gqa_only = "triton", False
-    weight = SimpleNamespace(device=torch.device("cuda", 0))
-    decoder.base = SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight))
-    assert decoder._dependent_launch() is False
+    assert decoder("triton", True)._dependent_launch() is True
+    assert decoder("triton", True, gqa_only=False)._dependent_launch() is False

@@ -236,9 +236,9 @@ def moe_router(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor, eps: float,
     logits = h.new_empty((b, experts), dtype=torch.float32)
     grid = (b, triton.cdiv(experts, block_e))
     bias_or = logits if bias is None else bias  # BIAS off: never read
+    pdl = launch_args(h.device)
     route = dict(K=top_k, BLOCK_K=max(2, triton.next_power_of_2(top_k)), SIGMOID=sigmoid,
-                 BIAS=bias is not None, NORM=norm_topk_prob, ROUND_WEIGHTS=round_weights,
-                 **launch_args(h.device))
+                 BIAS=bias is not None, NORM=norm_topk_prob, ROUND_WEIGHTS=round_weights, **pdl)
     if tickets is not None:
         router_kernel[grid](
             h, o, norm, router, bias_or, h_out, x, stage, logits, tickets, b, hidden, experts,
@@ -247,8 +247,7 @@ def moe_router(h: torch.Tensor, o: torch.Tensor, norm: torch.Tensor, eps: float,
         return h_out, x, stage
     logits_kernel[grid](
         h, o, norm, router, h_out, x, stage, logits, hidden, experts, eps,
-        BLOCK_E=block_e, BLOCK_H=block_h, LOGITS_FP32=logits_fp32, num_warps=num_warps,
-        **launch_args(h.device))
+        BLOCK_E=block_e, BLOCK_H=block_h, LOGITS_FP32=logits_fp32, num_warps=num_warps, **pdl)
     topk_kernel[(b,)](
         logits, bias_or, x, stage, b, hidden, experts, scaling,
         BLOCK_E=triton.next_power_of_2(experts), **route)

@@ -55,7 +55,7 @@ _ALLOWED: ContextVar[bool] = ContextVar("dependent_launch_allowed", default=Fals
 
 @contextlib.contextmanager
 def allowed(flag: bool) -> Iterator[None]:
-    """Kernels launched inside launch as programmatic dependents where `flag` and `enabled`
+    """Kernels launched inside launch as programmatic dependents where `flag` and `supported`
     (outside any: never)."""
     token = _ALLOWED.set(flag)
     try:
@@ -64,14 +64,21 @@ def allowed(flag: bool) -> Iterator[None]:
         _ALLOWED.reset(token)
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch as programmatic dependents here (`allowed`)."""
-    if not _ALLOWED.get() or env.dependent_launch() == "off":
+def supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can launch as programmatic dependents: a CUDA GPU of compute
+    capability 9.0+, compiled (not interpreted), HETMOE_DEPENDENT_LAUNCH not off."""
+    if env.dependent_launch() == "off":
         return False
     if device.type != "cuda" or triton.knobs.runtime.interpret:
         return False
     return _capability(device.index if device.index is not None else
                        torch.cuda.current_device()) >= (9, 0)
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch as programmatic dependents here: `supported`, inside
+    `allowed(True)`."""
+    return _ALLOWED.get() and supported(device)
 
 
 @functools.cache

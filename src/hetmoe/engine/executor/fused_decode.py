@@ -140,8 +140,7 @@ class FusedDecoder:
             return False
         from hetmoe.kernels import pdl
 
-        with pdl.allowed(True):
-            return pdl.enabled(self.base.embed_tokens.weight.device)
+        return pdl.supported(self.base.embed_tokens.weight.device)
 
     def _layer_fn(self, statics: LayerStatics) -> Callable[..., tuple[Any, ...]]:
         if statics.attention == "mla":
