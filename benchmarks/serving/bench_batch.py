@@ -10,8 +10,8 @@ and mixed steps). Random weights have no tokenizer, so requests go straight to t
 experts that N of the job's prompts route to most are placed first (engine/preplacement.py),
 else each layer's first experts. Reports job tok/s (completion tokens / job wall time), all
 tokens per second, time to first and last result. `--stream-decode 0,auto` runs the jobs once
-per `EngineConfig.stream_decode_rows` setting (0, the default: every decode step on the decode
-path; auto: large decode steps may stream experts to the GPU, the decode tuner weighing them
+per `EngineConfig.stream_decode_rows` setting (0: every decode step on the decode path; auto, the
+engine's default: large decode steps may stream experts to the GPU, the decode tuner weighing them
 against the decode path), recording the rows from which steps weigh streaming and the k kept
 per row bucket (0: the decode path).
 
@@ -43,6 +43,7 @@ from hetmoe.bench.serving_runner import (
     serving_runner,
     stream_settings,
 )
+from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.preplacement import count_routing, sample_lines
 from hetmoe.engine.requests.batch_job import JobFiles, JobLine, read_lines, run_job
@@ -154,7 +155,8 @@ def main() -> None:
                         help="GiB of experts on the GPU, one job each")
     parser.add_argument("--placement-sample", type=int, default=32,
                         help="prompts routed to pick the experts placed (0: the first ones)")
-    parser.add_argument("--stream-decode", type=stream_settings, default=[0],
+    parser.add_argument("--stream-decode", type=stream_settings,
+                        default=[EngineConfig.stream_decode_rows],
                         help="EngineConfig.stream_decode_rows per job, e.g. 0,auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")

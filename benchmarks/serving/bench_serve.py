@@ -11,11 +11,11 @@ re-placed (`ModelRunner.place`), then every `--streams` count is a point (a warm
 first token, ms per step, the time to first token of each request (p50 and max in the table,
 every request's in the JSON), and the ratio to the 1-stream point of the same budget (one request
 alone, the baseline). `--stream-decode 0,auto` repeats the sweep per
-`EngineConfig.stream_decode_rows` setting (0, the default: every decode step on the decode path;
-auto: large steps may stream experts to the GPU), so one run compares them; each point records
-the rows from which decode steps weigh streaming and, per row bucket the decode tuner weighed,
-the k it kept (0: the decode path). The JSON is rewritten after every point, so a run cut short
-keeps the finished ones; past `--deadline` seconds from the start no new point begins.
+`EngineConfig.stream_decode_rows` setting (0: every decode step on the decode path; auto, the
+engine's default: large steps may stream experts to the GPU), so one run compares them; each
+point records the rows from which decode steps weigh streaming and, per row bucket the decode
+tuner weighed, the k it kept (0: the decode path). The JSON is rewritten after every point, so a
+run cut short keeps the finished ones; past `--deadline` seconds from the start no new point begins.
 `--wait-for FILE` holds the first point until FILE exists (another program building on this
 machine must not share its cores).
 
@@ -55,6 +55,7 @@ from hetmoe.bench.serving_runner import (
     serving_runner,
     stream_settings,
 )
+from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
 from hetmoe.engine.requests.sampler import SamplingParams
 from hetmoe.engine.requests.scheduler import Event, Scheduler
@@ -209,7 +210,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="GiB of routed experts on the GPU per sweep, e.g. 0,15")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--stream-decode", type=stream_settings, default=[0],
+    parser.add_argument("--stream-decode", type=stream_settings,
+                        default=[EngineConfig.stream_decode_rows],
                         help="EngineConfig.stream_decode_rows per sweep, e.g. 0,auto")
     parser.add_argument("--warmup-tokens", type=int, default=4,
                         help="new tokens of each point's warm-up run (auto: the decode tuner "

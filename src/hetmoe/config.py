@@ -63,16 +63,17 @@ class EngineConfig:
     engine/placement/layer_stream.py), or split: the first experts of each layer streamed and
     computed on the GPU while the CPU computes the rest (engine/placement/expert_split.py); "cpu",
     "gpu" (every expert streamed) or "split" force one."""
-    stream_decode_rows: int | str = 0
+    stream_decode_rows: int | str = "auto"
     """GPU with CPU experts: decode steps of at least this many rows (no prompt chunks) may run
     as a pass of the prefill planner, the first misses of each MoE layer streamed to the GPU
     while the CPU computes the rest, under `prefill_experts`' mode (engine/executor/
     prefill_planner.py `decode_experts`); in "auto" mode its tuner times such steps against the
-    decode path (CUDA graphs) per row bucket and keeps the faster. "auto": from the fewest rows
-    at which this machine's cost model expects the split at most `DECODE_GAIN` of the CPU's
-    time, never at 8 rows or fewer (engine/placement/expert_split.py); 0: never, the default:
-    on an H100 box (2026-11-27, INT8, budget 0) "auto" decoded 64 and 128 streams at 171 and
-    304 tok/s against 188 and 314 without it (docs/benchmarks/serve.md)."""
+    decode path (CUDA graphs) per row bucket and keeps the faster. "auto", the default: from the
+    fewest rows at which this machine's cost model expects the split at most `DECODE_GAIN` of the
+    CPU's time, never at 8 rows or fewer (engine/placement/expert_split.py); on an H100 box
+    (2026-11-28, INT8, budget 0) it decoded 64 and 128 streams at 198 and 357 tok/s against 170
+    and 295 without it, and 32 streams (below its 40 rows) alike (docs/benchmarks/serve.md);
+    0: never; N: from N rows."""
     prefill_resident_bytes: int = 0
     """Deprecated: the former name of `gpu_expert_bytes` (bytes): when set, it replaces a
     `gpu_expert_bytes` of "auto" or 0 (the resident experts serve prefill and decode alike)."""

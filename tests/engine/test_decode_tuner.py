@@ -33,7 +33,7 @@ def test_the_option_takes_auto_or_a_row_count(bad: object) -> None:
         EngineConfig(stream_decode_rows=bad)  # type: ignore[arg-type]
     for good in ("auto", 0, 1, 64):
         assert EngineConfig(stream_decode_rows=good).stream_decode_rows == good
-    assert EngineConfig().stream_decode_rows == 0  # never by default: measured slower
+    assert EngineConfig().stream_decode_rows == "auto"  # measured faster from 64 rows
 
 
 def test_auto_starts_where_the_model_expects_the_split_to_pay() -> None:
@@ -99,6 +99,22 @@ def test_costs_are_loaded_for_auto_decode_rows_on_a_gpu() -> None:
     assert needs_costs(True, "gpu", 0, decode_auto=True)
     assert not needs_costs(True, "gpu", 0) and not needs_costs(True, "cpu", 0, decode_auto=True)
     assert not needs_costs(False, "gpu", 0, decode_auto=True)  # no GPU: nothing streams
+
+
+def test_auto_loads_no_costs_where_no_step_exceeds_the_small_decode_rows() -> None:
+    """The default "auto" on a runner of small batches (a chat's): nothing streams, so a "gpu"
+    prefill (which needs no costs itself) measures none at start."""
+    asked = []
+
+    def loader() -> SplitCosts:
+        asked.append(1)
+        return COSTS
+
+    planner = PrefillPlanner(128, 8, 4, None, refusal=lambda: "", loader=loader)
+    planner.prepare("gpu", 0, "auto", SMALL_DECODE)
+    assert planner.decode_rows == NEVER and not asked and planner.costs is None
+    planner.prepare("gpu", 0, "auto", SMALL_DECODE + 1)
+    assert asked == [1] and planner.costs is COSTS
 
 
 def test_decode_experts_per_mode() -> None:

@@ -32,6 +32,7 @@ import torch
 
 from hetmoe.calibration import current
 from hetmoe.engine.placement.expert_split import (
+    SMALL_DECODE,
     DecodeTuner,
     PrefillTuner,
     SplitCosts,
@@ -160,16 +161,18 @@ class PrefillPlanner:
         """Loads the costs when passes of the current placement plan with them (`needs_costs`;
         call when the runner starts or places, never inside a request), and sets `decode_rows`
         from `decode_rows` (EngineConfig.stream_decode_rows) for steps of at most `max_rows`
-        rows. Not when every expert is resident: no CPU expert work and nothing to stream, so
+        rows ("auto" asks for the costs only where steps may exceed `SMALL_DECODE` rows). Not
+        when every expert is resident: no CPU expert work and nothing to stream, so
         nothing to weigh."""
         gpu = self._refusal is not None
         if self.everything:
             log.info("prefill: every routed expert is resident on the GPU (no CPU expert work, "
                      "nothing to stream): no prefill costs loaded")
             return
-        if needs_costs(gpu, mode, fetch_slots, decode_rows == "auto"):
+        auto = decode_rows == "auto" and max_rows > SMALL_DECODE  # else never streams
+        if needs_costs(gpu, mode, fetch_slots, auto):
             self.load_costs()
-        if not gpu or mode == "cpu" or not decode_rows:
+        if not gpu or mode == "cpu" or not decode_rows or (decode_rows == "auto" and not auto):
             self.decode_rows = NEVER
         elif isinstance(decode_rows, int):
             self.decode_rows = decode_rows
