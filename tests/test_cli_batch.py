@@ -1,10 +1,13 @@
 """`hetmoe batch`: OpenAI Batch lines answered as the API answers them, bad lines reported per
-line without stopping the job, and a killed job resumed with each custom_id exactly once."""
+line without stopping the job, a killed job resumed with each custom_id exactly once, lines that
+failed on the server tried again on a rerun, and the progress bar's fields."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,11 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import rich
+from rich.console import Console
 from typer.testing import CliRunner
 
 from hetmoe import LLM
 from hetmoe.cli import app
-from hetmoe.engine.requests.batch_job import JobFiles, LineError, read_lines
+from hetmoe.engine.requests import batch_job
+from hetmoe.engine.requests.batch_job import JobFiles, JobLine, LineError, read_lines
+from hetmoe.server.service import ModelService
 
 MODEL = "tiny-qwen3-moe"
 runner = CliRunner()
@@ -171,3 +178,123 @@ def test_a_sample_of_the_job_places_its_most_routed_experts(cache: Path, tmp_pat
                                    "--placement-sample", "-1", "--no-progress"])
     assert negative.exit_code == 1
     assert "error: --placement-sample must be >= 0 prompts, got -1" in negative.output
+
+
+def test_a_rerun_retries_only_the_lines_that_failed_on_the_server(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine faults on the lines of 7 (an unexpected error: 500) and 9 (the engine stopped:
+    # 503) max_tokens in the first run only; "bad" is the request's own fault (400): final.
+    lines = [chat_line("ok", "Hello", 4), chat_line("fault", "Why?", 7),
+             chat_line("stopped", "How?", 9),
+             {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": "oops"}}]
+    source, out = write(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    errors, submit = tmp_path / "out.errors.jsonl", ModelService.submit
+    served: list[int] = []  # max_tokens of the requests submitted
+    faulty = [True]
+
+    def submitted(self: ModelService, prompts: Any, params: Any, *rest: Any) -> Any:
+        served.append(params.max_new_tokens)
+        if faulty[0] and params.max_new_tokens == 7:
+            raise IndexError("engine fault")
+        if faulty[0] and params.max_new_tokens == 9:
+            raise RuntimeError("the engine stopped")
+        return submit(self, prompts, params, *rest)
+
+    monkeypatch.setattr(ModelService, "submit", submitted)
+    command = ["batch", str(source), str(out), "--device", "cpu", "--no-progress"]
+    first = runner.invoke(app, command)
+    assert first.exit_code == 0, first.output
+    failed = results(errors)
+    assert sorted(failed) == ["bad", "fault", "stopped"] and sorted(results(out)) == ["ok"]
+    assert failed["fault"]["response"]["status_code"] == 500
+    assert failed["fault"]["error"]["message"] == "internal error: IndexError: engine fault"
+    assert failed["stopped"]["response"]["status_code"] == 503
+    assert failed["bad"]["response"]["status_code"] == 400
+    answered, served[:], faulty[0] = results(out), [], False
+    again = runner.invoke(app, command)
+    assert again.exit_code == 0, again.output
+    assert "2 lines failed on the server last time: trying them again" in again.output
+    assert sorted(served) == [7, 9]  # the two failed lines, not "ok" nor "bad"
+    final, kept = results(out), results(errors)
+    assert sorted(final) == ["fault", "ok", "stopped"] and sorted(kept) == ["bad"]
+    assert final["ok"] == answered["ok"] and kept["bad"] == failed["bad"]
+    assert final["fault"]["response"]["status_code"] == 200
+    assert final["fault"]["response"]["body"]["usage"]["completion_tokens"] <= 7
+    third = runner.invoke(app, command)
+    assert third.exit_code == 0 and "nothing to run" in third.output
+    assert "failed on the server" not in third.output
+
+
+def _failure(custom_id: str, status: int, line: int) -> dict[str, Any]:
+    """An error-file record of a served request, as `JobFiles.result` writes it."""
+    return {"id": f"batch_req_{custom_id}", "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": "r", "body": {}},
+            "error": {"code": "request_failed", "message": "m", "line": line}}
+
+
+def test_the_error_file_rewrite_keeps_every_line_whenever_the_job_is_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = write(tmp_path / "out.jsonl", [{"id": "batch_req_a", "custom_id": "a", "error": None,
+                                           "response": {"status_code": 200, "body": {}}}])
+    invalid = {"id": "batch_req_x", "custom_id": None, "response": None,
+               "error": {"code": "invalid_request", "message": "line 5: x", "line": 5}}
+    # "d" failed on the server in an earlier input: not among this run's lines, so kept.
+    errors = write(tmp_path / "errors.jsonl", [_failure("b", 400, 2), _failure("c", 500, 3),
+                                               invalid, _failure("d", 502, 4)])
+    before = errors.read_bytes()
+    a, b, c = (JobLine(n, i, "/v1/completions", {}) for n, i in ((1, "a"), (2, "b"), (3, "c")))
+    files = JobFiles(out, errors)
+    assert [files.finished(x) for x in (a, b, c)] == [True, True, False]
+    assert files.finished(LineError(5, None, "x"))
+
+    def killed(*args: Any) -> None:
+        raise KeyboardInterrupt  # stopped between writing the new file and replacing the old
+
+    monkeypatch.setattr(batch_job.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        files.retry([c])
+    assert errors.read_bytes() == before and not JobFiles(out, errors).finished(c)
+    monkeypatch.undo()
+    files = JobFiles(out, errors)
+    files.error(LineError(6, None, "y"))  # appended before the rewrite: kept by it
+    assert files.retry([a, b, c]) == 1 and files.retry([c]) == 0
+    assert not (tmp_path / "errors.jsonl.tmp").exists()
+    kept = [json.loads(x) for x in errors.read_text().splitlines()]
+    assert [r["custom_id"] for r in kept] == ["b", None, "d", None]
+    assert kept[:3] == [_failure("b", 400, 2), invalid, _failure("d", 502, 4)]
+    killed_now = JobFiles(out, errors)  # killed before "c" ran: it runs next time
+    assert not killed_now.finished(c) and killed_now.finished(b)
+    files.result(c, 200, {"id": "chatcmpl-c"})
+    files.close()
+    ids = [*results(out), *[r["custom_id"] for r in kept if r["custom_id"]]]
+    assert sorted(ids) == ["a", "b", "c", "d"]
+    assert JobFiles(out, errors).finished(c)
+
+
+def test_the_progress_bar_shows_the_count_the_rate_and_the_eta(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lines = [chat_line(f"p{i}", f"Question {i}", 6) for i in range(3)]
+    source, out = write(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    screen = io.StringIO()  # a terminal's screen: the bar redraws in place
+    monkeypatch.setattr(rich, "_console", Console(file=screen, force_terminal=True, width=160,
+                                                  color_system=None))
+    started = time.perf_counter()
+    result = runner.invoke(app, ["batch", str(source), str(out), "--device", "cpu"])
+    wall = time.perf_counter() - started
+    assert result.exit_code == 0, result.output
+    # Each frame: batch [bar] done/total rate tok/s elapsed ETA remaining (-:--:--: unknown).
+    frames = re.findall(r"batch\D*?(\d+)/(\d+) ([\d.]+) tok/s \d+:\d\d:\d\d ETA (\S+)",
+                        screen.getvalue())
+    assert frames[0] == ("0", "3", "0.0", "-:--:--"), screen.getvalue()
+    counts = [int(frame[0]) for frame in frames]
+    assert counts == sorted(counts) and all(frame[1] == "3" for frame in frames)
+    done, _, rate, eta = frames[-1]
+    assert (done, eta) == ("3", "0:00:00")
+    tokens = sum(r["response"]["body"]["usage"]["completion_tokens"]
+                 for r in results(out).values())
+    # tokens over the time to the last result: no less than over the whole command's time.
+    assert tokens > 0 and tokens / wall - 0.05 <= float(rate) < 1e6

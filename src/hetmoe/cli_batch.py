@@ -54,7 +54,9 @@ def batch(
     input: Annotated[Path, typer.Argument(help="Requests, one JSON object a line (OpenAI Batch "
                                                "input: custom_id, method, url, body)")],
     output: Annotated[Path, typer.Argument(help="Results (OpenAI Batch output); a rerun "
-                                                "skips the requests already in it")],
+                                                "skips the requests answered in it or the "
+                                                "error file, but runs again those that failed "
+                                                "on the server (status >= 500)")],
     model: Annotated[str | None, typer.Option(
         help="Model to load (default: the `model` of the first request)")] = None,
     errors: Annotated[Path | None, typer.Option(
@@ -75,7 +77,10 @@ def batch(
     """Answer a file of OpenAI Batch requests offline (resumable).
 
     Results are written as requests end; a job killed midway continues where it stopped when
-    run again with the same files. The KV cache is sized from the job before the weights load
+    run again with the same files. A rerun also tries again the requests that failed on the
+    server (status >= 500: an engine fault, an internal error, a timeout), their old records
+    taken out of the error file; a 4xx (the request's own fault) and an invalid line are final.
+    The KV cache is sized from the job before the weights load
     (--max-batch, --max-seq-len), in one line that says slots x window, GiB and where.
     """
     from hetmoe.engine.requests.batch_job import JobFiles, JobLine, LineError, read_lines
@@ -96,6 +101,7 @@ def batch(
     except (ValueError, UnicodeDecodeError) as exc:
         fail(exc)
     todo = [line for line in lines if isinstance(line, JobLine) and not files.finished(line)]
+    _retry(files, todo)
     for bad in lines:
         if isinstance(bad, LineError) and not files.finished(bad):
             files.error(bad)
@@ -133,6 +139,20 @@ def _count(option: str, value: str) -> int | None:
     if not value.isdigit() or int(value) < 1:
         fail(ValueError(f"{option} takes auto or an integer >= 1, got {value!r}"))
     return int(value)
+
+
+def _retry(files: JobFiles, todo: list[JobLine]) -> None:
+    """Takes the server-side failures among `todo` out of the error file (before anything is
+    appended to it), and says how many are tried again."""
+    try:
+        again = files.retry(todo)
+    except OSError as exc:
+        files.close()
+        fail(exc)
+    if again:
+        subject = "1 line" if again == 1 else f"{again} lines"
+        typer.echo(f"{subject} failed on the server last time: trying "
+                   f"{'it' if again == 1 else 'them'} again", err=True)
 
 
 def _sized(input: Path, model: str, todo: list[JobLine], files: JobFiles,
@@ -186,7 +206,8 @@ async def _serve(llm: LLM, name: str, todo: list[JobLine], files: JobFiles,
 
     service = ModelService(llm, name, max_queue=2**31)  # the job's own requests only
     local = ServerConfig(max_body_bytes=1 << 30)  # lines of a local file: no web-sized limit
-    transport = httpx.ASGITransport(app=build_app(service, local))
+    # An unexpected error is the route's 500 in the error file, not the job's end.
+    transport = httpx.ASGITransport(app=build_app(service, local), raise_app_exceptions=False)
     bar = Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(),
                        TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(),
                        TextColumn("ETA"), TimeRemainingColumn(), disable=not show)

@@ -10,13 +10,17 @@ Output, OpenAI's Batch output format: `{"id", "custom_id", "response": {"status_
 (`"response": null, "error": {"code", "message", "line"}`) go to the error file. Each line is
 written and flushed as its request ends, so a killed job loses only requests in flight: a rerun
 reads both files (a last line cut short is dropped) and skips every `custom_id` and line number
-already there, so each request ends up in them exactly once.
+already there, except requests that failed on the server (`response.status_code` >= 500: an
+engine fault, an internal error, a timeout), which it runs again after taking their records out
+of the error file (`JobFiles.retry`, atomically). Either way each request ends up in the files
+exactly once; a 4xx (the request's own fault) and an invalid line are final.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -104,7 +108,9 @@ class JobFiles:
     def __init__(self, out: Path, errors: Path) -> None:
         self.out, self.errors = out, errors
         self.done: set[str] = set()
-        """custom_ids of requests served (either file)."""
+        """custom_ids of requests served for good (either file)."""
+        self.failed: set[str] = set()
+        """custom_ids of requests that failed on the server (status >= 500): run again."""
         self.bad_lines: set[int] = set()
         """Input line numbers reported as invalid in the error file."""
         for path in (out, errors):
@@ -112,16 +118,43 @@ class JobFiles:
                 error = record.get("error") or {}
                 if error.get("code") == "invalid_request":  # by line: a repeated id is one
                     self.bad_lines.add(int(error.get("line", 0)))
+                elif _failed_on_server(record):
+                    self.failed.add(str(record.get("custom_id")))
                 else:
                     self.done.add(str(record.get("custom_id")))
         self._out: IO[str] | None = None
         self._errors: IO[str] | None = None
 
     def finished(self, line: JobLine | LineError) -> bool:
-        """Whether an earlier run already wrote this line's result or error."""
+        """Whether an earlier run already wrote this line's final result or error (a failure on
+        the server is not final: see `retry`)."""
         if isinstance(line, LineError):
             return line.number in self.bad_lines
         return line.custom_id in self.done
+
+    def retry(self, lines: list[JobLine]) -> int:
+        """Takes the records of those of `lines` that failed on the server out of the error
+        file, so each is run again and recorded once; returns their number.
+
+        The file is rewritten whole into a temporary file that then replaces it (`os.replace`,
+        atomic): a job killed at any moment leaves either the old file or the new one, and a
+        line whose record is gone is not finished, so the next run runs it."""
+        again = {line.custom_id for line in lines if line.custom_id in self.failed}
+        if not again:
+            return 0
+        if self._errors is not None:  # appended to so far: flushed, read back below
+            self._errors.close()
+            self._errors = None
+        kept = [record for record in _records(self.errors)
+                if not (_failed_on_server(record) and record.get("custom_id") in again)]
+        temporary = self.errors.with_name(self.errors.name + ".tmp")
+        with temporary.open("w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in kept)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, self.errors)
+        self.failed -= again
+        return len(again)
 
     def result(self, line: JobLine, status: int, body: dict[str, Any]) -> None:
         """Writes a served request: to the output on status 200, else to the error file."""
@@ -176,6 +209,12 @@ def _records(path: Path) -> list[dict[str, Any]]:
                              "this job (remove it or pick another path)") from None
         records.append(record)
     return records
+
+
+def _failed_on_server(record: dict[str, Any]) -> bool:
+    """Whether a result record is a server-side failure (status >= 500), which a rerun retries."""
+    status = (record.get("response") or {}).get("status_code")
+    return isinstance(status, int) and status >= 500
 
 
 def _message(body: dict[str, Any]) -> str:
