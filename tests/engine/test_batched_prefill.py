@@ -60,7 +60,17 @@ def test_batched_prefill_equals_each_prompt_alone_torch_experts(family: str, llm
         torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+CPU_EXPERTS_ATOL = {"deepseek_v3": 1e-2}
+"""|Δlogits| of a batched prefill with CPU experts against each prompt alone, where 5e-3 is too
+tight. The CPU kernels round each expert input to bf16 and are batch-invariant themselves
+(<= 2e-6 on the same rows); batched attention moves an input by ~1e-6 in fp32, which here
+carries one element of the short prompt's 4th token across a bf16 rounding boundary before the
+last MoE layer: 4.6e-3 on that MoE output (routed weights scaled by 2.5), 7.2e-3 on the logits
+(0.06 % of max |logit| 11.3, the others' scale too; no expert choice changes). A matter of this
+baby's weights and prompts: seeds 1 and 2 of deepseek_v3 stay within 5e-6. Tokens stay exact."""
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_batched_prefill_equals_each_prompt_alone_cpu_experts(
     family: str, tiny_dir: Callable[..., Any]
 ) -> None:
@@ -70,8 +80,9 @@ def test_batched_prefill_equals_each_prompt_alone_cpu_experts(
     for prompt, got, got_tokens in zip(PROMPTS, logits, tokens, strict=True):
         want, want_tokens = greedy_alone(runner, prompt)
         assert got_tokens == want_tokens
-        # bf16 expert math; a batch may pick another kernel (by tokens per expert): seen 1.2e-3
-        torch.testing.assert_close(got, want, rtol=0, atol=5e-3)
+        # bf16 expert inputs: a batch may round one differently (seen <= 1.1e-4 elsewhere)
+        atol = CPU_EXPERTS_ATOL.get(family, 5e-3)
+        torch.testing.assert_close(got, want, rtol=0, atol=atol)
 
 
 def test_the_moe_runs_once_per_layer_for_all_prompts(llm_of) -> None:

@@ -101,13 +101,23 @@ def test_a_mixed_step_gives_each_request_its_tokens_alone_torch_experts(
     check_against_alone(llm_of(family).runner, atol=2e-5)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+CPU_EXPERTS_ATOL = {"deepseek_v3": 2.5e-2}
+"""|Δlogits| of a mixed step with CPU experts against each request alone, where 5e-3 is too
+tight. The CPU kernels round each expert input to bf16 and are batch-invariant themselves;
+the mixed step's attention moves an input by ~1e-6 in fp32, which here carries elements of 4
+rows of the continued prompt (2 of its chunk, 2 decode steps) across a bf16 rounding boundary
+before the last MoE layer (routed weights scaled by 2.5): 5e-3 on its chunk's logits, 1.8e-2
+on one decode step's (0.16 % of max |logit| 11.3, the others' scale too; no token changes). A
+matter of this baby's weights and prompts, as in test_batched_prefill.py's CPU_EXPERTS_ATOL."""
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_mixed_step_gives_each_request_its_tokens_alone_cpu_experts(
         family: str, tiny_dir: Callable[..., Any]) -> None:
     runner = LLM(tiny_dir(family), device="cpu", dtype="float32", experts="cpu",
                  progress=False).runner
-    # bf16 expert math; a batch may pick another kernel (by tokens per expert)
-    check_against_alone(runner, atol=5e-3)
+    # bf16 expert inputs: a batch may round one differently (seen <= 7e-6 elsewhere)
+    check_against_alone(runner, atol=CPU_EXPERTS_ATOL.get(family, 5e-3))
 
 
 @pytest.mark.device
