@@ -4,6 +4,7 @@ the same options on every command, each value reaching `LLM`."""
 from __future__ import annotations
 
 from dataclasses import fields
+from types import SimpleNamespace
 
 import pytest
 import typer
@@ -82,3 +83,29 @@ def test_defer_order_is_checked_before_loading(monkeypatch: pytest.MonkeyPatch) 
     done = CliRunner().invoke(cli.app, ["generate", "m", "hi", "--defer-order", "lowest"])
     assert done.exit_code == 1 and not seen
     assert "--defer-order takes score or misses, got 'lowest'" in done.output
+
+
+def test_serve_max_batch_takes_a_count_or_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, object] = {}
+    fit = SimpleNamespace(auto_line=lambda: "KV slots: 3 (auto: ...)")
+
+    def load(model: str, device: str | None, rules: object, **options: object) -> object:
+        seen.update(options)
+        return SimpleNamespace(deferral=None, kv_fit=fit if options["max_batch"] == "auto"
+                               else None)
+
+    def serve_app(*args: object) -> None:
+        raise typer.Exit(0)  # serves nothing
+
+    monkeypatch.setattr("hetmoe.cli_engine.load_llm", load)
+    monkeypatch.setattr("hetmoe.server.app.serve", serve_app)
+    for given, want in ((["--max-batch", "auto"], "auto"), (["--max-batch", "32"], 32), ([], 8)):
+        done = CliRunner().invoke(cli.app, ["serve", "m", *given])
+        assert done.exit_code == 0 and seen["max_batch"] == want, done.output
+        assert ("KV slots: 3 (auto: ...)" in done.output) == (want == "auto")  # its choice
+    for bad in ("0", "-1", "many", "1.5", "Auto"):
+        seen.clear()
+        done = CliRunner().invoke(cli.app, ["serve", "m", "--max-batch", bad])
+        assert done.exit_code == 1, done.output
+        assert f"error: --max-batch takes auto or an integer >= 1, got {bad!r}" in done.output
+        assert seen == {}  # refused before loading

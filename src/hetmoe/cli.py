@@ -191,8 +191,7 @@ def serve(
         help="Requests that may wait for a slot before 429 (default: 64)")] = None,
     model_name: Annotated[str | None, typer.Option(
         help="Name clients send as `model` (default: MODEL as given)")] = None,
-    max_batch: Annotated[int, typer.Option(
-        help="KV slots: requests decoded together")] = _DEFAULTS.max_batch,
+    max_batch: cli_engine.MaxBatchOpt = str(_DEFAULTS.max_batch),
     prefix_cache: Annotated[bool, typer.Option(
         "--prefix-cache/--no-prefix-cache",
         help="Reuse earlier requests' KV for prompts that start alike")] = _DEFAULTS.prefix_cache,
@@ -216,6 +215,7 @@ def serve(
     """
     from hetmoe.server.app import serve as serve_app
 
+    slots = cli_engine.batch_slots(max_batch)
     given: dict[str, Any] = dict(host=host, port=port, api_key=api_key, max_queue=max_queue,
                                  model_name=model_name)
     try:
@@ -230,7 +230,7 @@ def serve(
                    f"prefill and decode): {prefill_resident_gib} GiB", err=True)
         budget = int(prefill_resident_gib * 2**30)
     adapters = named_adapters(lora or [], config.model_name or model)
-    llm = engine.load(model, max_batch=max_batch, prefix_cache=prefix_cache,
+    llm = engine.load(model, max_batch=slots, prefix_cache=prefix_cache,
                       prefill_chunk=prefill_chunk or None, lora=adapters, gpu_expert_bytes=budget)
     serve_app(llm, config.model_name or model, config)
 

@@ -1,6 +1,7 @@
 """The engine options of every command that loads a model here (generate, chat, serve), defined
 once: `engine_options` adds them to a command's signature and hands the command one
-`EngineOptions`, which loads the model; `--lora` values (`adapter_path`, `named_adapters`)."""
+`EngineOptions`, which loads the model; `--lora` values (`adapter_path`, `named_adapters`);
+`--max-batch` (`MaxBatchOpt`, `batch_slots`) of the commands that take it."""
 
 from __future__ import annotations
 
@@ -20,6 +21,20 @@ if TYPE_CHECKING:
     from hetmoe.engine.engine import LLM
 
 _DEFAULTS = EngineConfig()
+
+MaxBatchOpt = Annotated[str, typer.Option(
+    help="KV slots: requests decoded together (auto: as many as fit the memory the weights "
+         "leave, at most 256)")]
+
+
+def batch_slots(value: str) -> int | str:
+    """`--max-batch` as `LLM`'s max_batch: "auto" or an integer >= 1, checked before any model
+    work."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        fail(ValueError(f"--max-batch takes auto or an integer >= 1, got {value!r}"))
+    return int(value)
 
 
 def deferred_count(value: str) -> int | str:
@@ -115,6 +130,8 @@ class EngineOptions:
         llm = load_llm(model, self.device, self.rules, **options)
         if options["deferred"] == "auto" and llm.deferral is not None:  # before any answer
             typer.echo(llm.deferral.describe(), err=True)
+        if options.get("max_batch") == "auto" and llm.kv_fit is not None:  # what it chose
+            typer.echo(llm.kv_fit.auto_line(), err=True)
         return llm
 
 

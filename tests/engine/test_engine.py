@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 
 from hetmoe import LLM, GenerationOutput
+from hetmoe.engine.model.kv_fit import MAX_AUTO_SLOTS, planned_memory
 from hetmoe.inject.rules import RULES_DIR, RuleError
+from hetmoe.loading.memory_plan import kv_bytes_per_token
 
 PROMPT = "Hello! The harbour town woke slowly that morning."
 
@@ -166,3 +169,51 @@ def test_unusable_devices_are_refused_before_loading(device: str, message: str,
                                                      tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=message):
         LLM(tmp_path / "no-model-here", device=device)  # refused before the path is read
+
+
+def auto_llm(path: Path) -> LLM:
+    return LLM(path, device="cpu", dtype="float32", experts="torch", max_seq_len=64,
+               max_batch="auto", progress=False)
+
+
+def test_max_batch_auto_is_the_slots_that_fit_at_most_256(tiny_dir, caplog,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_dir("qwen3_moe")
+    fit = auto_llm(path).kv_fit  # this host has room for far more than 256 slots of 64 tokens
+    assert fit is not None
+    assert (fit.slots, fit.limit) == (MAX_AUTO_SLOTS, "the cap of 256 (max_batch N for more)")
+    # On the CPU device the KV cache lives in host memory: MemAvailable less the weights and a
+    # margin (1 GiB: 5 % of this MemAvailable is less), in slots of max_seq_len tokens.
+    mem, config = planned_memory(path, torch.device("cpu"), torch.float32, None, "torch", None)
+    slot = 64 * kv_bytes_per_token(config, torch.float32)
+    free = mem.total("host") + 2**30 + 3 * slot + slot // 2
+    monkeypatch.setattr("hetmoe.loading.memory_plan.host_available", lambda: free)
+    with caplog.at_level(logging.INFO, logger="hetmoe.engine.engine"):
+        llm = auto_llm(path)
+    fit = llm.kv_fit
+    assert fit is not None and llm.runner.max_batch == fit.slots == 3
+    assert fit.limit.startswith("the most that fit the 0.00 GiB the host has for KV (")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"KV slots: 3 (auto: {(3 * slot + slot // 2) / 2**30:.2f} GiB free for KV on the host, "
+        f"{slot / 2**20:.2f} MiB per slot of 64 tokens; slots: {fit.limit})"]
+    prompts = ["The quick brown fox", "Once upon a time", "Hello", "Tea", "A B C"]
+    alone = [llm.generate(p, max_new_tokens=6) for p in prompts]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hetmoe.engine.engine"):
+        assert llm.generate(prompts, max_new_tokens=6) == alone  # 3 at a time, the rest queued
+    assert [r.getMessage() for r in caplog.records] == [
+        '5 prompts, 3 KV slots (max_batch): 3 decode together, the rest as slots free; '
+        'max_batch="auto" sizes the slots from the memory the weights leave']
+    monkeypatch.setattr("hetmoe.loading.memory_plan.host_available",
+                        lambda: mem.total("host") + 2**30 + slot - 1)
+    with pytest.raises(ValueError, match=rf"not even one KV slot fits: one slot of 64 tokens "
+                                         rf"takes {slot} bytes .*; lower max_seq_len, or free "
+                                         "memory"):
+        auto_llm(path)
+
+
+@pytest.mark.parametrize("bad", ["foo", "Auto", 0, -2, 2.5, True, None])
+def test_bad_max_batch_is_named_before_loading(bad: object, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=rf"option max_batch must be 'auto' or a positive "
+                                         rf"integer, got {bad!r}"):
+        LLM(tmp_path / "no-model-here", max_batch=bad)  # refused before the path is read

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import queue
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -23,6 +24,7 @@ from hetmoe.engine.model.deferral_auto import (
     probe_ids,
     record_deferral,
 )
+from hetmoe.engine.model.kv_fit import KvFit, engine_fit, slots_option
 from hetmoe.engine.model.model_setup import (
     check_device,
     check_experts_loaded,
@@ -44,7 +46,10 @@ from hetmoe.inject.apply import InjectionReport, apply_rules
 from hetmoe.inject.registry import OpContext
 from hetmoe.inject.rules import Rule, load_rules, shipped_rules_path
 from hetmoe.loading import load_model
+from hetmoe.loading.converted import ConvertedModel
 from hetmoe.loading.fp8 import config_fp8_scheme
+
+log = logging.getLogger(__name__)
 
 
 class LLM:
@@ -55,7 +60,8 @@ class LLM:
     preset name (`tiny-qwen3-moe`, ...); `rules` a YAML rule file (default: the family's shipped
     rules); `lora` a PEFT adapter directory (used by default) or {name: directory} (a request
     picks one by `adapter=NAME`); `chat_template` a Jinja file that replaces the checkpoint's
-    chat template (checked before loading); `options` are `EngineConfig` fields.
+    chat template (checked before loading); `options` are `EngineConfig` fields, `max_batch`
+    also "auto": the KV slots that fit the memory the weights leave, at most 256 (`kv_fit`).
     """
 
     def __init__(
@@ -69,7 +75,12 @@ class LLM:
         **options: Any,
     ) -> None:
         template = read_chat_template(chat_template) if chat_template is not None else None
+        slots = slots_option(options.get("max_batch", EngineConfig.max_batch))
+        if slots is None:  # "auto": one slot until the injected skeleton sizes them
+            options = {**options, "max_batch": 1}
         self.options, adapters = with_lora(EngineConfig.from_options(**options), lora)
+        self.kv_fit: KvFit | None = None
+        """What `max_batch="auto"` chose and why (None: a fixed count)."""
         self.device = check_device(device)
         check_prefill_mode(self.options.prefill_experts, self.device)
         if self.options.experts is not None:
@@ -85,14 +96,8 @@ class LLM:
         )
         self.dtype = resolve_dtype(self.options.dtype, raw)
         self.injection = InjectionReport()
-
-        def inject(model: torch.nn.Module) -> InjectionReport:
-            ctx = OpContext(self.device, self.dtype, model.config, self.options.experts,
-                            config_fp8_scheme(raw, str(self.path / "config.json")))
-            self.injection = apply_rules(model, self.rules, ctx)
-            check_fits(model, self.device, self.dtype, self.options, converted)
-            return self.injection
-
+        inject = functools.partial(self._inject, raw=raw, converted=converted,
+                                   auto_slots=slots is None)
         loaded = load_model(
             self.path, device=self.device, dtype=self.dtype, inject=inject,
             progress=self.options.progress,
@@ -131,6 +136,23 @@ class LLM:
                                        str(self.path))
         """`response_format` indexes over this tokenizer's vocabulary (built at first use)."""
         self.scheduler = self._local_loop()
+
+    def _inject(self, model: torch.nn.Module, raw: dict[str, Any],
+                converted: ConvertedModel | None, auto_slots: bool) -> InjectionReport:
+        """Injects the rules into the meta skeleton `model`; with `auto_slots` (max_batch
+        "auto") sizes the KV slots from its plan, logged once; refuses a model that does not
+        fit this machine, all before any weight is read."""
+        ctx = OpContext(self.device, self.dtype, model.config, self.options.experts,
+                        config_fp8_scheme(raw, str(self.path / "config.json")))
+        self.injection = apply_rules(model, self.rules, ctx)
+        if auto_slots:
+            window = self.options.max_seq_len or default_window(model.config)
+            self.kv_fit = engine_fit(model, self.device, self.dtype, window,
+                                     self.options.gpu_expert_bytes, converted)
+            self.options = dataclasses.replace(self.options, max_batch=self.kv_fit.slots)
+            log.info(self.kv_fit.auto_line())
+        check_fits(model, self.device, self.dtype, self.options, converted)
+        return self.injection
 
     @property
     def max_seq_len(self) -> int:
@@ -174,6 +196,10 @@ class LLM:
         constrains the text to JSON."""
         params = request_params(params, sampling)
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) > (slots := self.runner.max_batch):
+                log.info("%d prompts, %d KV slots (max_batch): %d decode together, the rest as "
+                         "slots free; max_batch=\"auto\" sizes the slots from the memory the "
+                         "weights leave", len(prompt), slots, slots)
             return self._run_all([self._checked_prompt(self.encode(p)) for p in prompt], params)
         result: list[GenerationOutput] = []
         for _ in self._run(self.encode(prompt), params, result):  # type: ignore[arg-type]

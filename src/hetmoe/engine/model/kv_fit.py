@@ -1,5 +1,6 @@
 """How many KV slots of a window fit the memory a model leaves, known before its weights load
-(`hetmoe batch --max-batch auto`).
+(`hetmoe batch --max-batch auto`; `LLM(max_batch="auto")` and `hetmoe serve --max-batch auto`,
+which have no job to count: the slots that fit, at most `MAX_AUTO_SLOTS`).
 
 The KV cache lives where attention runs: on the GPU with a GPU device, else in host memory. On
 the GPU its room is the one `--gpu-expert-gib auto` would take (`placement_plan.auto_room`: the
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from hetmoe.engine.model.model_setup import read_config
 from hetmoe.engine.placement.placement_plan import (
@@ -36,7 +38,7 @@ from hetmoe.inject.rules import load_rules, shipped_rules_path
 from hetmoe.loading.checkpoint import Checkpoint
 from hetmoe.loading.converted import ConvertedModel
 from hetmoe.loading.fp8 import config_fp8_scheme
-from hetmoe.loading.memory_plan import MemoryPlan, memory_plan
+from hetmoe.loading.memory_plan import MemoryPlan, kv_bytes_per_token, memory_plan
 from hetmoe.loading.skeleton import build_skeleton
 
 MAX_AUTO_SLOTS = 256
@@ -115,33 +117,79 @@ class KvFit:
                 f"({self.kv_bytes} bytes) on the {self.room.place} ({self.room.device}); "
                 f"slots: {self.limit}")
 
+    def auto_line(self) -> str:
+        """The line `max_batch="auto"` logs at load: "KV slots: N (auto: F GiB free for KV on
+        the host, S MiB per slot of W tokens; why)"."""
+        one = self.window * self.token_bytes
+        return (f"KV slots: {self.slots} (auto: {self.room.bytes / GIB:.2f} GiB free for KV on "
+                f"the {self.room.place}, {one / 2**20:.2f} MiB per slot of {self.window} tokens; "
+                f"slots: {self.limit})")
 
-def fit_slots(room: KvRoom, token_bytes: int, window: int, wanted: int,
+
+def slots_option(value: object) -> int | None:
+    """`max_batch` as `LLM` takes it: an integer >= 1, or None for "auto" (sized by
+    `engine_fit` once the skeleton is injected); ValueError naming the option otherwise, before
+    any weight is read."""
+    if value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"option max_batch must be 'auto' or a positive integer, got {value!r}")
+    return value
+
+
+def fit_slots(room: KvRoom, token_bytes: int, window: int, wanted: int | None,
               asked: int | None = None, cap: int = MAX_AUTO_SLOTS) -> KvFit:
     """`asked` slots, or (None) min(`wanted`, the most of `window` tokens that fit `room`,
-    `cap`); ValueError naming the bytes when not even one slot fits."""
+    `cap`); `wanted` None: no job to count (`LLM`), the cap stands for it. ValueError naming
+    the bytes when not even one slot fits."""
     if asked is not None:
         return KvFit(asked, window, token_bytes, room, f"--max-batch {asked}")
     one = window * token_bytes
     fits = room.bytes // one
     if fits < 1:
+        lower = "max_seq_len" if wanted is None else "--max-seq-len or the lines' max_tokens"
         raise ValueError(
             f"not even one KV slot fits: one slot of {window} tokens takes {one} bytes "
             f"({token_bytes} bytes per token), and the {room.place} ({room.device}) has "
-            f"{room.bytes} bytes for the KV cache ({room.explain()}); lower --max-seq-len or "
-            "the lines' max_tokens, or free memory")
-    slots = min(max(1, wanted), fits, cap)
-    if wanted < 1:  # every line is refused by its route: one slot loads the model to say so
-        limit = "one: no line of the job holds a slot (their routes refuse them)"
-    elif slots == wanted:
-        limit = f"the job's {wanted} sequences"
-    elif slots == fits:
+            f"{room.bytes} bytes for the KV cache ({room.explain()}); lower {lower}, or free "
+            "memory")
+    slots = min(fits, cap) if wanted is None else min(max(1, wanted), fits, cap)
+    return KvFit(slots, window, token_bytes, room, _limit(room, slots, fits, wanted, cap))
+
+
+def _limit(room: KvRoom, slots: int, fits: int, wanted: int | None, cap: int) -> str:
+    """What set `slots` of `fits`: the job's `wanted` sequences (None: no job), the room or
+    the cap."""
+    of_job = "" if wanted is None else f", of the job's {wanted} sequences"
+    if wanted is not None and wanted < 1:  # every line is refused by its route: one slot
+        return "one: no line of the job holds a slot (their routes refuse them)"
+    if slots == wanted:
+        return f"the job's {wanted} sequences"
+    if slots == fits:
         shared = "; GPU experts --gpu-expert-gib auto take what KV leaves" if room.shared else ""
-        limit = (f"the most that fit the {room.bytes / GIB:.2f} GiB the {room.place} has for "
-                 f"KV, of the job's {wanted} sequences ({room.explain()}{shared})")
-    else:
-        limit = f"the cap of {cap} (--max-batch N for more), of the job's {wanted} sequences"
-    return KvFit(slots, window, token_bytes, room, limit)
+        return (f"the most that fit the {room.bytes / GIB:.2f} GiB the {room.place} has for "
+                f"KV{of_job} ({room.explain()}{shared})")
+    more = "--max-batch N" if wanted is not None else "max_batch N"
+    return f"the cap of {cap} ({more} for more){of_job}"
+
+
+def engine_fit(model: nn.Module, device: torch.device, dtype: torch.dtype, window: int,
+               experts: int | str, converted: ConvertedModel | None) -> KvFit:
+    """The KV slots `LLM(max_batch="auto")` gets from its injected meta skeleton `model`: the
+    most slots of `window` tokens that fit the room its plan leaves (`kv_room`, GPU expert
+    budget `experts`), at most `MAX_AUTO_SLOTS`."""
+    mem = skeleton_plan(model, device, dtype, converted)
+    return fit_slots(kv_room(mem, device, experts), kv_bytes_per_token(model.config, dtype),
+                     window, None)
+
+
+def skeleton_plan(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                  converted: ConvertedModel | None) -> MemoryPlan:
+    """The memory plan, without a KV row, of the injected meta skeleton `model` on `device`
+    (converted experts in their packed format)."""
+    fmt = converted.weight_format if converted is not None else None
+    group = converted.group_size if converted is not None else None
+    return memory_plan(model, device, dtype, model.config, 0, fmt, group)
 
 
 def planned_memory(path: Path, device: torch.device, dtype: torch.dtype,
@@ -156,6 +204,4 @@ def planned_memory(path: Path, device: torch.device, dtype: torch.dtype,
                         else shipped_rules_path(str(raw.get("model_type"))))
     apply_rules(model, chosen, OpContext(device, dtype, model.config, experts,
                                          config_fp8_scheme(raw, str(path / "config.json"))))
-    fmt = converted.weight_format if converted is not None else None
-    group = converted.group_size if converted is not None else None
-    return memory_plan(model, device, dtype, model.config, 0, fmt, group), model.config
+    return skeleton_plan(model, device, dtype, converted), model.config
