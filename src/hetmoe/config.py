@@ -11,6 +11,9 @@ DEFER_ORDERS = ("score", "misses")
 """Which experts Expert Deferral defers (ops/deferral.py)."""
 DEFAULT_DEFER_ORDER = "misses"
 """The order every default names (measured as fast or faster than "score" at every budget)."""
+DEFAULT_MAX_BATCH = 8
+"""KV slots unless asked: a fixed count (auto would size the KV cache first, taking GPU room from
+auto-resident experts, and capture more CUDA graphs at start); also what `hetmoe info` plans."""
 
 
 @dataclass(frozen=True)
@@ -21,8 +24,10 @@ class EngineConfig:
     """Weights and activations dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
     max_seq_len: int | None = None
     """Context window per sequence (prompt + generated); None: the model's, capped at 4096."""
-    max_batch: int = 8
-    """KV-cache slots, i.e. sequences decoded together at most."""
+    max_batch: int | str = DEFAULT_MAX_BATCH
+    """KV-cache slots, i.e. sequences decoded together at most; "auto": as many slots of the
+    context window as fit the memory the weights leave, at most 256, sized by `LLM` from the
+    injected skeleton before any weight is read (engine/model/kv_fit.py `engine_fit`)."""
     experts: str | None = None
     """Routed-expert backend for every MoE layer (`torch`, `cpu`); None: as the rules say."""
     torch_threads: int | None = None
@@ -123,8 +128,10 @@ class EngineConfig:
         if self.defer_order not in DEFER_ORDERS:
             raise ValueError(f"option defer_order must be one of {', '.join(DEFER_ORDERS)}, got "
                              f"{self.defer_order!r}")
-        if self.max_batch < 1:
-            raise ValueError(f"option max_batch must be a positive integer, got {self.max_batch}")
+        if self.max_batch != "auto" and (not isinstance(self.max_batch, int)
+                                         or isinstance(self.max_batch, bool) or self.max_batch < 1):
+            raise ValueError(f"option max_batch must be 'auto' or a positive integer, got "
+                             f"{self.max_batch!r}")
         sizes = self.graph_batch_sizes
         if not sizes or any(not isinstance(b, int) or b < 1 for b in sizes):
             raise ValueError(f"option graph_batch_sizes must be positive integers, got {sizes!r}")

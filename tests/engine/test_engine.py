@@ -191,7 +191,8 @@ def test_max_batch_auto_is_the_slots_that_fit_at_most_256(tiny_dir, caplog,
     with caplog.at_level(logging.INFO, logger="hetmoe.engine.engine"):
         llm = auto_llm(path)
     fit = llm.kv_fit
-    assert fit is not None and llm.runner.max_batch == fit.slots == 3
+    assert fit is not None and llm.runner.max_batch == llm.max_batch == fit.slots == 3
+    assert llm.options.max_batch == "auto"  # the option as given; the count is the runner's
     assert fit.limit.startswith("the most that fit the 0.00 GiB the host has for KV (")
     assert [r.getMessage() for r in caplog.records] == [
         f"KV slots: 3 (auto: {(3 * slot + slot // 2) / 2**30:.2f} GiB free for KV on the host, "
@@ -217,3 +218,24 @@ def test_bad_max_batch_is_named_before_loading(bad: object, tmp_path: Path) -> N
     with pytest.raises(ValueError, match=rf"option max_batch must be 'auto' or a positive "
                                          rf"integer, got {bad!r}"):
         LLM(tmp_path / "no-model-here", max_batch=bad)  # refused before the path is read
+
+
+def test_on_the_cpu_device_an_expert_budget_takes_host_memory_from_auto_slots(
+        tiny_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_dir("qwen3_moe")
+    mem, config = planned_memory(path, torch.device("cpu"), torch.float32, None, "cpu", None)
+    budget = sum(n * size for n, size in mem.expert_layers)  # every expert resident
+    slot = 64 * kv_bytes_per_token(config, torch.float32)
+    free = mem.total("host") + 2**30 + budget + 2 * slot + slot // 2
+    monkeypatch.setattr("hetmoe.loading.memory_plan.host_available", lambda: free)
+    llm = LLM(path, device="cpu", dtype="float32", experts="cpu", max_seq_len=64,
+              max_batch="auto", gpu_expert_bytes=budget, progress=False)
+    # No GPU, yet the budget's resident copies are made, in host memory beside the packed
+    # experts: the KV room is the host's less that budget (kv_fit.kv_room).
+    placement = llm.runner.placement
+    assert placement is not None and placement.plan.bytes == budget
+    packed = [t for layer in placement.layers for t in layer.packed]
+    assert {t.device.type for t in packed} == {"cpu"} and sum(t.numel() for t in packed) == budget
+    fit = llm.kv_fit
+    assert fit is not None and (fit.room.bytes, llm.max_batch) == (2 * slot + slot // 2, 2)
+    assert fit.room.parts[-1] == ("--gpu-expert-gib", budget)

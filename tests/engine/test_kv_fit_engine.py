@@ -1,12 +1,14 @@
 """KV slots of `LLM(max_batch="auto")` (engine/model/kv_fit.py with no job): the slots that fit,
-at most `MAX_AUTO_SLOTS`; the option's values; the line logged at load."""
+at most `MAX_AUTO_SLOTS`; the option's values (`EngineConfig.max_batch`); the line logged at load;
+an expert budget on the CPU device."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hetmoe.engine.model.kv_fit import MAX_AUTO_SLOTS, fit_slots, kv_room, slots_option
+from hetmoe.config import EngineConfig
+from hetmoe.engine.model.kv_fit import MAX_AUTO_SLOTS, fit_slots, kv_room
 from hetmoe.loading.memory_plan import MemoryPlan
 
 GIB = 2**30
@@ -34,8 +36,19 @@ def test_without_a_job_not_one_slot_names_max_seq_len() -> None:
 
 
 def test_the_option_takes_auto_or_a_positive_integer() -> None:
-    assert slots_option("auto") is None and slots_option(8) == 8
-    for bad in ("8", "AUTO", 0, -1, 1.0, False):
+    assert EngineConfig().max_batch == 8  # the default stays a fixed count
+    assert EngineConfig(max_batch="auto").max_batch == "auto"
+    assert EngineConfig.from_options(max_batch=300).max_batch == 300  # beyond auto's cap
+    for bad in ("8", "AUTO", 0, -1, 1.0, False, None):
         with pytest.raises(ValueError, match=rf"^option max_batch must be 'auto' or a positive "
                                              rf"integer, got {bad!r}$"):
-            slots_option(bad)
+            EngineConfig(max_batch=bad)  # type: ignore[arg-type]
+
+
+def test_on_the_cpu_device_an_expert_budget_is_host_memory_and_counts_against_kv() -> None:
+    # No GPU, yet the runner still places the budget's resident expert copies, on the host.
+    room = kv_room(HOST, torch.device("cpu"), 5 * GIB)
+    assert (room.place, room.bytes, room.shared) == ("host", 29 * GIB, False)
+    assert room.explain().endswith(f", {2 * GIB} of margin, {5 * GIB} of --gpu-expert-gib")
+    assert kv_room(HOST, torch.device("cpu"), 0).bytes == 34 * GIB  # 0: nothing resident
+    assert kv_room(HOST, torch.device("cpu"), 40 * GIB).bytes == 0  # never below none

@@ -24,7 +24,7 @@ from hetmoe.engine.model.deferral_auto import (
     probe_ids,
     record_deferral,
 )
-from hetmoe.engine.model.kv_fit import KvFit, engine_fit, slots_option
+from hetmoe.engine.model.kv_fit import KvFit, engine_fit
 from hetmoe.engine.model.model_setup import (
     check_device,
     check_experts_loaded,
@@ -60,8 +60,8 @@ class LLM:
     preset name (`tiny-qwen3-moe`, ...); `rules` a YAML rule file (default: the family's shipped
     rules); `lora` a PEFT adapter directory (used by default) or {name: directory} (a request
     picks one by `adapter=NAME`); `chat_template` a Jinja file that replaces the checkpoint's
-    chat template (checked before loading); `options` are `EngineConfig` fields, `max_batch`
-    also "auto": the KV slots that fit the memory the weights leave, at most 256 (`kv_fit`).
+    chat template (checked before loading); `options` are `EngineConfig` fields (`max_batch`
+    "auto": the KV slots that fit the memory the weights leave, at most 256, kept as `kv_fit`).
     """
 
     def __init__(
@@ -75,9 +75,6 @@ class LLM:
         **options: Any,
     ) -> None:
         template = read_chat_template(chat_template) if chat_template is not None else None
-        slots = slots_option(options.get("max_batch", EngineConfig.max_batch))
-        if slots is None:  # "auto": one slot until the injected skeleton sizes them
-            options = {**options, "max_batch": 1}
         self.options, adapters = with_lora(EngineConfig.from_options(**options), lora)
         self.kv_fit: KvFit | None = None
         """What `max_batch="auto"` chose and why (None: a fixed count)."""
@@ -96,8 +93,7 @@ class LLM:
         )
         self.dtype = resolve_dtype(self.options.dtype, raw)
         self.injection = InjectionReport()
-        inject = functools.partial(self._inject, raw=raw, converted=converted,
-                                   auto_slots=slots is None)
+        inject = functools.partial(self._inject, raw=raw, converted=converted)
         loaded = load_model(
             self.path, device=self.device, dtype=self.dtype, inject=inject,
             progress=self.options.progress,
@@ -120,9 +116,9 @@ class LLM:
         auto = self.options.deferred == "auto"
         runner_options = dataclasses.replace(
             self.options, fused_decode=self.options.fused_decode and self.device.type == "cuda",
-            deferred=0 if auto else self.options.deferred)
-        self.runner = ModelRunner(self.model, self.device, self.dtype, self.options.max_batch,
-                                  window, runner_options)
+            deferred=0 if auto else self.options.deferred, max_batch=self.max_batch)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, self.max_batch, window,
+                                  runner_options)
         self.runner.adapters = LoraAdapters.load(self.model, adapters, lora)
         self.deferral: DeferralChoice | None = None
         """What `deferred="auto"` chose and why (None: a fixed count), before any request."""
@@ -138,21 +134,27 @@ class LLM:
         self.scheduler = self._local_loop()
 
     def _inject(self, model: torch.nn.Module, raw: dict[str, Any],
-                converted: ConvertedModel | None, auto_slots: bool) -> InjectionReport:
-        """Injects the rules into the meta skeleton `model`; with `auto_slots` (max_batch
-        "auto") sizes the KV slots from its plan, logged once; refuses a model that does not
-        fit this machine, all before any weight is read."""
+                converted: ConvertedModel | None) -> InjectionReport:
+        """Injects the rules into the meta skeleton `model`; with max_batch "auto" sizes the KV
+        slots from its plan (`kv_fit`), logged once; refuses a model that does not fit this
+        machine with its slots, all before any weight is read."""
         ctx = OpContext(self.device, self.dtype, model.config, self.options.experts,
                         config_fp8_scheme(raw, str(self.path / "config.json")))
         self.injection = apply_rules(model, self.rules, ctx)
-        if auto_slots:
+        if self.options.max_batch == "auto":
             window = self.options.max_seq_len or default_window(model.config)
             self.kv_fit = engine_fit(model, self.device, self.dtype, window,
                                      self.options.gpu_expert_bytes, converted)
-            self.options = dataclasses.replace(self.options, max_batch=self.kv_fit.slots)
             log.info(self.kv_fit.auto_line())
-        check_fits(model, self.device, self.dtype, self.options, converted)
+        check_fits(model, self.device, self.dtype,
+                   dataclasses.replace(self.options, max_batch=self.max_batch), converted)
         return self.injection
+
+    @property
+    def max_batch(self) -> int:
+        """KV slots, i.e. sequences decoded together at most: the `max_batch` asked, or the count
+        "auto" chose (`kv_fit`, set once the skeleton is injected)."""
+        return self.kv_fit.slots if self.kv_fit is not None else int(self.options.max_batch)
 
     @property
     def max_seq_len(self) -> int:

@@ -74,7 +74,10 @@ class KvRoom:
 
 def kv_room(mem: MemoryPlan, device: torch.device, experts: int | str) -> KvRoom:
     """The KV cache's room under `mem` (a plan without a KV row) on `device`, with the GPU expert
-    budget `experts` ("auto" or bytes: bytes are claimed first, auto takes what KV leaves)."""
+    budget `experts` ("auto" or bytes: bytes are claimed first, auto takes what KV leaves). On
+    the CPU device a budget in bytes is claimed from the host: the runner still places up to
+    that many bytes of resident expert copies there (engine/placement/slots.py, no GPU room to
+    clamp them to)."""
     claimed = experts if isinstance(experts, int) else 0
     if device.type == "cuda" and mem.gpu_free is not None:
         margin = max(MIN_MARGIN, int(MARGIN_SHARE * mem.gpu_total))
@@ -124,17 +127,6 @@ class KvFit:
         return (f"KV slots: {self.slots} (auto: {self.room.bytes / GIB:.2f} GiB free for KV on "
                 f"the {self.room.place}, {one / 2**20:.2f} MiB per slot of {self.window} tokens; "
                 f"slots: {self.limit})")
-
-
-def slots_option(value: object) -> int | None:
-    """`max_batch` as `LLM` takes it: an integer >= 1, or None for "auto" (sized by
-    `engine_fit` once the skeleton is injected); ValueError naming the option otherwise, before
-    any weight is read."""
-    if value == "auto":
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"option max_batch must be 'auto' or a positive integer, got {value!r}")
-    return value
 
 
 def fit_slots(room: KvRoom, token_bytes: int, window: int, wanted: int | None,
