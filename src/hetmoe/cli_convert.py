@@ -9,13 +9,12 @@ from typing import Annotated, Any
 import typer
 
 from hetmoe.cli_exit import fail
-from hetmoe.config import EngineConfig
+from hetmoe.config import DEFAULT_MAX_BATCH
 from hetmoe.machine import machine_report
 
 # Commands import what they run inside their functions: `hetmoe --help` imports none of torch,
 # transformers, rich, httpx, the engine or the loaders (tests/test_cli_basics.py).
 
-_DEFAULTS = EngineConfig()
 ExpertFormatOpt = Annotated[str | None, typer.Option(
     "--experts", help="Packed expert format: bf16, int8, int4 or fp8 (default: bf16; fp8 for an "
                       "FP8 checkpoint; for a GGUF the nearest to its quant type)")]
@@ -135,8 +134,8 @@ def print_plan(path: Path, fmt: str, group: int | None, device: object,
     config = plan.checkpoint.config
     window = default_window(config)
     chosen = device if isinstance(device, torch.device) else default_device()
-    typer.echo(f"memory on {chosen} ({_DEFAULTS.max_batch} slots x {window} tokens of KV):")
-    mem = memory_plan(plan.skeleton, chosen, plan.dtype, config, _DEFAULTS.max_batch * window,
+    typer.echo(f"memory on {chosen} ({DEFAULT_MAX_BATCH} slots x {window} tokens of KV):")
+    mem = memory_plan(plan.skeleton, chosen, plan.dtype, config, DEFAULT_MAX_BATCH * window,
                       fmt, plan.group_size)
     typer.echo(mem.table())
     placement = planned_placement(mem)  # what `--gpu-expert-gib auto` keeps on the GPU
