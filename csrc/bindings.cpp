@@ -10,6 +10,7 @@
 #include <string>
 
 #include "dispatch.h"
+#include "kernels/gemm.h"
 #include "moe/backward_job.h"
 #include "moe/moe_layer.h"
 #include "moe/stream_read.h"
@@ -44,6 +45,9 @@ void bind_cpu(nb::module_& m) {
   }, "CPU features this build can use here (CPUID + OS state + AMX permission).");
   m.def("best_isa", [] { return std::string(hetmoe::isa_name(hetmoe::best_isa())); },
         "The best kernel family this CPU/OS can run: amx, avx512, avx2 or scalar.");
+  m.def("amx_int4_kernel", [] { return std::string(hetmoe::amx_int4_kernel()); },
+        "The AMX int4 kernel: 'bf16' (bf16 tiles, the default) or 'i8' (int8 tiles), from "
+        "HETMOE_AMX_INT4 (ValueError naming it for any other value).");
 #ifdef HETMOE_AMX_EMULATION
   m.attr("AMX_EMULATION") = true;  // CMakeLists.txt: AMX in plain C++, a developer build
 #else
@@ -143,6 +147,7 @@ void bind_moe_weights(nb::class_<MoELayer>& layer) {
          cfg.group_size = group_size;
          cfg.max_isa = hetmoe::parse_isa(isa);
          cfg.amx_min_tokens = amx_min_tokens;
+         if (cfg.max_isa == hetmoe::Isa::kAmx) hetmoe::amx_int4_kernel();  // a bad value: now
          new (self) MoELayer(cfg, hetmoe::pool_for_threads(threads));
        }, nb::arg("num_experts"), nb::arg("hidden"), nb::arg("intermediate"),
           nb::arg("weight_format"), nb::arg("group_size"), nb::arg("isa"),

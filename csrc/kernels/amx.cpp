@@ -12,7 +12,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernels/amx_tiles.h"
@@ -202,8 +205,22 @@ void gemm_int8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end
 
 }  // namespace
 
+const char* amx_int4_kernel() {
+  static const char* const name = [] {
+    const char* v = std::getenv("HETMOE_AMX_INT4");
+    if (!v || std::strcmp(v, "bf16") == 0) return "bf16";
+    if (std::strcmp(v, "i8") == 0) return "i8";
+    throw std::invalid_argument("HETMOE_AMX_INT4='" + std::string(v) +
+                                "': expected unset, 'bf16' or 'i8' (the AMX int4 kernel)");
+  }();
+  return name;
+}
+
 const IsaKernels& amx_kernels() {
-  static const IsaKernels k{"amx", gemm_bf16, gemm_int8, amx_gemm_int4,
+  // The int4 entry from HETMOE_AMX_INT4 (amx_int4_kernel): bf16 tiles unless "i8" opts in.
+  static const IsaKernels k{"amx", gemm_bf16, gemm_int8,
+                            std::strcmp(amx_int4_kernel(), "i8") == 0 ? amx_gemm_int4_i8
+                                                                      : amx_gemm_int4,
                             amx_gemm_fp8,
                             {silu_mul_row, to_bf16_row, to_u8_row, axpy_row}};
   return k;
