@@ -8,7 +8,11 @@ First it measures the AVX-512/AMX crossover (tokens per expert) per format and u
 
 Usage: python benchmarks/kernels/bench_cpu_moe.py [--shape deepseek-v2-lite] [--layers 6]
            [--formats bf16,int8,int4 | --weight-format fp8] [--json out.json] [--quick]
-           [--no-crossover] [--git SHA] [--warmup-s 1.0] [--trace DIR]
+           [--no-crossover] [--git SHA] [--warmup-s 1.0] [--trace DIR] [--int4-kernel bf16,i8]
+
+--int4-kernel picks the AMX int4 kernel (HETMOE_AMX_INT4: bf16 tiles or int8 tiles, read once per
+process): one name runs here; several run one child process each (the first every format, the
+others the int4 formats only) and merge their rows into one JSON, each int4 row naming its kernel.
 
 Each row also gives the phases of profiled calls: their wall times, and their busy shares (the
 workers' summed task time over the phase's wall time x workers; below 1: workers wait, on the
@@ -19,7 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -212,6 +219,46 @@ def fp8_source(src: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     return (*codes, *scales)
 
 
+def use_int4_kernel(name: str) -> None:
+    """Run this process's AMX int4 rows on kernel `name` (set before the first layer reads it)."""
+    os.environ["HETMOE_AMX_INT4"] = name
+    if _cpu.amx_int4_kernel() != name:
+        raise SystemExit(f"--int4-kernel {name}: this process already runs "
+                         f"{_cpu.amx_int4_kernel()!r} (HETMOE_AMX_INT4 is read once)")
+
+
+def ab_int4(kernels: list[str], specs: list[str], out: Path) -> None:
+    """One child process per int4 kernel (this script, its arguments, then the kernel, its own
+    JSON and, after the first, the int4 formats only), merged into `out`: the first child's
+    report with every later child's rows appended and the kernels' ms per (q, k) side by side."""
+    int4 = [spec for spec in specs if spec.partition(":")[0] == "int4"]
+    if not int4:
+        raise SystemExit(f"--int4-kernel {','.join(kernels)}: no int4 format among {specs}")
+    report: dict = {}
+    for i, kernel in enumerate(kernels):
+        part = out.with_name(f"{out.stem}.{kernel}{out.suffix}")
+        argv = [*sys.argv[1:], "--int4-kernel", kernel, "--json", str(part)]
+        if i > 0:
+            argv += ["--formats", ",".join(int4), "--weight-format", ""]
+        subprocess.run([sys.executable, __file__, *argv], check=True)
+        child = json.loads(part.read_text())
+        if not report:
+            report = child
+        else:
+            report["rows"] += [r for r in child["rows"] if "int4_kernel" in r]
+    ab: dict[str, dict[str, float]] = {}
+    for r in report["rows"]:
+        if "int4_kernel" in r:
+            ab.setdefault(f"{r['format']} q={r['q']} k={r['k']}", {})[r["int4_kernel"]] = r["ms"]
+    report.pop("amx_int4_kernel")  # the first child's; each int4 row names its own
+    report["int4_kernels"] = kernels
+    report["int4_ab_ms"] = ab
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\nint4 kernels, ms ({' / '.join(kernels)}):")
+    for key, ms in ab.items():
+        print(f"{key:24} " + " / ".join(f"{ms.get(k, float('nan')):.3f}" for k in kernels))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
@@ -243,7 +290,19 @@ def main() -> None:
                              "(q >= 512): every task's worker, phase and time")
     parser.add_argument("--git", default="",
                         help="commit to record (default: this checkout's, where it is one)")
+    parser.add_argument("--int4-kernel", default="",
+                        help="comma-separated AMX int4 kernels, bf16 and/or i8 (default: "
+                             "HETMOE_AMX_INT4's); several: one child process each, one JSON")
     args = parser.parse_args()
+    kernels = [v for v in args.int4_kernel.split(",") if v]
+    bad = [v for v in kernels if v not in ("bf16", "i8")]
+    if bad:
+        parser.error(f"--int4-kernel: {bad} not among bf16, i8")
+    if len(kernels) > 1:
+        ab_int4(kernels, (args.weight_format or args.formats).split(","), args.json)
+        return
+    if kernels:
+        use_int4_kernel(kernels[0])
     E, H, I, top_k = routed_expert_shape(args.shape)
     E = args.experts or E
     ks = [int(v) for v in (args.k or str(top_k)).split(",")]
@@ -266,7 +325,7 @@ def main() -> None:
               "git": args.git or source_commit(Path(__file__).resolve().parents[2]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "warmup_s": args.warmup_s, "crossover": {},
-              "rows": []}
+              "amx_int4_kernel": _cpu.amx_int4_kernel(), "rows": []}
     amx = _cpu.best_isa() == "amx"
     baseline = [] if args.no_torch else [tuple(t.clone() for t in src) for _ in range(args.layers)]
     for spec in (args.weight_format or args.formats).split(","):
@@ -327,6 +386,8 @@ def main() -> None:
                    "bw_floor_ms": distinct * expert_bytes / bandwidth * 1e3,
                    "tflops": flops / sec / 1e12,
                    "phase_us": phase_us, "profiled_ms": profiled_ms, "phase_busy": busy}
+            if fmt == "int4" and amx:
+                row["int4_kernel"] = report["amx_int4_kernel"]
             if "raw_ms" in sec_of:
                 row["raw_ms"] = 1e3 * sec_of["raw_ms"]
             for name in (n for n in sec_of if n.startswith("cols")):
