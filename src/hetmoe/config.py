@@ -75,7 +75,8 @@ class EngineConfig:
     prefill_planner.py `decode_experts`); in "auto" mode its tuner times such steps against the
     decode path (CUDA graphs) per row bucket and keeps the faster. "auto", the default: from the
     fewest rows at which this machine's cost model expects the split at most `DECODE_GAIN` of the
-    CPU's time, never at 8 rows or fewer (engine/placement/expert_split.py); on an H100 box
+    CPU's time, never at 8 rows or fewer nor with `prefill_experts` "gpu" (which would stream
+    every miss: give a row count for that) (engine/placement/expert_split.py); on an H100 box
     (2026-11-28, INT8, budget 0) it decoded 64 and 128 streams at 198 and 357 tok/s against 170
     and 295 without it, and 32 streams (below its 40 rows) alike (docs/benchmarks/serve.md);
     0: never; N: from N rows."""

@@ -102,8 +102,9 @@ def test_costs_are_loaded_for_auto_decode_rows_on_a_gpu() -> None:
 
 
 def test_auto_loads_no_costs_where_no_step_exceeds_the_small_decode_rows() -> None:
-    """The default "auto" on a runner of small batches (a chat's): nothing streams, so a "gpu"
-    prefill (which needs no costs itself) measures none at start."""
+    """The default "auto" on a runner of small batches (a chat's), or with a "gpu" prefill
+    (which streams every miss and needs no costs itself): nothing weighs streaming, so no costs
+    are measured at start."""
     asked = []
 
     def loader() -> SplitCosts:
@@ -111,9 +112,12 @@ def test_auto_loads_no_costs_where_no_step_exceeds_the_small_decode_rows() -> No
         return COSTS
 
     planner = PrefillPlanner(128, 8, 4, None, refusal=lambda: "", loader=loader)
-    planner.prepare("gpu", 0, "auto", SMALL_DECODE)
-    assert planner.decode_rows == NEVER and not asked and planner.costs is None
-    planner.prepare("gpu", 0, "auto", SMALL_DECODE + 1)
+    for rows in (SMALL_DECODE, 256):
+        planner.prepare("gpu", 0, "auto", rows)
+        assert planner.decode_rows == NEVER and not asked and planner.costs is None
+    planner.prepare("gpu", 0, 64, 256)  # a row count asked: its k needs no costs either
+    assert planner.decode_rows == 64 and not asked
+    planner.prepare("split", 0, "auto", SMALL_DECODE + 1)  # the split's k comes from costs
     assert asked == [1] and planner.costs is COSTS
 
 

@@ -161,7 +161,8 @@ class PrefillPlanner:
         """Loads the costs when passes of the current placement plan with them (`needs_costs`;
         call when the runner starts or places, never inside a request), and sets `decode_rows`
         from `decode_rows` (EngineConfig.stream_decode_rows) for steps of at most `max_rows`
-        rows ("auto" asks for the costs only where steps may exceed `SMALL_DECODE` rows). Not
+        rows ("auto" asks for costs only where steps may exceed `SMALL_DECODE` rows, in modes
+        "auto" and "split"). Not
         when every expert is resident: no CPU expert work and nothing to stream, so
         nothing to weigh."""
         gpu = self._refusal is not None
@@ -169,7 +170,9 @@ class PrefillPlanner:
             log.info("prefill: every routed expert is resident on the GPU (no CPU expert work, "
                      "nothing to stream): no prefill costs loaded")
             return
-        auto = decode_rows == "auto" and max_rows > SMALL_DECODE  # else never streams
+        # "auto" weighs streaming only for steps above SMALL_DECODE rows and in the modes that
+        # choose k by cost ("gpu" streams every miss: the user sets a row count for that)
+        auto = decode_rows == "auto" and max_rows > SMALL_DECODE and mode in ("auto", "split")
         if needs_costs(gpu, mode, fetch_slots, auto):
             self.load_costs()
         if not gpu or mode == "cpu" or not decode_rows or (decode_rows == "auto" and not auto):
