@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -22,6 +23,8 @@ from typer.testing import CliRunner
 
 from hetmoe import LLM
 from hetmoe.cli import app
+from hetmoe.cli_batch import SERVER_FAILURES_EXIT
+from hetmoe.cli_engine import EngineOptions
 from hetmoe.engine.requests import batch_job
 from hetmoe.engine.requests.batch_job import JobFiles, JobLine, LineError, read_lines
 from hetmoe.server.service import ModelService
@@ -205,7 +208,13 @@ def test_a_rerun_retries_only_the_lines_that_failed_on_the_server(
     monkeypatch.setattr(ModelService, "submit", submitted)
     command = ["batch", str(source), str(out), "--device", "cpu", "--no-progress"]
     first = runner.invoke(app, command)
-    assert first.exit_code == 0, first.output
+    assert first.exit_code == SERVER_FAILURES_EXIT == 3, first.output  # a script knows to rerun
+    assert "2 requests answered into" in first.output  # "ok" and "bad": a 4xx is an answer
+    assert ("2 lines failed on the server: rerun the same command to try them again"
+            in first.output)
+    help_text = " ".join(runner.invoke(app, ["batch", "--help"]).output.split())
+    assert (f"{SERVER_FAILURES_EXIT} when requests failed on the server in this run (rerun the "
+            "same command to try them again)") in help_text
     failed = results(errors)
     assert sorted(failed) == ["bad", "fault", "stopped"] and sorted(results(out)) == ["ok"]
     assert failed["fault"]["response"]["status_code"] == 500
@@ -214,8 +223,9 @@ def test_a_rerun_retries_only_the_lines_that_failed_on_the_server(
     assert failed["bad"]["response"]["status_code"] == 400
     answered, served[:], faulty[0] = results(out), [], False
     again = runner.invoke(app, command)
-    assert again.exit_code == 0, again.output
+    assert again.exit_code == 0, again.output  # the 400 kept from the first run: still 0
     assert "2 lines failed on the server last time: trying them again" in again.output
+    assert "2 requests answered into" in again.output
     assert sorted(served) == [7, 9]  # the two failed lines, not "ok" nor "bad"
     final, kept = results(out), results(errors)
     assert sorted(final) == ["fault", "ok", "stopped"] and sorted(kept) == ["bad"]
@@ -258,9 +268,18 @@ def test_the_error_file_rewrite_keeps_every_line_whenever_the_job_is_killed(
         files.retry([c])
     assert errors.read_bytes() == before and not JobFiles(out, errors).finished(c)
     monkeypatch.undo()
+    synced: list[bool] = []  # per fsync: of a directory?
+    fsync = os.fsync
+
+    def recorded(handle: int) -> None:
+        synced.append(stat.S_ISDIR(os.fstat(handle).st_mode))
+        fsync(handle)
+
+    monkeypatch.setattr(batch_job.os, "fsync", recorded)
     files = JobFiles(out, errors)
     files.error(LineError(6, None, "y"))  # appended before the rewrite: kept by it
     assert files.retry([a, b, c]) == 1 and files.retry([c]) == 0
+    assert synced == [False, True]  # the new file, then the rename in its directory
     assert not (tmp_path / "errors.jsonl.tmp").exists()
     kept = [json.loads(x) for x in errors.read_text().splitlines()]
     assert [r["custom_id"] for r in kept] == ["b", None, "d", None]
@@ -272,6 +291,66 @@ def test_the_error_file_rewrite_keeps_every_line_whenever_the_job_is_killed(
     ids = [*results(out), *[r["custom_id"] for r in kept if r["custom_id"]]]
     assert sorted(ids) == ["a", "b", "c", "d"]
     assert JobFiles(out, errors).finished(c)
+
+
+def test_a_command_that_stops_before_its_job_leaves_the_error_file_as_it_was(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "a" failed on the server last time; this run stops before its job (a model that does not
+    # exist, then Ctrl-C during the load): its record must stay, or "a" would be in neither file.
+    errors = write(tmp_path / "out.errors.jsonl", [_failure("a", 500, 1)])
+    before, out = errors.read_bytes(), tmp_path / "out.jsonl"
+    line = chat_line("a", "Hello", 4)
+    command = ["batch", str(tmp_path / "in.jsonl"), str(out), "--device", "cpu", "--no-progress"]
+    write(tmp_path / "in.jsonl", [{**line, "body": {**line["body"], "model": "no-such-model"}},
+                                  "not json"])
+    missing = runner.invoke(app, command)
+    assert missing.exit_code == 1
+    assert "error: model 'no-such-model' is neither an existing directory" in missing.output
+    assert "trying it again" not in missing.output
+    assert errors.read_bytes() == before and not out.exists()  # not even the invalid line 2
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    write(tmp_path / "in.jsonl", [line, "not json"])
+    monkeypatch.setattr(EngineOptions, "load", interrupted)
+    stopped = runner.invoke(app, command)
+    assert stopped.exit_code != 0 and "trying it again" not in stopped.output
+    assert errors.read_bytes() == before and not out.exists()
+    monkeypatch.undo()
+    ran = runner.invoke(app, command)
+    assert ran.exit_code == 0, ran.output
+    assert "1 line failed on the server last time: trying it again" in ran.output
+    assert sorted(results(out)) == ["a"] and list(results(errors)) == [None]
+
+
+def test_an_edited_line_or_an_answered_one_supersedes_its_failure_record(
+    cache: Path, tmp_path: Path
+) -> None:
+    # "x" got a 500, then its line was edited to be invalid; "a" has a 500 beside its final
+    # answer (a kill between the two); "y" got a 503 and is run again.
+    out = write(tmp_path / "out.jsonl", [{"id": "batch_req_a", "custom_id": "a", "error": None,
+                                           "response": {"status_code": 200, "body": {}}}])
+    errors = write(tmp_path / "out.errors.jsonl", [_failure("x", 500, 2), _failure("a", 500, 1),
+                                                   _failure("y", 503, 3)])
+    assert JobFiles(out, errors).failed == {"x", "y"}  # "a" is answered: not run again
+    source = write(tmp_path / "in.jsonl", [chat_line("a", "Hi", 2),
+                                           {**chat_line("x", "Hi", 2), "url": "/v2"},
+                                           chat_line("y", "Why?", 3)])
+    command = ["batch", str(source), str(out), "--device", "cpu", "--no-progress"]
+    ran = runner.invoke(app, command)
+    assert ran.exit_code == 0, ran.output
+    assert "1 line failed on the server last time: trying it again" in ran.output
+    answered, reported = results(out), results(errors)
+    assert sorted(answered) == ["a", "y"] and answered["y"]["response"]["status_code"] == 200
+    assert list(reported) == ["x"] and reported["x"]["error"]["code"] == "invalid_request"
+    with errors.open("a") as handle:  # as a kill between the invalid record and the rewrite
+        handle.write(json.dumps(_failure("x", 500, 2)) + "\n")
+    again = runner.invoke(app, command)
+    assert again.exit_code == 0 and "nothing to run" in again.output
+    assert [r["error"]["code"] for r in results(errors).values()] == ["invalid_request"]
+    assert sorted(results(out)) == ["a", "y"]
 
 
 def test_the_progress_bar_shows_the_count_the_rate_and_the_eta(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -25,13 +26,15 @@ from hetmoe.server.config import ServerConfig
 # transformers, rich, httpx, the engine or the loaders (tests/test_cli_basics.py).
 
 if TYPE_CHECKING:
+    from hetmoe.cli_batch_sizing import JobSizing
     from hetmoe.engine.engine import LLM
-    from hetmoe.engine.model.kv_fit import KvFit
-    from hetmoe.engine.requests.batch_job import JobFiles, JobLine
+    from hetmoe.engine.requests.batch_job import JobFiles, JobLine, LineError
 
 _DEFAULTS = EngineConfig()
 IN_FLIGHT = 4096
 """Requests handed to the scheduler at once at most (each holds its prompt and state)."""
+SERVER_FAILURES_EXIT = 3
+"""Exit status of a job in which requests failed on the server (1: a user error, `fail`)."""
 MAX_BATCH_HELP = (
     "KV slots, sequences decoded together: auto = the job's sequences (prompts x n of the lines "
     "to run), at most the slots whose KV cache fits the memory the weights leave, at most 256; "
@@ -80,20 +83,20 @@ def batch(
     run again with the same files. A rerun also tries again the requests that failed on the
     server (status >= 500: an engine fault, an internal error, a timeout), their old records
     taken out of the error file; a 4xx (the request's own fault) and an invalid line are final.
-    The KV cache is sized from the job before the weights load
-    (--max-batch, --max-seq-len), in one line that says slots x window, GiB and where.
+    The KV cache is sized from the job before the weights load (--max-batch, --max-seq-len), in
+    one line that says slots x window, GiB and where. Nothing is written before the job runs: a
+    command that stops sooner leaves both files as they were.
+
+    Exit status: 0 when every request ran (a 4xx or an invalid line included), 1 on a user
+    error, 3 when requests failed on the server in this run (rerun the same command to try
+    them again).
     """
     from hetmoe.engine.requests.batch_job import JobFiles, JobLine, LineError, read_lines
 
     slots, window = _count("--max-batch", max_batch), _count("--max-seq-len", max_seq_len)
     if not input.is_file():
         fail(FileNotFoundError(f"input file {input} does not exist"))
-    budget = engine.expert_bytes()
-    if placement_sample < 0:
-        fail(ValueError(f"--placement-sample must be >= 0 prompts, got {placement_sample}"))
-    if placement_sample and budget == 0:
-        fail(ValueError("--placement-sample needs a GPU expert budget to place experts in "
-                        "(--gpu-expert-gib > 0 or auto), got --gpu-expert-gib 0"))
+    budget = _expert_budget(engine, placement_sample)
     errors = errors or output.with_name(output.name.removesuffix(".jsonl") + ".errors.jsonl")
     try:
         lines = list(read_lines(input))
@@ -101,35 +104,35 @@ def batch(
     except (ValueError, UnicodeDecodeError) as exc:
         fail(exc)
     todo = [line for line in lines if isinstance(line, JobLine) and not files.finished(line)]
-    _retry(files, todo)
-    for bad in lines:
-        if isinstance(bad, LineError) and not files.finished(bad):
-            files.error(bad)
-            typer.echo(f"{input}: line {bad.number}: {bad.reason}", err=True)
+    invalid = [line for line in lines if isinstance(line, LineError) and not files.finished(line)]
+    for bad in invalid:
+        typer.echo(f"{input}: line {bad.number}: {bad.reason}", err=True)
     if not todo:
+        _record(files, invalid, (), [])
         files.close()
         typer.echo(f"nothing to run: the {len(lines)} lines of {input} are answered or invalid")
         return
     name = model or next((str(line.body["model"]) for line in todo if "model" in line.body), None)
     if name is None:
-        files.close()
         fail(ValueError("no model to load: pass --model or name it in the requests' `model`"))
-    todo, fit = _sized(input, name, todo, files, engine, (slots, window), progress)
+    todo, sizing = _sized(input, name, todo, engine, (slots, window), progress)
     if not todo:
+        _record(files, invalid, sizing.too_long, [])
         files.close()
         typer.echo(f"nothing to run: every line left is longer than the window (errors: {errors})")
         return
     # With a sample the experts are placed once, by its counts (not first at load).
     more = {"gpu_expert_bytes": 0} if placement_sample else {}
-    llm = engine.load(name, max_batch=fit.slots, max_seq_len=fit.window,
+    llm = engine.load(name, max_batch=sizing.fit.slots, max_seq_len=sizing.fit.window,
                       prefill_chunk=prefill_chunk or None, progress=progress, **more)
+    if placement_sample:
+        _preplace(llm, todo, placement_sample, budget)
+    _record(files, invalid, sizing.too_long, todo)
     try:
-        if placement_sample:
-            _preplace(llm, todo, placement_sample, budget)
         asyncio.run(_serve(llm, name, todo, files, progress))
     finally:
         files.close()
-    typer.echo(f"{len(todo)} requests answered into {output} (errors: {errors})")
+    _ended(len(todo), files.server_failures, output, errors)
 
 
 def _count(option: str, value: str) -> int | None:
@@ -141,10 +144,29 @@ def _count(option: str, value: str) -> int | None:
     return int(value)
 
 
-def _retry(files: JobFiles, todo: list[JobLine]) -> None:
-    """Takes the server-side failures among `todo` out of the error file (before anything is
-    appended to it), and says how many are tried again."""
+def _expert_budget(engine: EngineOptions, placement_sample: int) -> int | str:
+    """`--gpu-expert-gib` as bytes (or auto), checked against `--placement-sample`."""
+    budget = engine.expert_bytes()
+    if placement_sample < 0:
+        fail(ValueError(f"--placement-sample must be >= 0 prompts, got {placement_sample}"))
+    if placement_sample and budget == 0:
+        fail(ValueError("--placement-sample needs a GPU expert budget to place experts in "
+                        "(--gpu-expert-gib > 0 or auto), got --gpu-expert-gib 0"))
+    return budget
+
+
+def _record(files: JobFiles, invalid: list[LineError],
+            too_long: Sequence[tuple[JobLine, str, str]], todo: list[JobLine]) -> None:
+    """Writes what is known before the job runs (the invalid lines, the lines longer than the
+    window: their 400), then takes out of the error file the server-side failures among `todo`
+    and those these records supersede (`JobFiles.retry`), and says how many are tried again.
+    Called only once nothing but the job itself is left to fail."""
     try:
+        for bad in invalid:
+            files.error(bad)
+        for line, field, message in too_long:
+            files.result(line, 400, {"error": {"message": message, "param": field,
+                                               "type": "invalid_request_error", "code": None}})
         again = files.retry(todo)
     except OSError as exc:
         files.close()
@@ -155,25 +177,34 @@ def _retry(files: JobFiles, todo: list[JobLine]) -> None:
                    f"{'it' if again == 1 else 'them'} again", err=True)
 
 
-def _sized(input: Path, model: str, todo: list[JobLine], files: JobFiles,
-           engine: EngineOptions, asked: tuple[int | None, int | None],
-           progress: bool) -> tuple[list[JobLine], KvFit]:
-    """The job's KV cache (cli_batch_sizing.py), printed before the weights load; lines longer
-    than its window answered with their 400 and left out."""
+def _ended(run: int, failures: int, output: Path, errors: Path) -> None:
+    """Says what the job did; requests that failed on the server end the command with
+    `SERVER_FAILURES_EXIT`, so a script knows to run it again."""
+    typer.echo(f"{run - failures} requests answered into {output} (errors: {errors})")
+    if failures:
+        subject = "1 line" if failures == 1 else f"{failures} lines"
+        typer.echo(f"{subject} failed on the server: rerun the same command to try "
+                   f"{'it' if failures == 1 else 'them'} again", err=True)
+        raise typer.Exit(code=SERVER_FAILURES_EXIT)
+
+
+def _sized(input: Path, model: str, todo: list[JobLine], engine: EngineOptions,
+           asked: tuple[int | None, int | None],
+           progress: bool) -> tuple[list[JobLine], JobSizing]:
+    """The job's KV cache (cli_batch_sizing.py), printed before the weights load, and the lines
+    of `todo` it can run: those longer than its window are named and left out (their 400s are
+    written when the job runs)."""
     from hetmoe.cli_batch_sizing import size_job
 
     try:
         sizing = size_job(model, todo, engine, *asked, progress)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        files.close()
         fail(exc)
-    for line, field, message in sizing.too_long:
-        files.result(line, 400, {"error": {"message": message, "type": "invalid_request_error",
-                                           "param": field, "code": None}})
+    for line, _, message in sizing.too_long:
         typer.echo(f"{input}: line {line.number}: {message}", err=True)
     typer.echo(sizing.describe(), err=True)
     refused = {line.number for line, _, _ in sizing.too_long}
-    return [line for line in todo if line.number not in refused], sizing.fit
+    return [line for line in todo if line.number not in refused], sizing
 
 
 def _preplace(llm: LLM, todo: list[JobLine], sample: int, budget: int | str) -> None:

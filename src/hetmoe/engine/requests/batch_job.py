@@ -12,8 +12,9 @@ written and flushed as its request ends, so a killed job loses only requests in 
 reads both files (a last line cut short is dropped) and skips every `custom_id` and line number
 already there, except requests that failed on the server (`response.status_code` >= 500: an
 engine fault, an internal error, a timeout), which it runs again after taking their records out
-of the error file (`JobFiles.retry`, atomically). Either way each request ends up in the files
-exactly once; a 4xx (the request's own fault) and an invalid line are final.
+of the error file (`JobFiles.retry`, atomically, right before the job runs). Either way each
+request ends up in the files exactly once; a 4xx (the request's own fault) and an invalid line are
+final, and supersede a failure of the same custom_id (an edited line), whose record goes too.
 """
 
 from __future__ import annotations
@@ -109,21 +110,33 @@ class JobFiles:
         self.out, self.errors = out, errors
         self.done: set[str] = set()
         """custom_ids of requests served for good (either file)."""
-        self.failed: set[str] = set()
-        """custom_ids of requests that failed on the server (status >= 500): run again."""
         self.bad_lines: set[int] = set()
         """Input line numbers reported as invalid in the error file."""
+        self.server_failures = 0
+        """Requests of this run that failed on the server (status >= 500)."""
+        self._failures: set[str] = set()
+        """custom_ids of the server-failure records in the error file."""
+        self._invalid_ids: set[str] = set()
+        """custom_ids of the invalid lines reported in the error file."""
         for path in (out, errors):
             for record in _records(path):
-                error = record.get("error") or {}
+                custom_id, error = record.get("custom_id"), record.get("error") or {}
                 if error.get("code") == "invalid_request":  # by line: a repeated id is one
                     self.bad_lines.add(int(error.get("line", 0)))
+                    if custom_id is not None:
+                        self._invalid_ids.add(str(custom_id))
                 elif _failed_on_server(record):
-                    self.failed.add(str(record.get("custom_id")))
+                    self._failures.add(str(custom_id))
                 else:
-                    self.done.add(str(record.get("custom_id")))
+                    self.done.add(str(custom_id))
         self._out: IO[str] | None = None
         self._errors: IO[str] | None = None
+
+    @property
+    def failed(self) -> set[str]:
+        """custom_ids of requests that failed on the server and are not served for good since:
+        run again (`retry`)."""
+        return self._failures - self.done
 
     def finished(self, line: JobLine | LineError) -> bool:
         """Whether an earlier run already wrote this line's final result or error (a failure on
@@ -133,27 +146,33 @@ class JobFiles:
         return line.custom_id in self.done
 
     def retry(self, lines: list[JobLine]) -> int:
-        """Takes the records of those of `lines` that failed on the server out of the error
-        file, so each is run again and recorded once; returns their number.
+        """Takes out of the error file the server-failure records of those of `lines` that
+        failed (so each is run again and recorded once) and of custom_ids served for good or
+        reported as an invalid line since (superseded: else the id would show twice); returns
+        the number of `lines` run again. Call it right before they run: a command that stops
+        sooner must leave their records, or their requests would be in neither file.
 
         The file is rewritten whole into a temporary file that then replaces it (`os.replace`,
-        atomic): a job killed at any moment leaves either the old file or the new one, and a
-        line whose record is gone is not finished, so the next run runs it."""
+        atomic, the directory synced after it): a job killed at any moment leaves either the
+        old file or the new one, and a line whose record is gone is not finished, so the next
+        run runs it."""
         again = {line.custom_id for line in lines if line.custom_id in self.failed}
-        if not again:
+        drop = self._failures & (again | self.done | self._invalid_ids)
+        if not drop:
             return 0
         if self._errors is not None:  # appended to so far: flushed, read back below
             self._errors.close()
             self._errors = None
         kept = [record for record in _records(self.errors)
-                if not (_failed_on_server(record) and record.get("custom_id") in again)]
+                if not (_failed_on_server(record) and record.get("custom_id") in drop)]
         temporary = self.errors.with_name(self.errors.name + ".tmp")
         with temporary.open("w", encoding="utf-8") as handle:
             handle.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in kept)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, self.errors)
-        self.failed -= again
+        _sync_directory(self.errors.parent)
+        self._failures -= drop
         return len(again)
 
     def result(self, line: JobLine, status: int, body: dict[str, Any]) -> None:
@@ -166,6 +185,11 @@ class JobFiles:
             record["error"] = {"code": "request_failed", "message": _message(body),
                                "line": line.number}
         self._write(record, status == 200)
+        if _failed_on_server(record):
+            self._failures.add(line.custom_id)
+            self.server_failures += 1
+        else:
+            self.done.add(line.custom_id)
 
     def error(self, line: LineError) -> None:
         """Writes an input line that could not run."""
@@ -173,6 +197,9 @@ class JobFiles:
                      "response": None, "error": {"code": "invalid_request",
                                                  "message": f"line {line.number}: {line.reason}",
                                                  "line": line.number}}, False)
+        self.bad_lines.add(line.number)
+        if line.custom_id is not None:
+            self._invalid_ids.add(line.custom_id)
 
     def close(self) -> None:
         """Closes the files opened so far."""
@@ -209,6 +236,19 @@ def _records(path: Path) -> list[dict[str, Any]]:
                              "this job (remove it or pick another path)") from None
         records.append(record)
     return records
+
+
+def _sync_directory(path: Path) -> None:
+    """Makes a rename in the directory `path` durable, so a power loss cannot bring an old record
+    back beside its new one. Only where a directory can be opened (O_DIRECTORY: POSIX); on
+    Windows a directory cannot be opened to sync."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
 
 
 def _failed_on_server(record: dict[str, Any]) -> bool:
