@@ -58,11 +58,12 @@ CPU's routing forced on both (the same dequantized weights, but the unpack round
 code x scale to bf16): only the bf16 rounding of x and of the intermediate differs (the
 interpreter truncates, torch rounds to nearest); measured <= 0.0038 (deepseek_v3 int4,
 LONG_PROMPT)."""
-ROUTER_ATOL = 0.01
+ROUTER_ATOL = 0.015
 """Largest |Δ| between the choice scores (`Routed.choice`) a MoE layer's router computes on the
 forced kernel path's input and on the CPU path's, so an unforced route could flip only at a near
 tie of the CPU's scores (two experts < 2x this apart, or two groups' top-2 sums < 4x). Measured
-up to 0.0088 (deepseek_v2 int4; deepseek_v3 int4 0.0084, qwen3_moe 0.002). deepseek_v3 int4,
+up to 0.0088 (deepseek_v2 int4; deepseek_v3 int4 0.0084, qwen3_moe 0.002); the bound leaves room
+for a change in the CPU kernels' activation rounding. deepseek_v3 int4,
 LONG_PROMPT: the CPU's activation quantization moves its first MoE layer's output by up to 0.07
 (of ~4) and the second layer's router input by 0.04 (of ~3.3). At position 10 experts 0 and 4
 scored 0.5806 / 0.5771 on the kernel path, 0.5802 / 0.5817 on the CPU's: a gap of 0.0035 turned
