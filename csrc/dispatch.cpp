@@ -1,4 +1,5 @@
-// CPUID + XCR0 + Linux arch_prctl checks. Nothing here needs ISA flags beyond x86-64.
+// CPUID + XCR0 + Linux arch_prctl checks, and HETMOE_AMX_INT4 (asked on every CPU). Nothing here
+// needs ISA flags beyond x86-64.
 #include "dispatch.h"
 
 #include <cpuid.h>
@@ -6,6 +7,8 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 
 namespace hetmoe {
@@ -107,6 +110,17 @@ Isa parse_isa(const std::string& name) {
   }
   throw std::invalid_argument("unknown ISA '" + name +
                               "': expected one of auto, amx, avx512, avx2, scalar");
+}
+
+const char* amx_int4_kernel() {
+  static const char* const name = [] {
+    const char* v = std::getenv("HETMOE_AMX_INT4");
+    if (!v || std::strcmp(v, "bf16") == 0) return "bf16";
+    if (std::strcmp(v, "i8") == 0) return "i8";
+    throw std::invalid_argument("HETMOE_AMX_INT4='" + std::string(v) +
+                                "': expected unset, 'bf16' or 'i8' (the AMX int4 kernel)");
+  }();
+  return name;
 }
 
 }  // namespace hetmoe

@@ -12,12 +12,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
-#include <stdexcept>
-#include <string>
 #include <vector>
 
+#include "dispatch.h"
 #include "kernels/amx_tiles.h"
 #include "kernels/epilogue.h"
 #include "kernels/gemm.h"
@@ -205,19 +203,8 @@ void gemm_int8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end
 
 }  // namespace
 
-const char* amx_int4_kernel() {
-  static const char* const name = [] {
-    const char* v = std::getenv("HETMOE_AMX_INT4");
-    if (!v || std::strcmp(v, "bf16") == 0) return "bf16";
-    if (std::strcmp(v, "i8") == 0) return "i8";
-    throw std::invalid_argument("HETMOE_AMX_INT4='" + std::string(v) +
-                                "': expected unset, 'bf16' or 'i8' (the AMX int4 kernel)");
-  }();
-  return name;
-}
-
 const IsaKernels& amx_kernels() {
-  // The int4 entry from HETMOE_AMX_INT4 (amx_int4_kernel): bf16 tiles unless "i8" opts in.
+  // The int4 entry from HETMOE_AMX_INT4, parsed in dispatch.cpp: bf16 tiles unless "i8" opts in.
   static const IsaKernels k{"amx", gemm_bf16, gemm_int8,
                             std::strcmp(amx_int4_kernel(), "i8") == 0 ? amx_gemm_int4_i8
                                                                       : amx_gemm_int4,

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -120,12 +121,8 @@ class Int8Remap {
     left_ = size_t(rows_) * nn;
     per_step_ = steps ? (left_ + steps - 1) / steps : left_;
   }
-  void step() {
-    for (size_t i = 0; i < per_step_ && left_; ++i) next();
-  }
-  void finish() {
-    while (left_) next();
-  }
+  void step() { for (size_t i = 0; i < per_step_ && left_; ++i) next(); }
+  void finish() { while (left_) next(); }
 
  private:
   // S_n of n-block nb_ + b: the largest dequantized magnitude over its groups (the ends q = 0
@@ -317,10 +314,13 @@ struct RemapAhead {
 
 void amx_gemm_int4_i8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
                       float* c, size_t ldc) {
-  if (w.k > kAmxInt4I8MaxK)
-    throw std::invalid_argument("amx_gemm_int4_i8: K = " + std::to_string(w.k) +
-                                " exceeds " + std::to_string(kAmxInt4I8MaxK) +
-                                " (int32 sums of u8 x s8 products would overflow)");
+  // Invariants, one compare each (layers past the K bound are refused when made: bindings.cpp).
+  if (w.k % 64 || w.k % w.group_size || w.k > kAmxInt4I8MaxK || a.m <= 0 || nb_begin >= nb_end)
+    throw std::logic_error("amx_gemm_int4_i8: K " + std::to_string(w.k) + ", group size " +
+                           std::to_string(w.group_size) + ", m " + std::to_string(a.m) +
+                           ", n-blocks [" + std::to_string(nb_begin) + ", " +
+                           std::to_string(nb_end) + "): needs K % 64 == 0, K % group size == 0, "
+                           "K <= " + std::to_string(kAmxInt4I8MaxK) + ", m > 0, n-blocks to do");
   configure(64);
   const int kbs = w.num_k_blocks(), pairs = (a.m + 31) / 32;
   const size_t steps = size_t(kbs) * pairs;  // int8_pair's k-steps

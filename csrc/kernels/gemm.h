@@ -66,16 +66,13 @@ struct IsaKernels {
 // AMX int4 on bf16 tiles (amx_int4.cpp; the other ISAs' int4 kernels are in their files).
 void amx_gemm_int4(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
                    size_t ldc);
-// AMX int4 on int8 tiles (amx_int4_i8.cpp): rows and weights requantized to one int8 grid per row
-// and per channel, int32 sums over all K (at most kAmxInt4I8MaxK: std::invalid_argument beyond).
+// AMX int4 on int8 tiles (amx_int4_i8.cpp, picked by dispatch.h's amx_int4_kernel()): rows and
+// weights requantized to one int8 grid per row and per channel, int32 sums over all K. K at most
+// kAmxInt4I8MaxK: layers past it are refused when made (bindings.cpp); the kernel's entry check
+// (std::logic_error) only guards its invariants.
 void amx_gemm_int4_i8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
                       float* c, size_t ldc);
 constexpr int kAmxInt4I8MaxK = 65536;
-
-// The AMX int4 kernel amx_kernels() uses: "bf16" (amx_gemm_int4, the default) or "i8"
-// (amx_gemm_int4_i8), from the environment variable HETMOE_AMX_INT4 (unset, "bf16" or "i8"),
-// read once; any other value is std::invalid_argument naming the variable.
-const char* amx_int4_kernel();
 
 // The fp8 kernels, one file per ISA (reference.cpp, avx2_fp8.cpp, avx512_fp8.cpp, amx_fp8.cpp).
 void reference_gemm_fp8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
