@@ -209,42 +209,13 @@ class Int8Remap {
   size_t left_ = 0, per_step_ = 0;
 };
 
-// tdpbusd of token tiles (t, t + 1) x the pair into C tiles 0-3 over `steps` k-steps of 64:
-// from zero (`first`) or from cb, stored back to cb (int32 tile 2 i + j at cb + 256 (2 i + j)).
+// tile_products with tdpbusd over k-steps of 64: from zero (`first`) or from cb, stored back to
+// cb (int32 tile 2 i + j at cb + 256 (2 i + j)).
 template <int NT, int NN, class Step>
 void int8_tiles(const uint8_t* a, size_t a_next, const uint8_t* b0, const uint8_t* b1, int steps,
                 bool first, int32_t* cb, Step& pf) {
-  if (first) {
-    _tile_zero(0);
-    if (NN > 1) _tile_zero(1);
-    if (NT > 1) _tile_zero(2);
-    if (NT > 1 && NN > 1) _tile_zero(3);
-  } else {
-    _tile_loadd(0, cb, 64);
-    if (NN > 1) _tile_loadd(1, cb + 256, 64);
-    if (NT > 1) _tile_loadd(2, cb + 512, 64);
-    if (NT > 1 && NN > 1) _tile_loadd(3, cb + 768, 64);
-  }
-  for (int s = 0; s < steps; ++s) {
-    pf.step();
-    const size_t off = size_t(s) * 1024;
-    _tile_loadd(4, a + off, 64);
-    _tile_loadd(6, b0 + off, 64);
-    _tile_dpbusd(0, 4, 6);
-    if (NN > 1) {
-      _tile_loadd(7, b1 + off, 64);
-      _tile_dpbusd(1, 4, 7);
-    }
-    if (NT > 1) {
-      _tile_loadd(5, a + a_next + off, 64);
-      _tile_dpbusd(2, 5, 6);
-      if (NN > 1) _tile_dpbusd(3, 5, 7);
-    }
-  }
-  _tile_stored(0, cb, 64);
-  if (NN > 1) _tile_stored(1, cb + 256, 64);
-  if (NT > 1) _tile_stored(2, cb + 512, 64);
-  if (NT > 1 && NN > 1) _tile_stored(3, cb + 768, 64);
+  tile_products<TileOp::kU8S8, NT, NN>(a, a_next, b0, b1, steps, first, cb, pf);
+  store_c_tiles<NT, NN>(cb);
 }
 
 // C tiles of one token pair (nt x nn at cb) scaled into c: (sum - corr_n) * rs_row * S_n.

@@ -1,7 +1,7 @@
 // AMX tile plumbing shared by amx.cpp, amx_int4.cpp and amx_fp8.cpp (internal linkage: each
 // file its own copy and its own per-thread scratch): tile configuration, scratch, activations in
-// tile order, the software prefetch of the next n-block pair, and the 2 x 2 bf16 tile loop with
-// its pass of one n-block pair over a call's rows.
+// tile order, the software prefetch of the next n-block pair, the 2 x 2 tile loop (bf16, and
+// int8 for amx_int4_i8.cpp) and the bf16 pass of one n-block pair over a call's rows.
 #pragma once
 
 #include <immintrin.h>
@@ -78,42 +78,86 @@ struct Prefetch {
   }
 };
 
-// tdpbf16ps of token tiles (t, t + 1) x n-blocks (nb, nb + 1) into C tiles 0-3 (2 x 2: one tile
-// load per product) over `steps` k-steps (32 k each): started from zero (`first`) or from `cb`
-// (tile 2 * i + j at cb + 256 * (2 * i + j) floats, rows 64 bytes), ended in `c` (`last`, rows
-// ldc floats apart) or `cb`. a: the first token tile's A at the first k, a_next bytes to the
-// second's; b0/b1: the n-blocks' B tiles at that k (1 KB per step). pf steps once per k-step
-// (a Prefetch, or any type with step(): work for the vector units beside the tile unit's).
-template <int NT, int NN, class Step>
-void bf16_tiles(const uint8_t* a, size_t a_next, const uint8_t* b0, const uint8_t* b1, int steps,
-                bool first, bool last, float* cb, float* c, size_t ldc, Step& pf) {
+// The tile product of a 2 x 2 loop: tdpbf16ps (bf16 pairs into fp32) or tdpbusd (u8 x s8
+// quads into int32).
+enum class TileOp { kBf16, kU8S8 };
+
+// C tile I += A tile 4 + I / 2 x B tile 6 + I % 2 by Op. The instructions take tile numbers as
+// immediates (spelled into their asm text), hence one literal call per tile and no runtime choice.
+template <TileOp Op, int I>
+__attribute__((always_inline)) inline void tile_dp() {
+  static_assert(I >= 0 && I < 4, "C tiles are 0-3");
+  if constexpr (Op == TileOp::kBf16) {
+    if constexpr (I == 0) _tile_dpbf16ps(0, 4, 6);
+    else if constexpr (I == 1) _tile_dpbf16ps(1, 4, 7);
+    else if constexpr (I == 2) _tile_dpbf16ps(2, 5, 6);
+    else _tile_dpbf16ps(3, 5, 7);
+  } else {
+    if constexpr (I == 0) _tile_dpbusd(0, 4, 6);
+    else if constexpr (I == 1) _tile_dpbusd(1, 4, 7);
+    else if constexpr (I == 2) _tile_dpbusd(2, 5, 6);
+    else _tile_dpbusd(3, 5, 7);
+  }
+}
+
+// The NT x NN C tiles to cb (tile 2 i + j at 1 KB * (2 i + j), rows 64 bytes; fp32 or int32).
+template <int NT, int NN>
+__attribute__((always_inline)) inline void store_c_tiles(void* cb) {
+  uint8_t* p = static_cast<uint8_t*>(cb);
+  _tile_stored(0, p, 64);
+  if (NN > 1) _tile_stored(1, p + 1024, 64);
+  if (NT > 1) _tile_stored(2, p + 2048, 64);
+  if (NT > 1 && NN > 1) _tile_stored(3, p + 3072, 64);
+}
+
+// Op of token tiles (t, t + 1) x n-blocks (nb, nb + 1) into C tiles 0-3 (2 x 2: one tile load
+// per product) over `steps` k-steps (each A and B tile 1 KB, 64 bytes a row): started from zero
+// (`first`) or from cb as store_c_tiles leaves it; the caller stores the C tiles. a: the first
+// token tile's A at the first k, a_next bytes to the second's; b0/b1: the n-blocks' B tiles at
+// that k. pf steps once per k-step (a Prefetch, or any type with step(): work for the vector
+// units beside the tile unit's). Shared by the bf16 and the int8 kernels.
+template <TileOp Op, int NT, int NN, class Step>
+__attribute__((always_inline)) inline void tile_products(const uint8_t* a, size_t a_next,
+                                                         const uint8_t* b0, const uint8_t* b1,
+                                                         int steps, bool first, const void* cb,
+                                                         Step& pf) {
   if (first) {
     _tile_zero(0);
     if (NN > 1) _tile_zero(1);
     if (NT > 1) _tile_zero(2);
     if (NT > 1 && NN > 1) _tile_zero(3);
   } else {
-    _tile_loadd(0, cb, 64);
-    if (NN > 1) _tile_loadd(1, cb + 256, 64);
-    if (NT > 1) _tile_loadd(2, cb + 512, 64);
-    if (NT > 1 && NN > 1) _tile_loadd(3, cb + 768, 64);
+    const uint8_t* p = static_cast<const uint8_t*>(cb);
+    _tile_loadd(0, p, 64);
+    if (NN > 1) _tile_loadd(1, p + 1024, 64);
+    if (NT > 1) _tile_loadd(2, p + 2048, 64);
+    if (NT > 1 && NN > 1) _tile_loadd(3, p + 3072, 64);
   }
   for (int s = 0; s < steps; ++s) {
     pf.step();
     const size_t off = size_t(s) * 1024;
     _tile_loadd(4, a + off, 64);
     _tile_loadd(6, b0 + off, 64);
-    _tile_dpbf16ps(0, 4, 6);
+    tile_dp<Op, 0>();
     if (NN > 1) {
       _tile_loadd(7, b1 + off, 64);
-      _tile_dpbf16ps(1, 4, 7);
+      tile_dp<Op, 1>();
     }
     if (NT > 1) {
       _tile_loadd(5, a + a_next + off, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      if (NN > 1) _tile_dpbf16ps(3, 5, 7);
+      tile_dp<Op, 2>();
+      if (NN > 1) tile_dp<Op, 3>();
     }
   }
+}
+
+// tile_products with tdpbf16ps over k-steps of 32 k: from zero (`first`) or from `cb` (tile
+// 2 * i + j at cb + 256 * (2 * i + j) floats, rows 64 bytes), ended in `c` (`last`, rows ldc
+// floats apart) or `cb`.
+template <int NT, int NN, class Step>
+void bf16_tiles(const uint8_t* a, size_t a_next, const uint8_t* b0, const uint8_t* b1, int steps,
+                bool first, bool last, float* cb, float* c, size_t ldc, Step& pf) {
+  tile_products<TileOp::kBf16, NT, NN>(a, a_next, b0, b1, steps, first, cb, pf);
   if (last) {
     const size_t ldcb = ldc * 4;
     _tile_stored(0, c, ldcb);
@@ -121,10 +165,7 @@ void bf16_tiles(const uint8_t* a, size_t a_next, const uint8_t* b0, const uint8_
     if (NT > 1) _tile_stored(2, c + 16 * ldc, ldcb);
     if (NT > 1 && NN > 1) _tile_stored(3, c + 16 * ldc + 16, ldcb);
   } else {
-    _tile_stored(0, cb, 64);
-    if (NN > 1) _tile_stored(1, cb + 256, 64);
-    if (NT > 1) _tile_stored(2, cb + 512, 64);
-    if (NT > 1 && NN > 1) _tile_stored(3, cb + 768, 64);
+    store_c_tiles<NT, NN>(cb);
   }
 }
 
