@@ -8,7 +8,7 @@ import pytest
 
 from hetmoe.config import EngineConfig
 from hetmoe.engine.executor import prefill_planner
-from hetmoe.engine.executor.prefill_planner import NEVER, DecodeClock, PrefillPlanner, needs_costs
+from hetmoe.engine.executor.prefill_planner import NEVER, DecodeClock, PrefillPlanner
 from hetmoe.engine.placement.expert_split import (
     DECODE_GAIN,
     SMALL_DECODE,
@@ -93,12 +93,6 @@ def test_the_planners_decode_rows_per_run_and_placement() -> None:
     everything = _planner(resident=128)
     everything.prepare("auto", 0, 4, 256)
     assert everything.decode_rows == NEVER  # nothing to stream
-
-
-def test_costs_are_loaded_for_auto_decode_rows_on_a_gpu() -> None:
-    assert needs_costs(True, "gpu", 0, decode_auto=True)
-    assert not needs_costs(True, "gpu", 0) and not needs_costs(True, "cpu", 0, decode_auto=True)
-    assert not needs_costs(False, "gpu", 0, decode_auto=True)  # no GPU: nothing streams
 
 
 def test_auto_loads_no_costs_where_no_step_exceeds_the_small_decode_rows() -> None:

@@ -32,7 +32,6 @@ import torch
 
 from hetmoe.calibration import current
 from hetmoe.engine.placement.expert_split import (
-    SMALL_DECODE,
     DecodeTuner,
     PrefillTuner,
     SplitCosts,
@@ -62,12 +61,11 @@ def check_prefill_mode(mode: str, device: torch.device) -> None:
                          f"is on {device.type} (use 'auto' or 'cpu')")
 
 
-def needs_costs(gpu: bool, mode: str, fetch_slots: int, decode_auto: bool = False) -> bool:
+def needs_costs(gpu: bool, mode: str, fetch_slots: int) -> bool:
     """Whether a runner loads this machine's costs when it starts: a GPU prefill may split or be
-    chosen by them (`mode` "auto" or "split"), fetch-or-compute plans with them, or the decode
-    steps that may stream are found by them (`decode_auto`: stream_decode_rows "auto")."""
-    return (gpu and (mode in ("auto", "split") or (decode_auto and mode != "cpu"))
-            or fetch_slots > 0)
+    chosen by them (`mode` "auto" or "split"; stream_decode_rows "auto" weighs only in those
+    modes), or fetch-or-compute plans with them."""
+    return gpu and mode in ("auto", "split") or fetch_slots > 0
 
 
 def load_costs(moe: CpuMoE, device: torch.device) -> SplitCosts:
@@ -161,21 +159,17 @@ class PrefillPlanner:
         """Loads the costs when passes of the current placement plan with them (`needs_costs`;
         call when the runner starts or places, never inside a request), and sets `decode_rows`
         from `decode_rows` (EngineConfig.stream_decode_rows) for steps of at most `max_rows`
-        rows ("auto" asks for costs only where steps may exceed `SMALL_DECODE` rows, in modes
-        "auto" and "split"). Not
-        when every expert is resident: no CPU expert work and nothing to stream, so
-        nothing to weigh."""
+        rows ("auto" weighs only in modes "auto" and "split": "gpu" would stream every miss,
+        a row count asks for that). Not when every expert is resident: no CPU expert work and
+        nothing to stream, so nothing to weigh."""
         gpu = self._refusal is not None
         if self.everything:
             log.info("prefill: every routed expert is resident on the GPU (no CPU expert work, "
                      "nothing to stream): no prefill costs loaded")
             return
-        # "auto" weighs streaming only for steps above SMALL_DECODE rows and in the modes that
-        # choose k by cost ("gpu" streams every miss: the user sets a row count for that)
-        auto = decode_rows == "auto" and max_rows > SMALL_DECODE and mode in ("auto", "split")
-        if needs_costs(gpu, mode, fetch_slots, auto):
+        if needs_costs(gpu, mode, fetch_slots):
             self.load_costs()
-        if not gpu or mode == "cpu" or not decode_rows or (decode_rows == "auto" and not auto):
+        if not gpu or mode == "cpu" or not decode_rows or (decode_rows == "auto" and mode == "gpu"):
             self.decode_rows = NEVER
         elif isinstance(decode_rows, int):
             self.decode_rows = decode_rows
@@ -187,10 +181,8 @@ class PrefillPlanner:
     def _auto_decode_rows(self, mode: str, max_rows: int) -> int:
         """`decode_rows` of "auto": where the model expects `mode`'s k to pay (expert_split.py
         `decode_stream_rows`)."""
-        most = self.misses
-        least = most if mode == "gpu" else 1
-        most = max(1, most - 1) if mode == "split" else most
-        rows = decode_stream_rows(self.top_k, self.num_experts, self._costs(mode), least, most,
+        most = max(1, self.misses - 1) if mode == "split" else self.misses
+        rows = decode_stream_rows(self.top_k, self.num_experts, self._costs(mode), 1, most,
                                   max_rows, self.resident)
         return NEVER if rows is None else rows
 
