@@ -17,6 +17,18 @@ OPTIONS = ["--rules", "--device", "--dtype", "--max-seq-len", "--experts", "--de
            "--defer-order", "--prefill-experts", "--gpu-expert-gib", "--chat-template", "--verbose"]
 
 
+def assert_refused_before_loading(seen: dict[str, object], option: str, takes: str,
+                                  bad_values: tuple[str, ...]) -> None:
+    """`serve m OPTION BAD` exits 1 naming the option and what it takes, before `load_llm` (which
+    fills `seen`) runs."""
+    for bad in bad_values:
+        seen.clear()
+        done = CliRunner().invoke(cli.app, ["serve", "m", option, bad])
+        assert done.exit_code == 1, done.output
+        assert f"error: {option} takes {takes}, got {bad!r}" in done.output
+        assert seen == {}  # refused before loading
+
+
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 def test_every_model_command_takes_the_engine_options(command: str) -> None:
     text = CliRunner().invoke(cli.app, [command, "-h"]).output
@@ -60,12 +72,8 @@ def test_deferred_takes_a_count_or_auto(monkeypatch: pytest.MonkeyPatch) -> None
     for given, want in (("auto", "auto"), ("3", 3), ("0", 0)):
         done = CliRunner().invoke(cli.app, ["generate", "m", "hi", "--deferred", given])
         assert done.exit_code == 0 and seen["deferred"] == want, done.output
-    for bad in ("two", "1.5", "-1", "Auto", ""):
-        seen.clear()
-        done = CliRunner().invoke(cli.app, ["serve", "m", "--deferred", bad])
-        assert done.exit_code == 1, done.output
-        assert f"error: --deferred takes auto or an integer >= 0, got {bad!r}" in done.output
-        assert seen == {}  # refused before loading
+    assert_refused_before_loading(seen, "--deferred", "auto or an integer >= 0",
+                                  ("two", "1.5", "-1", "Auto", ""))
 
 
 def test_defer_order_is_checked_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,9 +111,5 @@ def test_serve_max_batch_takes_a_count_or_auto(monkeypatch: pytest.MonkeyPatch) 
         done = CliRunner().invoke(cli.app, ["serve", "m", *given])
         assert done.exit_code == 0 and seen["max_batch"] == want, done.output
         assert ("KV slots: 3 (auto: ...)" in done.output) == (want == "auto")  # its choice
-    for bad in ("0", "-1", "many", "1.5", "Auto"):
-        seen.clear()
-        done = CliRunner().invoke(cli.app, ["serve", "m", "--max-batch", bad])
-        assert done.exit_code == 1, done.output
-        assert f"error: --max-batch takes auto or an integer >= 1, got {bad!r}" in done.output
-        assert seen == {}  # refused before loading
+    assert_refused_before_loading(seen, "--max-batch", "auto or an integer >= 1",
+                                  ("0", "-1", "many", "1.5", "Auto"))
