@@ -172,9 +172,8 @@ def _record(files: JobFiles, invalid: list[LineError],
         files.close()
         fail(exc)
     if again:
-        subject = "1 line" if again == 1 else f"{again} lines"
-        typer.echo(f"{subject} failed on the server last time: trying "
-                   f"{'it' if again == 1 else 'them'} again", err=True)
+        subject, them = _lines(again)
+        typer.echo(f"{subject} failed on the server last time: trying {them} again", err=True)
 
 
 def _ended(run: int, failures: int, output: Path, errors: Path) -> None:
@@ -182,10 +181,15 @@ def _ended(run: int, failures: int, output: Path, errors: Path) -> None:
     `SERVER_FAILURES_EXIT`, so a script knows to run it again."""
     typer.echo(f"{run - failures} requests answered into {output} (errors: {errors})")
     if failures:
-        subject = "1 line" if failures == 1 else f"{failures} lines"
-        typer.echo(f"{subject} failed on the server: rerun the same command to try "
-                   f"{'it' if failures == 1 else 'them'} again", err=True)
+        subject, them = _lines(failures)
+        typer.echo(f"{subject} failed on the server: rerun the same command to try {them} again",
+                   err=True)
         raise typer.Exit(code=SERVER_FAILURES_EXIT)
+
+
+def _lines(count: int) -> tuple[str, str]:
+    """("1 line", "it") or ("N lines", "them")."""
+    return ("1 line", "it") if count == 1 else (f"{count} lines", "them")
 
 
 def _sized(input: Path, model: str, todo: list[JobLine], engine: EngineOptions,
