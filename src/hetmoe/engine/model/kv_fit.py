@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hetmoe.engine.model.model_setup import read_config
+from hetmoe.engine.model.model_source import skeleton_plan
 from hetmoe.engine.placement.placement_plan import (
     GIB,
     GRAPH_RESERVE,
@@ -38,7 +39,7 @@ from hetmoe.inject.rules import load_rules, shipped_rules_path
 from hetmoe.loading.checkpoint import Checkpoint
 from hetmoe.loading.converted import ConvertedModel
 from hetmoe.loading.fp8 import config_fp8_scheme
-from hetmoe.loading.memory_plan import MemoryPlan, kv_bytes_per_token, memory_plan
+from hetmoe.loading.memory_plan import MemoryPlan, kv_bytes_per_token
 from hetmoe.loading.skeleton import build_skeleton
 
 MAX_AUTO_SLOTS = 256
@@ -174,14 +175,6 @@ def engine_fit(model: nn.Module, device: torch.device, dtype: torch.dtype, windo
     return fit_slots(kv_room(mem, device, experts), kv_bytes_per_token(model.config, dtype),
                      window, None)
 
-
-def skeleton_plan(model: nn.Module, device: torch.device, dtype: torch.dtype,
-                  converted: ConvertedModel | None) -> MemoryPlan:
-    """The memory plan, without a KV row, of the injected meta skeleton `model` on `device`
-    (converted experts in their packed format)."""
-    fmt = converted.weight_format if converted is not None else None
-    group = converted.group_size if converted is not None else None
-    return memory_plan(model, device, dtype, model.config, 0, fmt, group)
 
 
 def planned_memory(path: Path, device: torch.device, dtype: torch.dtype,

@@ -16,7 +16,7 @@ from hetmoe.loading.converted import MANIFEST, ConvertedModel, is_converted, ope
 from hetmoe.loading.errors import CheckpointError
 from hetmoe.loading.hub import fetch_named
 from hetmoe.loading.hub_cache import hub_conversion
-from hetmoe.loading.memory_plan import memory_plan
+from hetmoe.loading.memory_plan import MemoryPlan, memory_plan
 
 DEFAULT_MAX_SEQ_LEN = 4096
 
@@ -55,15 +55,21 @@ def default_window(config: Any) -> int:
                DEFAULT_MAX_SEQ_LEN)
 
 
+def skeleton_plan(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                  converted: ConvertedModel | None, kv_tokens: int = 0) -> MemoryPlan:
+    """The memory plan of the injected meta skeleton `model` on `device` with a KV cache of
+    `kv_tokens` (converted experts in their packed format)."""
+    fmt = converted.weight_format if converted is not None else None
+    group = converted.group_size if converted is not None else None
+    return memory_plan(model, device, dtype, model.config, kv_tokens, fmt, group)
+
+
 def check_fits(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                options: Any, converted: ConvertedModel | None) -> None:
     """Refuses, before any weight is read, a model whose memory plan exceeds what this machine
     has free (the numbers in the message); converted experts count in their packed format."""
-    config = model.config
-    window = options.max_seq_len or default_window(config)
-    fmt = converted.weight_format if converted is not None else None
-    group = converted.group_size if converted is not None else None
-    plan = memory_plan(model, device, dtype, config, options.max_batch * window, fmt, group)
+    window = options.max_seq_len or default_window(model.config)
+    plan = skeleton_plan(model, device, dtype, converted, options.max_batch * window)
     refusal = plan.refusal()
     if refusal:
         raise ValueError(refusal)
