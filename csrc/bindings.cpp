@@ -6,14 +6,10 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <algorithm>
 #include <map>
-#include <stdexcept>
 #include <string>
-#include <utility>
 
 #include "dispatch.h"
-#include "kernels/gemm.h"
 #include "moe/backward_job.h"
 #include "moe/moe_layer.h"
 #include "moe/stream_read.h"
@@ -138,26 +134,6 @@ hetmoe::MoECall make_call(uintptr_t x, int x_dtype, uintptr_t ids, uintptr_t wei
   return c;
 }
 
-// A layer that may run AMX kernels reads HETMOE_AMX_INT4 now (a bad value refused before any
-// work); with "i8" an int4 layer's K (hidden for gate/up, intermediate for down, padded to 64-k
-// blocks and groups as MoELayer pads them) must fit the int8-tile kernel's int32 sums.
-void check_amx_int4(const hetmoe::MoEConfig& cfg) {
-  if (cfg.max_isa != hetmoe::Isa::kAmx) return;
-  const std::string kernel = hetmoe::amx_int4_kernel();
-  if (kernel != "i8" || cfg.format != hetmoe::WeightFormat::kINT4) return;
-  const long unit = std::max(64, cfg.group_size);
-  for (const auto& [name, dim] : {std::pair{"hidden", cfg.hidden},
-                                  std::pair{"intermediate", cfg.intermediate}}) {
-    const long k = (dim + unit - 1) / unit * unit;
-    if (k <= hetmoe::kAmxInt4I8MaxK) continue;
-    throw std::invalid_argument(
-        "HETMOE_AMX_INT4=i8: the int8-tile int4 kernel sums at most K = " +
-        std::to_string(hetmoe::kAmxInt4I8MaxK) + " in int32, but this layer's " + name + " " +
-        std::to_string(dim) + " gives K = " + std::to_string(k) + " (a multiple of " +
-        std::to_string(unit) + "); unset HETMOE_AMX_INT4 or set it to 'bf16'");
-  }
-}
-
 void bind_moe_weights(nb::class_<MoELayer>& layer) {
   layer.def("__init__", [](MoELayer* self, int num_experts, int hidden, int intermediate,
                            int weight_format, int group_size, const std::string& isa,
@@ -170,7 +146,6 @@ void bind_moe_weights(nb::class_<MoELayer>& layer) {
          cfg.group_size = group_size;
          cfg.max_isa = hetmoe::parse_isa(isa);
          cfg.amx_min_tokens = amx_min_tokens;
-         check_amx_int4(cfg);
          new (self) MoELayer(cfg, hetmoe::pool_for_threads(threads));
        }, nb::arg("num_experts"), nb::arg("hidden"), nb::arg("intermediate"),
           nb::arg("weight_format"), nb::arg("group_size"), nb::arg("isa"),

@@ -285,7 +285,7 @@ struct RemapAhead {
 
 void amx_gemm_int4_i8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
                       float* c, size_t ldc) {
-  // Invariants, one compare each (layers past the K bound are refused when made: bindings.cpp).
+  // Invariants, one compare each (layers past the K bound are refused when made: moe_layer.cpp).
   if (w.k % 64 || w.k % w.group_size || w.k > kAmxInt4I8MaxK || a.m <= 0 || nb_begin >= nb_end)
     throw std::logic_error("amx_gemm_int4_i8: K " + std::to_string(w.k) + ", group size " +
                            std::to_string(w.group_size) + ", m " + std::to_string(a.m) +

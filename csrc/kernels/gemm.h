@@ -68,7 +68,7 @@ void amx_gemm_int4(const PackedMatrix& w, const ActView& a, int nb_begin, int nb
                    size_t ldc);
 // AMX int4 on int8 tiles (amx_int4_i8.cpp, picked by dispatch.h's amx_int4_kernel()): rows and
 // weights requantized to one int8 grid per row and per channel, int32 sums over all K. K at most
-// kAmxInt4I8MaxK: layers past it are refused when made (bindings.cpp); the kernel's entry check
+// kAmxInt4I8MaxK: layers past it are refused when made (moe_layer.cpp); the kernel's entry check
 // (std::logic_error) only guards its invariants.
 void amx_gemm_int4_i8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end,
                       float* c, size_t ldc);

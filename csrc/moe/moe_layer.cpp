@@ -13,11 +13,33 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
+
+#include "dispatch.h"
+#include "kernels/gemm.h"
 
 namespace hetmoe {
 namespace {
 
 constexpr int kPackBlocksPerTask = 4;
+
+// A layer that may run AMX kernels reads HETMOE_AMX_INT4 now (a bad value refused before any
+// work); with "i8" an int4 layer's K (hidden for gate/up, intermediate for down, padded to
+// `unit`, as the layer pads them) must fit the int8-tile kernel's int32 sums.
+void check_amx_int4(const MoEConfig& cfg, int unit) {
+  if (cfg.max_isa != Isa::kAmx) return;
+  if (std::strcmp(amx_int4_kernel(), "i8") != 0 || cfg.format != WeightFormat::kINT4) return;
+  for (const auto& [name, dim] : {std::pair{"hidden", cfg.hidden},
+                                  std::pair{"intermediate", cfg.intermediate}}) {
+    const long k = round_up(dim, unit);
+    if (k <= kAmxInt4I8MaxK) continue;
+    throw std::invalid_argument(
+        "HETMOE_AMX_INT4=i8: the int8-tile int4 kernel sums at most K = " +
+        std::to_string(kAmxInt4I8MaxK) + " in int32, but this layer's " + name + " " +
+        std::to_string(dim) + " gives K = " + std::to_string(k) + " (a multiple of " +
+        std::to_string(unit) + "); unset HETMOE_AMX_INT4 or set it to 'bf16'");
+  }
+}
 
 }  // namespace
 
@@ -42,6 +64,7 @@ MoELayer::MoELayer(const MoEConfig& cfg, ThreadPool& pool)
   // Any size: both input dims are zero-padded to whole 64-k blocks and quantization groups, the
   // down projection's outputs to whole n-blocks (zero weights: exact). x and out keep H columns.
   const int unit = quantized ? std::max(kPadK, cfg.group_size) : kPadK;
+  check_amx_int4(cfg, unit);
   hidden_padded_ = int(round_up(cfg.hidden, unit));
   hidden_rows_ = int(round_up(cfg.hidden, kBlockN));
   // Slices are whole quantization groups and whole 64-k blocks; the tail is zero padding.
