@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from hetmoe.bench import measure
+from hetmoe.bench.cuda_graphs import capture, event_ms
 from hetmoe.bench.gpu_profile import decode_kernels
 from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import add_shape_arguments, shape_config
@@ -35,46 +37,23 @@ from hetmoe.engine.executor.runner import ModelRunner
 
 
 def graph_node_us(nodes: int = 400, replays: int = 50) -> float:
-    """Microseconds per node of a captured graph of tiny dependent kernels."""
+    """Microseconds per node of a captured graph of tiny dependent kernels (the median replay,
+    after one untimed)."""
     t = torch.zeros(1, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            t.add_(1)
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
+
+    def chain() -> None:
         for _ in range(nodes):
             t.add_(1)
-    return _replay_us(graph, replays) / nodes
 
-
-def _replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+    graph, _ = capture(chain)
+    return statistics.median_high(event_ms(graph.replay, replays, warmup=1)) * 1e3 / nodes
 
 
 def copy_gb_s(mib: int = 1024) -> float:
     """Device-to-device copy bandwidth, bytes read + written (best of 10)."""
     src = torch.empty(mib * 2**20, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
+    best = min(event_ms(lambda: dst.copy_(src), 10)) / 1e3
     return 2 * src.numel() / best / 1e9
 
 

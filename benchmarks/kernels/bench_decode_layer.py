@@ -38,6 +38,7 @@ import triton
 from torch._dynamo import mark_dynamic
 from torch.profiler import ProfilerActivity, profile
 
+from hetmoe.bench.cuda_graphs import capture
 from hetmoe.bench.harness import git_sha
 from hetmoe.bench.shapes import shape_config
 from hetmoe.engine.executor.fused_decode import FusedDecoder
@@ -106,10 +107,7 @@ def step_fn(s: LayerStatics, kernel: bool, layers: list[tuple[Any, ...]], pos: t
 
 def graph_of(step: Any, h: torch.Tensor, x: torch.Tensor) -> torch.cuda.CUDAGraph:
     """`step(h, x)` captured as one CUDA graph (compiled and warm before)."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(h, x)
-    return graph
+    return capture(lambda: step(h, x), warmup=0)[0]
 
 
 def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:

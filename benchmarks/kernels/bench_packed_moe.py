@@ -29,12 +29,14 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hetmoe.bench.cuda_graphs import capture, event_ms
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.packed_layout import host_tensor, padded_hidden, unpack_group
 from hetmoe.experts.routed_mlp import routed_mlp
@@ -72,29 +74,12 @@ def build_layer(fmt: str, experts: int, hidden: int, inter: int) -> CpuMoE:
 
 def gpu_ms(fn: Any, repeats: int) -> float:
     """Median GPU milliseconds of fn() over `repeats` (after two warm-ups), CUDA events."""
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return statistics.median_high(event_ms(fn, repeats, warmup=2))
 
 
 def graph_ms(fn: Any, repeats: int) -> float:
     """Median milliseconds of one replay of fn captured in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = capture(fn)
     return gpu_ms(graph.replay, repeats)
 
 

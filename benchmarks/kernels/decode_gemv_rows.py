@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hetmoe.bench.cuda_graphs import capture
 from hetmoe.kernels.gemv_config import GEMV_CONFIGS, NORM_GEMV_CONFIGS, GemvConfig, config_for
 from hetmoe.kernels.gemv_residual import gemv_residual
 from hetmoe.kernels.norm_gemv import norm_gemv
@@ -76,9 +77,7 @@ def timed(step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, replays
     one CUDA graph of `per` calls, the output of an eager run)."""
     step(x)  # compile / warm
     out = step(x)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(x)
+    graph, _ = capture(lambda: step(x), warmup=0)
     graph.replay()
     us = statistics.median(replay_seconds(graph, replays) / per * 1e6 for _ in range(trials))
     return us, out

@@ -19,6 +19,7 @@ from test_gemv_decode_step import ATOL, PROMPTS, decode
 from test_gemv_kernels import EPS, assert_sums_agree, check_against_torch_ops, reference_norm_gemv
 
 from hetmoe import LLM
+from hetmoe.bench.cuda_graphs import capture
 from hetmoe.engine.executor import fused_decode
 from hetmoe.kernels import gemv_config
 from hetmoe.kernels.gemv_config import GemvConfig
@@ -74,9 +75,7 @@ def test_compiled_in_a_cuda_graph_equals_eager() -> None:
 
     compiled = torch.compile(step, fullgraph=True, dynamic=False)
     compiled(x, h)  # compile
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = compiled(x, h)
+    graph, out = capture(lambda: compiled(x, h), warmup=0)
     x.copy_(torch.randn_like(x))
     h.copy_(torch.randn_like(h))
     graph.replay()

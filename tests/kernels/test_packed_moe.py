@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hetmoe import env
+from hetmoe.bench.cuda_graphs import capture
 from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.packed_layout import PackedGroup, host_tensor, unpack_group
 from hetmoe.kernels import packed_moe as kernel
@@ -230,14 +231,7 @@ def graph_replays(step: Callable[[], torch.Tensor], x: torch.Tensor, ids: torch.
     kernels compile), captured once, then per seed new inputs (x random, `routing` over
     `experts`) copied in and the graph replayed -> yields (out, x, ids, weights) on the CPU
     side."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     (t, h), k = x.shape, ids.shape[1]
     for seed in range(seeds):
         new_x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed))

@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_packed_moe import make_layer
 
+from hetmoe.bench.cuda_graphs import capture
 from hetmoe.kernels import pdl
 from hetmoe.kernels.gemv_residual import gemv_residual
 from hetmoe.kernels.gqa_decode import gqa_decode_attention
@@ -84,14 +85,7 @@ def decode_chain() -> Callable[[], torch.Tensor]:
 
 def replays(step: Callable[[], torch.Tensor], times: int) -> list[torch.Tensor]:
     """`step` run once (its kernels compile), captured, replayed `times` times -> the outputs."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     outs = []
     for _ in range(times):
         graph.replay()
