@@ -73,7 +73,7 @@ def test_measured_rates_are_positive_and_finite(profile: MachineProfile) -> None
 
 def test_measure_reports_each_step_and_checks_its_arguments() -> None:
     steps: list[str] = []
-    calibration.measure(("int8",), None, steps.append, **TINY)
+    assert calibration.measure(("int8",), None, steps.append, **TINY).cpu_int4_kernel is None
     assert steps == ["CPU read bandwidth", "CPU call overhead", "int8 experts on the CPU"]
     with pytest.raises(ValueError, match="formats must be among bf16, int8, int4, fp8 .*'int3'"):
         calibration.measure(("bf16", "int3"), **TINY)
@@ -119,6 +119,7 @@ def test_a_corrupt_file_is_an_error_naming_it(tmp_path: Path, text: str, problem
     ("cpu_threads", 0, "field cpu_threads must be a positive integer, found 0"),
     ("cpu_flops", {"bf16": "fast"}, "field cpu_flops must map formats to positive numbers"),
     ("gpu_flops", [1.0], "field gpu_flops must map formats to positive numbers"),
+    ("cpu_int4_kernel", 5, "field cpu_int4_kernel must be a string or null, found 5"),
 ])
 def test_a_wrong_field_is_an_error_naming_it(profile: MachineProfile, tmp_path: Path,
                                              field: str, value: object, problem: str) -> None:
@@ -140,6 +141,47 @@ def test_current_measures_once_then_loads(cache: Cache) -> None:
     assert cache.measured[1] == ("fp8", "bf16", "int8", "int4")
     assert set(second.cpu_flops) == {"fp8", "bf16", "int8", "int4"}
     assert calibration.load() == second
+
+
+def test_int4_kernel_names_the_amx_int4_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On AMX the AMX int4 kernel (HETMOE_AMX_INT4) names it; elsewhere the ISA's one kernel."""
+    isa = _cpu.best_isa()
+    assert calibration.int4_kernel() == (f"amx-{_cpu.amx_int4_kernel()}" if isa == "amx" else isa)
+    monkeypatch.setattr(_cpu, "best_isa", lambda: "amx")
+    monkeypatch.setattr(_cpu, "amx_int4_kernel", lambda: "bf16")
+    assert calibration.int4_kernel() == "amx-bf16"
+    monkeypatch.setattr(_cpu, "best_isa", lambda: "avx2")
+    assert calibration.int4_kernel() == "avx2"
+
+
+@pytest.mark.parametrize(("stored_kernel", "named"), [("amx-other", "amx-other"),
+                                                      (None, "unrecorded")])
+def test_int4_rates_of_another_kernel_are_measured_again(
+        cache: Cache, profile: MachineProfile, caplog: pytest.LogCaptureFixture,
+        stored_kernel: str | None, named: str) -> None:
+    """int4 rates timed on another int4 kernel (HETMOE_AMX_INT4 changed), or in a file from
+    before the kernel was recorded (no field), do not cover int4: measured again (with the
+    stored formats) saying why; the other formats are still covered."""
+    assert profile.cpu_int4_kernel == calibration.int4_kernel()
+    path = calibration.save(dataclasses.replace(profile, cpu_int4_kernel="amx-other"))
+    raw = json.loads(path.read_text())
+    if stored_kernel is None:
+        del raw["cpu_int4_kernel"]
+    path.write_text(json.dumps(raw))
+    stored = calibration.load()
+    assert stored is not None and stored.cpu_int4_kernel == stored_kernel
+    assert calibration.current(None, ("int8", "fp8")) == stored
+    assert cache.measured == []
+    with caplog.at_level(logging.INFO, logger="hetmoe.calibration"):
+        fresh = calibration.current(None, ("int4",))
+    assert cache.measured == [("int4", "bf16", "int8", "fp8")]
+    assert fresh.cpu_int4_kernel == calibration.int4_kernel()
+    assert caplog.records[0].getMessage() == (
+        "measuring this machine's rates (int4, bf16, int8, fp8 experts), once: the stored int4 "
+        f"rates are of the {named} int4 kernel, this process runs {calibration.int4_kernel()} "
+        "(`hetmoe calibrate` measures again)")
+    assert calibration.current(None, ("int4",)) == fresh == calibration.load()
+    assert len(cache.measured) == 1
 
 
 def test_current_measures_again_for_another_pool_size(cache: Cache,

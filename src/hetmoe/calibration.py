@@ -85,6 +85,9 @@ class MachineProfile:
     gpu_expert_bytes_s: dict[str, float] | None
     """Per format: an expert's packed bytes over its fixed GPU seconds (the line's intercept:
     its bytes read and dequantized, or unpacked; None: measured without CUDA)."""
+    cpu_int4_kernel: str | None
+    """`int4_kernel()` that timed the int4 rates (None: int4 not timed). Int4 rates of another
+    kernel, or of a file from before this field (read as None), do not cover int4."""
 
 
 def fingerprint(device: torch.device | None = None) -> str:
@@ -97,6 +100,16 @@ def fingerprint(device: torch.device | None = None) -> str:
     else:
         gpu = "no GPU"
     return f"{cpu_model()}; {os.cpu_count()} logical cores; {gpu}; torch {torch.__version__}"
+
+
+def int4_kernel() -> str:
+    """The int4 kernel CpuMoE runs here at prefill sizes: "amx-i8" or "amx-bf16" on AMX (the
+    AMX int4 kernel, `_cpu.amx_int4_kernel()`: HETMOE_AMX_INT4), else the best ISA's one int4
+    kernel ("avx512", "avx2", "scalar"). ValueError naming HETMOE_AMX_INT4 for a bad value."""
+    from hetmoe import _cpu
+
+    isa = _cpu.best_isa()
+    return f"amx-{_cpu.amx_int4_kernel()}" if isa == "amx" else isa
 
 
 def profile_path() -> Path:
@@ -152,7 +165,8 @@ def _from_json(raw: dict[str, Any], path: Path) -> MachineProfile:
                              f"found {value!r}")
         return {k: float(v) for k, v in value.items()}
 
-    names = [f.name for f in fields(MachineProfile)]
+    # cpu_int4_kernel may be absent: a file from before it (int4 then not covered, `current`).
+    names = [f.name for f in fields(MachineProfile) if f.name != "cpu_int4_kernel"]
     missing = [n for n in names if n not in raw]
     if missing:
         raise ValueError(f"{path}: machine profile lacks field(s) {', '.join(missing)}")
@@ -167,6 +181,10 @@ def _from_json(raw: dict[str, Any], path: Path) -> MachineProfile:
         value = raw[name]
         if not (_rate(value) or (value is None and name in optional)):
             raise ValueError(f"{path}: field {name} must be a positive number, found {value!r}")
+    int4 = raw.get("cpu_int4_kernel")
+    if not (int4 is None or isinstance(int4, str)):
+        raise ValueError(f"{path}: field cpu_int4_kernel must be a string or null, found "
+                         f"{int4!r}")
     gpu, gpu_bytes = raw["gpu_flops"], raw["gpu_expert_bytes_s"]
     return MachineProfile(
         machine=raw["machine"], measured_at=raw["measured_at"], cpu_threads=raw["cpu_threads"],
@@ -179,7 +197,8 @@ def _from_json(raw: dict[str, Any], path: Path) -> MachineProfile:
                                else float(raw["gpu_host_read_bytes_s"])),
         gpu_flops=None if gpu is None else rates("gpu_flops", gpu),
         gpu_expert_bytes_s=None if gpu_bytes is None else rates("gpu_expert_bytes_s",
-                                                                 gpu_bytes))
+                                                                 gpu_bytes),
+        cpu_int4_kernel=int4)
 
 
 def _rate(value: object) -> bool:
@@ -190,26 +209,32 @@ def _rate(value: object) -> bool:
 def current(device: torch.device | None = None,
             formats: Sequence[str] = DEFAULT_FORMATS) -> MachineProfile:
     """The stored profile when it is this machine's, of this pool size, and covers `formats`
-    (and the GPU parts when `device` is CUDA); else measures once (the formats stored before
-    too), saves and returns it: the first-run default."""
+    (and the GPU parts when `device` is CUDA; int4 only as timed on this process's
+    `int4_kernel()`); else measures once (the formats stored before too), saves and returns it:
+    the first-run default."""
     from hetmoe import _cpu
 
     formats = check_formats(formats)
     cuda = device is not None and device.type == "cuda"
+    kernel = int4_kernel()
     try:
         stored = load(device=device)
     except ValueError as exc:
         log.warning("%s; measuring this machine again", exc)
         stored = None
+    why = "no stored profile covers them"
     if stored is not None:
         covered = set(formats) <= set(stored.cpu_flops) and (
             not cuda or (stored.gpu_flops is not None and set(formats) <= set(stored.gpu_flops)))
+        if covered and "int4" in formats and stored.cpu_int4_kernel != kernel:
+            covered = False
+            why = (f"the stored int4 rates are of the {stored.cpu_int4_kernel or 'unrecorded'} "
+                   f"int4 kernel, this process runs {kernel}")
         if covered and stored.cpu_threads == _cpu.pool_info()["threads"]:
             return stored
         formats = check_formats([*formats, *(f for f in stored.cpu_flops if f not in formats)])
-    log.info("measuring this machine's rates (%s experts%s), once: no stored profile covers "
-             "them (`hetmoe calibrate` measures again)", ", ".join(formats),
-             ", the GPU" if cuda else "")
+    log.info("measuring this machine's rates (%s experts%s), once: %s (`hetmoe calibrate` "
+             "measures again)", ", ".join(formats), ", the GPU" if cuda else "", why)
     start = time.perf_counter()
     profile = measure(formats, device if cuda else None)
     path = save(profile)
@@ -270,7 +295,8 @@ def measure(formats: Sequence[str] = DEFAULT_FORMATS, device: torch.device | Non
         cpu_read_bytes_s=read, cpu_call_s=call, cpu_flops=cpu_flops,
         cpu_expert_bytes_s=cpu_bytes, h2d_bytes_s=h2d, d2h_bytes_s=d2h,
         gpu_host_read_bytes_s=host_read,
-        gpu_flops=gpu_flops if cuda else None, gpu_expert_bytes_s=gpu_bytes if cuda else None)
+        gpu_flops=gpu_flops if cuda else None, gpu_expert_bytes_s=gpu_bytes if cuda else None,
+        cpu_int4_kernel=int4_kernel() if "int4" in formats else None)
 
 
 def summary(profile: MachineProfile) -> dict[str, str]:
