@@ -359,3 +359,27 @@ def test_info_prefill_plan_with_every_expert_resident_reads_no_profile(
     assert ("prefill plan: every routed expert resident on the GPU (above), so prefill computes "
             "them all there: no CPU expert work, nothing to stream") in done.output
     assert "tokens  " not in done.output and loads == []
+
+
+def test_info_refuses_a_prefill_plan_from_another_int4_kernels_rates(
+        cache: Cache, profile: MachineProfile, tiny_dir: Any) -> None:
+    """`hetmoe info MODEL --experts int4` plans nothing from int4 rates another kernel timed (as
+    `current` would measure them again), and the profile lines name the kernel."""
+    path = tiny_dir("qwen3_moe")
+    with_gpu = dataclasses.replace(
+        profile, h2d_bytes_s=50e9, d2h_bytes_s=50e9, gpu_host_read_bytes_s=20e9,
+        gpu_flops={f: 100e12 for f in profile.cpu_flops},
+        gpu_expert_bytes_s={f: 60e9 for f in profile.cpu_flops})
+    here = calibration.int4_kernel()
+    assert with_gpu.cpu_int4_kernel == here
+    assert f"TFLOPS ({here})" in calibration.summary(with_gpu)["cpu_int4"]
+    for stored, shown in ((None, "unrecorded"), ("another-kernel", "another-kernel")):
+        calibration.save(dataclasses.replace(with_gpu, cpu_int4_kernel=stored))
+        done = runner.invoke(app, ["info", str(path), "--device", "cpu", "--experts", "int4"])
+        assert done.exit_code == 0, done.output
+        assert (f"prefill plan: the stored int4 rates are of the {shown} int4 kernel, this "
+                f"process runs {here} (`hetmoe calibrate` measures them again)") in done.output
+    calibration.save(with_gpu)
+    done = runner.invoke(app, ["info", str(path), "--device", "cpu", "--experts", "int4"])
+    assert done.exit_code == 0, done.output
+    assert "prefill plan (cost model, this machine's profile" in done.output

@@ -112,6 +112,15 @@ def int4_kernel() -> str:
     return f"amx-{_cpu.amx_int4_kernel()}" if isa == "amx" else isa
 
 
+def int4_mismatch(profile: MachineProfile, kernel: str) -> str | None:
+    """Why `profile`'s int4 rates are not this process's (timed on another int4 kernel than
+    `kernel`, or on one a file from before the field did not record), or None when they are."""
+    if profile.cpu_int4_kernel == kernel:
+        return None
+    return (f"the stored int4 rates are of the {profile.cpu_int4_kernel or 'unrecorded'} int4 "
+            f"kernel, this process runs {kernel}")
+
+
 def profile_path() -> Path:
     """Where the profile is stored: machine_profile.json in hetmoe's cache dir (env.cache_dir:
     HETMOE_CACHE_DIR, else ~/.cache/hetmoe)."""
@@ -226,10 +235,9 @@ def current(device: torch.device | None = None,
     if stored is not None:
         covered = set(formats) <= set(stored.cpu_flops) and (
             not cuda or (stored.gpu_flops is not None and set(formats) <= set(stored.gpu_flops)))
-        if covered and "int4" in formats and stored.cpu_int4_kernel != kernel:
-            covered = False
-            why = (f"the stored int4 rates are of the {stored.cpu_int4_kernel or 'unrecorded'} "
-                   f"int4 kernel, this process runs {kernel}")
+        stale = int4_mismatch(stored, kernel) if "int4" in formats else None
+        if covered and stale:
+            covered, why = False, stale
         if covered and stored.cpu_threads == _cpu.pool_info()["threads"]:
             return stored
         formats = check_formats([*formats, *(f for f in stored.cpu_flops if f not in formats)])
@@ -307,7 +315,8 @@ def summary(profile: MachineProfile) -> dict[str, str]:
         "cpu_call": f"{profile.cpu_call_s * 1e6:.1f} µs",
     }
     for fmt, rate in profile.cpu_flops.items():
-        lines[f"cpu_{fmt}"] = f"{rate / 1e12:.2f} TFLOPS"
+        kernel = f" ({profile.cpu_int4_kernel or 'kernel unrecorded'})" if fmt == "int4" else ""
+        lines[f"cpu_{fmt}"] = f"{rate / 1e12:.2f} TFLOPS{kernel}"
         lines[f"cpu_{fmt}_expert"] = f"{profile.cpu_expert_bytes_s[fmt] / 1e9:.1f} GB/s"
     if profile.h2d_bytes_s is not None and profile.d2h_bytes_s is not None:
         lines["h2d_pinned"] = f"{profile.h2d_bytes_s / 1e9:.1f} GB/s"
