@@ -45,7 +45,7 @@ void bind_cpu(nb::module_& m) {
   m.def("best_isa", [] { return std::string(hetmoe::isa_name(hetmoe::best_isa())); },
         "The best kernel family this CPU/OS can run: amx, avx512, avx2 or scalar.");
   m.def("amx_int4_kernel", [] { return std::string(hetmoe::amx_int4_kernel()); },
-        "The AMX int4 kernel: 'i8' (int8 tiles, the default) or 'bf16' (bf16 tiles), from "
+        "The AMX int4 kernel: 'bf16' (bf16 tiles, the default) or 'i8' (int8 tiles), from "
         "HETMOE_AMX_INT4 (ValueError naming it for any other value).");
 #ifdef HETMOE_AMX_EMULATION
   m.attr("AMX_EMULATION") = true;  // CMakeLists.txt: AMX in plain C++, a developer build

@@ -115,11 +115,10 @@ Isa parse_isa(const std::string& name) {
 const char* amx_int4_kernel() {
   static const char* const name = [] {
     const char* v = std::getenv("HETMOE_AMX_INT4");
-    if (!v || std::strcmp(v, "i8") == 0) return "i8";
-    if (std::strcmp(v, "bf16") == 0) return "bf16";
+    if (!v || std::strcmp(v, "bf16") == 0) return "bf16";
+    if (std::strcmp(v, "i8") == 0) return "i8";
     throw std::invalid_argument("HETMOE_AMX_INT4='" + std::string(v) +
-                                "': expected unset, 'i8' or 'bf16' (the AMX int4 kernel: int8 "
-                                "tiles, the default, or bf16 tiles)");
+                                "': expected unset, 'bf16' or 'i8' (the AMX int4 kernel)");
   }();
   return name;
 }

@@ -204,11 +204,10 @@ void gemm_int8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end
 }  // namespace
 
 const IsaKernels& amx_kernels() {
-  // The int4 entry from HETMOE_AMX_INT4, parsed in dispatch.cpp: int8 tiles unless "bf16" opts
-  // back to the bf16-tile kernel.
+  // The int4 entry from HETMOE_AMX_INT4, parsed in dispatch.cpp: bf16 tiles unless "i8" opts in.
   static const IsaKernels k{"amx", gemm_bf16, gemm_int8,
-                            std::strcmp(amx_int4_kernel(), "bf16") == 0 ? amx_gemm_int4
-                                                                        : amx_gemm_int4_i8,
+                            std::strcmp(amx_int4_kernel(), "i8") == 0 ? amx_gemm_int4_i8
+                                                                      : amx_gemm_int4,
                             amx_gemm_fp8,
                             {silu_mul_row, to_bf16_row, to_u8_row, axpy_row}};
   return k;

@@ -1,5 +1,4 @@
-// AMX int4 kernel on int8 tiles (the default; HETMOE_AMX_INT4=bf16 runs amx_int4.cpp instead:
-// amx.cpp). Both operands go onto
+// AMX int4 kernel on int8 tiles (opt-in, HETMOE_AMX_INT4=i8: amx.cpp). Both operands go onto
 // one int8 grid each, so the whole K runs as tdpbusd into int32 with one scale per output and no
 // per-group fix-ups: the int8 tile rate (about 2x bf16's per tile op) instead of amx_int4.cpp's
 // bf16 loop and its fp32 widening.

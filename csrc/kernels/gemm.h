@@ -63,11 +63,10 @@ struct IsaKernels {
   }
 };
 
-// AMX int4 on bf16 tiles (amx_int4.cpp, HETMOE_AMX_INT4=bf16; the other ISAs' int4 kernels are
-// in their files).
+// AMX int4 on bf16 tiles (amx_int4.cpp; the other ISAs' int4 kernels are in their files).
 void amx_gemm_int4(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end, float* c,
                    size_t ldc);
-// AMX int4 on int8 tiles (amx_int4_i8.cpp, the default; dispatch.h's amx_int4_kernel()): rows and
+// AMX int4 on int8 tiles (amx_int4_i8.cpp, picked by dispatch.h's amx_int4_kernel()): rows and
 // weights requantized to one int8 grid per row and per channel, int32 sums over all K. K at most
 // kAmxInt4I8MaxK: layers past it are refused when made (moe_layer.cpp); the kernel's entry check
 // (std::logic_error) only guards its invariants.

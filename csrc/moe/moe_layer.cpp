@@ -24,9 +24,8 @@ namespace {
 constexpr int kPackBlocksPerTask = 4;
 
 // A layer that may run AMX kernels reads HETMOE_AMX_INT4 now (a bad value refused before any
-// work); with "i8" (the default) an int4 layer's K (hidden for gate/up, intermediate for down,
-// padded to `unit`, as the layer pads them) must fit the int8-tile kernel's int32 sums. Only an
-// AMX layer (max_isa amx: parse_isa grants it only where the CPU runs AMX) is ever refused.
+// work); with "i8" an int4 layer's K (hidden for gate/up, intermediate for down, padded to
+// `unit`, as the layer pads them) must fit the int8-tile kernel's int32 sums.
 void check_amx_int4(const MoEConfig& cfg, int unit) {
   if (cfg.max_isa != Isa::kAmx) return;
   if (std::strcmp(amx_int4_kernel(), "i8") != 0 || cfg.format != WeightFormat::kINT4) return;
@@ -35,12 +34,10 @@ void check_amx_int4(const MoEConfig& cfg, int unit) {
     const long k = round_up(dim, unit);
     if (k <= kAmxInt4I8MaxK) continue;
     throw std::invalid_argument(
-        "int4 on AMX: the int8-tile kernel (the default, HETMOE_AMX_INT4 unset or 'i8') sums "
-        "at most K = " +
+        "HETMOE_AMX_INT4=i8: the int8-tile int4 kernel sums at most K = " +
         std::to_string(kAmxInt4I8MaxK) + " in int32, but this layer's " + name + " " +
         std::to_string(dim) + " gives K = " + std::to_string(k) + " (a multiple of " +
-        std::to_string(unit) + "); set HETMOE_AMX_INT4=bf16 to run it on the bf16-tile kernel "
-        "(no such bound)");
+        std::to_string(unit) + "); unset HETMOE_AMX_INT4 or set it to 'bf16'");
   }
 }
 

@@ -3,11 +3,10 @@
 against a float64 reference on the unquantized weights, at Qwen3-30B-A3B's expert shape (~150 rows
 per expert, as in prefill), per format (int8 with the default groups of 128 and with 64); and the
 same inputs through AVX-512 and AVX2 (bf16 must agree far below its bound; int8 gives the same
-floats on every ISA; int4, which AMX multiplies on int8 tiles requantized per row and channel, or
-on bf16 tiles with HETMOE_AMX_INT4=bf16, is at least as close to float64 as the integer kernels).
-Prefill keeps the rows of AMX experts in tile order; a "mixed" call (AMX only from the median rows
-per expert up, so experts in tile order and row-major experts on AVX-512 meet in one call) must
-agree the same way.
+floats on every ISA; int4, which AMX multiplies as bf16 tiles, is at least as close to float64 as
+the integer kernels). Prefill keeps the rows of AMX experts in tile order; a "mixed" call
+(AMX only from the median rows per expert up, so experts in tile order and row-major experts on
+AVX-512 meet in one call) must agree the same way.
 """
 
 from __future__ import annotations
@@ -76,9 +75,9 @@ def check_format(spec: str, isa: str = "amx") -> dict[str, object]:
     mixed_agree = float((mixed - outs["avx512"]).norm() / outs["avx512"].norm())
     same_bits = all(torch.equal(outs[isa], out) for out in [*outs.values(), mixed])
     if fmt == "int4" and isa == "amx":
-        # int4 on AMX multiplies requantized int8 (or bf16) tiles, not the groups' integers: not
-        # the same floats as AVX-512 / AVX2, so as tests/experts/moe_oracle.check_int_isas: at
-        # least as close to float64 as the integer kernels (5 % slack), alone and mixed
+        # int4 on AMX multiplies bf16 tiles (kernels/amx.cpp), not integers: not the same floats
+        # as AVX-512 / AVX2, so as tests/experts/moe_oracle.check_int_isas: at least as close to
+        # float64 as the integer kernels (5 % slack), alone and mixed
         int_err = float((outs["avx512"].double() - ref).norm() / ref.norm())
         mixed_err = float((mixed.double() - ref).norm() / ref.norm())
         agrees = max(err, mixed_err) <= min(BOUND[spec], 1.05 * int_err) and torch.equal(

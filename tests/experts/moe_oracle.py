@@ -23,19 +23,17 @@ def check_int_isas(weight_format: str, outs: dict[str, torch.Tensor], ref: torch
                    bound: float) -> None:
     """Int outputs of several ISAs (keyed by ISA; "amx" only if it ran experts on tiles): within
     `bound` of float64, and the same floats on every ISA, except int4 on AMX tiles, which
-    requantizes both operands onto one int8 grid per row and per channel (kernels/amx_int4_i8.cpp,
-    the default) or multiplies them dequantized to bf16 (kernels/amx_int4.cpp,
-    HETMOE_AMX_INT4=bf16) instead of summing the groups in integers: its floats differ by that
-    rounding and the hidden activations it requantizes, so it must be at least as close to
-    float64 as the integer kernels (5 % slack; int8 tiles measured ~1.5 % further)."""
-    on_tiles = weight_format == "int4" and "amx" in outs
-    exact = {isa: out for isa, out in outs.items() if not (on_tiles and isa == "amx")}
+    multiplies both operands dequantized to bf16 (kernels/amx.cpp) instead of in integers: its
+    floats differ by that rounding and the hidden activations it requantizes, so it must be at
+    least as close to float64 as the integer kernels (5 % slack)."""
+    on_bf16 = weight_format == "int4" and "amx" in outs
+    exact = {isa: out for isa, out in outs.items() if not (on_bf16 and isa == "amx")}
     first_isa, first = next(iter(exact.items()))
     int_error = rel_error(first, ref)
     assert int_error <= bound, (first_isa, int_error)
     for isa, out in exact.items():
         assert torch.equal(out, first), f"{isa} differs from {first_isa}"
-    if on_tiles:
+    if on_bf16:
         amx_error = rel_error(outs["amx"], ref)
         assert amx_error <= min(bound, 1.05 * int_error), (amx_error, int_error)
 

@@ -1,10 +1,9 @@
-"""The AMX int4 kernel on int8 tiles (kernels/amx_int4_i8.cpp, the default; HETMOE_AMX_INT4=bf16
-runs the bf16-tile kernel instead) one call at a time (hetmoe._cpu_kernel_testing): against
-float64 of the values it is given (the packed weights dequantized, the u8 rows dequantized) within
-its derived bound, and against the bf16-tile AMX int4 kernel within that bound plus the bf16
-kernel's own rounding. Runs on AMX hosts and on the emulated-AMX build (where CI expects it,
-HETMOE_EXPECT_AMX_EMULATION=1, a build without AMX fails them instead of skipping); the variable's
-checks run everywhere.
+"""The AMX int4 kernel on int8 tiles (kernels/amx_int4_i8.cpp, opt-in: HETMOE_AMX_INT4=i8) one
+call at a time (hetmoe._cpu_kernel_testing): against float64 of the values it is given (the
+packed weights dequantized, the u8 rows dequantized) within its derived bound, and against today's
+AMX int4 kernel (bf16 tiles) within that bound plus the bf16 kernel's own rounding. Runs on AMX
+hosts and on the emulated-AMX build (where CI expects it, HETMOE_EXPECT_AMX_EMULATION=1, a build
+without AMX fails them instead of skipping); the variable's checks run everywhere.
 
 The bound, per output c[t, n] = sum_k x_k w_k: the rows are requantized to x ~ rs x8 (rs = max |x|
 / 127 per row; |x - rs x8| <= rs / 2) and the weights to w ~ S w8 on the channel's grid S (its
@@ -126,7 +125,7 @@ def test_i8_kernel_within_its_bound_of_float64(m: int, n: int, k: int, group_siz
                                                          (70, 64, 512, 128), (33, 40, 768, 256)])
 def test_i8_kernel_close_to_the_bf16_tile_kernel(m: int, n: int, k: int, group_size: int) -> None:
     """Within the i8 bound plus the bf16 kernel's rounding of both operands (2^-9 each, fp32
-    sums) of the bf16-tile AMX int4 kernel on the same inputs."""
+    sums) of today's AMX int4 kernel on the same inputs."""
     w, x = _data(m, n, k, seed=7 + m)
     c8, w_deq, x_deq, grid = _call("i8", w, x, group_size)
     c16 = _call("bf16", w, x, group_size)[0]
@@ -156,7 +155,7 @@ def _python(code: str, value: str | None) -> subprocess.CompletedProcess[str]:
                           timeout=120)
 
 
-@pytest.mark.parametrize(("value", "kernel"), [(None, "i8"), ("i8", "i8"), ("bf16", "bf16")])
+@pytest.mark.parametrize(("value", "kernel"), [(None, "bf16"), ("bf16", "bf16"), ("i8", "i8")])
 def test_the_variable_picks_the_kernel(value: str | None, kernel: str) -> None:
     run = _python("from hetmoe import _cpu; print(_cpu.amx_int4_kernel())", value)
     assert run.returncode == 0, run.stderr
@@ -175,8 +174,7 @@ def test_a_bad_value_is_refused_with_the_variables_name() -> None:
     lines = run.stdout.strip().splitlines()
     assert len(lines) == (2 if AMX else 1)
     for line in lines:
-        assert ("HETMOE_AMX_INT4='int8': expected unset, 'i8' or 'bf16' (the AMX int4 kernel: "
-                "int8 tiles, the default, or bf16 tiles)") in line
+        assert "HETMOE_AMX_INT4='int8': expected unset, 'bf16' or 'i8'" in line
 
 
 @needs_amx
@@ -184,8 +182,7 @@ def test_a_bad_value_is_refused_with_the_variables_name() -> None:
                          [(32, 256, 192, 0.15, 0.03), (256, 512, 512, 0.2, 0.04)])
 def test_a_layer_on_the_i8_kernel(tmp_path: Path, group_size: int, hidden: int,
                                   intermediate: int, max_error: float, max_diff: float) -> None:
-    """With HETMOE_AMX_INT4 unset (the default) an int4 layer's AMX experts run the kernel (bf16:
-    the bf16-tile kernel): within int4's layer
+    """With HETMOE_AMX_INT4=i8 an int4 layer's AMX experts run the kernel: within int4's layer
     bound of float64 (groups of 256: 0.2, the format's own rounding) and within max_diff of the
     same layer on the bf16 tile kernel (measured, emulated AMX: errors 0.130 / 0.132 and 0.182 /
     0.183 on bf16 / int8 tiles, differences 0.024 and 0.031)."""
@@ -206,12 +203,12 @@ print(_cpu.amx_int4_kernel(), rel_error(out, layer.reference(x, ids, wts)))
 torch.save(out, "{path}")
 """
     outs, errors = {}, {}
-    for value, kernel in (("bf16", "bf16"), (None, "i8")):
+    for kernel in ("bf16", "i8"):
         path = tmp_path / f"{kernel}.pt"
         env_code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         body = code.format(path=path, group_size=group_size, hidden=hidden,
                            intermediate=intermediate)
-        run = _python(env_code + body, value)
+        run = _python(env_code + body, kernel)
         assert run.returncode == 0, run.stderr
         name, error = run.stdout.split()
         assert name == kernel
@@ -224,10 +221,9 @@ torch.save(out, "{path}")
 
 @needs_amx
 def test_a_layer_past_the_kernels_k_is_refused_when_made() -> None:
-    """On int8 tiles (unset or i8), an int4 layer whose padded hidden or intermediate (a K)
-    passes 65536 is refused at creation, naming K and HETMOE_AMX_INT4=bf16, which runs it; at
-    the bound, other formats, or on bf16 tiles it is made (weights unloaded: address space
-    only)."""
+    """With i8, an int4 layer whose padded hidden or intermediate (a K) passes 65536 is refused
+    at creation, naming K and the variable; at the bound, other formats, or on bf16 tiles it is
+    made (weights unloaded: address space only)."""
     code = """
 from hetmoe.experts import CpuMoE
 for h, i, fmt, gs in [(65536, 64, "int4", 32), (256, 65536, "int4", 256),
@@ -240,29 +236,14 @@ for h, i, fmt, gs in [(65536, 64, "int4", 32), (256, 65536, "int4", 256),
         print(e)
 """
     expected = ["made", "made", "made"] + [
-        f"int4 on AMX: the int8-tile kernel (the default, HETMOE_AMX_INT4 unset or 'i8') sums at "
-        f"most K = 65536 in int32, but this layer's {dim} gives K = {k} (a multiple of {unit}); "
-        f"set HETMOE_AMX_INT4=bf16 to run it on the bf16-tile kernel (no such bound)"
+        f"HETMOE_AMX_INT4=i8: the int8-tile int4 kernel sums at most K = 65536 in int32, but this "
+        f"layer's {dim} gives K = {k} (a multiple of {unit}); unset HETMOE_AMX_INT4 or set it to "
+        f"'bf16'"
         for dim, k, unit in [("hidden 65537", 65600, 64), ("intermediate 65664", 65664, 128),
                              ("intermediate 65792", 65792, 256)]]
-    for value in (None, "i8"):
-        run = _python(code, value)
-        assert run.returncode == 0, run.stderr
-        assert run.stdout.strip().splitlines() == expected
+    run = _python(code, "i8")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines() == expected
     run = _python(code, "bf16")
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines() == ["made"] * 6
-
-
-def test_a_layer_past_the_kernels_k_is_made_off_amx() -> None:
-    """The K bound is the AMX int8-tile kernel's alone: with the default, an int4 layer past it
-    capped below AMX (every CPU without AMX, and AVX-512 on one with it) is made."""
-    isa = "avx512" if _cpu.best_isa() in ("amx", "avx512") else _cpu.best_isa()
-    code = f"""
-from hetmoe.experts import CpuMoE
-for h, i, gs in [(65537, 64, 32), (128, 65664, 128)]:
-    print(CpuMoE(1, h, i, "int4", group_size=gs, isa={isa!r}).isa)
-"""
-    run = _python(code, None)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == [isa, isa]

@@ -1,9 +1,8 @@
 """Prefill-sized calls (tens of rows per expert), where the AMX kernels run one n-block pair over
 every token tile (bf16 in K chunks, int with the fix-up of one token tile overlapping the next
-tile's products; int4 on int8 tiles requantized per row and channel, or bf16 tiles) and the
-epilogues (SiLU, u8 groups) have AVX-512 forms: against float64, and int formats bit for bit against
-every other ISA of this machine (int4 on AMX: at least as close to float64,
-moe_oracle.check_int_isas)."""
+tile's products; int4 through bf16 tiles) and the epilogues (SiLU, u8 groups) have AVX-512
+forms: against float64, and int formats bit for bit against every other ISA of this machine (int4
+on AMX: at least as close to float64, moe_oracle.check_int_isas)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,20 @@
 """NUMA tensor parallelism: two (virtual) groups split the intermediate dim and equal one group.
 
-Equal to fp32 summation order (1e-6), except int4 on the AMX int8-tile kernel (the default,
-HETMOE_AMX_INT4 unset or 'i8'), which requantizes each down-projection row to int8 over the K it is
+Equal to fp32 summation order (1e-6), except int4 on the AMX int8-tile kernel (opt-in,
+HETMOE_AMX_INT4=i8), which requantizes each down-projection row to int8 over the K it is
 given: one rs = max |h| / 127 over the whole intermediate row h with one group, one rs_g per half
-with two. On the half holding the row's max rs_g = rs: the same int8 values. On the other half
+with two. On the half holding the row's max rs_g = rs: the same row grid. On the other half
 rs_g < rs and the two runs round h_k onto different grids: d_k = rs r_k - rs_g r'_k with r, r'
 the rounding errors, modelled as independent uniform on [-1/2, 1/2]: Var d_k = (rs^2 + rs_g^2) /
 12. The layer's output n of token t moves by sum_e wt_e sum_k down_e[n, k] d_k (wt_e: the
 token's routing weights on e, summed where it picks e twice: the same errors twice), so
 E ||two - one||^2 = sum over (token, expert) rows on AMX tiles (experts of >= amx_min_tokens rows)
 of wt_e^2 (rs^2 + rs_g^2) / 12 sum_n sum_(k in that half) down_e[n, k]^2 (`_requant_spread`, from
-the float64 reference's h and unquantized weights). The bound is twice its root (slack for h and
-the weights being the int4 layer's, ~13 % off the reference's; the norm sums thousands of
+the float64 reference's h and unquantized weights). Left out of the model: each weight channel's
+grid S_n (its largest group end over the K given) also differs per half where that end lies in
+the other half, a smaller second term (a float64 simulation of both: 0.0148 at q = 40, against
+0.0133 for the rows alone). The bound is twice its root (slack for that term and for h and the
+weights being the int4 layer's, ~13 % off the reference's; the norm sums thousands of
 independent terms, so it hardly spreads about its root) plus the fp32 1e-6. Measured at q = 40
 (on AMX and, the same floats, emulated): 0.0144 relative (int4) against a root of 0.0137, bound
 0.0274; int4-odd 0.0141 / 0.0129; q = 200: 0.0147 / 0.0137 and 0.0133 / 0.0120."""
