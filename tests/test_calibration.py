@@ -150,12 +150,18 @@ def test_int4_kernel_names_the_amx_int4_kernel(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(_cpu, "best_isa", lambda: "amx")
     monkeypatch.setattr(_cpu, "amx_int4_kernel", lambda: "bf16")
     assert calibration.int4_kernel() == "amx-bf16"
+    monkeypatch.setenv("HETMOE_ISA", "avx512")  # the cap CpuMoE's layers obey
+    assert calibration.int4_kernel() == "avx512"
+    monkeypatch.delenv("HETMOE_ISA")
     monkeypatch.setattr(_cpu, "best_isa", lambda: "avx2")
+    assert calibration.int4_kernel() == "avx2"
+    monkeypatch.setenv("HETMOE_ISA", "amx")  # a cap above the CPU caps nothing
     assert calibration.int4_kernel() == "avx2"
 
 
-@pytest.mark.parametrize(("stored_kernel", "named"), [("amx-other", "amx-other"),
-                                                      (None, "unrecorded")])
+@pytest.mark.parametrize(("stored_kernel", "named"), [
+    ("amx-other", "are of the amx-other int4 kernel"),
+    (None, "do not say which int4 kernel timed them (a file from before that field)")])
 def test_int4_rates_of_another_kernel_are_measured_again(
         cache: Cache, profile: MachineProfile, caplog: pytest.LogCaptureFixture,
         stored_kernel: str | None, named: str) -> None:
@@ -178,7 +184,7 @@ def test_int4_rates_of_another_kernel_are_measured_again(
     assert fresh.cpu_int4_kernel == calibration.int4_kernel()
     assert caplog.records[0].getMessage() == (
         "measuring this machine's rates (int4, bf16, int8, fp8 experts), once: the stored int4 "
-        f"rates are of the {named} int4 kernel, this process runs {calibration.int4_kernel()} "
+        f"rates {named}, this process runs {calibration.int4_kernel()} "
         "(`hetmoe calibrate` measures again)")
     assert calibration.current(None, ("int4",)) == fresh == calibration.load()
     assert len(cache.measured) == 1
@@ -373,12 +379,17 @@ def test_info_refuses_a_prefill_plan_from_another_int4_kernels_rates(
     here = calibration.int4_kernel()
     assert with_gpu.cpu_int4_kernel == here
     assert f"TFLOPS ({here})" in calibration.summary(with_gpu)["cpu_int4"]
-    for stored, shown in ((None, "unrecorded"), ("another-kernel", "another-kernel")):
-        calibration.save(dataclasses.replace(with_gpu, cpu_int4_kernel=stored))
+    for stored, shown in ((None, "do not say which int4 kernel timed them (a file from before "
+                                 "that field)"),
+                          ("another-kernel", "are of the another-kernel int4 kernel")):
+        saved = dataclasses.replace(with_gpu, cpu_int4_kernel=stored)
+        calibration.save(saved)
         done = runner.invoke(app, ["info", str(path), "--device", "cpu", "--experts", "int4"])
         assert done.exit_code == 0, done.output
-        assert (f"prefill plan: the stored int4 rates are of the {shown} int4 kernel, this "
-                f"process runs {here} (`hetmoe calibrate` measures them again)") in done.output
+        assert (f"prefill plan: the stored int4 rates {shown}, this process runs {here} "
+                "(`hetmoe calibrate` measures them again)") in done.output
+        assert calibration.summary(saved)["cpu_int4"].endswith(
+            f"TFLOPS ({stored or 'kernel not recorded'})")
     calibration.save(with_gpu)
     done = runner.invoke(app, ["info", str(path), "--device", "cpu", "--experts", "int4"])
     assert done.exit_code == 0, done.output

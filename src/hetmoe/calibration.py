@@ -103,22 +103,28 @@ def fingerprint(device: torch.device | None = None) -> str:
 
 
 def int4_kernel() -> str:
-    """The int4 kernel CpuMoE runs here at prefill sizes: "amx-i8" or "amx-bf16" on AMX (the
-    AMX int4 kernel, `_cpu.amx_int4_kernel()`: HETMOE_AMX_INT4), else the best ISA's one int4
-    kernel ("avx512", "avx2", "scalar"). ValueError naming HETMOE_AMX_INT4 for a bad value."""
+    """The int4 kernel CpuMoE runs here at prefill sizes, under HETMOE_ISA's cap as its layers
+    are: "amx-i8" or "amx-bf16" on AMX (the AMX int4 kernel, `_cpu.amx_int4_kernel()`:
+    HETMOE_AMX_INT4, a bad value refused there naming it), else the ISA's one int4 kernel
+    ("avx512", "avx2", "scalar")."""
     from hetmoe import _cpu
 
-    isa = _cpu.best_isa()
+    order = ("scalar", "avx2", "avx512", "amx")
+    best, cap = _cpu.best_isa(), env.forced_isa()
+    isa = best if cap not in order else order[min(order.index(best), order.index(cap))]
     return f"amx-{_cpu.amx_int4_kernel()}" if isa == "amx" else isa
 
 
 def int4_mismatch(profile: MachineProfile, kernel: str) -> str | None:
     """Why `profile`'s int4 rates are not this process's (timed on another int4 kernel than
-    `kernel`, or on one a file from before the field did not record), or None when they are."""
+    `kernel`, or in a file from before the kernel was recorded), or None when they are."""
     if profile.cpu_int4_kernel == kernel:
         return None
-    return (f"the stored int4 rates are of the {profile.cpu_int4_kernel or 'unrecorded'} int4 "
-            f"kernel, this process runs {kernel}")
+    if profile.cpu_int4_kernel is None:
+        return ("the stored int4 rates do not say which int4 kernel timed them (a file from "
+                f"before that field), this process runs {kernel}")
+    return (f"the stored int4 rates are of the {profile.cpu_int4_kernel} int4 kernel, this "
+            f"process runs {kernel}")
 
 
 def profile_path() -> Path:
@@ -225,7 +231,6 @@ def current(device: torch.device | None = None,
 
     formats = check_formats(formats)
     cuda = device is not None and device.type == "cuda"
-    kernel = int4_kernel()
     try:
         stored = load(device=device)
     except ValueError as exc:
@@ -235,7 +240,7 @@ def current(device: torch.device | None = None,
     if stored is not None:
         covered = set(formats) <= set(stored.cpu_flops) and (
             not cuda or (stored.gpu_flops is not None and set(formats) <= set(stored.gpu_flops)))
-        stale = int4_mismatch(stored, kernel) if "int4" in formats else None
+        stale = int4_mismatch(stored, int4_kernel()) if "int4" in formats else None
         if covered and stale:
             covered, why = False, stale
         if covered and stored.cpu_threads == _cpu.pool_info()["threads"]:
@@ -315,7 +320,7 @@ def summary(profile: MachineProfile) -> dict[str, str]:
         "cpu_call": f"{profile.cpu_call_s * 1e6:.1f} µs",
     }
     for fmt, rate in profile.cpu_flops.items():
-        kernel = f" ({profile.cpu_int4_kernel or 'kernel unrecorded'})" if fmt == "int4" else ""
+        kernel = f" ({profile.cpu_int4_kernel or 'kernel not recorded'})" if fmt == "int4" else ""
         lines[f"cpu_{fmt}"] = f"{rate / 1e12:.2f} TFLOPS{kernel}"
         lines[f"cpu_{fmt}_expert"] = f"{profile.cpu_expert_bytes_s[fmt] / 1e9:.1f} GB/s"
     if profile.h2d_bytes_s is not None and profile.d2h_bytes_s is not None:

@@ -194,9 +194,7 @@ def prefill_plan(layer: Any, fmt: str, config: Any, placement: Any = None) -> st
     if profile is None or profile.h2d_bytes_s is None:
         return ("prefill plan: needs this machine's profile with its GPU "
                 "(`hetmoe calibrate --device cuda`)")
-    stale = calibration.int4_mismatch(profile, calibration.int4_kernel()) if fmt == "int4" \
-        else None
-    if stale:
+    if fmt == "int4" and (stale := calibration.int4_mismatch(profile, calibration.int4_kernel())):
         return f"prefill plan: {stale} (`hetmoe calibrate` measures them again)"
     experts, hidden, intermediate = layer.shape
     expert_bytes = sum(g["expert_bytes"] for g in layer.groups)
