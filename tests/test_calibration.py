@@ -190,11 +190,15 @@ def test_int4_rates_of_another_kernel_are_measured_again(
     assert len(cache.measured) == 1
 
 
-def test_current_measures_again_for_another_pool_size(cache: Cache,
-                                                      profile: MachineProfile) -> None:
+def test_current_measures_again_for_another_pool_size(
+        cache: Cache, profile: MachineProfile, caplog: pytest.LogCaptureFixture) -> None:
     calibration.save(dataclasses.replace(profile, cpu_threads=profile.cpu_threads + 7))
-    assert calibration.current(None).cpu_threads == profile.cpu_threads
+    with caplog.at_level(logging.INFO, logger="hetmoe.calibration"):
+        assert calibration.current(None).cpu_threads == profile.cpu_threads
     assert cache.measured == [calibration.FORMATS]  # the stored profile's formats kept
+    assert caplog.records[0].getMessage().endswith(
+        f"once: the stored rates are of {profile.cpu_threads + 7} pool threads, this pool has "
+        f"{profile.cpu_threads} (`hetmoe calibrate` measures again)")
 
 
 def test_current_replaces_a_corrupt_file(cache: Cache, caplog: pytest.LogCaptureFixture) -> None:

@@ -243,8 +243,12 @@ def current(device: torch.device | None = None,
         stale = int4_mismatch(stored, int4_kernel()) if "int4" in formats else None
         if covered and stale:
             covered, why = False, stale
-        if covered and stored.cpu_threads == _cpu.pool_info()["threads"]:
+        threads = _cpu.pool_info()["threads"]
+        if covered and stored.cpu_threads == threads:
             return stored
+        if covered:
+            why = (f"the stored rates are of {stored.cpu_threads} pool threads, this pool has "
+                   f"{threads}")
         formats = check_formats([*formats, *(f for f in stored.cpu_flops if f not in formats)])
     log.info("measuring this machine's rates (%s experts%s), once: %s (`hetmoe calibrate` "
              "measures again)", ", ".join(formats), ", the GPU" if cuda else "", why)
