@@ -201,7 +201,6 @@ def score_gaps(got: list[Routed], want: list[Routed]) -> list[float]:
     return [(a.choice() - b.choice()).abs().max().item() for a, b in zip(got, want, strict=True)]
 
 
-
 def compare_prefills(runner: ModelRunner, calls: list[str], family: str, fmt: str,
                      prompt: list[int], streamer_packs: bool) -> dict[str, float]:
     """The prompt's prefill on the CPU experts, then through the packed kernels and the torch
