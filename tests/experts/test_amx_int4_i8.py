@@ -204,7 +204,8 @@ out = moe.forward(x, ids, wts)
 print(_cpu.amx_int4_kernel(), rel_error(out, layer.reference(x, ids, wts)))
 torch.save(out, "{path}")
 """
-    outs, errors = {}, {}
+    outs: dict[str, torch.Tensor] = {}
+    errors: dict[str, float] = {}
     for kernel in ("bf16", "i8", "auto"):
         path = tmp_path / f"{kernel}.pt"
         env_code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
