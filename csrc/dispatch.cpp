@@ -117,9 +117,8 @@ const char* amx_int4_kernel() {
     const char* v = std::getenv("HETMOE_AMX_INT4");
     if (!v || std::strcmp(v, "bf16") == 0) return "bf16";
     if (std::strcmp(v, "i8") == 0) return "i8";
-    if (std::strcmp(v, "auto") == 0) return "auto";
     throw std::invalid_argument("HETMOE_AMX_INT4='" + std::string(v) +
-                                "': expected unset, 'bf16', 'i8' or 'auto' (the AMX int4 kernel)");
+                                "': expected unset, 'bf16' or 'i8' (the AMX int4 kernel)");
   }();
   return name;
 }

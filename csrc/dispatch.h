@@ -37,9 +37,8 @@ Isa parse_isa(const std::string& name);
 
 const char* isa_name(Isa isa);
 
-// The AMX int4 kernel amx_kernels() uses: "bf16" (amx_gemm_int4, the default), "i8"
-// (amx_gemm_int4_i8) or "auto" (amx_gemm_int4_auto: i8 per call unless the call's rows are uneven
-// across groups), from the environment variable HETMOE_AMX_INT4 (unset, "bf16", "i8" or "auto"),
+// The AMX int4 kernel amx_kernels() uses: "bf16" (amx_gemm_int4, the default) or "i8"
+// (amx_gemm_int4_i8), from the environment variable HETMOE_AMX_INT4 (unset, "bf16" or "i8"),
 // read once (thread-safe); any other value is std::invalid_argument naming the variable. Here,
 // not in the AMX-flagged amx.cpp: tests, reports and layer construction ask on every CPU.
 const char* amx_int4_kernel();

@@ -1,15 +1,12 @@
 """What the AMX int4 kernel on int8 tiles costs against the bf16-tile one, on real hidden states:
-`demo-moe`'s MoE inputs over the held-out text; and what "auto" (the int8 tiles per call, the bf16
-tiles for calls whose rows are uneven across groups) keeps of each.
+`demo-moe`'s MoE inputs over the held-out text.
 
 The int8-tile kernel (csrc/kernels/amx_int4_i8.cpp, HETMOE_AMX_INT4=i8) requantizes each
 activation row to symmetric int8 with one scale over all of K, where the bf16-tile kernel
 (amx_int4.cpp, HETMOE_AMX_INT4=bf16) keeps activations in bf16; real hidden states have outlier
-channels, which stretch that one scale. HETMOE_AMX_INT4=auto (amx_int4_auto.cpp) picks per gemm
-call on the rows' group metadata; its row also reports the share of AMX calls that took the int8
-tiles, computed here from the same inputs by the same rule (`auto_picks`). Per configuration of
-the CPU experts (`ROWS`: int4 on AMX under each kernel with every call on tiles, int4 on AVX-512,
-int8 and bf16 for reference, on AVX-512):
+channels, which stretch that one scale. Per configuration of the CPU experts (`ROWS`: int4 on AMX
+under each kernel with every call on tiles, int4 on AVX-512, int8 and bf16 for reference,
+on AVX-512):
 - layer level: every MoE layer's inputs (x, router picks and weights) over the held-out windows,
   recorded once with torch experts in fp32, through that layer's `CpuMoE`; the relative error
   against float64 on the weights the layer holds, dequantized (the kernel's own error), and on
@@ -23,8 +20,7 @@ CPU or the emulated-AMX build (the same kernels in integer math, bit-exact, slow
 and the doc's table between its markers.
 
 Usage: python benchmarks/demo_moe/int4_kernels.py [--windows 6] [--window 256]
-           [--max-new-tokens 16]
-           [--rows int4-amx-i8,int4-amx-auto,int4-amx-bf16,int4-avx512,int8,bf16]
+           [--max-new-tokens 16] [--rows int4-amx-i8,int4-amx-bf16,int4-avx512,int8,bf16]
 """
 
 from __future__ import annotations
@@ -84,8 +80,7 @@ class Row:
     """HETMOE_AMX_INT4 of the row's process (only int4 calls on AMX read it)."""
 
 
-ROWS = {"int4-amx-i8": Row("int4", True, "i8"), "int4-amx-auto": Row("int4", True, "auto"),
-        "int4-amx-bf16": Row("int4", True, "bf16"),
+ROWS = {"int4-amx-i8": Row("int4", True, "i8"), "int4-amx-bf16": Row("int4", True, "bf16"),
         "int4-avx512": Row("int4", False, "bf16"), "int8": Row("int8", False, "bf16"),
         "bf16": Row("bf16", False, "bf16")}
 """The references run AVX-512: int8 there gives the same floats as on AMX (the int formats'
@@ -134,46 +129,6 @@ def held_weights(moe: CpuMoE) -> list[Weights]:
         s, h = part.end - part.begin, moe.hidden
         groups.append((gate_up[:, :s, :h], gate_up[:, s:, :h], down[:, :h]))
     return groups
-
-
-AUTO_MAX_SPREAD = 2.0
-"""kAmxInt4AutoMaxSpread of csrc/kernels/amx_int4_auto.h (tests/experts/test_amx_int4_auto.py
-checks the build's on both sides of it)."""
-
-
-def group_magnitudes(x: torch.Tensor, group_size: int, k: int) -> torch.Tensor:
-    """A [T, G]: per row and u8 group of x [T, k0] (zero-padded to k), the largest |value| the
-    group's u8 grid holds, max(|lo|, |255 scale + lo|), as the epilogue's to_u8 rounds it."""
-    x = F.pad(x.float(), (0, k - x.shape[1])).view(x.shape[0], k // group_size, group_size)
-    lo, hi = x.amin(-1), x.amax(-1)
-    return torch.maximum(lo.abs(), ((hi - lo) / 255 * 255 + lo).abs())
-
-
-def takes_i8(x: torch.Tensor, group_size: int, k: int) -> bool:
-    """amx_int4_auto.cpp's rule for one call's rows x [T, k0]: G sum_r max_g A^2 <= spread^2
-    sum_r sum_g A^2."""
-    a2 = group_magnitudes(x, group_size, k).double().square()  # [T, G]
-    return bool(a2.shape[1] * a2.amax(1).sum() <= AUTO_MAX_SPREAD ** 2 * a2.sum())
-
-
-def auto_picks(cpu: CpuMoE, held: list[Weights], calls: list[Call]) -> tuple[int, int]:
-    """(gemm calls that take the int8 tiles under auto, all AMX gemm calls) of one layer: per
-    call, NUMA group and routed expert, gate/up on its rows x and down on its rows' hidden
-    activations silu(gate x) * up x (float64 on the held weights, as fp32)."""
-    gs = cpu.group_size
-    if gs is None:
-        raise ValueError(f"auto_picks: a {cpu.weight_format!r} layer has no groups (int4 only)")
-    unit = max(64, gs)
-    i8 = total = 0
-    for x, ids, _ in calls:
-        for gate, up, _ in held:
-            k_down = -(-gate.shape[1] // unit) * unit
-            for e in ids.unique().tolist():
-                xe = x[(ids == e).any(1)].double()  # [n, H]
-                h = (F.silu(xe @ gate[e].T) * (xe @ up[e].T)).float()  # [n, slice]
-                i8 += takes_i8(xe, gs, -(-x.shape[1] // unit) * unit) + takes_i8(h, gs, k_down)
-                total += 2
-    return i8, total
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -244,8 +199,7 @@ def load_cpu(row: Row, window: int, rules_dir: Path) -> tuple[LLM, ModelRunner]:
 @torch.inference_mode()
 def layer_errors(llm: LLM, ref: Reference, row: Row) -> list[dict[str, float]]:
     """Per MoE layer, the relative error of its CpuMoE on the recorded calls against float64
-    on its own dequantized weights ("kernel") and on the unquantized ones ("total"); under
-    auto also its gemm calls on the int8 tiles and in all ("i8_calls", "calls")."""
+    on its own dequantized weights ("kernel") and on the unquantized ones ("total")."""
     errors = []
     for i, (moe, calls) in enumerate(zip(moe_layers(llm.model), ref.calls, strict=True)):
         cpu: CpuMoE = moe.experts.moe
@@ -255,8 +209,6 @@ def layer_errors(llm: LLM, ref: Reference, row: Row) -> list[dict[str, float]]:
         got = torch.cat([cpu.forward(*c).double() for c in calls])  # [N, H]
         own = torch.cat([torch.stack([moe64(c, g) for g in held]).sum(0) for c in calls])
         errors.append({"kernel": rel_error(got, own), "total": rel_error(got, ref.exact[i])})
-        if row.kernel == "auto":
-            errors[-1]["i8_calls"], errors[-1]["calls"] = auto_picks(cpu, held, calls)
     return errors
 
 
@@ -348,17 +300,6 @@ def mean(layers: list[dict[str, float]], key: str) -> float:
     return sum(layer[key] for layer in layers) / len(layers)
 
 
-def amx_cell(name: str, row: dict[str, Any]) -> str:
-    """The table's AMX column: which tiles; under auto, the share of gemm calls on int8 tiles."""
-    if not ROWS[name].amx:
-        return "none (AVX-512)"
-    if row["kernel"] != "auto":
-        return f"every call, {row['kernel']} tiles"
-    i8 = sum(layer["i8_calls"] for layer in row["layers"])
-    calls = sum(layer["calls"] for layer in row["layers"])
-    return f"every call, auto (i8 tiles: {i8} of {calls} gemm calls, {i8 / calls:.0%})"
-
-
 def tables(result: dict[str, Any]) -> str:
     """Markdown: the model-level table, then the per-layer errors (kernel / total)."""
     rows = result["rows"]
@@ -369,7 +310,7 @@ def tables(result: dict[str, Any]) -> str:
              f"| torch fp32 (exact) | - | - | - | {result['exact_ppl']:.4f} | - | - "
              f"| {result['exact_right']} / {n} | {n} / {n} | - |"]
     for name, r in rows.items():
-        amx = amx_cell(name, r)
+        amx = f"every call, {r['kernel']} tiles" if ROWS[name].amx else "none (AVX-512)"
         k = [x["kernel"] for x in r["layers"]]
         t = [x["total"] for x in r["layers"]]
         lines.append(f"| {ROWS[name].weight_format} | {amx} | {sum(k) / len(k):.4f} / "

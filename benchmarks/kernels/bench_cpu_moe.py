@@ -8,13 +8,11 @@ First it measures the AVX-512/AMX crossover (tokens per expert) per format and u
 
 Usage: python benchmarks/kernels/bench_cpu_moe.py [--shape deepseek-v2-lite] [--layers 6]
            [--formats bf16,int8,int4 | --weight-format fp8] [--json out.json] [--quick]
-           [--no-crossover] [--git SHA] [--warmup-s 1.0] [--trace DIR]
-           [--int4-kernel bf16,i8,auto]
+           [--no-crossover] [--git SHA] [--warmup-s 1.0] [--trace DIR] [--int4-kernel bf16,i8]
 
---int4-kernel picks the AMX int4 kernel (HETMOE_AMX_INT4: bf16 tiles, int8 tiles, or auto: int8
-tiles per call unless the call's rows are uneven across groups; read once per process): one name
-runs here; several run one child process each (the first every format, the others the int4 formats
-only) and merge their rows into one JSON, each int4 row naming its kernel.
+--int4-kernel picks the AMX int4 kernel (HETMOE_AMX_INT4: bf16 tiles or int8 tiles, read once per
+process): one name runs here; several run one child process each (the first every format, the
+others the int4 formats only) and merge their rows into one JSON, each int4 row naming its kernel.
 
 Each row also gives the phases of profiled calls: their wall times, and their busy shares (the
 workers' summed task time over the phase's wall time x workers; below 1: workers wait, on the
@@ -293,13 +291,13 @@ def main() -> None:
     parser.add_argument("--git", default="",
                         help="commit to record (default: this checkout's, where it is one)")
     parser.add_argument("--int4-kernel", default="",
-                        help="comma-separated AMX int4 kernels of bf16, i8, auto (default: "
+                        help="comma-separated AMX int4 kernels, bf16 and/or i8 (default: "
                              "HETMOE_AMX_INT4's); several: one child process each, one JSON")
     args = parser.parse_args()
     kernels = [v for v in args.int4_kernel.split(",") if v]
-    bad = [v for v in kernels if v not in ("bf16", "i8", "auto")]
+    bad = [v for v in kernels if v not in ("bf16", "i8")]
     if bad:
-        parser.error(f"--int4-kernel: {bad} not among bf16, i8, auto")
+        parser.error(f"--int4-kernel: {bad} not among bf16, i8")
     if len(kernels) > 1:
         ab_int4(kernels, (args.weight_format or args.formats).split(","), args.json)
         return

@@ -16,7 +16,6 @@
 #include <vector>
 
 #include "dispatch.h"
-#include "kernels/amx_int4_auto.h"
 #include "kernels/amx_tiles.h"
 #include "kernels/epilogue.h"
 #include "kernels/gemm.h"
@@ -202,19 +201,14 @@ void gemm_int8(const PackedMatrix& w, const ActView& a, int nb_begin, int nb_end
   _tile_release();
 }
 
-// The int4 entry from HETMOE_AMX_INT4, parsed in dispatch.cpp: bf16 tiles unless "i8" or "auto"
-// (amx_int4_auto.cpp: i8 per call, bf16 tiles for calls with uneven rows) opts in.
-GemmFn int4_entry() {
-  const char* name = amx_int4_kernel();
-  if (std::strcmp(name, "i8") == 0) return amx_gemm_int4_i8;
-  if (std::strcmp(name, "auto") == 0) return amx_gemm_int4_auto;
-  return amx_gemm_int4;
-}
-
 }  // namespace
 
 const IsaKernels& amx_kernels() {
-  static const IsaKernels k{"amx", gemm_bf16, gemm_int8, int4_entry(), amx_gemm_fp8,
+  // The int4 entry from HETMOE_AMX_INT4, parsed in dispatch.cpp: bf16 tiles unless "i8" opts in.
+  static const IsaKernels k{"amx", gemm_bf16, gemm_int8,
+                            std::strcmp(amx_int4_kernel(), "i8") == 0 ? amx_gemm_int4_i8
+                                                                      : amx_gemm_int4,
+                            amx_gemm_fp8,
                             {silu_mul_row, to_bf16_row, to_u8_row, axpy_row}};
   return k;
 }

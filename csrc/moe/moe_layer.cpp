@@ -24,19 +24,17 @@ namespace {
 constexpr int kPackBlocksPerTask = 4;
 
 // A layer that may run AMX kernels reads HETMOE_AMX_INT4 now (a bad value refused before any
-// work); with "i8" or "auto" (either may run the int8-tile kernel) an int4 layer's K (hidden for
-// gate/up, intermediate for down, padded to `unit`, as the layer pads them) must fit that
-// kernel's int32 sums.
+// work); with "i8" an int4 layer's K (hidden for gate/up, intermediate for down, padded to
+// `unit`, as the layer pads them) must fit the int8-tile kernel's int32 sums.
 void check_amx_int4(const MoEConfig& cfg, int unit) {
   if (cfg.max_isa != Isa::kAmx) return;
-  const char* kernel = amx_int4_kernel();
-  if (std::strcmp(kernel, "bf16") == 0 || cfg.format != WeightFormat::kINT4) return;
+  if (std::strcmp(amx_int4_kernel(), "i8") != 0 || cfg.format != WeightFormat::kINT4) return;
   for (const auto& [name, dim] : {std::pair{"hidden", cfg.hidden},
                                   std::pair{"intermediate", cfg.intermediate}}) {
     const long k = round_up(dim, unit);
     if (k <= kAmxInt4I8MaxK) continue;
     throw std::invalid_argument(
-        "HETMOE_AMX_INT4=" + std::string(kernel) + ": the int8-tile int4 kernel sums at most K = " +
+        "HETMOE_AMX_INT4=i8: the int8-tile int4 kernel sums at most K = " +
         std::to_string(kAmxInt4I8MaxK) + " in int32, but this layer's " + name + " " +
         std::to_string(dim) + " gives K = " + std::to_string(k) + " (a multiple of " +
         std::to_string(unit) + "); unset HETMOE_AMX_INT4 or set it to 'bf16'");

@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "dispatch.h"
-#include "kernels/amx_int4_auto.h"
 #include "kernels/gemm.h"
 #include "layout/packed_matrix.h"
 
@@ -76,21 +75,19 @@ std::vector<uint8_t> tiled(const uint8_t* u8, int mp, size_t ld, int step) {
 }
 
 // c [m, n] = x [m, k] (fp32) x w [n, k]^T (fp32, packed int4 in groups of group_size here) by
-// the AMX int4 kernel `kernel` ("bf16", "i8" or "auto"), over n-blocks [0, split) and [split,
-// end) when 0 < split < end (else one call); w_deq [n, k] and x_deq [m, k] (float64) get the
-// values it multiplies, grid [n] (float64) each channel's largest dequantized magnitude over its groups'
+// the AMX int4 kernel `kernel` ("bf16" or "i8"), over n-blocks [0, split) and [split, end) when
+// 0 < split < end (else one call); w_deq [n, k] and x_deq [m, k] (float64) get the values it
+// multiplies, grid [n] (float64) each channel's largest dequantized magnitude over its groups'
 // ends (q = 0 and 15) / 127. tiled: rows in tile order; stream: ActView::stream_c.
 void amx_int4_gemm(const std::string& kernel, uintptr_t w_ptr, int n, int k, int group_size,
                    uintptr_t x_ptr, int m, int split, bool tiled_rows, bool stream, uintptr_t c,
                    uintptr_t w_deq, uintptr_t x_deq, uintptr_t grid) {
   if (hetmoe::best_isa() != hetmoe::Isa::kAmx)
     throw std::runtime_error("amx_int4_gemm: this CPU/build has no AMX");
-  const hetmoe::GemmFn fn = kernel == "bf16"   ? hetmoe::amx_gemm_int4
-                            : kernel == "i8"   ? hetmoe::amx_gemm_int4_i8
-                            : kernel == "auto" ? hetmoe::amx_gemm_int4_auto
-                                               : nullptr;
-  if (!fn)
-    throw std::invalid_argument("amx_int4_gemm: kernel '" + kernel + "': bf16, i8 or auto");
+  const hetmoe::GemmFn fn = kernel == "bf16" ? hetmoe::amx_gemm_int4
+                            : kernel == "i8" ? hetmoe::amx_gemm_int4_i8
+                                             : nullptr;
+  if (!fn) throw std::invalid_argument("amx_int4_gemm: kernel '" + kernel + "': bf16 or i8");
   hetmoe::PackedMatrix w;
   w.format = hetmoe::WeightFormat::kINT4;
   w.n = int(round_up(n, 16));

@@ -155,8 +155,7 @@ def _python(code: str, value: str | None) -> subprocess.CompletedProcess[str]:
                           timeout=120)
 
 
-@pytest.mark.parametrize(("value", "kernel"), [(None, "bf16"), ("bf16", "bf16"), ("i8", "i8"),
-                                               ("auto", "auto")])
+@pytest.mark.parametrize(("value", "kernel"), [(None, "bf16"), ("bf16", "bf16"), ("i8", "i8")])
 def test_the_variable_picks_the_kernel(value: str | None, kernel: str) -> None:
     run = _python("from hetmoe import _cpu; print(_cpu.amx_int4_kernel())", value)
     assert run.returncode == 0, run.stderr
@@ -175,7 +174,7 @@ def test_a_bad_value_is_refused_with_the_variables_name() -> None:
     lines = run.stdout.strip().splitlines()
     assert len(lines) == (2 if AMX else 1)
     for line in lines:
-        assert "HETMOE_AMX_INT4='int8': expected unset, 'bf16', 'i8' or 'auto'" in line
+        assert "HETMOE_AMX_INT4='int8': expected unset, 'bf16' or 'i8'" in line
 
 
 @needs_amx
@@ -183,11 +182,10 @@ def test_a_bad_value_is_refused_with_the_variables_name() -> None:
                          [(32, 256, 192, 0.15, 0.03), (256, 512, 512, 0.2, 0.04)])
 def test_a_layer_on_the_i8_kernel(tmp_path: Path, group_size: int, hidden: int,
                                   intermediate: int, max_error: float, max_diff: float) -> None:
-    """With HETMOE_AMX_INT4=i8 (or auto: Gaussian rows, int8 tiles per call unless uneven) an int4
-    layer's AMX experts run the kernel: within int4's layer bound of float64 (groups of 256: 0.2,
-    the format's own rounding) and within max_diff of the same layer on the bf16 tile kernel
-    (measured, emulated AMX: errors 0.130 / 0.132 and 0.182 / 0.183 on bf16 / int8 tiles,
-    differences 0.024 and 0.031)."""
+    """With HETMOE_AMX_INT4=i8 an int4 layer's AMX experts run the kernel: within int4's layer
+    bound of float64 (groups of 256: 0.2, the format's own rounding) and within max_diff of the
+    same layer on the bf16 tile kernel (measured, emulated AMX: errors 0.130 / 0.132 and 0.182 /
+    0.183 on bf16 / int8 tiles, differences 0.024 and 0.031)."""
     code = """
 import torch
 from moe_oracle import make_experts, rel_error
@@ -204,9 +202,8 @@ out = moe.forward(x, ids, wts)
 print(_cpu.amx_int4_kernel(), rel_error(out, layer.reference(x, ids, wts)))
 torch.save(out, "{path}")
 """
-    outs: dict[str, torch.Tensor] = {}
-    errors: dict[str, float] = {}
-    for kernel in ("bf16", "i8", "auto"):
+    outs, errors = {}, {}
+    for kernel in ("bf16", "i8"):
         path = tmp_path / f"{kernel}.pt"
         env_code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         body = code.format(path=path, group_size=group_size, hidden=hidden,
@@ -217,17 +214,16 @@ torch.save(out, "{path}")
         assert name == kernel
         errors[kernel] = float(error)
         outs[kernel] = torch.load(path)
-    for kernel in ("i8", "auto"):
-        assert errors[kernel] <= max_error, errors
-        diff = (outs[kernel] - outs["bf16"]).norm() / outs["bf16"].norm()
-        assert diff < max_diff, (kernel, diff, errors)
+    assert errors["i8"] <= max_error, errors
+    diff = (outs["i8"] - outs["bf16"]).norm() / outs["bf16"].norm()
+    assert diff < max_diff, (diff, errors)
 
 
 @needs_amx
 def test_a_layer_past_the_kernels_k_is_refused_when_made() -> None:
-    """With i8 or auto (which may run it), an int4 layer whose padded hidden or intermediate (a K)
-    passes 65536 is refused at creation, naming K and the variable's value; at the bound, other
-    formats, or on bf16 tiles it is made (weights unloaded: address space only)."""
+    """With i8, an int4 layer whose padded hidden or intermediate (a K) passes 65536 is refused
+    at creation, naming K and the variable; at the bound, other formats, or on bf16 tiles it is
+    made (weights unloaded: address space only)."""
     code = """
 from hetmoe.experts import CpuMoE
 for h, i, fmt, gs in [(65536, 64, "int4", 32), (256, 65536, "int4", 256),
@@ -239,18 +235,15 @@ for h, i, fmt, gs in [(65536, 64, "int4", 32), (256, 65536, "int4", 256),
     except ValueError as e:
         print(e)
 """
-    def expected(value: str) -> list[str]:
-        return ["made", "made", "made"] + [
-            f"HETMOE_AMX_INT4={value}: the int8-tile int4 kernel sums at most K = 65536 in int32, "
-            f"but this layer's {dim} gives K = {k} (a multiple of {unit}); unset HETMOE_AMX_INT4 "
-            f"or set it to 'bf16'"
-            for dim, k, unit in [("hidden 65537", 65600, 64), ("intermediate 65664", 65664, 128),
-                                 ("intermediate 65792", 65792, 256)]]
-
-    for value in ("i8", "auto"):
-        run = _python(code, value)
-        assert run.returncode == 0, run.stderr
-        assert run.stdout.strip().splitlines() == expected(value)
+    expected = ["made", "made", "made"] + [
+        f"HETMOE_AMX_INT4=i8: the int8-tile int4 kernel sums at most K = 65536 in int32, but this "
+        f"layer's {dim} gives K = {k} (a multiple of {unit}); unset HETMOE_AMX_INT4 or set it to "
+        f"'bf16'"
+        for dim, k, unit in [("hidden 65537", 65600, 64), ("intermediate 65664", 65664, 128),
+                             ("intermediate 65792", 65792, 256)]]
+    run = _python(code, "i8")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines() == expected
     run = _python(code, "bf16")
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines() == ["made"] * 6
