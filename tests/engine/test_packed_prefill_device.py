@@ -48,8 +48,9 @@ def test_prefill_through_the_compiled_kernels_equals_the_cpu_experts(
       int8 and int4, 8 for fp8: `AMX_MIN_TOKENS`); these prompts give each expert fewer, so the
       host's AMX is never used and its experts run the AVX-512 int kernels, activations
       quantized per group, as on a host without AMX (asserted below: a longer prompt would bring
-      in the AMX kernels, int4's int8-tile one (HETMOE_AMX_INT4) requantizing each row to int8
-      with one scale, and FORMAT_RTOL would have to be measured there again);
+      in the AMX kernels, and FORMAT_RTOL would have to be measured there again: int4's
+      opt-in int8-tile kernel, HETMOE_AMX_INT4=i8, requantizes each row to int8 with one
+      scale);
     - the unpack: compiled kernels round x and the intermediate to bf16 to nearest, as torch
       does, where the interpreter truncated; left are the fp32 sums' order and tensor-core
       accumulation, within the interpreter's measured difference."""
