@@ -44,6 +44,10 @@ void bind_cpu(nb::module_& m) {
   }, "CPU features this build can use here (CPUID + OS state + AMX permission).");
   m.def("best_isa", [] { return std::string(hetmoe::isa_name(hetmoe::best_isa())); },
         "The best kernel family this CPU/OS can run: amx, avx512, avx2 or scalar.");
+  m.def("resolve_isa", [](const std::string& name) {
+    return std::string(hetmoe::isa_name(hetmoe::parse_isa(name)));
+  }, "The kernel family a layer capped at `name` (auto, amx, avx512, avx2, scalar) runs here, as "
+     "CpuMoE resolves it (ValueError for an unknown name or one this CPU/OS lacks).");
   m.def("amx_int4_kernel", [] { return std::string(hetmoe::amx_int4_kernel()); },
         "The AMX int4 kernel: 'bf16' (bf16 tiles, the default) or 'i8' (int8 tiles), from "
         "HETMOE_AMX_INT4 (ValueError naming it for any other value).");

@@ -147,16 +147,16 @@ def test_int4_kernel_names_the_amx_int4_kernel(monkeypatch: pytest.MonkeyPatch) 
     """On AMX the AMX int4 kernel (HETMOE_AMX_INT4) names it; elsewhere the ISA's one kernel."""
     isa = _cpu.best_isa()
     assert calibration.int4_kernel() == (f"amx-{_cpu.amx_int4_kernel()}" if isa == "amx" else isa)
-    monkeypatch.setattr(_cpu, "best_isa", lambda: "amx")
+    monkeypatch.setenv("HETMOE_ISA", "avx2")  # the cap CpuMoE's layers obey
+    assert calibration.int4_kernel() == "avx2"
+    if isa != "amx":  # a cap this CPU lacks is refused, as a layer made under it would be
+        monkeypatch.setenv("HETMOE_ISA", "amx")
+        with pytest.raises(ValueError, match="ISA 'amx' was requested but this CPU/OS lacks"):
+            calibration.int4_kernel()
+    monkeypatch.delenv("HETMOE_ISA")
+    monkeypatch.setattr(_cpu, "resolve_isa", lambda name: "amx")
     monkeypatch.setattr(_cpu, "amx_int4_kernel", lambda: "bf16")
     assert calibration.int4_kernel() == "amx-bf16"
-    monkeypatch.setenv("HETMOE_ISA", "avx512")  # the cap CpuMoE's layers obey
-    assert calibration.int4_kernel() == "avx512"
-    monkeypatch.delenv("HETMOE_ISA")
-    monkeypatch.setattr(_cpu, "best_isa", lambda: "avx2")
-    assert calibration.int4_kernel() == "avx2"
-    monkeypatch.setenv("HETMOE_ISA", "amx")  # a cap above the CPU caps nothing
-    assert calibration.int4_kernel() == "avx2"
 
 
 @pytest.mark.parametrize(("stored_kernel", "named"), [

@@ -103,15 +103,14 @@ def fingerprint(device: torch.device | None = None) -> str:
 
 
 def int4_kernel() -> str:
-    """The int4 kernel CpuMoE runs here at prefill sizes, under HETMOE_ISA's cap as its layers
-    are: "amx-i8" or "amx-bf16" on AMX (the AMX int4 kernel, `_cpu.amx_int4_kernel()`:
+    """The int4 kernel CpuMoE runs here at prefill sizes, under HETMOE_ISA's cap resolved as its
+    layers resolve it (`_cpu.resolve_isa`: a cap this CPU lacks refused): "amx-i8" or "amx-bf16" on
+    AMX (the AMX int4 kernel, `_cpu.amx_int4_kernel()`:
     HETMOE_AMX_INT4, a bad value refused there naming it), else the ISA's one int4 kernel
     ("avx512", "avx2", "scalar")."""
     from hetmoe import _cpu
 
-    order = ("scalar", "avx2", "avx512", "amx")
-    best, cap = _cpu.best_isa(), env.forced_isa()
-    isa = best if cap not in order else order[min(order.index(best), order.index(cap))]
+    isa = _cpu.resolve_isa(env.forced_isa() or "auto")
     return f"amx-{_cpu.amx_int4_kernel()}" if isa == "amx" else isa
 
 
