@@ -60,7 +60,8 @@ for name, fmt, hidden, inter, group in CASES:
     x = torch.randn({q}, hidden, generator=g)
     ids = torch.randint(-1, 5, ({q}, 4), generator=g)
     wts = torch.rand({q}, 4, generator=g)
-    out[name] = (moe.num_groups, moe.group_size, x, ids, wts, moe.forward(x, ids, wts))
+    begins = [g.begin for g in moe.packed_groups()]
+    out[name] = (moe.num_groups, begins, x, ids, wts, moe.forward(x, ids, wts))
 torch.save(out, sys.argv[1])
 """
 
@@ -76,14 +77,12 @@ def _run(groups: int, q: int, path: Path, cases: list = CASES, kernel: str | Non
     return torch.load(path)
 
 
-def _requant_spread(case: tuple, run: tuple) -> float:
-    """sqrt(E ||two - one||^2) of int4 on int8 tiles (module docstring), from float64."""
+def _requant_spread(case: tuple, run: tuple, split: int) -> float:
+    """sqrt(E ||two - one||^2) of int4 on int8 tiles (module docstring), from float64; `split`:
+    the first intermediate row of the two-group layer's second group."""
     _, _, hidden, inter, _ = case
-    _, group_size, x, ids, wts, _ = run
+    _, _, x, ids, wts, _ = run
     layer = make_experts(5, hidden, inter, seed=31)
-    # Where the layer splits the intermediate (moe_layer.cpp): whole units of max(64, group).
-    unit = max(64, group_size)
-    split = (-(-inter // unit) // 2) * unit
     var = torch.zeros(x.shape, dtype=torch.float64)  # [q, H]
     for e in range(5):
         rows = ids == e  # [q, 4]
@@ -114,7 +113,8 @@ def _check(one: dict, two: dict, cases: list) -> list[str]:
         a, b = one[name][-1], two[name][-1]
         diff = float((a - b).norm() / a.norm())
         if case[1] == "int4" and one["kernel"] == ("amx", "i8"):
-            bound = 2 * _requant_spread(case, one[name]) / float(a.norm()) + FP32_ORDER
+            split = two[name][1][1]  # the layer's own split (PackedGroup.begin)
+            bound = 2 * _requant_spread(case, one[name], split) / float(a.norm()) + FP32_ORDER
             requantized.append(name)
         else:  # same packed values and activations; only the fp32 summation order differs
             bound = FP32_ORDER
