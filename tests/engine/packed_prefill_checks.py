@@ -202,14 +202,14 @@ def score_gaps(got: list[Routed], want: list[Routed]) -> list[float]:
 
 
 def compare_prefills(runner: ModelRunner, calls: list[str], family: str, fmt: str,
-                     prompt: list[int], streamer_packs: bool) -> dict[str, float]:
+                     prompt: list[int], streamer_packs: bool) -> None:
     """The prompt's prefill on the CPU experts, then through the packed kernels and the torch
     unpack with the CPU's routing forced: one kernel call per MoE layer and NUMA group (`calls`
     from `count_kernel_calls`), the kernel path's router scores within ROUTER_ATOL, its logits
     within FORMAT_RTOL of the CPU's and KERNEL_RTOL of the unpack's at every position, the same
     next token. `streamer_packs`: the streamer's own choice before a pass sets it (False on the
-    CPU device, which `unpack_reason` refuses). Returns and prints the measured |Δlogits| / max
-    |logit| of each comparison and the largest router score difference."""
+    CPU device, which `unpack_reason` refuses). Prints the measured |Δlogits| / max |logit| of
+    each comparison and the largest router score difference."""
     overlap = runner.overlap
     assert overlap is not None
     assert {m.weight_format for m in overlap.cpu} == {fmt}
@@ -233,4 +233,3 @@ def compare_prefills(runner: ModelRunner, calls: list[str], family: str, fmt: st
     assert_close(gpu, cpu, FORMAT_RTOL[fmt] * scale, f"the CPU experts ({family} {fmt})")
     assert_close(gpu, unpacked, KERNEL_RTOL * scale, f"the unpack path ({family} {fmt})")
     assert int(gpu[-1].argmax()) == int(cpu[-1].argmax())  # the next token
-    return measured
