@@ -14,7 +14,7 @@
 // layer's prefill writes them), read in place; 0 (default) row-major, copied per call.
 //
 // Usage: bench_amx_core FORMAT M K NBLOCKS LDC COPIES CALLS GROUP_SIZE CPU [TILED]
-//   FORMAT: bf16, int8, bf16-peak, int8-peak, bf16-peak-l1, int8-peak-l1, bf16-peak-l2,
+//   FORMAT: bf16, int8, int4 (bf16 tiles), int4i8 (int8 tiles), bf16-peak, int8-peak, bf16-peak-l1, int8-peak-l1, bf16-peak-l2,
 //           int8-peak-l2
 #include <sched.h>
 #include <sys/syscall.h>
@@ -29,6 +29,11 @@
 
 #include "kernels/amx.cpp"
 #include "kernels/amx_fp8.cpp"
+
+namespace hetmoe {
+// dispatch.cpp's choice of AMX int4 kernel is not linked here: FORMAT names the kernel instead.
+const char* amx_int4_kernel() { return "bf16"; }
+}  // namespace hetmoe
 
 namespace {
 
@@ -132,11 +137,14 @@ int main(int argc, char** argv) {
                 sec / calls * 1e6, ops / sec / 1e12);
     return 0;
   }
-  if (fmt != "bf16" && fmt != "int8") {
-    std::fprintf(stderr, "FORMAT must be bf16 or int8, got %s\n", fmt.c_str());
+  if (fmt != "bf16" && fmt != "int8" && fmt != "int4" && fmt != "int4i8") {
+    std::fprintf(stderr, "FORMAT must be bf16, int8, int4 or int4i8, got %s\n", fmt.c_str());
     return 2;
   }
-  const WeightFormat wf = fmt == "bf16" ? WeightFormat::kBF16 : WeightFormat::kINT8;
+  const bool i4 = fmt.rfind("int4", 0) == 0;
+  const WeightFormat wf = fmt == "bf16" ? WeightFormat::kBF16
+                          : i4          ? WeightFormat::kINT4
+                                        : WeightFormat::kINT8;
   const bool bf = wf == WeightFormat::kBF16;
   std::mt19937 rng(1);
   std::vector<PackedMatrix> ws(copies);
@@ -150,6 +158,13 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < w.blocks_bytes() / 4; ++i)
       reinterpret_cast<uint32_t*>(w.blocks)[i] = bf ? (0x3f00u + (rng() & 0xff)) * 0x10001u
                                                     : (rng() & 0x3f3f3f3fu);
+    if (i4)  // every group's metadata: scale 0.01, scale_qsum 0.1, bias -0.05 (bf16)
+      for (int nb = 0; nb < nblocks; ++nb)
+        for (int g = 0; g < K / gs; ++g)
+          for (int l = 0; l < 16; ++l) {
+            uint16_t* meta = w.meta(nb, g);
+            meta[l] = 0x3c24, meta[16 + l] = 0x3dcd, meta[32 + l] = 0xbd4d;
+          }
     if (wf == WeightFormat::kINT8) {
       w.scale = static_cast<float*>(alloc(w.group_floats() * 4));
       w.scale_qsum = static_cast<float*>(alloc(w.group_floats() * 4));
@@ -178,7 +193,7 @@ int main(int argc, char** argv) {
   // The values are random either way: in place they are simply read as tiles.
   set_tile_step(a, tiled ? (bf ? 64 : std::min(64, gs)) : 0, 0);
   std::vector<float> c(size_t(mp) * ldc, -1.0f);
-  const GemmFn fn = amx_kernels().get(wf);
+  const GemmFn fn = fmt == "int4i8" ? amx_gemm_int4_i8 : amx_kernels().get(wf);
   for (int r = 0; r < copies; ++r) fn(ws[r], a, 0, nblocks, c.data(), ldc);
   const double t0 = cpu_seconds();
   for (int r = 0; r < calls; ++r) fn(ws[r % copies], a, 0, nblocks, c.data(), ldc);

@@ -9,8 +9,14 @@ Runs alternate between the builds; each prints on-CPU T(FL)OPS per core (median 
 the layer's prefill writes them; layout "tiled") beside row-major ones copied per call ("rows").
 Needs a CPU with AMX and g++.
 
+With several --m, each shape also gets a least-squares line, microseconds per call = fixed +
+per-row x m: the fixed part is what a call costs whatever its rows (the int4 kernels' widening
+of every weight to bf16 or int8 tiles, the weights' read), the per-row part the tile work.
+Formats: bf16, int8:GROUP, int4:GROUP (bf16 tiles), int4i8:GROUP (int8 tiles).
+
 Usage: python benchmarks/kernels/bench_amx_core.py [--kernels OLD_TREE] [--runs 9] [--cpu 1]
-           [--formats bf16,int8:64,int8:128] [--tiled] [--json amx_core.json]
+           [--formats bf16,int8:64,int8:128,int4:32,int4i8:32] [--m 16,32,64,128]
+           [--shapes gate_up,down] [--tiled] [--json amx_core.json]
 """
 
 from __future__ import annotations
@@ -32,23 +38,50 @@ COPIES = 64  # rotating packed copies: 64 x 2 MB (gate/up bf16) do not fit in L2
 
 
 def build(include_first: Path | None, out: Path) -> Path:
-    """The benchmark binary, compiled with `include_first` (if given) ahead of csrc/."""
+    """The benchmark binary, compiled with `include_first` (if given) ahead of csrc/; the int4
+    kernels, own translation units, from the first tree that has them."""
     inc = ([f"-I{include_first}"] if include_first else []) + [f"-I{ROOT / 'csrc'}"]
     source = ROOT / "benchmarks" / "kernels" / "bench_amx_core.cpp"
-    cmd = ["g++", *FLAGS, *inc, str(source), "-o", str(out)]
+    units = []
+    for name in ("amx_int4.cpp", "amx_int4_i8.cpp"):
+        trees = ([include_first] if include_first else []) + [ROOT / "csrc"]
+        units.append(next(str(t / "kernels" / name) for t in trees
+                          if (t / "kernels" / name).exists()))
+    cmd = ["g++", *FLAGS, *inc, str(source), *units, "-o", str(out)]
     subprocess.run(cmd, check=True)
     return out
 
 
 def run(binary: Path, fmt: str, gs: int, shape: str, calls: int, cpu: int,
-        tiled: bool = False) -> float:
-    """T(FL)OPS per core of one run (activations in tile order when `tiled`)."""
-    m, k, nblocks, ldc = SHAPES[shape]
+        tiled: bool = False, m: int | None = None) -> dict[str, float]:
+    """T(FL)OPS per core and microseconds per call of one run (activations in tile order when
+    `tiled`; `m` rows instead of the shape's 128)."""
+    rows, k, nblocks, ldc = SHAPES[shape]
+    m = m or rows
     args = [fmt, m, k, nblocks, ldc, COPIES, calls, gs, cpu, int(tiled)]
     out = subprocess.run([str(binary), *map(str, args)], check=True, capture_output=True,
                          text=True).stdout
     fields = dict(kv.split("=") for kv in out.split())
-    return float(fields["tops_per_core"])
+    return {"tops": float(fields["tops_per_core"]), "us": float(fields["us_per_call"])}
+
+
+def per_row_fits(rows: list[dict]) -> list[dict]:
+    """Per (build, layout, format, shape): the least-squares line us = fixed + row * m over its
+    rows' medians (fixed: what a call costs whatever its rows, e.g. the weights' widening)."""
+    names = ("build", "layout", "format", "group_size", "shape")
+    keys = {tuple(r[n] for n in names) for r in rows}
+    fits = []
+    for key in sorted(keys):
+        pts = [(r["m"], r["us_median"]) for r in rows if tuple(r[n] for n in names) == key]
+        mean_m = statistics.mean(m for m, _ in pts)
+        mean_t = statistics.mean(t for _, t in pts)
+        slope = (sum((m - mean_m) * (t - mean_t) for m, t in pts)
+                 / sum((m - mean_m) ** 2 for m, _ in pts))
+        fixed = mean_t - slope * mean_m
+        first = min(pts)
+        fits.append(dict(zip(names, key, strict=True),
+                         fixed_us=fixed, row_us=slope, fixed_share_first_m=fixed / first[1]))
+    return fits
 
 
 def main() -> None:
@@ -59,6 +92,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--cpu", type=int, default=1)
     parser.add_argument("--formats", default="bf16,int8:64,int8:128,int8:256")
+    parser.add_argument("--m", default="128",
+                        help="rows per call, comma-separated (a prefill expert's tokens: 32 at "
+                             "512 tokens over 128 experts of top-8); several give each shape's "
+                             "per-call fixed part and per-row cost from a least-squares line")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--tiled", action="store_true",
                         help="also time activations already in tile order (read in place)")
     parser.add_argument("--json", type=Path, default=None)
@@ -70,24 +108,35 @@ def main() -> None:
         runs = {(name, layout): binary for name, binary in builds.items()
                 for layout in (("rows", "tiled") if args.tiled else ("rows",))}
         rows = []
+        ms = [int(m) for m in args.m.split(",")]
         for spec in args.formats.split(","):
             fmt, _, gs = spec.partition(":")
-            for shape in SHAPES:
-                samples: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
-                for _ in range(args.runs):
-                    for (name, layout), binary in runs.items():
-                        samples[name, layout].append(run(binary, fmt, int(gs or 64), shape,
-                                                         args.calls, args.cpu,
-                                                         layout == "tiled"))
-                for (name, layout), vals in samples.items():
-                    row = {"build": name, "layout": layout, "format": fmt,
-                           "group_size": int(gs or 0), "shape": shape,
-                           "median": statistics.median(vals), "best": max(vals)}
-                    rows.append(row)
-                    print(f"{name:8} {layout:5} {spec:9} {shape:8} T/core median "
-                          f"{row['median']:.3f} best {row['best']:.3f}", flush=True)
+            for shape in args.shapes.split(","):
+                for m in ms:
+                    samples: dict[tuple[str, str], list[dict]] = {key: [] for key in runs}
+                    for _ in range(args.runs):
+                        for (name, layout), binary in runs.items():
+                            samples[name, layout].append(run(
+                                binary, fmt, int(gs or 64), shape, args.calls, args.cpu,
+                                layout == "tiled", m))
+                    for (name, layout), vals in samples.items():
+                        tops = [v["tops"] for v in vals]
+                        row = {"build": name, "layout": layout, "format": fmt,
+                               "group_size": int(gs or 0), "shape": shape, "m": m,
+                               "median": statistics.median(tops), "best": max(tops),
+                               "us_median": statistics.median(v["us"] for v in vals)}
+                        rows.append(row)
+                        print(f"{name:8} {layout:5} {spec:9} {shape:8} m {m:4} T/core median "
+                              f"{row['median']:.3f} best {row['best']:.3f} us/call "
+                              f"{row['us_median']:.1f}", flush=True)
+        fits = per_row_fits(rows) if len(ms) > 1 else []
+        for f in fits:
+            print(f"{f['build']:8} {f['layout']:5} {f['format']}:{f['group_size']} {f['shape']:8} "
+                  f"fixed {f['fixed_us']:.1f} us + {f['row_us']:.3f} us/row "
+                  f"(fixed share at m {ms[0]}: {f['fixed_share_first_m']:.0%})", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"shapes": SHAPES, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"shapes": SHAPES, "rows": rows, "fits": fits},
+                                        indent=1))
 
 
 if __name__ == "__main__":
