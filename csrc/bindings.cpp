@@ -36,6 +36,7 @@ void bind_cpu(nb::module_& m) {
         {"avx512dq", f.avx512dq},
         {"avx512_bf16", f.avx512_bf16},
         {"avx512_vnni", f.avx512_vnni},
+        {"avx512_vbmi", f.avx512_vbmi},
         {"amx_tile", f.amx_tile},
         {"amx_bf16", f.amx_bf16},
         {"amx_int8", f.amx_int8},

@@ -55,14 +55,16 @@ CpuFeatures detect() {
   f.avx512bw = f.os_avx512 && ((b >> 30) & 1);
   f.avx512vl = f.os_avx512 && ((b >> 31) & 1);
   f.avx512_vnni = f.os_avx512 && ((c >> 11) & 1);
+  f.avx512_vbmi = f.os_avx512 && ((c >> 1) & 1);
   f.amx_bf16 = os_amx && ((d >> 22) & 1);
   f.amx_tile = os_amx && ((d >> 24) & 1);
   f.amx_int8 = os_amx && ((d >> 25) & 1);
   unsigned a1, b1, c1, d1;
   if (__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) f.avx512_bf16 = f.os_avx512 && ((a1 >> 5) & 1);
 #ifdef HETMOE_AMX_EMULATION
-  // testing/amx_emulation.h runs the tile instructions in plain C++ (a developer build).
-  f.amx_tile = f.amx_bf16 = f.amx_int8 = f.amx_permitted = true;
+  // testing/amx_emulation.h runs the tile instructions in plain C++ (a developer build); the
+  // AMX files' vector code is native, so the emulated AMX still needs what real AMX CPUs have.
+  f.amx_tile = f.amx_bf16 = f.amx_int8 = f.amx_permitted = f.avx512_vbmi;
 #else
   if (f.amx_tile) f.amx_permitted = request_amx_permission();
 #endif
@@ -80,7 +82,8 @@ Isa best_isa() {
   const CpuFeatures& f = cpu_features();
   const bool avx512 = f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512_bf16 &&
                       f.avx512_vnni;
-  if (avx512 && f.amx_tile && f.amx_bf16 && f.amx_int8 && f.amx_permitted) return Isa::kAmx;
+  if (avx512 && f.avx512_vbmi && f.amx_tile && f.amx_bf16 && f.amx_int8 && f.amx_permitted)
+    return Isa::kAmx;
   if (avx512) return Isa::kAvx512;
   if (f.avx2 && f.fma) return Isa::kAvx2;
   return Isa::kScalar;
@@ -101,7 +104,7 @@ Isa parse_isa(const std::string& name) {
     if (name != isa_name(isa)) continue;
     if (int(isa) > int(best_isa())) {
       static const char* needs[] = {"", "AVX2 + FMA", "AVX-512 F/BW/VL/DQ + BF16 + VNNI",
-                                    "AMX tile/bf16/int8 with the OS permission (arch_prctl)"};
+                                    "AMX tile/bf16/int8 + AVX-512 VBMI with the OS permission (arch_prctl)"};
       throw std::invalid_argument("ISA '" + name + "' was requested but this CPU/OS lacks " +
                                   needs[int(isa)] + "; the best available is '" +
                                   isa_name(best_isa()) + "'");

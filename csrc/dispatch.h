@@ -15,6 +15,7 @@ struct CpuFeatures {
   bool avx512dq = false;
   bool avx512_bf16 = false;
   bool avx512_vnni = false;
+  bool avx512_vbmi = false;  // byte permutes: the AMX int4 kernel's widening (every AMX CPU has it)
   bool amx_tile = false;
   bool amx_bf16 = false;
   bool amx_int8 = false;

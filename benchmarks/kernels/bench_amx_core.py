@@ -30,8 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ("-O3 -std=c++17 -ffp-contract=off -fno-math-errno -mavx2 -mfma -mf16c -mavx512f "
-         "-mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -mamx-tile -mamx-bf16 "
-         "-mamx-int8").split()
+         "-mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -mavx512vbmi -mamx-tile "
+         "-mamx-bf16 -mamx-int8").split()
 # name: (M, K, n-blocks, ldc floats)
 SHAPES = {"gate_up": (128, 2048, 32, 512), "down": (128, 768, 16, 2048)}
 COPIES = 64  # rotating packed copies: 64 x 2 MB (gate/up bf16) do not fit in L2/L3 slices

@@ -60,24 +60,33 @@ const uint8_t* dequant_rows(const ActView& a, int k, int gs) {
 // k-pair rows of a 32-k B tile. A pair of n-blocks is widened one such row at a time (`step`:
 // a slice per k-step of the previous pair's tile loop), so the vector units widen the next pair
 // while the tile unit multiplies this one: widened first, then multiplied, the two took turns
-// and at 32 tokens per expert the widening (~0.2 cycles a weight, flat in tokens) was about as
-// long as the tile work.
+// and at 32 tokens per expert the widening (flat in tokens) was about as long as the tile work.
+//
+// A row's nibbles become floats without integer conversion: each nibble q is put into bits
+// 19-22 of a float whose other bits are those of 1.0, which is 1 + q / 16 exactly, so w =
+// 16 sw * f + (bw - 24 sw) in one fma (the constant rounded once to fp32: 2^-24 of |bw - 24 sw|,
+// far under bf16's 2^-9). One two-source byte permute builds 16 such floats straight from the
+// row (the nibble's byte beside constant bytes), in the order the B tile wants, so no lane is
+// reordered after the bf16 rounding: 4 permutes, 4 fmas and 2 roundings a row.
 class Int4Widener {
  public:
   explicit Int4Widener(const PackedMatrix& w) : w_(w), rows_(w.num_k_blocks() * 16) {
-    // Of the 64 bf16 [n][4 k] of n0-7 (first operand) and n8-15 (second), (k0, k1) and (k2, k3)
-    // per n; and lanes [4 n][4 k] of a group's 16 per-n floats.
-    alignas(64) int16_t pick01[32], pick23[32];
-    alignas(64) int32_t spread[4][16];
-    for (int i = 0; i < 32; ++i) {
-      pick01[i] = int16_t(i / 2 * 4 + i % 2);
-      pick23[i] = int16_t(i / 2 * 4 + 2 + i % 2);
-    }
+    // Float lane i of the four: n = i / 2 (+ 8 for j = 1, 3), k = i % 2 (+ 2 for j = 2, 3) of
+    // the row's [16 n][4 k] bytes; a float's bytes: 0x00, 0x00, the nibble's, 0x3F.
+    alignas(64) uint8_t idx[4][64];
+    alignas(64) int32_t spread[2][16];
     for (int j = 0; j < 4; ++j)
-      for (int l = 0; l < 16; ++l) spread[j][l] = 4 * j + l / 4;
-    p01_ = _mm512_load_si512(pick01);
-    p23_ = _mm512_load_si512(pick23);
-    for (int j = 0; j < 4; ++j) spread_[j] = _mm512_load_si512(spread[j]);
+      for (int i = 0; i < 16; ++i) {
+        const int n = i / 2 + (j % 2) * 8, k = i % 2 + (j / 2) * 2;
+        idx[j][4 * i] = idx[j][4 * i + 1] = 64;  // byte 0 of the constant table: 0x00
+        idx[j][4 * i + 2] = uint8_t(n * 4 + k);
+        idx[j][4 * i + 3] = 65;                  // byte 1 of the constant table: 0x3F
+      }
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 16; ++i) spread[h][i] = i / 2 + 8 * h;
+    for (int j = 0; j < 4; ++j) idx_[j] = _mm512_load_si512(idx[j]);
+    for (int h = 0; h < 2; ++h) spread_[h] = _mm512_load_si512(spread[h]);
+    table_ = _mm512_set1_epi32(0x3F00);
   }
 
   // Bytes of one widened n-block.
@@ -100,17 +109,18 @@ class Int4Widener {
   }
 
  private:
-  // Row r_ of k-block kb_ of n-block nb_ + b_, then the counters on (no divisions per row:
-  // a row's vector work is ~13 cycles).
+  // Row r_ of k-block kb_ of n-block nb_ + b_, then the counters on (no divisions per row).
   void next() {
     if (r_ == 0) blk_ = w_.k_block(nb_ + b_, kb_);
     const int k = kb_ * 64 + 4 * r_;
     if ((k & (w_.group_size - 1)) == 0) {  // a group starts (sizes are powers of two)
       const uint16_t* meta = w_.meta(nb_ + b_, k / w_.group_size);
       const __m512 s = bf16x16(meta), bias = bf16x16(meta + 32);
-      for (int j = 0; j < 4; ++j) {
-        sw_[j] = _mm512_permutexvar_ps(spread_[j], s);
-        bw_[j] = _mm512_permutexvar_ps(spread_[j], bias);
+      const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(16.0f));
+      const __m512 shift = _mm512_fmadd_ps(s, _mm512_set1_ps(-24.0f), bias);
+      for (int h = 0; h < 2; ++h) {
+        sw_[h] = _mm512_permutexvar_ps(spread_[h], scale);
+        bw_[h] = _mm512_permutexvar_ps(spread_[h], shift);
       }
     }
     widen_row(out_ + b_ * bytes() + size_t(k / 32) * 1024 + size_t(2 * r_ % 16) * 64);
@@ -124,26 +134,24 @@ class Int4Widener {
   // The current row (r_ of blk_) widened into dst: its k-pairs (k0, k1) and, 64 bytes on,
   // (k2, k3).
   void widen_row(uint8_t* dst) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
     const __m512i v = _mm512_load_si512(blk_ + (r_ % 8) * 64);
-    const __m512i q = _mm512_sub_epi8(
-        _mm512_and_si512(r_ < 8 ? v : _mm512_srli_epi16(v, 4), low4), eight);
+    // Each byte's nibble to bits 3-6 (16-bit shifts: the bits they carry across bytes are
+    // masked), bit 7 set: the third byte of 1 + q / 16.
+    const __m512i sh = r_ < 8 ? _mm512_slli_epi16(v, 3) : _mm512_srli_epi16(v, 1);
+    const __m512i q = _mm512_ternarylogic_epi32(sh, _mm512_set1_epi8(0x78),
+                                                _mm512_set1_epi8(char(0x80)), 0xEA);
     __m512 f[4];
     for (int j = 0; j < 4; ++j)
-      f[j] = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, j))), sw_[j],
-          bw_[j]);
-    // j = 0 and 1: n 0-7; 2 and 3: n 8-15 (the first operand goes to the upper half)
-    const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
-    const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
-    _mm512_store_si512(dst, _mm512_permutex2var_epi16(lo, p01_, hi));
-    _mm512_store_si512(dst + 64, _mm512_permutex2var_epi16(lo, p23_, hi));
+      f[j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_permutex2var_epi8(q, idx_[j], table_)),
+                             sw_[j % 2], bw_[j % 2]);
+    _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
+    _mm512_store_si512(dst + 64, (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]));
   }
 
   const PackedMatrix& w_;
   const int rows_;  // packed rows per n-block
-  __m512i p01_, p23_, spread_[4];
-  __m512 sw_[4], bw_[4];  // the current group's metadata, spread to [4 n][4 k] lanes
+  __m512i idx_[4], spread_[2], table_;
+  __m512 sw_[2], bw_[2];  // the current group's 16 sw and bw - 24 sw, spread to n of lanes i / 2
   uint8_t* out_ = nullptr;
   const uint8_t* blk_ = nullptr;  // the current k-block's packed rows
   int nb_ = 0, b_ = 0, kb_ = 0, r_ = 0;
