@@ -52,7 +52,7 @@ def test_stream_settings_and_what_the_decode_tuner_kept() -> None:
 
     from hetmoe.bench.serving_runner import decode_streaming, stream_settings
     from hetmoe.engine.executor.prefill_planner import NEVER
-    from hetmoe.engine.placement.expert_split import DecodeTuner
+    from hetmoe.engine.placement.decode_split import DecodeTuner
 
     assert stream_settings("0,auto,64") == [0, "auto", 64]
     with pytest.raises(argparse.ArgumentTypeError, match="auto or rows >= 0 expected, got '-1'"):

@@ -9,13 +9,16 @@ import pytest
 from hetmoe.config import EngineConfig
 from hetmoe.engine.executor import prefill_planner
 from hetmoe.engine.executor.prefill_planner import NEVER, DecodeClock, PrefillPlanner
-from hetmoe.engine.placement.expert_split import (
+from hetmoe.engine.placement.decode_split import (
     DECODE_GAIN,
     SMALL_DECODE,
-    TRIES,
     DecodeTuner,
-    SplitCosts,
     decode_stream_rows,
+)
+from hetmoe.engine.placement.expert_split import (
+    EXPLORE_PASSES,
+    TRIES,
+    SplitCosts,
     pass_seconds,
     plan_gpu_experts,
 )
@@ -138,13 +141,37 @@ def test_the_decode_tuner_weighs_the_decode_path_then_keeps_the_fastest() -> Non
         turns.append(k)
         tuner.record(128, k, 1.0 if k == options[-1] else 2.0 + i)
     assert turns == list(options) * TRIES
-    assert tuner.pick(128, 8, 128, COSTS) == (options[-1], False)  # settled: no more timing
-    assert tuner.pick(255, 8, 128, COSTS) == (options[-1], False)  # the same bucket
+    # The fastest, a split: a finer round around it, still timed.
+    assert tuner.pick(128, 8, 128, COSTS) == (options[-1] - 4, True)
     tied = DecodeTuner()
     for k in tied.options(128, 8, 128, COSTS) * TRIES:
         tied.record(128, k, 1.0)
     assert tied.pick(128, 8, 128, COSTS) == (0, False)  # ties keep the decode path
     assert tuner.options(128, 8, 128, COSTS, (128,)) == (0,)  # every expert resident
+
+
+def test_the_decode_tuner_weighs_finer_splits_around_its_best_k() -> None:
+    tuner = DecodeTuner()
+    coarse = (0, 54, 62, 70, 78)
+    assert tuner.options(128, 8, 128, COSTS) == coarse
+    # Least at 66, 10 ms more per k below it, 2 ms per k above; the decode path far slower.
+    clock = {k: 0.2 + (0.01 * (66 - k) if k < 66 else 0.002 * (k - 66)) for k in range(1, 129)}
+    clock[0] = 1.0
+    turns = []
+    while (pick := tuner.pick(128, 8, 128, COSTS))[1]:
+        turns.append(pick[0])
+        tuner.record(128, pick[0], clock[pick[0]] * 128)
+    # 70 (coarse), then 66/74 (66), 64/68 (66 holds), 65/67 (66 holds).
+    assert turns == [*coarse, *coarse, 66, 74, 66, 74, 64, 68, 64, 68, 65, 67, 65, 67]
+    assert len(turns) == EXPLORE_PASSES
+    assert pick == (66, False)  # settled: no more timing
+    assert tuner.pick(255, 8, 128, COSTS) == (66, False)  # the same bucket
+    # The decode path fastest: no finer round, settled after the coarse one.
+    path = DecodeTuner()
+    for k in coarse * TRIES:
+        assert path.pick(128, 8, 128, COSTS) == (k, True)
+        path.record(128, k, 0.1 if k == 0 else 1.0)
+    assert path.pick(128, 8, 128, COSTS) == (0, False) and path.weighed[8] == coarse
 
 
 def test_the_decode_clock_times_each_step_to_the_next_ones_start(

@@ -12,10 +12,12 @@ import torch
 from hetmoe.config import EngineConfig
 from hetmoe.engine.placement.expert_split import (
     EXPLORE_PASSES,
+    EXPLORE_WITHIN,
     TRIES,
     PrefillTuner,
     SplitCosts,
     costs_from_profile,
+    finer_steps,
     layer_seconds,
     most_misses,
     pass_seconds,
@@ -199,15 +201,104 @@ def int4_pass_seconds(k: int) -> float:
 def test_tuner_finds_the_int4_split_the_model_underestimates() -> None:
     # The model splits at 92 (it leaves out the serial GPU work a split layer waits for); the
     # measured best is 108, 1.31x the stream. Timing the model's k against the stream alone
-    # kept the stream; the splits above the model's k find 108.
+    # kept the stream; the splits above the model's k find 108, and the finer rounds around it
+    # (linear between the measured ks) keep it.
     assert plan_gpu_experts(512, 8, 128, INT4_COSTS) == 92
     tuner = PrefillTuner()
     assert tuner.options(512, 8, 128, INT4_COSTS) == (92, 128, 100, 108, 116)
     for _ in range(EXPLORE_PASSES):
         k = tuner.choose(512, 8, 128, INT4_COSTS)
         tuner.record(512, k, int4_pass_seconds(k))
-    assert tuner.choose(512, 8, 128, INT4_COSTS) == 108
-    assert sorted(len(t) for t in tuner.measured[10].values()) == [TRIES] * 5
+    assert tuner.settled(10) and tuner.choose(512, 8, 128, INT4_COSTS) == 108
+    assert tuner.weighed[10] == (92, 128, 100, 108, 116, 104, 112, 106, 110, 107, 109)
+    assert sorted(len(t) for t in tuner.measured[10].values()) == [TRIES] * 11
+
+
+def steep_below(best: int, stream: float = 0.2064) -> dict[int, float]:
+    """A pass's seconds per k: least at `best`, 4 ms more per k below it, 1.5 ms per k above,
+    the stream `stream` (the INT4 box's shape, its best between the coarse points)."""
+    clock = {k: 0.15 + (0.004 * (best - k) if k < best else 0.0015 * (k - best))
+             for k in range(128)}
+    return clock | {128: stream}
+
+
+def weigh(tuner: PrefillTuner, tokens: int, clock: dict[int, float],
+          costs: SplitCosts = INT4_COSTS) -> list[int]:
+    """The k of each pass a bucket weighs until settled, each taking `clock[k]` seconds."""
+    turns: list[int] = []
+    while not turns or not tuner.settled(tuner.bucket(tokens)):
+        k, timed = tuner.pick(tokens, 8, 128, costs)
+        assert timed, turns
+        if tuner.settled(tuner.bucket(tokens)):
+            break
+        turns.append(k)
+        tuner.record(tokens, k, clock[k] * tokens)
+    return turns
+
+
+def test_finer_rounds_find_a_best_split_between_the_coarse_points() -> None:
+    tuner = PrefillTuner()
+    coarse = (92, 128, 100, 108, 116)
+    turns = weigh(tuner, 512, steep_below(106))
+    # 108 (coarse), then 104/112 (108 holds), 106/110 (106), 105/107 (106 holds).
+    assert turns == [*coarse, *coarse, 104, 112, 104, 112, 106, 110, 106, 110, 105, 107, 105, 107]
+    assert len(turns) == EXPLORE_PASSES
+    assert tuner.pick(512, 8, 128, INT4_COSTS) == (106, True)
+    assert tuner.choose(1000, 8, 128, INT4_COSTS) == 106  # the same bucket (512-1023)
+
+
+def test_a_settled_round_leaves_the_bucket_unsettled_while_a_finer_one_follows() -> None:
+    tuner, clock = PrefillTuner(), steep_below(106)
+    for _ in range(2 * 5):  # the coarse round's passes
+        k = tuner.choose(512, 8, 128, INT4_COSTS)
+        tuner.record(512, k, clock[k] * 512)
+    assert tuner.round_settled(10) and not tuner.settled(10)  # the finer rounds are still to come
+    assert tuner.pick(512, 8, 128, INT4_COSTS) == (104, True)
+    assert tuner.weighed[10][5:] == (104, 112) and tuner.finer[10] == (2, 1)
+
+
+def test_finer_rounds_stay_inside_the_misses_and_the_models_bound() -> None:
+    # 4096 tokens, int8: the splits faster the more they stream (the stream slower): the finer
+    # rounds climb to 127, never to a k of 128 or more (k + 4 = 131 is clamped to 127, weighed).
+    tuner = PrefillTuner()
+    assert tuner.options(4096, 8, 128, COSTS) == (111, 128, 119, 127)
+    clock = {k: 1.0 - k / 1000 for k in range(128)} | {128: 2.0}
+    turns = weigh(tuner, 4096, clock, COSTS)
+    assert turns[8:] == [123, 123, 125, 125, 126, 126]
+    assert tuner.choose(4096, 8, 128, COSTS) == 127
+    # 16384 tokens: the model streams, its best split 120 the rival. Splits faster the fewer
+    # they stream: the rounds reach down to 117, not to 116, which the model predicts beyond
+    # `EXPLORE_WITHIN` of the stream.
+    model = pass_seconds(128, 16384, 8, 128, COSTS)
+    assert pass_seconds(116, 16384, 8, 128, COSTS) > EXPLORE_WITHIN * model
+    assert pass_seconds(117, 16384, 8, 128, COSTS) <= EXPLORE_WITHIN * model
+    tuner = PrefillTuner()
+    clock = {k: k / 1000 for k in range(128)} | {128: 2.0}
+    turns = weigh(tuner, 16384, clock, COSTS)
+    assert turns == [128, 120, 128, 120, 124, 124, 118, 122, 118, 122, 117, 119, 117, 119]
+    assert tuner.choose(16384, 8, 128, COSTS) == 117
+    assert all(pass_seconds(k, 16384, 8, 128, COSTS) <= EXPLORE_WITHIN * model
+               for k in tuner.weighed[15])
+
+
+def test_no_finer_round_when_the_stream_or_the_cpu_is_fastest() -> None:
+    tuner = PrefillTuner()
+    turns = weigh(tuner, 512, steep_below(106, stream=0.1))  # the stream beats every split
+    assert turns == [92, 128, 100, 108, 116] * TRIES
+    assert tuner.choose(512, 8, 128, INT4_COSTS) == 128
+    assert tuner.weighed[10] == (92, 128, 100, 108, 116)
+    fast_cpu = dataclasses.replace(COSTS, cpu_fixed=5e-6, cpu_token=0.05e-6)
+    tuner = PrefillTuner()
+    assert tuner.options(4096, 8, 128, fast_cpu) == (0, 22, 30)  # the model keeps the CPU
+    turns = weigh(tuner, 4096, {0: 1.0, 22: 1.2, 30: 1.1}, fast_cpu)
+    assert turns == [0, 22, 30] * TRIES and tuner.choose(4096, 8, 128, fast_cpu) == 0
+    assert tuner.weighed[13] == (0, 22, 30)
+
+
+def test_no_finer_round_below_a_coarse_step_of_two() -> None:
+    # A staging of 20 experts per layer: a coarse step of 1, nothing finer to weigh.
+    assert finer_steps(20) == () and finer_steps(32) == (1,) and finer_steps(128) == (4, 2, 1)
+    assert finer_steps(100) == (3, 1) and finer_steps(256) == (8, 4, 2)  # at most 3 rounds
 
 
 def test_tuner_neighbours_respect_the_staging_cap() -> None:

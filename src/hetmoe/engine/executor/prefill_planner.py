@@ -31,12 +31,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from hetmoe.calibration import current
+from hetmoe.engine.placement.decode_split import DecodeTuner, decode_stream_rows
 from hetmoe.engine.placement.expert_split import (
-    DecodeTuner,
     PrefillTuner,
     SplitCosts,
     costs_from_profile,
-    decode_stream_rows,
     describe_plan,
     most_misses,
     plan_gpu_experts,

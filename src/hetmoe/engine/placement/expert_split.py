@@ -24,7 +24,7 @@ both sides). A pass takes one k for every layer, each layer streaming at most it
 `plan_gpu_experts` takes the k of the smallest sum over the layers. The costs come from this
 machine's measured rates (`costs_from_profile`, hetmoe.calibration), so where the GPU starts to
 pay off is measured, not a constant. A decode step of many rows is such a pass of its rows
-(`decode_stream_rows`, `DecodeTuner`: EngineConfig.stream_decode_rows).
+(engine/placement/decode_split.py).
 """
 
 from __future__ import annotations
@@ -84,10 +84,11 @@ def layer_seconds(k: int, tokens: int, top_k: int, num_experts: int, costs: Spli
     return max(copy, costs.split_fixed + tokens * costs.split_token + max(cpu, gpu))
 
 
-def most_misses(num_experts: int, resident: Sequence[int] = ()) -> int:
+def most_misses(num_experts: int, resident: Sequence[int] = (), cap: int | None = None) -> int:
     """The largest count of non-resident experts over the layers (`resident`: per layer; none
-    given: no placement, E): the k that streams every miss."""
-    return num_experts - min(resident, default=0)
+    given: no placement, E), at most `cap` (a staging's): the k that streams every miss."""
+    most = num_experts - min(resident, default=0)
+    return most if cap is None else min(most, cap)
 
 
 def pass_seconds(k: int, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
@@ -172,36 +173,56 @@ first pass of a k may carry one-time costs (pinned buffers, kernel selection).""
 
 
 NEIGHBOURS = 3
-"""Splits above the weighed split that `PrefillTuner` also times, a sixteenth of the most misses
-apart (128 experts: k + 8, k + 16, k + 24). The model leaves out the GPU work a split layer waits
-for in series (attention and router before the CPU starts; the next layer waits for the CPU's
-sum), so the best split lies at or above its k, and below it the time climbs steeply (INT4 at
-512 tokens on an H100 box: the model's k 92, measured best 108; k = 96 took 1.4x as long)."""
+"""Splits above the weighed split that `PrefillTuner` also times in a bucket's coarse round, a
+sixteenth of the most misses apart (128 experts: k + 8, k + 16, k + 24). The model leaves out the
+GPU work a split layer waits for in series (attention and router before the CPU starts; the next
+layer waits for the CPU's sum), so the best split lies at or above its k, and below it the time
+climbs steeply (INT4 at 512 tokens on an H100 box: the model's k 92, the best measured k 108; k =
+96 took 1.4x as long). The finer rounds (`FINER_ROUNDS`) look between the coarse points."""
 
 
-EXPLORE_PASSES = TRIES * (2 + NEIGHBOURS)
+FINER_ROUNDS = 3
+"""Rounds after a bucket's coarse one, each at half the last step around the fastest split so far
+(128 experts: k -/+ 4, 2, then 1); at most this many: the finest step is 1 up to 255 experts."""
+
+
+EXPLORE_PASSES = TRIES * (2 + NEIGHBOURS + 2 * FINER_ROUNDS)
 """The most passes a length bucket takes before its k is settled (benchmarks run these first)."""
+
+
+def finer_steps(most: int) -> tuple[int, ...]:
+    """The half steps of a bucket's finer rounds, in turn (128 experts: 4, 2, 1)."""
+    step = max(1, most // 16)  # the coarse round's
+    return tuple(step >> i for i in range(1, FINER_ROUNDS + 1) if step >> i)
 
 
 class PrefillTuner:
     """Measured prefill seconds per token of each weighed k per prompt-length bucket (a power of
-    two). In a new bucket the model's k and its most likely rival of another strategy (the
-    stream if the model split, its best split if it streamed or stayed on the CPU; with at most
-    one miss per layer, no split: the other one) and up to `NEIGHBOURS` splits above the split
-    of the two take turns, `TRIES` passes each, then the k with the best pass is kept for the
-    bucket. Only ks the model predicts within `EXPLORE_WITHIN` of its choice are weighed. The
-    cost model ranks; what this machine measured decides. Passes with fewer (token, expert)
-    pairs than experts (a chat turn's few new tokens), or whose rival the model finds far
-    slower, keep the model's pick: no rival there could pay for experts copied ahead that no
+    two). In a new bucket's coarse round the model's k and its most likely rival of another
+    strategy (the stream if the model split, its best split if it streamed or stayed on the CPU;
+    with at most one miss per layer, no split: the other one) and up to `NEIGHBOURS` splits above
+    the split of the two take turns, `TRIES` passes each. Once a round settles on a split (0 < k
+    < most, the most misses), a finer round weighs the ks half the last step below and above it
+    (new ones, within [1, most - 1]), up to `FINER_ROUNDS` times; then the k of the best pass of
+    them all is kept. Only ks the model predicts within `EXPLORE_WITHIN` of its choice are
+    weighed. The cost model ranks; what this machine measured decides. Passes with fewer (token,
+    expert) pairs than experts (a chat turn's few new tokens), or whose rival the model finds
+    far slower, keep the model's pick: no rival there could pay for experts copied ahead that no
     token uses. Only passes whose k measurements decide are timed (`pick`), so a pass the model
     alone decides costs no GPU sync. Its timings are of one placement: `PrefillPlanner.place`
     starts a new tuner."""
+
+    least = 0
+    """The least k the model may choose (`EXPLORE_WITHIN` counts from that choice's time)."""
 
     def __init__(self) -> None:
         self.measured: dict[int, dict[int, list[float]]] = {}
         """bucket -> {k: seconds per token of each of its passes}"""
         self.weighed: dict[int, tuple[int, ...]] = {}
-        """bucket -> the ks it weighs, in turn order (fixed by its first weighed pass)"""
+        """bucket -> the ks it weighs, in turn order: the coarse round (fixed by its first
+        weighed pass), then each finer round's once the one before has settled"""
+        self.finer: dict[int, tuple[int, ...]] = {}
+        """bucket -> the half steps of its finer rounds to come (none: no more)"""
 
     @staticmethod
     def bucket(tokens: int) -> int:
@@ -219,32 +240,57 @@ class PrefillTuner:
         """(`choose`'s k, whether measurements decide it): only such a pass's time is read, so
         only such a pass needs timing (`record`). A capped pass's most is its "stream"."""
         bucket = self.bucket(tokens)
-        options = self.weighed.get(bucket) or self.options(tokens, top_k, num_experts, costs,
-                                                           resident, cap)
-        if len(options) == 1:
-            return options[0], False
-        self.weighed[bucket] = options
-        if not self.settled(bucket):
+        if bucket not in self.weighed:
+            options = self.options(tokens, top_k, num_experts, costs, resident, cap)
+            if len(options) == 1:
+                return options[0], False
+            self.weighed[bucket] = options
+            self.finer[bucket] = finer_steps(most_misses(num_experts, resident, cap))
+        if self.round_settled(bucket) and self.finer.get(bucket):
+            self.refine(bucket, tokens, top_k, num_experts, costs, resident, cap)
+        if not self.round_settled(bucket):
             times = self.measured.get(bucket, {})
-            return min(options, key=lambda k: len(times.get(k, []))), True  # first of the fewest
+            return min(self.weighed[bucket], key=lambda k: len(times.get(k, []))), True
         return self.fastest(bucket), True
 
-    def settled(self, bucket: int) -> bool:
-        """Whether every k `bucket` weighs has its `TRIES` timings (one weighing nothing is)."""
+    def round_settled(self, bucket: int) -> bool:
+        """Whether every k `bucket` weighs so far has its `TRIES` timings."""
         times = self.measured.get(bucket, {})
         return all(len(times.get(k, [])) >= TRIES for k in self.weighed.get(bucket, ()))
 
+    def settled(self, bucket: int) -> bool:
+        """Whether `bucket`'s last round has settled (one weighing nothing has)."""
+        return self.round_settled(bucket) and not self.finer.get(bucket)
+
     def fastest(self, bucket: int) -> int:
-        """The k of a settled `bucket` with the fastest timing (ties: the earlier option)."""
+        """The k of `bucket`'s timed ks with the fastest timing (ties: the earlier option)."""
         times = self.measured[bucket]
         return min(self.weighed[bucket], key=lambda k: min(times[k]))
 
+    def refine(self, bucket: int, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
+               resident: Sequence[int] = (), cap: int | None = None) -> None:
+        """After a settled round: the next finer round with new ks around a fastest split (a
+        round without goes finer at once); no more rounds when none has or it is no split."""
+        steps, best = self.finer.pop(bucket, ()), self.fastest(bucket)
+        most = most_misses(num_experts, resident, cap)
+        if not 0 < best < most:
+            return  # the CPU or the stream: no split to look around
+        model = plan_gpu_experts(tokens, top_k, num_experts, costs, self.least, most, resident)
+        worst = EXPLORE_WITHIN * pass_seconds(model, tokens, top_k, num_experts, costs, resident)
+        for i, half in enumerate(steps):
+            new = [k for k in dict.fromkeys(min(max(best + d, 1), most - 1) for d in (-half, half))
+                   if k not in self.weighed[bucket]
+                   and pass_seconds(k, tokens, top_k, num_experts, costs, resident) <= worst]
+            if new:
+                self.weighed[bucket] += tuple(new)
+                self.finer[bucket] = steps[i + 1:]
+                return
+
     def options(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
                 resident: Sequence[int] = (), cap: int | None = None) -> tuple[int, ...]:
-        """The ks a pass of `tokens` tokens weighs, in turn order: the model's, its rival, the
-        split's neighbours above (see the class docstring); the model's alone when it decides."""
-        most = most_misses(num_experts, resident)
-        most = most if cap is None else min(most, cap)
+        """The ks of a bucket's coarse round, in turn order: the model's, its rival, the split's
+        neighbours above (see the class docstring); the model's alone when it decides."""
+        most = most_misses(num_experts, resident, cap)
         model = plan_gpu_experts(tokens, top_k, num_experts, costs, 0, most, resident)
         if 0 < model < most:
             rival = most
@@ -257,8 +303,7 @@ class PrefillTuner:
         worst = EXPLORE_WITHIN * pass_seconds(model, tokens, top_k, num_experts, costs, resident)
         if pass_seconds(rival, tokens, top_k, num_experts, costs, resident) > worst:
             return (model,)
-        split = model if 0 < model < most else rival
-        step = max(1, most // 16)
+        split, step = (model if 0 < model < most else rival), max(1, most // 16)
         above = [k for k in range(split + step, min(most, split + NEIGHBOURS * step + 1), step)
                  if pass_seconds(k, tokens, top_k, num_experts, costs, resident) <= worst]
         return (model, rival, *above)
@@ -268,60 +313,3 @@ class PrefillTuner:
         passes = self.measured.setdefault(self.bucket(tokens), {}).setdefault(k, [])
         passes.append(seconds / max(1, tokens))
         del passes[:-8]  # the latest few
-
-
-DECODE_GAIN = 0.7
-"""`decode_stream_rows` ("auto" of `EngineConfig.stream_decode_rows`) weighs streaming a decode
-step's experts only where the model expects the split at most this share of the CPU's time: a
-decode step on CUDA graphs and the fused layers costs less than the model's CPU pass, and a
-split layer's host wait for the router costs more than its `split_fixed`."""
-
-SMALL_DECODE = 8
-"""Decode steps of at most this many rows (a chat's latency-bound batches, the default CUDA graph
-sizes) never weigh streaming under "auto": they stay on the decode path as they were."""
-
-
-def decode_stream_rows(top_k: int, num_experts: int, costs: SplitCosts, least: int, most: int,
-                       max_rows: int, resident: Sequence[int] = ()) -> int | None:
-    """The fewest rows in (SMALL_DECODE, max_rows] of a decode step whose best k in [least,
-    most] the model expects to take at most `DECODE_GAIN` of the CPU alone, and with at least as
-    many (token, expert) pairs as experts (fewer: most copies would go unused); None: no such
-    row count. Scanned upwards, at most `max_rows` model evaluations (when the runner places)."""
-    for rows in range(SMALL_DECODE + 1, max_rows + 1):
-        if rows * top_k < num_experts:
-            continue
-        k = plan_gpu_experts(rows, top_k, num_experts, costs, least, most, resident)
-        alone = pass_seconds(0, rows, top_k, num_experts, costs, resident)
-        if pass_seconds(k, rows, top_k, num_experts, costs, resident) <= DECODE_GAIN * alone:
-            return rows
-    return None
-
-
-class DecodeTuner(PrefillTuner):
-    """`PrefillTuner` for decode steps (`EngineConfig.stream_decode_rows`) per row bucket, where k
-    = 0 is the decode path itself (CUDA graphs, fused layers, the CPU's experts: what the step
-    runs otherwise), never the planner's CPU pass. A bucket weighs the decode path, the model's
-    best k >= 1 and up to `NEIGHBOURS` splits above it within `EXPLORE_WITHIN` of that k's
-    expected time, `TRIES` steps each, then keeps the fastest. Only steps of a bucket still being
-    weighed are timed (`pick`), each as served: from its start to the next step's start, the
-    decode path launched ahead (engine/executor/prefill_planner.py `DecodeClock`)."""
-
-    def pick(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
-             resident: Sequence[int] = (), cap: int | None = None) -> tuple[int, bool]:
-        """(k for a decode step of `tokens` rows, whether the step is timed: while weighing)."""
-        k, _ = super().pick(tokens, top_k, num_experts, costs, resident, cap)
-        return k, not self.settled(self.bucket(tokens))
-
-    def options(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
-                resident: Sequence[int] = (), cap: int | None = None) -> tuple[int, ...]:
-        """The decode path (0), the model's best k >= 1, the splits above it (see the class)."""
-        most = most_misses(num_experts, resident)
-        most = most if cap is None else min(most, cap)
-        if most < 1:
-            return (0,)  # nothing to stream
-        best = plan_gpu_experts(tokens, top_k, num_experts, costs, 1, most, resident)
-        worst = EXPLORE_WITHIN * pass_seconds(best, tokens, top_k, num_experts, costs, resident)
-        step = max(1, most // 16)
-        above = [k for k in range(best + step, min(most, best + NEIGHBOURS * step) + 1, step)
-                 if pass_seconds(k, tokens, top_k, num_experts, costs, resident) <= worst]
-        return (0, best, *above)
