@@ -70,7 +70,9 @@ const uint8_t* dequant_rows(const ActView& a, int k, int gs) {
 // reordered after the bf16 rounding: 4 permutes, 4 fmas and 2 roundings a row.
 class Int4Widener {
  public:
-  explicit Int4Widener(const PackedMatrix& w) : w_(w), rows_(w.num_k_blocks() * 16) {
+  explicit Int4Widener(const PackedMatrix& w)
+      : addr_(w), rows_(w.num_k_blocks() * 16), group_mask_(w.group_size - 1),
+        group_shift_(__builtin_ctz(w.group_size)), out_bytes_(size_t(w.k / 32) * 1024) {
     // Float lane i of the four: n = i / 2 (+ 8 for j = 1, 3), k = i % 2 (+ 2 for j = 2, 3) of
     // the row's [16 n][4 k] bytes; a float's bytes: 0x00, 0x00, the nibble's, 0x3F.
     alignas(64) uint8_t idx[4][64];
@@ -90,12 +92,13 @@ class Int4Widener {
   }
 
   // Bytes of one widened n-block.
-  size_t bytes() const { return size_t(w_.k / 32) * 1024; }
+  size_t bytes() const { return out_bytes_; }
 
   // Widens n-block nb (and nb + 1 when two_n) into out (and out + bytes()) over `steps` calls
   // of step(); finish() widens what they left.
   void start(int nb, bool two_n, uint8_t* out, size_t steps) {
     nb_ = nb;
+    nblock_ = addr_.n_block(nb);
     out_ = out;
     b_ = kb_ = r_ = 0;
     left_ = size_t(rows_) * (two_n ? 2 : 1);
@@ -109,12 +112,13 @@ class Int4Widener {
   }
 
  private:
-  // Row r_ of k-block kb_ of n-block nb_ + b_, then the counters on (no divisions per row).
+  // Row r_ of k-block kb_ of n-block nb_ + b_, then the counters on (no divisions per row:
+  // with PackedMatrix's, a group's address cost about what its eight rows' widening did).
   void next() {
-    if (r_ == 0) blk_ = w_.k_block(nb_ + b_, kb_);
+    if (r_ == 0) blk_ = addr_.k_block(nblock_, kb_);
     const int k = kb_ * 64 + 4 * r_;
-    if ((k & (w_.group_size - 1)) == 0) {  // a group starts (sizes are powers of two)
-      const uint16_t* meta = w_.meta(nb_ + b_, k / w_.group_size);
+    if ((k & group_mask_) == 0) {  // a group starts (sizes are powers of two)
+      const uint16_t* meta = addr_.meta(nblock_, k >> group_shift_);
       const __m512 s = bf16x16(meta), bias = bf16x16(meta + 32);
       const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(16.0f));
       const __m512 shift = _mm512_fmadd_ps(s, _mm512_set1_ps(-24.0f), bias);
@@ -127,7 +131,7 @@ class Int4Widener {
     --left_;
     if (++r_ == 16) {
       r_ = 0;
-      if (++kb_ * 16 == rows_) kb_ = 0, ++b_;
+      if (++kb_ * 16 == rows_) kb_ = 0, ++b_, nblock_ = addr_.n_block(nb_ + b_);
     }
   }
 
@@ -148,12 +152,15 @@ class Int4Widener {
     _mm512_store_si512(dst + 64, (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]));
   }
 
-  const PackedMatrix& w_;
+  const Int4Addr addr_;
   const int rows_;  // packed rows per n-block
+  const int group_mask_, group_shift_;
+  const size_t out_bytes_;
   __m512i idx_[4], spread_[2], table_;
   __m512 sw_[2], bw_[2];  // the current group's 16 sw and bw - 24 sw, spread to n of lanes i / 2
   uint8_t* out_ = nullptr;
-  const uint8_t* blk_ = nullptr;  // the current k-block's packed rows
+  const uint8_t* nblock_ = nullptr;  // the current n-block
+  const uint8_t* blk_ = nullptr;     // the current k-block's packed rows
   int nb_ = 0, b_ = 0, kb_ = 0, r_ = 0;
   size_t left_ = 0, per_step_ = 0;  // rows still to widen; rows per step()
 };

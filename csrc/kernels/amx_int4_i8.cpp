@@ -102,17 +102,20 @@ struct PairScales {
 // the previous pair's tile loop), finish() the rest.
 class Int8Remap {
  public:
-  explicit Int8Remap(const PackedMatrix& w) : w_(w), rows_(w.num_k_blocks() * 8) {
+  explicit Int8Remap(const PackedMatrix& w)
+      : w_(w), addr_(w), rows_(w.num_k_blocks() * 8), group_shift_(__builtin_ctz(w.group_size)),
+        out_bytes_(size_t(w.k) * 16) {
     alignas(64) int16_t twice[32];
     for (int i = 0; i < 32; ++i) twice[i] = int16_t(i / 2);
     twice_ = _mm512_load_si512(twice);
   }
 
   // Bytes of one remapped n-block.
-  size_t bytes() const { return size_t(w_.k) * 16; }
+  size_t bytes() const { return out_bytes_; }
 
   void start(int nb, bool two_n, uint8_t* out, PairScales* ps, size_t steps) {
     nb_ = nb;
+    nblock_ = addr_.n_block(nb);
     out_ = out;
     ps_ = ps;
     b_ = kb_ = r_ = 0;
@@ -145,7 +148,7 @@ class Int8Remap {
   // alpha and beta of group g of n-block nb_ + b_ as 32 int16 lanes (each n's twice: a word
   // holds two k of one n).
   void constants(int g, __m512i& alpha, __m512i& beta) const {
-    const uint16_t* meta = w_.meta(nb_ + b_, g);
+    const uint16_t* meta = addr_.meta(nblock_, g);
     const __m512 s = bf16x16(meta), bias = bf16x16(meta + 32), k256 = _mm512_set1_ps(256);
     const __m512 inv = _mm512_mul_ps(inv_[b_], k256);
     const __m512 a = _mm512_add_ps(
@@ -158,14 +161,16 @@ class Int8Remap {
     beta = _mm512_permutexvar_epi16(twice_, bi);
   }
 
-  // Packed row r_ of k-block kb_ of n-block nb_ + b_ into its two B rows, then the counters on.
+  // Packed row r_ of k-block kb_ of n-block nb_ + b_ into its two B rows, then the counters on
+  // (addresses and groups by shifts: PackedMatrix's divisions cost as much as the rows' work).
   void next() {
     if (r_ == 0) {
-      blk_ = w_.k_block(nb_ + b_, kb_);
-      const int k = kb_ * 64, gs = w_.group_size;
-      if (k % gs == 0 || gs < 64) {  // low nibbles: k .. k + 31, high: k + 32 .. k + 63
-        constants(k / gs, alpha_[0], beta_[0]);
-        constants((k + 32) / gs, alpha_[1], beta_[1]);
+      blk_ = addr_.k_block(nblock_, kb_);
+      const int k = kb_ * 64;
+      if (((k >> group_shift_) << group_shift_) == k || group_shift_ < 6) {
+        // low nibbles: k .. k + 31, high: k + 32 .. k + 63
+        constants(k >> group_shift_, alpha_[0], beta_[0]);
+        constants((k + 32) >> group_shift_, alpha_[1], beta_[1]);
       }
     }
     const __m512i v = _mm512_load_si512(blk_ + r_ * 64);
@@ -179,7 +184,7 @@ class Int8Remap {
       r_ = 0;
       if (++kb_ * 8 == rows_) {
         _mm512_store_si512(ps_->corr[b_], _mm512_slli_epi32(sum_[b_], 7));
-        kb_ = 0, ++b_;
+        kb_ = 0, ++b_, nblock_ = addr_.n_block(nb_ + b_);
       }
     }
   }
@@ -197,13 +202,17 @@ class Int8Remap {
   }
 
   const PackedMatrix& w_;
+  const Int4Addr addr_;
   const int rows_;  // packed rows per n-block
+  const int group_shift_;  // log2 of the group size
+  const size_t out_bytes_;
   __m512i twice_;
   __m512 inv_[2];                       // 127 / (largest magnitude) per n-block of the pair
   __m512i sum_[2];                      // sum of w8 per channel
   __m512i alpha_[2], beta_[2];          // [low, high nibbles] of the current k-block
   uint8_t* out_ = nullptr;
   PairScales* ps_ = nullptr;
+  const uint8_t* nblock_ = nullptr;  // n-block nb_ + b_
   const uint8_t* blk_ = nullptr;
   int nb_ = 0, b_ = 0, kb_ = 0, r_ = 0;
   size_t left_ = 0, per_step_ = 0;

@@ -102,6 +102,28 @@ struct PackedMatrix {
   }
 };
 
+// PackedMatrix::k_block and meta of an int4 matrix by shifts and masks (run and group sizes are
+// powers of two), with no divisions: for loops that address a block or a group per packed row.
+struct Int4Addr {
+  explicit Int4Addr(const PackedMatrix& m)
+      : blocks(m.blocks), n_block_bytes(m.n_block_bytes()), run_bytes(m.run_bytes()),
+        meta_at(size_t(m.run_k() / 64) * 512), run_shift(__builtin_ctz(m.run_k() / 64)),
+        groups_shift(__builtin_ctz(m.run_k() / m.group_size)) {}
+  const uint8_t* n_block(int nb) const { return blocks + size_t(nb) * n_block_bytes; }
+  // k-block kb (64 k) and group g of the n-block at `nblock` (n_block's pointer).
+  const uint8_t* k_block(const uint8_t* nblock, int kb) const {
+    return nblock + size_t(kb >> run_shift) * run_bytes +
+           size_t(kb & ((1 << run_shift) - 1)) * 512;
+  }
+  const uint16_t* meta(const uint8_t* nblock, int g) const {
+    return reinterpret_cast<const uint16_t*>(nblock + size_t(g >> groups_shift) * run_bytes +
+                                             meta_at + size_t(g & ((1 << groups_shift) - 1)) * 96);
+  }
+  const uint8_t* blocks;
+  size_t n_block_bytes, run_bytes, meta_at;
+  int run_shift, groups_shift;  // log2 of k-blocks and of groups per run
+};
+
 // Bytes of `m`'s arrays (fields n, k, group_size, format set): blocks, then the scale arrays
 // (int8 two, fp8 one), each 64-byte aligned; place_packed points `m`'s arrays into that much
 // memory at `memory` (64-byte aligned; the owner allocates and frees it, e.g. one mapping for
