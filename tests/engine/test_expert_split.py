@@ -11,6 +11,7 @@ import torch
 
 from hetmoe.config import EngineConfig
 from hetmoe.engine.placement.expert_split import (
+    CLIMB_ROUNDS,
     EXPLORE_PASSES,
     EXPLORE_WITHIN,
     TRIES,
@@ -206,7 +207,7 @@ def test_tuner_finds_the_int4_split_the_model_underestimates() -> None:
     assert plan_gpu_experts(512, 8, 128, INT4_COSTS) == 92
     tuner = PrefillTuner()
     assert tuner.options(512, 8, 128, INT4_COSTS) == (92, 128, 100, 108, 116)
-    for _ in range(EXPLORE_PASSES):
+    for _ in range(TRIES * 11):  # 116, the highest split, is not the fastest: no climb
         k = tuner.choose(512, 8, 128, INT4_COSTS)
         tuner.record(512, k, int4_pass_seconds(k))
     assert tuner.settled(10) and tuner.choose(512, 8, 128, INT4_COSTS) == 108
@@ -242,9 +243,33 @@ def test_finer_rounds_find_a_best_split_between_the_coarse_points() -> None:
     turns = weigh(tuner, 512, steep_below(106))
     # 108 (coarse), then 104/112 (108 holds), 106/110 (106), 105/107 (106 holds).
     assert turns == [*coarse, *coarse, 104, 112, 104, 112, 106, 110, 106, 110, 105, 107, 105, 107]
-    assert len(turns) == EXPLORE_PASSES
+    assert len(turns) == EXPLORE_PASSES - TRIES * CLIMB_ROUNDS  # 116, the top, is not fastest
     assert tuner.pick(512, 8, 128, INT4_COSTS) == (106, True)
     assert tuner.choose(1000, 8, 128, INT4_COSTS) == 106  # the same bucket (512-1023)
+
+
+def test_climb_rounds_follow_a_fastest_highest_split() -> None:
+    # The best at 124, above the coarse round's highest split (116): one climb to 124, none to
+    # 132 (past the 127 splits), then the finer rounds around 124 (128 clamped to 127).
+    tuner = PrefillTuner()
+    coarse = (92, 128, 100, 108, 116)
+    turns = weigh(tuner, 512, steep_below(124))
+    assert turns == [*coarse, *coarse, 124, 124, 120, 127, 120, 127, 122, 126, 122, 126, 123,
+                     125, 123, 125]
+    assert tuner.choose(512, 8, 128, INT4_COSTS) == 124 and tuner.climbs[10] == CLIMB_ROUNDS - 1
+
+
+def test_climbs_stop_after_their_rounds_and_below_the_stream() -> None:
+    # CPU costs 0.4x: the model splits at 65; the splits get faster up to 127 (the stream slow).
+    # Four climbs (97 .. 121), then finer rounds, bounded from the climbed best, reach 127.
+    low = dataclasses.replace(INT4_COSTS, cpu_fixed=0.4 * INT4_COSTS.cpu_fixed,
+                              cpu_token=0.4 * INT4_COSTS.cpu_token)
+    tuner = PrefillTuner()
+    assert tuner.options(512, 8, 128, low) == (65, 73, 81, 89)  # the stream is far: not weighed
+    turns = weigh(tuner, 512, {k: 1 - k / 1000 for k in range(128)} | {128: 2.0}, low)
+    assert tuner.weighed[10][4:8] == (97, 105, 113, 121) and tuner.climbs[10] == 0
+    assert tuner.choose(512, 8, 128, low) == 127 and 128 not in turns
+    assert len(turns) <= EXPLORE_PASSES
 
 
 def test_a_settled_round_leaves_the_bucket_unsettled_while_a_finer_one_follows() -> None:
@@ -313,15 +338,25 @@ def test_tuner_neighbours_respect_the_staging_cap() -> None:
     assert tuner.choose(512, 8, 128, INT4_COSTS, cap=100) == 100  # 100 measured best of them
 
 
-def test_tuner_keeps_the_int8_split_the_model_alone_decides() -> None:
+def test_tuner_weighs_the_splits_above_a_split_whose_rival_is_far() -> None:
     # INT8 on an H100 box (round 5): at 512 tokens the stream is predicted 1.5x+ slower than the
-    # model's split, so the split runs untimed, no neighbours tried (it beat the stream 1.66x).
+    # model's split (it beat the stream 1.66x): the stream is not weighed, the splits above are.
     int8 = SplitCosts(cpu_fixed=2.962e-05, cpu_token=1.186e-06, gpu_expert=9.037e-05,
                       gpu_token=6.235e-08, gpu_fixed=7.549e-05, cpu_call=9.591e-06,
                       split_fixed=9.591e-06, split_token=1.549e-07)
     tuner = PrefillTuner()
-    assert tuner.options(512, 8, 128, int8) == (55,)
-    assert tuner.pick(512, 8, 128, int8) == (55, False) and tuner.weighed == {}
+    assert tuner.options(512, 8, 128, int8) == (55, 63, 71, 79)
+    assert tuner.pick(512, 8, 128, int8) == (55, True)
+    # INT4 with CPU costs as one H200 box measured them (0.6x the costs above): the model's 77
+    # alone was kept untimed, while other boxes measured the best near 100-110. Now the splits
+    # above are weighed and the climb rounds follow a clock that falls to 110.
+    fast = dataclasses.replace(INT4_COSTS, cpu_fixed=0.6 * INT4_COSTS.cpu_fixed,
+                               cpu_token=0.6 * INT4_COSTS.cpu_token)
+    assert PrefillTuner().options(512, 8, 128, fast) == (77, 85, 93, 101)
+    tuner = PrefillTuner()
+    weigh(tuner, 512, steep_below(110), fast)
+    assert tuner.choose(512, 8, 128, fast) == 110
+    assert 128 not in tuner.weighed[10]
 
 
 def test_tuner_never_tries_a_rival_the_model_finds_far_slower() -> None:
@@ -333,9 +368,10 @@ def test_tuner_never_tries_a_rival_the_model_finds_far_slower() -> None:
         assert tuner.choose(tokens, 8, 128, COSTS) == model
     model = plan_gpu_experts(32, 8, 128, COSTS)
     assert 0 < model < 128  # 32 tokens: a split; the stream would copy every expert
-    for _ in range(4):
-        assert tuner.choose(32, 8, 128, COSTS) == model
-        tuner.record(32, model, 0.03)
+    for _ in range(EXPLORE_PASSES):  # the model's split and splits near it, never the stream
+        k = tuner.choose(32, 8, 128, COSTS)
+        assert 0 < k < 128
+        tuner.record(32, k, 0.03)
     assert plan_gpu_experts(16384, 8, 128, COSTS) == 128
     rival = plan_gpu_experts(16384, 8, 128, COSTS, 1, 127)  # its best split
     for _ in range(4):

@@ -181,12 +181,22 @@ climbs steeply (INT4 at 512 tokens on an H100 box: the model's k 92, the best me
 96 took 1.4x as long). The finer rounds (`FINER_ROUNDS`) look between the coarse points."""
 
 
+CLIMB_ROUNDS = 4
+"""Rounds after a bucket's coarse one while its fastest split is the highest split it weighed,
+each one coarse step higher (below the most misses), at most this many, before the finer rounds:
+the model's CPU costs come from calls alone, so where they are low it puts its k and the
+neighbours above far under the best (INT4 at 512 tokens, one H200 box: the time fell with k up
+to 110 while the model's k was in the 80s; on another box, with lower measured CPU costs, the
+tuner's pick was 78). A climb is measured better at every step, so `EXPLORE_WITHIN` does not
+bound it."""
+
+
 FINER_ROUNDS = 3
 """Rounds after a bucket's coarse one, each at half the last step around the fastest split so far
 (128 experts: k -/+ 4, 2, then 1); at most this many: the finest step is 1 up to 255 experts."""
 
 
-EXPLORE_PASSES = TRIES * (2 + NEIGHBOURS + 2 * FINER_ROUNDS)
+EXPLORE_PASSES = TRIES * (2 + NEIGHBOURS + CLIMB_ROUNDS + 2 * FINER_ROUNDS)
 """The most passes a length bucket takes before its k is settled (benchmarks run these first)."""
 
 
@@ -198,19 +208,22 @@ def finer_steps(most: int) -> tuple[int, ...]:
 
 class PrefillTuner:
     """Measured prefill seconds per token of each weighed k per prompt-length bucket (a power of
-    two). In a new bucket's coarse round the model's k and its most likely rival of another
-    strategy (the stream if the model split, its best split if it streamed or stayed on the CPU;
-    with at most one miss per layer, no split: the other one) and up to `NEIGHBOURS` splits above
-    the split of the two take turns, `TRIES` passes each. Once a round settles on a split (0 < k
-    < most, the most misses), a finer round weighs the ks half the last step below and above it
-    (new ones, within [1, most - 1]), up to `FINER_ROUNDS` times; then the k of the best pass of
-    them all is kept. Only ks the model predicts within `EXPLORE_WITHIN` of its choice are
-    weighed. The cost model ranks; what this machine measured decides. Passes with fewer (token,
-    expert) pairs than experts (a chat turn's few new tokens), or whose rival the model finds
-    far slower, keep the model's pick: no rival there could pay for experts copied ahead that no
-    token uses. Only passes whose k measurements decide are timed (`pick`), so a pass the model
-    alone decides costs no GPU sync. Its timings are of one placement: `PrefillPlanner.place`
-    starts a new tuner."""
+    two). In a new bucket's coarse round the model's k, its most likely rival of another strategy
+    (the stream if the model split, its best split if it streamed or stayed on the CPU; with at
+    most one miss per layer, no split: the other one) and up to `NEIGHBOURS` splits above the
+    split of the two take turns, `TRIES` passes each. While a round's fastest is the highest
+    split weighed, a climb round weighs one a coarse step above (`CLIMB_ROUNDS`); then finer
+    rounds weigh the ks half the last step below and above the fastest split (new ones, within
+    [1, most - 1]; `FINER_ROUNDS`); the k of the best pass of them all is kept. Only ks the model
+    predicts within `EXPLORE_WITHIN` of its choice are weighed (climbs aside). The cost model
+    ranks; what this machine measured decides. Passes with fewer (token, expert) pairs than
+    experts (a chat turn's few new tokens) keep the model's pick: no rival there could pay for
+    experts copied ahead that no token uses. A rival the model finds far slower is not weighed,
+    a split's neighbours still are (the model's CPU costs are of calls alone: one H200 box kept
+    its INT4 split at 512 tokens untimed at k = 78, where others measured their best at 99-110).
+    Only passes whose k measurements decide are timed (`pick`): a pass the model alone decides
+    costs no GPU sync. Its timings are of one placement: `PrefillPlanner.place` starts a new
+    tuner."""
 
     least = 0
     """The least k the model may choose (`EXPLORE_WITHIN` counts from that choice's time)."""
@@ -223,6 +236,8 @@ class PrefillTuner:
         weighed pass), then each finer round's once the one before has settled"""
         self.finer: dict[int, tuple[int, ...]] = {}
         """bucket -> the half steps of its finer rounds to come (none: no more)"""
+        self.climbs: dict[int, int] = {}
+        """bucket -> the climb rounds it has left (`CLIMB_ROUNDS`)"""
 
     @staticmethod
     def bucket(tokens: int) -> int:
@@ -269,14 +284,21 @@ class PrefillTuner:
 
     def refine(self, bucket: int, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
                resident: Sequence[int] = (), cap: int | None = None) -> None:
-        """After a settled round: the next finer round with new ks around a fastest split (a
-        round without goes finer at once); no more rounds when none has or it is no split."""
-        steps, best = self.finer.pop(bucket, ()), self.fastest(bucket)
-        most = most_misses(num_experts, resident, cap)
+        """After a settled round: a climb round while the fastest split is the highest weighed
+        (`CLIMB_ROUNDS`), else the next finer round with new ks around it (a round without goes
+        finer at once); no more rounds when none has or it is no split."""
+        best, most = self.fastest(bucket), most_misses(num_experts, resident, cap)
         if not 0 < best < most:
+            self.finer.pop(bucket, None)
             return  # the CPU or the stream: no split to look around
+        if self.climb(bucket, best, most):
+            return
+        steps = self.finer.pop(bucket, ())
         model = plan_gpu_experts(tokens, top_k, num_experts, costs, self.least, most, resident)
-        worst = EXPLORE_WITHIN * pass_seconds(model, tokens, top_k, num_experts, costs, resident)
+        # A climbed bucket's bound counts from its best (the climbs went past the model's).
+        bases = (model, best) if bucket in self.climbs else (model,)
+        worst = EXPLORE_WITHIN * max(pass_seconds(k, tokens, top_k, num_experts, costs, resident)
+                                     for k in bases)
         for i, half in enumerate(steps):
             new = [k for k in dict.fromkeys(min(max(best + d, 1), most - 1) for d in (-half, half))
                    if k not in self.weighed[bucket]
@@ -285,6 +307,16 @@ class PrefillTuner:
                 self.weighed[bucket] += tuple(new)
                 self.finer[bucket] = steps[i + 1:]
                 return
+
+    def climb(self, bucket: int, best: int, most: int) -> bool:
+        """Adds the split a coarse step above `best` when `best` is the highest split weighed and
+        climb rounds are left (`CLIMB_ROUNDS`); whether it did."""
+        left, up = self.climbs.get(bucket, CLIMB_ROUNDS), best + max(1, most // 16)
+        if not left or up >= most or best != max(k for k in self.weighed[bucket] if k < most):
+            return False
+        self.weighed[bucket] += (up,)
+        self.climbs[bucket] = left - 1
+        return True
 
     def options(self, tokens: int, top_k: int, num_experts: int, costs: SplitCosts,
                 resident: Sequence[int] = (), cap: int | None = None) -> tuple[int, ...]:
@@ -301,12 +333,14 @@ class PrefillTuner:
         if tokens * top_k < num_experts or rival == model:
             return (model,)  # most experts idle: copying ahead moves weights nobody uses
         worst = EXPLORE_WITHIN * pass_seconds(model, tokens, top_k, num_experts, costs, resident)
-        if pass_seconds(rival, tokens, top_k, num_experts, costs, resident) > worst:
-            return (model,)
+        near = pass_seconds(rival, tokens, top_k, num_experts, costs, resident) <= worst
+        if not near and not 0 < model < most:
+            return (model,)  # no split the model finds near: nothing to weigh
         split, step = (model if 0 < model < most else rival), max(1, most // 16)
         above = [k for k in range(split + step, min(most, split + NEIGHBOURS * step + 1), step)
                  if pass_seconds(k, tokens, top_k, num_experts, costs, resident) <= worst]
-        return (model, rival, *above)
+        options = (model, rival, *above) if near else (model, *above)
+        return options if len(options) > 1 else (model,)
 
     def record(self, tokens: int, k: int, seconds: float) -> None:
         """A pass of `tokens` tokens streaming k misses per layer took `seconds`."""
