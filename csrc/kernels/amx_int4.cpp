@@ -113,7 +113,7 @@ class Int4Widener {
 
  private:
   // Row r_ of k-block kb_ of n-block nb_ + b_, then the counters on (no divisions per row:
-  // with PackedMatrix's, a group's address cost about what its eight rows' widening did).
+  // PackedMatrix's k_block and meta divide by the run and group sizes; Int4Addr shifts).
   void next() {
     if (r_ == 0) blk_ = addr_.k_block(nblock_, kb_);
     const int k = kb_ * 64 + 4 * r_;

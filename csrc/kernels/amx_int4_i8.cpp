@@ -162,7 +162,7 @@ class Int8Remap {
   }
 
   // Packed row r_ of k-block kb_ of n-block nb_ + b_ into its two B rows, then the counters on
-  // (addresses and groups by shifts: PackedMatrix's divisions cost as much as the rows' work).
+  // (addresses and groups by shifts, Int4Addr: no divisions per k-block).
   void next() {
     if (r_ == 0) {
       blk_ = addr_.k_block(nblock_, kb_);
