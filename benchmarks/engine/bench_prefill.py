@@ -134,6 +134,19 @@ def unpack_row(runner: ModelRunner, row: dict[str, Any], n: int, top_k: int, con
                       "resident_compute_unpack_s": row["resident_compute_unpack_s"]}), flush=True)
 
 
+def settle_auto(runner: ModelRunner, n: int, vocab: int) -> int:
+    """Runs passes of n tokens until the prefill tuner has settled their length bucket (one pass
+    where the model alone decides; at most `EXPLORE_PASSES`), so what "auto" is timed on is what
+    it settled on; the passes it ran."""
+    planner = runner.planner
+    assert planner is not None
+    for done in range(1, EXPLORE_PASSES + 1):
+        measure.prefill_speed(runner, n, vocab, 1)
+        if planner.tuner.settled(planner.tuner.bucket(n)):
+            return done
+    return EXPLORE_PASSES
+
+
 def split_k_row(runner: ModelRunner, row: dict[str, Any], n: int, ks: list[int], vocab: int,
                 repeats: int) -> None:
     """Adds `split_k_tok_s` {k: tok/s}: passes of n tokens streaming exactly k experts per layer
@@ -277,7 +290,7 @@ def main() -> None:
             runner.config = dataclasses.replace(auto, prefill_experts=name)
             try:
                 if name == "auto":  # its tuner's turns first (not timed): then what it settled on
-                    measure.prefill_speed(runner, n, config.vocab_size, EXPLORE_PASSES)
+                    row["auto_tuning_passes"] = settle_auto(runner, n, config.vocab_size)
                 tok_s = measure.prefill_speed(runner, n, config.vocab_size, args.repeats)
             except Exception as exc:  # noqa: BLE001 -- one strategy's failure is a row's note
                 row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"

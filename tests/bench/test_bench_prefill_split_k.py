@@ -1,6 +1,6 @@
 """bench_prefill.py's `--split-k`: the counts it parses and refuses, and that each timed pass
 streams exactly the k asked for (capped at a layer's experts), the planner's pick set aside
-only while that k is timed."""
+only while that k is timed; and "auto"'s untimed passes, run until its tuner settles."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from bench_script import load_script
 
 from hetmoe.engine.executor.prefill_planner import PrefillPlanner
+from hetmoe.engine.placement.expert_split import EXPLORE_PASSES, SplitCosts
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +61,26 @@ def test_split_k_row_times_each_k_forced(script: Any, monkeypatch: pytest.Monkey
     assert passes == [0, 0, 100, 100, 128, 128]  # a warm-up pass, then the timed one, per k
     with pytest.raises(RuntimeError, match="prefill_experts='auto' plans with this machine's"):
         planner.gpu_experts(512)  # the planner's own pick is back (no costs loaded here)
+
+
+def test_auto_warms_up_until_its_tuner_settles(script: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    costs = SplitCosts(cpu_fixed=6.724e-05, cpu_token=2.472e-06, gpu_expert=5.872e-05,
+                       gpu_token=5.914e-08, gpu_fixed=5.589e-05, cpu_call=1.159e-05,
+                       split_fixed=1.159e-05, split_token=1.556e-07)
+    planner = PrefillPlanner(128, 8, 2, costs, refusal=lambda: "")
+    runner = SimpleNamespace(planner=planner)
+    passes: list[int] = []
+
+    def prefill_speed(run: Any, n: int, vocab: int, repeats: int) -> float:
+        k = run.planner.gpu_experts(n)
+        passes.append(k)
+        run.planner.tuner.record(n, k, n * (0.15 + 0.001 * abs(k - 106)))  # least at 106
+        return 1000.0
+
+    monkeypatch.setattr(script.measure, "prefill_speed", prefill_speed)
+    done = script.settle_auto(runner, 512, 32000)
+    assert done == len(passes) < EXPLORE_PASSES  # no climb: fewer passes than the bound
+    assert planner.tuner.settled(planner.tuner.bucket(512)) and planner.gpu_experts(512) == 106
+    passes.clear()
+    assert script.settle_auto(runner, 8, 32000) == 1 and len(passes) == 1  # the model decides
