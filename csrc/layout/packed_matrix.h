@@ -77,20 +77,11 @@ struct PackedMatrix {
   size_t n_block_bytes() const {
     return int4() ? size_t(k / run_k()) * run_bytes() : size_t(num_k_blocks()) * block_bytes();
   }
-  // First byte of n-block `nb`, and of its 64-k (32-k for bf16) block `kb`.
+  // First byte of n-block `nb`, and of its 64-k (32-k for bf16) block `kb` (int4: Int4Addr).
   uint8_t* n_block(int nb) const { return blocks + size_t(nb) * n_block_bytes(); }
-  uint8_t* k_block(int nb, int kb) const {
-    if (!int4()) return n_block(nb) + size_t(kb) * block_bytes();
-    const int per_run = run_k() / 64;
-    return n_block(nb) + size_t(kb / per_run) * run_bytes() + size_t(kb % per_run) * 512;
-  }
+  uint8_t* k_block(int nb, int kb) const;
   // Int4 metadata of group g of n-block nb: scale[16], scale_qsum[16], bias[16] (bf16).
-  uint16_t* meta(int nb, int g) const {
-    const int per_run = run_k() / group_size;
-    return reinterpret_cast<uint16_t*>(blocks + size_t(nb) * n_block_bytes() +
-                                       size_t(g / per_run) * run_bytes() + run_k() / 64 * 512 +
-                                       size_t(g % per_run) * 96);
-  }
+  uint16_t* meta(int nb, int g) const;
   size_t blocks_bytes() const { return size_t(n / kBlockN) * n_block_bytes(); }
   // Floats of each scale array (int8: scale and scale_qsum; fp8: scale); the whole packed size.
   size_t group_floats() const {
@@ -102,8 +93,9 @@ struct PackedMatrix {
   }
 };
 
-// PackedMatrix::k_block and meta of an int4 matrix by shifts and masks (run and group sizes are
-// powers of two), with no divisions: for loops that address a block or a group per packed row.
+// An int4 matrix's k-blocks and group metadata within an n-block, by shifts and masks (run and
+// group sizes are powers of two): PackedMatrix::k_block and meta use it, and loops that address a
+// block or a group per packed row keep one (made once, no divisions).
 struct Int4Addr {
   explicit Int4Addr(const PackedMatrix& m)
       : blocks(m.blocks), n_block_bytes(m.n_block_bytes()), run_bytes(m.run_bytes()),
@@ -123,6 +115,15 @@ struct Int4Addr {
   size_t n_block_bytes, run_bytes, meta_at;
   int run_shift, groups_shift;  // log2 of k-blocks and of groups per run
 };
+
+// PackedMatrix hands out writable pointers into its blocks (the packer fills them).
+inline uint8_t* PackedMatrix::k_block(int nb, int kb) const {
+  if (!int4()) return n_block(nb) + size_t(kb) * block_bytes();
+  return const_cast<uint8_t*>(Int4Addr(*this).k_block(n_block(nb), kb));
+}
+inline uint16_t* PackedMatrix::meta(int nb, int g) const {
+  return const_cast<uint16_t*>(Int4Addr(*this).meta(n_block(nb), g));
+}
 
 // Bytes of `m`'s arrays (fields n, k, group_size, format set): blocks, then the scale arrays
 // (int8 two, fp8 one), each 64-byte aligned; place_packed points `m`'s arrays into that much
