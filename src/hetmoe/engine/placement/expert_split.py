@@ -339,8 +339,7 @@ class PrefillTuner:
         split, step = (model if 0 < model < most else rival), max(1, most // 16)
         above = [k for k in range(split + step, min(most, split + NEIGHBOURS * step + 1), step)
                  if pass_seconds(k, tokens, top_k, num_experts, costs, resident) <= worst]
-        options = (model, rival, *above) if near else (model, *above)
-        return options if len(options) > 1 else (model,)
+        return (model, rival, *above) if near else (model, *above)
 
     def record(self, tokens: int, k: int, seconds: float) -> None:
         """A pass of `tokens` tokens streaming k misses per layer took `seconds`."""
