@@ -56,11 +56,14 @@ def layer() -> CpuMoE:
 
 def test_amx_is_emulated_only_in_the_developer_build() -> None:
     """CMake's HETMOE_AMX_EMULATION build (csrc/testing/amx_emulation.h) reports AMX on any
-    AVX-512 CPU; every other build reports what the CPU and OS grant. CI runs the kernel tests
-    once more on the emulated build, where this checks that it is the one loaded."""
+    AVX-512 CPU with VBMI (the AMX files' vector code runs natively); every other build reports
+    what the CPU and OS grant. CI runs the kernel tests once more on the emulated build, where
+    this checks that it is the one loaded."""
     features = _cpu.cpu_features()
     if os.environ.get("HETMOE_EXPECT_AMX_EMULATION") == "1":
-        assert _cpu.AMX_EMULATION and _cpu.best_isa() == "amx" and features["amx_permitted"]
+        assert _cpu.AMX_EMULATION and _cpu.best_isa() == "amx" and features["amx_permitted"], (
+            f"emulated AMX expected: AMX_EMULATION={_cpu.AMX_EMULATION}, best_isa="
+            f"{_cpu.best_isa()!r}, avx512_vbmi={features['avx512_vbmi']}")
     else:
         assert not _cpu.AMX_EMULATION
         assert _cpu.best_isa() != "amx" or (features["amx_tile"] and features["amx_permitted"])
