@@ -60,6 +60,10 @@ def test_gpu_prefill_equals_cpu_prefill(family: str, mode: str,
     assert 0 < experts <= total and (mode == "gpu") == (experts == total)
     gpu, cpu = prefill_both(llm.runner, ids, mode)
     assert overlap.streamer is not None and overlap.streamer.gpu_experts == experts
+    # The CPU's share of a split layer started in stream order, in the pass's shared pinned
+    # buffers (the prompt is longer than the host links' rows): the host waited for no layer.
+    assert len(ids) > overlap.host[0].out.shape[0]
+    assert overlap.streamer.share.host_waits == 0
     worst = (gpu - cpu).abs().amax(-1)  # [T]: per position
     # A position where bf16 rounding flips a near-tie of some router differs by more; a wrong
     # layout, expert or weight would move every position.

@@ -108,6 +108,21 @@ class HostLink:
         self.weights[:t].copy_(weights, non_blocking=True)
         self._signal_start(deferred)
 
+    def start_wide(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   buffers: tuple[torch.Tensor, ...]) -> None:
+        """`start` on more rows than this link's buffers hold, in `buffers` (pinned x, ids,
+        weights, out of at least T rows, shared by a prefill pass's layers: in stream order a
+        layer's job is done before the next layer's inputs are copied); the next `bind` binds
+        the link's own buffers again."""
+        t = ids.shape[0]
+        host_x, host_ids, host_w, host_out = (b[:t] for b in buffers)
+        self.moe.bind(host_x, host_ids, host_w, host_out)
+        self.rows = 0
+        host_x.copy_(x, non_blocking=True)
+        host_ids.copy_(ids, non_blocking=True)
+        host_w.copy_(weights, non_blocking=True)
+        self._signal_start(0)
+
     def start_packed(self, stage: torch.Tensor, rows: int, deferred: int = 0) -> None:
         """Starts the CPU experts on a `pack_moe_inputs` vector of `rows` tokens: one copy."""
         if not self.packed:

@@ -16,11 +16,11 @@ copied: they are computed from their slots, and only the misses stream
 (engine/placement/stream_plan.py). A pass may *split* each layer (engine/placement/expert_split.py):
 only k of its misses are copied (as early as a whole layer would be) and computed on the GPU, while
 the CPU computes the other misses at the same time; the activations cross to the host once the
-router has run and the CPU's sum comes back to be added. A pass of at most the decode rows (a
-decode step streamed, `EngineConfig.stream_decode_rows`) starts and awaits the CPU's share in
+router has run and the CPU's sum comes back to be added. On a GPU every pass (a prompt's, or a
+decode step streamed: `EngineConfig.stream_decode_rows`) starts and awaits the CPU's share in
 stream order through the layer's `HostLink` words, as the decode path does, so the host queues
 every layer without waiting for the GPU or the CPU (the planner's `run_pass` waits the jobs at
-the end); a longer pass waits on the host for each layer's router, then for the CPU.
+the end).
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
+from hetmoe.engine.placement.cpu_share import CpuShare, HostSide
 from hetmoe.engine.placement.staging_plan import StagingPlan
 from hetmoe.engine.placement.stream_memory import host_groups, staged_expert_bytes
 from hetmoe.engine.placement.stream_plan import layer_pass
-from hetmoe.experts.cpu_moe import CpuMoE, PendingCall
-from hetmoe.experts.gpu_view import gpu_view
+from hetmoe.experts.cpu_moe import CpuMoE
 from hetmoe.experts.packed_layout import unpack_group
 from hetmoe.experts.routed_mlp import grouped_mm_available, routed_mlp
 from hetmoe.kernels.packed_moe import packed_moe
@@ -50,18 +50,6 @@ log = logging.getLogger(__name__)
 
 STREAM_FORMATS = ("bf16", "int8", "int4", "fp8")
 """Packed formats GPU prefill unpacks."""
-
-
-class HostSide(Protocol):
-    """What the streamer uses of a layer's `HostLink` (engine/executor/host_link.py, which imports
-    this room): the CPU experts started in stream order on pinned inputs, and the pinned output
-    [max_rows, H] whose done word the stream awaits (`flags.wait_done_on`)."""
-
-    out: torch.Tensor
-    flags: Any  # _cpu.StreamFlags
-
-    def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-              deferred: int = 0) -> None: ...
 
 
 def streaming_refusal(cpu: Sequence[CpuMoE], cap: int, staged: int, room: int) -> str:
@@ -85,7 +73,7 @@ class LayerStreamer:
     `act_quant`: the packed kernels' sorted path on int8 / fp8 tensor cores; `cap`: experts of
     a layer the staging buffers hold, the most misses a pass streams per layer (None: a whole
     layer; engine/placement/staging_plan.py); `host`: each layer's `HostLink` on a GPU, through
-    which a pass of at most its rows runs the CPU's share (see the module docstring)."""
+    which a split layer runs the CPU's share (engine/placement/cpu_share.py)."""
 
     def __init__(self, cpu: Sequence[CpuMoE], device: torch.device,
                  act_quant: bool = False, cap: int | None = None,
@@ -124,11 +112,7 @@ class LayerStreamer:
         if why and self.cuda:
             log.info("GPU prefill unpacks experts to bf16: %s", why)
         self.links = [GpuLink(self, i) for i in range(len(cpu))]
-        self._host_in: tuple[torch.Tensor, ...] = ()  # pinned x, ids, weights, out (split;
-        # kept across passes, made again when a pass has more rows, another dtype or top-k)
-        self._out_view = torch.empty(0)  # the pinned out as a GPU tensor (`gpu_view`)
-        self.host_links = list(host) if self.cuda else []
-        self._host_views: dict[int, torch.Tensor] = {}  # layer -> its link's out on the GPU
+        self.share = CpuShare(cpu, device, host)  # a split layer's CPU experts
         log.info("GPU prefill: %d layers, %.2f GB of packed experts, %s; %s", len(cpu),
                  sum(self.layer_bytes) / 1e9, "packed kernels" if self.packed_kernel
                  else "unpack + grouped GEMM" if self.grouped else "unpack, per expert",
@@ -162,7 +146,7 @@ class LayerStreamer:
             if share != self.passes[i] or (share.streamed and self._local[i] is None):
                 self._local[i] = share.local(self.device) if share.streamed else None
             self.passes[i] = share
-        self.copied_bytes = 0
+        self.copied_bytes = self.share.host_waits = 0
         for i in range(min(2, len(self.cpu))):
             self._copy(i)
 
@@ -245,7 +229,7 @@ class LayerStreamer:
             assert cpu_ids is not None  # split gives None only when every expert is resident
             if here is not None:
                 cpu_ids = torch.where(here < 0, cpu_ids, -1)
-            cpu = self._start_cpu(i, x, cpu_ids, weights, stream)
+            cpu = self.share.start(i, x, cpu_ids, weights, stream)
         parts = []  # [T, H] fp32 each
         if slot is not None:  # no copy to wait for
             assert slots is not None
@@ -265,57 +249,6 @@ class LayerStreamer:
         # The CPU's sum is read in place over PCIe by the add itself: a copy would queue on the
         # copy engine behind the next layers' expert copies.
         return lambda: (gpu + cpu()).to(x.dtype)
-
-    def _start_cpu(self, i: int, x: torch.Tensor, cpu_ids: torch.Tensor,
-                   weights: torch.Tensor, stream: torch.cuda.Stream | None
-                   ) -> Callable[[], torch.Tensor]:
-        """Starts the CPU's share of layer i (`cpu_ids` [T, K], the others -1); the returned
-        function waits for it and gives its sum [T, H] as the GPU reads it. Up to the host
-        link's rows in stream order (no host wait), else `_start_synced`."""
-        t = x.shape[0]
-        if stream is None or not self.host_links or t > self.host_links[i].out.shape[0]:
-            call = self._start_synced(i, x, cpu_ids, weights, stream)
-            return lambda: (self.cpu[i].sync(call), self._out_view[:t])[1]
-        link = self.host_links[i]
-        link.start(x, cpu_ids, weights)  # copies, ready word, the job queued (MoEOverlap)
-        view = self._host_views.get(i)
-        if view is None:
-            view = self._host_views[i] = gpu_view(link.out, self.device)
-        ptr = int(stream.cuda_stream)
-
-        def wait() -> torch.Tensor:
-            link.flags.wait_done_on(ptr)  # in stream order: the host goes on
-            return view[:t]
-
-        return wait
-
-    def _start_synced(self, i: int, x: torch.Tensor, cpu_ids: torch.Tensor,
-                      weights: torch.Tensor, stream: torch.cuda.Stream | None) -> PendingCall:
-        """Submits the CPU's share of layer i once the router's output has reached the host
-        (pinned buffers, reused by every layer: the previous layer's CPU call is synced and its
-        output read before this copy)."""
-        t, top_k = cpu_ids.shape
-        dtype = torch.float32 if x.dtype == torch.float16 else x.dtype
-        if (not self._host_in or self._host_in[0].shape[0] < t
-                or self._host_in[0].dtype != dtype or self._host_in[1].shape[1] != top_k):
-            pin = self.cuda
-            self._host_in = (
-                torch.empty(t, x.shape[1], dtype=dtype, pin_memory=pin),
-                torch.empty(t, top_k, dtype=torch.int64, pin_memory=pin),
-                torch.empty(t, top_k, dtype=torch.float32, pin_memory=pin),
-                torch.empty(t, x.shape[1], dtype=dtype, pin_memory=pin))
-            out = self._host_in[3]
-            self._out_view = gpu_view(out, self.device) if self.cuda else out
-        host_x, host_ids, host_w, host_out = (b[:t] for b in self._host_in)
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            host_x.copy_(x, non_blocking=True)
-            host_ids.copy_(cpu_ids, non_blocking=True)
-            host_w.copy_(weights, non_blocking=True)
-        if stream is not None:
-            ready = torch.cuda.Event(blocking=True)  # sleeps: the pool needs the cores
-            ready.record(stream)
-            ready.synchronize()
-        return self.cpu[i].submit(host_x, host_ids, host_w, host_out)
 
 
 class GpuLink:
