@@ -4,6 +4,9 @@ itself follows, kernels/prefill_path.py), and the refusal that names the bytes."
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -65,3 +68,18 @@ def test_no_room_for_one_expert_is_named() -> None:
                       f"prefill unpacks), {staged - 1} bytes are free for experts")
     with pytest.raises(ValueError, match="no room to stage one expert per layer"):
         LayerStreamer(cpu, CPU, cap=0)
+
+
+def test_a_dropped_streamer_is_freed_at_once() -> None:
+    """Its links hold it weakly, so no cycle keeps its staging (and a placement's slots) alive
+    until the next garbage collection: a re-placement must find that memory free."""
+    streamer = LayerStreamer(layers("int8"), CPU)
+    link, gone = streamer.links[0], weakref.ref(streamer)
+    gc.disable()
+    try:
+        del streamer
+        assert gone() is None
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="streamer was dropped"):
+        link.start(torch.zeros(1, 64), torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2))

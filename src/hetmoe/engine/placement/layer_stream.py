@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
@@ -252,17 +253,22 @@ class LayerStreamer:
 
 
 class GpuLink:
-    """`ops.moe_step.Link` of MoE layer i in a GPU prefill pass (no deferral in prefill)."""
+    """`ops.moe_step.Link` of MoE layer i in a GPU prefill pass (no deferral in prefill). It
+    holds its streamer weakly: a dropped streamer (`MoEOverlap.place`) frees its staging and the
+    old placement's slots at once, not at the next garbage collection."""
 
     def __init__(self, streamer: LayerStreamer, i: int) -> None:
-        self.streamer, self.i = streamer, i
+        self._streamer, self.i = weakref.ref(streamer), i
         self.pending: Callable[[], torch.Tensor] | None = None
 
     def start(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               deferred: int = 0) -> None:
         if deferred:
             raise ValueError("GPU prefill does not defer experts")
-        self.pending = self.streamer.start(self.i, x, ids, weights)
+        streamer = self._streamer()
+        if streamer is None:
+            raise RuntimeError("GpuLink.start: its streamer was dropped (a new placement)")
+        self.pending = streamer.start(self.i, x, ids, weights)
 
     def start_packed(self, stage: torch.Tensor, rows: int, deferred: int = 0) -> None:
         raise RuntimeError("GPU prefill runs the HF layers, not the fused decode step")
