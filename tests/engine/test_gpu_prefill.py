@@ -139,3 +139,32 @@ def test_a_new_placement_frees_the_experts_a_streamed_pass_saw(
     before = torch.cuda.memory_allocated()
     runner.place(0)
     assert before - torch.cuda.memory_allocated() >= plan.bytes
+
+
+def test_graph_decode_after_a_split_prefill_binds_its_own_buffers_again(
+        tiny_dir: Callable[..., Path]) -> None:
+    """A split pass longer than the host links' rows binds each layer's CPU experts to the
+    pass's shared buffers (`HostLink.start_wide`); the decode graphs after it must bind each
+    link's own buffers again, or their CPU jobs would read the pass's stale rows."""
+    llm = LLM(tiny_dir("qwen3_moe"), device="cuda", dtype="float32", experts="cpu",
+              progress=False, max_seq_len=512, gpu_expert_bytes=0)
+    runner, overlap = llm.runner, llm.runner.overlap
+    assert overlap is not None and runner.planner is not None and runner.use_graphs
+    runner.planner.costs = SplitCosts(cpu_fixed=1e-6, cpu_token=1e-7, gpu_expert=2e-6)
+    ids = torch.randint(0, runner.vocab_size, (300,),
+                        generator=torch.Generator().manual_seed(3)).tolist()
+    follow = [5, 9, 11, 2]  # teacher-forced decode inputs, the same after either prefill
+    logits = {}
+    for mode in ("cpu", "split", "cpu"):
+        runner.config = dataclasses.replace(runner.config, prefill_experts=mode)
+        slot = runner.cache.allocate()
+        try:
+            runner.prefill(slot, ids)
+            if mode == "split":
+                assert overlap.streamer is not None and overlap.streamer.share.host_waits == 0
+            logits[mode] = torch.stack([runner.decode((slot,), (t,))[0].cpu() for t in follow])
+        finally:
+            runner.free(slot)
+        for link in overlap.host:  # the graphs' replays bound the links' own rows again
+            assert link.moe._bound[0].data_ptr() == link.x.data_ptr()
+    assert (logits["split"] - logits["cpu"]).abs().max() <= CROSS_BACKEND_ATOL
