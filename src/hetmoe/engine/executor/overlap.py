@@ -172,8 +172,8 @@ class MoEOverlap(MoEStep):
 
     def make_streamer(self) -> LayerStreamer:
         """The streamer, made at the first GPU prefill (the experts' host memory registered),
-        its staging capped by `stream_cap` on a GPU; a pass of at most the host links' rows
-        starts their flag jobs (`pending`: `finish_step` or `abort_step` after the pass)."""
+        its staging capped by `stream_cap` on a GPU; a split pass starts the host links' flag
+        jobs (`pending`: `finish_step` or `abort_step` after the pass)."""
         if self.streamer is None:
             cap = self.stream_cap() if self.host else None
             self.streamer = LayerStreamer(self.cpu, self.device, self.act_quant, cap,
