@@ -37,7 +37,7 @@ from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import DEFER_ORDERS, EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
-from hetmoe.engine.placement.expert_split import EXPLORE_PASSES, PrefillTuner
+from hetmoe.engine.placement.expert_split import PrefillTuner
 from hetmoe.engine.placement.placement_compute import use_kernel
 from hetmoe.engine.placement.placement_policy import TrafficPolicy
 
@@ -101,7 +101,10 @@ def prefill_rows(runner: ModelRunner, lengths: list[int], modes: list[str], repe
     auto (the engine's pick; a fresh tuner per placement, since the old one's timings were of
     another placement) and cpu (the resident experts on the GPU, the misses on the CPU: the
     placement's own path). With every expert resident both are the same path: auto alone.
-    Each row also lists the GPU expert count k of every timed pass (0: the resident path)."""
+    Every mode times `repeats` passes (best of); auto first runs untimed passes until its tuner
+    has settled the length (`measure.settle_prefill`; their count is `tuning_passes`, 0 for the
+    other modes), so its figure is the split it settled on, not a trial's. Each row also lists
+    the GPU expert count k of every timed pass (0: the resident path)."""
     planner = runner.planner
     assert planner is not None
     rows = []
@@ -111,12 +114,11 @@ def prefill_rows(runner: ModelRunner, lengths: list[int], modes: list[str], repe
         chosen = record_picks(planner)
         try:
             for n in lengths:
-                chosen.clear()
-                # auto: the tuner's trial passes first, then the settled one
-                tries = repeats if mode != "auto" else max(repeats, EXPLORE_PASSES + 1)
-                tok_s = measure.prefill_speed(runner, n, vocab, tries)
+                settled = measure.settle_prefill(runner, n, vocab) if mode == "auto" else 0
+                chosen.clear()  # the timed passes' picks alone
+                tok_s = measure.prefill_speed(runner, n, vocab, repeats)
                 rows.append({"mode": mode, "tokens": n, "tok_s": round(tok_s, 1),
-                             "gpu_experts_per_pass": list(chosen)})
+                             "tuning_passes": settled, "gpu_experts_per_pass": list(chosen)})
                 print(f"  prefill {n:>6} ({mode}): {tok_s:8.1f} tok/s, k per pass {chosen}",
                       flush=True)
         finally:

@@ -50,7 +50,6 @@ from hetmoe.bench.random_model import build_random_model
 from hetmoe.bench.shapes import shape_config
 from hetmoe.config import EngineConfig
 from hetmoe.engine.executor.runner import ModelRunner
-from hetmoe.engine.placement.expert_split import EXPLORE_PASSES
 from hetmoe.engine.placement.layer_stream import LayerStreamer
 from hetmoe.experts.routed_mlp import routed_mlp
 from hetmoe.machine import machine_report
@@ -132,19 +131,6 @@ def unpack_row(runner: ModelRunner, row: dict[str, Any], n: int, top_k: int, con
         streamer.packed_kernel, runner.config = before, auto
     print(json.dumps({"tokens": n, "gpu_unpack_tok_s": row["gpu_unpack_tok_s"],
                       "resident_compute_unpack_s": row["resident_compute_unpack_s"]}), flush=True)
-
-
-def settle_auto(runner: ModelRunner, n: int, vocab: int) -> int:
-    """Runs passes of n tokens until the prefill tuner has settled their length bucket (one pass
-    where the model alone decides; at most `EXPLORE_PASSES`), so what "auto" is timed on is what
-    it settled on; the passes it ran."""
-    planner = runner.planner
-    assert planner is not None
-    for done in range(1, EXPLORE_PASSES + 1):
-        measure.prefill_speed(runner, n, vocab, 1)
-        if planner.tuner.settled(planner.tuner.bucket(n)):
-            return done
-    return EXPLORE_PASSES
 
 
 def split_k_row(runner: ModelRunner, row: dict[str, Any], n: int, ks: list[int], vocab: int,
@@ -290,7 +276,7 @@ def main() -> None:
             runner.config = dataclasses.replace(auto, prefill_experts=name)
             try:
                 if name == "auto":  # its tuner's turns first (not timed): then what it settled on
-                    row["auto_tuning_passes"] = settle_auto(runner, n, config.vocab_size)
+                    row["auto_tuning_passes"] = measure.settle_prefill(runner, n, config.vocab_size)
                 tok_s = measure.prefill_speed(runner, n, config.vocab_size, args.repeats)
             except Exception as exc:  # noqa: BLE001 -- one strategy's failure is a row's note
                 row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"

@@ -1,6 +1,7 @@
 """bench_prefill.py's `--split-k`: the counts it parses and refuses, and that each timed pass
 streams exactly the k asked for (capped at a layer's experts), the planner's pick set aside
-only while that k is timed; and "auto"'s untimed passes, run until its tuner settles."""
+only while that k is timed; and "auto"'s untimed passes, run until its tuner settles
+(`measure.settle_prefill`, which bench_gpu_experts.py runs too)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 from bench_script import load_script
 
+from hetmoe.bench import measure
 from hetmoe.engine.executor.prefill_planner import PrefillPlanner
 from hetmoe.engine.placement.expert_split import EXPLORE_PASSES, SplitCosts
 
@@ -63,8 +65,7 @@ def test_split_k_row_times_each_k_forced(script: Any, monkeypatch: pytest.Monkey
         planner.gpu_experts(512)  # the planner's own pick is back (no costs loaded here)
 
 
-def test_auto_warms_up_until_its_tuner_settles(script: Any,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_warms_up_until_its_tuner_settles(monkeypatch: pytest.MonkeyPatch) -> None:
     costs = SplitCosts(cpu_fixed=6.724e-05, cpu_token=2.472e-06, gpu_expert=5.872e-05,
                        gpu_token=5.914e-08, gpu_fixed=5.589e-05, cpu_call=1.159e-05,
                        split_fixed=1.159e-05, split_token=1.556e-07)
@@ -78,9 +79,9 @@ def test_auto_warms_up_until_its_tuner_settles(script: Any,
         run.planner.tuner.record(n, k, n * (0.15 + 0.001 * abs(k - 106)))  # least at 106
         return 1000.0
 
-    monkeypatch.setattr(script.measure, "prefill_speed", prefill_speed)
-    done = script.settle_auto(runner, 512, 32000)
+    monkeypatch.setattr(measure, "prefill_speed", prefill_speed)
+    done = measure.settle_prefill(runner, 512, 32000)
     assert done == len(passes) < EXPLORE_PASSES  # no climb: fewer passes than the bound
     assert planner.tuner.settled(planner.tuner.bucket(512)) and planner.gpu_experts(512) == 106
     passes.clear()
-    assert script.settle_auto(runner, 8, 32000) == 1 and len(passes) == 1  # the model decides
+    assert measure.settle_prefill(runner, 8, 32000) == 1 and len(passes) == 1  # the model decides

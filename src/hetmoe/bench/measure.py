@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from hetmoe.engine.executor.overlap import cpu_moe_of
 from hetmoe.engine.executor.runner import ModelRunner
+from hetmoe.engine.placement.expert_split import EXPLORE_PASSES
 from hetmoe.engine.step import PrefillChunk, StepPlan
 from hetmoe.ops.moe import moe_layers
 
@@ -142,6 +143,19 @@ def prefill_speed(runner: ModelRunner, length: int, vocab: int, repeats: int = 2
         finally:
             runner.free(slot)
     return length / best
+
+
+def settle_prefill(runner: ModelRunner, length: int, vocab: int) -> int:
+    """Runs untimed prefills of `length` tokens until the prefill tuner has settled their length
+    bucket (one pass where the cost model alone decides; at most `EXPLORE_PASSES`), so that a
+    timed "auto" pass runs what the tuner settled on, not a trial split; the passes it ran."""
+    planner = runner.planner
+    assert planner is not None
+    for done in range(1, EXPLORE_PASSES + 1):
+        prefill_speed(runner, length, vocab, 1)
+        if planner.tuner.settled(planner.tuner.bucket(length)):
+            return done
+    return EXPLORE_PASSES
 
 
 def h2d_bandwidth(device: torch.device, gib: float = 1.0, repeats: int = 5) -> float:
