@@ -176,9 +176,9 @@ NEIGHBOURS = 3
 """Splits above the weighed split that `PrefillTuner` also times in a bucket's coarse round, a
 sixteenth of the most misses apart (128 experts: k + 8, k + 16, k + 24). The model leaves out the
 GPU work a split layer waits for in series (attention and router before the CPU starts; the next
-layer waits for the CPU's sum), so the best split lies at or above its k, and below it the time
-climbs steeply (INT4 at 512 tokens on an H100 box: the model's k 92, the best measured k 108; k =
-96 took 1.4x as long). The finer rounds (`FINER_ROUNDS`) look between the coarse points."""
+layer waits for the CPU's sum), so the best split lies at or above its k (INT4 at 512 tokens on
+H200 boxes, the CPU's share started in stream order: the model's k 80-89, the best measured 90-94;
+with a host wait per layer before, 92 against 108). The finer rounds look between the points."""
 
 
 CLIMB_ROUNDS = 4
