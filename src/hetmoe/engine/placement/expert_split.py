@@ -56,7 +56,7 @@ class SplitCosts:
     cpu_call: float = 0.0
     """CPU: a layer's call beyond its experts (job start, barriers)."""
     split_fixed: float = 0.0
-    """A split layer: the host's wait for the router before the CPU's share can start."""
+    """A split layer: the hand-off from the router to the CPU's share (its ready word)."""
     split_token: float = 0.0
     """A split layer: each token's activations to the host and the CPU's sum back."""
 
@@ -142,9 +142,9 @@ def layer_costs(profile: MachineProfile, fmt: str, hidden: int, intermediate: in
         gpu_token=flops / gpu_rate if gpu_rate else 0.0,
         gpu_fixed=expert_bytes / unpack if unpack else 0.0,
         cpu_call=profile.cpu_call_s,
-        # The host waits for the router as a pool call waits for its workers (a proxy: one
-        # wake-up each way); activations cross to the host by copy (bf16), the CPU's sum is
-        # read in place by the GPU's add.
+        # The CPU's share starts on a ready word after the router as a pool call starts its
+        # workers (a proxy: one hand-off each way); activations cross to the host by copy
+        # (bf16), the CPU's sum is read in place by the GPU's add.
         split_fixed=profile.cpu_call_s,
         split_token=2 * hidden * (1 / (profile.d2h_bytes_s or profile.h2d_bytes_s)
                                   + 1 / (profile.gpu_host_read_bytes_s or profile.h2d_bytes_s)),
