@@ -73,11 +73,7 @@ def per_row_fits(rows: list[dict]) -> list[dict]:
     fits = []
     for key in sorted(keys):
         pts = [(r["m"], r["us_median"]) for r in rows if tuple(r[n] for n in names) == key]
-        mean_m = statistics.mean(m for m, _ in pts)
-        mean_t = statistics.mean(t for _, t in pts)
-        slope = (sum((m - mean_m) * (t - mean_t) for m, t in pts)
-                 / sum((m - mean_m) ** 2 for m, _ in pts))
-        fixed = mean_t - slope * mean_m
+        slope, fixed = statistics.linear_regression([m for m, _ in pts], [t for _, t in pts])
         first = min(pts)
         fits.append(dict(zip(names, key, strict=True),
                          fixed_us=fixed, row_us=slope, fixed_share_first_m=fixed / first[1]))
