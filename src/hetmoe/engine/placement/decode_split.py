@@ -12,6 +12,7 @@ from hetmoe.engine.placement.expert_split import (
     NEIGHBOURS,
     PrefillTuner,
     SplitCosts,
+    coarse_step,
     most_misses,
     pass_seconds,
     plan_gpu_experts,
@@ -20,8 +21,8 @@ from hetmoe.engine.placement.expert_split import (
 DECODE_GAIN = 0.7
 """`decode_stream_rows` ("auto" of `EngineConfig.stream_decode_rows`) weighs streaming a decode
 step's experts only where the model expects the split at most this share of the CPU's time: a
-decode step on CUDA graphs and the fused layers costs less than the model's CPU pass, and a
-split layer's host wait for the router costs more than its `split_fixed`."""
+decode step on CUDA graphs and the fused layers costs less than the model's CPU pass, and the
+model leaves out a split layer's serial GPU work before its CPU share (attention, router)."""
 
 SMALL_DECODE = 8
 """Decode steps of at most this many rows (a chat's latency-bound batches, the default CUDA graph
@@ -72,7 +73,7 @@ class DecodeTuner(PrefillTuner):
             return (0,)  # nothing to stream
         best = plan_gpu_experts(tokens, top_k, num_experts, costs, self.least, most, resident)
         worst = EXPLORE_WITHIN * pass_seconds(best, tokens, top_k, num_experts, costs, resident)
-        step = max(1, most // 16)
+        step = coarse_step(most)
         above = [k for k in range(best + step, min(most, best + NEIGHBOURS * step) + 1, step)
                  if pass_seconds(k, tokens, top_k, num_experts, costs, resident) <= worst]
         return (0, best, *above)

@@ -163,14 +163,11 @@ def describe_plan(k: int, num_experts: int) -> str:
 EXPLORE_WITHIN = 1.5
 """`PrefillTuner` times an alternative to the model's choice only when the model predicts it
 within this factor of the choice (its largest measured error so far is 1.3x: round 3 in
-docs/benchmarks/prefill.md's git history), so a 1-token prompt never tries streaming every
-expert."""
-
+docs/benchmarks/prefill.md's git history): a 1-token prompt never tries streaming every expert."""
 
 TRIES = 2
 """Passes each k `PrefillTuner` weighs gets in a length bucket before the fastest is kept: the
 first pass of a k may carry one-time costs (pinned buffers, kernel selection)."""
-
 
 NEIGHBOURS = 3
 """Splits above the weighed split that `PrefillTuner` also times in a bucket's coarse round, a
@@ -180,29 +177,30 @@ layer waits for the CPU's sum), so the best split lies at or above its k (INT4 a
 H200 boxes, the CPU's share started in stream order: the model's k 80-89, the best measured 90-94;
 with a host wait per layer before, 92 against 108). The finer rounds look between the points."""
 
-
 CLIMB_ROUNDS = 4
-"""Rounds after a bucket's coarse one while its fastest split is the highest split it weighed,
-each one coarse step higher (below the most misses), at most this many, before the finer rounds:
-the model's CPU costs come from calls alone, so where they are low it puts its k and the
-neighbours above far under the best (INT4 at 512 tokens, one H200 box: the time fell with k up
-to 110 while the model's k was in the 80s; on another box, with lower measured CPU costs, the
-tuner's pick was 78). A climb is measured better at every step, so `EXPLORE_WITHIN` does not
-bound it."""
-
+"""Rounds after a bucket's coarse one while its fastest split is the highest split it weighed, each
+one coarse step higher (below the most misses), at most this many, before the finer rounds: the
+model's CPU costs come from calls alone, so where they are low it puts its k and the neighbours
+above far under the best (INT4 at 512 tokens, one H200 box: the time fell with k up to 110 while the
+model's k was in the 80s; on another box, with lower measured CPU costs, the tuner's pick was 78). A
+climb is measured better at every step, so `EXPLORE_WITHIN` does not bound it."""
 
 FINER_ROUNDS = 3
 """Rounds after a bucket's coarse one, each at half the last step around the fastest split so far
 (128 experts: k -/+ 4, 2, then 1); at most this many: the finest step is 1 up to 255 experts."""
 
-
 EXPLORE_PASSES = TRIES * (2 + NEIGHBOURS + CLIMB_ROUNDS + 2 * FINER_ROUNDS)
 """The most passes a length bucket takes before its k is settled (benchmarks run these first)."""
 
 
+def coarse_step(most: int) -> int:
+    """The coarse round's step between splits: a sixteenth of the most misses (128 experts: 8)."""
+    return max(1, most // 16)
+
+
 def finer_steps(most: int) -> tuple[int, ...]:
     """The half steps of a bucket's finer rounds, in turn (128 experts: 4, 2, 1)."""
-    step = max(1, most // 16)  # the coarse round's
+    step = coarse_step(most)
     return tuple(step >> i for i in range(1, FINER_ROUNDS + 1) if step >> i)
 
 
@@ -311,7 +309,7 @@ class PrefillTuner:
     def climb(self, bucket: int, best: int, most: int) -> bool:
         """Adds the split a coarse step above `best` when `best` is the highest split weighed and
         climb rounds are left (`CLIMB_ROUNDS`); whether it did."""
-        left, up = self.climbs.get(bucket, CLIMB_ROUNDS), best + max(1, most // 16)
+        left, up = self.climbs.get(bucket, CLIMB_ROUNDS), best + coarse_step(most)
         if not left or up >= most or best != max(k for k in self.weighed[bucket] if k < most):
             return False
         self.weighed[bucket] += (up,)
@@ -336,7 +334,7 @@ class PrefillTuner:
         near = pass_seconds(rival, tokens, top_k, num_experts, costs, resident) <= worst
         if not near and not 0 < model < most:
             return (model,)  # no split the model finds near: nothing to weigh
-        split, step = (model if 0 < model < most else rival), max(1, most // 16)
+        split, step = (model if 0 < model < most else rival), coarse_step(most)
         above = [k for k in range(split + step, min(most, split + NEIGHBOURS * step + 1), step)
                  if pass_seconds(k, tokens, top_k, num_experts, costs, resident) <= worst]
         return (model, rival, *above) if near else (model, *above)
